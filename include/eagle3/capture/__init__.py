@@ -1,0 +1,36 @@
+"""Capture backends: run the target over token sequences and return its EAGLE-3 hidden states.
+
+A backend is built with `open_backend(cfg)` and offers
+    capture(batch: list[TokenizedSample]) -> list[CapturedStates]    (same order, whole samples, no padding)
+    close()
+  aux_hidden_states  [T, 3H]  HF layers extract.aux_layers, low|mid|high, concatenated
+  last_hidden_state  [T, H]   the final post-norm state (lm_head input)
+
+  hf      transformers, CPU or GPU: the reference; small and mid-size targets.
+  sglang  SGLang's own EAGLE-3 capture (no source patch), for TP-sharded giants; imported only when chosen.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class CapturedStates:
+    aux_hidden_states: torch.Tensor
+    last_hidden_state: torch.Tensor
+
+
+def open_backend(cfg):
+    """The configured backend, loaded and ready. `cfg` is a RunConfig with target facts resolved."""
+    if cfg.extract.backend == "hf":
+        from eagle3.capture.hf import HfCapture
+
+        return HfCapture(cfg)
+    if cfg.extract.backend == "sglang":
+        from eagle3.capture.sglang import SglangCapture
+
+        return SglangCapture(cfg)
+    raise ValueError(f"extract.backend: unknown backend {cfg.extract.backend!r}")

@@ -1,0 +1,70 @@
+"""The hf capture backend: transformers forward passes with hooks on exactly the layers we keep.
+
+Reference implementation: its states equal transformers' output_hidden_states (hidden_states[i + 1]
+for aux layer i, and the model's post-norm last_hidden_state), which a test checks. Forward hooks
+keep only the three aux layers and the final norm instead of all L + 1 hidden states, and the base
+model is called without its lm_head, so no [T, vocab] logits are ever built.
+Batches are right-padded for the forward pass; padding never reaches the store.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from eagle3.capture import CapturedStates
+
+log = logging.getLogger(__name__)
+
+
+def pick_device(setting: str) -> torch.device:
+    if setting == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(setting)
+
+
+class HfCapture:
+    def __init__(self, cfg):
+        from transformers import AutoModelForCausalLM
+
+        self.device = pick_device(cfg.extract.device)
+        self.aux_layers = cfg.resolved_aux_layers()
+        model = AutoModelForCausalLM.from_pretrained(
+            cfg.target.model_path,
+            dtype=getattr(torch, cfg.target.dtype),
+            trust_remote_code=cfg.target.trust_remote_code,
+        )
+        self.decoder = model.get_decoder().to(self.device).eval()
+        self.pad_id = model.config.pad_token_id or 0
+        self._captured: dict[str, torch.Tensor] = {}
+        for i in self.aux_layers:
+            self.decoder.layers[i].register_forward_hook(self._keep(f"layer{i}"))
+        self.decoder.norm.register_forward_hook(self._keep("final_norm"))
+        log.info("hf capture: %s on %s, aux layers %s", cfg.target.model_path, self.device, self.aux_layers)
+
+    def _keep(self, name: str):
+        def hook(module, args, output):
+            self._captured[name] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    @torch.inference_mode()
+    def capture(self, batch) -> list[CapturedStates]:
+        lengths = [len(s.input_ids) for s in batch]
+        ids = torch.full((len(batch), max(lengths)), self.pad_id, dtype=torch.long)
+        attention_mask = torch.zeros_like(ids)
+        for row, sample in enumerate(batch):
+            ids[row, : lengths[row]] = torch.as_tensor(sample.input_ids)
+            attention_mask[row, : lengths[row]] = 1
+        self._captured.clear()
+        self.decoder(input_ids=ids.to(self.device), attention_mask=attention_mask.to(self.device), use_cache=False)
+        aux = torch.cat([self._captured[f"layer{i}"] for i in self.aux_layers], dim=-1)
+        last = self._captured["final_norm"]
+        # One device->host copy per batch, already in the store's dtype (halves the bytes moved).
+        aux, last = aux.to("cpu", torch.bfloat16), last.to("cpu", torch.bfloat16)
+        return [CapturedStates(aux[row, :n], last[row, :n]) for row, n in enumerate(lengths)]
+
+    def close(self) -> None:
+        self.decoder = None
+        self._captured.clear()

@@ -1,0 +1,366 @@
+"""Run configuration: one pydantic model for a whole run, the single source of truth.
+
+The Airflow DAG builds its trigger-form Params from this model (so it must stay importable without
+torch), writes the validated result once to ``{workdir}/runs/{run_name}/config.json``, and every
+box-side stage reads that file back: ``python -m eagle3 <stage> --config <run dir>/config.json``.
+The box validates it again, fills in facts about the target from its ``config.json``, and checks
+them, so a bad value fails in seconds with the field named, not hours into a GPU job.
+
+Every output path of a run is derived from ``workdir`` and ``run_name`` (see ``RunConfig.run_dir``):
+a copy of a config.json with other values for those two runs the same stages elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from eagle3.fsutil import atomic_write_text
+
+RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+# Absolute POSIX path without control characters. Paths travel in this file, never on a command line,
+# but a newline in a path is still always a mistake.
+ABS_PATH_PATTERN = r"^/[^\x00-\x1f]*$"
+
+
+class ConfigError(ValueError):
+    """A run configuration a stage cannot use; the message names the field or file and the fix."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TargetConfig(Section):
+    """The model the drafter learns to imitate."""
+
+    model_path: str = Field(
+        title="Target model directory",
+        description="HF-format directory on the box: config.json, *.safetensors, tokenizer files.",
+        pattern=ABS_PATH_PATTERN,
+    )
+    tokenizer_path: str | None = Field(
+        None, title="Tokenizer directory", description="Defaults to the model directory.", pattern=ABS_PATH_PATTERN
+    )
+    trust_remote_code: bool = Field(
+        False, title="Trust remote code", description="Needed by models with custom code, e.g. Kimi-K2.5."
+    )
+    dtype: Literal["bfloat16", "float16", "float32"] = Field(
+        "bfloat16", title="Compute dtype", description="Dtype the target runs in during capture."
+    )
+    # Facts about the target. Filled on the box from the model's config.json (resolve_target_facts);
+    # set them in the trigger form to have layer ids checked before anything starts.
+    num_hidden_layers: int | None = Field(None, ge=1, title="Decoder layers", description="Filled from config.json.")
+    hidden_size: int | None = Field(None, ge=1, title="Hidden size", description="Filled from config.json.")
+    vocab_size: int | None = Field(None, ge=1, title="Vocabulary size", description="Filled from config.json.")
+
+
+class DataConfig(Section):
+    """The conversations the drafter trains on."""
+
+    path: str = Field(
+        title="Conversations (JSONL)",
+        description='One conversation per line, ShareGPT ({"conversations": [{"from", "value"}]}) or '
+        'OpenAI ({"messages": [{"role", "content"}]}). Path on the box.',
+        pattern=ABS_PATH_PATTERN,
+    )
+    max_length: int = Field(
+        4096, ge=16, le=1_048_576, title="Max tokens per sample", description="Longer samples are truncated."
+    )
+    max_samples: int | None = Field(None, ge=1, title="Max samples", description="Use only the first N lines.")
+    on_bad_record: Literal["error", "skip"] = Field(
+        "error",
+        title="Bad records",
+        description="error: stop and list the bad line numbers. skip: skip them and count them in the stats.",
+    )
+
+
+class GenerateConfig(Section):
+    """Regenerating the assistant turns with the target itself (the generate stage)."""
+
+    enabled: bool = Field(False, title="Regenerate responses", description="Off: train on the data as given.")
+    endpoint: str = Field(
+        "http://127.0.0.1:30000/v1",
+        title="OpenAI-compatible endpoint",
+        description="Base URL of the target's server (SGLang: python -m sglang.launch_server).",
+        pattern=r"^https?://[^\s]+$",
+    )
+    temperature: float = Field(0.0, ge=0.0, le=2.0, title="Temperature")
+    max_tokens: int = Field(2048, ge=1, title="Max new tokens per turn")
+    concurrency: int = Field(64, ge=1, le=4096, title="Concurrent requests")
+
+
+class SglangEngineConfig(Section):
+    """Arguments for sglang.Engine, passed through as given (no hard-coded kernels or backends)."""
+
+    tp_size: int = Field(1, ge=1, le=64, title="Tensor parallel size")
+    mem_fraction_static: float | None = Field(None, gt=0.0, lt=1.0, title="Static memory fraction")
+    attention_backend: str | None = Field(
+        None,
+        title="Attention backend",
+        description="Blackwell workstation cards (sm_120) need one that supports them.",
+        pattern=r"^[A-Za-z0-9_-]+$",
+    )
+    extra_args: dict[str, str | int | float | bool] = Field(
+        default_factory=dict, title="Extra engine arguments", description="Any other sglang ServerArgs field."
+    )
+
+
+class ExtractConfig(Section):
+    """Capturing the target's hidden states into the store (the extract stage)."""
+
+    backend: Literal["hf", "sglang"] = Field(
+        "hf", title="Capture backend", description="hf: transformers (reference, small targets). sglang: TP giants."
+    )
+    aux_layers: list[int] | None = Field(
+        None,
+        min_length=3,
+        max_length=3,
+        title="Aux layer ids",
+        description="HF convention (output of decoder layer i). Default [1, L//2-1, L-4]: [1, 29, 57] for 61 layers.",
+    )
+    device: str = Field("auto", title="Device (hf backend)", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$")
+    batch_tokens: int = Field(
+        16384, ge=16, title="Tokens per forward batch", description="Padded tokens per forward pass (hf backend)."
+    )
+    chunk_mib: int = Field(
+        256, ge=1, le=16384, title="Chunk size (MiB)", description="Target size of one store chunk file."
+    )
+    num_shards: int = Field(
+        1, ge=1, le=4096, title="Shards", description="Data-parallel extraction jobs (one per GPU group)."
+    )
+    writer_queue_depth: int = Field(
+        2, ge=1, le=64, title="Writer queue depth", description="Batches buffered between compute and disk."
+    )
+    progress_interval_s: float = Field(30.0, gt=0, title="Progress log interval (s)")
+    sglang: SglangEngineConfig = Field(default_factory=SglangEngineConfig)
+
+    @field_validator("aux_layers")
+    @classmethod
+    def _aux_layers_increasing(cls, layers: list[int] | None) -> list[int] | None:
+        if layers is None:
+            return None
+        if any(i < 0 for i in layers):
+            raise ValueError(f"layer ids must be >= 0, got {layers}")
+        if sorted(set(layers)) != layers:
+            raise ValueError(f"layer ids must be strictly increasing (low, mid, high), got {layers}")
+        return layers
+
+
+class VocabConfig(Section):
+    """Draft/target vocabulary mapping (the vocab stage)."""
+
+    draft_vocab_size: int = Field(32000, ge=1, title="Draft vocabulary size")
+    reuse_from: str | None = Field(
+        None,
+        title="Reuse mapping from",
+        description="A vocab_mapping/ dir of an earlier run; reused only if its coverage of this data is enough.",
+        pattern=ABS_PATH_PATTERN,
+    )
+    min_coverage: float = Field(0.95, ge=0.0, le=1.0, title="Minimum coverage for reuse")
+
+
+class TrainConfig(Section):
+    """Training the draft model (the train stage)."""
+
+    nproc_per_node: int = Field(1, ge=1, le=64, title="GPUs (processes) per node")
+    ttt_length: int = Field(7, ge=1, le=16, title="Training-time-test steps")
+    epochs: int = Field(1, ge=1, title="Epochs")
+    learning_rate: float = Field(1e-4, gt=0, title="Learning rate")
+    warmup_ratio: float = Field(0.015, ge=0, lt=1, title="Warmup fraction")
+    max_grad_norm: float = Field(0.5, gt=0, title="Gradient clip norm")
+    batch_tokens: int = Field(8192, ge=16, title="Tokens per rank per step")
+    val_fraction: float = Field(0.02, ge=0, lt=1, title="Held-out fraction")
+    save_every_steps: int = Field(1000, ge=1, title="Checkpoint every N steps")
+    keep_last: int = Field(2, ge=1, title="Checkpoints kept (plus best)")
+
+
+class ExportConfig(Section):
+    """Writing the SGLang-loadable drafter (the export stage)."""
+
+    dtype: Literal["bfloat16", "float16", "float32"] = Field("bfloat16", title="Weights dtype")
+
+
+class EvaluateConfig(Section):
+    """Measuring acceptance length (the evaluate stage)."""
+
+    num_prompts: int = Field(64, ge=1, title="Held-out prompts")
+    draft_lengths: list[int] = Field(default_factory=lambda: [3, 7], min_length=1, title="Draft lengths k")
+    max_new_tokens: int = Field(256, ge=1, title="Max new tokens per prompt")
+
+
+class RunConfig(Section):
+    """Everything one run needs; one DAG run = one run directory."""
+
+    run_name: str = Field(
+        title="Run name",
+        description="Names the run directory {workdir}/runs/{run_name}. Letters, digits, '.', '_', '-'.",
+        pattern=RUN_NAME_PATTERN,
+    )
+    workdir: str = Field(
+        title="Work directory",
+        description="Persistent directory on the box (never /tmp): code, runs and jobs live under it.",
+        pattern=ABS_PATH_PATTERN,
+    )
+    seed: int = Field(0, ge=0, title="Seed")
+    target: TargetConfig
+    data: DataConfig
+    generate: GenerateConfig = Field(default_factory=GenerateConfig)
+    extract: ExtractConfig = Field(default_factory=ExtractConfig)
+    vocab: VocabConfig = Field(default_factory=VocabConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    export: ExportConfig = Field(default_factory=ExportConfig)
+    evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
+
+    @model_validator(mode="after")
+    def _check_against_target_facts(self) -> RunConfig:
+        layers = self.target.num_hidden_layers
+        if layers is not None and self.extract.aux_layers is not None:
+            for i in self.extract.aux_layers:
+                if i >= layers:
+                    raise ValueError(
+                        f"extract.aux_layers: layer {i} out of range for a {layers}-layer target "
+                        f"(valid 0..{layers - 1}); leave aux_layers empty for the default {default_aux_layers(layers)}"
+                    )
+        vocab = self.target.vocab_size
+        if vocab is not None and self.vocab.draft_vocab_size > vocab:
+            raise ValueError(
+                f"vocab.draft_vocab_size: {self.vocab.draft_vocab_size} is larger than the target's vocabulary "
+                f"({vocab}); set it to at most {vocab}"
+            )
+        return self
+
+    # -- derived paths: all outputs live under run_dir, so a copy of the config with another
+    #    workdir/run_name is a new, independent run.
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.workdir) / "runs" / self.run_name
+
+    @property
+    def config_path(self) -> Path:
+        return self.run_dir / "config.json"
+
+    @property
+    def store_dir(self) -> Path:
+        return self.run_dir / "hidden_states"
+
+    @property
+    def tokenizer_dir(self) -> str:
+        return self.target.tokenizer_path or self.target.model_path
+
+    def resolved_aux_layers(self) -> list[int]:
+        if self.extract.aux_layers is not None:
+            return list(self.extract.aux_layers)
+        if self.target.num_hidden_layers is None:
+            raise ConfigError("target.num_hidden_layers is unknown: resolve the target facts first")
+        return default_aux_layers(self.target.num_hidden_layers)
+
+
+def default_aux_layers(num_layers: int) -> list[int]:
+    """EAGLE-3's low/mid/high capture layers in HF ids: [1, L//2-1, L-4] (61 layers -> [1, 29, 57])."""
+    if num_layers < 5:
+        raise ConfigError(f"a {num_layers}-layer target is too shallow for the default aux layers; set extract.aux_layers")
+    return [1, num_layers // 2 - 1, num_layers - 4]
+
+
+# -- errors a person can act on --------------------------------------------------------------
+
+
+def format_validation_error(err: ValidationError, source: str | None = None) -> str:
+    """One line per problem: `section.field: what is wrong (fix)`."""
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"])
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key; check its spelling against `python -m eagle3 config schema`"
+        elif e["type"] == "missing":
+            msg = "required, but not given"
+        elif e["type"] == "string_pattern_mismatch" and "pattern" in e.get("ctx", {}):
+            msg = f"{e['input']!r} does not match {e['ctx']['pattern']}" + (
+                " (an absolute path is required)" if e["ctx"]["pattern"] == ABS_PATH_PATTERN else ""
+            )
+        lines.append(f"{loc}: {msg}" if loc and not msg.startswith(loc + ":") else msg)
+    where = f" in {source}" if source else ""
+    return f"invalid run configuration{where}:\n  " + "\n  ".join(lines)
+
+
+def parse_run_config(data: dict, source: str | None = None) -> RunConfig:
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(format_validation_error(err, source)) from None
+
+
+def load_run_config(path: str | Path) -> RunConfig:
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such run config; write one with `python -m eagle3 init`") from None
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{path}: not valid JSON ({err})") from None
+    return parse_run_config(data, str(path))
+
+
+def dump_run_config(cfg: RunConfig) -> str:
+    return json.dumps(cfg.model_dump(mode="json"), indent=2, sort_keys=True) + "\n"
+
+
+# -- facts about the target, read on the box ---------------------------------------------------
+
+
+def read_target_facts(model_path: str | Path) -> dict[str, int]:
+    """num_hidden_layers, hidden_size, vocab_size from an HF config.json.
+
+    Multimodal wrappers such as Kimi-K2.5 keep the language model's config under `text_config`.
+    """
+    config_file = Path(model_path) / "config.json"
+    try:
+        hf_config = json.loads(config_file.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"target.model_path: {config_file} does not exist; point it at an HF model directory") from None
+    text_config = hf_config.get("text_config") or hf_config
+    facts = {}
+    for key in ("num_hidden_layers", "hidden_size", "vocab_size"):
+        if key not in text_config:
+            raise ConfigError(f"{config_file}: has no {key!r}; is this a decoder-only language model?")
+        facts[key] = int(text_config[key])
+    return facts
+
+
+def resolve_target_facts(cfg: RunConfig) -> RunConfig:
+    """Fill the target's layer count, hidden and vocab size from its config.json, and check them."""
+    facts = read_target_facts(cfg.target.model_path)
+    for key, actual in facts.items():
+        given = getattr(cfg.target, key)
+        if given is not None and given != actual:
+            raise ConfigError(
+                f"target.{key}: the config says {given} but {cfg.target.model_path}/config.json says {actual}; "
+                "leave it empty or fix it"
+            )
+    data = cfg.model_dump(mode="json")
+    data["target"].update(facts)
+    return parse_run_config(data, f"{cfg.run_name} (with facts from {cfg.target.model_path})")
+
+
+def write_run_config(cfg: RunConfig) -> Path:
+    """Write config.json into the run directory, once.
+
+    The same content again is a no-op (a retried task); different content is refused, because the
+    outputs already in that directory were made with the old values.
+    """
+    text = dump_run_config(cfg)
+    path = cfg.config_path
+    if path.exists():
+        if path.read_text(encoding="utf-8") == text:
+            return path
+        raise ConfigError(
+            f"{path} already exists with different values; its outputs were made with those. "
+            "Pick a new run_name, or delete that run directory to start over."
+        )
+    atomic_write_text(path, text)
+    return path

@@ -1,0 +1,171 @@
+"""The extract stage: conversations -> the target's EAGLE-3 hidden states in the store.
+
+    python -m eagle3 extract --config RUN_DIR/config.json [--shard I --num-shards N]
+
+Resumable and idempotent: samples already in the shard's manifest are skipped, so killing the process at
+any moment and starting it again loses nothing and stores nothing twice. Batches are planned over the
+whole shard (done samples included) and a batch is recorded whole or not at all, so a resumed run feeds
+the target exactly the batches an uninterrupted run would: the store's digest is the same either way.
+
+Compute and disk overlap: a background thread writes batch N while the target computes batch N+1; the
+bounded queue (extract.writer_queue_depth) holds compute back only when the disk cannot keep up.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterable, Iterator
+
+from eagle3.data import TokenizedSample, iter_tokenized, read_conversations, shard_of
+from eagle3.fsutil import atomic_write_text
+from eagle3.progress import ProgressLog
+from eagle3.store import ShardWriter, StoreMeta, shard_dir
+
+log = logging.getLogger(__name__)
+
+PLANNING_WINDOW = 1024  # samples sorted by length together; bounds memory and keeps the order stable
+
+
+def plan_batches(samples: Iterable[TokenizedSample], batch_tokens: int) -> Iterator[list[TokenizedSample]]:
+    """Group samples into forward batches of at most `batch_tokens` padded tokens.
+
+    Within each window of PLANNING_WINDOW samples, longest first, so that padding stays small. A sample
+    longer than the budget gets a batch of its own. Deterministic for a given input order.
+    """
+    window: list[TokenizedSample] = []
+    for sample in samples:
+        window.append(sample)
+        if len(window) == PLANNING_WINDOW:
+            yield from _pack(window, batch_tokens)
+            window = []
+    yield from _pack(window, batch_tokens)
+
+
+def _pack(window: list[TokenizedSample], batch_tokens: int) -> Iterator[list[TokenizedSample]]:
+    batch: list[TokenizedSample] = []
+    for sample in sorted(window, key=lambda s: (-len(s.input_ids), s.sample_id)):
+        longest = len(batch[0].input_ids) if batch else len(sample.input_ids)
+        if batch and (len(batch) + 1) * longest > batch_tokens:
+            yield batch
+            batch = []
+        batch.append(sample)
+    if batch:
+        yield batch
+
+
+class BackgroundWriter:
+    """Feeds a ShardWriter from a bounded queue on its own thread; re-raises its errors in the caller."""
+
+    _STOP = object()
+
+    def __init__(self, writer: ShardWriter, depth: int):
+        self.writer = writer
+        self.queue: queue.Queue = queue.Queue(maxsize=depth)
+        self.error: BaseException | None = None
+        self.rejected = 0
+        self.thread = threading.Thread(target=self._run, name="store-writer", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while (item := self.queue.get()) is not self._STOP:
+            if self.error is None:
+                try:
+                    self.rejected += self.writer.add_batch(*item)
+                except BaseException as err:  # noqa: BLE001 - handed to the main thread
+                    self.error = err
+
+    def put(self, samples, states) -> None:
+        self._raise_if_failed()
+        self.queue.put((samples, states))
+
+    def close(self) -> None:
+        self.queue.put(self._STOP)
+        self.thread.join()
+        self._raise_if_failed()
+        self.writer.flush()
+
+    def _raise_if_failed(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+
+def run_extract(cfg, shard: int = 0, num_shards: int | None = None) -> dict:
+    """Extract one shard. `cfg` is a RunConfig with the target facts resolved. Returns the stats."""
+    from transformers import AutoTokenizer
+
+    from eagle3.capture import open_backend
+
+    started = time.monotonic()
+    num_shards = num_shards or cfg.extract.num_shards
+    if not 0 <= shard < num_shards:
+        raise ValueError(f"--shard {shard} is out of range for {num_shards} shard(s) (valid 0..{num_shards - 1})")
+    conversations, read_stats = read_conversations(cfg.data.path, cfg.data.on_bad_record, cfg.data.max_samples)
+    mine = [c for c in conversations if shard_of(c.sample_id, num_shards) == shard]
+
+    meta = StoreMeta(cfg.target.hidden_size, tuple(cfg.resolved_aux_layers()))
+    writer = ShardWriter(cfg.store_dir, shard, meta, chunk_bytes=cfg.extract.chunk_mib << 20)
+    done_before = sum(writer.is_done(c.sample_id) for c in mine)
+    log.info(
+        "extract shard %d/%d: %d samples in this shard, %d already stored, aux layers %s",
+        shard, num_shards, len(mine), done_before, list(meta.aux_layers),
+    )
+    tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_dir, trust_remote_code=cfg.target.trust_remote_code)
+    skipped: dict[str, str] = {}
+    samples = iter_tokenized(tokenizer, mine, cfg.data.max_length, skipped)
+    progress = ProgressLog(f"extract shard {shard}", len(mine), done_before, cfg.extract.progress_interval_s, log)
+
+    backend = None
+    background = BackgroundWriter(writer, cfg.extract.writer_queue_depth)
+    truncated = tokens = 0
+    try:
+        for batch in plan_batches(samples, cfg.extract.batch_tokens):
+            todo = [s for s in batch if not writer.is_done(s.sample_id)]
+            if not todo:
+                continue
+            if len(todo) != len(batch):  # only after a crash mid-batch: recompute the batch as planned
+                log.info("recomputing a partly stored batch of %d samples", len(batch))
+            backend = backend or open_backend(cfg)
+            states = backend.capture(batch)
+            keep = [(s, st) for s, st in zip(batch, states) if not writer.is_done(s.sample_id)]
+            background.put([s for s, _ in keep], [st for _, st in keep])
+            batch_tokens = sum(len(s.input_ids) for s in todo)
+            tokens += batch_tokens
+            truncated += sum(s.truncated for s in todo)
+            progress.update(len(todo), batch_tokens, _state_bytes(meta, batch_tokens))
+    finally:
+        background.close()  # also after an error: batches already computed are complete, keep them
+        writer.release()
+        if backend is not None:
+            backend.close()
+    progress.emit()
+
+    seconds = time.monotonic() - started
+    stats = {
+        "shard": shard,
+        "num_shards": num_shards,
+        "samples_in_shard": len(mine),
+        "samples_stored_before": done_before,
+        "samples_extracted": progress.done_here,
+        "samples_stored": len(writer.done_ids),
+        "tokens": tokens,
+        "bytes": writer.bytes_written,
+        "rejected_nonfinite": len(writer.rejected),
+        "skipped": len(skipped),
+        "skipped_reasons": dict(list(skipped.items())[:20]),
+        "truncated": truncated,
+        "bad_records": len(read_stats.bad),
+        "bad_record_lines": list(read_stats.bad)[:50],
+        "duplicates": read_stats.duplicates,
+        "seconds": round(seconds, 3),
+        "tokens_per_s": round(tokens / seconds, 1) if seconds else None,
+    }
+    atomic_write_text(shard_dir(cfg.store_dir, shard) / "extract_stats.json", json.dumps(stats, indent=2) + "\n")
+    return stats
+
+
+def _state_bytes(meta: StoreMeta, tokens: int) -> int:
+    return tokens * meta.bytes_per_token

@@ -1,0 +1,77 @@
+"""Crash-safe file writes: nothing half-written is ever taken as done.
+
+Every file a stage produces goes through here or follows the same recipe: write under a temporary
+name in the same directory, fsync the file, rename over the final name (atomic on POSIX), fsync the
+directory so the rename itself survives a power cut. A reader therefore sees the old file, the new
+file, or nothing; never a torn one. Temporary names start with "." and contain ".tmp-" so that
+stores can recognise and delete leftovers of a crash.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+TMP_MARKER = ".tmp-"
+
+
+def tmp_path_for(path: Path) -> Path:
+    """A temporary sibling of `path`, unique per process, recognisable as a leftover."""
+    return path.with_name(f".{path.name}{TMP_MARKER}{os.getpid()}")
+
+
+def is_tmp_leftover(path: Path) -> bool:
+    return path.name.startswith(".") and TMP_MARKER in path.name
+
+
+def fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def commit(tmp: Path, final: Path) -> None:
+    """fsync `tmp`, rename it to `final`, fsync the directory."""
+    fsync_file(tmp)
+    os.replace(tmp, final)
+    fsync_dir(final.parent)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tmp_path_for(path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    commit(tmp, path)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def append_line_durably(path: Path, line: str) -> None:
+    """Append one line and fsync: the journal write behind every manifest.
+
+    A crash can leave at most a torn last line (no trailing newline); readers drop it.
+    """
+    if "\n" in line:
+        raise ValueError("a journal line must not contain a newline")
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(line + "\n")
+        f.flush()
+        os.fsync(f.fileno())

@@ -1,0 +1,45 @@
+"""Progress lines for long stages, at a fixed interval, in the task log (stdout/stderr via logging).
+
+One line a person reads at a glance: done/total, rate, bytes, ETA. Rates count only the work of this
+process, so a resumed run shows its real speed, and the ETA covers what is left.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+
+def human_duration(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+class ProgressLog:
+    def __init__(self, label: str, total: int, already_done: int, interval_s: float, logger: logging.Logger):
+        self.label, self.total, self.done, self.interval_s, self.log = label, total, already_done, interval_s, logger
+        self.started = self.last = time.monotonic()
+        self.done_here = self.tokens = self.bytes = 0
+
+    def update(self, samples: int, tokens: int, nbytes: int = 0) -> None:
+        self.done += samples
+        self.done_here += samples
+        self.tokens += tokens
+        self.bytes += nbytes
+        now = time.monotonic()
+        if now - self.last >= self.interval_s:
+            self.last = now
+            self.emit()
+
+    def emit(self) -> None:
+        elapsed = max(time.monotonic() - self.started, 1e-9)
+        left = self.total - self.done
+        eta = human_duration(left * elapsed / self.done_here) if self.done_here else "?"
+        pct = 100.0 * self.done / self.total if self.total else 100.0
+        self.log.info(
+            "%s: %d/%d samples (%.1f%%), %.0f tokens/s, %.2f GiB written, elapsed %s, ETA %s",
+            self.label, self.done, self.total, pct, self.tokens / elapsed, self.bytes / 2**30,
+            human_duration(elapsed), eta,
+        )

@@ -1,0 +1,143 @@
+"""The run config: the messages a user sees for bad values, and the write-once run directory."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from eagle3.config import (
+    ConfigError,
+    default_aux_layers,
+    dump_run_config,
+    load_run_config,
+    parse_run_config,
+    resolve_target_facts,
+    write_run_config,
+)
+
+BASE = {
+    "run_name": "kimi-k2.5-eagle3",
+    "workdir": "/data/eagle3",
+    "target": {"model_path": "/models/kimi-k2.5", "num_hidden_layers": 61},
+    "data": {"path": "/data/prompts.jsonl"},
+}
+
+
+def with_changes(**sections) -> dict:
+    data = json.loads(json.dumps(BASE))
+    for key, value in sections.items():
+        if isinstance(value, dict):
+            data.setdefault(key, {}).update(value)
+        else:
+            data[key] = value
+    return data
+
+
+def error_of(data: dict) -> str:
+    with pytest.raises(ConfigError) as info:
+        parse_run_config(data)
+    return str(info.value)
+
+
+def test_default_aux_layers_match_eagle3_convention():
+    assert default_aux_layers(61) == [1, 29, 57]  # DeepSeek-V3 / Kimi-K2.5
+    assert default_aux_layers(32) == [1, 15, 28]  # Llama-3-8B
+    assert parse_run_config(BASE).resolved_aux_layers() == [1, 29, 57]
+
+
+def test_aux_layer_out_of_range_names_field_range_and_fix():
+    message = error_of(with_changes(extract={"aux_layers": [1, 29, 61]}))
+    assert "extract.aux_layers: layer 61 out of range for a 61-layer target (valid 0..60)" in message
+
+
+def test_aux_layers_must_increase():
+    assert "strictly increasing" in error_of(with_changes(extract={"aux_layers": [29, 1, 57]}))
+
+
+def test_unknown_key_is_refused_with_its_path():
+    message = error_of(with_changes(extract={"aux_layer": [1, 2, 3]}))
+    assert "extract.aux_layer: unknown key" in message
+
+
+def test_relative_path_is_refused():
+    message = error_of(with_changes(data={"path": "prompts.jsonl"}))
+    assert "data.path" in message and "absolute path" in message
+
+
+@pytest.mark.parametrize("name", ["x; touch /tmp/pwned", "$(reboot)", "a`id`", "../escape", "", "a b"])
+def test_run_name_with_shell_or_path_characters_is_refused(name):
+    assert "run_name" in error_of(with_changes(run_name=name))
+
+
+def test_missing_section_is_named():
+    data = with_changes()
+    del data["data"]
+    assert "data: required" in error_of(data)
+
+
+def test_draft_vocab_larger_than_target_vocab_is_refused():
+    message = error_of(with_changes(target={"vocab_size": 1000}, vocab={"draft_vocab_size": 32000}))
+    assert "vocab.draft_vocab_size" in message and "at most 1000" in message
+
+
+def test_facts_are_filled_from_the_model_and_checked(tiny_target, tmp_path):
+    tiny = {"model_path": str(tiny_target), "num_hidden_layers": None}
+    cfg = resolve_target_facts(parse_run_config(with_changes(target=tiny, vocab={"draft_vocab_size": 512})))
+    assert cfg.target.num_hidden_layers == 8 and cfg.target.hidden_size == 256
+    assert cfg.resolved_aux_layers() == [1, 3, 4]
+
+    wrong = parse_run_config(with_changes(target={**tiny, "num_hidden_layers": 61}))
+    with pytest.raises(ConfigError, match="target.num_hidden_layers: the config says 61 but .*says 8"):
+        resolve_target_facts(wrong)
+
+    too_deep = parse_run_config(with_changes(target=tiny, extract={"aux_layers": [1, 3, 9]}))
+    with pytest.raises(ConfigError, match="layer 9 out of range for a 8-layer target"):
+        resolve_target_facts(too_deep)
+
+
+def test_missing_model_dir_is_named():
+    cfg = parse_run_config(with_changes(target={"model_path": "/nonexistent/model"}))
+    with pytest.raises(ConfigError, match="target.model_path: /nonexistent/model/config.json does not exist"):
+        resolve_target_facts(cfg)
+
+
+def test_config_is_written_once(tmp_path):
+    cfg = parse_run_config(with_changes(workdir=str(tmp_path)))
+    path = write_run_config(cfg)
+    assert path == tmp_path / "runs" / "kimi-k2.5-eagle3" / "config.json"
+    assert load_run_config(path) == cfg
+    assert write_run_config(cfg) == path  # a retried task writes the same thing again: fine
+
+    changed = parse_run_config(with_changes(workdir=str(tmp_path), train={"epochs": 3}))
+    with pytest.raises(ConfigError, match="already exists with different values"):
+        write_run_config(changed)
+    assert load_run_config(path) == cfg
+
+
+def test_a_copy_with_other_workdir_and_run_name_is_an_independent_run(tmp_path):
+    original = parse_run_config(with_changes(workdir=str(tmp_path / "a")))
+    data = json.loads(dump_run_config(original))
+    data.update(workdir=str(tmp_path / "b"), run_name="rerun")
+    copy = parse_run_config(data)
+    assert copy.run_dir == tmp_path / "b" / "runs" / "rerun"
+    assert copy.store_dir.is_relative_to(copy.run_dir)
+
+
+def test_loading_names_the_file(tmp_path):
+    bad = tmp_path / "config.json"
+    bad.write_text(json.dumps(with_changes(seed=-1)))
+    with pytest.raises(ConfigError, match=f"in {bad}:\n  seed:"):
+        load_run_config(bad)
+    bad.write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        load_run_config(bad)
+
+
+def test_importing_the_config_stays_light():
+    """The DAG imports eagle3.config at parse time: it must not pull in torch or transformers."""
+    code = "import sys, eagle3.config; print(sorted(m for m in ('torch', 'transformers', 'airflow') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
