@@ -97,7 +97,13 @@ class SglangEngineConfig(Section):
     """Arguments for sglang.Engine, passed through as given (no hard-coded kernels or backends)."""
 
     tp_size: int = Field(1, ge=1, le=64, title="Tensor parallel size")
-    mem_fraction_static: float | None = Field(None, gt=0.0, lt=1.0, title="Static memory fraction")
+    mem_fraction_static: float | None = Field(
+        None,
+        gt=0.0,
+        lt=1.0,
+        title="Static memory fraction",
+        description="Of each GPU; the capture backend splits it between its two engines (aux and final state).",
+    )
     attention_backend: str | None = Field(
         None,
         title="Attention backend",

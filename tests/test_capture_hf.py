@@ -1,0 +1,36 @@
+"""The hf backend is the reference: its states must be transformers' own hidden states."""
+
+from __future__ import annotations
+
+import torch
+
+from eagle3.capture.hf import HfCapture
+from eagle3.data import TokenizedSample
+
+
+def test_hf_capture_equals_transformers_output_hidden_states(make_config, tiny_target, tiny_tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    cfg = make_config(extract={"aux_layers": [1, 3, 6]})
+    texts = ["What is 12 + 30?", "Sort these numbers: 5 3 9 1 7 2 8", "hi"]
+    samples = [
+        TokenizedSample(f"{i:016x}", tiny_tokenizer.encode(t, add_special_tokens=False), [1] * 3, False)
+        for i, t in enumerate(texts)
+    ]
+    captured = HfCapture(cfg).capture(samples)  # one padded batch of three different lengths
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
+    for sample, states in zip(samples, captured):
+        with torch.no_grad():
+            ref = model(torch.tensor([sample.input_ids]), output_hidden_states=True)
+        hidden = ref.hidden_states  # [embeddings, layer 0 out, ..., post-norm final]
+        expected_aux = torch.cat([hidden[i + 1][0] for i in (1, 3, 6)], dim=-1)
+        expected_last = hidden[-1][0]
+        assert states.aux_hidden_states.shape == (len(sample.input_ids), 3 * 256)
+        assert states.last_hidden_state.shape == (len(sample.input_ids), 256)
+        # Stored in bf16: equal to the reference rounded to bf16, up to fp32 batching noise.
+        torch.testing.assert_close(states.aux_hidden_states.float(), expected_aux, rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(states.last_hidden_state.float(), expected_last, rtol=1e-2, atol=1e-2)
+        # And the final state is what lm_head consumes: same logits as the model's own.
+        logits = model.lm_head(states.last_hidden_state.float())
+        assert (logits.argmax(-1) == ref.logits[0].argmax(-1)).float().mean() > 0.95
