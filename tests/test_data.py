@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from eagle3.data import (
     Conversation,
     DataError,
@@ -124,6 +123,7 @@ def test_a_template_that_rewrites_content_is_reported(tiny_tokenizer):
         def apply_chat_template(self, messages, tokenize):
             return "".join(m["content"].upper() for m in messages)
 
-    conversation = Conversation("0" * 16, ({"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}), 3)
+    messages = ({"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"})
+    conversation = Conversation("0" * 16, messages, 3)
     with pytest.raises(ValueError, match="does not appear verbatim in the rendered chat template"):
         tokenize_conversation(RewritingTokenizer(), conversation, max_length=100)

@@ -268,7 +268,9 @@ class RunConfig(Section):
 def default_aux_layers(num_layers: int) -> list[int]:
     """EAGLE-3's low/mid/high capture layers in HF ids: [1, L//2-1, L-4] (61 layers -> [1, 29, 57])."""
     if num_layers < 5:
-        raise ConfigError(f"a {num_layers}-layer target is too shallow for the default aux layers; set extract.aux_layers")
+        raise ConfigError(
+            f"a {num_layers}-layer target is too shallow for the default aux layers; set extract.aux_layers"
+        )
     return [1, num_layers // 2 - 1, num_layers - 4]
 
 
@@ -328,7 +330,9 @@ def read_target_facts(model_path: str | Path) -> dict[str, int]:
     try:
         hf_config = json.loads(config_file.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise ConfigError(f"target.model_path: {config_file} does not exist; point it at an HF model directory") from None
+        raise ConfigError(
+            f"target.model_path: {config_file} does not exist; point it at an HF model directory"
+        ) from None
     text_config = hf_config.get("text_config") or hf_config
     facts = {}
     for key in ("num_hidden_layers", "hidden_size", "vocab_size"):

@@ -158,7 +158,8 @@ def train_briefly(model, tokenizer, rng: random.Random, steps: int, batch_size: 
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
         if step % 25 == 0 or step == steps - 1:
-            log.info("tiny target: step %d/%d loss %.3f (%.0fs)", step + 1, steps, loss.item(), time.monotonic() - started)
+            elapsed = time.monotonic() - started
+            log.info("tiny target: step %d/%d loss %.3f (%.0fs)", step + 1, steps, loss.item(), elapsed)
     model.eval()
     return losses
 

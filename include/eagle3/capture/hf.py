@@ -59,10 +59,15 @@ class HfCapture:
             attention_mask[row, : lengths[row]] = 1
         self._captured.clear()
         self.decoder(input_ids=ids.to(self.device), attention_mask=attention_mask.to(self.device), use_cache=False)
-        aux = torch.cat([self._captured[f"layer{i}"] for i in self.aux_layers], dim=-1)
-        last = self._captured["final_norm"]
-        # One device->host copy per batch, already in the store's dtype (halves the bytes moved).
-        aux, last = aux.to("cpu", torch.bfloat16), last.to("cpu", torch.bfloat16)
+        # Straight into the store's dtype and layout, one pass per layer: the fp32 layer outputs are
+        # read once and never concatenated in fp32. On a GPU this happens on the device.
+        first = self._captured[f"layer{self.aux_layers[0]}"]
+        h = first.shape[-1]
+        aux = torch.empty(*first.shape[:-1], h * len(self.aux_layers), dtype=torch.bfloat16, device=first.device)
+        for k, i in enumerate(self.aux_layers):
+            aux[..., k * h : (k + 1) * h].copy_(self._captured[f"layer{i}"])
+        last = self._captured["final_norm"].to(torch.bfloat16)
+        aux, last = aux.cpu(), last.cpu()  # one device->host copy per batch
         return [CapturedStates(aux[row, :n], last[row, :n]) for row, n in enumerate(lengths)]
 
     def close(self) -> None:
