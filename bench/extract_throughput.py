@@ -70,11 +70,12 @@ def padded(batch) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def interleaved(cfg) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     from eagle3.capture.hf import HfCapture
     from eagle3.data import iter_tokenized, read_conversations
     from eagle3.extract import BackgroundWriter, plan_batches
     from eagle3.store import ShardWriter, StoreMeta, verify
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     conversations, _ = read_conversations(cfg.data.path)
     tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_dir)

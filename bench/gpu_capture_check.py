@@ -28,11 +28,12 @@ BUILTIN = [
 
 
 def main() -> None:
+    from transformers import AutoTokenizer
+
     from eagle3.capture.hf import HfCapture
     from eagle3.capture.sglang import SglangCapture
     from eagle3.config import parse_run_config, resolve_target_facts
     from eagle3.data import iter_tokenized, read_conversations
-    from transformers import AutoTokenizer
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", required=True)

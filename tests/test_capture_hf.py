@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from eagle3.capture.hf import HfCapture
 from eagle3.data import TokenizedSample
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from eagle3.capture.sglang import SglangCapture, SglangSetupError, check_version, engine_kwargs, states_from_output
 from eagle3.data import TokenizedSample
 

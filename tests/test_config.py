@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+
 from eagle3.config import (
     ConfigError,
     default_aux_layers,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from eagle3.data import (
     Conversation,
     DataError,

@@ -10,11 +10,11 @@ import sys
 import time
 
 import pytest
+
 from eagle3.config import write_run_config
 from eagle3.data import TokenizedSample
 from eagle3.extract import plan_batches, run_extract
 from eagle3.store import HiddenStateStore, digest, verify
-
 from tests.conftest import run_eagle3
 
 

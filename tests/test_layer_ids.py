@@ -1,6 +1,7 @@
 """HF capture-layer ids -> what SGLang must be told, per model family (sglang 0.5.23 semantics)."""
 
 import pytest
+
 from eagle3.layer_ids import LayerIdError, hf_layer_ids_from_sglang, sglang_layer_ids
 
 

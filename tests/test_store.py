@@ -7,6 +7,7 @@ import random
 
 import pytest
 import torch
+
 from eagle3.capture import CapturedStates
 from eagle3.data import TokenizedSample
 from eagle3.store import HiddenStateStore, ShardWriter, StoreError, StoreMeta, digest, shard_dir, verify

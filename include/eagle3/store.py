@@ -26,7 +26,6 @@ modify anything.
 from __future__ import annotations
 
 import fcntl
-import functools
 import hashlib
 import json
 import os
@@ -42,6 +41,7 @@ from eagle3.fsutil import append_line_durably, atomic_write_text, commit, fsync_
 
 STORE_FORMAT = "eagle3-hidden-states/1"
 STATE_DTYPE = torch.bfloat16
+MAX_OPEN_CHUNKS = 64
 TENSOR_NAMES = ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state", "offsets")
 
 
@@ -275,6 +275,7 @@ class HiddenStateStore:
         self.locations: dict[str, SampleLocation] = {}
         self.chunks: dict[int, list[dict]] = {}
         self.rejected: dict[str, str] = {}
+        self._handles: dict[tuple[int, str], object] = {}
         for sdir in sorted(self.dir.glob("shard-*")):
             shard = int(sdir.name.split("-")[1])
             records, _ = read_manifest(sdir / "manifest.jsonl")
@@ -299,24 +300,48 @@ class HiddenStateStore:
     def num_tokens(self) -> int:
         return sum(loc.end - loc.start for loc in self.locations.values())
 
-    @functools.lru_cache(maxsize=64)  # noqa: B019 - one store object lives for a whole stage
     def _open(self, shard: int, chunk: str):
-        return safe_open(str(shard_dir(self.dir, shard) / chunk), framework="pt")
+        """An mmapped handle on a chunk; the most recently used MAX_OPEN_CHUNKS stay open."""
+        key = (shard, chunk)
+        handle = self._handles.pop(key, None)
+        if handle is None:
+            handle = safe_open(str(shard_dir(self.dir, shard) / chunk), framework="pt")
+            if len(self._handles) >= MAX_OPEN_CHUNKS:
+                self._handles.pop(next(iter(self._handles)))
+        self._handles[key] = handle  # re-inserted: dict order is recency order
+        return handle
+
+    def close(self) -> None:
+        """Drop the open handles (their mmaps go with them)."""
+        self._handles.clear()
 
     def __getitem__(self, sample_id: str) -> dict[str, torch.Tensor]:
+        """One sample's tensors as views of the mmapped chunk: the bytes are read when first touched."""
         loc = self.locations[sample_id]
         f = self._open(loc.shard, loc.chunk)
         return {name: f.get_slice(name)[loc.start : loc.end] for name in TENSOR_NAMES[:4]}
 
     def iter_shard(self, shard: int) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
-        """Samples of one shard in storage order; reads each chunk's tensors once."""
-        for record in self.chunks.get(shard, []):
+        """Samples of one shard in storage order, as views of the mmapped chunks (read when touched,
+        e.g. when a batch is collated). The kernel reads the next chunk ahead meanwhile."""
+        records = self.chunks.get(shard, [])
+        for i, record in enumerate(records):
+            if i + 1 < len(records):
+                _read_ahead(shard_dir(self.dir, shard) / records[i + 1]["chunk"])
             f = self._open(shard, record["chunk"])
             tensors = {name: f.get_tensor(name) for name in TENSOR_NAMES}
             offsets = tensors["offsets"].tolist()
             for row, (sid, _) in enumerate(record["samples"]):
                 a, b = offsets[row], offsets[row + 1]
                 yield sid, {name: tensors[name][a:b] for name in TENSOR_NAMES[:4]}
+
+
+def _read_ahead(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+    finally:
+        os.close(fd)
 
 
 # -- checking --------------------------------------------------------------------------------
