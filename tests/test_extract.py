@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import logging
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -33,9 +35,15 @@ def test_plan_batches_respects_the_token_budget_and_keeps_every_sample():
     assert batches == list(plan_batches(samples, batch_tokens=64))  # deterministic
 
 
-def test_extract_stores_every_sample_and_a_rerun_computes_nothing(make_config):
+def test_extract_stores_every_sample_and_a_rerun_computes_nothing(make_config, caplog):
+    caplog.set_level(logging.INFO, logger="eagle3")
     cfg = make_config()
     first = run_extract(cfg)
+    progress = [r.getMessage() for r in caplog.records if "samples (" in r.getMessage()]
+    assert progress and re.fullmatch(
+        r"extract shard 0: \d+/\d+ samples \([\d.]+%\), \d+ tokens/s, [\d.]+ GiB written, "
+        r"elapsed \d+m\d\ds, ETA (\d+m\d\ds|\?)", progress[-1]
+    ), progress[-1]
     assert first["samples_extracted"] == first["samples_in_shard"] == first["samples_stored"] > 150
     assert first["bad_records"] == 0 and first["rejected_nonfinite"] == 0
     stats = verify(cfg.store_dir)

@@ -1,0 +1,59 @@
+"""The tiny target: a real DeepSeek-V3 model with MLA and MoE, deterministic for a seed, cached, and
+trained enough that its next-token distributions on the synthetic task are peaked."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import torch
+
+from eagle3.data import read_conversations, tokenize_conversation
+from eagle3.tiny_target import TinyTargetSpec, build
+
+SMALL = TinyTargetSpec(hidden_size=64, num_layers=5, train_steps=3, num_prompts=20)
+
+
+def test_same_seed_same_files_and_a_second_build_is_reused(tmp_path):
+    a, b = build(tmp_path / "a", SMALL), build(tmp_path / "b", SMALL)
+    for name in ("model.safetensors", "tokenizer.json", "prompts.jsonl", "config.json"):
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    stamp = (a / "model.safetensors").stat().st_mtime_ns
+    build(a, SMALL)
+    assert (a / "model.safetensors").stat().st_mtime_ns == stamp
+    other = build(tmp_path / "c", TinyTargetSpec(**{**SMALL.__dict__, "seed": 1}))
+    assert (other / "model.safetensors").read_bytes() != (a / "model.safetensors").read_bytes()
+
+
+def test_the_default_target_is_deepseek_v3_shaped_and_has_learned_the_task(tiny_target):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    config = json.loads((tiny_target / "config.json").read_text())
+    assert config["architectures"] == ["DeepseekV3ForCausalLM"]
+    assert config["num_hidden_layers"] == 8 and config["hidden_size"] == 256
+    assert config["kv_lora_rank"] > 0 and config["n_routed_experts"] > 1  # MLA + MoE, like Kimi-K2.5
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target)
+    model = AutoModelForCausalLM.from_pretrained(tiny_target).eval()
+
+    def answer(question: str) -> str:
+        messages = [{"role": "user", "content": question}]
+        prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=24, do_sample=False)
+        return tokenizer.decode(out[0, ids.shape[1] :])
+
+    # The answer formats are learned (the contents only partly: see the next assertion).
+    assert re.fullmatch(r"Sorted:( \d+)+\.<\|im_end\|>", answer("Sort these numbers: 5 3 9 1"))
+    assert re.fullmatch(r"\d+ \+ \d+ = \d+\.<\|im_end\|>", answer("What is 12 + 30?"))
+
+    # Peaked next-token distributions on held-out assistant tokens (untrained: ~1/vocab = 0.001).
+    conversations, _ = read_conversations(tiny_target / "prompts.jsonl", max_samples=30)
+    top1 = []
+    for conversation in conversations:
+        sample = tokenize_conversation(tokenizer, conversation, 4096)
+        with torch.no_grad():
+            probs = model(torch.tensor([sample.input_ids])).logits[0, :-1].softmax(-1)
+        top1.append(probs.max(-1).values[torch.tensor(sample.loss_mask[1:]).bool()])
+    assert torch.cat(top1).mean() > 0.4  # measured 0.50
