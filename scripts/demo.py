@@ -1,7 +1,8 @@
 """`make demo`: the pipeline's stages that exist so far, end to end on this machine (CPU, no download).
 
 Builds the tiny DeepSeek-V3-shaped target (cached in .cache/tiny-target), writes a run config into
-demo-work/runs/demo/, extracts hidden states, verifies the store, and prints a summary. Each stage runs
+demo-work/runs/demo/, extracts hidden states, verifies the store, builds the vocab mapping, and prints
+a summary. Each stage runs
 as the DAG will run it on a box: `python -m eagle3 <stage> --config <run dir>/config.json`.
 Running it again resumes: finished stages find their work done.
 (Until the Airflow DAG lands, this script is the orchestrator; then `make demo` runs the DAG.)
@@ -46,17 +47,23 @@ def main() -> None:
     run_dir = Path(config).parent
     extract = json.loads(eagle3("extract", "--config", config))
     store = json.loads(eagle3("store", "verify", str(run_dir / "hidden_states")))
+    vocab = json.loads(eagle3("vocab", "--config", config))
 
     ideal = store["hidden_size"] * (len(store["aux_layers"]) + 1) * 2 + 4 + 1
     print()
     print("stage     samples  tokens   seconds  notes")
-    print(f"extract   {extract['samples_stored']:<8} {extract['tokens']:<8} {extract['seconds']:<8.1f} "
-          f"{extract['tokens_per_s'] or 0:.0f} tokens/s this run; {extract['duplicates']} duplicate prompts skipped")
+    rate = f"{extract['tokens_per_s']:.0f} tokens/s" if extract["samples_extracted"] else "already done"
+    print(f"extract   {extract['samples_stored']:<8} {store['tokens']:<8} {extract['seconds']:<8.1f} "
+          f"{extract['samples_extracted']} extracted this run ({rate}); "
+          f"{extract['duplicates']} duplicate prompts skipped")
     print(f"store     {store['samples']:<8} {store['tokens']:<8} {'':8} "
           f"{store['bytes'] / 2**20:.1f} MiB, {store['bytes_per_token']:.1f} bytes/token "
           f"({store['bytes_per_token'] / ideal:.4f} x payload), aux layers {store['aux_layers']}")
+    print(f"vocab     {'':8} {vocab['loss_tokens']:<8} {'':8} draft vocab {vocab['draft_vocab_size']} of "
+          f"{vocab['target_vocab_size']} ids covers {vocab['coverage']:.2%} of assistant tokens")
     print(f"total {time.monotonic() - started:.0f}s")
     print(f"hidden states: {run_dir / 'hidden_states'}")
+    print(f"vocab mapping: {run_dir / 'vocab_mapping'}")
     print(f"run directory: {run_dir}")
 
 

@@ -50,6 +50,13 @@ def cmd_extract(args) -> None:
     print(json.dumps(run_extract(cfg, shard=args.shard, num_shards=args.num_shards), indent=2))
 
 
+def cmd_vocab(args) -> None:
+    from eagle3.vocab import run_vocab
+
+    cfg = resolve_target_facts(load_run_config(args.config))
+    print(json.dumps(run_vocab(cfg), indent=2))
+
+
 def cmd_store_verify(args) -> None:
     from eagle3.store import verify
 
@@ -94,6 +101,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-shards", type=int, default=None, help="default: extract.num_shards from the config")
     p.set_defaults(func=cmd_extract)
 
+    p = sub.add_parser(
+        "vocab",
+        help="build the draft/target vocab mapping from the store (or reuse one after a coverage check)",
+        description="The mapping is data-dependent: the draft vocab is the target ids the store's assistant "
+        "tokens use most. vocab.reuse_from reuses another run's mapping only if it covers at least "
+        "vocab.min_coverage of this store's loss-masked tokens.",
+    )
+    p.add_argument("--config", required=True, help="RUN_DIR/config.json")
+    p.set_defaults(func=cmd_vocab)
+
     p = sub.add_parser("store", help="inspect a hidden-state store")
     store_sub = p.add_subparsers(dest="store_command", required=True, metavar="SUBCOMMAND")
     v = store_sub.add_parser("verify", help="check every chunk against the manifest; print JSON stats")
@@ -108,12 +125,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from eagle3.data import DataError
     from eagle3.layer_ids import LayerIdError
+    from eagle3.vocab import VocabError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
-    except (ConfigError, DataError, LayerIdError) as err:
+    except (ConfigError, DataError, LayerIdError, VocabError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except Exception as err:
