@@ -57,6 +57,15 @@ def cmd_vocab(args) -> None:
     print(json.dumps(run_vocab(cfg), indent=2))
 
 
+def cmd_train(args) -> None:
+    from eagle3.train import run_train
+
+    cfg = resolve_target_facts(load_run_config(args.config))
+    summary = run_train(cfg)
+    if summary:
+        print(json.dumps(summary, indent=2))
+
+
 def cmd_store_verify(args) -> None:
     from eagle3.store import verify
 
@@ -110,6 +119,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--config", required=True, help="RUN_DIR/config.json")
     p.set_defaults(func=cmd_vocab)
+
+    p = sub.add_parser(
+        "train",
+        help="train the drafter with training-time test (resumes from the newest checkpoint)",
+        description="One process: python -m eagle3 train --config F. Several GPUs: "
+        "torchrun --nproc_per_node N -m eagle3 train --config F (gloo on CPU). Safe to kill and rerun: "
+        "it continues from the newest checkpoint, bit-identically.",
+    )
+    p.add_argument("--config", required=True, help="RUN_DIR/config.json")
+    p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("store", help="inspect a hidden-state store")
     store_sub = p.add_subparsers(dest="store_command", required=True, metavar="SUBCOMMAND")

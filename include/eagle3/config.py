@@ -182,6 +182,7 @@ class TrainConfig(Section):
     val_fraction: float = Field(0.02, ge=0, lt=1, title="Held-out fraction")
     save_every_steps: int = Field(1000, ge=1, title="Checkpoint every N steps")
     keep_last: int = Field(2, ge=1, title="Checkpoints kept (plus best)")
+    progress_interval_s: float = Field(30.0, gt=0, title="Progress log interval (s)")
 
 
 class ExportConfig(Section):
@@ -363,14 +364,15 @@ def write_run_config(cfg: RunConfig) -> Path:
     The same content again is a no-op (a retried task); different content is refused, because the
     outputs already in that directory were made with the old values.
     """
-    text = dump_run_config(cfg)
     path = cfg.config_path
     if path.exists():
-        if path.read_text(encoding="utf-8") == text:
+        # Compared as validated models, so a config written by an older version (lacking a newer key
+        # whose default applies) still counts as the same.
+        if load_run_config(path) == cfg:
             return path
         raise ConfigError(
             f"{path} already exists with different values; its outputs were made with those. "
             "Pick a new run_name, or delete that run directory to start over."
         )
-    atomic_write_text(path, text)
+    atomic_write_text(path, dump_run_config(cfg))
     return path

@@ -1,0 +1,218 @@
+"""The EAGLE-3 draft model: what SGLang runs as LlamaForCausalLMEagle3, in plain PyTorch.
+
+Read bottom-up, like nanoGPT: RMSNorm, rotary embedding, the attention that knows training-time test
+(TTT), the SwiGLU MLP, the one decoder layer, the config, then the model.
+
+Data flow of one draft step (names are the export's weight keys, see eagle3/export.py):
+    hidden   = fc(aux states low|mid|high)         [T, 3H] -> [T, H]   (step 0; later steps: previous output)
+    x        = cat(midlayer.input_layernorm(embed(ids)), midlayer.hidden_norm(hidden))        [T, 2H]
+    residual = hidden + midlayer.self_attn(x)      q/k/v take 2H, o gives H
+    residual = residual + midlayer.mlp(midlayer.post_attention_layernorm(residual))
+    logits   = lm_head(norm(residual))             draft vocab only; `residual` feeds the next step
+The token embedding is the target's, loaded by key from its safetensors and frozen.
+
+TTT attention, step i: queries of step i see step 0's keys/values causally, plus, at their own position
+only, the keys/values of steps 1..i (what the drafter produced there in the steps before). The caller
+keeps the per-step keys/values in a list (`kv_cache`) across steps.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, theta: float):
+    """Llama rotary embedding (rotate-half layout, as SGLang's llama uses). q, k: [B, heads, T, d]."""
+    d = q.shape[-1]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, device=q.device, dtype=torch.float32) / d))
+    angles = positions.float()[:, None, :, None] * inv_freq  # [B, 1, T, d/2]
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+    rotated = [(x.float() * cos + rotate_half(x.float()) * sin).to(x.dtype) for x in (q, k)]
+    return rotated[0], rotated[1]
+
+
+class TTTAttention(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.theta = cfg.rope_theta
+        self.q_proj = nn.Linear(2 * cfg.hidden_size, self.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(2 * cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(2 * cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: list) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = rope(q, k, positions, self.theta)
+        repeat = self.heads // self.kv_heads
+        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        kv_cache.append((k, v))
+
+        k0, v0 = kv_cache[0]
+        scale = 1.0 / math.sqrt(self.head_dim)
+        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        scores = [(q @ k0.transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))]  # [B, h, T, T]
+        scores += [((q * kj).sum(-1, keepdim=True) * scale) for kj, _ in kv_cache[1:]]  # [B, h, T, 1] each
+        weights = torch.cat(scores, dim=-1).float().softmax(-1).to(q.dtype)
+        out = weights[..., :t] @ v0
+        for j, (_, vj) in enumerate(kv_cache[1:], start=t):
+            out = out + weights[..., j : j + 1] * vj
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MidLayer(nn.Module):
+    """The drafter's single decoder layer; its attention input is the embedding and the hidden state."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = TTTAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, embeds, hidden, positions, kv_cache):
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        residual = hidden + self.self_attn(x, positions, kv_cache)
+        return residual + self.mlp(self.post_attention_layernorm(residual))
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    target_vocab_size: int
+    draft_vocab_size: int
+    aux_layer_ids: tuple[int, ...]
+
+    @classmethod
+    def from_target(cls, model_path: str | Path, draft_vocab_size: int, aux_layer_ids) -> DraftConfig:
+        """Derive the drafter's shape from the target's config.json (Kimi-style `text_config` read too)."""
+        hf = json.loads((Path(model_path) / "config.json").read_text())
+        hf = hf.get("text_config") or hf
+        rope_params = hf.get("rope_parameters") or {}
+        hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
+        return cls(
+            hidden_size=hidden,
+            intermediate_size=hf["intermediate_size"],
+            num_attention_heads=heads,
+            num_key_value_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hidden // heads,  # Llama-style attention, whatever the target's (MLA) head shapes
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_params.get("rope_theta", hf.get("rope_theta", 10000.0))),
+            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            target_vocab_size=hf["vocab_size"],
+            draft_vocab_size=draft_vocab_size,
+            aux_layer_ids=tuple(aux_layer_ids),
+        )
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+class Eagle3Draft(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.target_vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)  # the target's, frozen
+        self.fc = nn.Linear(len(cfg.aux_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.midlayer = MidLayer(cfg)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+
+    def step(self, input_ids, hidden, positions, kv_cache: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft step. `hidden` is fc(aux) for step 0, the previous step's output after that.
+        Returns (draft-vocab logits, the hidden state for the next step)."""
+        out = self.midlayer(self.embed_tokens(input_ids), hidden, positions, kv_cache)
+        return self.lm_head(self.norm(out)), out
+
+    def num_trainable_params(self) -> int:
+        return sum(p.numel() for p in self.parameters() if p.requires_grad)
+
+
+# -- the target's weights, read by key -----------------------------------------------------------
+
+# Where the token embedding and lm_head live in HF checkpoints: plain decoder-only models, and wrappers
+# such as Kimi-K2.5 (KimiK25ForConditionalGeneration) that keep the language model under language_model.
+EMBED_KEYS = ("model.embed_tokens.weight", "language_model.model.embed_tokens.weight", "embed_tokens.weight")
+LM_HEAD_KEYS = ("lm_head.weight", "language_model.lm_head.weight")
+
+
+def load_target_tensor(model_path: str | Path, candidates: tuple[str, ...]) -> torch.Tensor:
+    """Read one tensor from the target's safetensors (sharded or not) without loading anything else."""
+    from safetensors import safe_open
+
+    model_path = Path(model_path)
+    index = model_path / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+    else:
+        single = model_path / "model.safetensors"
+        if not single.exists():
+            raise FileNotFoundError(f"{model_path}: no model.safetensors or model.safetensors.index.json")
+        with safe_open(str(single), framework="pt") as f:
+            weight_map = {key: single.name for key in f.keys()}
+    for key in candidates:
+        if key in weight_map:
+            with safe_open(str(model_path / weight_map[key]), framework="pt") as f:
+                return f.get_tensor(key)
+    raise KeyError(f"{model_path}: none of {list(candidates)} in its safetensors; is this an HF causal LM?")
+
+
+def build_draft_model(model_path: str | Path, draft_vocab_size: int, aux_layer_ids) -> Eagle3Draft:
+    """A fresh drafter shaped after the target, with the target's token embedding (frozen)."""
+    cfg = DraftConfig.from_target(model_path, draft_vocab_size, aux_layer_ids)
+    model = Eagle3Draft(cfg)
+    embedding = load_target_tensor(model_path, EMBED_KEYS)
+    if embedding.shape != model.embed_tokens.weight.shape:
+        raise ValueError(f"{model_path}: embedding shape {tuple(embedding.shape)}, config implies "
+                         f"{tuple(model.embed_tokens.weight.shape)}")
+    with torch.no_grad():
+        model.embed_tokens.weight.copy_(embedding.float())
+    return model

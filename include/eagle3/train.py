@@ -1,0 +1,385 @@
+"""Training the EAGLE-3 drafter with training-time test (TTT), exactly resumable.
+
+    python -m eagle3 train --config RUN_DIR/config.json                     one process (CPU or one GPU)
+    torchrun --nproc_per_node 4 -m eagle3 train --config RUN_DIR/config.json   DDP (nccl; gloo on CPU)
+
+Reads the hidden-state store and the vocab mapping; writes {run dir}/train/:
+  checkpoints/step-NNNNNN/   state.pt (torch.save, loads with weights_only=True) + meta.json; written to a
+                             temp dir, fsynced, renamed. The last `train.keep_last` are kept, plus the best
+                             (by simulated acceptance length on the validation split).
+  metrics.jsonl              one line per progress interval and per validation
+  loss.png, accuracy.png     at the end
+A restart continues from the newest checkpoint with model, optimizer, schedule, RNG and data position
+restored: the final weights are bit-identical to an uninterrupted run (tests/test_train.py kills one).
+
+The objective (SpecForge's, which SGLang-served drafters are trained with):
+  shift once   the teacher at position t is the target's distribution after token t+1: the stored final
+               hidden state and the input ids are shifted left by one (zero fill); the loss mask is not
+               shifted and its last position is 0
+  teachers     target logits = target lm_head(final hidden state); teacher token = argmax over the FULL
+               vocab (in chunks); p = softmax over the draft-vocab columns, fp32;
+               position_mask = t2d[teacher] * loss_mask
+  TTT step i   the previous step's output is the next hidden input; ids, p, teacher and masks shift left
+               by one after each step; RoPE positions are offset by i
+  loss         sum_i 0.8^i * ploss_i, ploss_i = sum(position_mask * -sum(p * log_softmax(logits))) / (B*T)
+  accuracy     acc_i = #(d2t-mapped draft argmax == teacher where loss_mask) / #loss_mask; simulated
+               acceptance length = 1 + sum_k prod_{j<=k} acc_j
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from eagle3.fsutil import atomic_write_text, fsync_dir, fsync_file
+from eagle3.model import LM_HEAD_KEYS, Eagle3Draft, build_draft_model, load_target_tensor
+from eagle3.progress import human_duration
+
+log = logging.getLogger(__name__)
+
+STEP_DECAY = 0.8
+LOGIT_CHUNK = 2048  # positions per full-vocab matmul when looking for the teacher token
+
+
+# -- the objective: pure functions ------------------------------------------------------------
+
+
+def shift_left(x: torch.Tensor) -> torch.Tensor:
+    """x[:, t] <- x[:, t+1], zero at the end (dim 1 is time)."""
+    return torch.cat([x[:, 1:], torch.zeros_like(x[:, :1])], dim=1)
+
+
+@dataclass
+class Teachers:
+    input_ids: torch.Tensor  # [B, T] ids shifted once: the token after each position
+    p: torch.Tensor  # [B, T, Vd] target distribution over the draft vocab, fp32
+    teacher: torch.Tensor  # [B, T] the target's argmax over its full vocab
+    position_mask: torch.Tensor  # [B, T] loss_mask AND teacher in the draft vocab
+    loss_mask: torch.Tensor  # [B, T] assistant tokens, last position 0
+
+
+def make_teachers(input_ids, loss_mask, last_hidden, target_lm_head, draft_ids, t2d) -> Teachers:
+    """Targets for one padded batch. Never builds [T, full vocab] logits for a whole sample at once."""
+    last = shift_left(last_hidden).float()
+    teacher = torch.empty(last.shape[:2], dtype=torch.long, device=last.device)
+    flat_last, flat_teacher = last.view(-1, last.shape[-1]), teacher.view(-1)
+    for start in range(0, flat_last.shape[0], LOGIT_CHUNK):
+        chunk = flat_last[start : start + LOGIT_CHUNK]
+        flat_teacher[start : start + LOGIT_CHUNK] = (chunk @ target_lm_head.T).argmax(-1)
+    p = (last @ target_lm_head[draft_ids].T).softmax(-1)
+    loss_mask = loss_mask.clone()
+    loss_mask[:, -1] = 0
+    return Teachers(shift_left(input_ids), p, teacher, t2d[teacher] & loss_mask.bool(), loss_mask.bool())
+
+
+def simulated_accept_length(accs: list[float]) -> float:
+    """1 + sum_k prod_{j<=k} acc_j: expected tokens per verification step of a chain drafter."""
+    total, running = 1.0, 1.0
+    for acc in accs:
+        running *= acc
+        total += running
+    return total
+
+
+class TTTObjective(nn.Module):
+    """The drafter unrolled for ttt_length steps; forward returns (loss, plosses, accs). DDP wraps this."""
+
+    def __init__(self, draft: Eagle3Draft, ttt_length: int):
+        super().__init__()
+        self.draft, self.ttt_length = draft, ttt_length
+
+    def forward(self, aux, t: Teachers, draft_ids):
+        b, n = t.input_ids.shape
+        positions = torch.arange(n, device=aux.device)[None].expand(b, n)
+        hidden, cache = self.draft.fc(aux), []
+        ids, p, teacher, position_mask, loss_mask = t.input_ids, t.p, t.teacher, t.position_mask, t.loss_mask
+        loss, plosses, accs = 0.0, [], []
+        for i in range(self.ttt_length):
+            logits, hidden = self.draft.step(ids, hidden, positions + i, cache)
+            logp = F.log_softmax(logits.float(), dim=-1)
+            ploss = -(position_mask[..., None] * p * logp).sum() / (b * n)
+            hits = (draft_ids[logits.argmax(-1)] == teacher) & loss_mask
+            accs.append(hits.sum() / loss_mask.sum().clamp(min=1))
+            plosses.append(ploss)
+            loss = loss + STEP_DECAY**i * ploss
+            ids, p, teacher = shift_left(ids), shift_left(p), shift_left(teacher)
+            position_mask, loss_mask = shift_left(position_mask), shift_left(loss_mask)
+        return loss, torch.stack(plosses), torch.stack(accs)
+
+
+# -- data ---------------------------------------------------------------------------------------
+
+
+def is_validation(sample_id: str, val_fraction: float) -> bool:
+    """Held-out split by sample-id hash: stable whatever the order or sharding of the data."""
+    return (int(sample_id, 16) % 10_000) < val_fraction * 10_000
+
+
+def plan_epoch(ids_and_lengths: list[tuple[str, int]], batch_tokens: int, seed: int, epoch: int) -> list[list[str]]:
+    """Shuffle by (seed, epoch), then cut into batches of at most `batch_tokens` padded tokens."""
+    order = torch.randperm(len(ids_and_lengths), generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+    batches, batch, longest = [], [], 0
+    for index in order.tolist():
+        sample_id, length = ids_and_lengths[index]
+        if batch and (len(batch) + 1) * max(longest, length) > batch_tokens:
+            batches.append(batch)
+            batch, longest = [], 0
+        batch.append(sample_id)
+        longest = max(longest, length)
+    if batch:
+        batches.append(batch)
+    return batches
+
+
+def collate(store, sample_ids: list[str], device) -> dict[str, torch.Tensor]:
+    """Right-padded batch tensors; padding has loss_mask 0 (and causal attention never looks right)."""
+    samples = [store[sid] for sid in sample_ids]
+    n = max(len(s["input_ids"]) for s in samples)
+    out = {
+        "input_ids": torch.zeros(len(samples), n, dtype=torch.long),
+        "loss_mask": torch.zeros(len(samples), n, dtype=torch.long),
+        "aux": torch.zeros(len(samples), n, samples[0]["aux_hidden_states"].shape[-1]),
+        "last": torch.zeros(len(samples), n, samples[0]["last_hidden_state"].shape[-1]),
+    }
+    for row, s in enumerate(samples):
+        m = len(s["input_ids"])
+        out["input_ids"][row, :m] = s["input_ids"].long()
+        out["loss_mask"][row, :m] = s["loss_mask"].long()
+        out["aux"][row, :m] = s["aux_hidden_states"].float()
+        out["last"][row, :m] = s["last_hidden_state"].float()
+    return {k: v.to(device) for k, v in out.items()}
+
+
+# -- checkpoints --------------------------------------------------------------------------------
+
+
+def checkpoint_dirs(root: Path) -> list[Path]:
+    return sorted(p for p in root.glob("step-*") if p.is_dir())
+
+
+def save_checkpoint(root: Path, state: dict, meta: dict, keep_last: int, best_step: int | None) -> Path:
+    final = root / f"step-{state['step']:06d}"
+    tmp = root / f".{final.name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    torch.save(state, tmp / "state.pt")
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    for path in tmp.iterdir():
+        fsync_file(path)
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    fsync_dir(root)
+    keep = {p.name for p in checkpoint_dirs(root)[-keep_last:]}
+    if best_step is not None:
+        keep.add(f"step-{best_step:06d}")
+    for path in checkpoint_dirs(root):
+        if path.name not in keep:
+            shutil.rmtree(path)
+    return final
+
+
+def load_checkpoint(path: Path) -> dict:
+    return torch.load(path / "state.pt", weights_only=True, map_location="cpu")
+
+
+# -- the loop -----------------------------------------------------------------------------------
+
+
+class Trainer:
+    def __init__(self, cfg):
+        from eagle3.store import HiddenStateStore
+        from eagle3.vocab import MAPPING_DIR, load_mapping
+
+        self.cfg = cfg
+        self.distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+        if self.distributed:
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world = dist.get_world_size() if self.distributed else 1
+        self.device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available()
+                                   else "cpu")
+        self.out = cfg.run_dir / "train"
+        self.ckpt_root = self.out / "checkpoints"
+        self.ckpt_root.mkdir(parents=True, exist_ok=True)
+
+        torch.manual_seed(cfg.seed)  # the drafter's initial weights: the same on every rank and every try
+        self.store = HiddenStateStore(cfg.store_dir)
+        mapping, _ = load_mapping(cfg.run_dir / MAPPING_DIR)
+        self.draft_ids = torch.as_tensor(mapping.draft_ids, device=self.device)
+        self.t2d = torch.as_tensor(mapping.t2d(cfg.target.vocab_size), device=self.device)
+        self.target_lm_head = load_target_tensor(cfg.target.model_path, LM_HEAD_KEYS).float().to(self.device)
+        draft = build_draft_model(cfg.target.model_path, cfg.vocab.draft_vocab_size, cfg.resolved_aux_layers())
+        self.draft = draft.to(self.device)
+        self.objective = TTTObjective(self.draft, cfg.train.ttt_length)
+        self.ddp = (nn.parallel.DistributedDataParallel(self.objective) if self.distributed else self.objective)
+
+        lengths = {sid: loc.end - loc.start for sid, loc in self.store.locations.items()}
+        self.train_ids = sorted((s, n) for s, n in lengths.items() if not is_validation(s, cfg.train.val_fraction))
+        self.val_ids = sorted((s, n) for s, n in lengths.items() if is_validation(s, cfg.train.val_fraction))
+        # Packing depends on the shuffle, so each epoch has its own number of steps (the same on every rank:
+        # a tail of fewer than `world` batches is dropped).
+        self.epoch_steps = [len(self.plan(epoch)) // self.world for epoch in range(cfg.train.epochs)]
+        self.total_steps = sum(self.epoch_steps)
+        if self.total_steps == 0:
+            raise ValueError(f"{cfg.store_dir}: too few training samples for {self.world} rank(s)")
+
+        params = [p for p in self.draft.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=cfg.train.learning_rate, weight_decay=0.0)
+        warmup = max(1, int(cfg.train.warmup_ratio * self.total_steps))
+
+        def lr_factor(step: int) -> float:  # linear warmup, then cosine to zero
+            if step < warmup:
+                return (step + 1) / warmup
+            return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, self.total_steps - warmup)))
+
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor)
+        self.step, self.best = 0, {"step": None, "accept_length": -1.0}
+
+    def plan(self, epoch: int) -> list[list[str]]:
+        return plan_epoch(self.train_ids, self.cfg.train.batch_tokens, self.cfg.seed, epoch)
+
+    def batches_from(self, step: int):
+        """(step, this rank's batch) from global step `step` on: the data position is the step itself."""
+        first = 0
+        for epoch, steps in enumerate(self.epoch_steps):
+            if step < first + steps:
+                plan = self.plan(epoch)
+                for index in range(step - first, steps):
+                    yield step, plan[index * self.world + self.rank]
+                    step += 1
+            first += steps
+
+    def resume(self) -> None:
+        checkpoints = checkpoint_dirs(self.ckpt_root)
+        if not checkpoints:
+            return
+        state = load_checkpoint(checkpoints[-1])
+        missing, unexpected = self.draft.load_state_dict(state["model"], strict=False)
+        if missing != ["embed_tokens.weight"] or unexpected:
+            raise RuntimeError(f"{checkpoints[-1]}: not a checkpoint of this drafter ({missing}, {unexpected})")
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["rng"])
+        self.step, self.best = state["step"], state["best"]
+        log.info("train: resumed from %s (step %d/%d)", checkpoints[-1], self.step, self.total_steps)
+
+    def trainable_state(self) -> dict:
+        return {k: v for k, v in self.draft.state_dict().items() if k != "embed_tokens.weight"}
+
+    def train_step(self, sample_ids) -> tuple[float, list[float], int]:
+        batch = collate(self.store, sample_ids, self.device)
+        teachers = make_teachers(batch["input_ids"], batch["loss_mask"], batch["last"], self.target_lm_head,
+                                 self.draft_ids, self.t2d)
+        loss, _, accs = self.ddp(batch["aux"], teachers, self.draft_ids)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.objective.parameters(), self.cfg.train.max_grad_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss.item(), accs.tolist(), int(batch["loss_mask"].numel())
+
+    @torch.no_grad()
+    def validate(self) -> dict:
+        hits, count, loss_sum, batches = None, 0, 0.0, 0
+        for sample_ids in plan_epoch(self.val_ids, self.cfg.train.batch_tokens, self.cfg.seed, epoch=0):
+            batch = collate(self.store, sample_ids, self.device)
+            t = make_teachers(batch["input_ids"], batch["loss_mask"], batch["last"], self.target_lm_head,
+                              self.draft_ids, self.t2d)
+            loss, _, accs = self.objective(batch["aux"], t, self.draft_ids)
+            weight = int(t.loss_mask.sum())
+            hits = accs * weight if hits is None else hits + accs * weight
+            count, loss_sum, batches = count + weight, loss_sum + loss.item(), batches + 1
+        accs = (hits / max(count, 1)).tolist() if hits is not None else []
+        return {"val_loss": loss_sum / max(batches, 1), "val_acc": accs,
+                "val_accept_length": simulated_accept_length(accs)}
+
+    def save(self, metrics_file: Path) -> None:
+        val = self.validate()
+        if val["val_accept_length"] > self.best["accept_length"]:
+            self.best = {"step": self.step, "accept_length": val["val_accept_length"]}
+        with open(metrics_file, "a") as f:
+            f.write(json.dumps({"step": self.step, **val}) + "\n")
+        state = {"model": self.trainable_state(), "optimizer": self.optimizer.state_dict(),
+                 "scheduler": self.scheduler.state_dict(), "rng": torch.get_rng_state(), "step": self.step,
+                 "best": self.best}
+        meta = {"step": self.step, "total_steps": self.total_steps, **val, "draft_config": self.draft.cfg.to_json()}
+        started = time.monotonic()
+        path = save_checkpoint(self.ckpt_root, state, meta, self.cfg.train.keep_last, self.best["step"])
+        log.info("train: step %d: val acc %s, simulated accept length %.3f; saved %s in %.2fs",
+                 self.step, [round(a, 3) for a in val["val_acc"]], val["val_accept_length"], path,
+                 time.monotonic() - started)
+
+    def run(self) -> dict:
+        self.resume()
+        metrics_file = self.out / "metrics.jsonl"
+        started = last_log = time.monotonic()
+        tokens = steps_here = 0
+        for step, sample_ids in self.batches_from(self.step):
+            loss, accs, batch_tokens = self.train_step(sample_ids)
+            self.step, tokens, steps_here = step + 1, tokens + batch_tokens * self.world, steps_here + 1
+            now = time.monotonic()
+            if self.rank == 0 and (now - last_log >= self.cfg.train.progress_interval_s or steps_here == 1):
+                last_log, rate = now, tokens / (now - started)
+                eta = human_duration((self.total_steps - self.step) * (now - started) / steps_here)
+                log.info("train: step %d/%d, %.0f tokens/s, loss %.4f, acc_0 %.3f, ETA %s",
+                         self.step, self.total_steps, rate, loss, accs[0], eta)
+                with open(metrics_file, "a") as f:
+                    f.write(json.dumps({"step": self.step, "loss": loss, "acc": accs, "tokens_per_s": rate,
+                                        "lr": self.scheduler.get_last_lr()[0]}) + "\n")
+            if self.step % self.cfg.train.save_every_steps == 0 or self.step == self.total_steps:
+                if self.rank == 0:
+                    self.save(metrics_file)
+                if self.distributed:
+                    dist.barrier()
+        if self.rank == 0:
+            plot_metrics(metrics_file, self.out)
+            summary = {"steps": self.step, "best": self.best, "seconds": round(time.monotonic() - started, 1),
+                       "checkpoint": str(checkpoint_dirs(self.ckpt_root)[-1])}
+            atomic_write_text(self.out / "summary.json", json.dumps(summary, indent=2) + "\n")
+        if self.distributed:
+            dist.destroy_process_group()
+        return summary if self.rank == 0 else {}
+
+
+def plot_metrics(metrics_file: Path, out_dir: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = [json.loads(line) for line in metrics_file.read_text().splitlines()]
+    train = [r for r in records if "loss" in r]
+    val = [r for r in records if "val_acc" in r]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss")
+    ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="val loss")
+    ax.set(xlabel="step", ylabel="TTT loss", title="EAGLE-3 drafter loss")
+    ax.legend()
+    fig.savefig(out_dir / "loss.png", dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    if val:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        accs = np.array([r["val_acc"] for r in val])
+        for i in range(accs.shape[1]):
+            ax.plot([r["step"] for r in val], accs[:, i], marker="o", label=f"position {i}")
+        ax.set(xlabel="step", ylabel="validation accuracy", ylim=(0, 1),
+               title=f"per-position accuracy (final simulated accept length {val[-1]['val_accept_length']:.2f})")
+        ax.legend(fontsize=8)
+        fig.savefig(out_dir / "accuracy.png", dpi=120, bbox_inches="tight")
+        plt.close(fig)
+
+
+def run_train(cfg) -> dict:
+    return Trainer(cfg).run()
