@@ -58,3 +58,18 @@ def make_config(tmp_path, tiny_target):
         return resolve_target_facts(parse_run_config(data))
 
     return make
+
+
+@pytest.fixture
+def train_config(make_config):
+    """A run on the tiny target with its store and vocab mapping built, ready to train."""
+    from eagle3.config import write_run_config
+    from eagle3.extract import run_extract
+    from eagle3.vocab import run_vocab
+
+    cfg = make_config(run_name="train", train={"batch_tokens": 512, "save_every_steps": 4, "epochs": 2,
+                                               "learning_rate": 1e-3, "progress_interval_s": 0.5, "keep_last": 2})
+    run_extract(cfg)
+    run_vocab(cfg)
+    write_run_config(cfg)
+    return cfg

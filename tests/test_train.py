@@ -16,9 +16,7 @@ import torch
 
 import eagle3.train as train
 from eagle3.config import write_run_config
-from eagle3.extract import run_extract
 from eagle3.train import load_checkpoint, make_teachers, simulated_accept_length
-from eagle3.vocab import run_vocab
 from tests.conftest import run_eagle3
 
 
@@ -63,16 +61,6 @@ def test_simulated_accept_length():
     assert simulated_accept_length([]) == 1.0
     assert simulated_accept_length([0.5, 0.5, 0.5]) == pytest.approx(1.875)
     assert simulated_accept_length([1.0] * 7) == 8.0
-
-
-@pytest.fixture
-def train_config(make_config):
-    cfg = make_config(run_name="train", train={"batch_tokens": 512, "save_every_steps": 4, "epochs": 2,
-                                               "learning_rate": 1e-3, "progress_interval_s": 0.5, "keep_last": 2})
-    run_extract(cfg)
-    run_vocab(cfg)
-    write_run_config(cfg)
-    return cfg
 
 
 def final_state(cfg):

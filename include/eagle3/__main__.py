@@ -66,6 +66,13 @@ def cmd_train(args) -> None:
         print(json.dumps(summary, indent=2))
 
 
+def cmd_export(args) -> None:
+    from eagle3.export import run_export
+
+    cfg = resolve_target_facts(load_run_config(args.config))
+    print(json.dumps(run_export(cfg), indent=2))
+
+
 def cmd_store_verify(args) -> None:
     from eagle3.store import verify
 
@@ -129,6 +136,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--config", required=True, help="RUN_DIR/config.json")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser(
+        "export",
+        help="write the best checkpoint as an SGLang EAGLE3 drafter (RUN_DIR/drafter)",
+        description="Serve the result with: python -m sglang.launch_server --model-path TARGET "
+        "--speculative-algorithm EAGLE3 --speculative-draft-model-path RUN_DIR/drafter "
+        "--speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4",
+    )
+    p.add_argument("--config", required=True, help="RUN_DIR/config.json")
+    p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("store", help="inspect a hidden-state store")
     store_sub = p.add_subparsers(dest="store_command", required=True, metavar="SUBCOMMAND")

@@ -1,0 +1,60 @@
+"""Export: the exact key set, shapes and config SGLang's LlamaForCausalLMEagle3 loads, and a round trip
+from the export alone back to the same drafter."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+
+from eagle3.export import EXPORT_KEYS, load_exported_drafter, run_export, sglang_config
+from eagle3.model import DraftConfig, build_draft_model
+from eagle3.train import load_checkpoint, run_train
+
+
+def test_sglang_config_converts_aux_ids_for_the_targets_family():
+    draft = DraftConfig(7168, 18432, 64, 8, 112, 1e-6, 50000.0, 131072, 163840, 32000, (2, 29, 57))
+    config = sglang_config(draft, "KimiK25ForConditionalGeneration", "bfloat16")
+    assert config["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [3, 30, 58], "use_aux_hidden_state": True}
+    assert sglang_config(draft, "LlamaForCausalLM", "bfloat16")["eagle_config"]["eagle_aux_hidden_state_layer_ids"] \
+        == [2, 29, 57]
+
+
+def test_export_has_exactly_the_keys_sglang_loads_and_round_trips(train_config, tiny_target):
+    run_train(train_config)
+    report = run_export(train_config)
+    drafter = train_config.run_dir / "drafter"
+
+    with safe_open(str(drafter / "model.safetensors"), framework="pt") as f:
+        tensors = {key: f.get_tensor(key) for key in f.keys()}
+    assert set(tensors) == set(EXPORT_KEYS) | {"d2t", "t2d"}  # no embed_tokens
+    assert tensors["fc.weight"].shape == (256, 768) and tensors["fc.weight"].dtype == torch.bfloat16
+    assert tensors["midlayer.self_attn.q_proj.weight"].shape == (256, 512)
+    assert tensors["lm_head.weight"].shape == (512, 256)
+    assert tensors["d2t"].dtype == torch.int64 and tensors["d2t"].shape == (512,)
+    assert tensors["t2d"].dtype == torch.bool and int(tensors["t2d"].sum()) == 512
+    mapping_d2t = np.load(train_config.run_dir / "vocab_mapping" / "d2t.npy")
+    assert (tensors["d2t"].numpy() == mapping_d2t).all()
+
+    config = json.loads((drafter / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["model_type"] == "llama"
+    assert config["num_hidden_layers"] == 1 and config["tie_word_embeddings"] is False
+    assert (config["vocab_size"], config["draft_vocab_size"]) == (849, 512)
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+
+    # The export alone (plus the target's embedding) gives the checkpoint's drafter, up to bf16 rounding.
+    loaded, draft_to_target = load_exported_drafter(drafter, tiny_target)
+    trained = build_draft_model(tiny_target, 512, [1, 3, 4])
+    trained.load_state_dict(load_checkpoint(Path(report["checkpoint"]))["model"], strict=False)
+    ids, aux = torch.randint(0, 849, (1, 12)), torch.randn(1, 12, 768)
+    positions = torch.arange(12)[None]
+    with torch.no_grad():
+        want, _ = trained.step(ids, trained.fc(aux), positions, [])
+        got, _ = loaded.step(ids, loaded.fc(aux), positions, [])
+    assert (want.argmax(-1) == got.argmax(-1)).float().mean() > 0.9
+    torch.testing.assert_close(got, want, atol=0.1, rtol=0.05)
+    assert (draft_to_target.numpy() == np.flatnonzero(tensors["t2d"].numpy())).all()
+    assert run_export(train_config) == report  # a retry finds it done
