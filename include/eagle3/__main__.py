@@ -73,6 +73,13 @@ def cmd_export(args) -> None:
     print(json.dumps(run_export(cfg), indent=2))
 
 
+def cmd_evaluate(args) -> None:
+    from eagle3.evaluate import run_evaluate
+
+    cfg = resolve_target_facts(load_run_config(args.config))
+    print(json.dumps(run_evaluate(cfg), indent=2))
+
+
 def cmd_store_verify(args) -> None:
     from eagle3.store import verify
 
@@ -146,6 +153,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--config", required=True, help="RUN_DIR/config.json")
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser(
+        "evaluate",
+        help="measure acceptance length: speculative decoding with the exported drafter on the HF target",
+    )
+    p.add_argument("--config", required=True, help="RUN_DIR/config.json")
+    p.set_defaults(func=cmd_evaluate)
 
     p = sub.add_parser("store", help="inspect a hidden-state store")
     store_sub = p.add_subparsers(dest="store_command", required=True, metavar="SUBCOMMAND")

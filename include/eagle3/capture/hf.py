@@ -36,6 +36,7 @@ class HfCapture:
             trust_remote_code=cfg.target.trust_remote_code,
         )
         self.decoder = model.get_decoder().to(self.device).eval()
+        self.lm_head = model.get_output_embeddings().to(self.device).eval()  # only evaluate uses it
         self.pad_id = model.config.pad_token_id or 0
         self._captured: dict[str, torch.Tensor] = {}
         for i in self.aux_layers:
@@ -57,8 +58,7 @@ class HfCapture:
         for row, sample in enumerate(batch):
             ids[row, : lengths[row]] = torch.as_tensor(sample.input_ids)
             attention_mask[row, : lengths[row]] = 1
-        self._captured.clear()
-        self.decoder(input_ids=ids.to(self.device), attention_mask=attention_mask.to(self.device), use_cache=False)
+        self._forward(ids, attention_mask)
         # Straight into the store's dtype and layout, one pass per layer: the fp32 layer outputs are
         # read once and never concatenated in fp32. On a GPU this happens on the device.
         first = self._captured[f"layer{self.aux_layers[0]}"]
@@ -69,6 +69,20 @@ class HfCapture:
         last = self._captured["final_norm"].to(torch.bfloat16)
         aux, last = aux.cpu(), last.cpu()  # one device->host copy per batch
         return [CapturedStates(aux[row, :n], last[row, :n]) for row, n in enumerate(lengths)]
+
+    def _forward(self, ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
+        self._captured.clear()
+        self.decoder(input_ids=ids.to(self.device), attention_mask=attention_mask.to(self.device), use_cache=False)
+
+    @torch.inference_mode()
+    def logits_and_aux(self, input_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One sequence: the target's logits (fp32, from the unrounded final state) and its aux states as
+        the store holds them (bf16). For the evaluate stage's speculative decoding."""
+        ids = torch.as_tensor([input_ids])
+        self._forward(ids, torch.ones_like(ids))
+        logits = self.lm_head(self._captured["final_norm"])[0].float()
+        aux = torch.cat([self._captured[f"layer{i}"] for i in self.aux_layers], dim=-1)[0].to(torch.bfloat16)
+        return logits.cpu(), aux.cpu()
 
     def close(self) -> None:
         self.decoder = None

@@ -1,0 +1,168 @@
+"""Measure acceptance length with real speculative decoding, offline, on the HF target.
+
+    python -m eagle3 evaluate --config RUN_DIR/config.json
+
+For each draft length k in evaluate.draft_lengths, on held-out prompts (the validation split of the
+data, by sample-id hash, first user turn): greedy chain drafting of k tokens with the EXPORTED drafter
+(RUN_DIR/drafter, loaded as SGLang would: the export plus the target's embedding), verification by the
+target, accept the longest agreeing prefix plus the target's own next token. Writes {run dir}/evaluate/:
+  report.json   per k: mean acceptance length (tokens per target forward, as SGLang reports it), the
+                acceptance rate of each draft position, cycles, tokens; beside it the teacher-forced
+                simulated figure from training; and whether every speculative output equalled plain
+                greedy decoding token for token (it must: verification makes speculation lossless)
+  acceptance.png  acceptance rate per draft position, one line per k
+
+The drafter runs at the last position with the training-time-test pattern: step 0 over the context
+(target features at t, token t+1), then each further draft step feeds its own output hidden state and
+the token it just drafted, RoPE position advanced by one. No KV cache: each cycle recomputes, which is
+simple and fast enough for evaluation-sized targets; SGLang's serving path is what runs at scale.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import torch
+
+from eagle3.fsutil import atomic_write_text
+
+log = logging.getLogger(__name__)
+
+
+def draft_chain(drafter, draft_to_target, aux, next_ids, k: int) -> list[int]:
+    """k greedy draft tokens after the context. aux: [n, 3H] target features of positions 0..n-1;
+    next_ids: [n] the token after each position (the last one is the target's newest token)."""
+    n = len(next_ids)
+    ids = torch.as_tensor(next_ids)[None]
+    positions = torch.arange(n)[None]
+    hidden, cache, drafts = drafter.fc(aux.float()[None]), [], []
+    for i in range(k):
+        logits, hidden = drafter.step(ids, hidden, positions + i, cache)
+        token = int(draft_to_target[logits[0, -1].argmax()])
+        drafts.append(token)
+        ids = ids.clone()
+        ids[0, -1] = token  # only the last position's output is used
+    return drafts
+
+
+def speculative_greedy(target, drafter, draft_to_target, prompt: list[int], k: int, max_new: int, eos: set[int]):
+    """Greedy decoding with k-token chain drafts. Returns (new tokens, accepted count per cycle)."""
+    seq = list(prompt)
+    logits, aux = target.logits_and_aux(seq)
+    token = int(logits[-1].argmax())
+    accepted = []
+    while len(seq) - len(prompt) < max_new and token not in eos:
+        drafts = draft_chain(drafter, draft_to_target, aux[: len(seq)], seq[1:] + [token], k)
+        candidate = seq + [token] + drafts
+        logits, aux = target.logits_and_aux(candidate)
+        predictions = logits[len(seq) :].argmax(-1).tolist()  # the target's token after each candidate token
+        a = 0
+        while a < k and drafts[a] == predictions[a] and drafts[a] not in eos:
+            a += 1
+        seq += [token] + drafts[:a]
+        token = predictions[a]
+        accepted.append(a)
+    if token in eos and len(seq) - len(prompt) < max_new:
+        seq.append(token)
+    return seq[len(prompt) : len(prompt) + max_new], accepted
+
+
+def plain_greedy(target, prompt: list[int], max_new: int, eos: set[int]) -> list[int]:
+    seq = list(prompt)
+    while len(seq) - len(prompt) < max_new:
+        token = int(target.logits_and_aux(seq)[0][-1].argmax())
+        seq.append(token)
+        if token in eos:
+            break
+    return seq[len(prompt) :]
+
+
+def held_out_prompts(cfg, tokenizer) -> list[list[int]]:
+    from eagle3.data import read_conversations
+    from eagle3.train import is_validation
+
+    conversations, _ = read_conversations(cfg.data.path, "skip", None)
+    prompts = []
+    for conversation in conversations:
+        if not is_validation(conversation.sample_id, cfg.train.val_fraction):
+            continue
+        first_answer = next(i for i, m in enumerate(conversation.messages) if m["role"] == "assistant")
+        text = tokenizer.apply_chat_template(list(conversation.messages[:first_answer]), tokenize=False,
+                                             add_generation_prompt=True)
+        prompts.append(tokenizer.encode(text, add_special_tokens=False))
+        if len(prompts) == cfg.evaluate.num_prompts:
+            break
+    return prompts
+
+
+def run_evaluate(cfg) -> dict:
+    from transformers import AutoConfig, AutoTokenizer
+
+    from eagle3.capture.hf import HfCapture
+    from eagle3.export import DRAFTER_DIR, load_exported_drafter
+
+    started = time.monotonic()
+    out = cfg.run_dir / "evaluate"
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_dir, trust_remote_code=cfg.target.trust_remote_code)
+    eos = AutoConfig.from_pretrained(cfg.target.model_path, trust_remote_code=cfg.target.trust_remote_code).eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
+    target = HfCapture(cfg)
+    drafter, draft_to_target = load_exported_drafter(cfg.run_dir / DRAFTER_DIR, cfg.target.model_path)
+    prompts = held_out_prompts(cfg, tokenizer)
+    if not prompts:
+        raise ValueError("no held-out prompts: raise train.val_fraction or evaluate on more data")
+    max_new = cfg.evaluate.max_new_tokens
+
+    with torch.no_grad():
+        baseline = [plain_greedy(target, p, max_new, eos) for p in prompts]
+        results = {}
+        for k in cfg.evaluate.draft_lengths:
+            cycles, identical = [], 0
+            for prompt, expected in zip(prompts, baseline):
+                tokens, accepted = speculative_greedy(target, drafter, draft_to_target, prompt, k, max_new, eos)
+                identical += tokens == expected
+                cycles += accepted
+            reached = [sum(a >= j for a in cycles) for j in range(k + 1)]
+            results[str(k)] = {
+                "mean_accept_length": 1 + sum(cycles) / max(len(cycles), 1),
+                "accept_rate_per_position": [reached[j + 1] / max(reached[j], 1) for j in range(k)],
+                "cycles": len(cycles),
+                "identical_to_greedy": f"{identical}/{len(prompts)}",
+            }
+            log.info("evaluate: k=%d: mean acceptance length %.3f over %d cycles; %d/%d outputs equal greedy",
+                     k, results[str(k)]["mean_accept_length"], len(cycles), identical, len(prompts))
+    export = json.loads((cfg.run_dir / DRAFTER_DIR / "export.json").read_text())
+    report = {
+        "prompts": len(prompts),
+        "max_new_tokens": max_new,
+        "generated_tokens": sum(len(b) for b in baseline),
+        "speculative": results,
+        "simulated_accept_length_teacher_forced": export["val_accept_length"],
+        "val_acc_per_position": export["val_acc"],
+        "seconds": round(time.monotonic() - started, 1),
+    }
+    atomic_write_text(out / "report.json", json.dumps(report, indent=2) + "\n")
+    plot_acceptance(report, out / "acceptance.png")
+    return report
+
+
+def plot_acceptance(report: dict, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for k, result in report["speculative"].items():
+        rates = result["accept_rate_per_position"]
+        ax.plot(range(1, len(rates) + 1), rates, marker="o",
+                label=f"k={k}: accept length {result['mean_accept_length']:.2f}")
+    ax.set(xlabel="draft position", ylabel="acceptance rate (given the earlier ones)", ylim=(0, 1.05),
+           title=f"speculative decoding on {report['prompts']} held-out prompts "
+                 f"(teacher-forced simulated: {report['simulated_accept_length_teacher_forced']:.2f})")
+    ax.legend()
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
