@@ -275,6 +275,11 @@ class Trainer:
         self.step, self.best = state["step"], state["best"]
         log.info("train: resumed from %s (step %d/%d)", checkpoints[-1], self.step, self.total_steps)
 
+    def autocast(self):
+        """bf16 matmuls on GPU over fp32 master weights (the loss itself is taken in fp32); fp32 on CPU,
+        where bf16 is slow and the exact-resume tests run."""
+        return torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda")
+
     def trainable_state(self) -> dict:
         return {k: v for k, v in self.draft.state_dict().items() if k != "embed_tokens.weight"}
 
@@ -282,7 +287,8 @@ class Trainer:
         batch = collate(self.store, sample_ids, self.device)
         teachers = make_teachers(batch["input_ids"], batch["loss_mask"], batch["last"], self.target_lm_head,
                                  self.draft_ids, self.t2d)
-        loss, _, accs = self.ddp(batch["aux"], teachers, self.draft_ids)
+        with self.autocast():
+            loss, _, accs = self.ddp(batch["aux"], teachers, self.draft_ids)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.objective.parameters(), self.cfg.train.max_grad_norm)
         self.optimizer.step()
@@ -297,7 +303,8 @@ class Trainer:
             batch = collate(self.store, sample_ids, self.device)
             t = make_teachers(batch["input_ids"], batch["loss_mask"], batch["last"], self.target_lm_head,
                               self.draft_ids, self.t2d)
-            loss, _, accs = self.objective(batch["aux"], t, self.draft_ids)
+            with self.autocast():
+                loss, _, accs = self.objective(batch["aux"], t, self.draft_ids)
             weight = int(t.loss_mask.sum())
             hits = accs * weight if hits is None else hits + accs * weight
             count, loss_sum, batches = count + weight, loss_sum + loss.item(), batches + 1
