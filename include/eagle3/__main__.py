@@ -7,6 +7,7 @@ passed on a command line except paths.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import sys
@@ -50,34 +51,44 @@ def cmd_extract(args) -> None:
     print(json.dumps(run_extract(cfg, shard=args.shard, num_shards=args.num_shards), indent=2))
 
 
-def cmd_vocab(args) -> None:
-    from eagle3.vocab import run_vocab
+# Stages that take only the run config: name -> (module, function, help, description). Each prints its
+# result as JSON on stdout (its log goes to stderr).
+STAGES = {
+    "vocab": (
+        "eagle3.vocab", "run_vocab",
+        "build the draft/target vocab mapping from the store (or reuse one after a coverage check)",
+        "The mapping is data-dependent: the draft vocab is the target ids the store's assistant tokens use "
+        "most. vocab.reuse_from reuses another run's mapping only if it covers at least vocab.min_coverage "
+        "of this store's loss-masked tokens.",
+    ),
+    "train": (
+        "eagle3.train", "run_train",
+        "train the drafter with training-time test (resumes from the newest checkpoint)",
+        "One process: python -m eagle3 train --config F. Several GPUs: torchrun --nproc_per_node N -m eagle3 "
+        "train --config F (gloo on CPU). Safe to kill and rerun: it continues from the newest checkpoint, "
+        "bit-identically.",
+    ),
+    "export": (
+        "eagle3.export", "run_export",
+        "write the best checkpoint as an SGLang EAGLE3 drafter (RUN_DIR/drafter)",
+        "Serve the result with: python -m sglang.launch_server --model-path TARGET --speculative-algorithm "
+        "EAGLE3 --speculative-draft-model-path RUN_DIR/drafter --speculative-num-steps 3 "
+        "--speculative-eagle-topk 1 --speculative-num-draft-tokens 4",
+    ),
+    "evaluate": (
+        "eagle3.evaluate", "run_evaluate",
+        "measure acceptance length: speculative decoding with the exported drafter on the HF target",
+        "Writes RUN_DIR/evaluate/report.json and acceptance.png.",
+    ),
+}
 
-    cfg = resolve_target_facts(load_run_config(args.config))
-    print(json.dumps(run_vocab(cfg), indent=2))
 
-
-def cmd_train(args) -> None:
-    from eagle3.train import run_train
-
-    cfg = resolve_target_facts(load_run_config(args.config))
-    summary = run_train(cfg)
-    if summary:
-        print(json.dumps(summary, indent=2))
-
-
-def cmd_export(args) -> None:
-    from eagle3.export import run_export
-
-    cfg = resolve_target_facts(load_run_config(args.config))
-    print(json.dumps(run_export(cfg), indent=2))
-
-
-def cmd_evaluate(args) -> None:
-    from eagle3.evaluate import run_evaluate
-
-    cfg = resolve_target_facts(load_run_config(args.config))
-    print(json.dumps(run_evaluate(cfg), indent=2))
+def cmd_stage(args) -> None:
+    module, function = STAGES[args.command][:2]
+    run = getattr(importlib.import_module(module), function)
+    result = run(resolve_target_facts(load_run_config(args.config)))
+    if result:  # under torchrun only rank 0 returns a summary
+        print(json.dumps(result, indent=2))
 
 
 def cmd_store_verify(args) -> None:
@@ -124,42 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-shards", type=int, default=None, help="default: extract.num_shards from the config")
     p.set_defaults(func=cmd_extract)
 
-    p = sub.add_parser(
-        "vocab",
-        help="build the draft/target vocab mapping from the store (or reuse one after a coverage check)",
-        description="The mapping is data-dependent: the draft vocab is the target ids the store's assistant "
-        "tokens use most. vocab.reuse_from reuses another run's mapping only if it covers at least "
-        "vocab.min_coverage of this store's loss-masked tokens.",
-    )
-    p.add_argument("--config", required=True, help="RUN_DIR/config.json")
-    p.set_defaults(func=cmd_vocab)
-
-    p = sub.add_parser(
-        "train",
-        help="train the drafter with training-time test (resumes from the newest checkpoint)",
-        description="One process: python -m eagle3 train --config F. Several GPUs: "
-        "torchrun --nproc_per_node N -m eagle3 train --config F (gloo on CPU). Safe to kill and rerun: "
-        "it continues from the newest checkpoint, bit-identically.",
-    )
-    p.add_argument("--config", required=True, help="RUN_DIR/config.json")
-    p.set_defaults(func=cmd_train)
-
-    p = sub.add_parser(
-        "export",
-        help="write the best checkpoint as an SGLang EAGLE3 drafter (RUN_DIR/drafter)",
-        description="Serve the result with: python -m sglang.launch_server --model-path TARGET "
-        "--speculative-algorithm EAGLE3 --speculative-draft-model-path RUN_DIR/drafter "
-        "--speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4",
-    )
-    p.add_argument("--config", required=True, help="RUN_DIR/config.json")
-    p.set_defaults(func=cmd_export)
-
-    p = sub.add_parser(
-        "evaluate",
-        help="measure acceptance length: speculative decoding with the exported drafter on the HF target",
-    )
-    p.add_argument("--config", required=True, help="RUN_DIR/config.json")
-    p.set_defaults(func=cmd_evaluate)
+    for name, (_, _, help_text, description) in STAGES.items():
+        p = sub.add_parser(name, help=help_text, description=description)
+        p.add_argument("--config", required=True, help="RUN_DIR/config.json")
+        p.set_defaults(func=cmd_stage)
 
     p = sub.add_parser("store", help="inspect a hidden-state store")
     store_sub = p.add_subparsers(dest="store_command", required=True, metavar="SUBCOMMAND")
