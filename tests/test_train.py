@@ -137,3 +137,7 @@ def test_kill_9_and_resume_gives_bit_identical_weights(train_config, make_config
     for index, moments in expected["optimizer"]["state"].items():
         for key, value in moments.items():
             assert torch.equal(torch.as_tensor(got["optimizer"]["state"][index][key]), torch.as_tensor(value))
+    # The metrics of the steps a killed run did past its checkpoint were dropped, not duplicated.
+    metrics = (victim.run_dir / "train" / "metrics.jsonl").read_text().splitlines()
+    steps = [json.loads(line)["step"] for line in metrics if "loss" in json.loads(line)]
+    assert steps == sorted(set(steps))

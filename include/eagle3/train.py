@@ -273,6 +273,10 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng"])
         self.step, self.best = state["step"], state["best"]
+        metrics_file = self.out / "metrics.jsonl"
+        if self.rank == 0 and metrics_file.exists():  # drop what the killed run logged past its checkpoint
+            kept = [line for line in metrics_file.read_text().splitlines() if json.loads(line)["step"] <= self.step]
+            atomic_write_text(metrics_file, "".join(line + "\n" for line in kept))
         log.info("train: resumed from %s (step %d/%d)", checkpoints[-1], self.step, self.total_steps)
 
     def autocast(self):
