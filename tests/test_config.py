@@ -72,6 +72,12 @@ def test_run_name_with_shell_or_path_characters_is_refused(name):
     assert "run_name" in error_of(with_changes(run_name=name))
 
 
+def test_training_gpus_pick_the_rank_count():
+    assert parse_run_config(with_changes(train={"gpus": [0, 1, 2, 3]})).train.ranks == 4
+    assert parse_run_config(with_changes(train={"nproc_per_node": 2})).train.ranks == 2
+    assert "train.gpus" in error_of(with_changes(train={"gpus": [1, 1]}))
+
+
 def test_missing_section_is_named():
     data = with_changes()
     del data["data"]

@@ -68,9 +68,11 @@ def final_state(cfg):
     return load_checkpoint(checkpoints[-1])
 
 
-def copy_run(cfg, make_config, name):
+def copy_run(cfg, make_config, name, ranks=1):
     """The same run in another run directory, sharing the store and vocab mapping (symlinked)."""
-    other = make_config(run_name=name, **{k: cfg.model_dump()[k] for k in ("train", "vocab", "extract")})
+    sections = {k: cfg.model_dump()[k] for k in ("train", "vocab", "extract")}
+    sections["train"]["nproc_per_node"] = ranks
+    other = make_config(run_name=name, **sections)
     other.run_dir.mkdir(parents=True)
     for part in ("hidden_states", "vocab_mapping"):
         (other.run_dir / part).symlink_to(cfg.run_dir / part)
@@ -78,11 +80,10 @@ def copy_run(cfg, make_config, name):
     return other
 
 
-def train_command(cfg, ranks: int) -> list[str]:
-    if ranks == 1:
-        return [sys.executable, "-m", "eagle3", "train", "--config", str(cfg.config_path)]
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
-            str(29500 + random.randrange(1000)), "-m", "eagle3", "train", "--config", str(cfg.config_path)]
+def train_command(cfg) -> list[str]:
+    """What a user (or the DAG) runs, whatever the rank count: with train.nproc_per_node 2 it becomes
+    torchrun with 2 gloo ranks."""
+    return [sys.executable, "-m", "eagle3", "train", "--config", str(cfg.config_path)]
 
 
 def test_a_short_run_learns_and_leaves_checkpoints_metrics_and_plots(train_config):
@@ -101,23 +102,32 @@ def test_a_short_run_learns_and_leaves_checkpoints_metrics_and_plots(train_confi
     state = final_state(train_config)
     assert "embed_tokens.weight" not in state["model"] and state["step"] == summary["steps"]
 
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    assert {"loss", "acc/position_0", "acc/position_6", "val_accept_length", "lr"} <= set(events.Tags()["scalars"])
+    assert [e.value for e in events.Scalars("loss")] == pytest.approx(losses)
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_kill_9_and_resume_gives_bit_identical_weights(train_config, make_config, ranks):
     """SIGKILL the real training (torchrun with 2 gloo ranks too) at random moments after checkpoints,
     rerun it each time; the final weights and optimizer state equal an uninterrupted run's bit for bit."""
-    reference = copy_run(train_config, make_config, f"reference-{ranks}")
-    subprocess.run(train_command(reference, ranks), check=True, capture_output=True)
+    reference = copy_run(train_config, make_config, f"reference-{ranks}", ranks)
+    subprocess.run(train_command(reference), check=True, capture_output=True)
     expected = final_state(reference)
+    last = sorted((reference.run_dir / "train" / "checkpoints").glob("step-*"))[-1]
+    assert json.loads((last / "meta.json").read_text())["world_size"] == ranks
 
-    victim = copy_run(train_config, make_config, f"victim-{ranks}")
+    victim = copy_run(train_config, make_config, f"victim-{ranks}", ranks)
     checkpoints = victim.run_dir / "train" / "checkpoints"
     rng = random.Random(ranks)
     kills = []
     while len(kills) < 3:
         before = len(list(checkpoints.glob("step-*"))) if checkpoints.exists() else 0
-        proc = subprocess.Popen(train_command(victim, ranks), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        proc = subprocess.Popen(train_command(victim), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                 start_new_session=True)
         while proc.poll() is None and (len(list(checkpoints.glob("step-*"))) if checkpoints.exists() else 0) == before:
             time.sleep(0.02)
@@ -129,7 +139,7 @@ def test_kill_9_and_resume_gives_bit_identical_weights(train_config, make_config
         kills.append(sorted(p.name for p in checkpoints.glob("step-*"))[-1])
     print(f"ranks {ranks}: killed after {kills}")
     assert kills
-    subprocess.run(train_command(victim, ranks), check=True, capture_output=True)
+    subprocess.run(train_command(victim), check=True, capture_output=True)
     got = final_state(victim)
     assert got["step"] == expected["step"]
     for name, tensor in expected["model"].items():

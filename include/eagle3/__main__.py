@@ -10,6 +10,7 @@ import argparse
 import importlib
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -64,8 +65,8 @@ STAGES = {
     "train": (
         "eagle3.train", "run_train",
         "train the drafter with training-time test (resumes from the newest checkpoint)",
-        "One process: python -m eagle3 train --config F. Several GPUs: torchrun --nproc_per_node N -m eagle3 "
-        "train --config F (gloo on CPU). Safe to kill and rerun: it continues from the newest checkpoint, "
+        "One rank per train.gpus entry (or train.nproc_per_node); with several, it re-runs itself under "
+        "torchrun (DDP: nccl, gloo on CPU). Safe to kill and rerun: it continues from the newest checkpoint, "
         "bit-identically.",
     ),
     "export": (
@@ -84,6 +85,12 @@ STAGES = {
 
 
 def cmd_stage(args) -> None:
+    if args.command == "train":
+        from eagle3.train import launch_command
+
+        launch = launch_command(resolve_target_facts(load_run_config(args.config)), args.config)
+        if launch is not None:  # several ranks: become torchrun, which runs this command once per rank
+            os.execvpe(launch[0][0], launch[0], launch[1])
     module, function = STAGES[args.command][:2]
     run = getattr(importlib.import_module(module), function)
     result = run(resolve_target_facts(load_run_config(args.config)))

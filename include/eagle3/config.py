@@ -172,7 +172,14 @@ class VocabConfig(Section):
 class TrainConfig(Section):
     """Training the draft model (the train stage)."""
 
-    nproc_per_node: int = Field(1, ge=1, le=64, title="GPUs (processes) per node")
+    nproc_per_node: int = Field(
+        1, ge=1, le=64, title="Processes per node", description="DDP ranks; with gpus set, len(gpus) wins."
+    )
+    gpus: list[int] | None = Field(
+        None,
+        title="GPUs",
+        description="GPU indices to train on, e.g. [0, 1, 2, 3] for 4 of 8; one rank each. Empty: all visible.",
+    )
     ttt_length: int = Field(7, ge=1, le=16, title="Training-time-test steps")
     epochs: int = Field(1, ge=1, title="Epochs")
     learning_rate: float = Field(1e-4, gt=0, title="Learning rate")
@@ -183,6 +190,18 @@ class TrainConfig(Section):
     save_every_steps: int = Field(1000, ge=1, title="Checkpoint every N steps")
     keep_last: int = Field(2, ge=1, title="Checkpoints kept (plus best)")
     progress_interval_s: float = Field(30.0, gt=0, title="Progress log interval (s)")
+
+
+    @field_validator("gpus")
+    @classmethod
+    def _gpus_distinct(cls, gpus: list[int] | None) -> list[int] | None:
+        if gpus is not None and (not gpus or len(set(gpus)) != len(gpus) or min(gpus) < 0):
+            raise ValueError(f"GPU indices must be distinct and >= 0, got {gpus}; leave empty for all visible GPUs")
+        return gpus
+
+    @property
+    def ranks(self) -> int:
+        return len(self.gpus) if self.gpus else self.nproc_per_node
 
 
 class ExportConfig(Section):

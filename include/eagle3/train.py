@@ -1,13 +1,17 @@
 """Training the EAGLE-3 drafter with training-time test (TTT), exactly resumable.
 
-    python -m eagle3 train --config RUN_DIR/config.json                     one process (CPU or one GPU)
-    torchrun --nproc_per_node 4 -m eagle3 train --config RUN_DIR/config.json   DDP (nccl; gloo on CPU)
+    python -m eagle3 train --config RUN_DIR/config.json
+
+One rank per `train.gpus` entry (or `train.nproc_per_node`): with more than one, the command re-runs
+itself under torchrun (`launch_command`), with CUDA_VISIBLE_DEVICES set to those GPUs; DDP over nccl,
+gloo on CPU. Under an outside torchrun it just joins.
 
 Reads the hidden-state store and the vocab mapping; writes {run dir}/train/:
   checkpoints/step-NNNNNN/   state.pt (torch.save, loads with weights_only=True) + meta.json; written to a
                              temp dir, fsynced, renamed. The last `train.keep_last` are kept, plus the best
                              (by simulated acceptance length on the validation split).
   metrics.jsonl              one line per progress interval and per validation
+  tensorboard/               the same as TensorBoard events (tensorboard --logdir RUN_DIR/train/tensorboard)
   loss.png, accuracy.png     at the end
 A restart continues from the newest checkpoint with model, optimizer, schedule, RNG and data position
 restored: the final weights are bit-identical to an uninterrupted run (tests/test_train.py kills one).
@@ -316,16 +320,30 @@ class Trainer:
         return {"val_loss": loss_sum / max(batches, 1), "val_acc": accs,
                 "val_accept_length": simulated_accept_length(accs)}
 
+    def log_metrics(self, metrics_file: Path, record: dict) -> None:
+        """One record to metrics.jsonl and to TensorBoard (rank 0 only)."""
+        with open(metrics_file, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        for key, value in record.items():
+            if key == "step":
+                continue
+            if isinstance(value, list):
+                for i, v in enumerate(value):
+                    self.tensorboard.add_scalar(f"{key}/position_{i}", v, record["step"])
+            else:
+                self.tensorboard.add_scalar(key, value, record["step"])
+        self.tensorboard.flush()
+
     def save(self, metrics_file: Path) -> None:
         val = self.validate()
         if val["val_accept_length"] > self.best["accept_length"]:
             self.best = {"step": self.step, "accept_length": val["val_accept_length"]}
-        with open(metrics_file, "a") as f:
-            f.write(json.dumps({"step": self.step, **val}) + "\n")
+        self.log_metrics(metrics_file, {"step": self.step, **val})
         state = {"model": self.trainable_state(), "optimizer": self.optimizer.state_dict(),
                  "scheduler": self.scheduler.state_dict(), "rng": torch.get_rng_state(), "step": self.step,
                  "best": self.best}
-        meta = {"step": self.step, "total_steps": self.total_steps, **val, "draft_config": self.draft.cfg.to_json()}
+        meta = {"step": self.step, "total_steps": self.total_steps, "world_size": self.world, **val,
+                "draft_config": self.draft.cfg.to_json()}
         started = time.monotonic()
         path = save_checkpoint(self.ckpt_root, state, meta, self.cfg.train.keep_last, self.best["step"])
         log.info("train: step %d: val acc %s, simulated accept length %.3f; saved %s in %.2fs",
@@ -333,8 +351,12 @@ class Trainer:
                  time.monotonic() - started)
 
     def run(self) -> dict:
+        from torch.utils.tensorboard import SummaryWriter
+
         self.resume()
         metrics_file = self.out / "metrics.jsonl"
+        if self.rank == 0:  # purge_step: a resumed run replaces what its killed predecessor logged past here
+            self.tensorboard = SummaryWriter(self.out / "tensorboard", purge_step=self.step or None)
         started = last_log = time.monotonic()
         tokens = steps_here = 0
         for step, sample_ids in self.batches_from(self.step):
@@ -346,15 +368,15 @@ class Trainer:
                 eta = human_duration((self.total_steps - self.step) * (now - started) / steps_here)
                 log.info("train: step %d/%d, %.0f tokens/s, loss %.4f, acc_0 %.3f, ETA %s",
                          self.step, self.total_steps, rate, loss, accs[0], eta)
-                with open(metrics_file, "a") as f:
-                    f.write(json.dumps({"step": self.step, "loss": loss, "acc": accs, "tokens_per_s": rate,
-                                        "lr": self.scheduler.get_last_lr()[0]}) + "\n")
+                self.log_metrics(metrics_file, {"step": self.step, "loss": loss, "acc": accs, "tokens_per_s": rate,
+                                                "lr": self.scheduler.get_last_lr()[0]})
             if self.step % self.cfg.train.save_every_steps == 0 or self.step == self.total_steps:
                 if self.rank == 0:
                     self.save(metrics_file)
                 if self.distributed:
                     dist.barrier()
         if self.rank == 0:
+            self.tensorboard.close()
             plot_metrics(metrics_file, self.out)
             summary = {"steps": self.step, "best": self.best, "seconds": round(time.monotonic() - started, 1),
                        "checkpoint": str(checkpoint_dirs(self.ckpt_root)[-1])}
@@ -390,6 +412,21 @@ def plot_metrics(metrics_file: Path, out_dir: Path) -> None:
         ax.legend(fontsize=8)
         fig.savefig(out_dir / "accuracy.png", dpi=120, bbox_inches="tight")
         plt.close(fig)
+
+
+def launch_command(cfg, config_path) -> tuple[list[str], dict[str, str]] | None:
+    """The torchrun command (and environment) for a multi-rank run, or None when this process should
+    train by itself (one rank, or already a torchrun worker)."""
+    import sys
+
+    if cfg.train.ranks == 1 or "WORLD_SIZE" in os.environ:
+        return None
+    env = dict(os.environ)
+    if cfg.train.gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, cfg.train.gpus))
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+            str(cfg.train.ranks), "-m", "eagle3", "train", "--config", str(config_path)]
+    return argv, env
 
 
 def run_train(cfg) -> dict:
