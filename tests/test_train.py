@@ -106,7 +106,9 @@ def test_a_short_run_learns_and_leaves_checkpoints_metrics_and_plots(train_confi
 
     events = EventAccumulator(str(out / "tensorboard"))
     events.Reload()
-    assert {"loss", "acc/position_0", "acc/position_6", "val_accept_length", "lr"} <= set(events.Tags()["scalars"])
+    assert {"loss", "ploss/position_6", "acc/position_0", "acc/position_6", "val_accept_length", "lr"} <= set(
+        events.Tags()["scalars"]
+    )
     assert [e.value for e in events.Scalars("loss")] == pytest.approx(losses)
 
 

@@ -291,18 +291,18 @@ class Trainer:
     def trainable_state(self) -> dict:
         return {k: v for k, v in self.draft.state_dict().items() if k != "embed_tokens.weight"}
 
-    def train_step(self, sample_ids) -> tuple[float, list[float], int]:
+    def train_step(self, sample_ids) -> tuple[float, list[float], list[float], int]:
         batch = collate(self.store, sample_ids, self.device)
         teachers = make_teachers(batch["input_ids"], batch["loss_mask"], batch["last"], self.target_lm_head,
                                  self.draft_ids, self.t2d)
         with self.autocast():
-            loss, _, accs = self.ddp(batch["aux"], teachers, self.draft_ids)
+            loss, plosses, accs = self.ddp(batch["aux"], teachers, self.draft_ids)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.objective.parameters(), self.cfg.train.max_grad_norm)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return loss.item(), accs.tolist(), int(batch["loss_mask"].numel())
+        return loss.item(), plosses.tolist(), accs.tolist(), int(batch["loss_mask"].numel())
 
     @torch.no_grad()
     def validate(self) -> dict:
@@ -360,7 +360,7 @@ class Trainer:
         started = last_log = time.monotonic()
         tokens = steps_here = 0
         for step, sample_ids in self.batches_from(self.step):
-            loss, accs, batch_tokens = self.train_step(sample_ids)
+            loss, plosses, accs, batch_tokens = self.train_step(sample_ids)
             self.step, tokens, steps_here = step + 1, tokens + batch_tokens * self.world, steps_here + 1
             now = time.monotonic()
             if self.rank == 0 and (now - last_log >= self.cfg.train.progress_interval_s or steps_here == 1):
@@ -368,8 +368,8 @@ class Trainer:
                 eta = human_duration((self.total_steps - self.step) * (now - started) / steps_here)
                 log.info("train: step %d/%d, %.0f tokens/s, loss %.4f, acc_0 %.3f, ETA %s",
                          self.step, self.total_steps, rate, loss, accs[0], eta)
-                self.log_metrics(metrics_file, {"step": self.step, "loss": loss, "acc": accs, "tokens_per_s": rate,
-                                                "lr": self.scheduler.get_last_lr()[0]})
+                self.log_metrics(metrics_file, {"step": self.step, "loss": loss, "ploss": plosses, "acc": accs,
+                                                "tokens_per_s": rate, "lr": self.scheduler.get_last_lr()[0]})
             if self.step % self.cfg.train.save_every_steps == 0 or self.step == self.total_steps:
                 if self.rank == 0:
                     self.save(metrics_file)
