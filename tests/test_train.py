@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -80,6 +81,25 @@ def copy_run(cfg, make_config, name, ranks=1):
     return other
 
 
+def assert_no_process_left(config_path, timeout: float = 10.0) -> None:
+    """No rank of a killed run may live on (torchrun puts ranks in sessions of their own)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = []
+        for proc_dir in Path("/proc").glob("[0-9]*"):
+            try:
+                cmdline = (proc_dir / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+                status = (proc_dir / "status").read_text()
+            except OSError:
+                continue
+            if str(config_path) in cmdline and "State:\tZ" not in status:
+                alive.append(proc_dir.name)
+        if not alive:
+            return
+        assert time.monotonic() < deadline, f"processes of a killed run still alive: {alive}"
+        time.sleep(0.1)
+
+
 def train_command(cfg) -> list[str]:
     """What a user (or the DAG) runs, whatever the rank count: with train.nproc_per_node 2 it becomes
     torchrun with 2 gloo ranks."""
@@ -136,8 +156,9 @@ def test_kill_9_and_resume_gives_bit_identical_weights(train_config, make_config
         time.sleep(rng.uniform(0.0, 0.3))
         if proc.poll() is not None:
             break
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both ranks, with no chance to clean up
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun (and, with it, its ranks), no chance to clean up
         proc.wait()
+        assert_no_process_left(victim.config_path)
         kills.append(sorted(p.name for p in checkpoints.glob("step-*"))[-1])
     print(f"ranks {ranks}: killed after {kills}")
     assert kills

@@ -198,6 +198,22 @@ def load_checkpoint(path: Path) -> dict:
     return torch.load(path / "state.pt", weights_only=True, map_location="cpu")
 
 
+def die_with_parent() -> None:
+    """torchrun starts each rank in a session of its own, so killing torchrun's process group (a job
+    runner stopping a task, a kill -9) would leave the ranks running, on the GPUs, writing checkpoints.
+    Ask the kernel to SIGKILL this rank when its parent (torchrun) dies. Linux only; a no-op elsewhere."""
+    import ctypes
+    import signal
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    pr_set_pdeathsig = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() == 1:  # the parent died before we asked
+        os._exit(1)
+
+
 # -- the loop -----------------------------------------------------------------------------------
 
 
@@ -209,6 +225,7 @@ class Trainer:
         self.cfg = cfg
         self.distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
         if self.distributed:
+            die_with_parent()
             dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
         self.rank = dist.get_rank() if self.distributed else 0
         self.world = dist.get_world_size() if self.distributed else 1
