@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 from pathlib import Path
 
 import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from eagle3.fsutil import fsync_dir, fsync_file
+from eagle3.fsutil import atomic_dir
 from eagle3.layer_ids import sglang_layer_ids
 from eagle3.model import DraftConfig
 from eagle3.train import checkpoint_dirs, load_checkpoint
@@ -101,18 +100,11 @@ def run_export(cfg) -> dict:
     if out.exists() and json.loads((out / "export.json").read_text()) == report:
         log.info("export: %s already holds step %d", out, meta["step"])
         return report
-    tmp = out.with_name(f".{out.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    config = sglang_config(draft, architecture, cfg.export.dtype)
-    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (tmp / "export.json").write_text(json.dumps(report, indent=2) + "\n")
-    for path in tmp.iterdir():
-        fsync_file(path)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    fsync_dir(out.parent)
+    with atomic_dir(out) as tmp:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        config = sglang_config(draft, architecture, cfg.export.dtype)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (tmp / "export.json").write_text(json.dumps(report, indent=2) + "\n")
     log.info("export: step %d (simulated accept length %.3f) -> %s", meta["step"], meta["val_accept_length"], out)
     return report
 

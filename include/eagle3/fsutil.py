@@ -10,6 +10,9 @@ stores can recognise and delete leftovers of a crash.
 from __future__ import annotations
 
 import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 TMP_MARKER = ".tmp-"
@@ -44,6 +47,28 @@ def commit(tmp: Path, final: Path) -> None:
     """fsync `tmp`, rename it to `final`, fsync the directory."""
     fsync_file(tmp)
     os.replace(tmp, final)
+    fsync_dir(final.parent)
+
+
+@contextmanager
+def atomic_dir(final: Path) -> Iterator[Path]:
+    """Build a directory under a temporary name; on success fsync its files, replace `final` with it,
+    fsync the parent. On error the temporary dir is removed and `final` is untouched. The temporary name
+    is fixed per target, so a leftover of a crash is cleared by the next attempt."""
+    final = Path(final)
+    tmp = final.with_name(f".{final.name}{TMP_MARKER}dir")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        for path in tmp.iterdir():
+            fsync_file(path)
+        fsync_dir(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
     fsync_dir(final.parent)
 
 

@@ -17,12 +17,11 @@ from __future__ import annotations
 import json
 import logging
 import random
-import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from eagle3.fsutil import fsync_dir
+from eagle3.fsutil import atomic_dir
 
 log = logging.getLogger(__name__)
 
@@ -188,20 +187,15 @@ def build(directory: Path, spec: TinyTargetSpec) -> Path:
     model = DeepseekV3ForCausalLM(model_config(spec, tokenizer))
     losses = train_briefly(model, tokenizer, rng, spec.train_steps)
 
-    building = directory.with_name(f".{directory.name}.building")
-    shutil.rmtree(building, ignore_errors=True)
-    building.mkdir(parents=True)
-    model.save_pretrained(building)
-    tokenizer.save_pretrained(building)
-    prompt_rng = random.Random(spec.seed + 1_000_003)  # a stream the training never saw
-    with open(building / "prompts.jsonl", "w") as f:
-        for _ in range(spec.num_prompts):
-            conversation = synthetic_conversation(prompt_rng)
-            turns = [{"from": SHAREGPT_ROLES[m["role"]], "value": m["content"]} for m in conversation]
-            f.write(json.dumps({"conversations": turns}) + "\n")
-    (building / "train_losses.json").write_text(json.dumps(losses))
-    (building / "tiny_target.json").write_text(json.dumps(asdict(spec)))
-    shutil.rmtree(directory, ignore_errors=True)
-    building.rename(directory)
-    fsync_dir(directory.parent)
+    with atomic_dir(directory) as building:
+        model.save_pretrained(building)
+        tokenizer.save_pretrained(building)
+        prompt_rng = random.Random(spec.seed + 1_000_003)  # a stream the training never saw
+        with open(building / "prompts.jsonl", "w") as f:
+            for _ in range(spec.num_prompts):
+                conversation = synthetic_conversation(prompt_rng)
+                turns = [{"from": SHAREGPT_ROLES[m["role"]], "value": m["content"]} for m in conversation]
+                f.write(json.dumps({"conversations": turns}) + "\n")
+        (building / "train_losses.json").write_text(json.dumps(losses))
+        (building / "tiny_target.json").write_text(json.dumps(asdict(spec)))
     return directory

@@ -47,7 +47,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from eagle3.fsutil import atomic_write_text, fsync_dir, fsync_file
+from eagle3.fsutil import atomic_dir, atomic_write_text
 from eagle3.model import LM_HEAD_KEYS, Eagle3Draft, build_draft_model, load_target_tensor
 from eagle3.progress import human_duration
 
@@ -175,16 +175,9 @@ def checkpoint_dirs(root: Path) -> list[Path]:
 
 def save_checkpoint(root: Path, state: dict, meta: dict, keep_last: int, best_step: int | None) -> Path:
     final = root / f"step-{state['step']:06d}"
-    tmp = root / f".{final.name}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    torch.save(state, tmp / "state.pt")
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-    for path in tmp.iterdir():
-        fsync_file(path)
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
-    fsync_dir(root)
+    with atomic_dir(final) as tmp:
+        torch.save(state, tmp / "state.pt")
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     keep = {p.name for p in checkpoint_dirs(root)[-keep_last:]}
     if best_step is not None:
         keep.add(f"step-{best_step:06d}")

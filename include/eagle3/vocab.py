@@ -18,13 +18,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from eagle3.fsutil import fsync_dir, fsync_file
+from eagle3.fsutil import atomic_dir
 
 log = logging.getLogger(__name__)
 
@@ -123,17 +122,10 @@ def load_mapping(directory: str | Path) -> tuple[VocabMapping, dict]:
 
 def write_mapping(directory: Path, mapping: VocabMapping, target_vocab: int, meta: dict) -> None:
     """Write the three files into a temp dir, fsync them, rename the dir into place."""
-    tmp = directory.with_name(f".{directory.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    np.save(tmp / "d2t.npy", mapping.d2t())
-    np.save(tmp / "t2d.npy", mapping.t2d(target_vocab))
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-    for path in tmp.iterdir():
-        fsync_file(path)
-    fsync_dir(tmp)
-    tmp.rename(directory)
-    fsync_dir(directory.parent)
+    with atomic_dir(directory) as tmp:
+        np.save(tmp / "d2t.npy", mapping.d2t())
+        np.save(tmp / "t2d.npy", mapping.t2d(target_vocab))
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
 
 
 def run_vocab(cfg) -> dict:
