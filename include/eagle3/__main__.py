@@ -30,12 +30,12 @@ def cmd_make_tiny_target(args) -> None:
 
 
 def cmd_init(args) -> None:
-    source = Path(args.config)
+    source = "stdin" if args.config == "-" else args.config
     try:
-        draft = json.loads(source.read_text())
+        draft = json.loads(sys.stdin.read() if args.config == "-" else Path(args.config).read_text())
     except (OSError, json.JSONDecodeError) as err:
         raise ConfigError(f"{source}: cannot read it as JSON ({err})") from None
-    cfg = resolve_target_facts(parse_run_config(draft, str(source)))
+    cfg = resolve_target_facts(parse_run_config(draft, source))
     print(write_run_config(cfg))
 
 
@@ -110,6 +110,44 @@ def cmd_store_digest(args) -> None:
     print(digest(args.dir))
 
 
+def cmd_box_info(args) -> None:
+    from eagle3.boxinfo import box_info
+
+    print(json.dumps(box_info(require=args.require or (), nvidia_smi=args.nvidia_smi), indent=2))
+
+
+def cmd_box_gpus(args) -> None:
+    from eagle3.boxinfo import gpu_report
+
+    print(json.dumps(gpu_report(args.nvidia_smi), indent=2))
+
+
+def cmd_box_disk(args) -> None:
+    from eagle3.boxinfo import disk_estimate
+
+    print(json.dumps(disk_estimate(resolve_target_facts(load_run_config(args.config)), args.margin), indent=2))
+
+
+def cmd_job(args) -> None:
+    from eagle3 import job
+
+    if args.job_command == "supervise":
+        job.supervise(args.jobs_dir, args.key)
+        return
+    if args.job_command == "start":
+        argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
+        try:
+            result = job.start_job(args.jobs_dir, args.key, argv, args.heartbeat_s, args.stale_after_s)
+        except job.JobLaunchError as err:  # not a usage error: a retry may well succeed
+            print(f"error: {err}", file=sys.stderr)
+            raise SystemExit(1) from None
+    elif args.job_command == "poll":
+        result = job.poll_job(args.jobs_dir, args.key, args.log_offset, args.max_log_bytes, args.stale_after_s)
+    else:
+        result = job.kill_job(args.jobs_dir, args.key, args.grace_s)
+    print(json.dumps(result))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m eagle3", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -125,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_make_tiny_target)
 
     p = sub.add_parser("init", help="validate a run config, fill in the target's facts, write RUN_DIR/config.json")
-    p.add_argument("--config", required=True, help="a run config JSON (see `config schema`)")
+    p.add_argument("--config", required=True, help="a run config JSON (see `config schema`); - reads stdin")
     p.set_defaults(func=cmd_init)
 
     p = sub.add_parser("config", help="run-config tools")
@@ -155,11 +193,54 @@ def build_parser() -> argparse.ArgumentParser:
     d = store_sub.add_parser("digest", help="sha256 over all samples in id order (equal digests = equal content)")
     d.add_argument("dir", help="the store directory (RUN_DIR/hidden_states)")
     d.set_defaults(func=cmd_store_digest)
+
+    p = sub.add_parser(
+        "box", help="facts about this box as JSON (for the sensors)",
+        description="Report, never judge: exit 0 whatever the box's state; the caller decides from the JSON.",
+    )
+    box_sub = p.add_subparsers(dest="box_command", required=True, metavar="SUBCOMMAND")
+    b = box_sub.add_parser("info", help="python, host, boot id, package versions, CUDA, GPUs, missing packages")
+    b.add_argument("--require", action="append", metavar="PACKAGE",
+                   help="also require this package, e.g. sglang (repeatable)")
+    b.add_argument("--nvidia-smi", default=None, help="path of nvidia-smi (default: found on PATH)")
+    b.set_defaults(func=cmd_box_info)
+    b = box_sub.add_parser("gpus", help="GPUs and their compute processes, from nvidia-smi")
+    b.add_argument("--nvidia-smi", default=None, help="path of nvidia-smi (default: found on PATH)")
+    b.set_defaults(func=cmd_box_gpus)
+    b = box_sub.add_parser("disk", help="does the run's extraction fit on its disk (tokens counted once, cached)")
+    b.add_argument("--config", required=True, help="RUN_DIR/config.json")
+    b.add_argument("--margin", type=float, default=1.2, help="safety factor on the hidden-state bytes")
+    b.set_defaults(func=cmd_box_disk)
+
+    p = sub.add_parser(
+        "job",
+        help="run a command detached from the SSH session; re-attach, poll and kill it by key",
+        description="Jobs live in JOBS_DIR/KEY/ (state.json, log, spec.json, lock). Each command prints one JSON "
+        "object. start is idempotent: it attaches to a live or succeeded job and relaunches a dead one.",
+    )
+    job_sub = p.add_subparsers(dest="job_command", required=True, metavar="SUBCOMMAND")
+    start = job_sub.add_parser("start", help="start the job unless it is alive: job start ... -- CMD ARG...")
+    poll = job_sub.add_parser("poll", help="effective status (running, dead, ...) and new log text")
+    kill = job_sub.add_parser("kill", help="SIGTERM the job's process group, SIGKILL it after the grace period")
+    supervise = job_sub.add_parser("supervise")  # internal (start runs it); no help=, so --help doesn't list it
+    for q in (start, poll, kill, supervise):
+        q.add_argument("--jobs-dir", required=True, help="directory holding one subdirectory per job")
+        q.add_argument("--key", required=True, help="the job's name: [A-Za-z0-9][A-Za-z0-9._-]{0,199}")
+        q.set_defaults(func=cmd_job)
+    for q in (start, poll):
+        q.add_argument("--stale-after-s", type=float, default=120.0,
+                       help="a running job whose heartbeat is older counts as dead")
+    start.add_argument("--heartbeat-s", type=float, default=10.0, help="how often the supervisor updates state.json")
+    start.add_argument("argv", nargs=argparse.REMAINDER, help="-- then the command and its arguments")
+    poll.add_argument("--log-offset", type=int, default=0, help="byte offset to read the log from (last log_offset)")
+    poll.add_argument("--max-log-bytes", type=int, default=65536)
+    kill.add_argument("--grace-s", type=float, default=20.0, help="time between SIGTERM and SIGKILL")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     from eagle3.data import DataError
+    from eagle3.job import JobError
     from eagle3.layer_ids import LayerIdError
     from eagle3.vocab import VocabError
 
@@ -167,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
-    except (ConfigError, DataError, LayerIdError, VocabError) as err:
+    except (ConfigError, DataError, JobError, LayerIdError, VocabError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except Exception as err:
