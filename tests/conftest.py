@@ -6,9 +6,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
+
+# Airflow modules imported by tests (params, operators) read their home at import: keep it out of ~/airflow.
+os.environ.setdefault("AIRFLOW_HOME", tempfile.mkdtemp(prefix="airflow-home-"))
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_TARGET = REPO / ".cache" / "tiny-target"
@@ -73,3 +77,8 @@ def train_config(make_config):
     run_vocab(cfg)
     write_run_config(cfg)
     return cfg
+
+pytest_plugins = [
+    "tests.sshd",  # the loopback sshd fixtures (`sshd`, `fresh_sshd`)
+    "tests.airflow_env",  # a throwaway Airflow home with a migrated SQLite DB (`airflow_home`)
+]
