@@ -1,0 +1,84 @@
+"""
+### EAGLE-3 drafter: from conversations to an SGLang-ready draft model, on a remote GPU box
+
+Trigger it from the form: every field comes from the run-config model (`eagle3.config.RunConfig`),
+with its help text, range and pattern. One run writes one run directory,
+`{workdir}/runs/{run_name}/`, on the box: config.json, hidden states, vocab mapping, checkpoints,
+the drafter, report and plots.
+
+preflight: validate -> box reachable -> code synced -> config written -> GPUs idle -> disk enough;
+then extract (one mapped task per shard) -> GPUs released -> vocab -> train -> export -> evaluate -> report.
+
+**Resume = clear the failed task.** Every stage is a detached job on the box that a retry or a clear
+re-attaches to while it runs, and restarts (the stage resumes where it stopped) when it died.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import datetime, timedelta
+
+from airflow.sdk import DAG, chain, task
+
+from eagle3_airflow import tasks
+from eagle3_airflow.jobs import RemoteJobOperator
+from eagle3_airflow.params import build_params
+from eagle3_airflow.sensors import BoxReachableSensor, DiskSpaceSensor, GpuIdleSensor
+
+# Deployment settings without editing code: a JSON file named by EAGLE3_DAG_SETTINGS, e.g.
+# {"schedule": "@weekly", "params": {"workdir": "/data/eagle3", "box.conn_ids": ["gpu-box-1"]}, "pool": "gpu_box"}
+SETTINGS = json.loads(open(os.environ["EAGLE3_DAG_SETTINGS"]).read()) if os.environ.get("EAGLE3_DAG_SETTINGS") else {}
+PARAMS = build_params(SETTINGS.get("params"))
+POOL = SETTINGS.get("pool", "default_pool")  # one pool per box bounds what runs on it at once
+SENSOR_TIMEOUT = timedelta(hours=SETTINGS.get("sensor_timeout_h", 12))
+
+with DAG(
+    dag_id="eagle3_drafter",
+    description="Train an EAGLE-3 drafter for a target model on a remote GPU box",
+    schedule=SETTINGS.get("schedule"),
+    start_date=datetime(2026, 1, 1),
+    catchup=False,
+    max_active_runs=1,  # one box, one run: two runs would fight over its GPUs
+    params=PARAMS,
+    default_args={
+        "retries": SETTINGS.get("retries", 3),
+        "retry_delay": timedelta(seconds=SETTINGS.get("retry_delay_s", 60)),
+        "retry_exponential_backoff": True,
+        "max_retry_delay": timedelta(minutes=30),
+    },
+    doc_md=__doc__,
+    tags=["eagle3", "llm", "speculative-decoding"],
+):
+
+    @task(retries=0, multiple_outputs=True)
+    def validate(params=None, dag_run=None) -> dict:
+        """Refuse unknown keys and bad values (fields named, fixes given) before anything runs."""
+        return tasks.validate_run(dict(params), dict(dag_run.conf or {}), set(PARAMS), dag_run.run_id)
+
+    run = validate()
+    plan = run["plan"]
+
+    box_reachable = BoxReachableSensor(task_id="box_reachable", plan=plan, poke_interval=30, timeout=SENSOR_TIMEOUT)
+    code_synced = task(tasks.sync_code, task_id="sync_code")(plan, run["config"])
+    config_written = task(tasks.write_config, task_id="write_config")(plan, run["config"])
+    gpus_idle = GpuIdleSensor(task_id="gpus_idle", plan=plan, timeout=SENSOR_TIMEOUT)
+    disk_space = DiskSpaceSensor(task_id="disk_space", plan=plan, timeout=SENSOR_TIMEOUT)
+
+    @task
+    def shards(plan: dict) -> list[int]:
+        """One extract task per shard (Airflow maps only over a task's whole return value)."""
+        return list(range(plan["num_shards"]))
+
+    extract = RemoteJobOperator.partial(task_id="extract", stage="extract", plan=plan, pool=POOL).expand(
+        shard=shards(plan)
+    )
+    gpus_released = GpuIdleSensor(task_id="gpus_released", plan=plan, poke_interval=30, timeout=SENSOR_TIMEOUT)
+    vocab = RemoteJobOperator(task_id="vocab", stage="vocab", plan=plan, pool=POOL)
+    train = RemoteJobOperator(task_id="train", stage="train", plan=plan, pool=POOL)
+    export = RemoteJobOperator(task_id="export", stage="export", plan=plan, pool=POOL)
+    evaluate = RemoteJobOperator(task_id="evaluate", stage="evaluate", plan=plan, pool=POOL)
+    summary = task(tasks.report, task_id="report")(plan)
+
+    chain(run, box_reachable, code_synced, config_written, gpus_idle, disk_space, extract, gpus_released,
+          vocab, train, export, evaluate, summary)

@@ -1,0 +1,263 @@
+"""RemoteJobOperator: one pipeline stage as a detached job on the box that survives everything but the disk.
+
+The box side (`python -m eagle3 job start|poll|kill`, include/eagle3/job.py) runs the stage under a
+supervisor in its own session and keeps `{run_dir}/jobs/{key}/state.json` (status, pid, pgid, boot
+id, heartbeat, exit code, try) and the log. This operator only talks to that:
+
+- The job key is `{task_id}` (plus `.{map_index}`), inside the run directory: stable across retries
+  and UI clears of a task instance, and also across DAG runs that share a run directory, so two runs
+  can never have two jobs writing one store. It is kept in `task_state_store` through
+  `airflow.sdk.ResumableJobMixin` as well, but nothing depends on the store surviving: `job start`
+  itself re-attaches under a lock.
+- Every try: job alive -> re-attach (same pid); succeeded -> done; failed, killed or dead (process
+  gone, heartbeat stale, or another boot id after a reboot) -> start a new try, and the stage resumes
+  from what it already wrote. The provider's SSHRemoteJobOperator submits a new job on every try and
+  polls a rebooted box forever; this is the difference.
+- Deferrable: after the start, the trigger polls from the triggerer (no worker slot held for an
+  11-hour train), streams new log lines into the task log, and rides out SSH outages with backoff
+  until `ssh_grace_s` passes. Marking the task failed or clearing it kills the job's process group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections.abc import AsyncIterator
+from datetime import datetime
+from typing import Any
+
+from airflow.sdk import BaseOperator, ResumableJobMixin
+from airflow.sdk.exceptions import AirflowException, AirflowFailException
+from airflow.triggers.base import BaseTrigger, TriggerEvent
+
+from eagle3_airflow.codesync import ensure_code
+from eagle3_airflow.plan import RunPlan
+from eagle3_airflow.transport import BoxUnreachable, box_for
+
+TERMINAL = {"succeeded", "failed", "killed", "dead", "absent"}
+USER_ERROR_EXIT = 2  # `python -m eagle3` exits 2 when the config, data or a file is wrong
+
+
+def job_key(task_id: str, map_index: int) -> str:
+    return task_id if map_index < 0 else f"{task_id}.{map_index}"
+
+
+def job_argv(eagle3_argv: list[str], jobs_dir: str, command: str, key: str, *args: str) -> list[str]:
+    """`python -m eagle3 job <command> --jobs-dir DIR --key KEY ...` with the synced package on the box."""
+    return [*eagle3_argv, "job", command, "--jobs-dir", jobs_dir, "--key", key, *args]
+
+
+def _seconds_between(started: str | None, ended: str | None) -> float | None:
+    if not (started and ended):
+        return None
+    return round((datetime.fromisoformat(ended) - datetime.fromisoformat(started)).total_seconds(), 1)
+
+
+def _json_out(result, what: str) -> dict:
+    result.check(what)
+    try:
+        return json.loads(result.stdout)
+    except json.JSONDecodeError:
+        raise AirflowException(f"{what}: the box printed no JSON:\n{result.stdout[-2000:]}") from None
+
+
+class RemoteJobOperator(ResumableJobMixin, BaseOperator):
+    """Run `python -m eagle3 <stage> --config RUN_DIR/config.json` on the box as a resumable, detached job.
+
+    :param stage: the box-side stage (extract, vocab, train, export, evaluate).
+    :param plan: the run plan dict from the DAG's first task (an XComArg).
+    :param shard: for extract, which shard this (mapped) task runs; its box is chosen from the plan.
+    """
+
+    template_fields = ("plan", "shard")
+    external_id_key = "eagle3_job_key"
+    ui_color = "#e8eefc"
+
+    def __init__(self, *, stage: str, plan: Any, shard: int | None = None, **kwargs):
+        super().__init__(**kwargs)
+        self.stage = stage
+        self.plan = plan
+        self.shard = shard
+
+    # -- what this task instance runs where ------------------------------------------------------
+    @property
+    def run_plan(self) -> RunPlan:
+        return RunPlan.from_xcom(self.plan)
+
+    @property
+    def conn_id(self) -> str:
+        return self.run_plan.conn_for_shard(self.shard) if self.shard is not None else self.run_plan.conn_ids[0]
+
+    def _key(self, context) -> str:
+        ti = context["ti"]
+        return job_key(ti.task_id, ti.map_index)
+
+    def _stage_argv(self) -> list[str]:
+        plan = self.run_plan
+        argv = [plan.python, "-m", "eagle3", self.stage, "--config", plan.config_path]
+        if self.shard is not None:
+            argv += ["--shard", str(self.shard), "--num-shards", str(plan.num_shards)]
+        return argv
+
+    def _job(self, command: str, key: str, *args: str) -> list[str]:
+        return job_argv(self.run_plan.eagle3(), self.run_plan.jobs_dir, command, key, *args)
+
+    # -- the resumable-job protocol --------------------------------------------------------------
+    def execute(self, context):
+        plan = self.run_plan
+        self._running_key = self._key(context)  # for on_kill, which gets no context
+        # A rebooted or reimaged box may have lost the code dir; syncing is a no-op when it is there.
+        ensure_code(plan.box(self.conn_id), plan.python, plan.workdir)
+        return self.execute_resumable(context)
+
+    def submit_job(self, context) -> str:
+        key = self._key(context)
+        heartbeat_s = max(1.0, min(30.0, self.run_plan.stale_after_s / 4))
+        argv = self._job("start", key, "--heartbeat-s", f"{heartbeat_s:g}",
+                         "--stale-after-s", f"{self.run_plan.stale_after_s:g}", "--", *self._stage_argv())
+        state = _json_out(self.run_plan.box(self.conn_id).run(argv, timeout=120), f"starting job {key}")
+        verb = "attached to" if state.get("attached") else "started"
+        self.log.info("%s %s job %s on %s: try %s, pid %s (log: %s)", verb, self.stage, key, self.conn_id,
+                      state.get("try"), state.get("pid"), state.get("log"))
+        return key
+
+    def get_job_status(self, external_id, context) -> str:
+        return self._poll(str(external_id))["effective"]
+
+    def is_job_active(self, status: str) -> bool:
+        return status == "running"
+
+    def is_job_succeeded(self, status: str) -> bool:
+        return status == "succeeded"
+
+    def poll_until_complete(self, external_id, context) -> None:
+        plan = self.run_plan
+        self.defer(
+            trigger=RemoteJobTrigger(
+                conn_id=self.conn_id, eagle3_argv=plan.eagle3(), jobs_dir=plan.jobs_dir, key=str(external_id),
+                poll_interval_s=plan.poll_interval_s, ssh_grace_s=plan.ssh_grace_s,
+                stale_after_s=plan.stale_after_s,
+            ),
+            method_name="execute_complete",
+        )
+
+    def execute_complete(self, context, event: dict) -> dict:
+        status = event["status"]
+        if status == "succeeded":
+            return self.get_job_result(event["key"], context)
+        if status == "unreachable":
+            raise AirflowException(
+                f"{self.stage} job {event['key']}: box {self.conn_id!r} unreachable for more than "
+                f"{self.run_plan.ssh_grace_s:g} s ({event['reason']}). The job may still be running: "
+                "a retry (or clearing this task) re-attaches to it."
+            )
+        state = event.get("state") or {}
+        tail = "\n".join(event.get("log_tail") or [])
+        message = (f"{self.stage} job {event['key']} {status} (exit code {state.get('exit_code')}; {event['reason']}) "
+                   f"on {self.conn_id}, try {state.get('try')}. Last log lines:\n{tail}")
+        if state.get("exit_code") == USER_ERROR_EXIT:
+            # The stage refused its input (the message above says which field or file): retrying cannot help.
+            # Fix the cause, then clear the task.
+            raise AirflowFailException(message)
+        raise AirflowException(message + "\nA retry (or clearing the task) resumes the stage.")
+
+    def get_job_result(self, external_id, context) -> dict:
+        state = self._poll(str(external_id))["state"] or {}
+        return {
+            "stage": self.stage, "job": str(external_id), "box": self.conn_id, "try": state.get("try"),
+            "pid": state.get("pid"), "exit_code": state.get("exit_code"),
+            "seconds": _seconds_between(state.get("started_at"), state.get("ended_at")),
+            "log": state.get("log"),
+        }
+
+    def on_kill(self) -> None:
+        """Killed while not deferred (mark failed during submit): stop the job too."""
+        key = getattr(self, "_running_key", None)
+        if key is None:
+            return
+        try:
+            self.run_plan.box(self.conn_id).run(self._job("kill", key), timeout=60)
+        except Exception as err:  # best effort: the task is being killed anyway
+            self.log.warning("could not kill job %s: %s", key, err)
+
+    def _poll(self, key: str) -> dict:
+        argv = self._job("poll", key, "--max-log-bytes", "0", "--stale-after-s",
+                         f"{self.run_plan.stale_after_s:g}")
+        return _json_out(self.run_plan.box(self.conn_id).run(argv, timeout=60), f"polling job {key}")
+
+
+class RemoteJobTrigger(BaseTrigger):
+    """Polls a box-side job from the triggerer until it ends; streams its log into the task log."""
+
+    def __init__(self, *, conn_id: str, eagle3_argv: list[str], jobs_dir: str, key: str, log_offset: int = 0,
+                 poll_interval_s: float = 10.0, ssh_grace_s: float = 900.0, stale_after_s: float = 120.0):
+        super().__init__()
+        self.conn_id = conn_id
+        self.eagle3_argv = list(eagle3_argv)
+        self.jobs_dir = jobs_dir
+        self.key = key
+        self.log_offset = log_offset
+        self.poll_interval_s = poll_interval_s
+        self.ssh_grace_s = ssh_grace_s
+        self.stale_after_s = stale_after_s
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return "eagle3_airflow.jobs.RemoteJobTrigger", {
+            "conn_id": self.conn_id, "eagle3_argv": self.eagle3_argv, "jobs_dir": self.jobs_dir, "key": self.key,
+            "log_offset": self.log_offset,
+            "poll_interval_s": self.poll_interval_s, "ssh_grace_s": self.ssh_grace_s,
+            "stale_after_s": self.stale_after_s,
+        }
+
+    def _argv(self, command: str, *args: str) -> list[str]:
+        return job_argv(self.eagle3_argv, self.jobs_dir, command, self.key, *args)
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        box = box_for(self.conn_id)
+        unreachable_since: float | None = None
+        attempt = 0
+        try:
+            while True:
+                argv = self._argv("poll", "--log-offset", str(self.log_offset),
+                                  "--stale-after-s", f"{self.stale_after_s:g}")
+                try:
+                    result = await box.arun(argv, timeout=60)
+                    result.check(f"polling job {self.key}")
+                    poll = json.loads(result.stdout)
+                except (BoxUnreachable, TimeoutError) as err:
+                    now = time.monotonic()
+                    unreachable_since = unreachable_since or now
+                    attempt += 1
+                    if now - unreachable_since > self.ssh_grace_s:
+                        yield TriggerEvent({"status": "unreachable", "key": self.key, "reason": str(err)})
+                        return
+                    delay = min(60.0, 2.0 ** min(attempt, 6)) * random.uniform(0.5, 1.0)
+                    self.log.warning("box %s unreachable for %.0f s (tolerated for %.0f s); retrying in %.0f s: %s",
+                                     self.conn_id, now - unreachable_since, self.ssh_grace_s, delay, err)
+                    await asyncio.sleep(delay)
+                    continue
+                unreachable_since, attempt = None, 0
+                for line in poll["log"].splitlines():
+                    if line.strip():
+                        self.log.info("[%s] %s", self.key, line)
+                self.log_offset = poll["log_offset"]
+                if poll["effective"] in TERMINAL:
+                    yield TriggerEvent({
+                        "status": poll["effective"], "key": self.key, "reason": poll.get("reason", ""),
+                        "state": poll.get("state"), "log_tail": poll.get("log_tail", []),
+                    })
+                    return
+                await asyncio.sleep(self.poll_interval_s)
+        finally:
+            await box.aclose()
+
+    async def on_kill(self) -> None:
+        """The user marked the task failed or cleared it: stop the job's whole process group."""
+        box = box_for(self.conn_id)
+        try:
+            result = await box.arun(self._argv("kill"), timeout=90)
+            self.log.info("killed job %s: %s", self.key, result.stdout.strip()[:500])
+        finally:
+            await box.aclose()

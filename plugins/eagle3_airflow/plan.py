@@ -1,0 +1,74 @@
+"""The run plan: what every task of one DAG run needs to know, validated once by the first task.
+
+It travels between tasks as XCom (a plain dict: paths, connection ids, thresholds; never a secret),
+so the remote-job operator and the sensors do not re-read params, and a retried task sees exactly
+what its first try saw.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from eagle3.config import RunConfig
+from eagle3_airflow.codesync import code_dir
+from eagle3_airflow.params import BoxSettings
+from eagle3_airflow.transport import Box, box_for
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    run_name: str
+    workdir: str
+    run_dir: str
+    conn_ids: list[str]
+    python: str
+    num_shards: int
+    generate: bool
+    require_gpus: bool
+    gpu_max_used_mib: int
+    stop_services: list[str] = field(default_factory=list)
+    disk_margin: float = 1.2
+    poll_interval_s: float = 10.0
+    ssh_grace_s: float = 900.0
+    stale_after_s: float = 120.0
+
+    @classmethod
+    def build(cls, config: RunConfig, box: BoxSettings) -> RunPlan:
+        return cls(
+            run_name=config.run_name, workdir=config.workdir, run_dir=str(config.run_dir),
+            conn_ids=list(box.conn_ids), python=box.python, num_shards=config.extract.num_shards,
+            generate=config.generate.enabled, require_gpus=box.require_gpus,
+            gpu_max_used_mib=box.gpu_max_used_mib, stop_services=list(box.stop_services),
+            disk_margin=box.disk_margin, poll_interval_s=box.poll_interval_s, ssh_grace_s=box.ssh_grace_s,
+            stale_after_s=box.stale_after_s,
+        )
+
+    @classmethod
+    def from_xcom(cls, data: dict) -> RunPlan:
+        return cls(**data)
+
+    def to_xcom(self) -> dict:
+        return asdict(self)
+
+    @property
+    def config_path(self) -> str:
+        return f"{self.run_dir}/config.json"
+
+    @property
+    def jobs_dir(self) -> str:
+        # Under the run dir, so deleting a run directory to start over also forgets its jobs.
+        return f"{self.run_dir}/jobs"
+
+    @property
+    def code_dir(self) -> str:
+        return code_dir(self.workdir)
+
+    def conn_for_shard(self, shard: int) -> str:
+        return self.conn_ids[shard % len(self.conn_ids)]
+
+    def box(self, conn_id: str | None = None) -> Box:
+        return box_for(conn_id or self.conn_ids[0])
+
+    def eagle3(self, *args: str) -> list[str]:
+        """argv running the synced package with the box's python; every element is quoted by the transport."""
+        return ["env", f"PYTHONPATH={self.code_dir}", self.python, "-m", "eagle3", *args]

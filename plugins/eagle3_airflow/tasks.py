@@ -1,0 +1,98 @@
+"""The DAG's small tasks (validate, sync code, write config, report) as plain functions.
+
+The DAG file wraps them with @task; keeping them here keeps the DAG file to wiring and lets tests
+call them directly.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from airflow.sdk.exceptions import AirflowFailException
+
+from eagle3_airflow.codesync import ensure_code
+from eagle3_airflow.params import ParamsError, check_unknown_keys, params_to_configs
+from eagle3_airflow.plan import RunPlan
+from eagle3_airflow.transport import RemoteCommandError
+
+log = logging.getLogger(__name__)
+
+REQUIRED_BOX_PACKAGES = ["torch", "transformers", "tokenizers", "safetensors", "numpy", "pydantic"]
+
+
+def validate_run(params: dict, conf: dict, known: set[str], run_id: str) -> dict:
+    """Params -> run plan + run config. Bad input fails the task at once (no retries): nothing has started."""
+    try:
+        check_unknown_keys(conf, known)
+        config, box = params_to_configs({k: v for k, v in params.items() if k in known}, run_id)
+        if config.generate.enabled:
+            raise ParamsError(
+                "generate.enabled: the generate stage is not part of this DAG yet; turn it off to train on the "
+                "conversations as given (data.path)"
+            )
+    except ParamsError as err:
+        raise AirflowFailException(str(err)) from None
+    plan = RunPlan.build(config, box)
+    log.info("run %s in %s on %s; %d extraction shard(s)", plan.run_name, plan.run_dir, ", ".join(plan.conn_ids),
+             plan.num_shards)
+    return {"plan": plan.to_xcom(), "config": config.model_dump(mode="json")}
+
+
+def sync_code(plan_dict: dict, config: dict) -> dict:
+    """Upload the eagle3 package to every box and record what each box has; fail early if a package is missing."""
+    plan = RunPlan.from_xcom(plan_dict)
+    require = ["--require", "sglang"] if config["extract"]["backend"] == "sglang" else []
+    facts = {}
+    for conn_id in plan.conn_ids:
+        box = plan.box(conn_id)
+        where = ensure_code(box, plan.python, plan.workdir)
+        result = box.run(plan.eagle3("box", "info", *require), timeout=300)
+        try:
+            info = json.loads(result.check(f"python -m eagle3 box info on {conn_id}").stdout)
+        except RemoteCommandError as err:
+            raise AirflowFailException(
+                f"{err}\nIs box.python ({plan.python!r}) the interpreter with requirements-box.txt installed?"
+            ) from None
+        log.info("%s: code in %s; python %s; packages %s; cuda %s; gpus %s", conn_id, where,
+                 info["python"].split()[0], info["packages"], info.get("cuda"),
+                 [(g.get("name"), g.get("memory_total_mib")) for g in info.get("gpus", [])])
+        if info["missing"]:
+            raise AirflowFailException(
+                f"box {conn_id}: {plan.python} lacks {', '.join(info['missing'])}; install requirements-box.txt "
+                "into it, or point box.python at the interpreter that has them"
+            )
+        facts[conn_id] = info
+    return facts
+
+
+def write_config(plan_dict: dict, config: dict) -> str:
+    """Write config.json into the run directory on the box (once; the box fills in and checks target facts)."""
+    plan = RunPlan.from_xcom(plan_dict)
+    result = plan.box().run(plan.eagle3("init", "--config", "-"), input=json.dumps(config).encode(), timeout=300)
+    if result.returncode == 2:  # a configuration the box refuses: retrying cannot help
+        raise AirflowFailException(result.stderr.strip().removeprefix("error: "))
+    path = result.check("python -m eagle3 init").stdout.strip()
+    log.info("run config: %s", path)
+    return path
+
+
+def report(plan_dict: dict) -> dict:
+    """Collect the run's results from the box: figures, and where the drafter, report and plots are."""
+    plan = RunPlan.from_xcom(plan_dict)
+    box = plan.box()
+    report_path = f"{plan.run_dir}/evaluate/report.json"
+    evaluation = json.loads(box.run(["cat", report_path]).check(f"reading {report_path}").stdout)
+    plots = sorted(box.run(["find", plan.run_dir, "-name", "*.png"]).check("listing plots").stdout.split())
+    summary = {
+        "run_dir": plan.run_dir,
+        "drafter": f"{plan.run_dir}/drafter",
+        "report": report_path,
+        "plots": plots,
+        "val_acc_per_position": [round(a, 3) for a in evaluation["val_acc_per_position"]],
+        "simulated_accept_length": evaluation["simulated_accept_length_teacher_forced"],
+        "measured_accept_length": {k: v["mean_accept_length"] for k, v in evaluation["speculative"].items()},
+    }
+    for key, value in summary.items():
+        log.info("%-24s %s", key, value)
+    return summary

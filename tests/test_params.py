@@ -1,0 +1,96 @@
+"""The trigger form: params generated from the run-config model, and the way back to a validated config."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from airflow.sdk.definitions.param import ParamsDict
+from airflow.sdk.exceptions import AirflowFailException, ParamValidationError
+
+from eagle3_airflow.params import build_params, params_to_configs, unflatten
+from eagle3_airflow.tasks import validate_run
+
+GOOD = {
+    "workdir": "/data/eagle3",
+    "target.model_path": "/models/kimi",
+    "data.path": "/data/conversations.jsonl",
+}
+
+
+def form(**overrides) -> ParamsDict:
+    """The DAG's params with a trigger's conf applied, validated the way Airflow validates a trigger."""
+    params = ParamsDict(copy.deepcopy(build_params()))
+    for key, value in {**GOOD, **overrides}.items():
+        params[key] = value
+    return params
+
+
+def test_every_config_field_is_a_param_with_its_help_text():
+    params = build_params()
+    expected = {"run_name", "workdir", "target.model_path", "train.epochs", "extract.sglang.tp_size", "box.conn_ids"}
+    assert expected <= set(params)
+    epochs = params["train.epochs"]
+    assert epochs.schema["minimum"] == 1 and epochs.schema["type"] == "integer"
+    assert epochs.schema["section"].startswith("train:")
+    assert params["extract.backend"].schema["enum"] == ["hf", "sglang"]
+    assert "Persistent directory" in params["workdir"].description
+    # A required path has no default: the form demands it.
+    assert not params["workdir"].has_value
+
+
+def test_settings_file_defaults_override_model_defaults():
+    params = build_params({"workdir": "/nfs/eagle3", "train.epochs": 3})
+    assert params["workdir"].value == "/nfs/eagle3" and params["train.epochs"].value == 3
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("train.epochs", "two"),  # wrong type
+        ("train.epochs", 0),  # below minimum
+        ("vocab.min_coverage", 1.5),  # above maximum
+        ("extract.backend", "vllm"),  # not in enum
+        ("run_name", "x; touch /tmp/pwned"),  # shell metacharacters in a name
+        ("run_name", "../../etc"),
+        ("workdir", "relative/path"),  # not absolute
+        ("box.conn_ids", ["ok", "bad id; rm -rf /"]),
+        ("box.python", "python3 -c 'import os'"),
+        ("box.stop_services", ["vllm.service; reboot"]),
+    ],
+)
+def test_bad_values_are_refused_by_the_form(key, value):
+    with pytest.raises(ParamValidationError):
+        form(**{key: value}).validate()
+
+
+def test_good_values_validate_and_become_a_run_config():
+    params = form(**{"train.epochs": 2, "extract.aux_layers": [1, 5, 9], "box.conn_ids": ["gpu1", "gpu2"]})
+    resolved = params.validate()
+    config, box = params_to_configs(resolved, "manual__2026-11-29T10:00:00+00:00")
+    assert config.train.epochs == 2 and config.extract.aux_layers == [1, 5, 9]
+    assert config.run_name == "manual__2026-11-29T10-00-00-00-00"  # empty run_name: named after the run id
+    assert box.conn_ids == ["gpu1", "gpu2"]
+
+
+def test_unknown_conf_keys_are_rejected_by_the_first_task_with_a_hint():
+    params = dict(form().validate())
+    with pytest.raises(AirflowFailException, match=r"'epochs' \(did you mean 'train.epochs'\?\)"):
+        validate_run(params, {"epochs": 2}, set(build_params()), "manual__1")
+
+
+def test_cross_field_errors_name_the_field():
+    params = dict(form(**{"target.num_hidden_layers": 8, "extract.aux_layers": [1, 3, 9]}).validate())
+    with pytest.raises(AirflowFailException, match=r"extract.aux_layers: layer 9 out of range for a 8-layer target"):
+        validate_run(params, {}, set(build_params()), "manual__1")
+
+
+def test_paths_with_shell_syntax_are_valid_data_not_commands():
+    """$(...) and backticks are legal in a POSIX path; they travel as data (argv elements, a JSON file)."""
+    path = "/data/$(touch /tmp/pwned)/`id`/x.jsonl"
+    run = validate_run(dict(form(**{"data.path": path}).validate()), {}, set(build_params()), "manual__1")
+    assert run["config"]["data"]["path"] == path
+
+
+def test_unflatten_drops_nulls_so_model_defaults_apply():
+    assert unflatten({"a.b": 1, "a.c": None, "d": 2}) == {"a": {"b": 1}, "d": 2}

@@ -1,0 +1,135 @@
+"""Preflight sensors against a real box (this machine through the local transport, the synced package, real
+`python -m eagle3 box ...` commands). GPUs cannot exist here: a stand-in nvidia-smi (tests/fakes) is put
+first on PATH, and a stand-in systemctl for the service-stop case; both are named so in their docstrings."""
+
+from __future__ import annotations
+
+import json
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+
+from eagle3_airflow.codesync import ensure_code
+from eagle3_airflow.plan import RunPlan
+from eagle3_airflow.sensors import BoxReachableSensor, DiskSpaceSensor, GpuIdleSensor
+from eagle3_airflow.transport import LocalBox
+
+FAKES = Path(__file__).parent / "fakes"
+
+H200 = {"index": 0, "uuid": "GPU-0a1b", "name": "NVIDIA H200", "memory.total": 143771,
+        "mig.mode.current": "Disabled"}
+VLLM = {"gpu_uuid": "GPU-0a1b", "pid": 4242, "process_name": "python3 -m vllm.entrypoints.openai.api_server",
+        "used_memory": 70000}
+
+# A TEST STAND-IN for systemctl (no systemd in a container): `is-active` answers from a state file,
+# `stop` empties it and records the call.
+FAKE_SYSTEMCTL = """#!/bin/sh
+state="$FAKE_SYSTEMCTL_STATE"
+case "$1" in
+  is-active) grep -qx "$3" "$state" ;;
+  stop) echo "$2" >> "$state.stopped"; grep -vx "$2" "$state" > "$state.new"; mv "$state.new" "$state" ;;
+  *) exit 2 ;;
+esac
+"""
+
+
+@pytest.fixture
+def plan(tmp_path, make_config) -> dict:
+    """A run plan for a run on the tiny target with the package synced to a workdir on this machine."""
+    from eagle3.config import write_run_config
+
+    cfg = make_config(workdir=tmp_path / "work")
+    write_run_config(cfg)
+    ensure_code(LocalBox(), sys.executable, cfg.workdir)
+    return RunPlan(run_name=cfg.run_name, workdir=cfg.workdir, run_dir=str(cfg.run_dir), conn_ids=["local"],
+                   python=sys.executable, num_shards=1, generate=False, require_gpus=True,
+                   gpu_max_used_mib=1024).to_xcom()
+
+
+@pytest.fixture
+def gpus(tmp_path, monkeypatch):
+    """Write the stand-in nvidia-smi's scenario: what the box's GPUs show."""
+    monkeypatch.setenv("PATH", f"{FAKES}:{tmp_path}:" + __import__("os").environ["PATH"])
+    scenario = tmp_path / "nvidia-smi.json"
+    monkeypatch.setenv("FAKE_NVIDIA_SMI_STATE", str(scenario))
+
+    def show(gpus: list[dict] | None = None, processes: list[dict] | None = None, **failure) -> None:
+        scenario.write_text(json.dumps(failure or {"gpus": gpus or [], "processes": processes or []}))
+
+    return show
+
+
+def poke(sensor_class, plan: dict, capsys, **kwargs) -> tuple[bool, str]:
+    """Poke once; return the answer and what the sensor logged (Airflow's task logger writes to stdout here)."""
+    sensor = sensor_class(task_id="sensor", plan=plan, **kwargs)
+    capsys.readouterr()
+    result = sensor.poke({})
+    return result, capsys.readouterr().out
+
+
+def test_gpus_idle(plan, gpus, capsys):
+    gpus([{**H200, "memory.used": 1}])
+    idle, log = poke(GpuIdleSensor, plan, capsys)
+    assert idle
+    assert "NVIDIA H200: 1 of 143771 MiB used" in log
+
+
+def test_gpus_busy_with_a_foreign_process_is_named_until_it_is_gone(plan, gpus, capsys):
+    gpus([{**H200, "memory.used": 70500}], [VLLM])
+    idle, log = poke(GpuIdleSensor, plan, capsys)
+    assert not idle
+    assert "pid 4242 python3 -m vllm.entrypoints.openai.api_server (70000 MiB)" in log
+    gpus([{**H200, "memory.used": 3}])  # someone killed it
+    assert poke(GpuIdleSensor, plan, capsys)[0]
+
+
+def test_memory_in_use_without_a_visible_process_is_busy(plan, gpus, capsys):
+    gpus([{**H200, "memory.used": 9000}])
+    idle, log = poke(GpuIdleSensor, plan, capsys)
+    assert not idle and "9000 MiB used > 1024 MiB allowed" in log
+
+
+def test_no_gpu_on_a_box_that_needs_them(plan, gpus, capsys):
+    gpus(error="No devices were found", exit_code=6)
+    idle, log = poke(GpuIdleSensor, plan, capsys)
+    assert not idle and "no GPUs visible" in log
+
+
+def test_cpu_runs_skip_the_gpu_check(plan, gpus, capsys):
+    gpus(error="No devices were found", exit_code=6)
+    idle, log = poke(GpuIdleSensor, {**plan, "require_gpus": False}, capsys)
+    assert idle and "GPU check off" in log
+
+
+def test_configured_services_are_stopped_before_the_check(plan, gpus, tmp_path, capsys, monkeypatch):
+    systemctl = tmp_path / "systemctl"
+    systemctl.write_text(FAKE_SYSTEMCTL)
+    systemctl.chmod(systemctl.stat().st_mode | stat.S_IEXEC)
+    units = tmp_path / "active-units"
+    units.write_text("vllm.service\n")
+    monkeypatch.setenv("FAKE_SYSTEMCTL_STATE", str(units))
+    gpus([{**H200, "memory.used": 2}])
+    idle, log = poke(GpuIdleSensor, {**plan, "stop_services": ["vllm.service", "other.service"]}, capsys)
+    assert idle
+    assert "stopped service vllm.service" in log
+    assert Path(f"{units}.stopped").read_text() == "vllm.service\n"  # the inactive unit was left alone
+
+
+def test_disk_space_below_and_above_the_estimate(plan, capsys):
+    enough, log = poke(DiskSpaceSensor, plan, capsys)
+    assert enough and "free on" in log
+    enough, log = poke(DiskSpaceSensor, {**plan, "disk_margin": 1e9}, capsys)  # a run that cannot fit
+    assert not enough and "need" in log
+
+
+def test_box_reachable_waits_for_an_ssh_box_that_does_not_answer(plan, capsys, monkeypatch, fresh_sshd):
+    monkeypatch.setenv("AIRFLOW_CONN_GPU_BOX", fresh_sshd.airflow_conn_json())
+    ssh_plan = {**plan, "conn_ids": ["gpu_box"]}
+    assert poke(BoxReachableSensor, ssh_plan, capsys)[0]
+    fresh_sshd.stop()
+    reachable, log = poke(BoxReachableSensor, ssh_plan, capsys)
+    assert not reachable and "waiting for box gpu_box" in log
+    fresh_sshd.start()
+    assert poke(BoxReachableSensor, ssh_plan, capsys)[0]
