@@ -131,7 +131,10 @@ class SSHBox(Box):
         except (OSError, asyncssh.Error, TimeoutError) as err:
             await self.aclose()
             raise BoxUnreachable(f"cannot reach box {self.conn_id!r}: {type(err).__name__}: {err}") from err
-        return CommandResult(argv, result.exit_status or 0, _text(result.stdout), _text(result.stderr))
+        if result.exit_status is None:  # the connection closed before the command reported how it ended
+            await self.aclose()
+            raise BoxUnreachable(f"connection to box {self.conn_id!r} lost while running {argv[:3]}")
+        return CommandResult(argv, result.exit_status, _text(result.stdout), _text(result.stderr))
 
     async def aclose(self) -> None:
         conn, self._async_conn = self._async_conn, None

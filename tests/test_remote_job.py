@@ -1,0 +1,105 @@
+"""The remote-job trigger against a real sshd: it rides out an SSH outage without touching the job, gives up
+only after the grace period, and a user's kill (mark failed / clear) stops the job's whole process group."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+
+import psutil
+import pytest
+
+from eagle3_airflow.codesync import ensure_code
+from eagle3_airflow.jobs import RemoteJobTrigger, job_argv
+from eagle3_airflow.transport import SSHBox
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def box(fresh_sshd, monkeypatch, tmp_path):
+    """An SSH box with the package synced; returns (box, argv prefix for `python -m eagle3`, jobs dir)."""
+    monkeypatch.setenv("AIRFLOW_CONN_GPU_BOX", fresh_sshd.airflow_conn_json())
+    ssh_box = SSHBox("gpu_box")
+    code = ensure_code(ssh_box, sys.executable, str(tmp_path / "work"))
+    return ssh_box, ["env", f"PYTHONPATH={code}", sys.executable, "-m", "eagle3"], str(tmp_path / "work" / "jobs")
+
+
+def start(box, command: list[str], key: str = "stage") -> dict:
+    ssh_box, eagle3, jobs_dir = box
+    result = ssh_box.run(job_argv(eagle3, jobs_dir, "start", key, "--heartbeat-s", "0.5", "--", *command))
+    return json.loads(result.check("job start").stdout)
+
+
+def trigger_for(box, key: str = "stage", **kwargs) -> RemoteJobTrigger:
+    _, eagle3, jobs_dir = box
+    return RemoteJobTrigger(conn_id="gpu_box", eagle3_argv=eagle3, jobs_dir=jobs_dir, key=key, poll_interval_s=0.3,
+                            **kwargs)
+
+
+async def first_event(trigger: RemoteJobTrigger):
+    async for event in trigger.run():
+        return event.payload
+
+
+def test_trigger_round_trips_through_serialize():
+    trigger = RemoteJobTrigger(conn_id="c", eagle3_argv=["python"], jobs_dir="/w/jobs", key="train", log_offset=7)
+    classpath, kwargs = trigger.serialize()
+    assert classpath == "eagle3_airflow.jobs.RemoteJobTrigger"
+    assert RemoteJobTrigger(**kwargs).serialize() == (classpath, kwargs)
+
+
+def test_ssh_outage_during_a_job_is_ridden_out_and_the_job_is_not_restarted(box, fresh_sshd):
+    job = start(box, [sys.executable, "-c", "import time; time.sleep(6); print('stage done')"])
+
+    async def drill():
+        polling = asyncio.create_task(first_event(trigger_for(box, ssh_grace_s=60)))
+        await asyncio.sleep(1)
+        fresh_sshd.stop()  # open connections drop, new ones are refused
+        await asyncio.sleep(4)
+        fresh_sshd.start()
+        return await asyncio.wait_for(polling, 120)
+
+    event = asyncio.run(drill())
+    assert event["status"] == "succeeded"
+    assert (event["state"]["pid"], event["state"]["try"]) == (job["pid"], 1)  # the same job, never relaunched
+
+
+def test_an_outage_longer_than_the_grace_period_ends_the_wait_but_not_the_job(box, fresh_sshd):
+    job = start(box, [sys.executable, "-c", "import time; time.sleep(8)"])
+    fresh_sshd.stop()
+    started = time.monotonic()
+    event = asyncio.run(asyncio.wait_for(first_event(trigger_for(box, ssh_grace_s=2)), 60))
+    assert event["status"] == "unreachable" and time.monotonic() - started >= 2
+    fresh_sshd.start()
+    ssh_box, eagle3, jobs_dir = box
+    poll = json.loads(ssh_box.run(job_argv(eagle3, jobs_dir, "poll", "stage")).stdout)
+    assert poll["effective"] == "running" and poll["state"]["pid"] == job["pid"]  # a retry will re-attach
+    ssh_box.run(job_argv(eagle3, jobs_dir, "kill", "stage", "--grace-s", "1"))
+
+
+def test_user_kill_stops_the_whole_process_group(box, tmp_path):
+    pid_file = tmp_path / "grandchild.pid"
+    spawn = (f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; "
+             f"time.sleep(60)']); open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(60)")
+    job = start(box, [sys.executable, "-c", spawn])
+    deadline = time.monotonic() + 20
+    while not pid_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    grandchild = int(pid_file.read_text())
+    asyncio.run(trigger_for(box).on_kill())
+    ssh_box, eagle3, jobs_dir = box
+    poll = json.loads(ssh_box.run(job_argv(eagle3, jobs_dir, "poll", "stage")).stdout)
+    assert poll["effective"] == "killed"
+    for pid in (job["pid"], grandchild):
+        assert not running(pid), f"pid {pid} survived the kill"
+
+
+def running(pid: int) -> bool:
+    """True if pid is a live process (a zombie has exited: it only waits for init to reap it)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
