@@ -27,6 +27,7 @@ lint: $(INSTALLED)
 
 bench: $(INSTALLED)
 	$(PY) bench/extract_throughput.py
+	$(PY) bench/dag_parse.py
 
 clean:
 	rm -rf demo-work bench-work .pytest_cache .ruff_cache

@@ -1,16 +1,20 @@
-"""`make demo`: the pipeline's stages that exist so far, end to end on this machine (CPU, no download).
+"""`make demo`: the whole Airflow DAG, end to end, on this machine (SQLite Airflow, CPU, no download).
 
-Builds the tiny DeepSeek-V3-shaped target (cached in .cache/tiny-target), writes a run config into
-demo-work/runs/demo/, then runs extract, store verify, vocab, train, export and evaluate, and prints a
-summary with where the drafter, its report and plots are. Each stage runs
-as the DAG will run it on a box: `python -m eagle3 <stage> --config <run dir>/config.json`.
-Running it again resumes: finished stages find their work done.
-(Until the Airflow DAG lands, this script is the orchestrator; then `make demo` runs the DAG.)
+1. builds the tiny DeepSeek-V3-shaped target (cached in .cache/tiny-target),
+2. migrates a throwaway Airflow home in demo-work/airflow (SQLite),
+3. runs `airflow dags test eagle3_drafter` with this machine as the box (connection "local"): preflight,
+   extract (2 shards), vocab, train, export, evaluate, report, every stage a detached box-side job,
+4. prints a summary from the run directory: stage durations, store, vocab, accuracy, acceptance length,
+   and where the drafter, its report and plots are. The last line is `run directory: <path>`.
+
+Running it again finds every job of run "demo" finished (about 45 s, all Airflow and Python start-up); delete
+demo-work/runs/demo to start over.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -19,67 +23,121 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 TINY_TARGET = REPO / ".cache" / "tiny-target"
 WORKDIR = REPO / "demo-work"
+AIRFLOW = str(Path(sys.executable).with_name("airflow"))
+STAGES = ["extract.0", "extract.1", "vocab", "train", "export", "evaluate"]
+
+CONF = {
+    "run_name": "demo",
+    "workdir": str(WORKDIR),
+    "target.model_path": str(TINY_TARGET),
+    "target.dtype": "float32",
+    "data.path": str(TINY_TARGET / "prompts.jsonl"),
+    "vocab.draft_vocab_size": 512,
+    "extract.batch_tokens": 4096,
+    "extract.chunk_mib": 32,
+    "extract.num_shards": 2,
+    "extract.progress_interval_s": 5,
+    "train.batch_tokens": 2048,
+    "train.epochs": 2,
+    "train.learning_rate": 1e-3,
+    "train.save_every_steps": 20,
+    "train.val_fraction": 0.05,
+    "train.progress_interval_s": 10,
+    "evaluate.num_prompts": 32,
+    "evaluate.max_new_tokens": 48,
+    "evaluate.draft_lengths": [3, 7],
+    "box.conn_ids": ["local"],
+    "box.python": sys.executable,
+    "box.require_gpus": False,  # a CPU demo: the GPU sensor would wait forever
+    "box.poll_interval_s": 1,
+}
 
 
-def eagle3(*args: str) -> str:
-    """Run one box-side command; its log goes to the terminal, its stdout (JSON or a path) is returned."""
+def airflow_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")}
+    settings = WORKDIR / "dag-settings.json"
+    settings.write_text(json.dumps({"retry_delay_s": 5}))
+    env.update(
+        AIRFLOW_HOME=str(WORKDIR / "airflow"),
+        AIRFLOW__CORE__DAGS_FOLDER=str(REPO / "dags"),
+        AIRFLOW__CORE__PLUGINS_FOLDER=str(REPO / "plugins"),
+        AIRFLOW__CORE__LOAD_EXAMPLES="False",
+        EAGLE3_DAG_SETTINGS=str(settings),
+        PYTHONUNBUFFERED="1",
+    )
+    return env
+
+
+def step(what: str, argv: list[str], **kwargs) -> None:
     started = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "eagle3", *args], stdout=subprocess.PIPE, text=True, check=True)
-    print(f"[demo] eagle3 {args[0]} done in {time.monotonic() - started:.1f}s", flush=True)
-    return out.stdout
+    print(f"[demo] {what} ...", flush=True)
+    subprocess.run(argv, check=True, **kwargs)
+    print(f"[demo] {what}: done in {time.monotonic() - started:.1f}s", flush=True)
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(path.read_text())
 
 
 def main() -> None:
     started = time.monotonic()
-    eagle3("make-tiny-target", str(TINY_TARGET))
-    draft = {
-        "run_name": "demo",
-        "workdir": str(WORKDIR),
-        "target": {"model_path": str(TINY_TARGET), "dtype": "float32"},
-        "data": {"path": str(TINY_TARGET / "prompts.jsonl")},
-        "vocab": {"draft_vocab_size": 512},
-        "extract": {"batch_tokens": 4096, "chunk_mib": 32, "progress_interval_s": 5},
-        "train": {"batch_tokens": 2048, "epochs": 2, "learning_rate": 1e-3, "save_every_steps": 20,
-                  "val_fraction": 0.05, "progress_interval_s": 10},
-        "evaluate": {"num_prompts": 32, "max_new_tokens": 48, "draft_lengths": [3, 7]},
-    }
     WORKDIR.mkdir(exist_ok=True)
-    draft_path = WORKDIR / "demo-config.json"
-    draft_path.write_text(json.dumps(draft, indent=2))
-    config = eagle3("init", "--config", str(draft_path)).strip()
-    run_dir = Path(config).parent
-    extract = json.loads(eagle3("extract", "--config", config))
-    store = json.loads(eagle3("store", "verify", str(run_dir / "hidden_states")))
-    vocab = json.loads(eagle3("vocab", "--config", config))
-    train = json.loads(eagle3("train", "--config", config))
-    export = json.loads(eagle3("export", "--config", config))
-    report = json.loads(eagle3("evaluate", "--config", config))
+    step("build the tiny target", [sys.executable, "-m", "eagle3", "make-tiny-target", str(TINY_TARGET)])
+    env = airflow_env()
+    step("migrate the demo's Airflow DB (SQLite)", [AIRFLOW, "db", "migrate"], env=env, stdout=subprocess.DEVNULL)
+    log = WORKDIR / "dag-test.log"
+    print(f"[demo] airflow dags test eagle3_drafter: the task log goes to {log}", flush=True)
+    with open(log, "w") as out:
+        proc = subprocess.run([AIRFLOW, "dags", "test", "eagle3_drafter", "--conf", json.dumps(CONF)], env=env,
+                              stdout=out, stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
+        sys.exit(f"[demo] the DAG run failed (exit {proc.returncode}); last lines of {log}:\n{tail}")
+    print_summary(WORKDIR / "runs" / "demo", time.monotonic() - started)
 
-    ideal = store["hidden_size"] * (len(store["aux_layers"]) + 1) * 2 + 4 + 1
+
+def job_seconds(run_dir: Path, key: str) -> str:
+    state = read_json(run_dir / "jobs" / key / "state.json")
+    if not (state.get("started_at") and state.get("ended_at")):
+        return "?"
+    from datetime import datetime
+
+    seconds = (datetime.fromisoformat(state["ended_at"]) - datetime.fromisoformat(state["started_at"])).total_seconds()
+    return f"{seconds:.0f}s (try {state['try']})"
+
+
+def print_summary(run_dir: Path, total_s: float) -> None:
+    verify = [sys.executable, "-m", "eagle3", "store", "verify", str(run_dir / "hidden_states")]
+    store = json.loads(subprocess.run(verify, check=True, capture_output=True, text=True).stdout)
+    shards = [read_json(p) for p in sorted((run_dir / "hidden_states").glob("shard-*/extract_stats.json"))]
+    vocab = read_json(run_dir / "vocab_mapping" / "meta.json")
+    train = read_json(run_dir / "train" / "summary.json")
+    report = read_json(run_dir / "evaluate" / "report.json")
+
     print()
-    print("stage     samples  tokens   seconds  notes")
-    rate = f"{extract['tokens_per_s']:.0f} tokens/s" if extract["samples_extracted"] else "already done"
-    print(f"extract   {extract['samples_stored']:<8} {store['tokens']:<8} {extract['seconds']:<8.1f} "
-          f"{extract['samples_extracted']} extracted this run ({rate}); "
-          f"{extract['duplicates']} duplicate prompts skipped")
-    print(f"store     {store['samples']:<8} {store['tokens']:<8} {'':8} "
-          f"{store['bytes'] / 2**20:.1f} MiB, {store['bytes_per_token']:.1f} bytes/token "
-          f"({store['bytes_per_token'] / ideal:.4f} x payload), aux layers {store['aux_layers']}")
-    print(f"vocab     {'':8} {vocab['loss_tokens']:<8} {'':8} draft vocab {vocab['draft_vocab_size']} of "
-          f"{vocab['target_vocab_size']} ids covers {vocab['coverage']:.2%} of assistant tokens")
-    print(f"train     {'':8} {'':8} {train['seconds']:<8.1f} {train['steps']} steps; best step {train['best']['step']}")
-    print(f"export    step {export['step']}: val acc per position {[round(a, 3) for a in export['val_acc']]}")
-    print(f"          simulated (teacher-forced) acceptance length {export['val_accept_length']:.3f}")
+    print("stage       duration        figures")
+    print(f"extract     {job_seconds(run_dir, 'extract.0'):<15} shard 0; "
+          f"{job_seconds(run_dir, 'extract.1')} shard 1; {store['samples']} samples, {store['tokens']} tokens, "
+          f"{sum(s.get('duplicates', 0) for s in shards)} duplicate prompts skipped")
+    print(f"store       {'':15} {store['bytes'] / 2**20:.1f} MiB, {store['bytes_per_token']:.1f} bytes/token, "
+          f"aux layers {store['aux_layers']}")
+    print(f"vocab       {job_seconds(run_dir, 'vocab'):<15} draft vocab {vocab.get('draft_vocab_size')} of "
+          f"{vocab.get('target_vocab_size')} ids covers {vocab.get('coverage', 0):.2%} of assistant tokens")
+    print(f"train       {job_seconds(run_dir, 'train'):<15} {train['steps']} steps; best step {train['best']['step']}")
+    print(f"export      {job_seconds(run_dir, 'export'):<15} val acc per position "
+          f"{[round(a, 3) for a in report['val_acc_per_position']]}")
+    print(f"            {'':15} simulated (teacher-forced) acceptance length "
+          f"{report['simulated_accept_length_teacher_forced']:.3f}")
     for k, result in report["speculative"].items():
-        print(f"evaluate  k={k}: measured acceptance length {result['mean_accept_length']:.3f} on "
-              f"{report['prompts']} held-out prompts; outputs equal to greedy: {result['identical_to_greedy']}")
-    print(f"total {time.monotonic() - started:.0f}s")
-    print(f"hidden states: {run_dir / 'hidden_states'}")
-    print(f"vocab mapping: {run_dir / 'vocab_mapping'}")
+        print(f"evaluate    {job_seconds(run_dir, 'evaluate'):<15} k={k}: measured acceptance length "
+              f"{result['mean_accept_length']:.3f} on {report['prompts']} held-out prompts; "
+              f"outputs equal to greedy: {result['identical_to_greedy']}")
+    print(f"total {total_s:.0f}s (the whole DAG, Airflow included)")
     print(f"drafter:       {run_dir / 'drafter'}")
     print(f"report:        {run_dir / 'evaluate' / 'report.json'}")
     print(f"plots:         {run_dir / 'train' / 'loss.png'}, {run_dir / 'train' / 'accuracy.png'}, "
           f"{run_dir / 'evaluate' / 'acceptance.png'}")
+    print(f"job logs:      {run_dir / 'jobs'}/<stage>/log")
     print(f"run directory: {run_dir}")
 
 
