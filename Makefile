@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 TINY_TARGET := .cache/tiny-target
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo test lint bench airflow clean
 
 $(INSTALLED): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,13 @@ lint: $(INSTALLED)
 bench: $(INSTALLED)
 	$(PY) bench/extract_throughput.py
 	$(PY) bench/dag_parse.py
+
+# Not one of the two commands: the Airflow UI on http://localhost:8080 with this project's DAG, for triggering
+# from the form (SQLite, LocalExecutor; the login is printed at start-up). `make demo` first builds the tiny target.
+airflow: $(INSTALLED)
+	AIRFLOW_HOME=$(CURDIR)/demo-work/airflow AIRFLOW__CORE__DAGS_FOLDER=$(CURDIR)/dags \
+	AIRFLOW__CORE__PLUGINS_FOLDER=$(CURDIR)/plugins AIRFLOW__CORE__LOAD_EXAMPLES=False \
+	$(VENV)/bin/airflow standalone
 
 clean:
 	rm -rf demo-work bench-work .pytest_cache .ruff_cache

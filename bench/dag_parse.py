@@ -4,7 +4,10 @@ Two figures per DAG file, each the median of several fresh interpreters that hav
 Airflow (as the dag-processor has):
   cold  the first parse: our modules (eagle3.config, eagle3_airflow) are imported during it;
   warm  a second parse in the same interpreter: the DAG file's own work (building ~60 Params from
-        the run-config model and ~16 tasks, each of which deep-copies the DAG's params).
+        the run-config model and ~16 tasks, each of which deep-copies the DAG's params);
+and the dag-processor's whole job for the file: the first parse plus DagSerialization (where Airflow
+re-validates every param of every task), which is what the UI shows as the DAG's last parse duration
+(that figure also counts the child process's start and the imports of our own modules).
 The contract: under 0.25 s.
 
     .venv/bin/python bench/dag_parse.py
@@ -31,15 +34,18 @@ with DAG(dag_id="trivial", schedule=None, start_date=datetime(2026, 1, 1)):
     one()
 '''
 MEASURE = '''
-import json, sys
+import json, sys, time
 from airflow.dag_processing.dagbag import DagBag
+from airflow.serialization.serialized_objects import DagSerialization
 from airflow.sdk import DAG, BaseOperator, task  # the dag-processor has these loaded before it parses
 times = []
 for _ in range(2):
+    started = time.perf_counter()
     bag = DagBag(dag_folder=sys.argv[1])
     assert not bag.import_errors, bag.import_errors
-    times.append(bag.dagbag_stats[0].duration.total_seconds())
-print(json.dumps({"cold": times[0], "warm": times[1], "torch": "torch" in sys.modules}))
+    serialized = [json.dumps(DagSerialization.to_dict(dag)) for dag in bag.dags.values()]
+    times.append((bag.dagbag_stats[0].duration.total_seconds(), time.perf_counter() - started))
+print(json.dumps({"cold": times[0][0], "warm": times[1][0], "processor": times[0][1], "torch": "torch" in sys.modules}))
 '''
 
 
@@ -47,8 +53,8 @@ def measure(dag_file: Path, env: dict, repeats: int = 5) -> dict:
     runs = [json.loads(subprocess.run([sys.executable, "-c", MEASURE, str(dag_file)], env=env, check=True,
                                       capture_output=True, text=True).stdout.strip().splitlines()[-1])
             for _ in range(repeats)]
-    return {"cold": statistics.median(r["cold"] for r in runs), "warm": statistics.median(r["warm"] for r in runs),
-            "torch": any(r["torch"] for r in runs)}
+    return {key: statistics.median(r[key] for r in runs) for key in ("cold", "warm", "processor")} | {
+        "torch": any(r["torch"] for r in runs)}
 
 
 def main() -> None:
@@ -61,7 +67,10 @@ def main() -> None:
     print(f"trivial DAG        cold {base['cold']:.3f} s   warm {base['warm']:.3f} s")
     print(f"eagle3_drafter.py  cold {ours['cold']:.3f} s   warm {ours['warm']:.3f} s   torch imported: {ours['torch']}")
     print(f"ratio to trivial   cold {ours['cold'] / base['cold']:.1f}x   warm {ours['warm'] / base['warm']:.1f}x")
-    print(f"contract (< 0.25 s): {'met' if ours['cold'] < 0.25 else 'NOT met'} (cold)")
+    print(f"dag-processor work (parse + serialize, as its child does): trivial {base['processor']:.3f} s, "
+          f"eagle3_drafter.py {ours['processor']:.3f} s")
+    print(f"contract (< 0.25 s): parse {'met' if ours['cold'] < 0.25 else 'NOT met'}, "
+          f"parse + serialize {'met' if ours['processor'] < 0.25 else 'NOT met'}")
 
 
 if __name__ == "__main__":
