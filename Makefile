@@ -32,7 +32,7 @@ bench: $(INSTALLED)
 # Not one of the two commands: the Airflow UI on http://localhost:8080 with this project's DAG, for triggering
 # from the form (SQLite, LocalExecutor; the login is printed at start-up). `make demo` first builds the tiny target.
 airflow: $(INSTALLED)
-	AIRFLOW_HOME=$(CURDIR)/demo-work/airflow AIRFLOW__CORE__DAGS_FOLDER=$(CURDIR)/dags \
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH AIRFLOW_HOME=$(CURDIR)/demo-work/airflow AIRFLOW__CORE__DAGS_FOLDER=$(CURDIR)/dags \
 	AIRFLOW__CORE__PLUGINS_FOLDER=$(CURDIR)/plugins AIRFLOW__CORE__LOAD_EXAMPLES=False \
 	$(VENV)/bin/airflow standalone
 
