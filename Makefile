@@ -30,10 +30,12 @@ bench: $(INSTALLED)
 	$(PY) bench/dag_parse.py
 
 # Not one of the two commands: the Airflow UI on http://localhost:8080 with this project's DAG, for triggering
-# from the form (SQLite, LocalExecutor; the login is printed at start-up). `make demo` first builds the tiny target.
+# from the form (SQLite; the login is printed at start-up). Run `make demo` once first: it builds the tiny target and
+# writes demo-work/dag-settings.json, which fills the form in for the tiny target on this machine.
 airflow: $(INSTALLED)
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH AIRFLOW_HOME=$(CURDIR)/demo-work/airflow AIRFLOW__CORE__DAGS_FOLDER=$(CURDIR)/dags \
 	AIRFLOW__CORE__PLUGINS_FOLDER=$(CURDIR)/plugins AIRFLOW__CORE__LOAD_EXAMPLES=False \
+	$(if $(wildcard demo-work/dag-settings.json),EAGLE3_DAG_SETTINGS=$(CURDIR)/demo-work/dag-settings.json) \
 	$(VENV)/bin/airflow standalone
 
 clean:
