@@ -9,7 +9,8 @@ Two implementations:
 - `SSHBox` (any other id): an Airflow SSH connection through the SSH provider's hooks, `SSHHook`
   (paramiko) in workers and `SSHHookAsync` (asyncssh) in the triggerer. Host keys are verified: set
   `host_key` in the connection's extra (or have the host in the worker's known_hosts); the provider
-  refuses unknown hosts unless a connection says `no_host_key_check: true`, which we never set.
+  refuses unknown hosts unless a connection turns host-key checking off (its no_host_key_check extra),
+  which nothing here does.
 
 Every argv element is quoted with `shlex.join` before it reaches the remote shell, so no value (a
 path with `$(...)` in it, say) is ever interpreted by it.
