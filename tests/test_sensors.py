@@ -133,3 +133,22 @@ def test_box_reachable_waits_for_an_ssh_box_that_does_not_answer(plan, capsys, m
     assert not reachable and "waiting for box gpu_box" in log
     fresh_sshd.start()
     assert poke(BoxReachableSensor, ssh_plan, capsys)[0]
+
+
+def test_this_runs_own_job_on_the_gpu_is_not_foreign(plan, gpus, capsys):
+    """A GPU process in the process group of a live job of this run (say train, still running when a cleared
+    run checks the GPUs again) is ours: the sensor names it and does not wait for it."""
+    from eagle3.job import kill_job, start_job
+
+    job = start_job(plan["run_dir"] + "/jobs", "train", [sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        ours = {**VLLM, "pid": job["child_pid"], "process_name": "python -m eagle3 train"}
+        gpus([{**H200, "memory.used": 70500}], [ours])
+        idle, log = poke(GpuIdleSensor, plan, capsys)
+        assert idle
+        assert f"pid {job['child_pid']} python -m eagle3 train (70000 MiB) belongs to this run's job train" in log
+        gpus([{**H200, "memory.used": 140500}], [ours, VLLM])  # and a stranger beside it is still foreign
+        idle, log = poke(GpuIdleSensor, plan, capsys)
+        assert not idle and "pid 4242 python3 -m vllm" in log
+    finally:
+        kill_job(plan["run_dir"] + "/jobs", "train", grace_s=1)

@@ -117,9 +117,12 @@ def cmd_box_info(args) -> None:
 
 
 def cmd_box_gpus(args) -> None:
-    from eagle3.boxinfo import gpu_report
+    from eagle3.boxinfo import gpu_report, mark_job_processes
 
-    print(json.dumps(gpu_report(args.nvidia_smi), indent=2))
+    report = gpu_report(args.nvidia_smi)
+    if args.jobs_dir:
+        mark_job_processes(report, args.jobs_dir)
+    print(json.dumps(report, indent=2))
 
 
 def cmd_box_disk(args) -> None:
@@ -206,6 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(func=cmd_box_info)
     b = box_sub.add_parser("gpus", help="GPUs and their compute processes, from nvidia-smi")
     b.add_argument("--nvidia-smi", default=None, help="path of nvidia-smi (default: found on PATH)")
+    b.add_argument("--jobs-dir", default=None,
+                   help="tag processes of live jobs in this directory as ours (\"job\": key) so they are not foreign")
     b.set_defaults(func=cmd_box_gpus)
     b = box_sub.add_parser("disk", help="does the run's extraction fit on its disk (tokens counted once, cached)")
     b.add_argument("--config", required=True, help="RUN_DIR/config.json")

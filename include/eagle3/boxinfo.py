@@ -193,6 +193,33 @@ def _describe_process(process: dict) -> str:
     return f"pid {process['pid']} {process['name'] or '(name unknown)'} ({used})"
 
 
+def mark_job_processes(report: dict, jobs_dir: str | Path) -> dict:
+    """Tag each GPU process that belongs to a live job in `jobs_dir` with that job's key (`"job"`).
+
+    A job's stage runs in the job's process group (eagle3.job), so a process whose group is a live job's
+    is ours: the GPU sensor must not wait for the run's own work to go away (a train job still running
+    when a cleared DAG run checks the GPUs again). Other processes get `"job": None`.
+    """
+    from eagle3.job import poll_job
+
+    live_groups = {}
+    root = Path(jobs_dir)
+    for job in sorted(root.iterdir()) if root.is_dir() else []:
+        try:
+            answer = poll_job(root, job.name, 0, 0)
+        except Exception:  # not a job directory (or a key the job module refuses): not ours to claim
+            continue
+        if answer["effective"] == "running":
+            live_groups[answer["state"]["pgid"]] = job.name
+    for process in report["processes"]:
+        try:
+            group = os.getpgid(process["pid"]) if process["pid"] is not None else None
+        except OSError:  # gone since nvidia-smi listed it, or not visible from here (another container)
+            group = None
+        process["job"] = live_groups.get(group)
+    return report
+
+
 def judge_gpus(
     report: dict,
     max_used_mib: int,

@@ -68,8 +68,12 @@ class GpuIdleSensor(_BoxSensor):
         idle = True
         for conn_id in plan.conn_ids:
             self._stop_services(conn_id)
-            report = self._eagle3_json(conn_id, "box", "gpus")
-            box_idle, problems = judge_gpus(report, plan.gpu_max_used_mib)
+            report = self._eagle3_json(conn_id, "box", "gpus", "--jobs-dir", plan.jobs_dir)
+            ours = [p for p in report["processes"] if p.get("job")]
+            for process in ours:
+                self.log.info("%s: pid %s %s (%s MiB) belongs to this run's job %s: not foreign", conn_id,
+                              process["pid"], process["name"], process["used_mib"], process["job"])
+            box_idle, problems = judge_gpus(report, plan.gpu_max_used_mib, [p["pid"] for p in ours])
             for gpu in report.get("gpus", []):
                 self.log.info("%s GPU %s %s: %s of %s MiB used", conn_id, gpu.get("index"), gpu.get("name"),
                               gpu.get("memory_used_mib"), gpu.get("memory_total_mib"))
