@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import re
 import signal
@@ -122,3 +123,47 @@ def test_bad_records_stop_extract_with_line_numbers(make_config, tmp_path):
     skipping = make_config(run_name="skip", data={"path": str(data), "max_samples": None, "on_bad_record": "skip"})
     stats = run_extract(skipping)
     assert stats["bad_records"] == 1 and stats["bad_record_lines"] == [2] and stats["samples_stored"] == 1
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 3 MiB tmpfs, grown on request: a disk that fills up during extraction, then gets room."""
+    if os.geteuid() != 0:
+        if os.environ.get("CI"):
+            pytest.fail("the disk-full drill mounts a tmpfs: CI runs as root")
+        pytest.skip("mounting a tmpfs needs root")
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)], check=True)
+
+    def grow(size: str) -> None:
+        subprocess.run(["mount", "-o", f"remount,size={size}", str(mount)], check=True)
+
+    try:
+        yield mount, grow
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@pytest.mark.slow
+def test_a_full_disk_is_a_clear_error_keeps_nothing_partial_and_the_rerun_completes(make_config, small_disk):
+    mount, grow = small_disk
+    reference = make_config(run_name="roomy", data={"max_samples": 80})
+    run_extract(reference)
+
+    cfg = make_config(run_name="cramped", workdir=mount / "work", data={"max_samples": 80})
+    write_run_config(cfg)
+    proc = run_eagle3("extract", "--config", str(cfg.config_path), check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    message = proc.stderr.strip().splitlines()[-1]
+    print(message)
+    assert "no space left on the device" in message and str(cfg.store_dir / "shard-00000") in message
+    assert "MiB free of 3.0 MiB" in message and "run the stage again" in message
+    shard = cfg.store_dir / "shard-00000"
+    assert not [p.name for p in shard.iterdir() if ".tmp-" in p.name], "a partial chunk was left behind"
+    stored = verify(cfg.store_dir)["samples"]  # what is recorded is whole and readable
+    assert 0 < stored < verify(reference.store_dir)["samples"]
+
+    grow("64m")  # space freed; the task is cleared
+    run_eagle3("extract", "--config", str(cfg.config_path))
+    assert digest(cfg.store_dir) == digest(reference.store_dir)

@@ -25,10 +25,12 @@ modify anything.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
 import os
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,6 +74,15 @@ def all_finite(tensor: torch.Tensor) -> bool:
     through a sum), in one pass without a bool tensor; only a non-finite sum (NaN/inf, or a rare
     overflow) pays for the exact check."""
     return bool(torch.isfinite(tensor.sum(dtype=torch.float32))) or bool(torch.isfinite(tensor).all())
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def is_disk_full(err: BaseException) -> bool:
+    """ENOSPC, whether as an OSError or inside safetensors' own error (it reports Rust's StorageFull)."""
+    return (isinstance(err, OSError) and err.errno == errno.ENOSPC) or "No space left on device" in str(err)
 
 
 def shard_dir(store_dir: Path, shard: int) -> Path:
@@ -216,7 +227,12 @@ class ShardWriter:
         record: dict = {"chunk": None, "bytes": 0, "samples": [], "rejected": [list(r) for r in self._pending_rejects]}
         if self._pending:
             record.update(self._write_chunk())
-        append_line_durably(self.manifest, json.dumps(record))
+        try:
+            append_line_durably(self.manifest, json.dumps(record))
+        except OSError as err:  # the renamed chunk is unrecorded: the next writer removes it on open
+            if is_disk_full(err):
+                raise StoreError(self._disk_full(len(json.dumps(record)))) from None
+            raise
         self.done_ids.update(sid for sid, _ in record["samples"])
         self.rejected.update(dict(self._pending_rejects))
         self._pending.clear()
@@ -238,12 +254,27 @@ class ShardWriter:
         name = chunk_name(self.num_chunks)
         final = self.dir / name
         tmp = tmp_path_for(final)
-        save_file(tensors, str(tmp), metadata={"format": STORE_FORMAT, "sample_ids": json.dumps(ids)})
-        commit(tmp, final)
+        try:
+            save_file(tensors, str(tmp), metadata={"format": STORE_FORMAT, "sample_ids": json.dumps(ids)})
+            commit(tmp, final)
+        except Exception as err:
+            tmp.unlink(missing_ok=True)  # never leave half a chunk behind, and give the space back
+            if is_disk_full(err):
+                raise StoreError(self._disk_full(sum(t.numel() * t.element_size() for t in tensors.values()))) from None
+            raise
         size = final.stat().st_size
         self.num_chunks += 1
         self.bytes_written += size
         return {"chunk": name, "bytes": size, "samples": [list(p) for p in zip(ids, lengths)]}
+
+    def _disk_full(self, needed_bytes: int) -> str:
+        usage = shutil.disk_usage(self.dir)
+        return (
+            f"{self.dir}: no space left on the device writing {_size(needed_bytes)} "
+            f"({_size(usage.free)} free of {_size(usage.total)}). Nothing partial was kept; "
+            f"{len(self.done_ids)} samples of this shard are stored. Free space (or pick a workdir with room; "
+            "the disk_space sensor estimates the need), then run the stage again: it resumes after them."
+        )
 
     def release(self) -> None:
         """Give up the shard lock (pending samples are not written: call flush first to keep them)."""
