@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -184,19 +185,21 @@ def test_worker_killed_mid_job_reattaches_to_the_same_remote_process(tiny_target
     assert sha256(run_dir / "drafter" / "model.safetensors") == sha256(local_run / "drafter" / "model.safetensors")
 
 
-def test_job_killed_on_the_box_is_relaunched_by_the_retry_and_resumes(tiny_target, airflow_home, settings,
-                                                                       local_run, tmp_path):
-    """SIGKILL the training job's process group on the box after its first checkpoint (what a VM crash does
-    to it): the trigger sees it dead, the task fails, its retry relaunches it, training resumes from the
+def test_a_box_reboot_mid_train_is_survived_by_the_retry(tiny_target, airflow_home, settings, local_run, tmp_path):
+    """A simulated VM reboot after training's first checkpoint: every process of the job SIGKILLed, the synced
+    code directory gone, a new boot id (EAGLE3_BOOT_ID_FILE stands in for the kernel's). The trigger sees the
+    job dead, the task fails, its retry syncs the code again, relaunches the job, training resumes from the
     checkpoint, and the final drafter is bit-identical to the uninterrupted run's."""
     conf = conf_for(tiny_target, tmp_path, "baseline")
     run_dir = tmp_path / "runs" / "baseline"
     train_state = run_dir / "jobs" / "train" / "state.json"
+    boot_id = tmp_path / "boot_id"
+    boot_id.write_text("boot-before-the-crash\n")
     dag_run = subprocess.Popen(
         [str(Path(sys.executable).with_name("airflow")), "dags", "test", "eagle3_drafter", "--conf",
          json.dumps(conf)],
-        env={**airflow_env(airflow_home), **settings}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
+        env={**airflow_env(airflow_home), **settings, "EAGLE3_BOOT_ID_FILE": str(boot_id)},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )
     try:
         def first_checkpoint() -> bool:
@@ -206,13 +209,18 @@ def test_job_killed_on_the_box_is_relaunched_by_the_retry_and_resumes(tiny_targe
         wait_for(first_checkpoint, 600, "the first training checkpoint")
         state = json.loads(train_state.read_text())
         assert state["status"] == "running", "training finished before it could be killed; make it longer"
-        os.killpg(state["pgid"], signal.SIGKILL)
+        os.killpg(state["pgid"], signal.SIGKILL)  # the VM goes down ...
+        code_dirs = list((tmp_path / "code").iterdir())
+        for code in code_dirs:
+            shutil.rmtree(code)  # ... and comes back without the code dir (reimaged, or it lived on /tmp)
+        boot_id.write_text("boot-after-the-crash\n")
         output, _ = dag_run.communicate(timeout=600)
     finally:
         if dag_run.poll() is None:
             os.killpg(dag_run.pid, signal.SIGKILL)
     assert dag_run.returncode == 0, output[-6000:]
     state = job_state(run_dir, "train")
-    assert (state["status"], state["try"]) == ("succeeded", 2)
+    assert (state["status"], state["try"], state["boot_id"]) == ("succeeded", 2, "boot-after-the-crash")
+    assert all(code.is_dir() for code in code_dirs), "the retry did not sync the code again"
     assert "resum" in (run_dir / "jobs" / "train" / "log").read_text().split("try 2 started")[1]
     assert sha256(run_dir / "drafter" / "model.safetensors") == sha256(local_run / "drafter" / "model.safetensors")
