@@ -8,7 +8,7 @@ import pytest
 from airflow.sdk.definitions.param import ParamsDict
 from airflow.sdk.exceptions import AirflowFailException, ParamValidationError
 
-from eagle3_airflow.params import build_params, params_to_configs, unflatten
+from eagle3_airflow.params import ParamsError, build_params, params_to_configs, unflatten
 from eagle3_airflow.tasks import validate_run
 
 GOOD = {
@@ -42,6 +42,8 @@ def test_every_config_field_is_a_param_with_its_help_text():
 def test_settings_file_defaults_override_model_defaults():
     params = build_params({"workdir": "/nfs/eagle3", "train.epochs": 3})
     assert params["workdir"].value == "/nfs/eagle3" and params["train.epochs"].value == 3
+    with pytest.raises(ParamsError, match=r"unknown key\(s\) \['train.epoch'\]"):
+        build_params({"train.epoch": 3})
 
 
 @pytest.mark.parametrize(

@@ -141,15 +141,19 @@ def build_params(defaults: dict[str, Any] | None = None) -> dict[str, Any]:
             # Empty: named after the Airflow run (so a scheduled DAG gets a new run directory each time).
             schema["pattern"] = RUN_NAME_OR_EMPTY
             default = defaults.get(dotted, "")
-        # Draft-07 rather than jsonschema's default 2020-12: Airflow re-validates every param of every task
-        # when it serializes the DAG (~60 params x ~16 tasks), and checking a value against a draft-07 schema
-        # is about 3x cheaper (its meta-schema is one document, 2020-12's a tree of vocabularies). This is most
-        # of the DAG's parse time. pydantic's keywords (numeric exclusiveMinimum, pattern, enum) are draft-07.
+        # Draft-07 rather than jsonschema's default 2020-12: Airflow re-validates every param each time it
+        # serializes the DAG (every parse), and checking a value against a draft-07 schema is about 3x cheaper
+        # (its meta-schema is one document, 2020-12's a tree of vocabularies). pydantic's keywords (numeric
+        # exclusiveMinimum, pattern, enum) are draft-07 keywords. See also the end of dags/eagle3_drafter.py.
         schema["$schema"] = JSON_SCHEMA_DRAFT
         kwargs = dict(title=prop.get("title", dotted), description=_describe(prop, required), section=section)
         # A required field with no default (a path on the box) gets no default: the form then demands a
         # value, and a scheduled run needs one from the DAG settings file.
         params[dotted] = Param(**kwargs, **schema) if default is ... else Param(default, **kwargs, **schema)
+    unknown = sorted(set(defaults) - set(params))
+    if unknown:  # a typo in the settings file would otherwise leave the form's default silently unchanged
+        raise ParamsError(f"EAGLE3_DAG_SETTINGS params: unknown key(s) {unknown}; use the form's dotted names, "
+                          "e.g. 'train.epochs' or 'box.conn_ids'")
     return params
 
 
