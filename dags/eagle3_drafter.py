@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 from datetime import datetime, timedelta
+from pathlib import Path
 
 from airflow.sdk import DAG, chain, task
 
@@ -28,9 +29,10 @@ from eagle3_airflow.sensors import BoxReachableSensor, DiskSpaceSensor, GpuIdleS
 
 # Deployment settings without editing code: a JSON file named by EAGLE3_DAG_SETTINGS, e.g.
 # {"schedule": "@weekly", "params": {"workdir": "/data/eagle3", "box.conn_ids": ["gpu-box-1"]}, "pool": "gpu_box"}
-SETTINGS = json.loads(open(os.environ["EAGLE3_DAG_SETTINGS"]).read()) if os.environ.get("EAGLE3_DAG_SETTINGS") else {}
+SETTINGS_FILE = os.environ.get("EAGLE3_DAG_SETTINGS")
+SETTINGS = json.loads(Path(SETTINGS_FILE).read_text()) if SETTINGS_FILE else {}
 PARAMS = build_params(SETTINGS.get("params"))
-POOL = SETTINGS.get("pool", "default_pool")  # one pool per box bounds what runs on it at once
+POOL = SETTINGS.get("pool", "default_pool")  # bounds how many remote stages run on the box at once
 SENSOR_TIMEOUT = timedelta(hours=SETTINGS.get("sensor_timeout_h", 12))
 
 with DAG(
