@@ -100,13 +100,11 @@ def main() -> None:
 
 
 def job_seconds(run_dir: Path, key: str) -> str:
-    state = read_json(run_dir / "jobs" / key / "state.json")
-    if not (state.get("started_at") and state.get("ended_at")):
-        return "?"
-    from datetime import datetime
+    from eagle3.job import run_seconds
 
-    seconds = (datetime.fromisoformat(state["ended_at"]) - datetime.fromisoformat(state["started_at"])).total_seconds()
-    return f"{seconds:.0f}s (try {state['try']})"
+    state = read_json(run_dir / "jobs" / key / "state.json")
+    seconds = run_seconds(state)
+    return f"{seconds:.0f}s (try {state['try']})" if seconds is not None else "?"
 
 
 def print_summary(run_dir: Path, total_s: float) -> None:

@@ -18,6 +18,7 @@ import pytest
 
 from eagle3 import boxinfo
 from eagle3.boxinfo import judge_gpus, parse_gpus, parse_processes
+from eagle3.progress import format_bytes, format_count
 from tests.conftest import REPO
 
 FAKES = REPO / "tests" / "fakes"
@@ -326,9 +327,9 @@ def test_box_disk_user_errors_exit_2(tmp_path):
 
 
 def test_format_helpers():
-    assert boxinfo.format_bytes(17) == "17 B"
-    assert boxinfo.format_bytes(5 * 2**40 + 2**39) == "5.50 TiB"
-    assert boxinfo.format_count(87_812_345) == "87.8M" and boxinfo.format_count(512) == "512"
+    assert format_bytes(17) == "17 B"
+    assert format_bytes(5 * 2**40 + 2**39) == "5.50 TiB"
+    assert format_count(87_812_345) == "87.8M" and format_count(512) == "512"
 
 
 def test_boxinfo_does_not_import_torch_at_module_level():

@@ -158,7 +158,7 @@ def test_a_full_disk_is_a_clear_error_keeps_nothing_partial_and_the_rerun_comple
     message = proc.stderr.strip().splitlines()[-1]
     print(message)
     assert "no space left on the device" in message and str(cfg.store_dir / "shard-00000") in message
-    assert "MiB free of 3.0 MiB" in message and "run the stage again" in message
+    assert "MiB free of 3.00 MiB" in message and "run the stage again" in message
     shard = cfg.store_dir / "shard-00000"
     assert not [p.name for p in shard.iterdir() if ".tmp-" in p.name], "a partial chunk was left behind"
     stored = verify(cfg.store_dir)["samples"]  # what is recorded is whole and readable

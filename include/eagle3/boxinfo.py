@@ -31,6 +31,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from eagle3.fsutil import atomic_write_text
+from eagle3.progress import format_bytes, format_count
 
 log = logging.getLogger(__name__)
 
@@ -352,24 +353,6 @@ def box_info(require: Iterable[str] = (), nvidia_smi: str | None = None) -> dict
 
 
 # -- disk estimate ---------------------------------------------------------------------------
-
-
-def format_bytes(n: float) -> str:
-    """Binary units: 4.61 TiB, 812.00 MiB, 17 B."""
-    units = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
-    step = 0
-    while abs(n) >= 1024 and step < len(units) - 1:
-        n /= 1024
-        step += 1
-    return f"{n:.0f} B" if step == 0 else f"{n:.2f} {units[step]}"
-
-
-def format_count(n: int) -> str:
-    """87.8M, 1.2K, 512."""
-    for divisor, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if n >= divisor:
-            return f"{n / divisor:.3g}{suffix}"
-    return str(n)
 
 
 def nearest_existing(path: Path) -> Path:

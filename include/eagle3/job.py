@@ -199,6 +199,15 @@ def utc_now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
+def run_seconds(state: dict) -> float | None:
+    """How long the recorded try ran (whole seconds, from state.json's timestamps); None while it runs."""
+    from datetime import datetime
+
+    if not (state.get("started_at") and state.get("ended_at")):
+        return None
+    return (datetime.fromisoformat(state["ended_at"]) - datetime.fromisoformat(state["started_at"])).total_seconds()
+
+
 def read_log(path: Path, offset: int, max_bytes: int, whole_lines: bool) -> tuple[str, int]:
     """Log text from byte `offset` on (at most max_bytes) and the offset after it.
 

@@ -10,6 +10,24 @@ import logging
 import time
 
 
+def format_bytes(n: float) -> str:
+    """Binary units: 4.61 TiB, 812.00 MiB, 17 B."""
+    units = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+    step = 0
+    while abs(n) >= 1024 and step < len(units) - 1:
+        n /= 1024
+        step += 1
+    return f"{n:.0f} B" if step == 0 else f"{n:.2f} {units[step]}"
+
+
+def format_count(n: int) -> str:
+    """87.8M, 1.2K, 512."""
+    for divisor, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= divisor:
+            return f"{n / divisor:.3g}{suffix}"
+    return str(n)
+
+
 def human_duration(seconds: float) -> str:
     seconds = int(max(seconds, 0))
     h, rem = divmod(seconds, 3600)

@@ -40,6 +40,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from eagle3.fsutil import append_line_durably, atomic_write_text, commit, fsync_dir, is_tmp_leftover, tmp_path_for
+from eagle3.progress import format_bytes
 
 STORE_FORMAT = "eagle3-hidden-states/1"
 STATE_DTYPE = torch.bfloat16
@@ -74,10 +75,6 @@ def all_finite(tensor: torch.Tensor) -> bool:
     through a sum), in one pass without a bool tensor; only a non-finite sum (NaN/inf, or a rare
     overflow) pays for the exact check."""
     return bool(torch.isfinite(tensor.sum(dtype=torch.float32))) or bool(torch.isfinite(tensor).all())
-
-
-def _size(nbytes: int) -> str:
-    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
 def is_disk_full(err: BaseException) -> bool:
@@ -270,8 +267,8 @@ class ShardWriter:
     def _disk_full(self, needed_bytes: int) -> str:
         usage = shutil.disk_usage(self.dir)
         return (
-            f"{self.dir}: no space left on the device writing {_size(needed_bytes)} "
-            f"({_size(usage.free)} free of {_size(usage.total)}). Nothing partial was kept; "
+            f"{self.dir}: no space left on the device writing {format_bytes(needed_bytes)} "
+            f"({format_bytes(usage.free)} free of {format_bytes(usage.total)}). Nothing partial was kept; "
             f"{len(self.done_ids)} samples of this shard are stored. Free space (or pick a workdir with room; "
             "the disk_space sensor estimates the need), then run the stage again: it resumes after them."
         )

@@ -21,17 +21,16 @@ id, heartbeat, exit code, try) and the log. This operator only talks to that:
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import time
 from collections.abc import AsyncIterator
-from datetime import datetime
 from typing import Any
 
 from airflow.sdk import BaseOperator, ResumableJobMixin
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
+from eagle3.job import run_seconds
 from eagle3_airflow.codesync import ensure_code
 from eagle3_airflow.plan import RunPlan
 from eagle3_airflow.transport import BoxUnreachable, box_for
@@ -47,20 +46,6 @@ def job_key(task_id: str, map_index: int) -> str:
 def job_argv(eagle3_argv: list[str], jobs_dir: str, command: str, key: str, *args: str) -> list[str]:
     """`python -m eagle3 job <command> --jobs-dir DIR --key KEY ...` with the synced package on the box."""
     return [*eagle3_argv, "job", command, "--jobs-dir", jobs_dir, "--key", key, *args]
-
-
-def _seconds_between(started: str | None, ended: str | None) -> float | None:
-    if not (started and ended):
-        return None
-    return round((datetime.fromisoformat(ended) - datetime.fromisoformat(started)).total_seconds(), 1)
-
-
-def _json_out(result, what: str) -> dict:
-    result.check(what)
-    try:
-        return json.loads(result.stdout)
-    except json.JSONDecodeError:
-        raise AirflowException(f"{what}: the box printed no JSON:\n{result.stdout[-2000:]}") from None
 
 
 class RemoteJobOperator(ResumableJobMixin, BaseOperator):
@@ -117,7 +102,7 @@ class RemoteJobOperator(ResumableJobMixin, BaseOperator):
         heartbeat_s = max(1.0, min(30.0, self.run_plan.stale_after_s / 4))
         argv = self._job("start", key, "--heartbeat-s", f"{heartbeat_s:g}",
                          "--stale-after-s", f"{self.run_plan.stale_after_s:g}", "--", *self._stage_argv())
-        state = _json_out(self.run_plan.box(self.conn_id).run(argv, timeout=120), f"starting job {key}")
+        state = self.run_plan.box(self.conn_id).run(argv, timeout=120).json(f"starting job {key}")
         verb = "attached to" if state.get("attached") else "started"
         self.log.info("%s %s job %s on %s: try %s, pid %s (log: %s)", verb, self.stage, key, self.conn_id,
                       state.get("try"), state.get("pid"), state.get("log"))
@@ -168,7 +153,7 @@ class RemoteJobOperator(ResumableJobMixin, BaseOperator):
         return {
             "stage": self.stage, "job": str(external_id), "box": self.conn_id, "try": state.get("try"),
             "pid": state.get("pid"), "exit_code": state.get("exit_code"),
-            "seconds": _seconds_between(state.get("started_at"), state.get("ended_at")),
+            "seconds": run_seconds(state),
             "log": state.get("log"),
         }
 
@@ -185,7 +170,7 @@ class RemoteJobOperator(ResumableJobMixin, BaseOperator):
     def _poll(self, key: str) -> dict:
         argv = self._job("poll", key, "--max-log-bytes", "0", "--stale-after-s",
                          f"{self.run_plan.stale_after_s:g}")
-        return _json_out(self.run_plan.box(self.conn_id).run(argv, timeout=60), f"polling job {key}")
+        return self.run_plan.box(self.conn_id).run(argv, timeout=60).json(f"polling job {key}")
 
 
 class RemoteJobTrigger(BaseTrigger):
@@ -223,9 +208,7 @@ class RemoteJobTrigger(BaseTrigger):
                 argv = self._argv("poll", "--log-offset", str(self.log_offset),
                                   "--stale-after-s", f"{self.stale_after_s:g}")
                 try:
-                    result = await box.arun(argv, timeout=60)
-                    result.check(f"polling job {self.key}")
-                    poll = json.loads(result.stdout)
+                    poll = (await box.arun(argv, timeout=60)).json(f"polling job {self.key}")
                 except (BoxUnreachable, TimeoutError) as err:
                     now = time.monotonic()
                     unreachable_since = unreachable_since or now

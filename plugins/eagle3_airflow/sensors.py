@@ -7,7 +7,6 @@ sensors decide, and say in the task log exactly what they saw.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from airflow.sdk import BaseSensorOperator
@@ -31,8 +30,7 @@ class _BoxSensor(BaseSensorOperator):
 
     def _eagle3_json(self, conn_id: str, *args: str) -> dict:
         result = self.run_plan.box(conn_id).run(self.run_plan.eagle3(*args), timeout=900)
-        result.check("python -m eagle3 " + " ".join(args[:2]))
-        return json.loads(result.stdout)
+        return result.json("python -m eagle3 " + " ".join(args[:2]))
 
 
 class BoxReachableSensor(_BoxSensor):

@@ -49,7 +49,7 @@ def sync_code(plan_dict: dict, config: dict) -> dict:
         where = ensure_code(box, plan.python, plan.workdir)
         result = box.run(plan.eagle3("box", "info", *require), timeout=300)
         try:
-            info = json.loads(result.check(f"python -m eagle3 box info on {conn_id}").stdout)
+            info = result.json(f"python -m eagle3 box info on {conn_id}")
         except RemoteCommandError as err:
             raise AirflowFailException(
                 f"{err}\nIs box.python ({plan.python!r}) the interpreter with requirements-box.txt installed?"
@@ -82,7 +82,7 @@ def report(plan_dict: dict) -> dict:
     plan = RunPlan.from_xcom(plan_dict)
     box = plan.box()
     report_path = f"{plan.run_dir}/evaluate/report.json"
-    evaluation = json.loads(box.run(["cat", report_path]).check(f"reading {report_path}").stdout)
+    evaluation = box.run(["cat", report_path]).json(f"reading {report_path}")
     plots = sorted(box.run(["find", plan.run_dir, "-name", "*.png"]).check("listing plots").stdout.split())
     summary = {
         "run_dir": plan.run_dir,

@@ -19,6 +19,7 @@ path with `$(...)` in it, say) is ever interpreted by it.
 from __future__ import annotations
 
 import asyncio
+import json
 import shlex
 import subprocess
 from abc import ABC, abstractmethod
@@ -46,6 +47,14 @@ class CommandResult:
                 f"{what} failed on the box (exit {self.returncode}): {shlex.join(self.argv)}\n{tail}"
             )
         return self
+
+    def json(self, what: str):
+        """The command's stdout as JSON, after `check`; a command that printed something else is an error."""
+        self.check(what)
+        try:
+            return json.loads(self.stdout)
+        except json.JSONDecodeError:
+            raise RemoteCommandError(f"{what}: the box printed no JSON:\n{self.stdout[-2000:]}") from None
 
 
 class RemoteCommandError(RuntimeError):
