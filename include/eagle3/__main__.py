@@ -55,6 +55,14 @@ def cmd_extract(args) -> None:
 # Stages that take only the run config: name -> (module, function, help, description). Each prints its
 # result as JSON on stdout (its log goes to stderr).
 STAGES = {
+    "generate": (
+        "eagle3.generate", "run_generate",
+        "regenerate the data's assistant turns with the target through an OpenAI-compatible server (resumable)",
+        "Every assistant turn again, in order, from POST {endpoint}/chat/completions (generate.launch_server: "
+        "start SGLang on the box for the stage, stop it afterwards). Retries transient errors; stops early when "
+        "generate.max_failure_rate is passed. Safe to kill and rerun: finished conversations are kept. Writes "
+        "RUN_DIR/generate/conversations.jsonl, which extract then reads instead of data.path.",
+    ),
     "vocab": (
         "eagle3.vocab", "run_vocab",
         "build the draft/target vocab mapping from the store (or reuse one after a coverage check)",
@@ -80,6 +88,13 @@ STAGES = {
         "eagle3.evaluate", "run_evaluate",
         "measure acceptance length: speculative decoding with the exported drafter on the HF target",
         "Writes RUN_DIR/evaluate/report.json and acceptance.png.",
+    ),
+    "benchmark": (
+        "eagle3.benchmark", "run_benchmark",
+        "serve the drafter with SGLang (EAGLE3) and the target alone; measure accept length and tokens/s",
+        "Starts SGLang twice on the box (server.*), sends the held-out prompts greedily, and writes "
+        "RUN_DIR/benchmark/benchmark.json (both runs and the speedup) and benchmark.png. Needs sglang on the box; "
+        "the servers are stopped however the stage ends.",
     ),
 }
 
@@ -257,11 +272,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except Exception as err:
+        from eagle3.generate import GenerateAborted
+        from eagle3.server import ServerError
         from eagle3.store import StoreError  # torch-heavy: import only when needed
 
         if isinstance(err, StoreError):
             print(f"error: {err}", file=sys.stderr)
             return 2
+        if isinstance(err, (GenerateAborted, ServerError)):  # the server's fault, not the input's: a retry may do
+            print(f"error: {err}", file=sys.stderr)
+            return 1
         raise
     return 0
 

@@ -13,6 +13,7 @@ a copy of a config.json with other values for those two runs the same stages els
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -78,19 +79,79 @@ class DataConfig(Section):
     )
 
 
+class ServerConfig(Section):
+    """An SGLang server a stage starts on the box (python -m sglang.launch_server) and always stops again."""
+
+    port: int = Field(30000, ge=1024, le=65535, title="Port", description="On 127.0.0.1 of the box.")
+    tp_size: int = Field(1, ge=1, le=64, title="Tensor parallel size", description="GPUs per server (Kimi-K2.5: 8).")
+    mem_fraction_static: float | None = Field(
+        None, gt=0.0, lt=1.0, title="Static memory fraction", description="Of each GPU; empty: SGLang's default."
+    )
+    extra_args: dict[str, str | int | float | bool] = Field(
+        default_factory=dict,
+        title="Extra server arguments",
+        description='Any other launch_server flag, e.g. {"attention-backend": "triton", "reasoning-parser": '
+        '"kimi_k2"}; true: a bare flag.',
+    )
+    startup_timeout_s: float = Field(
+        1800, gt=0, title="Startup timeout (s)", description="Until /health answers; loading a 1T model takes a while."
+    )
+
+    @field_validator("extra_args")
+    @classmethod
+    def _flag_names(cls, extra: dict) -> dict:
+        for name in extra:
+            if not re.fullmatch(r"[a-z0-9][a-z0-9_-]*", name):
+                raise ValueError(
+                    f"{name!r} is not a launch_server flag name; write it without '--', e.g. 'disable-radix-cache'"
+                )
+        return extra
+
+
 class GenerateConfig(Section):
     """Regenerating the assistant turns with the target itself (the generate stage)."""
 
     enabled: bool = Field(False, title="Regenerate responses", description="Off: train on the data as given.")
+    launch_server: bool = Field(
+        False,
+        title="Start SGLang for this stage",
+        description="On: start the target on the box with the server settings below, stop it afterwards. "
+        "Off: use the endpoint as it runs.",
+    )
     endpoint: str = Field(
         "http://127.0.0.1:30000/v1",
         title="OpenAI-compatible endpoint",
-        description="Base URL of the target's server (SGLang: python -m sglang.launch_server).",
+        description="Base URL of the target's server, seen from the box (ignored when the stage starts the server).",
         pattern=r"^https?://[^\s]+$",
     )
+    model: str | None = Field(
+        None, title="Model name in requests", description="Empty: target.model_path, SGLang's default served name."
+    )
     temperature: float = Field(0.0, ge=0.0, le=2.0, title="Temperature")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, title="Top-p")
     max_tokens: int = Field(2048, ge=1, title="Max new tokens per turn")
+    reasoning: Literal["keep", "drop"] = Field(
+        "keep",
+        title="Reasoning content",
+        description="Thinking models (SGLang --reasoning-parser): keep it as the assistant's reasoning_content, "
+        "which the chat template renders and the drafter learns; or drop it.",
+    )
+    num_samples: int | None = Field(
+        None, ge=1, title="Conversations to regenerate", description="The first N; empty: data.max_samples, or all."
+    )
     concurrency: int = Field(64, ge=1, le=4096, title="Concurrent requests")
+    request_timeout_s: float = Field(600.0, gt=0, title="Request timeout (s)")
+    max_retries: int = Field(
+        5, ge=0, le=100, title="Retries per request", description="On connection errors, timeouts, 429 and 5xx."
+    )
+    max_failure_rate: float = Field(
+        0.05,
+        ge=0.0,
+        le=1.0,
+        title="Failure rate that stops the stage",
+        description="Of the conversations tried (checked after the first 20): a dead server stops the stage early.",
+    )
+    progress_interval_s: float = Field(30.0, gt=0, title="Progress log interval (s)")
 
 
 class SglangEngineConfig(Section):
@@ -218,6 +279,31 @@ class EvaluateConfig(Section):
     max_new_tokens: int = Field(256, ge=1, title="Max new tokens per prompt")
 
 
+class BenchmarkConfig(Section):
+    """Serving the drafter with SGLang against the plain target (the benchmark stage)."""
+
+    enabled: bool = Field(
+        False, title="Benchmark in SGLang", description="Needs sglang on the box; off in the CPU demo."
+    )
+    num_prompts: int = Field(64, ge=1, title="Held-out prompts")
+    max_new_tokens: int = Field(512, ge=1, title="Max new tokens per prompt")
+    concurrency: int = Field(
+        1, ge=1, le=1024, title="Concurrent requests", description="Speculation pays most at small batch sizes."
+    )
+    num_steps: int = Field(3, ge=1, le=16, title="--speculative-num-steps")
+    eagle_topk: int = Field(1, ge=1, le=16, title="--speculative-eagle-topk")
+    num_draft_tokens: int = Field(4, ge=2, le=64, title="--speculative-num-draft-tokens")
+
+    @model_validator(mode="after")
+    def _draft_tokens_fit(self) -> BenchmarkConfig:
+        if self.eagle_topk == 1 and self.num_draft_tokens != self.num_steps + 1:
+            raise ValueError(
+                f"benchmark.num_draft_tokens: with eagle_topk 1 SGLang drafts a chain of num_steps + 1 = "
+                f"{self.num_steps + 1} tokens; set it to that (got {self.num_draft_tokens})"
+            )
+        return self
+
+
 class RunConfig(Section):
     """Everything one run needs; one DAG run = one run directory."""
 
@@ -240,6 +326,8 @@ class RunConfig(Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     export: ExportConfig = Field(default_factory=ExportConfig)
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
+    benchmark: BenchmarkConfig = Field(default_factory=BenchmarkConfig)
+    server: ServerConfig = Field(default_factory=ServerConfig)
 
     @model_validator(mode="after")
     def _check_against_target_facts(self) -> RunConfig:
@@ -272,6 +360,17 @@ class RunConfig(Section):
     @property
     def store_dir(self) -> Path:
         return self.run_dir / "hidden_states"
+
+    @property
+    def conversations_path(self) -> Path:
+        """What extract trains on: the target's regenerated conversations, or data.path as given."""
+        return self.run_dir / "generate" / "conversations.jsonl" if self.generate.enabled else Path(self.data.path)
+
+    @property
+    def conversations_missing_hint(self) -> str:
+        if self.generate.enabled:
+            return "{path} does not exist: run the generate stage first (generate.enabled is on)"
+        return "data.path: {path} does not exist"
 
     @property
     def tokenizer_dir(self) -> str:

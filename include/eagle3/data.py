@@ -11,9 +11,9 @@ Bad lines (invalid JSON, no assistant turn, unknown role, empty) are never dropp
 they stop the stage with their line numbers; with data.on_bad_record = "skip" they are skipped and
 counted in the stats.
 
-Loss mask: 1 exactly on the tokens of assistant contents. The rendered chat template is split into
-segments at the message contents and each segment is tokenised on its own, so the mask is exact by
-construction for any tokenizer (fast, slow or tiktoken-based like Kimi's): no offset mapping needed.
+Loss mask: 1 exactly on the tokens of assistant contents (and reasoning_content, if any). The rendered chat
+template is split into segments at the message contents and each segment is tokenised on its own, so the mask is
+exact by construction for any tokenizer (fast, slow or tiktoken-based like Kimi's): no offset mapping needed.
 """
 
 from __future__ import annotations
@@ -62,7 +62,10 @@ class TokenizedSample:
 
 def sample_id_of(messages: list[dict]) -> str:
     """Stable id: sha256 of the normalised conversation, first 16 hex digits (64 bits)."""
-    canonical = json.dumps([[m["role"], m["content"]] for m in messages], ensure_ascii=False, separators=(",", ":"))
+    canonical = json.dumps(
+        [[m["role"], m["content"], *([m["reasoning_content"]] if "reasoning_content" in m else [])] for m in messages],
+        ensure_ascii=False, separators=(",", ":"),
+    )
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:16]
 
 
@@ -92,13 +95,20 @@ def normalize_record(record: object) -> list[dict]:
             raise ValueError(f"turn {i} ({role}) has no text content")
         if role == "assistant" and not content.strip():
             raise ValueError(f"turn {i} (assistant) is empty")
-        messages.append({"role": role, "content": content})
+        message = {"role": role, "content": content}
+        # A thinking model's reasoning (SGLang --reasoning-parser returns it apart from the content): the chat
+        # template renders it, and the drafter learns it like the content.
+        reasoning = turn.get("reasoning_content")
+        if role == "assistant" and isinstance(reasoning, str) and reasoning.strip():
+            message["reasoning_content"] = reasoning
+        messages.append(message)
     if not any(m["role"] == "assistant" for m in messages):
         raise ValueError("no assistant turn")
     return messages
 
 
-def read_conversations(path: str | Path, on_bad_record: str = "error", max_samples: int | None = None):
+def read_conversations(path: str | Path, on_bad_record: str = "error", max_samples: int | None = None,
+                       missing_hint: str = "data.path: {path} does not exist"):
     """Read and validate a JSONL file. Returns (conversations in file order, ReadStats)."""
     path = Path(path)
     stats = ReadStats()
@@ -107,7 +117,7 @@ def read_conversations(path: str | Path, on_bad_record: str = "error", max_sampl
     try:
         handle = open(path, encoding="utf-8")
     except FileNotFoundError:
-        raise DataError(f"data.path: {path} does not exist") from None
+        raise DataError(missing_hint.format(path=path)) from None
     with handle:
         for line_no, line in enumerate(handle, start=1):
             if max_samples is not None and stats.conversations >= max_samples:
@@ -148,16 +158,18 @@ def render_segments(tokenizer, messages) -> list[tuple[str, bool]]:
     segments: list[tuple[str, bool]] = []
     cursor = 0
     for i, message in enumerate(messages):
-        start = text.find(message["content"], cursor)
-        if start < 0:
-            raise ValueError(
-                f"turn {i} ({message['role']}): its content does not appear verbatim in the rendered chat "
-                "template (the template rewrites it), so its loss mask cannot be placed"
-            )
-        end = start + len(message["content"])
-        segments.append((text[cursor:start], False))
-        segments.append((text[start:end], message["role"] == "assistant"))
-        cursor = end
+        parts = [("reasoning_content", message["reasoning_content"])] if "reasoning_content" in message else []
+        for key, part in [*parts, ("content", message["content"])]:
+            start = text.find(part, cursor)
+            if start < 0:
+                raise ValueError(
+                    f"turn {i} ({message['role']}): its {key} does not appear verbatim in the rendered chat "
+                    "template (the template rewrites or drops it), so its loss mask cannot be placed"
+                )
+            end = start + len(part)
+            segments.append((text[cursor:start], False))
+            segments.append((text[start:end], message["role"] == "assistant"))
+            cursor = end
     segments.append((text[cursor:], False))
     return [(s, a) for s, a in segments if s]
 

@@ -79,11 +79,13 @@ def plain_greedy(target, prompt: list[int], max_new: int, eos: set[int]) -> list
     return seq[len(prompt) :]
 
 
-def held_out_prompts(cfg, tokenizer) -> list[list[int]]:
+def held_out_prompts(cfg, tokenizer, limit: int | None = None) -> list[list[int]]:
+    """First user turns (chat template applied) of the validation split: prompts training never saw."""
     from eagle3.data import read_conversations
     from eagle3.train import is_validation
 
-    conversations, _ = read_conversations(cfg.data.path, "skip", None)
+    # The conversations training split by sample id (the regenerated ones, with generate on).
+    conversations, _ = read_conversations(cfg.conversations_path, "skip", None, cfg.conversations_missing_hint)
     prompts = []
     for conversation in conversations:
         if not is_validation(conversation.sample_id, cfg.train.val_fraction):
@@ -92,7 +94,7 @@ def held_out_prompts(cfg, tokenizer) -> list[list[int]]:
         text = tokenizer.apply_chat_template(list(conversation.messages[:first_answer]), tokenize=False,
                                              add_generation_prompt=True)
         prompts.append(tokenizer.encode(text, add_special_tokens=False))
-        if len(prompts) == cfg.evaluate.num_prompts:
+        if len(prompts) == (limit or cfg.evaluate.num_prompts):
             break
     return prompts
 

@@ -116,7 +116,9 @@ def run_extract(cfg, shard: int = 0, num_shards: int | None = None) -> dict:
     num_shards = num_shards or cfg.extract.num_shards
     if not 0 <= shard < num_shards:
         raise ValueError(f"--shard {shard} is out of range for {num_shards} shard(s) (valid 0..{num_shards - 1})")
-    conversations, read_stats = read_conversations(cfg.data.path, cfg.data.on_bad_record, cfg.data.max_samples)
+    conversations, read_stats = read_conversations(
+        cfg.conversations_path, cfg.data.on_bad_record, cfg.data.max_samples, cfg.conversations_missing_hint
+    )
     mine = [c for c in conversations if shard_of(c.sample_id, num_shards) == shard]
 
     meta = StoreMeta(cfg.target.hidden_size, tuple(cfg.resolved_aux_layers()))
