@@ -7,7 +7,9 @@ with its help text, range and pattern. One run writes one run directory,
 the drafter, report and plots.
 
 preflight: validate -> box reachable -> code synced -> config written -> GPUs idle -> disk enough;
-then extract (one mapped task per shard) -> GPUs released -> vocab -> train -> export -> evaluate -> report.
+then generate (regenerate the answers with the target; skipped unless generate.enabled) -> extract (one
+mapped task per shard) -> GPUs released -> vocab -> train -> export -> evaluate -> benchmark (SGLang with
+the drafter against the plain target; skipped unless benchmark.enabled) -> report.
 
 **Resume = clear the failed task.** Every stage is a detached job on the box that a retry or a clear
 re-attaches to while it runs, and restarts (the stage resumes where it stopped) when it died.
@@ -71,18 +73,21 @@ with DAG(
         """One extract task per shard (Airflow maps only over a task's whole return value)."""
         return list(range(plan["num_shards"]))
 
-    extract = RemoteJobOperator.partial(task_id="extract", stage="extract", plan=plan, pool=POOL).expand(
-        shard=shards(plan)
-    )
+    generate = RemoteJobOperator(task_id="generate", stage="generate", plan=plan, pool=POOL, only_if="generate")
+    extract = RemoteJobOperator.partial(
+        task_id="extract", stage="extract", plan=plan, pool=POOL,
+        trigger_rule="none_failed",  # runs after generate, or on the data as given when generate was skipped
+    ).expand(shard=shards(plan))
     gpus_released = GpuIdleSensor(task_id="gpus_released", plan=plan, poke_interval=30, timeout=SENSOR_TIMEOUT)
     vocab = RemoteJobOperator(task_id="vocab", stage="vocab", plan=plan, pool=POOL)
     train = RemoteJobOperator(task_id="train", stage="train", plan=plan, pool=POOL)
     export = RemoteJobOperator(task_id="export", stage="export", plan=plan, pool=POOL)
     evaluate = RemoteJobOperator(task_id="evaluate", stage="evaluate", plan=plan, pool=POOL)
-    summary = task(tasks.report, task_id="report")(plan)
+    benchmark = RemoteJobOperator(task_id="benchmark", stage="benchmark", plan=plan, pool=POOL, only_if="benchmark")
+    summary = task(tasks.report, task_id="report", trigger_rule="none_failed")(plan)
 
-    chain(run, box_reachable, code_synced, config_written, gpus_idle, disk_space, extract, gpus_released,
-          vocab, train, export, evaluate, summary)
+    chain(run, box_reachable, code_synced, config_written, gpus_idle, disk_space, generate, extract, gpus_released,
+          vocab, train, export, evaluate, benchmark, summary)
 
 # The form's params go on the DAG after its tasks exist. Passed to DAG(...), Airflow would copy all ~60 of them
 # into every task, then re-validate every copy when it serializes the DAG: about 0.5 s of the dag-processor's

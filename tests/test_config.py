@@ -89,6 +89,19 @@ def test_draft_vocab_larger_than_target_vocab_is_refused():
     assert "vocab.draft_vocab_size" in message and "at most 1000" in message
 
 
+def test_sglang_flag_mistakes_are_named_with_the_fix():
+    message = error_of(with_changes(server={"extra_args": {"--reasoning-parser": "kimi_k2"}}))
+    assert "server.extra_args" in message and "without '--'" in message
+    message = error_of(with_changes(benchmark={"num_steps": 5, "num_draft_tokens": 4}))
+    assert "benchmark.num_draft_tokens" in message and "num_steps + 1 = 6" in message
+
+
+def test_with_generate_on_extract_reads_the_regenerated_conversations():
+    assert str(parse_run_config(BASE).conversations_path) == "/data/prompts.jsonl"
+    regenerated = parse_run_config(with_changes(generate={"enabled": True}))
+    assert regenerated.conversations_path == regenerated.run_dir / "generate" / "conversations.jsonl"
+
+
 def test_facts_are_filled_from_the_model_and_checked(tiny_target, tmp_path):
     tiny = {"model_path": str(tiny_target), "num_hidden_layers": None}
     cfg = resolve_target_facts(parse_run_config(with_changes(target=tiny, vocab={"draft_vocab_size": 512})))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -128,3 +129,28 @@ def test_a_template_that_rewrites_content_is_reported(tiny_tokenizer):
     conversation = Conversation("0" * 16, messages, 3)
     with pytest.raises(ValueError, match="does not appear verbatim in the rendered chat template"):
         tokenize_conversation(RewritingTokenizer(), conversation, max_length=100)
+
+
+def test_reasoning_content_is_read_and_trained_on_when_the_template_renders_it(tiny_tokenizer, tmp_path):
+    """A thinking model's answers (generate keeps SGLang's reasoning_content): the loss mask covers the reasoning
+    and the answer, in the order a Kimi-style template renders them."""
+    record = {"messages": [{"role": "user", "content": "What is 2 + 3?"},
+                           {"role": "assistant", "content": "5.", "reasoning_content": "Add two and three."}]}
+    plain = {"messages": [record["messages"][0], {"role": "assistant", "content": "5."}]}
+    conversations, _ = read_conversations(write_jsonl(tmp_path / "r.jsonl", [record, plain]))
+    thinking, without = conversations
+    assert thinking.messages[1]["reasoning_content"] == "Add two and three."
+    assert thinking.sample_id != without.sample_id  # the reasoning is part of the content
+
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+        "{% if m.get('reasoning_content') %}<think>{{ m['reasoning_content'] }}</think>{% endif %}"
+        "{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    )
+    sample = tokenize_conversation(tokenizer, thinking, max_length=4096)
+    masked = [token for token, m in zip(sample.input_ids, sample.loss_mask) if m]
+    assert tokenizer.decode(masked) == "Add two and three.5."
+    # A template that drops the reasoning cannot be trained on as asked: said, not silently half-masked.
+    with pytest.raises(ValueError, match="its reasoning_content does not appear verbatim"):
+        tokenize_conversation(tiny_tokenizer, thinking, max_length=4096)

@@ -340,6 +340,9 @@ def box_info(require: Iterable[str] = (), nvidia_smi: str | None = None) -> dict
     (REQUIRED_PACKAGES plus `require`, e.g. "sglang") that are not installed."""
     required = list(dict.fromkeys([*REQUIRED_PACKAGES, *require]))
     packages = {name: package_version(name) for name in dict.fromkeys([*REPORTED_PACKAGES, *required])}
+    launcher = os.environ.get("EAGLE3_SERVER_LAUNCHER")
+    if launcher and packages.get("sglang") is None:  # tests: a stand-in serves in SGLang's place (eagle3.server)
+        packages["sglang"] = f"stand-in {launcher}"
     return {
         "python": sys.version,
         "executable": sys.executable,

@@ -84,10 +84,12 @@ def launch_argv(cfg, extra_flags: dict[str, str | int | float | bool]) -> list[s
     return argv
 
 
+_libc = ctypes.CDLL(None, use_errno=True)  # loaded here: between fork and exec, do as little as possible
+
+
 def _die_with_parent() -> None:
     """In the server's process, before exec: SIGTERM it when the stage that started it dies, even by SIGKILL."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 @contextlib.contextmanager

@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from airflow.sdk import BaseOperator, ResumableJobMixin
-from airflow.sdk.exceptions import AirflowException, AirflowFailException
+from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowSkipException
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from eagle3.job import run_seconds
@@ -54,17 +54,20 @@ class RemoteJobOperator(ResumableJobMixin, BaseOperator):
     :param stage: the box-side stage (extract, vocab, train, export, evaluate).
     :param plan: the run plan dict from the DAG's first task (an XComArg).
     :param shard: for extract, which shard this (mapped) task runs; its box is chosen from the plan.
+    :param only_if: a stage the run may leave out: the RunPlan flag (e.g. "generate") that must be on, or the
+        task is skipped.
     """
 
     template_fields = ("plan", "shard")
     external_id_key = "eagle3_job_key"
     ui_color = "#e8eefc"
 
-    def __init__(self, *, stage: str, plan: Any, shard: int | None = None, **kwargs):
+    def __init__(self, *, stage: str, plan: Any, shard: int | None = None, only_if: str | None = None, **kwargs):
         super().__init__(**kwargs)
         self.stage = stage
         self.plan = plan
         self.shard = shard
+        self.only_if = only_if
 
     # -- what this task instance runs where ------------------------------------------------------
     @property
@@ -92,6 +95,8 @@ class RemoteJobOperator(ResumableJobMixin, BaseOperator):
     # -- the resumable-job protocol --------------------------------------------------------------
     def execute(self, context):
         plan = self.run_plan
+        if self.only_if and not getattr(plan, self.only_if):
+            raise AirflowSkipException(f"{self.only_if}.enabled is off for this run")
         self._running_key = self._key(context)  # for on_kill, which gets no context
         # A rebooted or reimaged box may have lost the code dir; syncing is a no-op when it is there.
         ensure_code(plan.box(self.conn_id), plan.python, plan.workdir)

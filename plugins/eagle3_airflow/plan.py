@@ -24,6 +24,7 @@ class RunPlan:
     python: str
     num_shards: int
     generate: bool
+    benchmark: bool
     require_gpus: bool
     gpu_max_used_mib: int
     stop_services: list[str] = field(default_factory=list)
@@ -37,7 +38,7 @@ class RunPlan:
         return cls(
             run_name=config.run_name, workdir=config.workdir, run_dir=str(config.run_dir),
             conn_ids=list(box.conn_ids), python=box.python, num_shards=config.extract.num_shards,
-            generate=config.generate.enabled, require_gpus=box.require_gpus,
+            generate=config.generate.enabled, benchmark=config.benchmark.enabled, require_gpus=box.require_gpus,
             gpu_max_used_mib=box.gpu_max_used_mib, stop_services=list(box.stop_services),
             disk_margin=box.disk_margin, poll_interval_s=box.poll_interval_s, ssh_grace_s=box.ssh_grace_s,
             stale_after_s=box.stale_after_s,

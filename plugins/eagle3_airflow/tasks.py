@@ -26,11 +26,6 @@ def validate_run(params: dict, conf: dict, known: set[str], run_id: str) -> dict
     try:
         check_unknown_keys(conf, known)
         config, box = params_to_configs({k: v for k, v in params.items() if k in known}, run_id)
-        if config.generate.enabled:
-            raise ParamsError(
-                "generate.enabled: the generate stage is not part of this DAG yet; turn it off to train on the "
-                "conversations as given (data.path)"
-            )
     except ParamsError as err:
         raise AirflowFailException(str(err)) from None
     plan = RunPlan.build(config, box)
@@ -42,7 +37,9 @@ def validate_run(params: dict, conf: dict, known: set[str], run_id: str) -> dict
 def sync_code(plan_dict: dict, config: dict) -> dict:
     """Upload the eagle3 package to every box and record what each box has; fail early if a package is missing."""
     plan = RunPlan.from_xcom(plan_dict)
-    require = ["--require", "sglang"] if config["extract"]["backend"] == "sglang" else []
+    needs_sglang = (config["extract"]["backend"] == "sglang" or config["benchmark"]["enabled"]
+                    or (config["generate"]["enabled"] and config["generate"]["launch_server"]))
+    require = ["--require", "sglang"] if needs_sglang else []
     facts = {}
     for conn_id in plan.conn_ids:
         box = plan.box(conn_id)
@@ -93,6 +90,15 @@ def report(plan_dict: dict) -> dict:
         "simulated_accept_length": evaluation["simulated_accept_length_teacher_forced"],
         "measured_accept_length": {k: v["mean_accept_length"] for k, v in evaluation["speculative"].items()},
     }
+    if plan.benchmark:
+        benchmark_path = f"{plan.run_dir}/benchmark/benchmark.json"
+        benchmark = box.run(["cat", benchmark_path]).json(f"reading {benchmark_path}")
+        summary["sglang_benchmark"] = {
+            "report": benchmark_path,
+            "accept_length": benchmark["mean_accept_length"],
+            "output_tokens_per_s": {name: benchmark[name]["output_tokens_per_s"] for name in ("baseline", "eagle3")},
+            "speedup": benchmark["speedup"],
+        }
     for key, value in summary.items():
         log.info("%-24s %s", key, value)
     return summary

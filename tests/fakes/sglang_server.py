@@ -85,6 +85,7 @@ class Model:
             "run_name": "stand-in", "workdir": "/nonexistent", "data": {"path": "/nonexistent"},
             "target": {"model_path": args.model_path, "dtype": "float32"},
             "extract": {"aux_layers": list(drafter.cfg.aux_layer_ids), "device": "cpu"},
+            "vocab": {"draft_vocab_size": drafter.cfg.draft_vocab_size},
         }))
         return HfCapture(cfg), drafter, d2t, args.speculative_num_steps
 

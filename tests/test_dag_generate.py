@@ -1,0 +1,102 @@
+"""The DAG with its two SGLang stages on: generate (the target regenerates the answers) and benchmark (SGLang
+serving the drafter against the plain target), in one real `airflow dags test` run through the local transport.
+
+SGLang cannot run on a CPU machine: EAGLE3_SERVER_LAUNCHER makes both stages start tests/fakes/sglang_server.py
+instead of `python -m sglang.launch_server`, with the same flags; it serves the tiny target's real greedy
+generation, and speculative decoding with the exported drafter."""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from eagle3.data import read_conversations
+from eagle3.store import HiddenStateStore
+from tests.airflow_env import REPO, dags_test
+
+pytestmark = pytest.mark.slow
+
+STAND_IN = REPO / "tests" / "fakes" / "sglang_server.py"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_generate_and_benchmark_run_in_the_dag(tiny_target, airflow_home, tmp_path):
+    settings = tmp_path / "settings.json"
+    settings.write_text(json.dumps({"retry_delay_s": 1, "retries": 1}))
+    conf = {
+        "run_name": "with-sglang-stages",
+        "workdir": str(tmp_path / "box"),
+        "target.model_path": str(tiny_target),
+        "target.dtype": "float32",
+        "data.path": str(tiny_target / "prompts.jsonl"),
+        "data.max_samples": 24,
+        "generate.enabled": True,
+        "generate.launch_server": True,
+        "generate.max_tokens": 32,
+        "generate.concurrency": 4,
+        "generate.progress_interval_s": 1,
+        "server.port": free_port(),
+        "server.startup_timeout_s": 120,
+        "vocab.draft_vocab_size": 512,
+        "extract.batch_tokens": 1024,
+        "extract.chunk_mib": 1,
+        "train.batch_tokens": 256,
+        "train.epochs": 1,
+        "train.val_fraction": 0.2,
+        "train.save_every_steps": 50,
+        "train.learning_rate": 0.001,
+        "evaluate.num_prompts": 2,
+        "evaluate.max_new_tokens": 16,
+        "evaluate.draft_lengths": [3],
+        "benchmark.enabled": True,
+        "benchmark.num_prompts": 2,
+        "benchmark.max_new_tokens": 16,
+        "box.python": sys.executable,
+        "box.require_gpus": False,
+        "box.poll_interval_s": 0.3,
+    }
+    started = time.monotonic()
+    proc = dags_test(airflow_home, conf, env={"EAGLE3_DAG_SETTINGS": str(settings),
+                                              "EAGLE3_SERVER_LAUNCHER": str(STAND_IN)})
+    print(f"DAG run with generate and benchmark: {time.monotonic() - started:.1f} s")
+    assert proc.returncode == 0, f"{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
+    run_dir = tmp_path / "box" / "runs" / "with-sglang-stages"
+
+    # extract stored the regenerated conversations, not data.path's
+    generated = run_dir / "generate" / "conversations.jsonl"
+    assert json.loads((run_dir / "generate" / "stats.json").read_text())["regenerated"] == 24
+    regenerated_ids = {c.sample_id for c in read_conversations(generated)[0]}
+    original_ids = {c.sample_id for c in read_conversations(tiny_target / "prompts.jsonl", max_samples=24)[0]}
+    stored_ids = set(HiddenStateStore(run_dir / "hidden_states").sample_ids)
+    assert len(regenerated_ids) == 24 and stored_ids == regenerated_ids != original_ids
+
+    benchmark = json.loads((run_dir / "benchmark" / "benchmark.json").read_text())
+    assert benchmark["prompts"] == 2
+    assert benchmark["baseline"]["output_tokens_per_s"] > 0 and benchmark["eagle3"]["output_tokens_per_s"] > 0
+    assert benchmark["eagle3"]["mean_accept_length"] >= 1.0 and "mean_accept_length" not in benchmark["baseline"]
+    assert benchmark["speedup"] > 0 and (run_dir / "benchmark" / "benchmark.png").exists()
+    assert benchmark["identical_outputs"] == "2/2"  # greedy speculation is lossless
+    print(f"stand-in benchmark: accept length {benchmark['mean_accept_length']}, speedup {benchmark['speedup']}")
+    assert "sglang_benchmark" in proc.stdout + proc.stderr  # the report task's summary carries the benchmark
+    assert not stand_in_processes(), "a stand-in server outlived its stage"
+
+
+def stand_in_processes() -> list[str]:
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if STAND_IN.name.encode() in cmdline.read_bytes():
+                found.append(cmdline.parent.name)
+        except OSError:
+            pass
+    return found
