@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 TINY_TARGET := .cache/tiny-target
 
-.PHONY: install demo test lint bench airflow clean
+.PHONY: install demo test lint bench airflow docs clean
 
 $(INSTALLED): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -37,6 +37,10 @@ airflow: $(INSTALLED)
 	AIRFLOW__CORE__PLUGINS_FOLDER=$(CURDIR)/plugins AIRFLOW__CORE__LOAD_EXAMPLES=False \
 	$(if $(wildcard demo-work/dag-settings.json),EAGLE3_DAG_SETTINGS=$(CURDIR)/demo-work/dag-settings.json) \
 	$(VENV)/bin/airflow standalone
+
+# docs/params.md, the trigger form's params reference, regenerated from the run-config model (a test checks it).
+docs: $(INSTALLED)
+	$(PY) scripts/params_reference.py
 
 clean:
 	rm -rf demo-work bench-work .pytest_cache .ruff_cache

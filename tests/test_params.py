@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from airflow.sdk.definitions.param import ParamsDict
@@ -10,6 +13,8 @@ from airflow.sdk.exceptions import AirflowFailException, ParamValidationError
 
 from eagle3_airflow.params import ParamsError, build_params, params_to_configs, unflatten
 from eagle3_airflow.tasks import validate_run
+
+REPO = Path(__file__).resolve().parents[1]
 
 GOOD = {
     "workdir": "/data/eagle3",
@@ -96,3 +101,12 @@ def test_paths_with_shell_syntax_are_valid_data_not_commands():
 
 def test_unflatten_drops_nulls_so_model_defaults_apply():
     assert unflatten({"a.b": 1, "a.c": None, "d": 2}) == {"a": {"b": 1}, "d": 2}
+
+
+def test_the_params_reference_in_docs_is_the_forms():
+    """docs/params.md is generated from the same params as the form; regenerate it with `make docs`."""
+    proc = subprocess.run([sys.executable, "scripts/params_reference.py", "--check"], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    text = (REPO / "docs" / "params.md").read_text()
+    assert "| `train.epochs` | integer | `1` | >= 1 |" in text and "## server:" in text

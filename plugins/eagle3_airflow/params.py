@@ -146,7 +146,10 @@ def build_params(defaults: dict[str, Any] | None = None) -> dict[str, Any]:
         # (its meta-schema is one document, 2020-12's a tree of vocabularies). pydantic's keywords (numeric
         # exclusiveMinimum, pattern, enum) are draft-07 keywords. See also the end of dags/eagle3_drafter.py.
         schema["$schema"] = JSON_SCHEMA_DRAFT
-        kwargs = dict(title=prop.get("title", dotted), description=_describe(prop, required), section=section)
+        description = _describe(prop, required and dotted != "run_name")
+        if dotted == "run_name":
+            description += " Empty: named after the Airflow run id."
+        kwargs = dict(title=prop.get("title", dotted), description=description, section=section)
         # A required field with no default (a path on the box) gets no default: the form then demands a
         # value, and a scheduled run needs one from the DAG settings file.
         params[dotted] = Param(**kwargs, **schema) if default is ... else Param(default, **kwargs, **schema)
