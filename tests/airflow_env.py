@@ -41,9 +41,12 @@ def airflow_home(tmp_path_factory) -> Path:
 
 
 def dags_test(home: Path, conf: dict, *, logical_date: str | None = None, timeout: float = 900,
-              env: dict[str, str] | None = None, **popen) -> subprocess.CompletedProcess:
-    """`airflow dags test eagle3_drafter [DATE] --conf JSON`; its exit code is 0 iff the DAG run succeeded."""
+              env: dict[str, str] | None = None, mark_success: str | None = None,
+              **popen) -> subprocess.CompletedProcess:
+    """`airflow dags test eagle3_drafter [DATE] --conf JSON`; its exit code is 0 iff the DAG run succeeded.
+    mark_success: a regex of task ids Airflow marks successful instead of running (a drill about extraction
+    need not train)."""
     argv = [AIRFLOW, "dags", "test", "eagle3_drafter", *([logical_date] if logical_date else []),
-            "--conf", json.dumps(conf)]
+            "--conf", json.dumps(conf), *(["--mark-success-pattern", mark_success] if mark_success else [])]
     return subprocess.run(argv, env={**airflow_env(home), **(env or {})}, capture_output=True, text=True,
                           timeout=timeout, **popen)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -78,7 +79,56 @@ def train_config(make_config):
     write_run_config(cfg)
     return cfg
 
+
+# -- sensors on this machine as the box, its GPUs played by a stand-in nvidia-smi (tests/fakes/nvidia-smi) ---------
+
+FAKES = REPO / "tests" / "fakes"
+
+H200 = {"index": 0, "uuid": "GPU-0a1b", "name": "NVIDIA H200", "memory.total": 143771,
+        "mig.mode.current": "Disabled"}
+VLLM = {"gpu_uuid": "GPU-0a1b", "pid": 4242, "process_name": "python3 -m vllm.entrypoints.openai.api_server",
+        "used_memory": 70000}
+
+
+@pytest.fixture
+def plan(tmp_path, make_config) -> dict:
+    """A run plan for a run on the tiny target with the package synced to a workdir on this machine."""
+    from eagle3.config import write_run_config
+    from eagle3_airflow.codesync import ensure_code
+    from eagle3_airflow.plan import RunPlan
+    from eagle3_airflow.transport import LocalBox
+
+    cfg = make_config(workdir=tmp_path / "work")
+    write_run_config(cfg)
+    ensure_code(LocalBox(), sys.executable, cfg.workdir)
+    return RunPlan(run_name=cfg.run_name, workdir=cfg.workdir, run_dir=str(cfg.run_dir), conn_ids=["local"],
+                   python=sys.executable, num_shards=1, generate=False, benchmark=False, require_gpus=True,
+                   gpu_max_used_mib=1024).to_xcom()
+
+
+@pytest.fixture
+def gpus(tmp_path, monkeypatch):
+    """Write the stand-in nvidia-smi's scenario: what the box's GPUs show."""
+    monkeypatch.setenv("PATH", f"{FAKES}:{tmp_path}:" + os.environ["PATH"])
+    scenario = tmp_path / "nvidia-smi.json"
+    monkeypatch.setenv("FAKE_NVIDIA_SMI_STATE", str(scenario))
+
+    def show(gpus: list[dict] | None = None, processes: list[dict] | None = None, **failure) -> None:
+        scenario.write_text(json.dumps(failure or {"gpus": gpus or [], "processes": processes or []}))
+
+    return show
+
+
+def poke(sensor_class, plan: dict, capsys, **kwargs) -> tuple[bool, str]:
+    """Poke once; return the answer and what the sensor logged (Airflow's task logger writes to stdout here)."""
+    sensor = sensor_class(task_id="sensor", plan=plan, **kwargs)
+    capsys.readouterr()
+    result = sensor.poke({})
+    return result, capsys.readouterr().out
+
+
 pytest_plugins = [
     "tests.sshd",  # the loopback sshd fixtures (`sshd`, `fresh_sshd`)
     "tests.airflow_env",  # a throwaway Airflow home with a migrated SQLite DB (`airflow_home`)
+    "tests.dagruns",  # whole DAG runs: conf_for, settings, the session's uninterrupted `baseline_run`, helpers
 ]

@@ -1,27 +1,16 @@
 """Preflight sensors against a real box (this machine through the local transport, the synced package, real
 `python -m eagle3 box ...` commands). GPUs cannot exist here: a stand-in nvidia-smi (tests/fakes) is put
-first on PATH, and a stand-in systemctl for the service-stop case; both are named so in their docstrings."""
+first on PATH, and a stand-in systemctl for the service-stop case; both are named so in their docstrings.
+The `plan` and `gpus` fixtures are in tests/conftest.py; the foreign-GPU-process drill is in tests/faults/."""
 
 from __future__ import annotations
 
-import json
 import stat
 import sys
 from pathlib import Path
 
-import pytest
-
-from eagle3_airflow.codesync import ensure_code
-from eagle3_airflow.plan import RunPlan
 from eagle3_airflow.sensors import BoxReachableSensor, DiskSpaceSensor, GpuIdleSensor
-from eagle3_airflow.transport import LocalBox
-
-FAKES = Path(__file__).parent / "fakes"
-
-H200 = {"index": 0, "uuid": "GPU-0a1b", "name": "NVIDIA H200", "memory.total": 143771,
-        "mig.mode.current": "Disabled"}
-VLLM = {"gpu_uuid": "GPU-0a1b", "pid": 4242, "process_name": "python3 -m vllm.entrypoints.openai.api_server",
-        "used_memory": 70000}
+from tests.conftest import H200, VLLM, poke
 
 # A TEST STAND-IN for systemctl (no systemd in a container): `is-active` answers from a state file,
 # `stop` empties it and records the call.
@@ -35,54 +24,11 @@ esac
 """
 
 
-@pytest.fixture
-def plan(tmp_path, make_config) -> dict:
-    """A run plan for a run on the tiny target with the package synced to a workdir on this machine."""
-    from eagle3.config import write_run_config
-
-    cfg = make_config(workdir=tmp_path / "work")
-    write_run_config(cfg)
-    ensure_code(LocalBox(), sys.executable, cfg.workdir)
-    return RunPlan(run_name=cfg.run_name, workdir=cfg.workdir, run_dir=str(cfg.run_dir), conn_ids=["local"],
-                   python=sys.executable, num_shards=1, generate=False, require_gpus=True,
-                   gpu_max_used_mib=1024).to_xcom()
-
-
-@pytest.fixture
-def gpus(tmp_path, monkeypatch):
-    """Write the stand-in nvidia-smi's scenario: what the box's GPUs show."""
-    monkeypatch.setenv("PATH", f"{FAKES}:{tmp_path}:" + __import__("os").environ["PATH"])
-    scenario = tmp_path / "nvidia-smi.json"
-    monkeypatch.setenv("FAKE_NVIDIA_SMI_STATE", str(scenario))
-
-    def show(gpus: list[dict] | None = None, processes: list[dict] | None = None, **failure) -> None:
-        scenario.write_text(json.dumps(failure or {"gpus": gpus or [], "processes": processes or []}))
-
-    return show
-
-
-def poke(sensor_class, plan: dict, capsys, **kwargs) -> tuple[bool, str]:
-    """Poke once; return the answer and what the sensor logged (Airflow's task logger writes to stdout here)."""
-    sensor = sensor_class(task_id="sensor", plan=plan, **kwargs)
-    capsys.readouterr()
-    result = sensor.poke({})
-    return result, capsys.readouterr().out
-
-
 def test_gpus_idle(plan, gpus, capsys):
     gpus([{**H200, "memory.used": 1}])
     idle, log = poke(GpuIdleSensor, plan, capsys)
     assert idle
     assert "NVIDIA H200: 1 of 143771 MiB used" in log
-
-
-def test_gpus_busy_with_a_foreign_process_is_named_until_it_is_gone(plan, gpus, capsys):
-    gpus([{**H200, "memory.used": 70500}], [VLLM])
-    idle, log = poke(GpuIdleSensor, plan, capsys)
-    assert not idle
-    assert "pid 4242 python3 -m vllm.entrypoints.openai.api_server (70000 MiB)" in log
-    gpus([{**H200, "memory.used": 3}])  # someone killed it
-    assert poke(GpuIdleSensor, plan, capsys)[0]
 
 
 def test_memory_in_use_without_a_visible_process_is_busy(plan, gpus, capsys):

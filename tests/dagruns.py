@@ -1,0 +1,138 @@
+"""Helpers and fixtures for tests that run the whole DAG with `airflow dags test` on the tiny target.
+
+Registered as a plugin in tests/conftest.py, so every test file gets the fixtures:
+
+  settings      EAGLE3_DAG_SETTINGS env for quick retries (retry_delay_s 1, retries 2); `settings_env` makes others
+  baseline_run  ONE uninterrupted local DAG run per session (the run directory): the reference every DAG-level
+                comparison uses (bit-identical drafter, equal store digest), computed once
+
+and the helpers conf_for, job_state, sha256, assert_succeeded, wait_for, start_dag_run and
+copy_through_vocab (a run directory where extract and vocab already succeeded, for drills about training).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.airflow_env import AIRFLOW, airflow_env, dags_test
+
+BASELINE_RUN_NAME = "baseline"
+# For drills about training: the stages after export are marked successful instead of run (`--mark-success-pattern`);
+# the drafter (export) is what they compare.
+LATER_STAGES = "evaluate|benchmark|report"
+
+
+def conf_for(tiny_target: Path, workdir: Path, run_name: str = BASELINE_RUN_NAME, **overrides) -> dict:
+    """A small but complete run: 2 extraction shards, 24 training steps, 2 evaluation prompts. With the
+    defaults (and any workdir) its outputs are bit-identical to the baseline run's."""
+    conf = {
+        "run_name": run_name,
+        "workdir": str(workdir),
+        "target.model_path": str(tiny_target),
+        "target.dtype": "float32",
+        "data.path": str(tiny_target / "prompts.jsonl"),
+        "data.max_samples": 48,
+        "vocab.draft_vocab_size": 512,
+        "extract.batch_tokens": 1024,
+        "extract.chunk_mib": 1,
+        "extract.num_shards": 2,
+        "extract.progress_interval_s": 1,
+        "train.batch_tokens": 256,
+        "train.epochs": 2,
+        "train.save_every_steps": 4,
+        "train.learning_rate": 0.001,
+        "train.progress_interval_s": 1,
+        "evaluate.num_prompts": 2,
+        "evaluate.max_new_tokens": 16,
+        "evaluate.draft_lengths": [3],
+        "box.python": sys.executable,
+        "box.require_gpus": False,
+        "box.poll_interval_s": 0.3,
+    }
+    conf.update(overrides)
+    return conf
+
+
+def settings_env(directory: Path, **values) -> dict[str, str]:
+    """Write a deployment settings file (EAGLE3_DAG_SETTINGS) into `directory`; return the env that names it."""
+    path = Path(directory) / "dag-settings.json"
+    path.write_text(json.dumps(values))
+    return {"EAGLE3_DAG_SETTINGS": str(path)}
+
+
+@pytest.fixture(scope="session")
+def settings(tmp_path_factory) -> dict[str, str]:
+    """Deployment settings through EAGLE3_DAG_SETTINGS: retries wait 1 s (then 2, 4, ...) instead of a minute."""
+    return settings_env(tmp_path_factory.mktemp("settings"), retry_delay_s=1, retries=2)
+
+
+def job_state(run_dir: Path, key: str) -> dict:
+    return json.loads((run_dir / "jobs" / key / "state.json").read_text())
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def assert_succeeded(proc: subprocess.CompletedProcess) -> None:
+    output = f"{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 0, f"DAG run failed (exit {proc.returncode}):\n{output}"
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.1) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(interval)
+
+
+def start_dag_run(home: Path, conf: dict, output: Path, *, logical_date: str | None = None,
+                  env: dict[str, str] | None = None, mark_success: str | None = None) -> subprocess.Popen:
+    """`airflow dags test` in the background, in a session of its own (so a drill can SIGKILL the whole Airflow
+    side with killpg), stdout and stderr into `output`."""
+    argv = [AIRFLOW, "dags", "test", "eagle3_drafter", *([logical_date] if logical_date else []),
+            "--conf", json.dumps(conf), *(["--mark-success-pattern", mark_success] if mark_success else [])]
+    with open(output, "ab") as out:
+        return subprocess.Popen(argv, env={**airflow_env(home), **(env or {})}, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+
+@pytest.fixture(scope="session")
+def baseline_run(tiny_target, airflow_home, settings, tmp_path_factory) -> Path:
+    """One uninterrupted DAG run through the local transport, shared by the whole session: the reference the
+    DAG tests and fault drills compare against. Returns its run directory; nobody may write into it."""
+    workdir = tmp_path_factory.mktemp("baseline-box")
+    started = time.monotonic()
+    proc = dags_test(airflow_home, conf_for(tiny_target, workdir), env=settings)
+    print(f"uninterrupted DAG run (local transport): {time.monotonic() - started:.1f} s")
+    assert_succeeded(proc)
+    return workdir / "runs" / BASELINE_RUN_NAME
+
+
+THROUGH_VOCAB = ("hidden_states", "vocab_mapping", "disk_estimate_tokens.json", "jobs/extract.0", "jobs/extract.1",
+                 "jobs/vocab")
+
+
+def copy_through_vocab(baseline: Path, workdir: Path) -> Path:
+    """The baseline's run directory as it was when vocab had succeeded, under another workdir: store, vocab
+    mapping and the succeeded extract and vocab jobs. config.json is left out (it names the workdir; the DAG
+    writes it again). A DAG run on it re-attaches to those succeeded jobs at once (exactly what a cleared run
+    does) and spends its time on training and after."""
+    run_dir = Path(workdir) / "runs" / baseline.name
+    for part in THROUGH_VOCAB:
+        source, target = baseline / part, run_dir / part
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if source.is_dir():
+            shutil.copytree(source, target, symlinks=True)
+        else:
+            shutil.copy2(source, target)
+    return run_dir
