@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import socket
-import sys
 import time
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import pytest
 from eagle3.data import read_conversations
 from eagle3.store import HiddenStateStore
 from tests.airflow_env import REPO, dags_test
+from tests.dagruns import assert_succeeded, conf_for
 
 pytestmark = pytest.mark.slow
 
@@ -30,15 +30,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_generate_and_benchmark_run_in_the_dag(tiny_target, airflow_home, tmp_path):
-    settings = tmp_path / "settings.json"
-    settings.write_text(json.dumps({"retry_delay_s": 1, "retries": 1}))
-    conf = {
-        "run_name": "with-sglang-stages",
-        "workdir": str(tmp_path / "box"),
-        "target.model_path": str(tiny_target),
-        "target.dtype": "float32",
-        "data.path": str(tiny_target / "prompts.jsonl"),
+def test_generate_and_benchmark_run_in_the_dag(tiny_target, airflow_home, settings, tmp_path):
+    conf = conf_for(tiny_target, tmp_path / "box", "with-sglang-stages", **{
         "data.max_samples": 24,
         "generate.enabled": True,
         "generate.launch_server": True,
@@ -47,29 +40,18 @@ def test_generate_and_benchmark_run_in_the_dag(tiny_target, airflow_home, tmp_pa
         "generate.progress_interval_s": 1,
         "server.port": free_port(),
         "server.startup_timeout_s": 120,
-        "vocab.draft_vocab_size": 512,
-        "extract.batch_tokens": 1024,
-        "extract.chunk_mib": 1,
-        "train.batch_tokens": 256,
+        "extract.num_shards": 1,
         "train.epochs": 1,
-        "train.val_fraction": 0.2,
+        "train.val_fraction": 0.2,  # 24 conversations: enough held out for 2 prompts
         "train.save_every_steps": 50,
-        "train.learning_rate": 0.001,
-        "evaluate.num_prompts": 2,
-        "evaluate.max_new_tokens": 16,
-        "evaluate.draft_lengths": [3],
         "benchmark.enabled": True,
         "benchmark.num_prompts": 2,
         "benchmark.max_new_tokens": 16,
-        "box.python": sys.executable,
-        "box.require_gpus": False,
-        "box.poll_interval_s": 0.3,
-    }
+    })
     started = time.monotonic()
-    proc = dags_test(airflow_home, conf, env={"EAGLE3_DAG_SETTINGS": str(settings),
-                                              "EAGLE3_SERVER_LAUNCHER": str(STAND_IN)})
+    proc = dags_test(airflow_home, conf, env={**settings, "EAGLE3_SERVER_LAUNCHER": str(STAND_IN)})
     print(f"DAG run with generate and benchmark: {time.monotonic() - started:.1f} s")
-    assert proc.returncode == 0, f"{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
+    assert_succeeded(proc)
     run_dir = tmp_path / "box" / "runs" / "with-sglang-stages"
 
     # extract stored the regenerated conversations, not data.path's
