@@ -1,0 +1,432 @@
+"""The web UI in a real browser: `airflow standalone` on a free port, driven by Debian's chromium through Playwright.
+
+One test walks through what a user does: log in, open the DAG, read the trigger form (sections, help texts, the
+values EAGLE3_DAG_SETTINGS prefilled), enter bad values and see them refused, trigger a run on the tiny target,
+wait for it to succeed in the grid, then clear one task (`export`, with its downstream tasks, as the clear dialog
+proposes) and see it re-run and succeed. Screenshots and standalone's log go to EAGLE3_UI_ARTIFACTS, else
+test-artifacts/ui/ in the repo.
+
+Needs /usr/bin/chromium (`.ci/run` installs Debian's `chromium`; no `playwright install`) and the `playwright`
+package from requirements.txt.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.airflow_env import REPO, airflow_env
+
+pytestmark = pytest.mark.slow
+
+CHROMIUM = Path("/usr/bin/chromium")
+AIRFLOW = str(Path(sys.executable).with_name("airflow"))
+DAG_ID = "eagle3_drafter"
+RUN_NAME = "ui-run"
+# Checked in the grid: tasks every version of the DAG has (others, such as optional stages, may be skipped).
+TASKS = ["validate", "box_reachable", "sync_code", "extract", "vocab", "train", "export", "evaluate", "report"]
+STARTUP_TIMEOUT_S = 240
+RUN_TIMEOUT_MS = 400_000
+
+
+def form_defaults(tiny_target: Path, workdir: Path) -> dict:
+    """The trigger form's prefilled values: a copy of tests/test_dag.py's `conf_for` (a small, fast run on the tiny
+    target), with `run_name` empty as in a deployment's settings file."""
+    return {
+        "run_name": "",
+        "workdir": str(workdir),
+        "target.model_path": str(tiny_target),
+        "target.dtype": "float32",
+        "data.path": str(tiny_target / "prompts.jsonl"),
+        "data.max_samples": 48,
+        "vocab.draft_vocab_size": 512,
+        "extract.batch_tokens": 1024,
+        "extract.chunk_mib": 1,
+        "extract.num_shards": 2,
+        "extract.progress_interval_s": 1,
+        "train.batch_tokens": 256,
+        "train.epochs": 2,
+        "train.save_every_steps": 4,
+        "train.learning_rate": 0.001,
+        "train.progress_interval_s": 1,
+        "evaluate.num_prompts": 2,
+        "evaluate.max_new_tokens": 16,
+        "evaluate.draft_lengths": [3],
+        "box.python": sys.executable,
+        "box.require_gpus": False,
+        "box.poll_interval_s": 0.3,
+    }
+
+
+# -- processes -------------------------------------------------------------------------------------------------
+
+
+def _processes() -> dict[int, tuple[int, str, str]]:
+    """pid -> (parent pid, start time in clock ticks, command line) for every process we can read."""
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
+        out[int(entry.name)] = (int(fields[1]), fields[19], cmdline)
+    return out
+
+
+def _ours(root_pid: int, marker: str) -> dict[int, str]:
+    """pid -> start time of root_pid's descendants and of every process whose command line names `marker` (the
+    test's own temp dir: the box-side jobs detach into their own sessions, out of standalone's tree)."""
+    procs = _processes()
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _, _) in procs.items():
+        children.setdefault(ppid, []).append(pid)
+    found, todo = {}, [root_pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found[child] = procs[child][1]
+                todo.append(child)
+    for pid, (_, started, cmdline) in procs.items():
+        if marker in cmdline and pid != os.getpid():
+            found[pid] = started
+    return found
+
+
+def _kill_all(proc: subprocess.Popen, marker: str) -> None:
+    """Stop standalone's process group, then SIGKILL whatever of ours is left (same pid and start time)."""
+    ours = _ours(proc.pid, marker)
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+    except ProcessLookupError:
+        pass
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=30)
+    ours.update(_ours(proc.pid, marker))
+    alive = _processes()
+    for pid, started in ours.items():
+        if pid in alive and alive[pid][1] == started:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+# -- the Airflow side ------------------------------------------------------------------------------------------
+
+
+class Standalone:
+    """A running `airflow standalone`: its URL, home, log, and a REST client for setup and final checks."""
+
+    def __init__(self, url: str, home: Path, log: Path, proc: subprocess.Popen) -> None:
+        self.url, self.home, self.log, self.proc = url, home, log, proc
+        self._token: str | None = None
+
+    def tail(self, lines: int = 60) -> str:
+        """The log's last lines, without the api server's access log (one line per request the UI makes)."""
+        text = self.log.read_text(errors="replace") if self.log.exists() else ""
+        kept = [line for line in text.splitlines() if "[http.access]" not in line]
+        return f"--- last {lines} lines of {self.log} (access log left out) ---\n" + "\n".join(kept[-lines:])
+
+    @property
+    def password(self) -> str:
+        return json.loads((self.home / "simple_auth_manager_passwords.json.generated").read_text())["admin"]
+
+    def _request(self, path: str, body: dict | None = None, token: str | None = None) -> dict:
+        headers = {"Content-Type": "application/json"}
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        data = json.dumps(body).encode() if body is not None else None
+        with urllib.request.urlopen(urllib.request.Request(self.url + path, data, headers), timeout=10) as resp:
+            return json.loads(resp.read())
+
+    def api(self, path: str) -> dict:
+        if self._token is None:
+            self._token = self._request("/auth/token", {"username": "admin", "password": self.password})[
+                "access_token"]
+        return self._request("/api/v2" + path, token=self._token)
+
+    def wait_until(self, ready, what: str, deadline: float) -> None:
+        last = None
+        while True:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"airflow standalone exited ({self.proc.returncode}) while waiting for "
+                                     f"{what}\n{self.tail()}")
+            try:
+                if ready():
+                    return
+            except (OSError, ValueError, KeyError, urllib.error.URLError) as err:
+                last = err
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out after {STARTUP_TIMEOUT_S} s waiting for {what} (last error: "
+                                     f"{last})\n{self.tail()}")
+            time.sleep(0.5)
+
+
+@pytest.fixture
+def chromium() -> Path:
+    """The browser, checked before anything starts: a missing one fails the test, never skips it."""
+    if not CHROMIUM.exists():
+        pytest.fail(f"{CHROMIUM} is missing: the web UI test drives Debian's chromium. Install it as .ci/run does "
+                    "(apt-get install -y --no-install-recommends chromium); CI runs .ci/run, which installs it.")
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        pytest.fail("the `playwright` package is missing: `make install` (pip install -r requirements.txt)")
+    return CHROMIUM
+
+
+@pytest.fixture
+def artifacts() -> Path:
+    path = Path(os.environ.get("EAGLE3_UI_ARTIFACTS") or REPO / "test-artifacts" / "ui").resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    for old in path.glob("[0-9][0-9]-*.png"):  # the previous run's screenshots
+        old.unlink()
+    print(f"\nUI test artifacts (screenshots, standalone.log): {path}")
+    return path
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def standalone(chromium, artifacts, tiny_target, tmp_path):
+    """`airflow standalone` (SQLite, LocalExecutor) with this repo's DAG, the form prefilled for the tiny target,
+    the box being this machine; killed with everything it started at the end, pass or fail."""
+    home, workdir = tmp_path / "airflow", tmp_path / "box"
+    home.mkdir()
+    settings = tmp_path / "dag-settings.json"
+    settings.write_text(json.dumps({"params": form_defaults(tiny_target, workdir), "retry_delay_s": 1}))
+    port = _free_port()
+    env = airflow_env(
+        home,
+        AIRFLOW__API__PORT=str(port),
+        AIRFLOW__CORE__EXECUTION_API_SERVER_URL=f"http://localhost:{port}/execution/",
+        AIRFLOW__CORE__PARALLELISM="4",  # LocalExecutor forks this many workers: 32 by default, on 2 cores
+        EAGLE3_DAG_SETTINGS=str(settings),
+    )
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # it spawns `airflow ...`
+    log = artifacts / "standalone.log"
+    started = time.monotonic()
+    with open(log, "w") as out:
+        proc = subprocess.Popen([AIRFLOW, "standalone"], env=env, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True, cwd=tmp_path)
+    server = Standalone(f"http://localhost:{port}", home, log, proc)
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+
+        def healthy() -> bool:
+            with urllib.request.urlopen(server.url + "/api/v2/monitor/health", timeout=5) as resp:
+                health = json.loads(resp.read())
+            return all(health.get(part, {}).get("status") == "healthy"
+                       for part in ("metadatabase", "scheduler", "triggerer", "dag_processor"))
+
+        server.wait_until(healthy, "the api server's health endpoint to report every component healthy", deadline)
+
+        def dag_parsed() -> bool:
+            try:
+                return server.api(f"/dags/{DAG_ID}")["dag_id"] == DAG_ID
+            except urllib.error.HTTPError as err:
+                if err.code != 404:
+                    raise
+                errors = server.api("/importErrors").get("import_errors", [])
+                if errors:
+                    raise AssertionError(f"the DAG file does not import: {errors}\n{server.tail()}") from None
+                return False
+
+        server.wait_until(dag_parsed, f"the dag-processor to serialize {DAG_ID}", deadline)
+        print(f"airflow standalone on {server.url}: ready in {time.monotonic() - started:.1f} s")
+        yield server
+    finally:
+        _kill_all(proc, str(tmp_path))
+
+
+# -- the test --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(600)
+def test_trigger_form_run_and_clear_in_a_real_browser(standalone, chromium, artifacts, tiny_target, tmp_path):
+    from playwright.sync_api import expect, sync_playwright
+
+    from eagle3.config import DataConfig
+
+    url = standalone.url
+
+    def task_tries(run_id: str) -> dict[str, int]:
+        tis = standalone.api(f"/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances")["task_instances"]
+        return {ti["task_id"]: ti["try_number"] for ti in tis if ti["map_index"] == -1}
+
+    shots: list[Path] = []
+    expect.set_options(timeout=60_000)  # a loaded 2-core machine: the UI's polls can lag by many seconds
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(chromium))
+        page = browser.new_context(viewport={"width": 1400, "height": 1000}).new_page()
+        page.set_default_timeout(60_000)
+
+        def shot(name: str) -> None:
+            path = artifacts / f"{len(shots) + 1:02d}-{name}.png"
+            page.screenshot(path=path)
+            shots.append(path)
+
+        try:
+            # 1. Log in (simple auth manager; standalone generated the admin password).
+            page.goto(f"{url}/dags/{DAG_ID}")
+            expect(page.get_by_text("Sign into Airflow")).to_be_visible()
+            page.get_by_label("Username").fill("admin")
+            page.get_by_label("Password").fill(standalone.password)
+            shot("login")
+            page.get_by_role("button", name="Sign in").click()
+
+            # 2. The DAG's page.
+            expect(page).to_have_url(re.compile(rf"/dags/{DAG_ID}$"))
+            trigger = page.get_by_role("button", name="Trigger Dag")
+            expect(trigger).to_be_visible()
+            expect(page.get_by_role("link", name="report", exact=True)).to_be_visible()  # the grid's task list
+            shot("dag")
+
+            # 3. The trigger form: one section per config section, help texts from the config model, the values
+            # EAGLE3_DAG_SETTINGS prefilled.
+            trigger.click()
+            form = page.get_by_role("dialog")
+            expect(form).to_contain_text(f"Trigger Dag - {DAG_ID}")
+            for section in ("run", "data", "extract", "train", "evaluate", "box"):
+                expect(form.get_by_role("button", name=re.compile(rf"^{section}: "))).to_be_visible()
+            expect(form.get_by_label(f"Unpause {DAG_ID} on trigger")).to_be_checked()
+            form.get_by_role("button", name=re.compile(r"^data: ")).click()
+            help_text = form.get_by_text(DataConfig.model_fields["path"].description)
+            expect(help_text).to_be_visible()
+            expect(form.locator('[id="element_data.path"]')).to_have_value(str(tiny_target / "prompts.jsonl"))
+            help_text.scroll_into_view_if_needed()
+            shot("trigger-form-data-section")
+            form.get_by_role("button", name=re.compile(r"^train: ")).click()
+            epochs = form.get_by_label(re.compile(r"^Epochs\b"))
+            expect(epochs).to_have_value("2")
+            epochs.scroll_into_view_if_needed()
+            shot("trigger-form-train-section")
+
+            # 4. Bad values. train.epochs = 0 (minimum 1): the number field does not keep it, it puts the
+            # minimum back when it loses focus (the run below trains with that 1 epoch: a shorter run).
+            epochs.fill("0")
+            epochs.press("Tab")
+            expect(epochs).to_have_value("1")
+            shot("epochs-0-replaced-by-minimum")
+            # A run name with a space breaks the field's pattern: the API refuses the trigger, the form stays
+            # open with the error, and no run exists.
+            form.get_by_role("button", name=re.compile(r"^run: ")).click()
+            run_name = form.locator("#element_run_name")
+            run_name.fill("bad name!")
+            submit = form.get_by_role("button", name="Trigger", exact=True)
+            submit.click()
+            refused = form.get_by_text("400 Bad Request")
+            expect(refused).to_be_visible()
+            expect(form).to_contain_text("Invalid input for param run_name: 'bad name!' does not match")
+            toast = page.get_by_role("status").filter(has_text="Failed to Trigger Dag")
+            expect(toast).to_be_visible()
+            refused.scroll_into_view_if_needed()
+            shot("bad-run-name-refused")
+            # The toast covers the Trigger button and stays while the pointer rests on it: move away, let it go.
+            page.mouse.move(5, 5)
+            expect(toast).to_be_hidden()
+            assert standalone.api(f"/dags/{DAG_ID}/dagRuns")["total_entries"] == 0
+
+            # 5. A valid run.
+            run_name.fill(RUN_NAME)
+            submit.click()
+            expect(page.get_by_text("Dag Run Triggered").first).to_be_visible()
+            expect(form).to_be_hidden()
+            shot("triggered")
+
+            # 6. Wait for success, in the run's header and in the grid (each cell's tooltip names its state).
+            page.goto(f"{url}/dags/{DAG_ID}")
+            run_bar = page.locator("[data-run-id]").first
+            expect(run_bar).to_be_attached()
+            run_id = run_bar.get_attribute("data-run-id")
+            page.locator(f'a[href="/dags/{DAG_ID}/runs/{run_id}/"]').click()
+            header = page.get_by_test_id("header-card")
+            expect(header).to_contain_text(run_id)
+            header_state = header.get_by_test_id("state-badge")
+            expect(header_state).to_have_text(re.compile(r"^(Success|Failed)$"), timeout=RUN_TIMEOUT_MS)
+            assert header_state.inner_text() == "Success", f"the run {run_id} failed"
+
+            def grid_state(task_id: str, state: str) -> None:
+                page.get_by_test_id(f"grid-{run_id}-{task_id}").hover()
+                tooltip = page.get_by_role("tooltip").filter(has_text=f"Task ID: {task_id}")
+                expect(tooltip).to_contain_text(f"State: {state}")
+                page.mouse.move(1300, 950)  # away, so the next tooltip is the only one open
+
+            for task_id in TASKS:
+                grid_state(task_id, "Success")
+            shot("run-succeeded")
+
+            # 7. Clear `export` (the dialog proposes its downstream tasks too): all three re-run and succeed.
+            # Their tries so far: usually 1, but Airflow 3.3 sometimes retries a task whose trigger fired before
+            # the scheduler saw its worker exit ("state mismatch", apache/airflow#72716); the retry re-attaches.
+            tries_before = task_tries(run_id)
+            page.get_by_test_id(f"grid-{run_id}-export").click()
+            expect(page).to_have_url(re.compile(r"/tasks/export$"))
+            expect(header.get_by_role("heading", name="export", exact=True)).to_be_visible()
+            expect(header_state).to_have_text("Success")
+            header.get_by_role("button", name=re.compile("clear", re.I)).click()
+            clear = page.get_by_role("dialog")
+            expect(clear).to_contain_text("Clear Task Instance: export")
+            expect(clear).to_contain_text(re.compile(r"Affected Tasks: \d+"))
+            for task_id in ("export", "evaluate", "report"):
+                expect(clear.get_by_role("cell", name=task_id, exact=True)).to_be_visible()
+            shot("clear-dialog")
+            clear.get_by_role("button", name="Confirm").click()
+            expect(clear).to_be_hidden()
+            try_number = page.get_by_test_id("stat").filter(has_text="Try Number")  # shown from the 2nd try on
+            expect(try_number).to_have_text(re.compile(rf"Try Number\s*{tries_before['export'] + 1}$"),
+                                            timeout=RUN_TIMEOUT_MS)
+            expect(header_state).to_have_text("Success", timeout=RUN_TIMEOUT_MS)
+            # the remote stage re-attached to its finished job on the box instead of running it again
+            expect(page.get_by_text(re.compile("Job already completed successfully"))).to_be_visible()
+            for task_id in ("export", "evaluate", "report"):
+                grid_state(task_id, "Success")
+            shot("export-cleared-and-succeeded")
+            page.get_by_role("link", name=run_id, exact=True).click()  # the breadcrumb: back to the run
+            expect(header_state).to_have_text("Success", timeout=RUN_TIMEOUT_MS)
+            shot("run-succeeded-after-clear")
+        except Exception as err:
+            try:
+                shot("failure")
+            except Exception:  # the page may be gone; the original error matters
+                pass
+            raise AssertionError(f"{err}\nscreenshots: {artifacts}\n{standalone.tail()}") from err
+        finally:
+            browser.close()
+
+    # What the UI did, as Airflow and the box recorded it.
+    runs = standalone.api(f"/dags/{DAG_ID}/dagRuns")["dag_runs"]
+    assert len(runs) == 1, runs
+    assert runs[0]["state"] == "success"
+    assert runs[0]["conf"]["run_name"] == RUN_NAME and runs[0]["conf"]["train.epochs"] == 1
+    tries = task_tries(run_id)
+    assert {task: tries[task] - tries_before[task] for task in ("train", "export", "evaluate", "report")} == {
+        "train": 0, "export": 1, "evaluate": 1, "report": 1}, (tries_before, tries)
+    assert (tmp_path / "box" / "runs" / RUN_NAME / "drafter" / "model.safetensors").exists()
+    print(f"screenshots in {artifacts}:\n" + "\n".join(f"  {path.name}" for path in shots))
