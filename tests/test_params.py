@@ -110,3 +110,10 @@ def test_the_params_reference_in_docs_is_the_forms():
     assert proc.returncode == 0, proc.stderr
     text = (REPO / "docs" / "params.md").read_text()
     assert "| `train.epochs` | integer | `1` | >= 1 |" in text and "## server:" in text
+
+
+def test_an_emptied_run_name_is_allowed_and_names_the_run_after_the_run_id():
+    """The web form sends an emptied text field as null and marks any param that cannot be null as required."""
+    resolved = form(run_name=None).validate()
+    config, _ = params_to_configs(resolved, "scheduled__2026-11-29T00:00:00+00:00")
+    assert config.run_name == "scheduled__2026-11-29T00-00-00-00-00"

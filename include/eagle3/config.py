@@ -65,7 +65,7 @@ class DataConfig(Section):
     path: str = Field(
         title="Conversations (JSONL)",
         description='One conversation per line, ShareGPT ({"conversations": [{"from", "value"}]}) or '
-        'OpenAI ({"messages": [{"role", "content"}]}). Path on the box.',
+        'OpenAI ({"messages": [{"role", "content"}]}).',
         pattern=ABS_PATH_PATTERN,
     )
     max_length: int = Field(

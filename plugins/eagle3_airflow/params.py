@@ -138,8 +138,10 @@ def build_params(defaults: dict[str, Any] | None = None) -> dict[str, Any]:
         schema = _leaf_schema(prop)
         default = defaults.get(dotted, default)
         if dotted == "run_name":
-            # Empty: named after the Airflow run (so a scheduled DAG gets a new run directory each time).
+            # Empty: named after the Airflow run (so a scheduled DAG gets a new run directory each time). Nullable
+            # too: the web form sends an emptied field as null, and treats a non-nullable param as required.
             schema["pattern"] = RUN_NAME_OR_EMPTY
+            schema["type"] = ["string", "null"]
             default = defaults.get(dotted, "")
         # Draft-07 rather than jsonschema's default 2020-12: Airflow re-validates every param each time it
         # serializes the DAG (every parse), and checking a value against a draft-07 schema is about 3x cheaper
