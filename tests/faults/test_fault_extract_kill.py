@@ -40,14 +40,22 @@ def manifest_entries(store: Path, shard: int) -> list[str]:
     return [sid for record in records if record["chunk"] for sid, _ in record["samples"]]
 
 
+def chunk_count(store: Path, shard: int) -> int:
+    manifest = store / f"shard-{shard:05d}" / "manifest.jsonl"
+    return len(read_manifest(manifest)[0]) if manifest.exists() else 0
+
+
 def started_at(state: dict) -> float:
     return datetime.fromisoformat(state["started_at"].replace("Z", "+00:00")).timestamp()
 
 
 class ExtractKiller(threading.Thread):
-    """SIGKILLs the running extract job, once per try: after the try has stored a new chunk, at a random moment
-    0-0.3 s later. Kills alternate between the stage process alone (child_pid: the supervisor records the
-    signal, the task fails) and the job's whole process group (supervisor too: the job is dead)."""
+    """SIGKILLs the running extract job, once per try, in four kinds taken in turn:
+      what:  the stage process alone (child_pid: the supervisor records the signal, the task fails), or the job's
+             whole process group (supervisor too: nobody records anything, the job is dead);
+      when:  0-0.3 s after the try has stored a chunk of its own (mid-batch, mid-write: where resume can go
+             wrong), or at a random moment 0.3-4 s into the try (imports, tokenizing, model load, first batches:
+             cheap, and a kill before any progress must cost nothing but time)."""
 
     def __init__(self, run_dir: Path, seed: int):
         super().__init__(daemon=True)
@@ -85,20 +93,24 @@ class ExtractKiller(threading.Thread):
             time.sleep(0.02)
 
     def _kill_after_progress(self, shard: int, state: dict, store: Path) -> None:
-        chunks = lambda: len(read_manifest(store / f"shard-{shard:05d}" / "manifest.jsonl")[0])  # noqa: E731
-        before = chunks() if (store / f"shard-{shard:05d}" / "manifest.jsonl").exists() else 0
-        while True:  # wait for the try to store a chunk of its own
-            now = self.state(shard)
-            if not now or now["try"] != state["try"] or now["status"] != "running":
-                return  # it ended (finished) before it could be killed
-            if (store / f"shard-{shard:05d}" / "manifest.jsonl").exists() and chunks() > before:
-                break
-            time.sleep(0.01)
-        time.sleep(self.rng.uniform(0.0, 0.3))
+        before = chunk_count(store, shard)
+        after_chunk = (len(self.kills) // 2) % 2 == 0  # two of each in turn
+        if after_chunk:
+            while True:  # wait for the try to store a chunk of its own
+                now = self.state(shard)
+                if not now or now["try"] != state["try"] or now["status"] != "running":
+                    return  # it ended (finished) before it could be killed
+                if chunk_count(store, shard) > before:
+                    break
+                time.sleep(0.01)
+            time.sleep(self.rng.uniform(0.0, 0.3))
+        else:
+            time.sleep(self.rng.uniform(0.3, 4.0))
         now = self.state(shard)
         if not now or now["try"] != state["try"] or now["status"] != "running":
             return
-        whole_group = len(self.kills) % 2 == 1
+        i = len(self.kills)
+        whole_group = (i + i // 2) % 2 == 1  # with the shards taking turns, each shard gets both kinds
         target = state["pgid"] if whole_group else state["child_pid"]
         process = psutil.Process(state["child_pid"])  # still our stage? (pids are reused)
         assert "extract" in process.cmdline(), process.cmdline()
@@ -107,14 +119,16 @@ class ExtractKiller(threading.Thread):
         else:
             process.kill()
         self.kills.append({"shard": shard, "try": state["try"], "killed": "job group" if whole_group else "stage",
-                           "pid": target, "chunks_stored": chunks(),
+                           "when": "after a fresh chunk" if after_chunk else "at random", "pid": target,
+                           "chunks_new_this_try": chunk_count(store, shard) - before,
                            "seconds_into_try": round(time.time() - started_at(state), 1)})
 
 
 def test_extract_killed_10_times_in_a_dag_run_loses_nothing_and_duplicates_nothing(tiny_target, airflow_home,
                                                                                      make_config, tmp_path):
-    """10 SIGKILLs of the extract job, at random moments after fresh progress, during one `airflow dags test`
-    run with retries on: each kill fails the task, Airflow retries it, the job relaunches and resumes after the
+    """10 SIGKILLs of the extract job (stage process or whole job; half of them right after the try stored a
+    chunk of its own, half at a random moment early in the try) during one `airflow dags test` run with retries
+    on: each kill fails the task, Airflow retries it, the job relaunches and resumes after the
     stored chunks. Proves: the DAG run succeeds, the store verifies, `python -m eagle3 store digest` equals an
     uninterrupted extraction's (same config, same shards), and counting the manifests' records, no sample is
     lost and none is stored twice. Fails if a kill is not retried, if a resumed try redoes or skips a batch, or
