@@ -47,7 +47,7 @@ with DAG(
     default_args={
         "retries": SETTINGS.get("retries", 3),
         "retry_delay": timedelta(seconds=SETTINGS.get("retry_delay_s", 60)),
-        "retry_exponential_backoff": True,
+        "retry_exponential_backoff": SETTINGS.get("retry_exponential_backoff", True),
         "max_retry_delay": timedelta(minutes=30),
     },
     doc_md=__doc__,

@@ -14,9 +14,15 @@ import os
 import sys
 from pathlib import Path
 
-from eagle3.config import ConfigError, load_run_config, parse_run_config, resolve_target_facts, write_run_config
-
 log = logging.getLogger("eagle3")
+
+
+def load_config(path: str):
+    """The run config with the target's facts filled in. Imported here, not at the top: `job poll`, which the
+    trigger runs every few seconds for hours, must not pay for pydantic."""
+    from eagle3.config import load_run_config, resolve_target_facts
+
+    return resolve_target_facts(load_run_config(path))
 
 
 def cmd_make_tiny_target(args) -> None:
@@ -30,6 +36,8 @@ def cmd_make_tiny_target(args) -> None:
 
 
 def cmd_init(args) -> None:
+    from eagle3.config import ConfigError, parse_run_config, resolve_target_facts, write_run_config
+
     source = "stdin" if args.config == "-" else args.config
     try:
         draft = json.loads(sys.stdin.read() if args.config == "-" else Path(args.config).read_text())
@@ -48,7 +56,7 @@ def cmd_config_schema(args) -> None:
 def cmd_extract(args) -> None:
     from eagle3.extract import run_extract
 
-    cfg = resolve_target_facts(load_run_config(args.config))
+    cfg = load_config(args.config)
     print(json.dumps(run_extract(cfg, shard=args.shard, num_shards=args.num_shards), indent=2))
 
 
@@ -103,12 +111,12 @@ def cmd_stage(args) -> None:
     if args.command == "train":
         from eagle3.train import launch_command
 
-        launch = launch_command(resolve_target_facts(load_run_config(args.config)), args.config)
+        launch = launch_command(load_config(args.config), args.config)
         if launch is not None:  # several ranks: become torchrun, which runs this command once per rank
             os.execvpe(launch[0][0], launch[0], launch[1])
     module, function = STAGES[args.command][:2]
     run = getattr(importlib.import_module(module), function)
-    result = run(resolve_target_facts(load_run_config(args.config)))
+    result = run(load_config(args.config))
     if result:  # under torchrun only rank 0 returns a summary
         print(json.dumps(result, indent=2))
 
@@ -143,7 +151,7 @@ def cmd_box_gpus(args) -> None:
 def cmd_box_disk(args) -> None:
     from eagle3.boxinfo import disk_estimate
 
-    print(json.dumps(disk_estimate(resolve_target_facts(load_run_config(args.config)), args.margin), indent=2))
+    print(json.dumps(disk_estimate(load_config(args.config), args.margin), indent=2))
 
 
 def cmd_job(args) -> None:
@@ -258,31 +266,39 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def exit_code_for(err: Exception) -> int | None:
+    """2: the input is wrong (a field or file, named in the message); 1: the server failed us, a retry may do;
+    None: a bug, shown with its traceback. The error classes are imported only now, for light commands' sake."""
+    from eagle3.config import ConfigError
     from eagle3.data import DataError
     from eagle3.job import JobError
     from eagle3.layer_ids import LayerIdError
+
+    if isinstance(err, (ConfigError, DataError, JobError, LayerIdError)):
+        return 2
+    from eagle3.generate import GenerateAborted
+    from eagle3.server import ServerError
+    from eagle3.store import StoreError  # torch-heavy
     from eagle3.vocab import VocabError
 
+    if isinstance(err, (StoreError, VocabError)):
+        return 2
+    if isinstance(err, (GenerateAborted, ServerError)):
+        return 1
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
-    except (ConfigError, DataError, JobError, LayerIdError, VocabError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
     except Exception as err:
-        from eagle3.generate import GenerateAborted
-        from eagle3.server import ServerError
-        from eagle3.store import StoreError  # torch-heavy: import only when needed
-
-        if isinstance(err, StoreError):
-            print(f"error: {err}", file=sys.stderr)
-            return 2
-        if isinstance(err, (GenerateAborted, ServerError)):  # the server's fault, not the input's: a retry may do
-            print(f"error: {err}", file=sys.stderr)
-            return 1
-        raise
+        code = exit_code_for(err)
+        if code is None:
+            raise
+        print(f"error: {err}", file=sys.stderr)
+        return code
     return 0
 
 

@@ -48,6 +48,11 @@ def job_argv(eagle3_argv: list[str], jobs_dir: str, command: str, key: str, *arg
     return [*eagle3_argv, "job", command, "--jobs-dir", jobs_dir, "--key", key, *args]
 
 
+# Between SSH attempts during an outage: short enough to notice a box that is back within half a minute, long
+# enough not to hammer an sshd that is starting up.
+OUTAGE_BACKOFF_MAX_S = 30.0
+
+
 class RemoteJobOperator(ResumableJobMixin, BaseOperator):
     """Run `python -m eagle3 <stage> --config RUN_DIR/config.json` on the box as a resumable, detached job.
 
@@ -221,7 +226,7 @@ class RemoteJobTrigger(BaseTrigger):
                     if now - unreachable_since > self.ssh_grace_s:
                         yield TriggerEvent({"status": "unreachable", "key": self.key, "reason": str(err)})
                         return
-                    delay = min(60.0, 2.0 ** min(attempt, 6)) * random.uniform(0.5, 1.0)
+                    delay = min(OUTAGE_BACKOFF_MAX_S, 2.0 ** min(attempt, 6)) * random.uniform(0.5, 1.0)
                     self.log.warning("box %s unreachable for %.0f s (tolerated for %.0f s); retrying in %.0f s: %s",
                                      self.conn_id, now - unreachable_since, self.ssh_grace_s, delay, err)
                     await asyncio.sleep(delay)

@@ -151,7 +151,7 @@ def test_extract_killed_10_times_in_a_dag_run_loses_nothing_and_duplicates_nothi
     run_dir = tmp_path / "box" / "runs" / "killed"
     killer = ExtractKiller(run_dir, seed=20261129)
     killer.start()
-    env = settings_env(tmp_path, retry_delay_s=1, retries=MAX_KILLS_PER_SHARD + 2)
+    env = settings_env(tmp_path, retry_delay_s=1, retry_exponential_backoff=False, retries=MAX_KILLS_PER_SHARD + 2)
     proc = dags_test(airflow_home, conf, env=env, mark_success=AFTER_EXTRACT)
     dag_seconds = time.monotonic() - started
     killer.done.set()
