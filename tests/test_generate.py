@@ -194,9 +194,9 @@ def test_kill_9_at_a_random_moment_loses_and_duplicates_nothing(make_config, sha
     """The stage is SIGKILLed once some rows are on disk; the rerun finishes: the output equals an
     uninterrupted run's, and no conversation was stored twice."""
     url, _ = shared_server
-    baseline = generate_config(make_config, url, samples=24, concurrency=2, workdir=tmp_path / "baseline")
+    baseline = generate_config(make_config, url, samples=16, concurrency=2, workdir=tmp_path / "baseline")
     run_generate(baseline)
-    cfg = generate_config(make_config, url, samples=24, concurrency=2, workdir=tmp_path / "killed")
+    cfg = generate_config(make_config, url, samples=16, concurrency=2, workdir=tmp_path / "killed")
     config_path = write_run_config(cfg)
     parts = cfg.run_dir / "generate" / "parts"
     argv = [sys.executable, "-m", "eagle3", "generate", "--config", str(config_path)]
@@ -206,15 +206,15 @@ def test_kill_9_at_a_random_moment_loses_and_duplicates_nothing(make_config, sha
     stage.kill()
     stage.wait()
     rows_at_kill = sum(len(p.read_text().splitlines()) for p in parts.glob("part-*.jsonl"))
-    assert 0 < rows_at_kill < 24
+    assert 0 < rows_at_kill < 16
     rerun = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     stats = json.loads(rerun.stdout)
-    print(f"kill -9 after {rows_at_kill}/24 rows were on disk; the rerun regenerated {stats['regenerated_now']}")
-    assert stats["already_done"] == rows_at_kill and stats["regenerated_now"] == 24 - rows_at_kill
+    print(f"kill -9 after {rows_at_kill}/16 rows were on disk; the rerun regenerated {stats['regenerated_now']}")
+    assert stats["already_done"] == rows_at_kill and stats["regenerated_now"] == 16 - rows_at_kill
     ok_ids = [json.loads(line)["source_id"] for p in sorted(parts.glob("part-*.jsonl"))
               for line in p.read_text().splitlines()]
-    assert len(ok_ids) == len(set(ok_ids)) == 24
+    assert len(ok_ids) == len(set(ok_ids)) == 16
     assert output_of(cfg) == output_of(baseline)
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 
 from tests.airflow_env import REPO, airflow_env
+from tests.dagruns import conf_for
 
 pytestmark = pytest.mark.slow
 
@@ -41,32 +42,12 @@ RUN_TIMEOUT_MS = 400_000
 
 
 def form_defaults(tiny_target: Path, workdir: Path) -> dict:
-    """The trigger form's prefilled values: a copy of tests/test_dag.py's `conf_for` (a small, fast run on the tiny
-    target), with `run_name` empty as in a deployment's settings file."""
-    return {
-        "run_name": "",
-        "workdir": str(workdir),
-        "target.model_path": str(tiny_target),
-        "target.dtype": "float32",
-        "data.path": str(tiny_target / "prompts.jsonl"),
-        "data.max_samples": 48,
-        "vocab.draft_vocab_size": 512,
-        "extract.batch_tokens": 1024,
-        "extract.chunk_mib": 1,
-        "extract.num_shards": 2,
-        "extract.progress_interval_s": 1,
-        "train.batch_tokens": 256,
-        "train.epochs": 2,
-        "train.save_every_steps": 4,
-        "train.learning_rate": 0.001,
-        "train.progress_interval_s": 1,
-        "evaluate.num_prompts": 2,
-        "evaluate.max_new_tokens": 16,
-        "evaluate.draft_lengths": [3],
-        "box.python": sys.executable,
-        "box.require_gpus": False,
-        "box.poll_interval_s": 0.3,
-    }
+    """The trigger form's prefilled values: the DAG tests' small run on the tiny target made smaller still (the
+    browser only needs a run that succeeds), with `run_name` empty as in a deployment's settings file."""
+    return conf_for(tiny_target, workdir, run_name="", **{
+        "data.max_samples": 24, "extract.num_shards": 1, "train.val_fraction": 0.2,  # 24 samples: 1+ held out
+        "evaluate.num_prompts": 1, "evaluate.max_new_tokens": 8,
+    })
 
 
 # -- processes -------------------------------------------------------------------------------------------------
