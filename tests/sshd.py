@@ -43,7 +43,8 @@ def find_sshd() -> str | None:
     return os.path.abspath(found) if found else None
 
 
-def _free_port(host: str) -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on now (for the sshd, stand-in servers, airflow standalone)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
@@ -89,7 +90,7 @@ class LoopbackSshd:
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="sshd-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.user = getpass.getuser()
-        self.port = port or _free_port(self.host)
+        self.port = port or free_port(self.host)
         self._port_chosen = port is None
         self.host_key = self.workdir / "ssh_host_ed25519_key"
         self.client_key = self.workdir / "id_ed25519"
@@ -154,7 +155,7 @@ class LoopbackSshd:
                 # nothing depends on the port yet, so pick another. A caller's port or a restart's is kept.
                 if not (self._port_chosen and attempt < 2 and "Address already in use" in self.log_text()):
                     raise
-                self.port = _free_port(self.host)
+                self.port = free_port(self.host)
                 self._write_config()
         raise AssertionError("unreachable")
 

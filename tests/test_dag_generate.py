@@ -8,7 +8,6 @@ generation, and speculative decoding with the exported drafter."""
 from __future__ import annotations
 
 import json
-import socket
 import time
 from pathlib import Path
 
@@ -18,16 +17,11 @@ from eagle3.data import read_conversations
 from eagle3.store import HiddenStateStore
 from tests.airflow_env import REPO, dags_test
 from tests.dagruns import assert_succeeded, conf_for
+from tests.sshd import free_port
 
 pytestmark = pytest.mark.slow
 
 STAND_IN = REPO / "tests" / "fakes" / "sglang_server.py"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_generate_and_benchmark_run_in_the_dag(tiny_target, airflow_home, settings, tmp_path):

@@ -23,29 +23,17 @@ import pytest
 from eagle3.config import write_run_config
 from eagle3.data import DataError, read_conversations
 from eagle3.generate import GenerateAborted, read_rows, run_generate
+from tests.dagruns import wait_for
+from tests.sshd import free_port
 
 pytestmark = pytest.mark.slow
 
 STAND_IN = Path(__file__).parent / "fakes" / "sglang_server.py"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def listening(port: int) -> bool:
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) == 0
-
-
-def wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(0.1)
 
 
 @contextlib.contextmanager

@@ -16,7 +16,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ import pytest
 
 from tests.airflow_env import REPO, airflow_env
 from tests.dagruns import conf_for
+from tests.sshd import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -187,12 +187,6 @@ def artifacts() -> Path:
     return path
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture
 def standalone(chromium, artifacts, tiny_target, tmp_path):
     """`airflow standalone` (SQLite, LocalExecutor) with this repo's DAG, the form prefilled for the tiny target,
@@ -201,7 +195,7 @@ def standalone(chromium, artifacts, tiny_target, tmp_path):
     home.mkdir()
     settings = tmp_path / "dag-settings.json"
     settings.write_text(json.dumps({"params": form_defaults(tiny_target, workdir), "retry_delay_s": 1}))
-    port = _free_port()
+    port = free_port()
     env = airflow_env(
         home,
         AIRFLOW__API__PORT=str(port),
