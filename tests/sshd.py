@@ -151,7 +151,7 @@ class LoopbackSshd:
                 self._port_chosen = False  # from now on the port is the server's address: restarts keep it
                 return self
             except RuntimeError:
-                # Someone may take the port _free_port picked before sshd binds it: before the first start
+                # Someone may take the port free_port picked before sshd binds it: before the first start
                 # nothing depends on the port yet, so pick another. A caller's port or a restart's is kept.
                 if not (self._port_chosen and attempt < 2 and "Address already in use" in self.log_text()):
                     raise
