@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -93,7 +94,9 @@ def output_of(cfg) -> list[list[dict]]:
     return [json.loads(line)["messages"] for line in lines]
 
 
-def test_every_assistant_turn_is_regenerated_in_order_after_the_regenerated_history(make_config, shared_server):
+def test_every_assistant_turn_is_regenerated_in_order_after_the_regenerated_history(make_config, shared_server,
+                                                                                      caplog):
+    caplog.set_level("INFO", logger="eagle3.generate")
     url, record = shared_server
     earlier_requests = len(record.read_text().splitlines()) if record.exists() else 0
     cfg = generate_config(make_config, url, samples=8)
@@ -117,6 +120,7 @@ def test_every_assistant_turn_is_regenerated_in_order_after_the_regenerated_hist
     assert len(requests) == answers  # one request per assistant turn, none repeated
     assert output != [list(c.messages) for c in source], "nothing was regenerated"
     assert stats["completion_tokens_now"] > 0
+    assert re.search(r"generate: 8/8 conversations \(100.0%\), 0 failed, \d+ tokens/s, elapsed \S+, ETA", caplog.text)
 
 
 def test_transient_errors_are_retried_until_the_answer_comes(make_config, stand_in):

@@ -30,7 +30,6 @@ import json
 import logging
 import random
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -38,7 +37,7 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait
 
 from eagle3.data import Conversation, read_conversations
 from eagle3.fsutil import atomic_write_text
-from eagle3.progress import human_duration
+from eagle3.progress import ProgressLog
 
 log = logging.getLogger(__name__)
 logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request would drown the progress lines
@@ -175,71 +174,40 @@ def read_rows(parts_dir: Path) -> dict[str, dict]:
 # -- the stage -------------------------------------------------------------------------------------------------
 
 
-@dataclass
-class Tally:
-    total: int
-    already_done: int
-    ok: int = 0
-    failed: int = 0
-    tokens: int = 0
-    truncated: int = 0
-    last_error: str = ""
-    started: float = field(default_factory=time.monotonic)
-
-    @property
-    def tried(self) -> int:
-        return self.ok + self.failed
-
-    def line(self) -> str:
-        elapsed = max(time.monotonic() - self.started, 1e-9)
-        done = self.already_done + self.ok
-        left = self.total - done - self.failed
-        eta = human_duration(left * elapsed / self.tried) if self.tried else "?"
-        return (f"generate: {done}/{self.total} conversations ({100.0 * done / max(self.total, 1):.1f}%), "
-                f"{self.failed} failed, {self.tokens / elapsed:.0f} tokens/s, elapsed {human_duration(elapsed)}, "
-                f"ETA {eta}")
-
-
-async def regenerate_all(cfg, base_url: str, todo: list[Conversation], writer: PartWriter, tally: Tally) -> int:
-    """Run the conversations through `concurrency` workers; returns the number of retried requests."""
+async def regenerate_all(cfg, base_url: str, todo: list[Conversation], writer: PartWriter,
+                         progress: ProgressLog) -> dict:
+    """Run the conversations through `concurrency` workers, counting into `progress` (done_here: regenerated,
+    failed, tokens). Returns {"retries": retried requests, "truncated": answers cut at max_tokens}."""
     gen = cfg.generate
     client = ChatClient(cfg, base_url)
     queue: asyncio.Queue[Conversation] = asyncio.Queue()
     for conversation in todo:
         queue.put_nowait(conversation)
     abort: list[str] = []
+    truncated = 0
 
     async def worker() -> None:
+        nonlocal truncated
         while not abort and not queue.empty():
             conversation = queue.get_nowait()
             row = {"source_id": conversation.sample_id, "line_no": conversation.line_no}
             try:
                 result = await regenerate(client, conversation)
             except (httpx.HTTPError, RowFailed) as err:
-                tally.failed += 1
-                tally.last_error = describe(err)
-                writer.add({**row, "status": "failed", "error": tally.last_error})
-                if (tally.tried >= min(MIN_TRIED_BEFORE_ABORT, len(todo))
-                        and tally.failed > gen.max_failure_rate * tally.tried):
-                    abort.append(f"{tally.failed} of the {tally.tried} conversations tried failed "
-                                 f"(generate.max_failure_rate {gen.max_failure_rate:.0%}); last error: "
-                                 f"{tally.last_error}")
+                writer.add({**row, "status": "failed", "error": describe(err)})
+                progress.update(0, 0, failed=1)
+                tried = progress.done_here + progress.failed
+                if tried >= min(MIN_TRIED_BEFORE_ABORT, len(todo)) and progress.failed > gen.max_failure_rate * tried:
+                    abort.append(f"{progress.failed} of the {tried} conversations tried failed "
+                                 f"(generate.max_failure_rate {gen.max_failure_rate:.0%}); last error: {describe(err)}")
                 continue
-            tally.ok += 1
-            tally.tokens += result["completion_tokens"]
-            tally.truncated += result["truncated"]
+            truncated += result["truncated"]
             writer.add({**row, "status": "ok", **result})
+            progress.update(1, result["completion_tokens"])
 
-    async def report_progress() -> None:
-        while True:
-            await asyncio.sleep(gen.progress_interval_s)
-            log.info(tally.line())
-
-    reporter = asyncio.create_task(report_progress())
     try:
         await asyncio.gather(*(worker() for _ in range(min(gen.concurrency, len(todo)))))
     finally:
-        reporter.cancel()
         writer.flush()
         await client.close()
     if abort:
@@ -247,7 +215,7 @@ async def regenerate_all(cfg, base_url: str, todo: list[Conversation], writer: P
             f"generate stopped early: {abort[0]}. Is the server at {base_url} up and serving "
             f"{cfg.generate.model or cfg.target.model_path}? Rows done so far are kept; run the stage again to go on."
         )
-    return client.retries
+    return {"retries": client.retries, "truncated": truncated}
 
 
 def check_endpoint(base_url: str) -> None:
@@ -272,19 +240,20 @@ def run_generate(cfg) -> dict:
     writer = PartWriter(out / "parts", gen.progress_interval_s)  # a kill -9 loses one interval's rows at most
     rows = read_rows(writer.dir)
     todo = [c for c in conversations if rows.get(c.sample_id, {}).get("status") != "ok"]
-    tally = Tally(total=len(conversations), already_done=len(conversations) - len(todo))
-    log.info("generate: %d conversations, %d already regenerated, %d to go", tally.total, tally.already_done,
+    progress = ProgressLog("generate", len(conversations), len(conversations) - len(todo), gen.progress_interval_s,
+                           log, unit="conversations", track_bytes=False, track_failures=True)
+    log.info("generate: %d conversations, %d already regenerated, %d to go", progress.total, progress.done,
              len(todo))
-    retries = 0
+    outcome = {"retries": 0, "truncated": 0}
     if todo:
         random.Random(cfg.seed).shuffle(todo)  # long and short conversations mixed: a steadier ETA
         if gen.launch_server:
             with sglang_server(cfg, out / "server.log") as server_url:
-                retries = asyncio.run(regenerate_all(cfg, server_url + "/v1", todo, writer, tally))
+                outcome = asyncio.run(regenerate_all(cfg, server_url + "/v1", todo, writer, progress))
         else:
             check_endpoint(gen.endpoint)
-            retries = asyncio.run(regenerate_all(cfg, gen.endpoint, todo, writer, tally))
-        log.info(tally.line())
+            outcome = asyncio.run(regenerate_all(cfg, gen.endpoint, todo, writer, progress))
+        progress.emit()
 
     rows = read_rows(writer.dir)
     ok_rows = [rows[c.sample_id] for c in conversations if rows.get(c.sample_id, {}).get("status") == "ok"]
@@ -296,16 +265,16 @@ def run_generate(cfg) -> dict:
     stats = {
         "conversations": len(conversations),
         "regenerated": len(ok_rows),
-        "regenerated_now": tally.ok,
-        "already_done": tally.already_done,
+        "regenerated_now": progress.done_here,
+        "already_done": len(conversations) - len(todo),
         "failed": len(failed),
         "failed_lines": dict(list(failed.items())[:50]),
         "bad_records": len(read_stats.bad),
         "duplicates": read_stats.duplicates,
-        "truncated_now": tally.truncated,
-        "retried_requests": retries,
-        "completion_tokens_now": tally.tokens,
-        "tokens_per_s": round(tally.tokens / elapsed, 1),
+        "truncated_now": outcome["truncated"],
+        "retried_requests": outcome["retries"],
+        "completion_tokens_now": progress.tokens,
+        "tokens_per_s": round(progress.tokens / elapsed, 1),
         "seconds": round(elapsed, 1),
         "output": str(out / "conversations.jsonl"),
     }

@@ -36,14 +36,20 @@ def human_duration(seconds: float) -> str:
 
 
 class ProgressLog:
-    def __init__(self, label: str, total: int, already_done: int, interval_s: float, logger: logging.Logger):
-        self.label, self.total, self.done, self.interval_s, self.log = label, total, already_done, interval_s, logger
-        self.started = self.last = time.monotonic()
-        self.done_here = self.tokens = self.bytes = 0
+    """Counts work done and logs one line every `interval_s`: `{label}: done/total {unit} (%), [N failed, ]
+    tokens/s, [GiB written, ]elapsed, ETA`. Failures (track_failures) count towards the ETA as work done."""
 
-    def update(self, samples: int, tokens: int, nbytes: int = 0) -> None:
+    def __init__(self, label: str, total: int, already_done: int, interval_s: float, logger: logging.Logger,
+                 unit: str = "samples", track_bytes: bool = True, track_failures: bool = False):
+        self.label, self.total, self.done, self.interval_s, self.log = label, total, already_done, interval_s, logger
+        self.unit, self.track_bytes, self.track_failures = unit, track_bytes, track_failures
+        self.started = self.last = time.monotonic()
+        self.done_here = self.failed = self.tokens = self.bytes = 0
+
+    def update(self, samples: int, tokens: int, nbytes: int = 0, failed: int = 0) -> None:
         self.done += samples
         self.done_here += samples
+        self.failed += failed
         self.tokens += tokens
         self.bytes += nbytes
         now = time.monotonic()
@@ -53,11 +59,14 @@ class ProgressLog:
 
     def emit(self) -> None:
         elapsed = max(time.monotonic() - self.started, 1e-9)
-        left = self.total - self.done
-        eta = human_duration(left * elapsed / self.done_here) if self.done_here else "?"
+        tried = self.done_here + self.failed
+        left = self.total - self.done - self.failed
+        eta = human_duration(left * elapsed / tried) if tried else "?"
         pct = 100.0 * self.done / self.total if self.total else 100.0
+        failed = f"{self.failed} failed, " if self.track_failures else ""
+        written = f"{self.bytes / 2**30:.2f} GiB written, " if self.track_bytes else ""
         self.log.info(
-            "%s: %d/%d samples (%.1f%%), %.0f tokens/s, %.2f GiB written, elapsed %s, ETA %s",
-            self.label, self.done, self.total, pct, self.tokens / elapsed, self.bytes / 2**30,
+            "%s: %d/%d %s (%.1f%%), %s%.0f tokens/s, %selapsed %s, ETA %s",
+            self.label, self.done, self.total, self.unit, pct, failed, self.tokens / elapsed, written,
             human_duration(elapsed), eta,
         )
