@@ -9,20 +9,17 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 import pytest
 
 from eagle3.data import read_conversations
 from eagle3.store import HiddenStateStore
-from tests.airflow_env import REPO, dags_test
+from tests.airflow_env import dags_test
 from tests.dagruns import assert_succeeded, conf_for
 from tests.sshd import free_port
+from tests.standin import STAND_IN, stand_in_processes
 
 pytestmark = pytest.mark.slow
-
-STAND_IN = REPO / "tests" / "fakes" / "sglang_server.py"
-
 
 def test_generate_and_benchmark_run_in_the_dag(tiny_target, airflow_home, settings, tmp_path):
     conf = conf_for(tiny_target, tmp_path / "box", "with-sglang-stages", **{
@@ -68,13 +65,3 @@ def test_generate_and_benchmark_run_in_the_dag(tiny_target, airflow_home, settin
     assert "sglang_benchmark" in proc.stdout + proc.stderr  # the report task's summary carries the benchmark
     assert not stand_in_processes(), "a stand-in server outlived its stage"
 
-
-def stand_in_processes() -> list[str]:
-    found = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            if STAND_IN.name.encode() in cmdline.read_bytes():
-                found.append(cmdline.parent.name)
-        except OSError:
-            pass
-    return found

@@ -26,11 +26,9 @@ from eagle3.data import DataError, read_conversations
 from eagle3.generate import GenerateAborted, read_rows, run_generate
 from tests.dagruns import wait_for
 from tests.sshd import free_port
+from tests.standin import STAND_IN, stand_in_processes
 
 pytestmark = pytest.mark.slow
-
-STAND_IN = Path(__file__).parent / "fakes" / "sglang_server.py"
-
 
 def listening(port: int) -> bool:
     with socket.socket() as s:
@@ -229,17 +227,6 @@ def run_stage(cfg, *, wait: bool = True):
     if wait:
         return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
     return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-
-
-def stand_in_processes(port: int) -> list[int]:
-    """Pids of stand-in servers on this port (from their command lines)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        with contextlib.suppress(OSError):
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-            if entry.name.isdigit() and STAND_IN.name.encode() in b" ".join(argv) and str(port).encode() in argv:
-                pids.append(int(entry.name))
-    return pids
 
 
 def test_the_stage_starts_the_server_and_stops_it_after_success(make_config, tmp_path):
