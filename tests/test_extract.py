@@ -76,3 +76,25 @@ def test_bad_records_stop_extract_with_line_numbers(make_config, tmp_path):
     skipping = make_config(run_name="skip", data={"path": str(data), "max_samples": None, "on_bad_record": "skip"})
     stats = run_extract(skipping)
     assert stats["bad_records"] == 1 and stats["bad_record_lines"] == [2] and stats["samples_stored"] == 1
+
+
+def test_the_background_writer_leaves_the_forward_pass_all_its_threads():
+    """torch.set_num_threads is process-wide: a writer thread that set it to 1 made a model that starts
+    later (the sglang backend's) compute single-threaded. Checked in a fresh interpreter, as a stage runs."""
+    import subprocess
+    import sys
+
+    def threads_seen_by_main(start_writer: bool) -> str:
+        script = (
+            "import torch\n"
+            "from eagle3.extract import BackgroundWriter\n"
+            "class Writer:\n"
+            "    def flush(self): pass\n"
+            f"if {start_writer}:\n"
+            "    BackgroundWriter(Writer(), depth=1).close()\n"
+            "print(torch.get_num_threads())\n"  # the main thread's first parallel setting: after the writer's
+        )
+        return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                              check=True).stdout.strip()
+
+    assert threads_seen_by_main(start_writer=True) == threads_seen_by_main(start_writer=False)

@@ -20,8 +20,6 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 
-import torch
-
 from eagle3.data import TokenizedSample, iter_tokenized, read_conversations, shard_of
 from eagle3.fsutil import atomic_write_text
 from eagle3.progress import ProgressLog
@@ -73,10 +71,9 @@ class BackgroundWriter:
         self.thread.start()
 
     def _run(self) -> None:
-        # Per-thread setting: this thread's torch ops (sum, cat) run single-threaded, instead of starting a
-        # second OpenMP team whose spinning threads take cores from the forward pass on a CPU box
-        # (bench/extract_throughput.py on 2 cores: ratio 0.99 with this, 0.96 without; noisy VM).
-        torch.set_num_threads(1)
+        # No torch.set_num_threads(1) here, though the writer's ops need no thread team: it is not a
+        # per-thread setting. It sets a process-wide count that every thread whose first parallel op comes
+        # later adopts, so a backend that starts its model after this thread (sglang) ran single-threaded.
         while (item := self.queue.get()) is not self._STOP:
             if self.error is None:
                 try:
