@@ -41,6 +41,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=16)
     parser.add_argument("--tp-size", type=int, default=1)
     parser.add_argument("--trust-remote-code", action="store_true")
+    parser.add_argument("--device", default="cuda", help="for the hf reference (default cuda)")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -54,7 +55,7 @@ def main() -> None:
             "data": {"path": str(Path(prompts).resolve()), "max_samples": args.samples},
             "vocab": {"draft_vocab_size": 1},
         }
-        hf_cfg = resolve_target_facts(parse_run_config({**base, "extract": {"backend": "hf", "device": "cuda"}}))
+        hf_cfg = resolve_target_facts(parse_run_config({**base, "extract": {"backend": "hf", "device": args.device}}))
         sgl_cfg = resolve_target_facts(parse_run_config(
             {**base, "extract": {"backend": "sglang", "sglang": {"tp_size": args.tp_size}}}))
         conversations, _ = read_conversations(hf_cfg.data.path, max_samples=args.samples)
@@ -65,8 +66,10 @@ def main() -> None:
         reference = [hf.capture([s])[0] for s in samples]
         hf.close()
         del hf
-        torch.cuda.empty_cache()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         sglang = SglangCapture(sgl_cfg)
+        sglang.prepare([samples], len(samples))  # the final-state pass (stages under tmp), then the aux pass
         candidate = sglang.capture(samples)
         sglang.close()
 

@@ -320,6 +320,15 @@ def test_disk_estimate_subtracts_the_store_and_recounts_when_the_data_changes(di
     assert boxinfo.disk_estimate(cfg, margin=1.0)["samples"] <= 10
 
 
+def test_disk_estimate_makes_room_for_the_sglang_backends_staged_final_states(disk_config, make_config):
+    cfg, _ = disk_config
+    hf = boxinfo.disk_estimate(cfg, margin=1.0)
+    sglang = boxinfo.disk_estimate(make_config(data=cfg.data.model_dump(), extract={"backend": "sglang"}), margin=1.0)
+    assert sglang["tokens"] == hf["tokens"] and sglang["bytes_per_token"] == hf["bytes_per_token"]  # same store
+    assert sglang["estimate_bytes"] - hf["estimate_bytes"] == hf["tokens"] * cfg.target.hidden_size * 2
+    assert "sglang backend stages" in sglang["message"] and "stages" not in hf["message"]
+
+
 def test_box_disk_user_errors_exit_2(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "eagle3", "box", "disk", "--config", str(tmp_path / "none.json")],
                           capture_output=True, text=True, timeout=120)

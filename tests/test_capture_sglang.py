@@ -1,38 +1,43 @@
-"""The sglang capture backend's own logic: engine arguments, version gate, and turning results into states.
+"""The sglang capture backend: engine arguments, version gate, and the two-pass capture end to end.
 
-SGLang cannot run on a CPU machine, so `FakeEngine` stands in for sglang.Engine: it records the
-arguments it was built with and answers generate() in the result layout sglang 0.5.23 produces
-(meta_info.hidden_states[0] = prefill rows as nested lists). The real engine is checked against the hf
-backend by bench/gpu_capture_check.py on a GPU box.
+SGLang cannot run on a CPU machine, so tests/fakes/sglang_engine.py stands in for sglang.Engine: it
+computes the tiny target's real states the way sglang 0.5.23's source says the engine returns them (layer
+ids read the DeepSeek way, nested lists in meta_info), refuses a second live engine (one copy of a
+Kimi-size target fills the box) and can crash mid-pass. The real engine is checked against the hf backend
+by bench/gpu_capture_check.py on a GPU box.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import time
+
 import pytest
-import torch
 
-from eagle3.capture.sglang import SglangCapture, SglangSetupError, check_version, engine_kwargs, states_from_output
-from eagle3.data import TokenizedSample
+from eagle3.capture.sglang import SglangSetupError, check_version, engine_kwargs, states_from_output
+from eagle3.capture.staging import staging_dir
+from eagle3.config import write_run_config
+from eagle3.extract import run_extract
+from eagle3.store import digest, verify
+from tests.conftest import REPO, run_eagle3
+from tests.fakes.sglang_engine import EngineCrashed, FakeSglangEngine
 
 
-class FakeEngine:
-    built: list[dict] = []
+@pytest.fixture
+def fake_engine(monkeypatch):
+    FakeSglangEngine.reset()
+    monkeypatch.setenv("EAGLE3_SGLANG_ENGINE", "tests.fakes.sglang_engine:FakeSglangEngine")
+    yield FakeSglangEngine
+    assert FakeSglangEngine.live == 0, "an engine was left running"
 
-    def __init__(self, **kwargs):
-        self.kwargs = kwargs
-        self.width = 256 * (3 if kwargs.get("enable_return_aux_hidden_states") else 1)
-        self.shut = False
-        FakeEngine.built.append(self)
 
-    def generate(self, input_ids, sampling_params, return_hidden_states):
-        assert return_hidden_states is True and sampling_params["max_new_tokens"] == 1
-        return [
-            {"meta_info": {"hidden_states": [[[float(t) + c / 1000 for c in range(self.width)] for t in ids]]}}
-            for ids in input_ids
-        ]
-
-    def shutdown(self):
-        self.shut = True
+def hf_digest(make_config, max_samples: int, **extract) -> str:
+    cfg = make_config(run_name="reference-hf", data={"max_samples": max_samples}, extract=extract)
+    run_extract(cfg)
+    return digest(cfg.store_dir)
 
 
 def test_engine_arguments_for_capture(make_config):
@@ -44,7 +49,7 @@ def test_engine_arguments_for_capture(make_config):
     assert aux["return_aux_hidden_state_layer_ids"] == [1, 3, 4]  # HF [1, 3, 4], deepseek family, starts at 1
     assert aux["tp_size"] == 8 and aux["attention_backend"] == "triton" and aux["cuda_graph_max_bs"] == 16
     assert aux["disable_radix_cache"] is True and aux["chunked_prefill_size"] == -1
-    assert aux["mem_fraction_static"] == pytest.approx(0.4)
+    assert aux["mem_fraction_static"] == pytest.approx(0.8)  # one engine at a time: all of it
     last = engine_kwargs(cfg, "DeepseekV3ForCausalLM", "last")
     assert last["enable_return_hidden_states"] is True and "speculative_algorithm" not in last
 
@@ -68,14 +73,127 @@ def test_wrong_row_count_is_an_error_that_suggests_the_cause():
         states_from_output(output, 5, 8)
 
 
-def test_capture_returns_aux_and_final_states_per_sample(make_config):
-    cfg = make_config(extract={"backend": "sglang"})
-    backend = SglangCapture(cfg, engine_factory=FakeEngine)
-    batch = [TokenizedSample("a" * 16, [5, 6, 7], [0, 1, 1], False), TokenizedSample("b" * 16, [9], [1], False)]
-    states = backend.capture(batch)
-    assert [s.aux_hidden_states.shape for s in states] == [(3, 768), (1, 768)]
-    assert [s.last_hidden_state.shape for s in states] == [(3, 256), (1, 256)]
-    assert states[0].aux_hidden_states.dtype == torch.bfloat16
-    assert states[0].last_hidden_state[2, 0].item() == 7.0
-    backend.close()
-    assert all(engine.shut for engine in FakeEngine.built[-2:])
+def test_two_passes_one_engine_at_a_time_store_what_the_hf_backend_stores(make_config, fake_engine):
+    cfg = make_config(data={"max_samples": 60}, extract={"backend": "sglang"})
+    stats = run_extract(cfg)
+
+    assert digest(cfg.store_dir) == hf_digest(make_config, 60)  # same bits, default layers
+    assert verify(cfg.store_dir)["samples"] == stats["samples_stored"] == 60
+    assert fake_engine.started == {"last": 1, "aux": 1}  # the fake refuses a second live engine
+    assert fake_engine.tokens_computed == {"last": stats["tokens"], "aux": stats["tokens"]}  # each pass once
+    assert not staging_dir(cfg.run_dir, 0).exists()  # the staged final states are in the store now
+
+
+def test_layer_ids_not_starting_at_1_are_converted_for_deepseek(make_config, fake_engine):
+    """DeepSeek-family sglang adds 1 to the ids only when the first is 1: [2, 4, 5] must go as [3, 5, 6]."""
+    cfg = make_config(data={"max_samples": 12}, extract={"backend": "sglang", "aux_layers": [2, 4, 5]})
+    run_extract(cfg)
+    assert digest(cfg.store_dir) == hf_digest(make_config, 12, aux_layers=[2, 4, 5])
+
+
+@pytest.mark.parametrize("crash_in", ["final-state pass", "aux pass"])
+def test_a_crash_in_either_pass_resumes_without_computing_anything_twice(make_config, fake_engine, crash_in):
+    cfg = make_config(data={"max_samples": 60}, extract={"backend": "sglang", "batch_tokens": 256})
+    first_pass_batches = None
+    if crash_in == "aux pass":  # count the batches of the final-state pass, then crash the aux pass midway
+        run_extract(make_config(run_name="count", data={"max_samples": 60},
+                                extract={"backend": "sglang", "batch_tokens": 256}))
+        first_pass_batches = fake_engine.batches_served // 2
+        fake_engine.reset()
+        fake_engine.crash_after_batches = first_pass_batches + first_pass_batches // 2
+    else:
+        fake_engine.crash_after_batches = 3
+    with pytest.raises(EngineCrashed):
+        run_extract(cfg)
+    assert fake_engine.live == 0  # the crashed pass shut its engine down
+    assert staging_dir(cfg.run_dir, 0).exists()
+
+    fake_engine.crash_after_batches = None
+    stats = run_extract(cfg)
+    tokens = verify(cfg.store_dir)["tokens"]
+    assert stats["samples_stored"] == 60
+    assert digest(cfg.store_dir) == hf_digest(make_config, 60, batch_tokens=256)
+    assert fake_engine.tokens_computed == {"last": tokens, "aux": tokens}  # nothing computed twice
+    # A crash in the aux pass restarts only the aux engine: every final state was staged already.
+    assert fake_engine.started == ({"last": 2, "aux": 1} if crash_in == "final-state pass" else {"last": 1, "aux": 2})
+    assert not staging_dir(cfg.run_dir, 0).exists()
+
+
+def test_kill_9_in_either_pass_then_finish_stores_what_the_hf_backend_stores(make_config, monkeypatch):
+    """SIGKILL the extract process mid final-state pass (twice) and mid aux pass, then let it finish."""
+    monkeypatch.setenv("EAGLE3_SGLANG_ENGINE", "tests.fakes.sglang_engine:FakeSglangEngine")
+    monkeypatch.setenv("FAKE_SGLANG_BATCH_DELAY_S", "0.1")
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    cfg = make_config(data={"max_samples": 60}, extract={"backend": "sglang", "batch_tokens": 256})
+    config_path = write_run_config(cfg)
+    staging, manifest = staging_dir(cfg.run_dir, 0), cfg.store_dir / "shard-00000" / "manifest.jsonl"
+
+    def parts() -> int:
+        return len(list(staging.glob("part-*.safetensors"))) if staging.exists() else 0
+
+    def chunks() -> int:
+        return len(manifest.read_text().splitlines()) if manifest.exists() else 0
+
+    kill_when = [("final-state pass", lambda: parts() >= 2), ("final-state pass", lambda: parts() >= 5),
+                 ("aux pass", lambda: chunks() >= 1)]
+    for moment, reached in kill_when:
+        proc = subprocess.Popen([sys.executable, "-m", "eagle3", "extract", "--config", str(config_path)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 120
+        while not reached():
+            assert proc.poll() is None, f"extract ended before the kill in the {moment}"
+            assert time.monotonic() < deadline, f"the {moment} made no progress"
+            time.sleep(0.01)
+        proc.kill()
+        proc.wait()
+    assert parts() >= 5 and chunks() >= 1
+
+    run_eagle3("extract", "--config", str(config_path))
+    assert verify(cfg.store_dir)["samples"] == 60
+    assert digest(cfg.store_dir) == hf_digest(make_config, 60, batch_tokens=256)
+    assert not staging.exists()
+
+
+def test_the_last_layer_is_refused_before_any_engine_starts(make_config):
+    from eagle3.config import ConfigError
+
+    with pytest.raises(ConfigError, match="extract.aux_layers: layer 7 is the target's last layer.*up to 6"):
+        make_config(extract={"backend": "sglang", "aux_layers": [1, 3, 7]})
+    make_config(extract={"backend": "hf", "aux_layers": [1, 3, 7]})  # the hf backend can capture it
+
+
+
+def test_staged_states_survive_a_reopen_and_crash_leftovers_are_removed(tmp_path):
+    import torch
+
+    from eagle3.capture.staging import StagedStates
+    from eagle3.data import TokenizedSample
+
+    samples = [TokenizedSample("a" * 16, [5, 6, 7], [0, 1, 1], False), TokenizedSample("b" * 16, [9], [1], False)]
+    states = [torch.randn(3, 8), torch.randn(1, 8)]
+    staged = StagedStates(tmp_path / "staging", hidden_size=8)
+    staged.add(samples, states)
+    leftover = tmp_path / "staging" / ".part-000001.safetensors.tmp-123"  # a crash mid-write
+    leftover.write_bytes(b"half a part")
+
+    reopened = StagedStates(tmp_path / "staging", hidden_size=8)
+    assert not leftover.exists() and len(reopened) == 2
+    assert torch.equal(reopened.get(samples[0]), states[0].to(torch.bfloat16))
+    assert torch.equal(reopened.get(samples[1]), states[1].to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="no staged final state for sample cccc"):
+        reopened.get(TokenizedSample("c" * 16, [1], [1], False))
+    with pytest.raises(RuntimeError, match="has 1 rows for a 2-token sample; delete"):
+        reopened.get(TokenizedSample("b" * 16, [9, 9], [1, 1], False))
+
+
+def test_gpu_capture_check_runs_and_reports_agreement(tiny_target):
+    """The one command that validates a box's sglang, run here against the stand-in engine (its states
+    are transformers' own, so the check must report agreement; on a GPU box the real engine is compared)."""
+    env = dict(os.environ, EAGLE3_SGLANG_ENGINE="tests.fakes.sglang_engine:FakeSglangEngine", PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "bench/gpu_capture_check.py", "--model", str(tiny_target), "--device", "cpu",
+                           "--samples", "3"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    assert report["agree"] is True and report["samples"] == 3
+    assert list(report["layers"]) == ["aux layer 1", "aux layer 3", "aux layer 4", "final (post-norm)"]
+    assert all(layer["mean_cosine"] > 0.999 for layer in report["layers"].values())

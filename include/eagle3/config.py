@@ -163,7 +163,7 @@ class SglangEngineConfig(Section):
         gt=0.0,
         lt=1.0,
         title="Static memory fraction",
-        description="Of each GPU; the capture backend splits it between its two engines (aux and final state).",
+        description="Of each GPU, for the capture engine (one at a time: final-state pass, then aux pass).",
     )
     attention_backend: str | None = Field(
         None,
@@ -339,6 +339,12 @@ class RunConfig(Section):
                         f"extract.aux_layers: layer {i} out of range for a {layers}-layer target "
                         f"(valid 0..{layers - 1}); leave aux_layers empty for the default {default_aux_layers(layers)}"
                     )
+            if self.extract.backend == "sglang" and self.extract.aux_layers[-1] == layers - 1:
+                raise ValueError(
+                    f"extract.aux_layers: layer {layers - 1} is the target's last layer, which the sglang backend "
+                    "cannot capture (SGLang captures a layer's input, and no layer follows the last); use layers "
+                    f"up to {layers - 2}, or the default {default_aux_layers(layers)}"
+                )
         vocab = self.target.vocab_size
         if vocab is not None and self.vocab.draft_vocab_size > vocab:
             raise ValueError(

@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 
+from eagle3.capture.staging import discard_staging
 from eagle3.data import TokenizedSample, iter_tokenized, read_conversations, shard_of
 from eagle3.fsutil import atomic_write_text
 from eagle3.progress import ProgressLog
@@ -127,17 +128,25 @@ def run_extract(cfg, shard: int = 0, num_shards: int | None = None) -> dict:
     )
     tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_dir, trust_remote_code=cfg.target.trust_remote_code)
     skipped: dict[str, str] = {}
-    samples = iter_tokenized(tokenizer, mine, cfg.data.max_length, skipped)
-    backend = open_backend(cfg) if done_before < len(mine) else None  # a finished shard loads no model
+
+    def pending_batches() -> Iterator[list[TokenizedSample]]:
+        """The shard's planned batches that hold a sample not stored yet (tokenised as they are read)."""
+        samples = iter_tokenized(tokenizer, mine, cfg.data.max_length, skipped)
+        for batch in plan_batches(samples, cfg.extract.batch_tokens):
+            if not all(writer.is_done(s.sample_id) for s in batch):
+                yield batch
+
+    backend = open_backend(cfg, shard) if done_before < len(mine) else None  # a finished shard loads no model
     progress = ProgressLog(f"extract shard {shard}", len(mine), done_before, cfg.extract.progress_interval_s, log)
     background = BackgroundWriter(writer, cfg.extract.writer_queue_depth)
     truncated = tokens = 0
     loop_started = time.monotonic()
     try:
-        for batch in plan_batches(samples, cfg.extract.batch_tokens):
+        if backend is not None:
+            backend.prepare(pending_batches(), len(mine) - done_before)
+            loop_started = time.monotonic()  # tokens/s below is the capture pass's (sglang: the aux pass)
+        for batch in pending_batches():
             todo = [s for s in batch if not writer.is_done(s.sample_id)]
-            if not todo:
-                continue
             if len(todo) != len(batch):  # batches are stored whole; this means the data changed since
                 log.info("recomputing a partly stored batch of %d samples as planned", len(batch))
             states = backend.capture(batch)
@@ -153,6 +162,7 @@ def run_extract(cfg, shard: int = 0, num_shards: int | None = None) -> dict:
         writer.release()
         if backend is not None:
             backend.close()
+    discard_staging(cfg.run_dir, shard)  # the shard is complete: what a first pass staged is in the store
     progress.emit()
 
     seconds = time.monotonic() - started

@@ -1,13 +1,16 @@
 """Capture backends: run the target over token sequences and return its EAGLE-3 hidden states.
 
-A backend is built with `open_backend(cfg)` and offers
+A backend is built with `open_backend(cfg, shard)` and offers
+    prepare(batches: Iterable[list[TokenizedSample]], total: int)   work over the whole shard first
     capture(batch: list[TokenizedSample]) -> list[CapturedStates]    (same order, whole samples, no padding)
     close()
+extract calls prepare once with every batch it will capture, then capture batch by batch, same batches.
   aux_hidden_states  [T, 3H]  HF layers extract.aux_layers, low|mid|high, concatenated
   last_hidden_state  [T, H]   the final post-norm state (lm_head input)
 
   hf      transformers, CPU or GPU: the reference; small and mid-size targets.
   sglang  SGLang's own EAGLE-3 capture (no source patch), for TP-sharded giants; imported only when chosen.
+          prepare runs its final-state pass; see eagle3/capture/sglang.py.
 """
 
 from __future__ import annotations
@@ -23,8 +26,8 @@ class CapturedStates:
     last_hidden_state: torch.Tensor
 
 
-def open_backend(cfg):
-    """The configured backend, loaded and ready. `cfg` is a RunConfig with target facts resolved."""
+def open_backend(cfg, shard: int = 0):
+    """The configured backend for one shard. `cfg` is a RunConfig with target facts resolved."""
     if cfg.extract.backend == "hf":
         from eagle3.capture.hf import HfCapture
 
@@ -32,5 +35,5 @@ def open_backend(cfg):
     if cfg.extract.backend == "sglang":
         from eagle3.capture.sglang import SglangCapture
 
-        return SglangCapture(cfg)
+        return SglangCapture(cfg, shard)
     raise ValueError(f"extract.backend: unknown backend {cfg.extract.backend!r}")

@@ -50,6 +50,9 @@ class HfCapture:
 
         return hook
 
+    def prepare(self, batches, total: int) -> None:
+        """Nothing to do ahead: one forward pass gives every state."""
+
     @torch.inference_mode()
     def capture(self, batch) -> list[CapturedStates]:
         lengths = [len(s.input_ids) for s in batch]

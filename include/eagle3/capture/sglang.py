@@ -1,18 +1,21 @@
 """The sglang capture backend: SGLang's own EAGLE-3 capture for TP-sharded giants, with no source patch.
 
-Written against sglang 0.5.23's source (see ../shared notes in docs/architecture.md) and NOT yet run on
-a GPU: bench/gpu_capture_check.py compares it with the hf backend on a small model, in one command.
+Written against sglang 0.5.23's source (../shared notes, docs/architecture.md) and NOT yet run on a GPU:
+bench/gpu_capture_check.py compares it with the hf backend on a small model, in one command.
 
-How it captures, through public engine arguments only:
-  aux states   an Engine with enable_return_aux_hidden_states=True + speculative_algorithm="EAGLE3"
-               (the algorithm only names the capture convention: no draft is loaded) and
-               return_aux_hidden_state_layer_ids from eagle3.layer_ids (per-family id conversion).
-               A request with return_hidden_states=True then gets [T, 3H], layers in ascending order.
-  last state   that engine cannot also return the final post-norm state (sglang keeps it for
-               in-process consumers only), so a second Engine without aux capture, with
-               enable_return_hidden_states=True, returns it. Both engines hold the weights: this fits
-               targets up to about half the box's memory, not Kimi-K2.5 on 8 GPUs (open problem,
-               noted on the issue).
+Two passes over the shard, ONE engine at a time, so a target that fills the box (Kimi-K2.5, tp 8) fits:
+  1. final-state pass  an Engine with enable_return_hidden_states=True returns the final post-norm state
+                       [T, H] of every prompt; staged on disk (eagle3/capture/staging.py), then shut down.
+  2. aux pass          an Engine with enable_return_aux_hidden_states=True + speculative_algorithm="EAGLE3"
+                       (the algorithm only names the capture convention: no draft is loaded) and
+                       return_aux_hidden_state_layer_ids from eagle3.layer_ids (per-family id conversion)
+                       returns [T, 3H], layers in ascending order; joined with the staged final state,
+                       whole samples go to the store.
+Why two: the engine that captures aux states cannot also return the final state (sglang keeps it for
+in-process consumers only), and the last layer cannot be an aux layer (sglang captures a layer's input).
+Cost: the target's prefill runs twice and the staging holds H of every token's 4H state columns until the
+shard is complete. A pass resumes where it stopped: staged samples are not recomputed, and once all are
+staged a restart loads only the aux engine.
 Every request asks for max_new_tokens=1 (0 returns no states in 0.5.23), with the radix cache off
 (cached prefix tokens return no states) and chunked prefill off (only the last chunk returns states).
 States travel as Python lists through sglang's IPC: correct, slow at Kimi scale; measure before relying
@@ -21,14 +24,18 @@ on it.
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
+import os
 from pathlib import Path
 
 import torch
 
 from eagle3.capture import CapturedStates
+from eagle3.capture.staging import StagedStates, staging_dir
 from eagle3.layer_ids import sglang_layer_ids
+from eagle3.progress import ProgressLog
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +68,7 @@ def target_architecture(model_path: str) -> str:
 
 
 def engine_kwargs(cfg, architecture: str, capture: str) -> dict:
-    """Engine arguments for the 'aux' or the 'last' capture engine, from the run config."""
+    """Engine arguments for the 'aux' or the 'last' (final-state) capture engine, from the run config."""
     engine = cfg.extract.sglang
     clash = sorted(set(engine.extra_args) & set(CAPTURE_ARGS))
     if clash:
@@ -87,7 +94,7 @@ def engine_kwargs(cfg, architecture: str, capture: str) -> dict:
     else:
         raise ValueError(capture)
     if engine.mem_fraction_static is not None:
-        kwargs["mem_fraction_static"] = engine.mem_fraction_static / 2  # two engines share the GPUs
+        kwargs["mem_fraction_static"] = engine.mem_fraction_static
     if engine.attention_backend is not None:
         kwargs["attention_backend"] = engine.attention_backend
     return kwargs | dict(engine.extra_args)
@@ -105,40 +112,88 @@ def states_from_output(output: dict, num_tokens: int, width: int) -> torch.Tenso
     return states
 
 
+def load_engine_class():
+    """sglang.Engine, after checking that sglang is installed and of a version this backend knows.
+
+    EAGLE3_SGLANG_ENGINE=module:Class names another class with Engine's arguments instead: tests put a
+    stand-in there, since SGLang cannot run on a CPU machine."""
+    stand_in = os.environ.get("EAGLE3_SGLANG_ENGINE")
+    if stand_in:
+        module, _, name = stand_in.partition(":")
+        return getattr(importlib.import_module(module), name)
+    try:
+        import sglang
+    except ImportError:
+        raise SglangSetupError(
+            "extract.backend is 'sglang' but sglang is not installed on this box; "
+            "pip install -r requirements-box.txt, or use extract.backend 'hf'"
+        ) from None
+    check_version(sglang.__version__)
+    return sglang.Engine
+
+
 class SglangCapture:
-    def __init__(self, cfg, engine_factory=None):
-        if engine_factory is None:
-            try:
-                import sglang
-            except ImportError:
-                raise SglangSetupError(
-                    "extract.backend is 'sglang' but sglang is not installed on this box; "
-                    "pip install -r requirements-box.txt, or use extract.backend 'hf'"
-                ) from None
-            check_version(sglang.__version__)
-            engine_factory = sglang.Engine
+    """The two-pass capture. `prepare(batches)` runs the final-state pass over the shard's batches;
+    `capture(batch)` then runs the aux pass one batch at a time, in the same batches."""
+
+    SAMPLING = {"max_new_tokens": 1, "temperature": 0.0}
+
+    def __init__(self, cfg, shard: int = 0):
+        self.engine_class = load_engine_class()
         architecture = target_architecture(cfg.target.model_path)
         self.hidden_size = cfg.target.hidden_size
         self.num_aux = len(cfg.resolved_aux_layers())
-        aux_kwargs = engine_kwargs(cfg, architecture, "aux")
-        log.info("sglang capture: aux engine %s", aux_kwargs)
-        self.aux_engine = engine_factory(**aux_kwargs)
-        self.last_engine = engine_factory(**engine_kwargs(cfg, architecture, "last"))
+        # Both argument sets are built (and so checked) now, before an engine spends minutes loading.
+        self.kwargs = {capture: engine_kwargs(cfg, architecture, capture) for capture in ("last", "aux")}
+        self.staged = StagedStates(staging_dir(cfg.run_dir, shard), self.hidden_size)
+        self.progress_interval_s = cfg.extract.progress_interval_s
+        self.label = f"extract shard {shard}"
+        self.aux_engine = None
+
+    def _start(self, capture: str):
+        log.info("sglang capture: starting the %s engine %s", capture, self.kwargs[capture])
+        return self.engine_class(**self.kwargs[capture])
+
+    def _generate(self, engine, batch, width: int) -> list[torch.Tensor]:
+        prompts = [list(s.input_ids) for s in batch]
+        outputs = engine.generate(input_ids=prompts, sampling_params=self.SAMPLING, return_hidden_states=True)
+        return [states_from_output(out, len(p), width) for p, out in zip(prompts, outputs, strict=True)]
+
+    def prepare(self, batches, total: int) -> None:
+        """Pass 1: stage the final state of every sample in `batches` (an iterable: a shard's batches are
+        tokenised as they are read) that is not staged yet; `total` samples are expected, for the progress
+        line. The final-state engine is started only when a batch needs it, and always shut down."""
+        progress = ProgressLog(f"{self.label} final-state pass", total, 0, self.progress_interval_s, log,
+                               track_bytes=False)
+        engine = None
+        try:
+            for batch in batches:
+                if all(s.sample_id in self.staged for s in batch):
+                    progress.done += len(batch)  # staged by an earlier run
+                    continue
+                if engine is None:
+                    engine = self._start("last")
+                # A partly staged batch is recomputed whole: sglang computes it as one batch.
+                states = self._generate(engine, batch, self.hidden_size)
+                fresh = [(s, st) for s, st in zip(batch, states) if s.sample_id not in self.staged]
+                self.staged.add([s for s, _ in fresh], [st for _, st in fresh])
+                progress.update(len(batch), sum(len(s.input_ids) for s in batch))
+        finally:
+            if engine is not None:
+                engine.shutdown()
+        if engine is None:
+            log.info("%s: final-state pass: every sample to extract was staged already", self.label)
+        else:
+            progress.emit()
 
     def capture(self, batch) -> list[CapturedStates]:
-        prompts = [list(s.input_ids) for s in batch]
-        params = {"max_new_tokens": 1, "temperature": 0.0}
-        aux_out = self.aux_engine.generate(input_ids=prompts, sampling_params=params, return_hidden_states=True)
-        last_out = self.last_engine.generate(input_ids=prompts, sampling_params=params, return_hidden_states=True)
-        h = self.hidden_size
-        return [
-            CapturedStates(
-                states_from_output(a, len(p), self.num_aux * h).to(torch.bfloat16),
-                states_from_output(b, len(p), h).to(torch.bfloat16),
-            )
-            for p, a, b in zip(prompts, aux_out, last_out, strict=True)
-        ]
+        """Pass 2, one batch: aux states from the aux engine, final states from the staging."""
+        if self.aux_engine is None:
+            self.aux_engine = self._start("aux")
+        aux = self._generate(self.aux_engine, batch, self.num_aux * self.hidden_size)
+        return [CapturedStates(a.to(torch.bfloat16), self.staged.get(s)) for s, a in zip(batch, aux, strict=True)]
 
     def close(self) -> None:
-        for engine in (self.aux_engine, self.last_engine):
-            engine.shutdown()
+        if self.aux_engine is not None:
+            self.aux_engine.shutdown()
+            self.aux_engine = None
