@@ -42,6 +42,8 @@ def test_every_config_field_is_a_param_with_its_help_text():
     assert "Persistent directory" in params["workdir"].description
     # A required path has no default: the form demands it.
     assert not params["workdir"].has_value
+    # Every field of the form says what it does under its title.
+    assert [key for key, param in params.items() if not param.description] == []
 
 
 def test_settings_file_defaults_override_model_defaults():

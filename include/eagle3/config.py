@@ -127,9 +127,15 @@ class GenerateConfig(Section):
     model: str | None = Field(
         None, title="Model name in requests", description="Empty: target.model_path, SGLang's default served name."
     )
-    temperature: float = Field(0.0, ge=0.0, le=2.0, title="Temperature")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, title="Top-p")
-    max_tokens: int = Field(2048, ge=1, title="Max new tokens per turn")
+    temperature: float = Field(
+        0.0, ge=0.0, le=2.0, title="Temperature",
+        description="0: the target's greedy answers, which the drafter predicts best; sample only to add variety.",
+    )
+    top_p: float = Field(1.0, gt=0.0, le=1.0, title="Top-p", description="Nucleus sampling; 1 keeps all.")
+    max_tokens: int = Field(
+        2048, ge=1, title="Max new tokens per turn",
+        description="A longer answer is cut here (SGLang finish_reason length) and kept as cut.",
+    )
     reasoning: Literal["keep", "drop"] = Field(
         "keep",
         title="Reasoning content",
@@ -139,8 +145,13 @@ class GenerateConfig(Section):
     num_samples: int | None = Field(
         None, ge=1, title="Conversations to regenerate", description="The first N; empty: data.max_samples, or all."
     )
-    concurrency: int = Field(64, ge=1, le=4096, title="Concurrent requests")
-    request_timeout_s: float = Field(600.0, gt=0, title="Request timeout (s)")
+    concurrency: int = Field(
+        64, ge=1, le=4096, title="Concurrent requests",
+        description="Conversations in flight; SGLang batches them. Higher keeps the GPUs busier.",
+    )
+    request_timeout_s: float = Field(
+        600.0, gt=0, title="Request timeout (s)", description="One turn's request; a timeout is retried."
+    )
     max_retries: int = Field(
         5, ge=0, le=100, title="Retries per request", description="On connection errors, timeouts, 429 and 5xx."
     )
@@ -151,13 +162,17 @@ class GenerateConfig(Section):
         title="Failure rate that stops the stage",
         description="Of the conversations tried (checked after the first 20): a dead server stops the stage early.",
     )
-    progress_interval_s: float = Field(30.0, gt=0, title="Progress log interval (s)")
+    progress_interval_s: float = Field(
+        30.0, gt=0, title="Progress log interval (s)", description="Seconds between progress lines in the task log."
+    )
 
 
 class SglangEngineConfig(Section):
     """Arguments for sglang.Engine, passed through as given (no hard-coded kernels or backends)."""
 
-    tp_size: int = Field(1, ge=1, le=64, title="Tensor parallel size")
+    tp_size: int = Field(
+        1, ge=1, le=64, title="Tensor parallel size", description="GPUs per capture engine (Kimi-K2.5: 8)."
+    )
     mem_fraction_static: float | None = Field(
         None,
         gt=0.0,
@@ -189,7 +204,10 @@ class ExtractConfig(Section):
         title="Aux layer ids",
         description="HF convention (output of decoder layer i). Default [1, L//2-1, L-4]: [1, 29, 57] for 61 layers.",
     )
-    device: str = Field("auto", title="Device (hf backend)", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$")
+    device: str = Field(
+        "auto", title="Device (hf backend)", description="auto: cuda if available, else cpu.",
+        pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$",
+    )
     batch_tokens: int = Field(
         16384, ge=16, title="Tokens per forward batch", description="Padded tokens per forward pass (hf backend)."
     )
@@ -202,7 +220,9 @@ class ExtractConfig(Section):
     writer_queue_depth: int = Field(
         2, ge=1, le=64, title="Writer queue depth", description="Batches buffered between compute and disk."
     )
-    progress_interval_s: float = Field(30.0, gt=0, title="Progress log interval (s)")
+    progress_interval_s: float = Field(
+        30.0, gt=0, title="Progress log interval (s)", description="Seconds between progress lines in the task log."
+    )
     sglang: SglangEngineConfig = Field(default_factory=SglangEngineConfig)
 
     @field_validator("aux_layers")
@@ -220,14 +240,20 @@ class ExtractConfig(Section):
 class VocabConfig(Section):
     """Draft/target vocabulary mapping (the vocab stage)."""
 
-    draft_vocab_size: int = Field(32000, ge=1, title="Draft vocabulary size")
+    draft_vocab_size: int = Field(
+        32000, ge=1, title="Draft vocabulary size",
+        description="The most frequent target tokens in the answers; the drafter predicts only these (d2t, t2d).",
+    )
     reuse_from: str | None = Field(
         None,
         title="Reuse mapping from",
         description="A vocab_mapping/ dir of an earlier run; reused only if its coverage of this data is enough.",
         pattern=ABS_PATH_PATTERN,
     )
-    min_coverage: float = Field(0.95, ge=0.0, le=1.0, title="Minimum coverage for reuse")
+    min_coverage: float = Field(
+        0.95, ge=0.0, le=1.0, title="Minimum coverage for reuse",
+        description="Share of this data's answer tokens a reused mapping must cover; below it the stage stops.",
+    )
 
 
 class TrainConfig(Section):
@@ -241,16 +267,37 @@ class TrainConfig(Section):
         title="GPUs",
         description="GPU indices to train on, e.g. [0, 1, 2, 3] for 4 of 8; one rank each. Empty: all visible.",
     )
-    ttt_length: int = Field(7, ge=1, le=16, title="Training-time-test steps")
-    epochs: int = Field(1, ge=1, title="Epochs")
-    learning_rate: float = Field(1e-4, gt=0, title="Learning rate")
-    warmup_ratio: float = Field(0.015, ge=0, lt=1, title="Warmup fraction")
-    max_grad_norm: float = Field(0.5, gt=0, title="Gradient clip norm")
-    batch_tokens: int = Field(8192, ge=16, title="Tokens per rank per step")
-    val_fraction: float = Field(0.02, ge=0, lt=1, title="Held-out fraction")
-    save_every_steps: int = Field(1000, ge=1, title="Checkpoint every N steps")
-    keep_last: int = Field(2, ge=1, title="Checkpoints kept (plus best)")
-    progress_interval_s: float = Field(30.0, gt=0, title="Progress log interval (s)")
+    ttt_length: int = Field(
+        7, ge=1, le=16, title="Training-time-test steps",
+        description="Draft positions unrolled per step, each fed the previous one's output (SpecForge: 7).",
+    )
+    epochs: int = Field(1, ge=1, title="Epochs", description="Passes over the training split of the store.")
+    learning_rate: float = Field(
+        1e-4, gt=0, title="Learning rate", description="AdamW peak, reached after warmup; cosine decay after."
+    )
+    warmup_ratio: float = Field(
+        0.015, ge=0, lt=1, title="Warmup fraction", description="Of all steps, with the learning rate rising linearly."
+    )
+    max_grad_norm: float = Field(0.5, gt=0, title="Gradient clip norm", description="Global L2 norm, per step.")
+    batch_tokens: int = Field(
+        8192, ge=16, title="Tokens per rank per step",
+        description="Padded tokens; the global batch is this x ranks. Lower it if a rank runs out of memory.",
+    )
+    val_fraction: float = Field(
+        0.02, ge=0, lt=1, title="Held-out fraction",
+        description="Samples kept out of training (by id): validation, best checkpoint, evaluate's prompts.",
+    )
+    save_every_steps: int = Field(
+        1000, ge=1, title="Checkpoint every N steps",
+        description="Also validates. A crash loses at most this many steps; the last step is always saved.",
+    )
+    keep_last: int = Field(
+        2, ge=1, title="Checkpoints kept (plus best)",
+        description="Older ones are deleted; the best by simulated acceptance length is kept too.",
+    )
+    progress_interval_s: float = Field(
+        30.0, gt=0, title="Progress log interval (s)", description="Seconds between progress lines in the task log."
+    )
 
 
     @field_validator("gpus")
@@ -268,15 +315,24 @@ class TrainConfig(Section):
 class ExportConfig(Section):
     """Writing the SGLang-loadable drafter (the export stage)."""
 
-    dtype: Literal["bfloat16", "float16", "float32"] = Field("bfloat16", title="Weights dtype")
+    dtype: Literal["bfloat16", "float16", "float32"] = Field(
+        "bfloat16", title="Weights dtype", description="Of the exported drafter's weights (trained in fp32)."
+    )
 
 
 class EvaluateConfig(Section):
     """Measuring acceptance length (the evaluate stage)."""
 
-    num_prompts: int = Field(64, ge=1, title="Held-out prompts")
-    draft_lengths: list[int] = Field(default_factory=lambda: [3, 7], min_length=1, title="Draft lengths k")
-    max_new_tokens: int = Field(256, ge=1, title="Max new tokens per prompt")
+    num_prompts: int = Field(
+        64, ge=1, title="Held-out prompts", description="From the validation split, never trained on."
+    )
+    draft_lengths: list[int] = Field(
+        default_factory=lambda: [3, 7], min_length=1, title="Draft lengths k",
+        description="Draft tokens proposed per verify step; acceptance length is measured for each.",
+    )
+    max_new_tokens: int = Field(
+        256, ge=1, title="Max new tokens per prompt", description="Greedy, on the target with the drafter."
+    )
 
 
 class BenchmarkConfig(Section):
@@ -285,14 +341,23 @@ class BenchmarkConfig(Section):
     enabled: bool = Field(
         False, title="Benchmark in SGLang", description="Needs sglang on the box; off in the CPU demo."
     )
-    num_prompts: int = Field(64, ge=1, title="Held-out prompts")
-    max_new_tokens: int = Field(512, ge=1, title="Max new tokens per prompt")
+    num_prompts: int = Field(
+        64, ge=1, title="Held-out prompts", description="The same for both servers, from the validation split."
+    )
+    max_new_tokens: int = Field(512, ge=1, title="Max new tokens per prompt", description="Greedy (temperature 0).")
     concurrency: int = Field(
         1, ge=1, le=1024, title="Concurrent requests", description="Speculation pays most at small batch sizes."
     )
-    num_steps: int = Field(3, ge=1, le=16, title="--speculative-num-steps")
-    eagle_topk: int = Field(1, ge=1, le=16, title="--speculative-eagle-topk")
-    num_draft_tokens: int = Field(4, ge=2, le=64, title="--speculative-num-draft-tokens")
+    num_steps: int = Field(
+        3, ge=1, le=16, title="--speculative-num-steps", description="Draft forward passes per verify step."
+    )
+    eagle_topk: int = Field(
+        1, ge=1, le=16, title="--speculative-eagle-topk", description="Branches per draft step; 1 is a chain."
+    )
+    num_draft_tokens: int = Field(
+        4, ge=2, le=64, title="--speculative-num-draft-tokens",
+        description="Tokens verified per step; with topk 1 it must be num_steps + 1.",
+    )
 
     @model_validator(mode="after")
     def _draft_tokens_fit(self) -> BenchmarkConfig:
@@ -317,7 +382,9 @@ class RunConfig(Section):
         description="Persistent directory on the box (never /tmp): code, runs and jobs live under it.",
         pattern=ABS_PATH_PATTERN,
     )
-    seed: int = Field(0, ge=0, title="Seed")
+    seed: int = Field(
+        0, ge=0, title="Seed", description="Drafter initial weights and data order."
+    )
     target: TargetConfig
     data: DataConfig
     generate: GenerateConfig = Field(default_factory=GenerateConfig)

@@ -51,8 +51,14 @@ class BoxSettings(BaseModel):
         title="Services to stop first",
         description="systemd units stopped before the GPU check, e.g. a vLLM server that starts at boot.",
     )
-    disk_margin: float = Field(1.2, ge=1.0, le=10.0, title="Disk estimate margin")
-    poll_interval_s: float = Field(10.0, ge=0.2, le=600, title="Job poll interval (s)")
+    disk_margin: float = Field(
+        1.2, ge=1.0, le=10.0, title="Disk estimate margin",
+        description="The disk sensor waits for this many times the estimated hidden-state bytes to be free.",
+    )
+    poll_interval_s: float = Field(
+        10.0, ge=0.2, le=600, title="Job poll interval (s)",
+        description="How often a waiting task asks the box for its job's state (one SSH command each).",
+    )
     ssh_grace_s: float = Field(
         900.0, ge=0, title="SSH outage tolerated (s)",
         description="While a job runs, SSH failures are retried with backoff for this long before the task fails "
