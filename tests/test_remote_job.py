@@ -103,3 +103,34 @@ def running(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def test_the_workers_job_start_rides_out_an_outage_and_starts_the_job_once(box, fresh_sshd, tmp_path, capsys):
+    """`job start` from the worker while sshd is down for 4 s: retried with backoff, not a failed try."""
+    import threading
+    from types import SimpleNamespace
+
+    from eagle3_airflow.jobs import RemoteJobOperator
+    from eagle3_airflow.plan import RunPlan
+
+    class SleepingStage(RemoteJobOperator):
+        def _stage_argv(self) -> list[str]:
+            return [sys.executable, "-c", "import time; time.sleep(1)"]
+
+    work = tmp_path / "work"
+    plan = RunPlan(run_name="r", workdir=str(work), run_dir=str(work / "runs" / "r"), conn_ids=["gpu_box"],
+                   python=sys.executable, num_shards=1, generate=False, benchmark=False, require_gpus=False,
+                   gpu_max_used_mib=1024, ssh_grace_s=60).to_xcom()
+    operator = SleepingStage(task_id="train", stage="train", plan=plan)
+    context = {"ti": SimpleNamespace(task_id="train", map_index=-1)}
+
+    fresh_sshd.stop()
+    back = threading.Timer(4, fresh_sshd.start)
+    back.start()
+    started = time.monotonic()
+    key = operator.submit_job(context)
+    back.join()
+    assert key == "train" and time.monotonic() - started >= 4
+    assert "box gpu_box unreachable (attempt 1" in capsys.readouterr().out  # the retries are in the task log
+    poll = operator._poll(key)
+    assert poll["state"]["try"] == 1  # one job, started once

@@ -16,6 +16,8 @@ id, heartbeat, exit code, try) and the log. This operator only talks to that:
 - Deferrable: after the start, the trigger polls from the triggerer (no worker slot held for an
   11-hour train), streams new log lines into the task log, and rides out SSH outages with backoff
   until `ssh_grace_s` passes. Marking the task failed or clearing it kills the job's process group.
+- The worker's own commands (code sync, `job start`, `job poll`) are idempotent, so they ride out an
+  outage the same way: a connection lost mid-`start` is retried and attaches to the job it started.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Any
 from airflow.sdk import BaseOperator, ResumableJobMixin
 from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowSkipException
 from airflow.triggers.base import BaseTrigger, TriggerEvent
+from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential_jitter
 
 from eagle3.job import run_seconds
 from eagle3_airflow.codesync import ensure_code
@@ -104,15 +107,30 @@ class RemoteJobOperator(ResumableJobMixin, BaseOperator):
             raise AirflowSkipException(f"{self.only_if}.enabled is off for this run")
         self._running_key = self._key(context)  # for on_kill, which gets no context
         # A rebooted or reimaged box may have lost the code dir; syncing is a no-op when it is there.
-        ensure_code(plan.box(self.conn_id), plan.python, plan.workdir)
+        self._riding_out_outages(lambda: ensure_code(plan.box(self.conn_id), plan.python, plan.workdir))
         return self.execute_resumable(context)
+
+    def _riding_out_outages(self, command):
+        """Run an idempotent box command, retrying with backoff while the box is unreachable, for up to
+        ssh_grace_s (as the trigger does); a command that ran and failed is not retried."""
+        def log_retry(state) -> None:
+            self.log.warning("box %s unreachable (attempt %d, %.0f s of %.0f s tolerated); retrying in %.0f s: %s",
+                             self.conn_id, state.attempt_number, state.seconds_since_start,
+                             self.run_plan.ssh_grace_s, state.upcoming_sleep, state.outcome.exception())
+
+        retrying = Retrying(
+            retry=retry_if_exception_type(BoxUnreachable), stop=stop_after_delay(self.run_plan.ssh_grace_s),
+            wait=wait_exponential_jitter(initial=1, max=OUTAGE_BACKOFF_MAX_S), before_sleep=log_retry, reraise=True,
+        )
+        return retrying(command)
 
     def submit_job(self, context) -> str:
         key = self._key(context)
         heartbeat_s = max(1.0, min(30.0, self.run_plan.stale_after_s / 4))
         argv = self._job("start", key, "--heartbeat-s", f"{heartbeat_s:g}",
                          "--stale-after-s", f"{self.run_plan.stale_after_s:g}", "--", *self._stage_argv())
-        state = self.run_plan.box(self.conn_id).run(argv, timeout=120).json(f"starting job {key}")
+        box = self.run_plan.box(self.conn_id)
+        state = self._riding_out_outages(lambda: box.run(argv, timeout=120)).json(f"starting job {key}")
         verb = "attached to" if state.get("attached") else "started"
         self.log.info("%s %s job %s on %s: try %s, pid %s (log: %s)", verb, self.stage, key, self.conn_id,
                       state.get("try"), state.get("pid"), state.get("log"))
@@ -180,7 +198,8 @@ class RemoteJobOperator(ResumableJobMixin, BaseOperator):
     def _poll(self, key: str) -> dict:
         argv = self._job("poll", key, "--max-log-bytes", "0", "--stale-after-s",
                          f"{self.run_plan.stale_after_s:g}")
-        return self.run_plan.box(self.conn_id).run(argv, timeout=60).json(f"polling job {key}")
+        box = self.run_plan.box(self.conn_id)
+        return self._riding_out_outages(lambda: box.run(argv, timeout=60)).json(f"polling job {key}")
 
 
 class RemoteJobTrigger(BaseTrigger):
