@@ -29,7 +29,7 @@ pytestmark = pytest.mark.slow
 KILLS = 10
 SHARDS = 2
 MAX_KILLS_PER_SHARD = 5  # Airflow's retry delay doubles per try (1, 2, 4, 8, 16 s): spread the kills
-SAMPLES = 320  # about 11 one-MiB chunks per shard: room for 5 kills each, every one after fresh progress
+SAMPLES = 640  # about 13 one-MiB chunks per shard: room for 5 kills each (a late kill eats up to 3)
 # Only extraction is under test: Airflow marks the later stages successful instead of running them.
 AFTER_EXTRACT = "vocab|train|export|evaluate|benchmark|report"
 
@@ -54,8 +54,9 @@ class ExtractKiller(threading.Thread):
       what:  the stage process alone (child_pid: the supervisor records the signal, the task fails), or the job's
              whole process group (supervisor too: nobody records anything, the job is dead);
       when:  0-0.3 s after the try has stored a chunk of its own (mid-batch, mid-write: where resume can go
-             wrong), or at a random moment 0.3-4 s into the try (imports, tokenizing, model load, first batches:
-             cheap, and a kill before any progress must cost nothing but time)."""
+             wrong), or at a random moment 0.3-2.5 s into the try (imports, tokenizing, model load: a kill before
+             any progress must cost nothing but time). A try stores its first chunk about 3 s in on 2 cores, so
+             both kinds land however fast the extraction itself is."""
 
     def __init__(self, run_dir: Path, seed: int):
         super().__init__(daemon=True)
@@ -105,7 +106,7 @@ class ExtractKiller(threading.Thread):
                 time.sleep(0.01)
             time.sleep(self.rng.uniform(0.0, 0.3))
         else:
-            time.sleep(self.rng.uniform(0.3, 4.0))
+            time.sleep(self.rng.uniform(0.3, 2.5))
         now = self.state(shard)
         if not now or now["try"] != state["try"] or now["status"] != "running":
             return
@@ -182,5 +183,5 @@ def test_extract_killed_10_times_in_a_dag_run_loses_nothing_and_duplicates_nothi
     assert sum(tries.values()) == KILLS + SHARDS  # every kill cost exactly one retry
     assert all(job_state(run_dir, f"extract.{s}")["status"] == "succeeded" for s in range(SHARDS))
     assert (lost, duplicated) == (0, 0)
-    assert stats["samples"] == len(wanted) > 250
+    assert stats["samples"] == len(wanted) > 600
     assert got == expected
