@@ -28,6 +28,7 @@ lint: $(INSTALLED)
 bench: $(INSTALLED)
 	$(PY) bench/extract_throughput.py
 	$(PY) bench/dag_parse.py
+	$(PY) bench/sglang_state_transport.py
 
 # Not one of the two commands: the Airflow UI on http://localhost:8080 with this project's DAG, for triggering
 # from the form (SQLite; the login is printed at start-up). Run `make demo` once first: it builds the tiny target and

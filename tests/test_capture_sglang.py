@@ -71,6 +71,9 @@ def test_wrong_row_count_is_an_error_that_suggests_the_cause():
     assert states_from_output(output, 3, 8).shape == (3, 8)
     with pytest.raises(RuntimeError, match="radix cache or chunked prefill"):
         states_from_output(output, 5, 8)
+    ragged = {"meta_info": {"hidden_states": [[[0.0] * 8, [0.0] * 7]]}}
+    with pytest.raises(RuntimeError, match="2 ragged rows for a 2-token prompt"):
+        states_from_output(ragged, 2, 8)
 
 
 def test_two_passes_one_engine_at_a_time_store_what_the_hf_backend_stores(make_config, fake_engine):

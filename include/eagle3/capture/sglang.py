@@ -30,6 +30,7 @@ import logging
 import os
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from eagle3.capture import CapturedStates
@@ -101,12 +102,19 @@ def engine_kwargs(cfg, architecture: str, capture: str) -> dict:
 
 
 def states_from_output(output: dict, num_tokens: int, width: int) -> torch.Tensor:
-    """The prefill rows of one Engine.generate result as a [num_tokens, width] tensor."""
+    """The prefill rows of one Engine.generate result as a [num_tokens, width] tensor.
+
+    Through numpy: 3x faster than torch.tensor on nested lists (bench/sglang_state_transport.py), and
+    this conversion is a third of the list path's CPU cost."""
     rows = output["meta_info"]["hidden_states"][0]
-    states = torch.tensor(rows, dtype=torch.float32)
-    if states.shape != (num_tokens, width):
+    try:
+        states = torch.from_numpy(np.asarray(rows, dtype=np.float32))
+    except ValueError:  # ragged rows
+        states = None
+    if states is None or states.shape != (num_tokens, width):
+        shape = tuple(states.shape) if states is not None else f"{len(rows)} ragged rows"
         raise RuntimeError(
-            f"sglang returned hidden states of shape {tuple(states.shape)} for a {num_tokens}-token prompt, "
+            f"sglang returned hidden states of shape {shape} for a {num_tokens}-token prompt, "
             f"expected ({num_tokens}, {width}); is the radix cache or chunked prefill on?"
         )
     return states
