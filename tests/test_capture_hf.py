@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from eagle3.capture.hf import HfCapture
@@ -34,3 +35,25 @@ def test_hf_capture_equals_transformers_output_hidden_states(make_config, tiny_t
         # And the final state is what lm_head consumes: same logits as the model's own.
         logits = model.lm_head(states.last_hidden_state.float())
         assert (logits.argmax(-1) == ref.logits[0].argmax(-1)).float().mean() > 0.95
+
+
+def test_shards_sharing_a_box_take_gpus_of_their_own():
+    """Shards are dealt round-robin to the boxes, and each takes its own GPU group there (no GPU here: the
+    arithmetic and the refusal are what can be checked)."""
+    from eagle3.capture.hf import check_gpu_group, pick_device
+    from eagle3.config import ConfigError
+    from eagle3_airflow.jobs import RemoteJobOperator
+    from eagle3_airflow.plan import RunPlan
+
+    plan = RunPlan(run_name="r", workdir="/w", run_dir="/w/runs/r", conn_ids=["box_a", "box_b"], python="python",
+                   num_shards=5, generate=False, benchmark=False, require_gpus=True, gpu_max_used_mib=1024)
+    placed = [(plan.conn_for_shard(s), plan.gpu_group_for_shard(s)) for s in range(5)]
+    assert placed == [("box_a", 0), ("box_b", 0), ("box_a", 1), ("box_b", 1), ("box_a", 2)]
+    operator = RemoteJobOperator(task_id="extract", stage="extract", plan=plan.to_xcom(), shard=4)
+    assert operator._stage_argv()[-6:] == ["--shard", "4", "--num-shards", "5", "--gpu-group", "2"]
+
+    check_gpu_group(3, 2, 8)  # GPUs 6..7 of 8
+    with pytest.raises(ConfigError, match=r"number 4 on its box and needs GPUs 8\.\.9, but the box has 8"):
+        check_gpu_group(4, 2, 8)
+    assert pick_device("auto", gpu_group=3) == torch.device("cpu")  # no CUDA on this machine
+    assert pick_device("cuda:1", gpu_group=3) == torch.device("cuda:1")  # an explicit device is taken as given

@@ -50,6 +50,8 @@ def test_engine_arguments_for_capture(make_config):
     assert aux["tp_size"] == 8 and aux["attention_backend"] == "triton" and aux["cuda_graph_max_bs"] == 16
     assert aux["disable_radix_cache"] is True and aux["chunked_prefill_size"] == -1
     assert aux["mem_fraction_static"] == pytest.approx(0.8)  # one engine at a time: all of it
+    assert aux["base_gpu_id"] == 0  # the box's second shard starts at GPU tp_size:
+    assert engine_kwargs(cfg, "DeepseekV3ForCausalLM", "aux", gpu_group=1)["base_gpu_id"] == 8
     last = engine_kwargs(cfg, "DeepseekV3ForCausalLM", "last")
     assert last["enable_return_hidden_states"] is True and "speculative_algorithm" not in last
 

@@ -57,7 +57,7 @@ def cmd_extract(args) -> None:
     from eagle3.extract import run_extract
 
     cfg = load_config(args.config)
-    print(json.dumps(run_extract(cfg, shard=args.shard, num_shards=args.num_shards), indent=2))
+    print(json.dumps(run_extract(cfg, args.shard, args.num_shards, args.gpu_group), indent=2))
 
 
 # Stages that take only the run config: name -> (module, function, help, description). Each prints its
@@ -204,6 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", required=True, help="RUN_DIR/config.json")
     p.add_argument("--shard", type=int, default=0, help="which shard this process extracts (0-based)")
     p.add_argument("--num-shards", type=int, default=None, help="default: extract.num_shards from the config")
+    p.add_argument("--gpu-group", type=int, default=0,
+                   help="which of the box's GPU groups the shard uses: GPU K (hf backend, extract.device auto) or "
+                   "GPUs K*tp_size.. (sglang backend). The DAG numbers each box's shards 0, 1, ...; default 0")
     p.set_defaults(func=cmd_extract)
 
     for name, (_, _, help_text, description) in STAGES.items():

@@ -205,17 +205,21 @@ class ExtractConfig(Section):
         description="HF convention (output of decoder layer i). Default [1, L//2-1, L-4]: [1, 29, 57] for 61 layers.",
     )
     device: str = Field(
-        "auto", title="Device (hf backend)", description="auto: cuda if available, else cpu.",
+        "auto", title="Device (hf backend)",
+        description="auto: a GPU of the shard's own on its box (see Shards), or the CPU without CUDA.",
         pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$",
     )
     batch_tokens: int = Field(
-        16384, ge=16, title="Tokens per forward batch", description="Padded tokens per forward pass (hf backend)."
+        16384, ge=16, title="Tokens per forward batch",
+        description="Padded tokens per forward pass (hf); tokens per request batch (sglang).",
     )
     chunk_mib: int = Field(
         256, ge=1, le=16384, title="Chunk size (MiB)", description="Target size of one store chunk file."
     )
     num_shards: int = Field(
-        1, ge=1, le=4096, title="Shards", description="Data-parallel extraction jobs (one per GPU group)."
+        1, ge=1, le=4096, title="Shards",
+        description="Data-parallel extraction jobs, dealt round-robin to the boxes; the shards on one box take "
+        "GPUs of their own there: one each (hf), or extract.sglang.tp_size each (sglang).",
     )
     writer_queue_depth: int = Field(
         2, ge=1, le=64, title="Writer queue depth", description="Batches buffered between compute and disk."

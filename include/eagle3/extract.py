@@ -104,8 +104,9 @@ class BackgroundWriter:
             raise self.error
 
 
-def run_extract(cfg, shard: int = 0, num_shards: int | None = None) -> dict:
-    """Extract one shard. `cfg` is a RunConfig with the target facts resolved. Returns the stats."""
+def run_extract(cfg, shard: int = 0, num_shards: int | None = None, gpu_group: int = 0) -> dict:
+    """Extract one shard on GPU group `gpu_group` of the box (capture.open_backend). `cfg` is a RunConfig with
+    the target facts resolved. Returns the stats."""
     from transformers import AutoTokenizer
 
     from eagle3.capture import open_backend
@@ -136,7 +137,7 @@ def run_extract(cfg, shard: int = 0, num_shards: int | None = None) -> dict:
             if not all(writer.is_done(s.sample_id) for s in batch):
                 yield batch
 
-    backend = open_backend(cfg, shard) if done_before < len(mine) else None  # a finished shard loads no model
+    backend = open_backend(cfg, shard, gpu_group) if done_before < len(mine) else None  # done: no model
     progress = ProgressLog(f"extract shard {shard}", len(mine), done_before, cfg.extract.progress_interval_s, log)
     background = BackgroundWriter(writer, cfg.extract.writer_queue_depth)
     truncated = tokens = 0

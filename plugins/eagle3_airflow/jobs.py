@@ -94,7 +94,8 @@ class RemoteJobOperator(ResumableJobMixin, BaseOperator):
         plan = self.run_plan
         argv = [plan.python, "-m", "eagle3", self.stage, "--config", plan.config_path]
         if self.shard is not None:
-            argv += ["--shard", str(self.shard), "--num-shards", str(plan.num_shards)]
+            argv += ["--shard", str(self.shard), "--num-shards", str(plan.num_shards),
+                     "--gpu-group", str(plan.gpu_group_for_shard(self.shard))]
         return argv
 
     def _job(self, command: str, key: str, *args: str) -> list[str]:

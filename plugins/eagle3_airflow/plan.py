@@ -67,6 +67,11 @@ class RunPlan:
     def conn_for_shard(self, shard: int) -> str:
         return self.conn_ids[shard % len(self.conn_ids)]
 
+    def gpu_group_for_shard(self, shard: int) -> int:
+        """Shards go round-robin over the boxes; on its box, a shard is number shard // boxes, and takes that
+        group of the box's GPUs, so shards sharing a box never share a GPU."""
+        return shard // len(self.conn_ids)
+
     def box(self, conn_id: str | None = None) -> Box:
         return box_for(conn_id or self.conn_ids[0])
 

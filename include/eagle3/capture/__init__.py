@@ -1,6 +1,6 @@
 """Capture backends: run the target over token sequences and return its EAGLE-3 hidden states.
 
-A backend is built with `open_backend(cfg, shard)` and offers
+A backend is built with `open_backend(cfg, shard, gpu_group)` and offers
     prepare(batches: Iterable[list[TokenizedSample]], total: int)   work over the whole shard first
     capture(batch: list[TokenizedSample]) -> list[CapturedStates]    (same order, whole samples, no padding)
     close()
@@ -26,14 +26,15 @@ class CapturedStates:
     last_hidden_state: torch.Tensor
 
 
-def open_backend(cfg, shard: int = 0):
-    """The configured backend for one shard. `cfg` is a RunConfig with target facts resolved."""
+def open_backend(cfg, shard: int = 0, gpu_group: int = 0):
+    """The configured backend for one shard. `cfg` is a RunConfig with target facts resolved. `gpu_group`:
+    which group of the box's GPUs the shard uses (hf: one GPU, sglang: extract.sglang.tp_size of them)."""
     if cfg.extract.backend == "hf":
         from eagle3.capture.hf import HfCapture
 
-        return HfCapture(cfg)
+        return HfCapture(cfg, gpu_group)
     if cfg.extract.backend == "sglang":
         from eagle3.capture.sglang import SglangCapture
 
-        return SglangCapture(cfg, shard)
+        return SglangCapture(cfg, shard, gpu_group)
     raise ValueError(f"extract.backend: unknown backend {cfg.extract.backend!r}")

@@ -18,17 +18,33 @@ from eagle3.capture import CapturedStates
 log = logging.getLogger(__name__)
 
 
-def pick_device(setting: str) -> torch.device:
-    if setting == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(setting)
+def pick_device(setting: str, gpu_group: int = 0) -> torch.device:
+    """extract.device: "auto" is GPU `gpu_group` of the box (one per extraction shard on it), or the CPU
+    without CUDA; anything else is taken as given."""
+    if setting != "auto":
+        return torch.device(setting)
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    check_gpu_group(gpu_group, 1, torch.cuda.device_count())
+    return torch.device(f"cuda:{gpu_group}")
+
+
+def check_gpu_group(gpu_group: int, gpus_per_group: int, gpus: int) -> None:
+    if (gpu_group + 1) * gpus_per_group > gpus:
+        from eagle3.config import ConfigError
+
+        raise ConfigError(
+            f"extract.num_shards: this shard is number {gpu_group} on its box and needs GPUs "
+            f"{gpu_group * gpus_per_group}..{(gpu_group + 1) * gpus_per_group - 1}, but the box has {gpus}; "
+            "lower extract.num_shards (shards per box x GPUs per shard must fit) or add boxes"
+        )
 
 
 class HfCapture:
-    def __init__(self, cfg):
+    def __init__(self, cfg, gpu_group: int = 0):
         from transformers import AutoModelForCausalLM
 
-        self.device = pick_device(cfg.extract.device)
+        self.device = pick_device(cfg.extract.device, gpu_group)
         self.aux_layers = cfg.resolved_aux_layers()
         model = AutoModelForCausalLM.from_pretrained(
             cfg.target.model_path,

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from eagle3.capture import CapturedStates
+from eagle3.capture.hf import check_gpu_group
 from eagle3.capture.staging import StagedStates, staging_dir
 from eagle3.layer_ids import sglang_layer_ids
 from eagle3.progress import ProgressLog
@@ -44,7 +45,7 @@ SUPPORTED_VERSIONS = ">=0.5.23,<0.6"  # written for 0.5.23; the capture flags ma
 # Engine arguments this backend sets for capture to work; extract.sglang.extra_args may not override them.
 CAPTURE_ARGS = (
     "skip_tokenizer_init", "disable_radix_cache", "chunked_prefill_size", "enable_return_aux_hidden_states",
-    "speculative_algorithm", "return_aux_hidden_state_layer_ids", "enable_return_hidden_states",
+    "speculative_algorithm", "return_aux_hidden_state_layer_ids", "enable_return_hidden_states", "base_gpu_id",
 )
 
 
@@ -68,8 +69,9 @@ def target_architecture(model_path: str) -> str:
     return config["architectures"][0]
 
 
-def engine_kwargs(cfg, architecture: str, capture: str) -> dict:
-    """Engine arguments for the 'aux' or the 'last' (final-state) capture engine, from the run config."""
+def engine_kwargs(cfg, architecture: str, capture: str, gpu_group: int = 0) -> dict:
+    """Engine arguments for the 'aux' or the 'last' (final-state) capture engine, from the run config.
+    Shard number `gpu_group` on its box runs on GPUs gpu_group x tp_size onwards (SGLang's base_gpu_id)."""
     engine = cfg.extract.sglang
     clash = sorted(set(engine.extra_args) & set(CAPTURE_ARGS))
     if clash:
@@ -80,6 +82,7 @@ def engine_kwargs(cfg, architecture: str, capture: str) -> dict:
         "trust_remote_code": cfg.target.trust_remote_code,
         "dtype": cfg.target.dtype,
         "tp_size": engine.tp_size,
+        "base_gpu_id": gpu_group * engine.tp_size,
         "skip_tokenizer_init": True,  # we send token ids
         "disable_radix_cache": True,
         "chunked_prefill_size": -1,
@@ -146,13 +149,15 @@ class SglangCapture:
 
     SAMPLING = {"max_new_tokens": 1, "temperature": 0.0}
 
-    def __init__(self, cfg, shard: int = 0):
+    def __init__(self, cfg, shard: int = 0, gpu_group: int = 0):
         self.engine_class = load_engine_class()
+        if torch.cuda.is_available():
+            check_gpu_group(gpu_group, cfg.extract.sglang.tp_size, torch.cuda.device_count())
         architecture = target_architecture(cfg.target.model_path)
         self.hidden_size = cfg.target.hidden_size
         self.num_aux = len(cfg.resolved_aux_layers())
         # Both argument sets are built (and so checked) now, before an engine spends minutes loading.
-        self.kwargs = {capture: engine_kwargs(cfg, architecture, capture) for capture in ("last", "aux")}
+        self.kwargs = {capture: engine_kwargs(cfg, architecture, capture, gpu_group) for capture in ("last", "aux")}
         self.staged = StagedStates(staging_dir(cfg.run_dir, shard), self.hidden_size)
         self.progress_interval_s = cfg.extract.progress_interval_s
         self.label = f"extract shard {shard}"
