@@ -9,6 +9,9 @@ import stat
 import sys
 from pathlib import Path
 
+import pytest
+from airflow.sdk.exceptions import AirflowFailException
+
 from eagle3_airflow.sensors import BoxReachableSensor, DiskSpaceSensor, GpuIdleSensor
 from tests.conftest import H200, VLLM, poke
 
@@ -41,6 +44,16 @@ def test_no_gpu_on_a_box_that_needs_them(plan, gpus, capsys):
     gpus(error="No devices were found", exit_code=6)
     idle, log = poke(GpuIdleSensor, plan, capsys)
     assert not idle and "no GPUs visible" in log
+
+
+def test_a_box_with_too_few_gpus_for_the_shards_fails_at_once(plan, gpus, capsys):
+    gpus([{**H200, "index": i, "uuid": f"GPU-{i}", "memory.used": 1} for i in range(4)])
+    assert poke(GpuIdleSensor, {**plan, "num_shards": 2, "gpus_per_shard": 2}, capsys)[0]  # 2 x 2 = 4 GPUs
+    with pytest.raises(AirflowFailException, match=r"local has 4 GPUs, this run needs 6 there for 3 extraction "
+                                                   r"shard\(s\) x 2 GPU\(s\) each \(extract.num_shards"):
+        poke(GpuIdleSensor, {**plan, "num_shards": 3, "gpus_per_shard": 2}, capsys)
+    with pytest.raises(AirflowFailException, match=r"needs 8 there for training"):
+        poke(GpuIdleSensor, {**plan, "train_gpus": 8}, capsys)
 
 
 def test_cpu_runs_skip_the_gpu_check(plan, gpus, capsys):
@@ -98,3 +111,18 @@ def test_this_runs_own_job_on_the_gpu_is_not_foreign(plan, gpus, capsys):
         assert not idle and "pid 4242 python3 -m vllm" in log
     finally:
         kill_job(plan["run_dir"] + "/jobs", "train", grace_s=1)
+
+
+def test_the_plan_knows_how_many_gpus_each_box_needs(make_config):
+    from eagle3_airflow.params import BoxSettings
+    from eagle3_airflow.plan import RunPlan
+
+    sglang = make_config(extract={"backend": "sglang", "num_shards": 3, "sglang": {"tp_size": 4}},
+                         train={"gpus": [0, 5]})
+    plan = RunPlan.build(sglang, BoxSettings(conn_ids=["a", "b"]))
+    assert plan.gpus_needed("a") == (8, "2 extraction shard(s) x 4 GPU(s) each (extract.num_shards, "
+                                        "extract.sglang.tp_size with the sglang backend)")
+    assert plan.gpus_needed("b")[0] == 4  # one shard, and no training there
+    assert plan.train_gpus == 6  # GPU index 5 must exist on the first box
+    named = RunPlan.build(make_config(extract={"device": "cuda:0", "num_shards": 4}), BoxSettings())
+    assert named.gpus_needed("local")[0] == 1  # a device the user named: only training's rank counts

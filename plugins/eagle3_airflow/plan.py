@@ -32,16 +32,23 @@ class RunPlan:
     poll_interval_s: float = 10.0
     ssh_grace_s: float = 900.0
     stale_after_s: float = 120.0
+    gpus_per_shard: int = 1  # extract: 1 (hf, device auto), tp_size (sglang), 0 (hf on a device the user named)
+    train_gpus: int = 1  # GPUs the first box must have for training: highest train.gpus index + 1, or its ranks
 
     @classmethod
     def build(cls, config: RunConfig, box: BoxSettings) -> RunPlan:
+        if config.extract.backend == "sglang":
+            gpus_per_shard = config.extract.sglang.tp_size
+        else:
+            gpus_per_shard = 1 if config.extract.device == "auto" else 0
         return cls(
             run_name=config.run_name, workdir=config.workdir, run_dir=str(config.run_dir),
             conn_ids=list(box.conn_ids), python=box.python, num_shards=config.extract.num_shards,
             generate=config.generate.enabled, benchmark=config.benchmark.enabled, require_gpus=box.require_gpus,
             gpu_max_used_mib=box.gpu_max_used_mib, stop_services=list(box.stop_services),
             disk_margin=box.disk_margin, poll_interval_s=box.poll_interval_s, ssh_grace_s=box.ssh_grace_s,
-            stale_after_s=box.stale_after_s,
+            stale_after_s=box.stale_after_s, gpus_per_shard=gpus_per_shard,
+            train_gpus=max(config.train.gpus) + 1 if config.train.gpus else config.train.ranks,
         )
 
     @classmethod
@@ -66,6 +73,16 @@ class RunPlan:
 
     def conn_for_shard(self, shard: int) -> str:
         return self.conn_ids[shard % len(self.conn_ids)]
+
+    def gpus_needed(self, conn_id: str) -> tuple[int, str]:
+        """How many GPUs `conn_id` must have for this run, and why (for the message when it has fewer)."""
+        shards = sum(self.conn_for_shard(s) == conn_id for s in range(self.num_shards))
+        needs = [(shards * self.gpus_per_shard,
+                  f"{shards} extraction shard(s) x {self.gpus_per_shard} GPU(s) each (extract.num_shards, "
+                  "extract.sglang.tp_size with the sglang backend)")]
+        if conn_id == self.conn_ids[0]:
+            needs.append((self.train_gpus, "training (train.gpus / train.nproc_per_node)"))
+        return max(needs)
 
     def gpu_group_for_shard(self, shard: int) -> int:
         """Shards go round-robin over the boxes; on its box, a shard is number shard // boxes, and takes that

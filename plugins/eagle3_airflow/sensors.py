@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from airflow.sdk import BaseSensorOperator
+from airflow.sdk.exceptions import AirflowFailException
 
 from eagle3_airflow.plan import RunPlan
 from eagle3_airflow.transport import BoxUnreachable
@@ -53,7 +54,9 @@ class GpuIdleSensor(_BoxSensor):
     `box.stop_services` (systemd units, e.g. a vLLM server that starts at boot and grabs every GPU)
     are stopped first. Foreign processes are named in the log with pid, name and MiB, so the person on
     call knows what to kill. Runs before extraction and again after it (the GPUs must be released
-    before training starts).
+    before training starts). A box with fewer GPUs than the run will use there (extraction shards x
+    GPUs per shard, training ranks) fails the task at once: waiting cannot add GPUs, and finding out
+    when extraction starts may be hours of generation later.
     """
 
     def poke(self, context) -> bool:
@@ -67,6 +70,12 @@ class GpuIdleSensor(_BoxSensor):
         for conn_id in plan.conn_ids:
             self._stop_services(conn_id)
             report = self._eagle3_json(conn_id, "box", "gpus", "--jobs-dir", plan.jobs_dir)
+            needed, for_what = plan.gpus_needed(conn_id)
+            if report["gpus"] and len(report["gpus"]) < needed:
+                raise AirflowFailException(
+                    f"{conn_id} has {len(report['gpus'])} GPUs, this run needs {needed} there for {for_what}; "
+                    "lower those settings or add boxes (box.conn_ids), then trigger again"
+                )
             ours = [p for p in report["processes"] if p.get("job")]
             for process in ours:
                 self.log.info("%s: pid %s %s (%s MiB) belongs to this run's job %s: not foreign", conn_id,
