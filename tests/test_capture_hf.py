@@ -40,7 +40,8 @@ def test_hf_capture_equals_transformers_output_hidden_states(make_config, tiny_t
 def test_shards_sharing_a_box_take_gpus_of_their_own():
     """Shards are dealt round-robin to the boxes, and each takes its own GPU group there (no GPU here: the
     arithmetic and the refusal are what can be checked)."""
-    from eagle3.capture.hf import check_gpu_group, pick_device
+    from eagle3.capture import check_gpu_group
+    from eagle3.capture.hf import pick_device
     from eagle3.config import ConfigError
     from eagle3_airflow.jobs import RemoteJobOperator
     from eagle3_airflow.plan import RunPlan

@@ -38,3 +38,15 @@ def open_backend(cfg, shard: int = 0, gpu_group: int = 0):
 
         return SglangCapture(cfg, shard, gpu_group)
     raise ValueError(f"extract.backend: unknown backend {cfg.extract.backend!r}")
+
+
+def check_gpu_group(gpu_group: int, gpus_per_group: int, gpus: int) -> None:
+    """Refuse a shard whose GPU group (its number on the box x GPUs per shard) the box does not have."""
+    if (gpu_group + 1) * gpus_per_group > gpus:
+        from eagle3.config import ConfigError
+
+        raise ConfigError(
+            f"extract.num_shards: this shard is number {gpu_group} on its box and needs GPUs "
+            f"{gpu_group * gpus_per_group}..{(gpu_group + 1) * gpus_per_group - 1}, but the box has {gpus}; "
+            "lower extract.num_shards (shards per box x GPUs per shard must fit) or add boxes"
+        )

@@ -13,7 +13,7 @@ import logging
 
 import torch
 
-from eagle3.capture import CapturedStates
+from eagle3.capture import CapturedStates, check_gpu_group
 
 log = logging.getLogger(__name__)
 
@@ -27,17 +27,6 @@ def pick_device(setting: str, gpu_group: int = 0) -> torch.device:
         return torch.device("cpu")
     check_gpu_group(gpu_group, 1, torch.cuda.device_count())
     return torch.device(f"cuda:{gpu_group}")
-
-
-def check_gpu_group(gpu_group: int, gpus_per_group: int, gpus: int) -> None:
-    if (gpu_group + 1) * gpus_per_group > gpus:
-        from eagle3.config import ConfigError
-
-        raise ConfigError(
-            f"extract.num_shards: this shard is number {gpu_group} on its box and needs GPUs "
-            f"{gpu_group * gpus_per_group}..{(gpu_group + 1) * gpus_per_group - 1}, but the box has {gpus}; "
-            "lower extract.num_shards (shards per box x GPUs per shard must fit) or add boxes"
-        )
 
 
 class HfCapture:

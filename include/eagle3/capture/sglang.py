@@ -33,8 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from eagle3.capture import CapturedStates
-from eagle3.capture.hf import check_gpu_group
+from eagle3.capture import CapturedStates, check_gpu_group
 from eagle3.capture.staging import StagedStates, staging_dir
 from eagle3.layer_ids import sglang_layer_ids
 from eagle3.progress import ProgressLog
@@ -107,8 +106,8 @@ def engine_kwargs(cfg, architecture: str, capture: str, gpu_group: int = 0) -> d
 def states_from_output(output: dict, num_tokens: int, width: int) -> torch.Tensor:
     """The prefill rows of one Engine.generate result as a [num_tokens, width] tensor.
 
-    Through numpy: 3x faster than torch.tensor on nested lists (bench/sglang_state_transport.py), and
-    this conversion is a third of the list path's CPU cost."""
+    Through numpy: 3x faster than torch.tensor on nested lists, which made this conversion a third of
+    the list path's CPU cost (bench/sglang_state_transport.py)."""
     rows = output["meta_info"]["hidden_states"][0]
     try:
         states = torch.from_numpy(np.asarray(rows, dtype=np.float32))

@@ -101,7 +101,6 @@ class StagedStates:
         return self._open[1].get_slice("last_hidden_state")[start:end].clone()
 
 
-
 def discard_staging(run_dir: Path, shard: int) -> None:
     """Delete a shard's staged states (once the store holds them all); nothing to do without any."""
     directory = staging_dir(run_dir, shard)
