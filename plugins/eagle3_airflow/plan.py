@@ -34,6 +34,7 @@ class RunPlan:
     stale_after_s: float = 120.0
     gpus_per_shard: int = 1  # extract: 1 (hf, device auto), tp_size (sglang), 0 (hf on a device the user named)
     train_gpus: int = 1  # GPUs the first box must have for training: highest train.gpus index + 1, or its ranks
+    server_gpus: int = 0  # server.tp_size when the run starts SGLang servers (generate, benchmark) on the first box
 
     @classmethod
     def build(cls, config: RunConfig, box: BoxSettings) -> RunPlan:
@@ -49,6 +50,8 @@ class RunPlan:
             disk_margin=box.disk_margin, poll_interval_s=box.poll_interval_s, ssh_grace_s=box.ssh_grace_s,
             stale_after_s=box.stale_after_s, gpus_per_shard=gpus_per_shard,
             train_gpus=max(config.train.gpus) + 1 if config.train.gpus else config.train.ranks,
+            server_gpus=config.server.tp_size
+            if (config.generate.enabled and config.generate.launch_server) or config.benchmark.enabled else 0,
         )
 
     @classmethod
@@ -82,6 +85,7 @@ class RunPlan:
                   "extract.sglang.tp_size with the sglang backend)")]
         if conn_id == self.conn_ids[0]:
             needs.append((self.train_gpus, "training (train.gpus / train.nproc_per_node)"))
+            needs.append((self.server_gpus, "the SGLang servers of generate / benchmark (server.tp_size)"))
         return max(needs)
 
     def gpu_group_for_shard(self, shard: int) -> int:
