@@ -1,14 +1,18 @@
-"""The DAG with its two SGLang stages on: generate (the target regenerates the answers) and benchmark (SGLang
-serving the drafter against the plain target), in one real `airflow dags test` run through the local transport.
+"""The DAG with every SGLang-facing stage on: generate (the target regenerates the answers), extract with the
+sglang capture backend (two shards, two passes each) and benchmark (SGLang serving the drafter against the
+plain target), in one real `airflow dags test` run through the local transport.
 
-SGLang cannot run on a CPU machine: EAGLE3_SERVER_LAUNCHER makes both stages start tests/fakes/sglang_server.py
-instead of `python -m sglang.launch_server`, with the same flags; it serves the tiny target's real greedy
-generation, and speculative decoding with the exported drafter."""
+SGLang cannot run on a CPU machine: EAGLE3_SERVER_LAUNCHER makes generate and benchmark start
+tests/fakes/sglang_server.py instead of `python -m sglang.launch_server`, with the same flags (it serves the
+tiny target's real greedy generation, and speculative decoding with the exported drafter), and
+EAGLE3_SGLANG_ENGINE makes extract use tests/fakes/sglang_engine.py instead of sglang.Engine (it computes the
+tiny target's real states the way SGLang returns them)."""
 
 from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 
@@ -31,7 +35,8 @@ def test_generate_and_benchmark_run_in_the_dag(tiny_target, airflow_home, settin
         "generate.progress_interval_s": 1,
         "server.port": free_port(),
         "server.startup_timeout_s": 120,
-        "extract.num_shards": 1,
+        "extract.backend": "sglang",
+        "extract.num_shards": 2,
         "train.epochs": 1,
         "train.val_fraction": 0.25,  # 16 conversations: one held out at least
         "train.save_every_steps": 50,
@@ -42,7 +47,9 @@ def test_generate_and_benchmark_run_in_the_dag(tiny_target, airflow_home, settin
         "evaluate.max_new_tokens": 8,
     })
     started = time.monotonic()
-    proc = dags_test(airflow_home, conf, env={**settings, "EAGLE3_SERVER_LAUNCHER": str(STAND_IN)})
+    engine = Path(__file__).parent / "fakes" / "sglang_engine.py"
+    proc = dags_test(airflow_home, conf, env={**settings, "EAGLE3_SERVER_LAUNCHER": str(STAND_IN),
+                                              "EAGLE3_SGLANG_ENGINE": f"{engine}:FakeSglangEngine"})
     print(f"DAG run with generate and benchmark: {time.monotonic() - started:.1f} s")
     assert_succeeded(proc)
     run_dir = tmp_path / "box" / "runs" / "with-sglang-stages"
@@ -54,6 +61,10 @@ def test_generate_and_benchmark_run_in_the_dag(tiny_target, airflow_home, settin
     original_ids = {c.sample_id for c in read_conversations(tiny_target / "prompts.jsonl", max_samples=16)[0]}
     stored_ids = set(HiddenStateStore(run_dir / "hidden_states").sample_ids)
     assert len(regenerated_ids) == 16 and stored_ids == regenerated_ids != original_ids
+    for shard in (0, 1):  # both passes ran, one engine after the other, and the staging went
+        log = (run_dir / "jobs" / f"extract.{shard}" / "log").read_text()
+        assert log.index("starting the last engine") < log.index("starting the aux engine"), log[-2000:]
+        assert not (run_dir / "capture-staging" / f"shard-{shard:05d}").exists()
 
     benchmark = json.loads((run_dir / "benchmark" / "benchmark.json").read_text())
     assert benchmark["prompts"] == 1

@@ -25,6 +25,7 @@ on it.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import logging
 import os
@@ -125,12 +126,18 @@ def states_from_output(output: dict, num_tokens: int, width: int) -> torch.Tenso
 def load_engine_class():
     """sglang.Engine, after checking that sglang is installed and of a version this backend knows.
 
-    EAGLE3_SGLANG_ENGINE=module:Class names another class with Engine's arguments instead: tests put a
-    stand-in there, since SGLang cannot run on a CPU machine."""
+    EAGLE3_SGLANG_ENGINE=module:Class (or /path/to/file.py:Class) names another class with Engine's
+    arguments instead: tests put a stand-in there, since SGLang cannot run on a CPU machine."""
     stand_in = os.environ.get("EAGLE3_SGLANG_ENGINE")
     if stand_in:
-        module, _, name = stand_in.partition(":")
-        return getattr(importlib.import_module(module), name)
+        module_name, _, class_name = stand_in.rpartition(":")
+        if module_name.endswith(".py"):
+            spec = importlib.util.spec_from_file_location("eagle3_sglang_engine_stand_in", module_name)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+        return getattr(module, class_name)
     try:
         import sglang
     except ImportError:
