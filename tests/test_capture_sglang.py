@@ -79,14 +79,20 @@ def test_wrong_row_count_is_an_error_that_suggests_the_cause():
 
 
 def test_two_passes_one_engine_at_a_time_store_what_the_hf_backend_stores(make_config, fake_engine):
-    cfg = make_config(data={"max_samples": 60}, extract={"backend": "sglang"})
+    cfg = make_config(data={"max_samples": 60}, extract={"backend": "sglang", "batch_tokens": 256})
+    staged_parts_seen_by_aux_pass = []
+    fake_engine.on_generate = lambda mode: mode == "aux" and staged_parts_seen_by_aux_pass.append(
+        len(list(staging_dir(cfg.run_dir, 0).glob("part-*"))))
     stats = run_extract(cfg)
 
-    assert digest(cfg.store_dir) == hf_digest(make_config, 60)  # same bits, default layers
+    assert digest(cfg.store_dir) == hf_digest(make_config, 60, batch_tokens=256)  # same bits, default layers
     assert verify(cfg.store_dir)["samples"] == stats["samples_stored"] == 60
     assert fake_engine.started == {"last": 1, "aux": 1}  # the fake refuses a second live engine
     assert fake_engine.tokens_computed == {"last": stats["tokens"], "aux": stats["tokens"]}  # each pass once
-    assert not staging_dir(cfg.run_dir, 0).exists()  # the staged final states are in the store now
+    # The staging shrank while the aux pass stored batches (staging + store never outgrow the final store),
+    # and what was left went at the end.
+    assert staged_parts_seen_by_aux_pass[0] > staged_parts_seen_by_aux_pass[-1] > 0
+    assert not staging_dir(cfg.run_dir, 0).exists()
 
 
 def test_layer_ids_not_starting_at_1_are_converted_for_deepseek(make_config, fake_engine):
@@ -189,6 +195,27 @@ def test_staged_states_survive_a_reopen_and_crash_leftovers_are_removed(tmp_path
         reopened.get(TokenizedSample("c" * 16, [1], [1], False))
     with pytest.raises(RuntimeError, match="has 1 rows for a 2-token sample; delete"):
         reopened.get(TokenizedSample("b" * 16, [9, 9], [1, 1], False))
+
+
+def test_staged_parts_go_oldest_first_once_stored_and_names_are_never_reused(tmp_path):
+    import torch
+
+    from eagle3.capture.staging import StagedStates
+    from eagle3.data import TokenizedSample
+
+    staged = StagedStates(tmp_path / "staging", hidden_size=4)
+    batches = [[TokenizedSample(f"{b}{i}".ljust(16, "0"), [1, 2], [1, 1], False) for i in range(2)] for b in "abc"]
+    for batch in batches:
+        staged.add(batch, [torch.zeros(2, 4)] * 2)
+    stored = {s.sample_id for s in batches[0]} | {batches[1][0].sample_id} | {s.sample_id for s in batches[2]}
+    assert staged.discard_stored(stored.__contains__) == 1  # part 1 still has a sample to store: stop there
+    assert sorted(p.name for p in (tmp_path / "staging").iterdir()) == [
+        "part-000001.safetensors", "part-000002.safetensors"]
+    assert batches[0][0].sample_id not in staged and batches[1][1].sample_id in staged
+
+    reopened = StagedStates(tmp_path / "staging", hidden_size=4)
+    reopened.add([TokenizedSample("d".ljust(16, "0"), [3], [1], False)], [torch.zeros(1, 4)])
+    assert (tmp_path / "staging" / "part-000003.safetensors").exists() and len(reopened) == 5
 
 
 def test_gpu_capture_check_runs_and_reports_agreement(tiny_target):

@@ -441,9 +441,9 @@ def store_held_bytes(store_dir: Path) -> int:
 def disk_estimate(cfg, margin: float = 1.2) -> dict:
     """Will the run's extraction fit? `cfg` is a RunConfig with the target facts resolved.
 
-    estimate = tokens x states x hidden_size x 2 B (bf16) x margin + 5 B per token (ids, mask), where
-    states = aux layers + 1 (the final state), + 1 more with the sglang backend, whose final-state pass
-    stages a copy of the final state until the shard is complete (eagle3/capture/staging.py);
+    estimate = tokens x (aux layers + 1) x hidden_size x 2 B (bf16) x margin + 5 B per token (ids, mask);
+    the sglang backend's staged final states need no more (they shrink as the store grows, and together
+    never exceed the finished store: eagle3/capture/staging.py);
     needed = estimate - bytes the store already holds; enough = needed <= free bytes of the file system
     the run directory is (or will be) on. The margin covers chunk headers and what the estimate misses.
     With generate on, the tokens are counted from data.path: its answers stand in for the regenerated ones.
@@ -453,12 +453,11 @@ def disk_estimate(cfg, margin: float = 1.2) -> dict:
     if not (margin > 0 and math.isfinite(margin)):
         raise ConfigError(f"--margin must be a positive number, got {margin}")
     counts = cached_token_count(cfg, cfg.run_dir / TOKEN_CACHE_NAME)
-    stored_states = len(cfg.resolved_aux_layers()) + 1
-    staged_states = 1 if cfg.extract.backend == "sglang" else 0
-    states_per_token = stored_states + staged_states
+    states_per_token = len(cfg.resolved_aux_layers()) + 1
     hidden_size = cfg.target.hidden_size
+    state_bytes_per_token = states_per_token * hidden_size * STATE_BYTES
     tokens = counts["tokens"]
-    estimate = math.ceil(tokens * (states_per_token * hidden_size * STATE_BYTES * margin + IDS_AND_MASK_BYTES))
+    estimate = math.ceil(tokens * (state_bytes_per_token * margin + IDS_AND_MASK_BYTES))
     held = store_held_bytes(cfg.store_dir)
     needed = max(0, estimate - held)
     where = nearest_existing(cfg.run_dir)
@@ -470,8 +469,6 @@ def disk_estimate(cfg, margin: float = 1.2) -> dict:
         f"{format_count(tokens)} tokens x ({states_per_token} x {hidden_size} x {STATE_BYTES} B x {margin:g} "
         f"+ {IDS_AND_MASK_BYTES} B) (store already holds {format_bytes(held)}); {format_bytes(free)} free on {where}"
     )
-    if staged_states:
-        message += "; includes the final state the sglang backend stages until a shard is complete"
     if cfg.generate.enabled:
         message += f"; tokens counted from {cfg.data.path}, standing in for the answers generate will write"
     return {
@@ -479,7 +476,7 @@ def disk_estimate(cfg, margin: float = 1.2) -> dict:
         "free_bytes": free,
         "tokens": tokens,
         "samples": counts["samples"],
-        "bytes_per_token": stored_states * hidden_size * STATE_BYTES + IDS_AND_MASK_BYTES,  # as stored
+        "bytes_per_token": state_bytes_per_token + IDS_AND_MASK_BYTES,  # without the margin, as stored
         "estimate_bytes": estimate,
         "held_bytes": held,
         "needed_bytes": needed,

@@ -153,6 +153,7 @@ def run_extract(cfg, shard: int = 0, num_shards: int | None = None, gpu_group: i
             states = backend.capture(batch)
             keep = [(s, st) for s, st in zip(batch, states) if not writer.is_done(s.sample_id)]
             background.put([s for s, _ in keep], [st for _, st in keep])
+            backend.forget_stored(writer.is_done)  # batches the writer has committed by now
             batch_tokens = sum(len(s.input_ids) for s in todo)
             tokens += batch_tokens
             truncated += sum(s.truncated for s in todo)

@@ -37,6 +37,7 @@ class FakeSglangEngine:
     started = {"aux": 0, "last": 0}
     crash_after_batches: int | None = None
     batches_served = 0
+    on_generate = None  # a test's callback, called with the capture mode before each batch
 
     @classmethod
     def reset(cls) -> None:
@@ -45,6 +46,7 @@ class FakeSglangEngine:
         cls.started = {"aux": 0, "last": 0}
         cls.crash_after_batches = None
         cls.batches_served = 0
+        cls.on_generate = None
 
     def __init__(self, **kwargs):
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -80,6 +82,8 @@ class FakeSglangEngine:
             if FakeSglangEngine.batches_served >= FakeSglangEngine.crash_after_batches:
                 raise EngineCrashed(f"crashed after {FakeSglangEngine.batches_served} batches")
         FakeSglangEngine.batches_served += 1
+        if FakeSglangEngine.on_generate is not None:
+            FakeSglangEngine.on_generate(self.mode)
         time.sleep(float(os.environ.get("FAKE_SGLANG_BATCH_DELAY_S", "0")))
         lengths = [len(p) for p in input_ids]
         ids = torch.full((len(input_ids), max(lengths)), self.pad_id, dtype=torch.long)

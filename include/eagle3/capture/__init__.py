@@ -3,8 +3,10 @@
 A backend is built with `open_backend(cfg, shard, gpu_group)` and offers
     prepare(batches: Iterable[list[TokenizedSample]], total: int)   work over the whole shard first
     capture(batch: list[TokenizedSample]) -> list[CapturedStates]    (same order, whole samples, no padding)
+    forget_stored(is_stored: Callable[[str], bool])                  drop what it kept for stored samples
     close()
-extract calls prepare once with every batch it will capture, then capture batch by batch, same batches.
+extract calls prepare once with every batch it will capture, then capture batch by batch, same batches,
+and forget_stored after each.
   aux_hidden_states  [T, 3H]  HF layers extract.aux_layers, low|mid|high, concatenated
   last_hidden_state  [T, H]   the final post-norm state (lm_head input)
 

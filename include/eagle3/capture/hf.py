@@ -58,6 +58,9 @@ class HfCapture:
     def prepare(self, batches, total: int) -> None:
         """Nothing to do ahead: one forward pass gives every state."""
 
+    def forget_stored(self, is_stored) -> None:
+        """Nothing is kept between batches."""
+
     @torch.inference_mode()
     def capture(self, batch) -> list[CapturedStates]:
         lengths = [len(s.input_ids) for s in batch]

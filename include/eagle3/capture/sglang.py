@@ -13,9 +13,10 @@ Two passes over the shard, ONE engine at a time, so a target that fills the box 
                        whole samples go to the store.
 Why two: the engine that captures aux states cannot also return the final state (sglang keeps it for
 in-process consumers only), and the last layer cannot be an aux layer (sglang captures a layer's input).
-Cost: the target's prefill runs twice and the staging holds H of every token's 4H state columns until the
-shard is complete. A pass resumes where it stopped: staged samples are not recomputed, and once all are
-staged a restart loads only the aux engine.
+Cost: the target's prefill runs twice; the staging holds H of every token's 4H state columns when
+pass 1 ends and shrinks as pass 2 stores batches (never more disk than the finished store: staging.py).
+A pass resumes where it stopped: staged samples are not recomputed, and once all are staged a restart
+loads only the aux engine.
 Every request asks for max_new_tokens=1 (0 returns no states in 0.5.23), with the radix cache off
 (cached prefix tokens return no states) and chunked prefill off (only the last chunk returns states).
 States travel as Python lists through sglang's IPC: correct, slow at Kimi scale; measure before relying
@@ -211,6 +212,10 @@ class SglangCapture:
             self.aux_engine = self._start("aux")
         aux = self._generate(self.aux_engine, batch, self.num_aux * self.hidden_size)
         return [CapturedStates(a.to(torch.bfloat16), self.staged.get(s)) for s, a in zip(batch, aux, strict=True)]
+
+    def forget_stored(self, is_stored) -> None:
+        """The store has committed the samples `is_stored` says: their staged final states can go."""
+        self.staged.discard_stored(is_stored)
 
     def close(self) -> None:
         if self.aux_engine is not None:

@@ -1,9 +1,12 @@
 """States a first capture pass computed, kept on disk until the second pass stores them with the rest.
 
 The sglang backend captures in two passes with one engine at a time (see eagle3/capture/sglang.py): the
-final-state pass stages every sample's last_hidden_state [T, H] here, then the aux pass joins them with
-the aux states it captures and hands whole samples to the store. Staging is a quarter of the store's
-size (H of the 4H state columns); extract deletes it once the shard is complete.
+final-state pass stages every sample's last_hidden_state [T, H] here, one part per batch, then the aux
+pass joins them with the aux states it captures and hands whole samples to the store. Staging is a
+quarter of the store's size (H of the 4H state columns), at its largest when the first pass ends; the
+aux pass deletes each part once the store holds its batch, so staging and store together never need
+more than the finished store (at a fraction f of the aux pass: 0.25 (1 - f) + f <= 1). extract deletes
+whatever is left once the shard is complete.
 
   {run dir}/capture-staging/shard-00000/
     part-000000.safetensors    last_hidden_state bf16 [N, H], offsets int64 [S+1];
@@ -44,15 +47,17 @@ class StagedStates:
             if is_tmp_leftover(path):
                 path.unlink()
         self._where: dict[str, tuple[Path, int, int]] = {}  # sample id -> (part, first row, end row)
-        self.num_parts = 0
+        self._parts: dict[Path, list[str]] = {}  # part -> its sample ids, oldest part first
+        self.next_part = 0  # parts are numbered in the order they were staged, never reused
         for part in sorted(self.dir.glob("part-*.safetensors")):
             with safe_open(str(part), framework="pt") as f:
                 meta = f.metadata()
             self._index(part, json.loads(meta["sample_ids"]), json.loads(meta["lengths"]))
-            self.num_parts += 1
+            self.next_part = int(part.name.split("-")[1].split(".")[0]) + 1
         self._open: tuple[Path, object] | None = None  # the part read last: the aux pass reads them in order
 
     def _index(self, part: Path, sample_ids: list[str], lengths: list[int]) -> None:
+        self._parts[part] = list(sample_ids)
         start = 0
         for sample_id, n in zip(sample_ids, lengths, strict=True):
             self._where[sample_id] = (part, start, start + n)
@@ -74,7 +79,7 @@ class StagedStates:
         lengths = [len(s.input_ids) for s in samples]
         offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
         offsets[1:] = torch.tensor(lengths).cumsum(0)
-        final = self.dir / f"part-{self.num_parts:06d}.safetensors"
+        final = self.dir / f"part-{self.next_part:06d}.safetensors"
         tmp = tmp_path_for(final)
         try:
             save_file({"last_hidden_state": torch.cat([s.to(STATE_DTYPE) for s in states]), "offsets": offsets},
@@ -83,7 +88,7 @@ class StagedStates:
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        self.num_parts += 1
+        self.next_part += 1
         self._index(final, ids, lengths)
 
     def get(self, sample) -> torch.Tensor:
@@ -99,6 +104,23 @@ class StagedStates:
         if self._open is None or self._open[0] != part:
             self._open = (part, safe_open(str(part), framework="pt"))
         return self._open[1].get_slice("last_hidden_state")[start:end].clone()
+
+    def discard_stored(self, is_stored) -> int:
+        """Delete the oldest parts whose every sample `is_stored` (the store has committed it), up to the
+        first part that still has one to store: the aux pass stores batches in the order they were
+        staged. Returns how many parts went."""
+        gone = 0
+        for part, sample_ids in list(self._parts.items()):
+            if not all(is_stored(sample_id) for sample_id in sample_ids):
+                break
+            if self._open is not None and self._open[0] == part:
+                self._open = None
+            part.unlink()
+            del self._parts[part]
+            for sample_id in sample_ids:
+                self._where.pop(sample_id, None)
+            gone += 1
+        return gone
 
 
 def discard_staging(run_dir: Path, shard: int) -> None:
