@@ -147,6 +147,7 @@ def test_kill_9_in_either_pass_then_finish_stores_what_the_hf_backend_stores(mak
 
     kill_when = [("final-state pass", lambda: parts() >= 2), ("final-state pass", lambda: parts() >= 5),
                  ("aux pass", lambda: chunks() >= 1)]
+    seen = []  # (staged parts, store chunks) after each kill
     for moment, reached in kill_when:
         proc = subprocess.Popen([sys.executable, "-m", "eagle3", "extract", "--config", str(config_path)],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -157,7 +158,8 @@ def test_kill_9_in_either_pass_then_finish_stores_what_the_hf_backend_stores(mak
             time.sleep(0.01)
         proc.kill()
         proc.wait()
-    assert parts() >= 5 and chunks() >= 1
+        seen.append((parts(), chunks()))
+    assert seen[1][0] >= 5 and seen[1][1] == 0 and seen[2][1] >= 1  # mid pass 1 (twice), then mid pass 2
 
     run_eagle3("extract", "--config", str(config_path))
     assert verify(cfg.store_dir)["samples"] == 60
