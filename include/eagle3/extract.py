@@ -1,6 +1,6 @@
 """The extract stage: conversations -> the target's EAGLE-3 hidden states in the store.
 
-    python -m eagle3 extract --config RUN_DIR/config.json [--shard I --num-shards N]
+    python -m eagle3 extract --config RUN_DIR/config.json [--shard I --num-shards N --gpu-group K]
 
 Resumable and idempotent: samples already in the shard's manifest are skipped, so killing the process at
 any moment and starting it again loses nothing and stores nothing twice. Batches are planned over the
@@ -9,6 +9,10 @@ the target exactly the batches an uninterrupted run would: the store's digest is
 
 Compute and disk overlap: a background thread writes batch N while the target computes batch N+1; the
 bounded queue (extract.writer_queue_depth) holds compute back only when the disk cannot keep up.
+
+A backend may need a pass over the whole shard before capturing (sglang: its final-state pass, see
+eagle3/capture/sglang.py): it gets the same planned batches first, tokenised a second time rather than
+held in memory.
 """
 
 from __future__ import annotations
