@@ -56,10 +56,14 @@ def test_engine_arguments_for_capture(make_config):
     assert last["enable_return_hidden_states"] is True and "speculative_algorithm" not in last
 
 
-def test_extra_args_cannot_undo_the_capture_settings(make_config):
-    cfg = make_config(extract={"backend": "sglang", "sglang": {"extra_args": {"disable_radix_cache": False}}})
-    with pytest.raises(SglangSetupError, match="extract.sglang.extra_args: \\['disable_radix_cache'\\]"):
-        engine_kwargs(cfg, "DeepseekV3ForCausalLM", "aux")
+def test_extra_args_cannot_undo_the_capture_or_spread_a_shard_over_more_gpus(make_config):
+    from eagle3.config import ConfigError
+
+    for extra, why in (({"disable_radix_cache": False}, "are set by the capture backend"),
+                       ({"tp_size": 4}, "come from the run config"),
+                       ({"dp_size": 2}, "would spread a shard over more GPUs than its group")):
+        with pytest.raises(ConfigError, match=f"extract.sglang.extra_args: \\['{next(iter(extra))}'\\] {why}"):
+            make_config(extract={"backend": "sglang", "sglang": {"extra_args": extra}})
 
 
 def test_version_gate_names_the_versions_and_the_fix():
@@ -166,6 +170,72 @@ def test_kill_9_in_either_pass_then_finish_stores_what_the_hf_backend_stores(mak
     assert digest(cfg.store_dir) == hf_digest(make_config, 60, batch_tokens=256)
     assert not staging.exists()
 
+
+def test_no_sample_is_ever_in_neither_the_store_nor_the_staging(make_config, fake_engine):
+    """A part may go only once the store has COMMITTED its batch, not when the writer merely holds it:
+    checked before every batch of the aux pass, with chunks big enough to keep batches pending for long."""
+    from safetensors import safe_open
+
+    from eagle3.store import read_manifest
+
+    cfg = make_config(data={"max_samples": 60}, extract={"backend": "sglang", "batch_tokens": 256, "chunk_mib": 2})
+    staging, manifest = staging_dir(cfg.run_dir, 0), cfg.store_dir / "shard-00000" / "manifest.jsonl"
+    checks = []
+
+    def check(mode: str) -> None:
+        if mode != "aux":
+            return
+        staged = set()
+        for part in staging.glob("part-*.safetensors"):
+            with safe_open(str(part), framework="pt") as f:
+                staged.update(json.loads(f.metadata()["sample_ids"]))
+        stored = {sid for r in read_manifest(manifest)[0] for sid, _ in r["samples"]} if manifest.exists() else set()
+        checks.append((len(staged), len(stored)))
+        assert len(staged | stored) == 60, f"a sample is in neither: {len(staged)} staged, {len(stored)} stored"
+
+    fake_engine.on_generate = check
+    run_extract(cfg)
+    assert checks[0] == (60, 0) and any(0 < stored < 60 for _, stored in checks)
+
+
+def test_a_partly_stored_batch_after_a_plan_change_is_captured_whole(make_config, fake_engine):
+    """The data (here: the batch budget) changed after a crash in the aux pass, so a new batch mixes stored
+    and unstored samples: captured whole, nothing missing or doubled."""
+    first = make_config(data={"max_samples": 60}, extract={"backend": "sglang", "batch_tokens": 256})
+    fake_engine.crash_after_batches = 16  # about 10 batches per pass: mid aux pass
+    with pytest.raises(EngineCrashed):
+        run_extract(first)
+    stored_before = verify(first.store_dir)["samples"]
+    assert 0 < stored_before < 60
+
+    fake_engine.crash_after_batches = None
+    replanned = make_config(data={"max_samples": 60}, extract={"backend": "sglang", "batch_tokens": 400})
+    stats = run_extract(replanned)
+    assert stats["samples_stored_before"] == stored_before and stats["samples_stored"] == 60
+    assert verify(replanned.store_dir)["samples"] == 60
+    assert not staging_dir(replanned.run_dir, 0).exists()
+
+def test_a_stored_sample_whose_part_is_gone_comes_back_without_a_final_state(make_config, fake_engine):
+    """After a replan, a later batch can hold a sample stored long ago whose staged part release_stored has
+    deleted in the meantime: the aux pass must not ask the staging for it (extract drops it anyway)."""
+    from eagle3.capture.sglang import SglangCapture
+    from eagle3.data import TokenizedSample
+
+    cfg = make_config(extract={"backend": "sglang"})
+    a, c, d, e, f = (TokenizedSample(name * 16, [5, 6, 7], [0, 1, 1], False) for name in "acdef")
+    stored: set[str] = set()
+    first = SglangCapture(cfg, is_stored=stored.__contains__)
+    first.prepare([[a, c], [d, e]], 4)  # parts [a, c] and [d, e]
+    stored |= {a.sample_id, c.sample_id}  # the store committed [a, c]; then the run died
+
+    again = SglangCapture(cfg, is_stored=stored.__contains__)  # the next run plans [d, e], then [a, f]
+    again.prepare([[d, e], [a, f]], 3)  # stages f only
+    again.capture([d, e])
+    again.release_stored()  # [a, c] is stored: its part goes
+    got = again.capture([a, f])
+    again.close()
+    assert got[0].last_hidden_state is None and got[1].last_hidden_state.shape == (3, 256)
+    assert fake_engine.tokens_computed == {"last": 18, "aux": 12}  # [a, f] computed whole for f, once
 
 def test_the_last_layer_is_refused_before_any_engine_starts(make_config):
     from eagle3.config import ConfigError

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -189,6 +189,31 @@ class SglangEngineConfig(Section):
     extra_args: dict[str, str | int | float | bool] = Field(
         default_factory=dict, title="Extra engine arguments", description="Any other sglang ServerArgs field."
     )
+
+    # Engine arguments extra_args must leave alone, and why (the capture backend sets the first two kinds).
+    FROM_CONFIG: ClassVar[tuple[str, ...]] = (
+        "model_path", "tokenizer_path", "trust_remote_code", "dtype", "tp_size", "mem_fraction_static",
+        "attention_backend",
+    )
+    FOR_CAPTURE: ClassVar[tuple[str, ...]] = (
+        "skip_tokenizer_init", "disable_radix_cache", "chunked_prefill_size", "enable_return_aux_hidden_states",
+        "speculative_algorithm", "return_aux_hidden_state_layer_ids", "enable_return_hidden_states", "base_gpu_id",
+    )
+    SPREAD_OVER_GPUS: ClassVar[tuple[str, ...]] = ("dp_size", "pp_size", "gpu_id_step")
+
+    @field_validator("extra_args")
+    @classmethod
+    def _extra_args_leave_the_capture_alone(cls, extra: dict) -> dict:
+        for names, why in (
+            (cls.FROM_CONFIG, "come from the run config (target.*, extract.sglang.*): set them there"),
+            (cls.FOR_CAPTURE, "are set by the capture backend for capture to work: remove them"),
+            (cls.SPREAD_OVER_GPUS, "would spread a shard over more GPUs than its group (and pp_size > 1 cannot "
+             "capture aux states): use extract.num_shards for data parallelism"),
+        ):
+            clash = sorted(set(extra) & set(names))
+            if clash:
+                raise ValueError(f"{clash} {why}")
+        return extra
 
 
 class ExtractConfig(Section):

@@ -141,11 +141,12 @@ def run_extract(cfg, shard: int = 0, num_shards: int | None = None, gpu_group: i
             if not all(writer.is_done(s.sample_id) for s in batch):
                 yield batch
 
-    backend = open_backend(cfg, shard, gpu_group) if done_before < len(mine) else None  # done: no model
+    backend = open_backend(cfg, shard, gpu_group, writer.is_done) if done_before < len(mine) else None  # done: none
     progress = ProgressLog(f"extract shard {shard}", len(mine), done_before, cfg.extract.progress_interval_s, log)
     background = BackgroundWriter(writer, cfg.extract.writer_queue_depth)
     truncated = tokens = 0
     loop_started = time.monotonic()
+    completed = False
     try:
         if backend is not None:
             backend.prepare(pending_batches(), len(mine) - done_before)
@@ -157,18 +158,20 @@ def run_extract(cfg, shard: int = 0, num_shards: int | None = None, gpu_group: i
             states = backend.capture(batch)
             keep = [(s, st) for s, st in zip(batch, states) if not writer.is_done(s.sample_id)]
             background.put([s for s, _ in keep], [st for _, st in keep])
-            backend.forget_stored(writer.is_done)  # batches the writer has committed by now
+            backend.release_stored()  # what it kept for batches the writer has committed by now
             batch_tokens = sum(len(s.input_ids) for s in todo)
             tokens += batch_tokens
             truncated += sum(s.truncated for s in todo)
             progress.update(len(todo), batch_tokens, _state_bytes(meta, batch_tokens))
+        completed = True
     finally:
         background.close()  # also after an error: batches already computed are complete, keep them
         loop_seconds = time.monotonic() - loop_started  # capture + writing, without start-up and model load
+        if completed:  # every sample is in the store now; discarded under the shard lock
+            discard_staging(cfg.run_dir, shard)
         writer.release()
         if backend is not None:
             backend.close()
-    discard_staging(cfg.run_dir, shard)  # the shard is complete: what a first pass staged is in the store
     progress.emit()
 
     seconds = time.monotonic() - started

@@ -1,12 +1,14 @@
 """Capture backends: run the target over token sequences and return its EAGLE-3 hidden states.
 
-A backend is built with `open_backend(cfg, shard, gpu_group)` and offers
+A backend is built with `open_backend(cfg, shard, gpu_group, is_stored)` and offers
     prepare(batches: Iterable[list[TokenizedSample]], total: int)   work over the whole shard first
     capture(batch: list[TokenizedSample]) -> list[CapturedStates]    (same order, whole samples, no padding)
-    forget_stored(is_stored: Callable[[str], bool])                  drop what it kept for stored samples
+    release_stored()                                                 drop what it kept for stored samples
     close()
 extract calls prepare once with every batch it will capture, then capture batch by batch, same batches,
-and forget_stored after each.
+and release_stored after each. `is_stored(sample_id)` says whether the store has committed a sample; a
+partly stored batch (the data changed since a crash) is captured whole, and its stored samples may come
+back without a final state (None): extract drops them.
   aux_hidden_states  [T, 3H]  HF layers extract.aux_layers, low|mid|high, concatenated
   last_hidden_state  [T, H]   the final post-norm state (lm_head input)
 
@@ -25,10 +27,10 @@ import torch
 @dataclass
 class CapturedStates:
     aux_hidden_states: torch.Tensor
-    last_hidden_state: torch.Tensor
+    last_hidden_state: torch.Tensor | None  # None only for a sample the store already holds
 
 
-def open_backend(cfg, shard: int = 0, gpu_group: int = 0):
+def open_backend(cfg, shard: int = 0, gpu_group: int = 0, is_stored=lambda sample_id: False):
     """The configured backend for one shard. `cfg` is a RunConfig with target facts resolved. `gpu_group`:
     which group of the box's GPUs the shard uses (hf: one GPU, sglang: extract.sglang.tp_size of them)."""
     if cfg.extract.backend == "hf":
@@ -38,7 +40,7 @@ def open_backend(cfg, shard: int = 0, gpu_group: int = 0):
     if cfg.extract.backend == "sglang":
         from eagle3.capture.sglang import SglangCapture
 
-        return SglangCapture(cfg, shard, gpu_group)
+        return SglangCapture(cfg, shard, gpu_group, is_stored)
     raise ValueError(f"extract.backend: unknown backend {cfg.extract.backend!r}")
 
 

@@ -58,7 +58,7 @@ class HfCapture:
     def prepare(self, batches, total: int) -> None:
         """Nothing to do ahead: one forward pass gives every state."""
 
-    def forget_stored(self, is_stored) -> None:
+    def release_stored(self) -> None:
         """Nothing is kept between batches."""
 
     @torch.inference_mode()

@@ -43,11 +43,6 @@ from eagle3.progress import ProgressLog
 log = logging.getLogger(__name__)
 
 SUPPORTED_VERSIONS = ">=0.5.23,<0.6"  # written for 0.5.23; the capture flags may move in 0.6
-# Engine arguments this backend sets for capture to work; extract.sglang.extra_args may not override them.
-CAPTURE_ARGS = (
-    "skip_tokenizer_init", "disable_radix_cache", "chunked_prefill_size", "enable_return_aux_hidden_states",
-    "speculative_algorithm", "return_aux_hidden_state_layer_ids", "enable_return_hidden_states", "base_gpu_id",
-)
 
 
 class SglangSetupError(RuntimeError):
@@ -73,10 +68,7 @@ def target_architecture(model_path: str) -> str:
 def engine_kwargs(cfg, architecture: str, capture: str, gpu_group: int = 0) -> dict:
     """Engine arguments for the 'aux' or the 'last' (final-state) capture engine, from the run config.
     Shard number `gpu_group` on its box runs on GPUs gpu_group x tp_size onwards (SGLang's base_gpu_id)."""
-    engine = cfg.extract.sglang
-    clash = sorted(set(engine.extra_args) & set(CAPTURE_ARGS))
-    if clash:
-        raise SglangSetupError(f"extract.sglang.extra_args: {clash} are set by the capture backend; remove them")
+    engine = cfg.extract.sglang  # its extra_args cannot override what is set here (checked by the config)
     kwargs = {
         "model_path": cfg.target.model_path,
         "tokenizer_path": cfg.tokenizer_dir,
@@ -156,8 +148,9 @@ class SglangCapture:
 
     SAMPLING = {"max_new_tokens": 1, "temperature": 0.0}
 
-    def __init__(self, cfg, shard: int = 0, gpu_group: int = 0):
+    def __init__(self, cfg, shard: int = 0, gpu_group: int = 0, is_stored=lambda sample_id: False):
         self.engine_class = load_engine_class()
+        self.is_stored = is_stored
         if torch.cuda.is_available():
             check_gpu_group(gpu_group, cfg.extract.sglang.tp_size, torch.cuda.device_count())
         architecture = target_architecture(cfg.target.model_path)
@@ -188,14 +181,14 @@ class SglangCapture:
         engine = None
         try:
             for batch in batches:
-                if all(s.sample_id in self.staged for s in batch):
+                if all(self._needs_no_staging(s) for s in batch):
                     progress.done += len(batch)  # staged by an earlier run
                     continue
                 if engine is None:
                     engine = self._start("last")
-                # A partly staged batch is recomputed whole: sglang computes it as one batch.
+                # A partly staged (or stored) batch is computed whole, as an uninterrupted run would.
                 states = self._generate(engine, batch, self.hidden_size)
-                fresh = [(s, st) for s, st in zip(batch, states) if s.sample_id not in self.staged]
+                fresh = [(s, st) for s, st in zip(batch, states) if not self._needs_no_staging(s)]
                 self.staged.add([s for s, _ in fresh], [st for _, st in fresh])
                 progress.update(len(batch), sum(len(s.input_ids) for s in batch))
         finally:
@@ -206,16 +199,25 @@ class SglangCapture:
         else:
             progress.emit()
 
+    def _needs_no_staging(self, sample) -> bool:
+        return sample.sample_id in self.staged or self.is_stored(sample.sample_id)
+
     def capture(self, batch) -> list[CapturedStates]:
-        """Pass 2, one batch: aux states from the aux engine, final states from the staging."""
+        """Pass 2, one batch: aux states from the aux engine, final states from the staging (none for a
+        sample the store already holds: its staged part may be gone)."""
         if self.aux_engine is None:
             self.aux_engine = self._start("aux")
         aux = self._generate(self.aux_engine, batch, self.num_aux * self.hidden_size)
-        return [CapturedStates(a.to(torch.bfloat16), self.staged.get(s)) for s, a in zip(batch, aux, strict=True)]
+        return [CapturedStates(a.to(torch.bfloat16), self._staged_state(s)) for s, a in zip(batch, aux, strict=True)]
 
-    def forget_stored(self, is_stored) -> None:
-        """The store has committed the samples `is_stored` says: their staged final states can go."""
-        self.staged.discard_stored(is_stored)
+    def _staged_state(self, sample) -> torch.Tensor | None:
+        if sample.sample_id not in self.staged and self.is_stored(sample.sample_id):
+            return None
+        return self.staged.get(sample)
+
+    def release_stored(self) -> None:
+        """Staged final states of batches the store has committed can go."""
+        self.staged.discard_stored(self.is_stored)
 
     def close(self) -> None:
         if self.aux_engine is not None:

@@ -48,7 +48,7 @@ class StagedStates:
                 path.unlink()
         self._where: dict[str, tuple[Path, int, int]] = {}  # sample id -> (part, first row, end row)
         self._parts: dict[Path, list[str]] = {}  # part -> its sample ids, oldest part first
-        self.next_part = 0  # parts are numbered in the order they were staged, never reused
+        self.next_part = 0  # parts are numbered in the order they were staged; no name is taken twice
         for part in sorted(self.dir.glob("part-*.safetensors")):
             with safe_open(str(part), framework="pt") as f:
                 meta = f.metadata()
