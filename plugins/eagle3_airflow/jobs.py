@@ -23,15 +23,13 @@ id, heartbeat, exit code, try) and the log. This operator only talks to that:
 from __future__ import annotations
 
 import asyncio
-import random
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 from airflow.sdk import BaseOperator, ResumableJobMixin
 from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowSkipException
 from airflow.triggers.base import BaseTrigger, TriggerEvent
-from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential_jitter
+from tenacity import AsyncRetrying, Retrying, retry_if_exception_type, stop_after_delay, wait_exponential_jitter
 
 from eagle3.job import run_seconds
 from eagle3_airflow.codesync import ensure_code
@@ -54,6 +52,21 @@ def job_argv(eagle3_argv: list[str], jobs_dir: str, command: str, key: str, *arg
 # Between SSH attempts during an outage: short enough to notice a box that is back within half a minute, long
 # enough not to hammer an sshd that is starting up.
 OUTAGE_BACKOFF_MAX_S = 30.0
+OUTAGE_ERRORS = (BoxUnreachable, TimeoutError)  # TimeoutError: asyncssh's, when a dropped link hangs a command
+
+
+def outage_retry(conn_id: str, grace_s: float, log) -> dict:
+    """tenacity's arguments for a box command that is safe to repeat: retried while the box is unreachable,
+    with exponential backoff and jitter capped at OUTAGE_BACKOFF_MAX_S, for up to `grace_s`; then the last
+    error is raised. One policy for the worker's commands and the trigger's polls. A command that ran and
+    failed is not an outage and is not retried."""
+    def log_retry(state) -> None:
+        log.warning("box %s unreachable for %.0f s (tolerated for %.0f s); retrying in %.0f s: %s",
+                    conn_id, state.seconds_since_start, grace_s, state.upcoming_sleep, state.outcome.exception())
+
+    return {"retry": retry_if_exception_type(OUTAGE_ERRORS), "stop": stop_after_delay(grace_s),
+            "wait": wait_exponential_jitter(initial=1, max=OUTAGE_BACKOFF_MAX_S), "before_sleep": log_retry,
+            "reraise": True}
 
 
 class RemoteJobOperator(ResumableJobMixin, BaseOperator):
@@ -112,18 +125,8 @@ class RemoteJobOperator(ResumableJobMixin, BaseOperator):
         return self.execute_resumable(context)
 
     def _riding_out_outages(self, command):
-        """Run an idempotent box command, retrying with backoff while the box is unreachable, for up to
-        ssh_grace_s (as the trigger does); a command that ran and failed is not retried."""
-        def log_retry(state) -> None:
-            self.log.warning("box %s unreachable (attempt %d, %.0f s of %.0f s tolerated); retrying in %.0f s: %s",
-                             self.conn_id, state.attempt_number, state.seconds_since_start,
-                             self.run_plan.ssh_grace_s, state.upcoming_sleep, state.outcome.exception())
-
-        retrying = Retrying(
-            retry=retry_if_exception_type(BoxUnreachable), stop=stop_after_delay(self.run_plan.ssh_grace_s),
-            wait=wait_exponential_jitter(initial=1, max=OUTAGE_BACKOFF_MAX_S), before_sleep=log_retry, reraise=True,
-        )
-        return retrying(command)
+        """Run an idempotent box command through an outage, as the trigger polls (outage_retry)."""
+        return Retrying(**outage_retry(self.conn_id, self.run_plan.ssh_grace_s, self.log))(command)
 
     def submit_job(self, context) -> str:
         key = self._key(context)
@@ -231,27 +234,17 @@ class RemoteJobTrigger(BaseTrigger):
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         box = box_for(self.conn_id)
-        unreachable_since: float | None = None
-        attempt = 0
         try:
             while True:
                 argv = self._argv("poll", "--log-offset", str(self.log_offset),
                                   "--stale-after-s", f"{self.stale_after_s:g}")
                 try:
-                    poll = (await box.arun(argv, timeout=60)).json(f"polling job {self.key}")
-                except (BoxUnreachable, TimeoutError) as err:
-                    now = time.monotonic()
-                    unreachable_since = unreachable_since or now
-                    attempt += 1
-                    if now - unreachable_since > self.ssh_grace_s:
-                        yield TriggerEvent({"status": "unreachable", "key": self.key, "reason": str(err)})
-                        return
-                    delay = min(OUTAGE_BACKOFF_MAX_S, 2.0 ** min(attempt, 6)) * random.uniform(0.5, 1.0)
-                    self.log.warning("box %s unreachable for %.0f s (tolerated for %.0f s); retrying in %.0f s: %s",
-                                     self.conn_id, now - unreachable_since, self.ssh_grace_s, delay, err)
-                    await asyncio.sleep(delay)
-                    continue
-                unreachable_since, attempt = None, 0
+                    async for attempt in AsyncRetrying(**outage_retry(self.conn_id, self.ssh_grace_s, self.log)):
+                        with attempt:
+                            poll = (await box.arun(argv, timeout=60)).json(f"polling job {self.key}")
+                except OUTAGE_ERRORS as err:
+                    yield TriggerEvent({"status": "unreachable", "key": self.key, "reason": str(err)})
+                    return
                 for line in poll["log"].splitlines():
                     if line.strip():
                         self.log.info("[%s] %s", self.key, line)
