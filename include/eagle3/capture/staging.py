@@ -9,8 +9,8 @@ more than the finished store (at a fraction f of the aux pass: 0.25 (1 - f) + f 
 whatever is left once the shard is complete.
 
   {run dir}/capture-staging/shard-00000/
-    part-000000.safetensors    last_hidden_state bf16 [N, H], offsets int64 [S+1];
-                               metadata: {"sample_ids": JSON list, "lengths": JSON list}
+    part-000000.safetensors    last_hidden_state bf16 [N, H], the batch's samples one after another;
+                               metadata: {"sample_ids": JSON list, "lengths": JSON list (tokens each)}
 
 Every part is written to a temporary name, fsynced and renamed, so a part that exists is complete: the
 rename is the commit, and no manifest is needed (parts are independent and never rewritten). Opening
@@ -28,8 +28,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from eagle3.fsutil import commit, fsync_dir, is_tmp_leftover, tmp_path_for
-
-STATE_DTYPE = torch.bfloat16
+from eagle3.store import STATE_DTYPE
 
 
 def staging_dir(run_dir: Path, shard: int) -> Path:
@@ -77,12 +76,10 @@ class StagedStates:
                                  f"{len(sample.input_ids)} tokens x hidden_size {self.hidden_size}")
         ids = [s.sample_id for s in samples]
         lengths = [len(s.input_ids) for s in samples]
-        offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
-        offsets[1:] = torch.tensor(lengths).cumsum(0)
         final = self.dir / f"part-{self.next_part:06d}.safetensors"
         tmp = tmp_path_for(final)
         try:
-            save_file({"last_hidden_state": torch.cat([s.to(STATE_DTYPE) for s in states]), "offsets": offsets},
+            save_file({"last_hidden_state": torch.cat([s.to(STATE_DTYPE) for s in states])},
                       str(tmp), metadata={"sample_ids": json.dumps(ids), "lengths": json.dumps(lengths)})
             commit(tmp, final)
         except BaseException:
