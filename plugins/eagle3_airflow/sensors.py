@@ -55,8 +55,8 @@ class GpuIdleSensor(_BoxSensor):
     are stopped first. Foreign processes are named in the log with pid, name and MiB, so the person on
     call knows what to kill. Runs before extraction and again after it (the GPUs must be released
     before training starts). A box with fewer GPUs than the run will use there (extraction shards x
-    GPUs per shard, training's GPUs, the SGLang servers' tp_size) fails the task at once: waiting cannot add GPUs, and finding out
-    when extraction starts may be hours of generation later.
+    GPUs per shard, training's GPUs, the SGLang servers' tp_size) fails the task at once: waiting
+    cannot add GPUs, and finding out when extraction starts may be hours of generation later.
     """
 
     def poke(self, context) -> bool:
