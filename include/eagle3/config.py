@@ -77,6 +77,18 @@ class DataConfig(Section):
         title="Bad records",
         description="error: stop and list the bad line numbers. skip: skip them and count them in the stats.",
     )
+    chat_template_kwargs: dict[str, str | int | float | bool] = Field(
+        default_factory=dict,
+        title="Chat template arguments",
+        description='Passed to the target\'s chat template wherever it renders (and to SGLang in generate), e.g. '
+        '{"enable_thinking": true} for Qwen3, or a template\'s option to keep reasoning in earlier turns.',
+    )
+    loss_mask: Literal["assistant_turn", "content"] = Field(
+        "assistant_turn",
+        title="Trained tokens",
+        description="assistant_turn (SpecForge's): all the target generated in a turn, reasoning, tool calls and "
+        "the end-of-turn token included. content: only the content and reasoning text.",
+    )
 
 
 class ServerConfig(Section):
@@ -112,6 +124,12 @@ class GenerateConfig(Section):
     """Regenerating the assistant turns with the target itself (the generate stage)."""
 
     enabled: bool = Field(False, title="Regenerate responses", description="Off: train on the data as given.")
+    backend: Literal["server", "hf"] = Field(
+        "server",
+        title="Generation backend",
+        description="server: an OpenAI-compatible endpoint (SGLang). hf: the target in transformers inside the "
+        "stage, batched; for small targets (the CPU demo), no reasoning or tool-call parsing.",
+    )
     launch_server: bool = Field(
         False,
         title="Start SGLang for this stage",
@@ -165,6 +183,13 @@ class GenerateConfig(Section):
     progress_interval_s: float = Field(
         30.0, gt=0, title="Progress log interval (s)", description="Seconds between progress lines in the task log."
     )
+
+    @model_validator(mode="after")
+    def _hf_starts_no_server(self) -> GenerateConfig:
+        if self.backend == "hf" and self.launch_server:
+            raise ValueError("generate.launch_server: the hf backend runs the target inside the stage and starts no "
+                             "server; turn launch_server off (or use backend 'server')")
+        return self
 
 
 class SglangEngineConfig(Section):
@@ -285,6 +310,60 @@ class VocabConfig(Section):
     )
 
 
+# Head dims every SGLang attention backend a drafter may run on supports: flashinfer dispatches 64, 128, 256
+# (and 512) and rejects the rest; fa3 takes multiples of 8 up to 256; triton pads to a power of two. Read in
+# sglang 0.5.23 and flashinfer 0.7.2 (2026-12).
+SGLANG_HEAD_DIMS = (64, 128, 256)
+
+
+class DrafterConfig(Section):
+    """The draft model's attention and MLP shape. Empty: derived from the target as the published drafters
+    for DeepSeek-V3 and Kimi do (head_dim 128, hidden/128 heads, 8 KV heads, the target's dense MLP width);
+    init fills them in, so the run config records them."""
+
+    head_dim: int | None = Field(
+        None, title="Attention head dim",
+        description=f"One of {list(SGLANG_HEAD_DIMS)}, what SGLang's attention backends (flashinfer, fa3, triton) "
+        "all run. Default 128 (64 for targets narrower than 1024).",
+    )
+    num_attention_heads: int | None = Field(
+        None, ge=1, title="Attention heads", description="Default hidden_size // head_dim (DeepSeek-V3/Kimi: 56)."
+    )
+    num_key_value_heads: int | None = Field(
+        None, ge=1, title="KV heads",
+        description="Grouped-query attention; divides the heads. Default 8 (or the heads, if fewer): the draft KV "
+        "cache SGLang keeps per token.",
+    )
+    intermediate_size: int | None = Field(
+        None, ge=1, title="MLP width", description="Default the target's dense intermediate_size (DeepSeek-V3: 18432)."
+    )
+
+    @field_validator("head_dim")
+    @classmethod
+    def _served_head_dim(cls, head_dim: int | None) -> int | None:
+        if head_dim is not None and head_dim not in SGLANG_HEAD_DIMS:
+            raise ValueError(f"drafter.head_dim: {head_dim} is not one SGLang's attention backends all run; "
+                             f"use one of {list(SGLANG_HEAD_DIMS)} (or leave it empty for the default)")
+        return head_dim
+
+    @model_validator(mode="after")
+    def _kv_heads_divide(self) -> DrafterConfig:
+        heads, kv = self.num_attention_heads, self.num_key_value_heads
+        if heads is not None and kv is not None and heads % kv:
+            raise ValueError(f"drafter.num_key_value_heads: {kv} does not divide num_attention_heads {heads}; "
+                             "pick a divisor")
+        return self
+
+    def derived(self, target: dict) -> dict:
+        """Every field, the empty ones derived from the target's (text) config.json."""
+        hidden = int(target["hidden_size"])
+        head_dim = self.head_dim or (128 if hidden >= 1024 else 64)
+        heads = self.num_attention_heads or max(1, hidden // head_dim)
+        kv = self.num_key_value_heads or next(d for d in range(min(8, heads), 0, -1) if heads % d == 0)
+        return {"head_dim": head_dim, "num_attention_heads": heads, "num_key_value_heads": kv,
+                "intermediate_size": self.intermediate_size or int(target["intermediate_size"])}
+
+
 class TrainConfig(Section):
     """Training the draft model (the train stage)."""
 
@@ -295,6 +374,11 @@ class TrainConfig(Section):
         None,
         title="GPUs",
         description="GPU indices to train on, e.g. [0, 1, 2, 3] for 4 of 8; one rank each. Empty: all visible.",
+    )
+    first_draft_position: bool = Field(
+        True, title="Train the first draft after prefill",
+        description="Also train the last prompt-template token's position, where SGLang drafts an answer's first "
+        "tokens from. Off: SpecForge's mask exactly.",
     )
     ttt_length: int = Field(
         7, ge=1, le=16, title="Training-time-test steps",
@@ -419,6 +503,7 @@ class RunConfig(Section):
     generate: GenerateConfig = Field(default_factory=GenerateConfig)
     extract: ExtractConfig = Field(default_factory=ExtractConfig)
     vocab: VocabConfig = Field(default_factory=VocabConfig)
+    drafter: DrafterConfig = Field(default_factory=DrafterConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     export: ExportConfig = Field(default_factory=ExportConfig)
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
@@ -542,11 +627,8 @@ def dump_run_config(cfg: RunConfig) -> str:
 # -- facts about the target, read on the box ---------------------------------------------------
 
 
-def read_target_facts(model_path: str | Path) -> dict[str, int]:
-    """num_hidden_layers, hidden_size, vocab_size from an HF config.json.
-
-    Multimodal wrappers such as Kimi-K2.5 keep the language model's config under `text_config`.
-    """
+def read_text_config(model_path: str | Path) -> dict:
+    """The language model's HF config.json; multimodal wrappers such as Kimi-K2.5 keep it under `text_config`."""
     config_file = Path(model_path) / "config.json"
     try:
         hf_config = json.loads(config_file.read_text(encoding="utf-8"))
@@ -554,7 +636,13 @@ def read_target_facts(model_path: str | Path) -> dict[str, int]:
         raise ConfigError(
             f"target.model_path: {config_file} does not exist; point it at an HF model directory"
         ) from None
-    text_config = hf_config.get("text_config") or hf_config
+    return hf_config.get("text_config") or hf_config
+
+
+def read_target_facts(model_path: str | Path) -> dict[str, int]:
+    """num_hidden_layers, hidden_size, vocab_size from an HF config.json."""
+    config_file = Path(model_path) / "config.json"
+    text_config = read_text_config(model_path)
     facts = {}
     for key in ("num_hidden_layers", "hidden_size", "vocab_size"):
         if key not in text_config:
@@ -575,6 +663,11 @@ def resolve_target_facts(cfg: RunConfig) -> RunConfig:
             )
     data = cfg.model_dump(mode="json")
     data["target"].update(facts)
+    try:
+        data["drafter"] = cfg.drafter.derived(read_text_config(cfg.target.model_path))
+    except KeyError as err:
+        raise ConfigError(f"{cfg.target.model_path}/config.json: has no {err}; set drafter.{err.args[0]} to derive "
+                          "the drafter's shape without it") from None
     return parse_run_config(data, f"{cfg.run_name} (with facts from {cfg.target.model_path})")
 
 
@@ -586,9 +679,12 @@ def write_run_config(cfg: RunConfig) -> Path:
     """
     path = cfg.config_path
     if path.exists():
-        # Compared as validated models, so a config written by an older version (lacking a newer key
-        # whose default applies) still counts as the same.
-        if load_run_config(path) == cfg:
+        # Compared as validated models, so a config written by an older version (lacking a newer key whose
+        # default applies) still counts as the same; one written before the drafter's shape was recorded
+        # trains the shape it derives the same way.
+        written = load_run_config(path)
+        if written == cfg or (written.drafter == DrafterConfig() and written.model_copy(
+                update={"drafter": cfg.drafter}) == cfg):
             return path
         raise ConfigError(
             f"{path} already exists with different values; its outputs were made with those. "
