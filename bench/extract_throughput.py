@@ -70,17 +70,15 @@ def padded(batch) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def interleaved(cfg) -> dict:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from eagle3.capture.hf import HfCapture
-    from eagle3.data import iter_tokenized, read_conversations
+    from eagle3.data import SampleTokenizer, read_conversations
     from eagle3.extract import BackgroundWriter, plan_batches
     from eagle3.store import ShardWriter, StoreMeta, verify
 
     conversations, _ = read_conversations(cfg.data.path)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_dir)
-    batches = list(plan_batches(iter_tokenized(tokenizer, conversations, cfg.data.max_length, {}),
-                                cfg.extract.batch_tokens))
+    batches = list(plan_batches(SampleTokenizer.for_run(cfg).iter(conversations), cfg.extract.batch_tokens))
     bare = AutoModelForCausalLM.from_pretrained(cfg.target.model_path, dtype=torch.float32).get_decoder().eval()
     capture = HfCapture(cfg)
     shutil.rmtree(cfg.run_dir, ignore_errors=True)

@@ -28,12 +28,10 @@ BUILTIN = [
 
 
 def main() -> None:
-    from transformers import AutoTokenizer
-
     from eagle3.capture.hf import HfCapture
     from eagle3.capture.sglang import SglangCapture
     from eagle3.config import parse_run_config, resolve_target_facts
-    from eagle3.data import iter_tokenized, read_conversations
+    from eagle3.data import SampleTokenizer, read_conversations
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", required=True)
@@ -59,8 +57,7 @@ def main() -> None:
         sgl_cfg = resolve_target_facts(parse_run_config(
             {**base, "extract": {"backend": "sglang", "sglang": {"tp_size": args.tp_size}}}))
         conversations, _ = read_conversations(hf_cfg.data.path, max_samples=args.samples)
-        tokenizer = AutoTokenizer.from_pretrained(hf_cfg.tokenizer_dir, trust_remote_code=args.trust_remote_code)
-        samples = list(iter_tokenized(tokenizer, conversations, 4096, {}))
+        samples = list(SampleTokenizer.for_run(hf_cfg).iter(conversations))
 
         hf = HfCapture(hf_cfg)
         reference = [hf.capture([s])[0] for s in samples]

@@ -263,13 +263,10 @@ def disk_config(tmp_path, make_config):
 
 
 def expected_tokens(cfg) -> tuple[int, int]:
-    from transformers import AutoTokenizer
-
-    from eagle3.data import iter_tokenized, read_conversations
+    from eagle3.data import SampleTokenizer, read_conversations
 
     conversations, _ = read_conversations(cfg.data.path, cfg.data.on_bad_record, cfg.data.max_samples)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_dir)
-    lengths = [len(s.input_ids) for s in iter_tokenized(tokenizer, conversations, cfg.data.max_length, {})]
+    lengths = [len(s.input_ids) for s in SampleTokenizer.for_run(cfg).iter(conversations)]
     return sum(lengths), len(lengths)
 
 

@@ -1,44 +1,112 @@
-"""Conversations in, loss masks out: both input forms, the chat template, and bad records."""
+"""Conversations in, samples out (eagle3.data).
+
+Reading: both input forms, tool messages and tool calls, a record's `tools`, blank lines, bad records.
+Ids: sample ids (stable for plain chat, changed by tool calls), per-turn sample ids and their conversation.
+Tokenising: the stored ids are the chat template's own ids, token for token; the loss mask is exactly what
+the target generated (each assistant turn through its end-of-turn token, or only its content), checked
+against the template's prefixes over adversarial conversations, and for thinking templates (Qwen3-like,
+Kimi-like) that drop earlier reasoning: every assistant turn is trained exactly once.
+"""
 
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
+import re
 
 import pytest
 
 from eagle3.data import (
     Conversation,
     DataError,
+    SampleTokenizer,
+    TokenizeStats,
+    conversation_id_of,
+    end_of_turn_tokens,
+    normalize_record,
     read_conversations,
     sample_id_of,
     shard_of,
-    tokenize_conversation,
 )
 
-SHAREGPT = {
-    "conversations": [
-        {"from": "system", "value": "Be brief."},
-        {"from": "human", "value": "What is 2 + 3?"},
-        {"from": "gpt", "value": "2 + 3 = 5."},
-        {"from": "human", "value": "Reverse the words: red blue"},
-        {"from": "gpt", "value": "Reversed: blue red."},
-    ]
-}
-OPENAI = {
-    "messages": [
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "What is 2 + 3?"},
-        {"role": "assistant", "content": "2 + 3 = 5."},
-        {"role": "user", "content": "Reverse the words: red blue"},
-        {"role": "assistant", "content": "Reversed: blue red."},
-    ]
-}
+SHAREGPT = {"conversations": [
+    {"from": "system", "value": "Be brief."},
+    {"from": "human", "value": "What is 2 + 3?"},
+    {"from": "gpt", "value": "2 + 3 = 5."},
+    {"from": "human", "value": "Reverse the words: red blue"},
+    {"from": "gpt", "value": "Reversed: blue red."},
+]}
+OPENAI = {"messages": [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "What is 2 + 3?"},
+    {"role": "assistant", "content": "2 + 3 = 5."},
+    {"role": "user", "content": "Reverse the words: red blue"},
+    {"role": "assistant", "content": "Reversed: blue red."},
+]}
+CALL = {"id": "functions.get_weather:0", "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
 
 
 def write_jsonl(path, lines):
     path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
     return path
+
+
+def user(text):
+    return {"role": "user", "content": text}
+
+
+def bot(text, **extras):
+    return {"role": "assistant", "content": text, **extras}
+
+
+def conversation(messages, tools=None, line_no=1) -> Conversation:
+    """A conversation as read_conversations gives it (normalised, hashed)."""
+    messages, tools = normalize_record({"messages": messages, **({"tools": tools} if tools else {})})
+    return Conversation(sample_id_of(messages, tools), tuple(messages), line_no, tuple(tools) if tools else None)
+
+
+def template_ids(tokenizer, messages, tools=None, **kwargs) -> list[int]:
+    # transformers 5: tokenize=True returns a BatchEncoding.
+    return list(tokenizer.apply_chat_template(list(messages), tools=tools, tokenize=True, **kwargs)["input_ids"])
+
+
+def masked_runs(tokenizer, sample) -> list[str]:
+    """The trained tokens, decoded, one string per contiguous run."""
+    runs, current = [], []
+    for token, masked in zip([*sample.input_ids, None], [*sample.loss_mask, 0]):
+        if masked:
+            current.append(token)
+        elif current:
+            runs.append(tokenizer.decode(current, clean_up_tokenization_spaces=False))
+            current = []
+    return runs
+
+
+def expected_mask(tokenizer, messages, trained: dict[int, str], tools=None) -> list[int]:
+    """The mask derived from the template alone: turn i's text starts right after the ids the template gives
+    for messages[:i] with the generation prompt (what the target was served) and is exactly `trained[i]`."""
+    ids = template_ids(tokenizer, messages, tools)
+    mask = [0] * len(ids)
+    for i, text in trained.items():
+        start = len(template_ids(tokenizer, messages[:i], tools, add_generation_prompt=True))
+        piece = tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert ids[start : start + len(piece)] == piece, f"turn {i}: {text!r} is not what follows its prompt"
+        mask[start : start + len(piece)] = [1] * len(piece)
+    return mask
+
+
+def with_template(tokenizer, template, special_tokens=()):
+    tokenizer = copy.deepcopy(tokenizer)
+    if special_tokens:
+        tokenizer.add_special_tokens({"additional_special_tokens": list(special_tokens)})
+    tokenizer.chat_template = template
+    return tokenizer
+
+
+# -- reading ---------------------------------------------------------------------------------------------------
 
 
 def test_both_forms_give_the_same_conversation_and_id(tmp_path):
@@ -49,24 +117,18 @@ def test_both_forms_give_the_same_conversation_and_id(tmp_path):
     assert conversations[0].sample_id == sample_id_of(OPENAI["messages"])
 
 
-def test_sample_id_is_stable_and_content_sensitive():
-    changed = [dict(m) for m in OPENAI["messages"]]
-    changed[2]["content"] = "2 + 3 = 6."
-    assert sample_id_of(OPENAI["messages"]) == sample_id_of(list(OPENAI["messages"]))
-    assert sample_id_of(OPENAI["messages"]) != sample_id_of(changed)
-    assert len(sample_id_of(changed)) == 16 and 0 <= shard_of(sample_id_of(changed), 8) < 8
-
-
 BAD_LINES = [
     OPENAI,
     "{not json",
     {"messages": [{"role": "user", "content": "hi"}]},
     {"messages": [{"role": "wizard", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
-    "",
+    "",  # a blank line: ignored, as HF datasets does; not a bad record
     {"messages": []},
     {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "  "}]},
     {"text": "plain"},
 ]
+BAD_REASONS = {2: "invalid JSON", 3: "no assistant turn", 4: "turn 0 has unknown role 'wizard'",
+               6: "empty conversation", 7: "turn 1 (assistant) is empty", 8: 'no "conversations" or "messages" key'}
 
 
 def test_bad_records_stop_the_stage_with_their_line_numbers(tmp_path):
@@ -74,83 +136,308 @@ def test_bad_records_stop_the_stage_with_their_line_numbers(tmp_path):
     with pytest.raises(DataError) as info:
         read_conversations(path)
     message = str(info.value)
-    assert f"{path}: 7 bad record(s)" in message
-    for line, reason in [(2, "invalid JSON"), (3, "no assistant turn"), (4, "turn 0 has unknown role 'wizard'"),
-                         (5, "empty line"), (6, "empty conversation"), (7, "turn 1 (assistant) is empty"),
-                         (8, 'no "conversations" or "messages" key')]:
+    assert f"{path}: 6 bad record(s)" in message
+    for line, reason in BAD_REASONS.items():
         assert f"line {line}: {reason}" in message
+    assert "line 5" not in message
     assert "on_bad_record" in message  # the fix is named
 
 
 def test_skip_counts_bad_records_instead_of_dropping_them_silently(tmp_path):
     conversations, stats = read_conversations(write_jsonl(tmp_path / "d.jsonl", BAD_LINES), on_bad_record="skip")
     assert len(conversations) == 1
-    assert sorted(stats.bad) == [2, 3, 4, 5, 6, 7, 8]
+    assert sorted(stats.bad) == sorted(BAD_REASONS)  # line numbers are the file's, the blank line counted
+    assert stats.lines == len(BAD_LINES) - 1
+
+
+def test_blank_lines_are_ignored(tmp_path):
+    lines = ["", OPENAI, "   ", "\t", {"messages": [user("q"), bot("a")]}, ""]
+    conversations, stats = read_conversations(write_jsonl(tmp_path / "d.jsonl", lines))  # no DataError
+    assert [c.line_no for c in conversations] == [2, 5] and stats.bad == {} and stats.lines == 2
 
 
 def test_max_samples_limits_the_read(tmp_path):
-    lines = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
-             for i in range(10)]
+    lines = [{"messages": [user(f"q{i}"), bot(f"a{i}")]} for i in range(10)]
     conversations, _ = read_conversations(write_jsonl(tmp_path / "d.jsonl", lines), max_samples=4)
     assert [c.messages[1]["content"] for c in conversations] == ["a0", "a1", "a2", "a3"]
 
 
-def test_loss_mask_covers_exactly_the_assistant_contents(tiny_tokenizer):
-    conversation = Conversation(sample_id_of(OPENAI["messages"]), tuple(OPENAI["messages"]), 1)
-    sample = tokenize_conversation(tiny_tokenizer, conversation, max_length=4096)
-    # The ids are the chat template's rendering, token for token.
-    rendered = tiny_tokenizer.apply_chat_template(list(OPENAI["messages"]), tokenize=False)
-    assert tiny_tokenizer.decode(sample.input_ids) == rendered
-    # Masked runs, decoded, are the assistant turns, in order, and nothing else.
-    runs, current = [], []
-    for token, masked in zip(sample.input_ids, sample.loss_mask):
-        if masked:
-            current.append(token)
-        elif current:
-            runs.append(current)
-            current = []
-    assert [tiny_tokenizer.decode(run) for run in runs] == ["2 + 3 = 5.", "Reversed: blue red."]
-    assert not sample.truncated
+def test_tool_messages_and_tool_calls_are_kept():
+    record = {"messages": [user("Weather in Paris?"), bot(None, tool_calls=[CALL]),
+                           {"role": "tool", "tool_call_id": CALL["id"], "name": "get_weather", "content": "18C"},
+                           bot("It is 18C.")], "tools": TOOLS}
+    messages, tools = normalize_record(record)
+    assert messages[1] == {"role": "assistant", "content": "", "tool_calls": [CALL]}  # null content is fine
+    assert messages[2] == record["messages"][2] and tools == TOOLS
+
+
+@pytest.mark.parametrize("record, reason", [
+    ({"messages": [user("q"), bot(None, tool_calls=[{"function": {"arguments": "{}"}}])]},
+     "turn 1 (assistant): each tool call needs"),
+    ({"messages": [user("q"), bot("a")], "tools": "get_weather"}, '"tools" must be a list of tool definitions'),
+    ({"messages": [user("q"), bot("a")], "tools": ["get_weather"]}, '"tools" must be a list of tool definitions'),
+    ({"messages": [user("q"), bot(None)]}, "turn 1 (assistant) has no text content"),
+], ids=["call-without-function-name", "tools-not-a-list", "tools-not-objects", "null-content-no-calls"])
+def test_bad_tool_records_say_why(tmp_path, record, reason):
+    with pytest.raises(ValueError, match="^" + re.escape(reason)):
+        normalize_record(record)
+    _, stats = read_conversations(write_jsonl(tmp_path / "d.jsonl", [OPENAI, record]), on_bad_record="skip")
+    assert list(stats.bad) == [2] and stats.bad[2].startswith(reason)
+
+
+# -- ids -------------------------------------------------------------------------------------------------------
+
+
+def old_sample_id(messages) -> str:
+    """How ids were computed before tool calls existed: runs key on them, so plain chat must keep them."""
+    rows = [[m["role"], m["content"], *([m["reasoning_content"]] if "reasoning_content" in m else [])]
+            for m in messages]
+    text = json.dumps(rows, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+def test_plain_conversations_keep_their_ids_and_tool_calls_change_them():
+    thinking = [user("¿Cuánto es 2 + 3? 你好"), bot("5.", reasoning_content="Sumar.")]
+    for messages in (OPENAI["messages"], thinking):
+        # sort_keys=True orders dict keys only: plain rows are lists, so the text (and the id) is unchanged.
+        assert sample_id_of(messages) == old_sample_id(messages)
+    base = [user("Weather?"), bot("", tool_calls=[CALL])]
+    tool = {"role": "tool", "content": "18C"}
+    assert sample_id_of(base) != old_sample_id(base)  # the calls are part of the content
+    assert sample_id_of(base) != sample_id_of(base, TOOLS)
+    assert sample_id_of([*base, tool]) != sample_id_of([*base, {**tool, "tool_call_id": CALL["id"]}])
+    assert sample_id_of(base) == sample_id_of([dict(m) for m in base])
+
+
+def test_sample_id_is_stable_and_content_sensitive():
+    changed = [dict(m) for m in OPENAI["messages"]]
+    changed[2]["content"] = "2 + 3 = 6."
+    assert sample_id_of(OPENAI["messages"]) == sample_id_of(list(OPENAI["messages"]))
+    assert sample_id_of(OPENAI["messages"]) != sample_id_of(changed)
+    assert len(sample_id_of(changed)) == 16 and 0 <= shard_of(sample_id_of(changed), 8) < 8
+    # A turn's own sample "<id>.<turn>" belongs to its conversation and is sharded with it.
+    assert conversation_id_of("abc.3") == "abc" and conversation_id_of("abc") == "abc"
+    assert all(shard_of(f"{sample_id_of(changed)}.4", n) == shard_of(sample_id_of(changed), n) for n in (1, 3, 8))
+
+
+# -- tokenising: the tiny target's template ---------------------------------------------------------------------
+
+
+def test_end_of_turn_tokens_are_the_eos_and_the_models_stop_tokens(tiny_tokenizer, tiny_target):
+    # tokenizer eos <|eos|>; generation_config.json's eos_token_id is <|im_end|>, what the chat model stops on.
+    assert set(end_of_turn_tokens(tiny_tokenizer, tiny_target)) == {tiny_tokenizer.eos_token, "<|im_end|>"}
+    assert end_of_turn_tokens(tiny_tokenizer) == (tiny_tokenizer.eos_token,)
+
+
+CASES = {
+    "two-turns-with-system": (OPENAI["messages"], None),
+    "one-char-letter": ([user("q"), bot("a")], None),
+    "one-char-digit": ([user("q"), bot("1")], None),
+    "role-name-user": ([user("who?"), bot("user")], None),
+    "role-name-assistant": ([user("who?"), bot("assistant")], None),
+    "special-token-pieces": ([user("<|im_start"), bot("<|im_start"), user("x"), bot("_start|>")], None),
+    "end-token-pieces": ([user("q"), bot("im"), user("<|im"), bot("<|im"), user("q"), bot("d")], None),
+    # A special token's text as content is that token (as when served); <|im_start|> is not an end of turn.
+    # Not included: content "<|im_end|>" is the end-of-turn token itself (test_content_that_is_the_end_token).
+    "special-token-start": ([user("x"), bot("<|im_start|>")], None),
+    "answer-seen-earlier": ([{"role": "system", "content": "a"}, user("a"), bot("a")], None),
+    "empty-system": ([{"role": "system", "content": ""}, user("hi"), bot("yo")], None),
+    "emoji": ([user("👍"), bot("👍🏽 done 👩‍👩‍👧")], None),
+    "cjk": ([user("你好"), bot("你好，世界。")], None),
+    "combining-marks": ([user("e\u0301"), bot("e\u0301 n\u0303 a\u0308\u0301")], None),
+    "whitespace-only-users": ([user(" "), bot("x"), user("\n\n"), bot("y"), user("\t"), bot("z")], None),
+    "spaces-and-newlines": ([user("q"), bot(" a"), user("q"), bot("a "), user("q"), bot("\na"),
+                             user("q"), bot("a\n"), user("q"), bot("  a  \n\n")], None),
+    "assistant-speaks-first": ([bot("Hello."), user("hi"), bot("Hello.")], None),  # nothing prompted turn 0
+    "tool-result-equals-answer": ([user("6*7?"), bot("", tool_calls=[CALL]),
+                                   {"role": "tool", "tool_call_id": CALL["id"], "content": "42"}, bot("42")], TOOLS),
+}
+
+
+POLICY_CASES = [pytest.param(policy, end, *case, id=f"{name}-{policy}")
+                for policy, end in [("assistant_turn", "<|im_end|>"), ("content", "")] for name, case in CASES.items()]
+
+
+@pytest.mark.parametrize("policy, end, messages, tools", POLICY_CASES)
+def test_ids_are_the_templates_and_the_mask_is_what_the_target_generated(tiny_tokenizer, tiny_target, messages,
+                                                                          tools, policy, end):
+    tokenizer = tiny_tokenizer
+    conv = conversation(messages, tools)
+    [sample] = SampleTokenizer(tokenizer, 4096, policy, end_of_turn_tokens(tokenizer, tiny_target)).samples(conv)
+    assert sample.sample_id == conv.sample_id and not sample.truncated
+    assert sample.input_ids == template_ids(tokenizer, messages, tools)
+    assert tokenizer.decode(sample.input_ids) == tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
+    # Each prompted assistant turn: its content, then <|im_end|> under assistant_turn; never the "\n" after it,
+    # never another role's text (positions checked, so an equal user/tool text cannot stand in).
+    trained = {i: m["content"] + end for i, m in enumerate(messages) if m["role"] == "assistant" and i > 0}
+    trained = {i: text for i, text in trained.items() if text}  # a tool-call-only turn has no content to mask
+    assert masked_runs(tokenizer, sample) == list(trained.values())
+    assert sample.loss_mask == expected_mask(tokenizer, messages, trained, tools)
+
+
+def test_content_that_is_the_end_token(tiny_tokenizer, tiny_target):
+    # The content tokenises as <|im_end|> itself: the target stops there, so that one token is the turn.
+    messages = [user("say it"), bot("<|im_end|>")]
+    end = end_of_turn_tokens(tiny_tokenizer, tiny_target)
+    [sample] = SampleTokenizer(tiny_tokenizer, 4096, "assistant_turn", end).samples(conversation(messages))
+    assert sample.input_ids == template_ids(tiny_tokenizer, messages)
+    assert masked_runs(tiny_tokenizer, sample) == ["<|im_end|>"]
+    assert sample.loss_mask == expected_mask(tiny_tokenizer, messages, {1: "<|im_end|>"})
 
 
 def test_truncation_keeps_the_prefix_and_says_so(tiny_tokenizer):
-    conversation = Conversation("0" * 16, tuple(OPENAI["messages"]), 1)
-    full = tokenize_conversation(tiny_tokenizer, conversation, max_length=4096)
-    cut = tokenize_conversation(tiny_tokenizer, conversation, max_length=20)
+    conv = Conversation("0" * 16, tuple(OPENAI["messages"]), 1)
+    [full] = SampleTokenizer(tiny_tokenizer, 4096).samples(conv)
+    [cut] = SampleTokenizer(tiny_tokenizer, 20).samples(conv)
     assert cut.truncated and cut.input_ids == full.input_ids[:20] and cut.loss_mask == full.loss_mask[:20]
+    # Cut before any trained token: skipped with the reason, not yielded as a sample that trains nothing.
+    stats = TokenizeStats()
+    assert list(SampleTokenizer(tiny_tokenizer, 5).iter([conv], stats)) == []
+    assert stats.skipped == {conv.sample_id: "line 1: no trained token within max_length"}
 
 
-def test_a_template_that_rewrites_content_is_reported(tiny_tokenizer):
-    class RewritingTokenizer:
-        def apply_chat_template(self, messages, tokenize):
-            return "".join(m["content"].upper() for m in messages)
+def test_a_template_that_rewrites_content(tiny_tokenizer):
+    tokenizer = with_template(tiny_tokenizer, "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m.role }}\n"
+                              "{{ m.content | upper }}<|im_end|>\n{% endfor %}"
+                              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    messages = [user("hi"), bot("yo")]
+    conv = conversation(messages, line_no=3)
+    with pytest.raises(ValueError, match=r"turn 1 \(assistant\): the chat template does not render its content "
+                                         "verbatim"):
+        SampleTokenizer(tokenizer, 100, "content").samples(conv)
+    stats = TokenizeStats()
+    assert list(SampleTokenizer(tokenizer, 100, "content").iter([conv], stats)) == []
+    assert stats.skipped[conv.sample_id].startswith("line 3: turn 1")
+    # assistant_turn trains what the template rendered as generated, whatever it did to the content.
+    [sample] = SampleTokenizer(tokenizer, 100, "assistant_turn", ("<|im_end|>",)).samples(conv)
+    assert sample.input_ids == template_ids(tokenizer, messages) and masked_runs(tokenizer, sample) == ["YO<|im_end|>"]
 
-    messages = ({"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"})
-    conversation = Conversation("0" * 16, messages, 3)
-    with pytest.raises(ValueError, match="does not appear verbatim in the rendered chat template"):
-        tokenize_conversation(RewritingTokenizer(), conversation, max_length=100)
 
-
-def test_reasoning_content_is_read_and_trained_on_when_the_template_renders_it(tiny_tokenizer, tmp_path):
-    """A thinking model's answers (generate keeps SGLang's reasoning_content): the loss mask covers the reasoning
-    and the answer, in the order a Kimi-style template renders them."""
-    record = {"messages": [{"role": "user", "content": "What is 2 + 3?"},
-                           {"role": "assistant", "content": "5.", "reasoning_content": "Add two and three."}]}
-    plain = {"messages": [record["messages"][0], {"role": "assistant", "content": "5."}]}
-    conversations, _ = read_conversations(write_jsonl(tmp_path / "r.jsonl", [record, plain]))
-    thinking, without = conversations
+def test_reasoning_content_is_read_and_trained_when_the_template_renders_it(tiny_tokenizer, tmp_path):
+    record = {"messages": [user("What is 2 + 3?"), bot("5.", reasoning_content="Add two and three.")]}
+    plain = {"messages": [record["messages"][0], bot("5.")]}
+    thinking, without = read_conversations(write_jsonl(tmp_path / "r.jsonl", [record, plain]))[0]
     assert thinking.messages[1]["reasoning_content"] == "Add two and three."
     assert thinking.sample_id != without.sample_id  # the reasoning is part of the content
 
-    tokenizer = copy.deepcopy(tiny_tokenizer)
-    tokenizer.chat_template = (
-        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
-        "{% if m.get('reasoning_content') %}<think>{{ m['reasoning_content'] }}</think>{% endif %}"
-        "{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    )
-    sample = tokenize_conversation(tokenizer, thinking, max_length=4096)
-    masked = [token for token, m in zip(sample.input_ids, sample.loss_mask) if m]
-    assert tokenizer.decode(masked) == "Add two and three.5."
+    tokenizer = with_template(tiny_tokenizer, "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if "
+                              "m.get('reasoning_content') %}<think>{{ m['reasoning_content'] }}</think>{% endif %}"
+                              "{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    [sample] = SampleTokenizer(tokenizer, 4096, "content").samples(thinking)
+    assert masked_runs(tokenizer, sample) == ["Add two and three.", "5."]
+    [sample] = SampleTokenizer(tokenizer, 4096, "assistant_turn", ("<|im_end|>",)).samples(thinking)
+    assert masked_runs(tokenizer, sample) == ["<think>Add two and three.</think>5.<|im_end|>"]
     # A template that drops the reasoning cannot be trained on as asked: said, not silently half-masked.
-    with pytest.raises(ValueError, match="its reasoning_content does not appear verbatim"):
-        tokenize_conversation(tiny_tokenizer, thinking, max_length=4096)
+    with pytest.raises(ValueError, match="the chat template does not render its reasoning_content verbatim"):
+        SampleTokenizer(tiny_tokenizer, 4096, "content").samples(thinking)
+
+
+# -- thinking templates that drop earlier reasoning --------------------------------------------------------------
+
+# Qwen3's rule: reasoning shown only for assistant turns after the last user message.
+QWEN_LIKE = (
+    "{{ bos_token }}{% set ns = namespace(last_query=-1) %}{% for m in messages %}{% if m.role == 'user' %}"
+    "{% set ns.last_query = loop.index0 %}{% endif %}{% endfor %}{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.role == 'assistant' and loop.index0 > ns.last_query and m.reasoning_content %}"
+    "<think>\n{{ m.reasoning_content }}\n</think>\n\n{% endif %}{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_qwen_like_template_trains_each_turn_once_where_it_was_generated(tiny_tokenizer, tiny_target):
+    tokenizer = with_template(tiny_tokenizer, QWEN_LIKE)
+    messages = [{"role": "system", "content": "Think."}, user("2 + 3?"), bot("5.", reasoning_content="Add them."),
+                user("Times 2?"), bot("10.", reasoning_content="Double 5.")]
+    conv = conversation(messages)
+    assert "Add them." not in tokenizer.apply_chat_template(messages, tokenize=False)  # the template drops it
+    first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    turn1, turn2 = "<think>\nAdd them.\n</think>\n\n5.<|im_end|>", "<think>\nDouble 5.\n</think>\n\n10.<|im_end|>"
+
+    whole, own = SampleTokenizer(tokenizer, 4096, "assistant_turn", end_of_turn_tokens(tokenizer, tiny_target)) \
+        .samples(conv)
+    assert whole.sample_id == conv.sample_id and whole.input_ids == template_ids(tokenizer, messages)
+    assert masked_runs(tokenizer, whole) == [turn2]  # turn 1 is context here: not what the target generated
+    assert whole.loss_mask == expected_mask(tokenizer, messages, {4: turn2})
+    # Turn 1 in the rendering it was served and generated in: the conversation through it.
+    assert own.sample_id == f"{conv.sample_id}.{first}" and conversation_id_of(own.sample_id) == conv.sample_id
+    assert own.input_ids == template_ids(tokenizer, messages[: first + 1])
+    assert masked_runs(tokenizer, own) == [turn1]
+    assert own.loss_mask == expected_mask(tokenizer, messages[: first + 1], {first: turn1})
+
+    whole, own = SampleTokenizer(tokenizer, 4096, "content").samples(conv)
+    assert masked_runs(tokenizer, whole) == ["Double 5.", "10."] and masked_runs(tokenizer, own) == ["Add them.", "5."]
+
+
+KIMI_SPECIALS = ["<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>", "<|tool_calls_section_begin|>",
+                 "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>",
+                 "<|tool_calls_section_end|>"]
+# Kimi's format. Reasoning is blanked ("<think></think>") for assistant turns before the last user message and
+# kept for the turns of the current query (its tool-call chain). Blanking it for every assistant turn but the
+# last one would make a turn's prompt differ from its rendering once a later assistant turn exists, which no
+# prefix-based mask can place (the conversation is skipped, reported in stats.skipped).
+KIMI_LIKE = (
+    "{% set ns = namespace(last=-1) %}{% for m in messages %}{% if m.role == 'user' %}{% set ns.last = loop.index0 %}"
+    "{% endif %}{% endfor %}{% if tools %}<|im_system|>tool_declare<|im_middle|>{{ tools | tojson }}<|im_end|>"
+    "{% endif %}{% for m in messages %}{% if m.role == 'tool' %}"
+    "<|im_system|>tool<|im_middle|>## Return of {{ m.tool_call_id }}\n{{ m.content }}<|im_end|>"
+    "{% elif m.role == 'assistant' %}<|im_assistant|>assistant<|im_middle|>{% if loop.index0 > ns.last %}"
+    "<think>{{ m.reasoning_content or '' }}</think>{% else %}<think></think>{% endif %}{{ m.content }}"
+    "{% if m.tool_calls %}<|tool_calls_section_begin|>{% for c in m.tool_calls %}<|tool_call_begin|>{{ c.id }}"
+    "<|tool_call_argument_begin|>{{ c.function.arguments }}<|tool_call_end|>{% endfor %}<|tool_calls_section_end|>"
+    "{% endif %}<|im_end|>{% else %}<|im_{{ m.role }}|>{{ m.role }}<|im_middle|>{{ m.content }}<|im_end|>{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|im_assistant|>assistant<|im_middle|>{% endif %}"
+)
+KIMI_CONVERSATION = [
+    user("Hi."), bot("Hello!", reasoning_content="Greet back."),
+    user("Weather in Paris?"), bot(None, reasoning_content="Need the tool.", tool_calls=[CALL]),
+    {"role": "tool", "tool_call_id": CALL["id"], "name": "get_weather", "content": "18C, sunny"},
+    bot("It is 18C.", reasoning_content="The tool says 18C."),
+]
+
+
+def test_kimi_like_template_trains_tool_calls_never_tool_results(tiny_tokenizer, tiny_target):
+    tokenizer = with_template(tiny_tokenizer, KIMI_LIKE, KIMI_SPECIALS)
+    conv = conversation(KIMI_CONVERSATION, TOOLS)
+    messages = list(conv.messages)
+    call = ('<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>'
+            '{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>')
+    trained = {3: f"<think>Need the tool.</think>{call}<|im_end|>",
+               5: "<think>The tool says 18C.</think>It is 18C.<|im_end|>"}
+
+    whole, own = SampleTokenizer(tokenizer, 4096, "assistant_turn", end_of_turn_tokens(tokenizer, tiny_target)) \
+        .samples(conv)
+    assert whole.sample_id == conv.sample_id and whole.input_ids == template_ids(tokenizer, messages, TOOLS)
+    assert masked_runs(tokenizer, whole) == list(trained.values())
+    assert whole.loss_mask == expected_mask(tokenizer, messages, trained, TOOLS)
+    call_ids = set(tokenizer.convert_tokens_to_ids(KIMI_SPECIALS[4:]))
+    assert all(m for t, m in zip(whole.input_ids, whole.loss_mask) if t in call_ids)  # the calls are drafted
+    assert not any("18C, sunny" in run or "Return of" in run or "tool_declare" in run
+                   for run in masked_runs(tokenizer, whole))
+    # Turn 1's reasoning is blanked in the whole rendering: it gets its own sample, as with Qwen3.
+    assert own.sample_id == f"{conv.sample_id}.1" and own.input_ids == template_ids(tokenizer, messages[:2], TOOLS)
+    assert masked_runs(tokenizer, own) == ["<think>Greet back.</think>Hello!<|im_end|>"]
+
+
+def test_iter_counts_turn_samples_and_skips_nothing(tiny_tokenizer, tiny_target):
+    tokenizer = with_template(tiny_tokenizer, KIMI_LIKE, KIMI_SPECIALS)
+    thinking, plain = conversation(KIMI_CONVERSATION, TOOLS), conversation([user("q"), bot("a")])
+    stats = TokenizeStats()
+    samples = list(SampleTokenizer(tokenizer, 4096, "assistant_turn", end_of_turn_tokens(tokenizer, tiny_target))
+                   .iter([thinking, plain], stats))
+    assert [s.sample_id for s in samples] == [thinking.sample_id, f"{thinking.sample_id}.1", plain.sample_id]
+    assert (stats.conversations, stats.samples, stats.turn_samples, stats.skipped) == (2, 3, 1, {})
+
+
+def test_content_policy_masks_the_content_not_a_later_copy_of_it(tiny_tokenizer):
+    tokenizer = with_template(tiny_tokenizer, KIMI_LIKE, KIMI_SPECIALS)
+    messages = [user("Weather in Paris?"), bot("Paris", reasoning_content="think", tool_calls=[CALL])]
+    [sample] = SampleTokenizer(tokenizer, 4096, "content").samples(conversation(messages))
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    at = len(tokenizer.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True) + "<think>")
+    count = [len(tokenizer(text[:c], add_special_tokens=False)["input_ids"]) for c in
+             (at, at + len("think"), at + len("think</think>"), at + len("think</think>Paris"))]
+    expected = [0] * len(sample.input_ids)
+    for a, b in (count[:2], count[2:]):  # the reasoning right after <think>, the content right after </think>
+        expected[a:b] = [1] * (b - a)
+    assert sample.loss_mask == expected

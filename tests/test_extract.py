@@ -98,3 +98,52 @@ def test_the_background_writer_leaves_the_forward_pass_all_its_threads():
                               check=True).stdout.strip()
 
     assert threads_seen_by_main(start_writer=True) == threads_seen_by_main(start_writer=False)
+
+
+# Drops the reasoning of assistant turns before the last user turn, as Qwen3's and Kimi-K2.5's templates do.
+THINKING_TEMPLATE = (
+    "{{ bos_token }}{% set ns = namespace(last_user=0) %}{% for m in messages %}{% if m['role'] == 'user' %}"
+    "{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['role'] == 'assistant' and loop.index0 > ns.last_user and m.get('reasoning_content') %}"
+    "<think>{{ m['reasoning_content'] }}</think>{% endif %}{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_multi_turn_thinking_conversations_are_trained_turn_by_turn_not_skipped(make_config, tiny_target, tmp_path):
+    """A template that drops earlier reasoning: each earlier turn becomes a sample of its own, rendered as the
+    target served it (with its reasoning), in the same shard and on the same side of the train/val split."""
+    from eagle3.data import conversation_id_of
+    from eagle3.train import is_validation
+
+    thinking = tmp_path / "thinking-target"
+    thinking.mkdir()
+    for path in tiny_target.iterdir():
+        (thinking / path.name).symlink_to(path)
+    (thinking / "chat_template.jinja").unlink()
+    (thinking / "chat_template.jinja").write_text(THINKING_TEMPLATE)
+    turns = [{"role": "user", "content": "What is 2 + 3?"},
+             {"role": "assistant", "content": "5.", "reasoning_content": "Two plus three."},
+             {"role": "user", "content": "And 4 + 4?"},
+             {"role": "assistant", "content": "8.", "reasoning_content": "Four plus four."}]
+    data = tmp_path / "thinking.jsonl"
+    data.write_text(json.dumps({"messages": turns}) + "\n" + json.dumps({"messages": turns[:2]}) + "\n")
+    cfg = make_config(target={"model_path": str(thinking)}, data={"path": str(data), "max_samples": None})
+    stats = run_extract(cfg)
+
+    assert (stats["conversations_in_shard"], stats["samples_stored"], stats["turn_samples"], stats["skipped"]) \
+        == (2, 3, 1, 0)
+    store = HiddenStateStore(cfg.store_dir)
+    conversation_ids = {conversation_id_of(s) for s in store.sample_ids}
+    assert len(conversation_ids) == 2 and any("." in s for s in store.sample_ids)
+    per_turn = [s for s in store.sample_ids if "." in s]
+    siblings = [s for s in store.sample_ids if conversation_id_of(s) == conversation_id_of(per_turn[0])]
+    assert len(siblings) == 2 and len({is_validation(s, 0.5) for s in siblings}) == 1
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(thinking)
+    trained = sorted(tokenizer.decode([t for t, m in zip(store[s]["input_ids"].tolist(), store[s]["loss_mask"])
+                                       if m]) for s in store.sample_ids)
+    # Each answer once per conversation, with its own reasoning, as the target generated it.
+    first, second = "<think>Two plus three.</think>5.<|im_end|>", "<think>Four plus four.</think>8.<|im_end|>"
+    assert trained == sorted([first, first, second])

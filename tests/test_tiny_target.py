@@ -8,7 +8,7 @@ import re
 
 import torch
 
-from eagle3.data import read_conversations, tokenize_conversation
+from eagle3.data import SampleTokenizer, read_conversations
 from eagle3.tiny_target import TinyTargetSpec, build
 
 SMALL = TinyTargetSpec(hidden_size=64, num_layers=5, train_steps=3, num_prompts=20)
@@ -52,7 +52,7 @@ def test_the_default_target_is_deepseek_v3_shaped_and_has_learned_the_task(tiny_
     conversations, _ = read_conversations(tiny_target / "prompts.jsonl", max_samples=30)
     top1 = []
     for conversation in conversations:
-        sample = tokenize_conversation(tokenizer, conversation, 4096)
+        [sample] = SampleTokenizer(tokenizer, 4096).samples(conversation)
         with torch.no_grad():
             probs = model(torch.tensor([sample.input_ids])).logits[0, :-1].softmax(-1)
         top1.append(probs.max(-1).values[torch.tensor(sample.loss_mask[1:]).bool()])

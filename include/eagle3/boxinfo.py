@@ -370,26 +370,23 @@ def count_tokens(cfg) -> dict:
     """Tokens and samples extraction will store, counted by tokenising exactly as extraction does
     (chat template, data.max_length, data.max_samples, data.on_bad_record; samples with no assistant
     token are skipped there, so here too). Can take minutes on a large data file."""
-    from transformers import AutoTokenizer
-
-    from eagle3.data import iter_tokenized, read_conversations
+    from eagle3.data import SampleTokenizer, TokenizeStats, read_conversations
 
     conversations, read_stats = read_conversations(cfg.data.path, cfg.data.on_bad_record, cfg.data.max_samples)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_dir, trust_remote_code=cfg.target.trust_remote_code)
-    skipped: dict[str, str] = {}
+    stats = TokenizeStats()
     tokens = samples = truncated = 0
-    for sample in iter_tokenized(tokenizer, conversations, cfg.data.max_length, skipped):
+    for sample in SampleTokenizer.for_run(cfg).iter(conversations, stats):
         tokens += len(sample.input_ids)
         samples += 1
         truncated += sample.truncated
-    return {"tokens": tokens, "samples": samples, "skipped": len(skipped), "truncated": truncated,
+    return {"tokens": tokens, "samples": samples, "skipped": len(stats.skipped), "truncated": truncated,
             "bad_records": len(read_stats.bad)}
 
 
 def _token_cache_key(cfg) -> dict:
     """What the token count depends on. The data file is identified by size and mtime, not content: a
     sensor pokes every few minutes, and hashing terabytes of JSONL each time is what the cache avoids."""
-    from eagle3.data import DataError
+    from eagle3.data import TOKENIZING_VERSION, DataError
 
     try:
         stat = os.stat(cfg.data.path)
@@ -402,7 +399,9 @@ def _token_cache_key(cfg) -> dict:
         "max_length": cfg.data.max_length,
         "max_samples": cfg.data.max_samples,
         "on_bad_record": cfg.data.on_bad_record,
+        "loss_mask": cfg.data.loss_mask,
         "tokenizer": cfg.tokenizer_dir,
+        "samples_of": TOKENIZING_VERSION,  # how conversations become samples (eagle3.data)
     }
 
 

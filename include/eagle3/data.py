@@ -1,28 +1,51 @@
-"""Conversations in, token ids and loss masks out.
+"""Conversations in, token ids and loss masks out: exactly what the target sees when it serves them.
 
 Input: JSONL, one conversation per line, in either of the two forms people have:
-  ShareGPT  {"conversations": [{"from": "human"|"gpt"|"system", "value": "..."}]}  ("role"/"content" also read)
-  OpenAI    {"messages": [{"role": "user"|"assistant"|"system", "content": "..."}]}
-Each line is normalised to [{"role", "content"}]; its sample id is a hash of that normalised form, so
-the same conversation has the same id whatever file, line or form it came from. That id is what the
-hidden-state store, resume, sharding and the train/val split key on.
+  ShareGPT  {"conversations": [{"from": "human"|"gpt"|"system"|"tool", "value": "..."}]}  ("role"/"content" read too)
+  OpenAI    {"messages": [{"role": "user"|"assistant"|"system"|"tool", "content": "..."}], "tools": [...]}
+Assistant turns may carry `reasoning_content` (a thinking model's reasoning, as SGLang's --reasoning-parser
+returns it) and OpenAI `tool_calls` (then their content may be empty); `tool` turns carry a tool's result
+(`tool_call_id`, `name` kept). A record's `tools` list goes to the chat template. Each line is normalised
+to that message form; its sample id is a hash of the normalised conversation, so the same conversation has
+the same id whatever file, line or form it came from. That id is what the hidden-state store, resume,
+sharding and the train/val split key on. Blank lines are ignored (as HF datasets does).
 
 Bad lines (invalid JSON, no assistant turn, unknown role, empty) are never dropped silently: by default
 they stop the stage with their line numbers; with data.on_bad_record = "skip" they are skipped and
 counted in the stats.
 
-Loss mask: 1 exactly on the tokens of assistant contents (and reasoning_content, if any). The rendered chat
-template is split into segments at the message contents and each segment is tokenised on its own, so the mask is
-exact by construction for any tokenizer (fast, slow or tiktoken-based like Kimi's): no offset mapping needed.
+Token ids: the whole conversation rendered by the target's chat template and tokenised in one piece, so
+the stored ids equal `tokenizer.apply_chat_template(messages, tools=tools, tokenize=True)` token for token.
+
+What is trained (the loss mask) is found without searching for message contents in the rendered text:
+for assistant turn i, the template renders the conversation up to turn i with the generation prompt
+(`before`, what the target was given) and through turn i (`through`); the characters between the two are
+what the target generated: reasoning, content, tool calls and its end-of-turn token. data.loss_mask:
+  assistant_turn  (default, SpecForge's) that generated text through the end-of-turn token: end-of-turn
+                  and `</think>`-style tokens enter the draft vocab and can be drafted
+  content         only the characters of the content and reasoning_content (the mask before there was a
+                  choice; tool calls and end-of-turn tokens are then not trained)
+Template separators after the end-of-turn token (the newline after `<|im_end|>`) are never trained: the
+target never generates them (SpecForge's qwen entry trains that newline too; its other entries do not).
+
+Thinking models: templates such as Qwen3's and Kimi-K2.5's drop the reasoning of earlier assistant turns,
+so the whole conversation's rendering is not what the target saw when it produced those turns. Policy:
+every assistant turn is trained exactly once, in the rendering the target served it in. Turns the whole
+rendering shows as generated (`through` is a prefix of it) are trained there; every other turn gets a
+sample of its own, the conversation rendered through that turn (earlier turns as the template shows
+them then, untrained context), with sample id "<conversation id>.<turn index>". Tool results are never
+trained; neither is an assistant turn with nothing before it (nothing prompted it).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 ROLE_ALIASES = {
     "system": "system",
@@ -30,7 +53,13 @@ ROLE_ALIASES = {
     "human": "user",
     "assistant": "assistant",
     "gpt": "assistant",
+    "tool": "tool",
 }
+LossMaskPolicy = Literal["assistant_turn", "content"]
+TOKENIZING_VERSION = 2  # bump when the samples a conversation gives change (cached token counts key on it)
+# Kept on a message beside role and content when present (OpenAI's names).
+ASSISTANT_EXTRAS = ("reasoning_content", "tool_calls")
+TOOL_EXTRAS = ("tool_call_id", "name")
 
 
 class DataError(ValueError):
@@ -42,6 +71,7 @@ class Conversation:
     sample_id: str
     messages: tuple[dict, ...]
     line_no: int
+    tools: tuple[dict, ...] | None = None  # the record's tool definitions, for the chat template
 
 
 @dataclass
@@ -60,21 +90,40 @@ class TokenizedSample:
     truncated: bool
 
 
-def sample_id_of(messages: list[dict]) -> str:
-    """Stable id: sha256 of the normalised conversation, first 16 hex digits (64 bits)."""
-    canonical = json.dumps(
-        [[m["role"], m["content"], *([m["reasoning_content"]] if "reasoning_content" in m else [])] for m in messages],
-        ensure_ascii=False, separators=(",", ":"),
-    )
-    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:16]
+def sample_id_of(messages: list[dict], tools=None) -> str:
+    """Stable id: sha256 of the normalised conversation, first 16 hex digits (64 bits). Plain chat hashes
+    as it always did; tool calls, tool-call ids and a tools list are part of the content when present."""
+    def canonical(m: dict) -> list:
+        row = [m["role"], m["content"], *([m["reasoning_content"]] if "reasoning_content" in m else [])]
+        extras = {k: m[k] for k in ("tool_calls", *TOOL_EXTRAS) if k in m}
+        return row + [extras] if extras else row
+
+    rows = [canonical(m) for m in messages] + ([["tools", list(tools)]] if tools else [])
+    text = json.dumps(rows, ensure_ascii=False, separators=(",", ":"), sort_keys=True)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+def conversation_id_of(sample_id: str) -> str:
+    """The conversation a sample belongs to: a per-turn sample "<id>.<turn>" belongs to "<id>"."""
+    return sample_id.split(".", 1)[0]
 
 
 def shard_of(sample_id: str, num_shards: int) -> int:
-    return int(sample_id, 16) % num_shards
+    return int(conversation_id_of(sample_id), 16) % num_shards
 
 
-def normalize_record(record: object) -> list[dict]:
-    """Turn one parsed JSONL record into [{"role", "content"}]; raise ValueError with the reason."""
+def _tool_calls(value: object, i: int) -> list[dict]:
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"turn {i} (assistant): tool_calls must be a non-empty list of calls")
+    for call in value:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ValueError(f'turn {i} (assistant): each tool call needs {{"function": {{"name", "arguments"}}}}')
+    return value
+
+
+def normalize_record(record: object) -> tuple[list[dict], list[dict] | None]:
+    """Turn one parsed JSONL record into (messages, tools); raise ValueError with the reason."""
     if not isinstance(record, dict):
         raise ValueError("not a JSON object")
     turns = record.get("conversations", record.get("messages"))
@@ -82,6 +131,9 @@ def normalize_record(record: object) -> list[dict]:
         raise ValueError('no "conversations" or "messages" key')
     if not isinstance(turns, list) or not turns:
         raise ValueError("empty conversation")
+    tools = record.get("tools")
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise ValueError('"tools" must be a list of tool definitions (objects)')
     messages = []
     for i, turn in enumerate(turns):
         if not isinstance(turn, dict):
@@ -91,20 +143,26 @@ def normalize_record(record: object) -> list[dict]:
         if role is None:
             raise ValueError(f"turn {i} has unknown role {raw_role!r} (known: {', '.join(sorted(ROLE_ALIASES))})")
         content = turn.get("content", turn.get("value"))
+        tool_calls = _tool_calls(turn["tool_calls"], i) if role == "assistant" and turn.get("tool_calls") else None
+        if content is None and tool_calls:
+            content = ""  # OpenAI: an assistant turn that only calls tools has content null
         if not isinstance(content, str):
             raise ValueError(f"turn {i} ({role}) has no text content")
-        if role == "assistant" and not content.strip():
+        if role == "assistant" and not content.strip() and not tool_calls:
             raise ValueError(f"turn {i} (assistant) is empty")
         message = {"role": role, "content": content}
-        # A thinking model's reasoning (SGLang --reasoning-parser returns it apart from the content): the chat
-        # template renders it, and the drafter learns it like the content.
-        reasoning = turn.get("reasoning_content")
-        if role == "assistant" and isinstance(reasoning, str) and reasoning.strip():
-            message["reasoning_content"] = reasoning
+        if role == "assistant":
+            reasoning = turn.get("reasoning_content")
+            if isinstance(reasoning, str) and reasoning.strip():
+                message["reasoning_content"] = reasoning
+            if tool_calls:
+                message["tool_calls"] = tool_calls
+        if role == "tool":
+            message |= {k: turn[k] for k in TOOL_EXTRAS if isinstance(turn.get(k), str)}
         messages.append(message)
     if not any(m["role"] == "assistant" for m in messages):
         raise ValueError("no assistant turn")
-    return messages
+    return messages, tools or None
 
 
 def read_conversations(path: str | Path, on_bad_record: str = "error", max_samples: int | None = None,
@@ -122,24 +180,23 @@ def read_conversations(path: str | Path, on_bad_record: str = "error", max_sampl
         for line_no, line in enumerate(handle, start=1):
             if max_samples is not None and stats.conversations >= max_samples:
                 break
-            stats.lines += 1
             if not line.strip():
-                stats.bad[line_no] = "empty line"
                 continue
+            stats.lines += 1
             try:
-                messages = normalize_record(json.loads(line))
+                messages, tools = normalize_record(json.loads(line))
             except json.JSONDecodeError as err:
                 stats.bad[line_no] = f"invalid JSON ({err.msg} at column {err.colno})"
                 continue
             except ValueError as err:
                 stats.bad[line_no] = str(err)
                 continue
-            sample_id = sample_id_of(messages)
+            sample_id = sample_id_of(messages, tools)
             if sample_id in seen:
                 stats.duplicates += 1
                 continue
             seen.add(sample_id)
-            conversations.append(Conversation(sample_id, tuple(messages), line_no))
+            conversations.append(Conversation(sample_id, tuple(messages), line_no, tuple(tools) if tools else None))
             stats.conversations += 1
     if stats.bad and on_bad_record == "error":
         shown = list(stats.bad.items())[:20]
@@ -152,49 +209,217 @@ def read_conversations(path: str | Path, on_bad_record: str = "error", max_sampl
     return conversations, stats
 
 
-def render_segments(tokenizer, messages) -> list[tuple[str, bool]]:
-    """Split the rendered chat template into (text, is_assistant_content) segments, in order."""
-    text = tokenizer.apply_chat_template(list(messages), tokenize=False)
-    segments: list[tuple[str, bool]] = []
-    cursor = 0
+# -- rendering: which characters of the template's text the target generated ---------------------------------
+
+
+def render(tokenizer, messages, tools=None, add_generation_prompt: bool = False, template_kwargs=None) -> str:
+    return tokenizer.apply_chat_template(list(messages), tools=list(tools) if tools else None, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt, **(template_kwargs or {}))
+
+
+@dataclass(frozen=True)
+class Rendering:
+    """One sample's text and the character spans in it that are trained."""
+
+    sample_id: str
+    text: str
+    spans: tuple[tuple[int, int], ...]
+    reasoning_not_rendered: int = 0  # turns of its conversation whose reasoning the template leaves out
+
+
+def end_of_turn(text: str, start: int, end: int, end_tokens: tuple[str, ...]) -> int:
+    """Where the generated text of a turn that the template renders as text[start:end] ends: just after its
+    first end-of-turn token; or, when it renders none inside, after one that directly follows (Kimi's
+    template closes a turn only once another message follows it); else `end`. What follows that token is
+    the template's separator (the newline after <|im_end|>), which the target never generates."""
+    found = [i + len(token) for token in end_tokens if (i := text.find(token, start, end)) >= 0]
+    if found:
+        return min(found)
+    return next((end + len(token) for token in end_tokens if text.startswith(token, end)), end)
+
+
+PLACEHOLDER = "\u27e6eagle3:{}\u27e7"  # marks a field in a rendering; no template or text has it
+
+
+def content_spans(tokenizer, messages, i: int, tools, host: str, start: int, template_kwargs=None):
+    """data.loss_mask "content": where the reasoning and content of assistant turn i stand in `host` (whose
+    turn i's generated text begins at `start`). The turn is rendered once more with a unique placeholder in
+    place of each field; the template's own text between them must then equal `host`'s, and each field must
+    stand verbatim where its placeholder stood. No search: a content that also occurs in the reasoning, a
+    tool call or the end-of-turn token is still placed right."""
+    message = messages[i]
+    fields = [key for key in ("reasoning_content", "content") if message.get(key)]
+    marked = render(tokenizer, [*messages[:i], {**message, **{k: PLACEHOLDER.format(k) for k in fields}}], tools,
+                    template_kwargs=template_kwargs)
+    spans, at, cursor = [], start, start  # at: position in host; cursor: in the marked rendering
+    for key in sorted(fields, key=lambda k: marked.find(PLACEHOLDER.format(k), start)):
+        where = marked.find(PLACEHOLDER.format(key), cursor)
+        literal = marked[cursor:where]
+        if where < 0 or not host.startswith(literal, at) or not host.startswith(message[key], at + len(literal)):
+            raise ValueError(f"turn {i} (assistant): the chat template does not render its {key} verbatim (it "
+                             "rewrites or drops it), so the content-only mask cannot be placed; use data.loss_mask "
+                             "'assistant_turn'")
+        at += len(literal)
+        spans.append((at, at + len(message[key])))
+        at, cursor = at + len(message[key]), where + len(PLACEHOLDER.format(key))
+    return spans
+
+
+def plan_renderings(tokenizer, conversation: Conversation, loss_mask: LossMaskPolicy = "assistant_turn",
+                    end_tokens: tuple[str, ...] = (), template_kwargs=None) -> list[Rendering]:
+    """The samples of one conversation (see the module docstring): the whole conversation with the turns it
+    shows as generated, then one rendering for each other assistant turn."""
+    messages, tools = conversation.messages, conversation.tools
+
+    def text(upto: int, add_generation_prompt: bool = False) -> str:
+        return render(tokenizer, messages[:upto], tools, add_generation_prompt, template_kwargs)
+
+    whole = text(len(messages))
+    in_whole: list[tuple[int, int]] = []
+    own: list[Rendering] = []
+    reasoning_not_rendered = 0
     for i, message in enumerate(messages):
-        parts = [("reasoning_content", message["reasoning_content"])] if "reasoning_content" in message else []
-        for key, part in [*parts, ("content", message["content"])]:
-            start = text.find(part, cursor)
-            if start < 0:
-                raise ValueError(
-                    f"turn {i} ({message['role']}): its {key} does not appear verbatim in the rendered chat "
-                    "template (the template rewrites or drops it), so its loss mask cannot be placed"
-                )
-            end = start + len(part)
-            segments.append((text[cursor:start], False))
-            segments.append((text[start:end], message["role"] == "assistant"))
-            cursor = end
-    segments.append((text[cursor:], False))
-    return [(s, a) for s, a in segments if s]
+        if message["role"] != "assistant" or i == 0:
+            continue
+        before, through = text(i, add_generation_prompt=True), text(i + 1)
+        if not through.startswith(before):
+            raise ValueError(
+                f"turn {i} (assistant): the chat template renders this turn with another prefix than the "
+                "generation prompt it is served with, so what the target generated cannot be placed"
+            )
+        host = whole if whole.startswith(through) else through  # where the turn is shown as generated
+        start, end = len(before), end_of_turn(host, len(before), len(through), end_tokens)
+        reasoning_not_rendered += bool(message.get("reasoning_content")) and \
+            message["reasoning_content"] not in host[start:end]
+        spans = [(start, end)] if loss_mask == "assistant_turn" else \
+            content_spans(tokenizer, messages, i, tools, host, start, template_kwargs)
+        if host is whole:
+            in_whole += spans
+        else:
+            own.append(Rendering(f"{conversation.sample_id}.{i}", through, tuple(spans)))
+    renderings = ([Rendering(conversation.sample_id, whole, tuple(in_whole))] if in_whole else []) + own
+    if renderings and reasoning_not_rendered:
+        renderings[0] = dataclasses.replace(renderings[0], reasoning_not_rendered=reasoning_not_rendered)
+    return renderings
 
 
-def tokenize_conversation(tokenizer, conversation: Conversation, max_length: int) -> TokenizedSample:
-    input_ids: list[int] = []
-    loss_mask: list[int] = []
-    for text, is_assistant in render_segments(tokenizer, conversation.messages):
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        input_ids.extend(ids)
-        loss_mask.extend([int(is_assistant)] * len(ids))
-    truncated = len(input_ids) > max_length
-    return TokenizedSample(conversation.sample_id, input_ids[:max_length], loss_mask[:max_length], truncated)
+# -- tokenising: the whole text in one piece, the spans mapped onto its tokens ---------------------------------
 
 
-def iter_tokenized(tokenizer, conversations, max_length: int, skipped: dict[str, str]) -> Iterator[TokenizedSample]:
-    """Tokenise lazily; samples left with no assistant token (template rewrote them, or truncation cut
-    every assistant token) are recorded in `skipped` (sample id -> reason) rather than yielded."""
-    for conversation in conversations:
+def encode(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def token_boundaries(tokenizer, text: str, ids: list[int], cuts: list[int]) -> dict[int, int]:
+    """For each character position in `cuts`, the number of the text's tokens before it.
+
+    Fast path: tokenise the pieces between the cuts; if they concatenate to the whole text's ids, every cut
+    is a token boundary and the counts add up. Otherwise (a token merges across a cut, e.g. whitespace
+    after a generation prompt that ends in a newline) each cut costs a tokenised prefix: its count is where
+    the prefix's ids stop agreeing with the whole text's, so a token straddling a cut counts as after it."""
+    cuts = sorted(set(cuts))
+    pieces = [encode(tokenizer, text[a:b]) for a, b in zip([0, *cuts], [*cuts, len(text)])]
+    if [t for piece in pieces for t in piece] == ids:
+        counts, n = {}, 0
+        for cut, piece in zip(cuts, pieces):
+            n += len(piece)
+            counts[cut] = n
+        return counts
+    counts = {}
+    for cut in cuts:
+        prefix = encode(tokenizer, text[:cut])
+        agree = next((k for k, (a, b) in enumerate(zip(prefix, ids)) if a != b), min(len(prefix), len(ids)))
+        counts[cut] = agree
+    return counts
+
+
+def tokenize_rendering(tokenizer, rendering: Rendering, max_length: int) -> TokenizedSample:
+    ids = encode(tokenizer, rendering.text)
+    at = token_boundaries(tokenizer, rendering.text, ids, [c for span in rendering.spans for c in span])
+    mask = [0] * len(ids)
+    for start, end in rendering.spans:
+        mask[at[start] : at[end]] = [1] * (at[end] - at[start])
+    truncated = len(ids) > max_length
+    return TokenizedSample(rendering.sample_id, ids[:max_length], mask[:max_length], truncated)
+
+
+def end_of_turn_tokens(tokenizer, model_dir: str | Path | None = None) -> tuple[str, ...]:
+    """The text of the tokens that end a turn: the tokenizer's eos and the model's own stop tokens (its
+    generation_config.json or config.json eos_token_id: chat models stop on <|im_end|>, <|eot_id|>, ...)."""
+    ids = {tokenizer.eos_token_id} if getattr(tokenizer, "eos_token_id", None) is not None else set()
+    for name in ("generation_config.json", "config.json") if model_dir else ():
         try:
-            sample = tokenize_conversation(tokenizer, conversation, max_length)
-        except ValueError as err:
-            skipped[conversation.sample_id] = f"line {conversation.line_no}: {err}"
+            config = json.loads((Path(model_dir) / name).read_text())
+        except (OSError, ValueError):
             continue
-        if not any(sample.loss_mask):
-            skipped[conversation.sample_id] = f"line {conversation.line_no}: no assistant token within max_length"
-            continue
-        yield sample
+        eos = (config.get("text_config") or config).get("eos_token_id")
+        ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return tuple(t for t in tokenizer.convert_ids_to_tokens(sorted(ids)) if t)
+
+
+@dataclass
+class TokenizeStats:
+    """What tokenising a set of conversations gave, for the extract stats."""
+
+    conversations: int = 0
+    samples: int = 0
+    turn_samples: int = 0  # samples of an assistant turn the whole rendering does not show as generated
+    # Turns with reasoning_content that the template renders without it even as the turn just generated: the
+    # drafter then never sees the reasoning the target produced (a template option may keep it, see
+    # data.chat_template_kwargs).
+    reasoning_not_rendered: int = 0
+    skipped: dict[str, str] = field(default_factory=dict)  # sample or conversation id -> reason
+
+
+@dataclass
+class SampleTokenizer:
+    """How a run turns conversations into samples: its tokenizer, data.max_length, data.loss_mask and the
+    target's end-of-turn tokens. `for_run(cfg)` builds it the one way every stage must agree on."""
+
+    tokenizer: object
+    max_length: int
+    loss_mask: LossMaskPolicy = "assistant_turn"
+    end_tokens: tuple[str, ...] = ()
+    template_kwargs: dict = field(default_factory=dict)  # data.chat_template_kwargs
+
+    @classmethod
+    def for_run(cls, cfg) -> SampleTokenizer:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_dir, trust_remote_code=cfg.target.trust_remote_code)
+        return cls(tokenizer, cfg.data.max_length, cfg.data.loss_mask,
+                   end_of_turn_tokens(tokenizer, cfg.target.model_path), dict(cfg.data.chat_template_kwargs))
+
+    def renderings(self, conversation: Conversation) -> list[Rendering]:
+        return plan_renderings(self.tokenizer, conversation, self.loss_mask, self.end_tokens, self.template_kwargs)
+
+    def samples(self, conversation: Conversation) -> list[TokenizedSample]:
+        """The conversation's samples (one, or more for a thinking model's multi-turn conversation)."""
+        return [tokenize_rendering(self.tokenizer, r, self.max_length) for r in self.renderings(conversation)]
+
+    def prompt_ids(self, messages, tools=None) -> list[int]:
+        """The ids the target is served for the next assistant turn after `messages`."""
+        return encode(self.tokenizer, render(self.tokenizer, messages, tools, True, self.template_kwargs))
+
+    def iter(self, conversations, stats: TokenizeStats | None = None) -> Iterator[TokenizedSample]:
+        """Tokenise lazily, a conversation's samples together. A conversation the template cannot be placed
+        in, and a sample left with no trained token (truncation cut them all), are recorded in
+        `stats.skipped` (id -> reason) rather than yielded."""
+        stats = stats if stats is not None else TokenizeStats()
+        for conversation in conversations:
+            stats.conversations += 1
+            try:
+                renderings = self.renderings(conversation)
+            except ValueError as err:
+                stats.skipped[conversation.sample_id] = f"line {conversation.line_no}: {err}"
+                continue
+            if not renderings:
+                stats.skipped[conversation.sample_id] = f"line {conversation.line_no}: no assistant turn to train"
+            stats.reasoning_not_rendered += sum(r.reasoning_not_rendered for r in renderings)
+            for sample in (tokenize_rendering(self.tokenizer, r, self.max_length) for r in renderings):
+                if not any(sample.loss_mask):
+                    stats.skipped[sample.sample_id] = f"line {conversation.line_no}: no trained token within max_length"
+                    continue
+                stats.samples += 1
+                stats.turn_samples += sample.sample_id != conversation.sample_id
+                yield sample

@@ -17,6 +17,7 @@ held in memory.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import queue
@@ -25,7 +26,14 @@ import time
 from collections.abc import Iterable, Iterator
 
 from eagle3.capture.staging import discard_staging
-from eagle3.data import TokenizedSample, iter_tokenized, read_conversations, shard_of
+from eagle3.data import (
+    SampleTokenizer,
+    TokenizedSample,
+    TokenizeStats,
+    conversation_id_of,
+    read_conversations,
+    shard_of,
+)
 from eagle3.fsutil import atomic_write_text
 from eagle3.progress import ProgressLog
 from eagle3.store import ShardWriter, StoreMeta, shard_dir
@@ -111,8 +119,6 @@ class BackgroundWriter:
 def run_extract(cfg, shard: int = 0, num_shards: int | None = None, gpu_group: int = 0) -> dict:
     """Extract one shard on GPU group `gpu_group` of the box (capture.open_backend). `cfg` is a RunConfig with
     the target facts resolved. Returns the stats."""
-    from transformers import AutoTokenizer
-
     from eagle3.capture import open_backend
 
     started = time.monotonic()
@@ -123,35 +129,40 @@ def run_extract(cfg, shard: int = 0, num_shards: int | None = None, gpu_group: i
         cfg.conversations_path, cfg.data.on_bad_record, cfg.data.max_samples, cfg.conversations_missing_hint
     )
     mine = [c for c in conversations if shard_of(c.sample_id, num_shards) == shard]
+    mine_ids = {c.sample_id for c in mine}
 
     meta = StoreMeta(cfg.target.hidden_size, tuple(cfg.resolved_aux_layers()))
     writer = ShardWriter(cfg.store_dir, shard, meta, chunk_bytes=cfg.extract.chunk_mib << 20)
-    done_before = sum(writer.is_done(c.sample_id) for c in mine)
+    done_before = sum(conversation_id_of(sid) in mine_ids for sid in [*writer.done_ids, *writer.rejected])
     log.info(
-        "extract shard %d/%d: %d samples in this shard, %d already stored, aux layers %s",
+        "extract shard %d/%d: %d conversations in this shard, %d samples already stored, aux layers %s",
         shard, num_shards, len(mine), done_before, list(meta.aux_layers),
     )
-    tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_dir, trust_remote_code=cfg.target.trust_remote_code)
-    skipped: dict[str, str] = {}
+    tokenizing = SampleTokenizer.for_run(cfg)
+    stats_of_pass = TokenizeStats()
 
-    def pending_batches() -> Iterator[list[TokenizedSample]]:
+    def pending_batches(stats: TokenizeStats) -> Iterator[list[TokenizedSample]]:
         """The shard's planned batches that hold a sample not stored yet (tokenised as they are read)."""
-        samples = iter_tokenized(tokenizer, mine, cfg.data.max_length, skipped)
-        for batch in plan_batches(samples, cfg.extract.batch_tokens):
+        for batch in plan_batches(tokenizing.iter(mine, stats), cfg.extract.batch_tokens):
             if not all(writer.is_done(s.sample_id) for s in batch):
                 yield batch
 
-    backend = open_backend(cfg, shard, gpu_group, writer.is_done) if done_before < len(mine) else None  # done: none
+    # Samples are counted as conversations are tokenised (a thinking model's multi-turn conversation gives
+    # one per turn): until then each conversation not yet tokenised counts as one.
     progress = ProgressLog(f"extract shard {shard}", len(mine), done_before, cfg.extract.progress_interval_s, log)
+    batches = pending_batches(stats_of_pass)
+    first = next(batches, None)
+    backend = open_backend(cfg, shard, gpu_group, writer.is_done) if first is not None else None  # done: none
     background = BackgroundWriter(writer, cfg.extract.writer_queue_depth)
     truncated = tokens = 0
     loop_started = time.monotonic()
     completed = False
     try:
         if backend is not None:
-            backend.prepare(pending_batches(), len(mine) - done_before)
+            backend.prepare(pending_batches(TokenizeStats()), len(mine) - done_before)
             loop_started = time.monotonic()  # tokens/s below is the capture pass's (sglang: the aux pass)
-        for batch in pending_batches():
+        for batch in itertools.chain([first] if first is not None else [], batches):
+            progress.total = stats_of_pass.samples + len(mine) - stats_of_pass.conversations
             todo = [s for s in batch if not writer.is_done(s.sample_id)]
             if len(todo) != len(batch):  # batches are stored whole; this means the data changed since
                 log.info("recomputing a partly stored batch of %d samples as planned", len(batch))
@@ -163,6 +174,7 @@ def run_extract(cfg, shard: int = 0, num_shards: int | None = None, gpu_group: i
             tokens += batch_tokens
             truncated += sum(s.truncated for s in todo)
             progress.update(len(todo), batch_tokens, _state_bytes(meta, batch_tokens))
+        progress.total = stats_of_pass.samples  # every conversation is tokenised now: the exact count
         completed = True
     finally:
         background.close()  # also after an error: batches already computed are complete, keep them
@@ -173,20 +185,27 @@ def run_extract(cfg, shard: int = 0, num_shards: int | None = None, gpu_group: i
         if backend is not None:
             backend.close()
     progress.emit()
+    if stats_of_pass.reasoning_not_rendered:
+        log.warning("extract shard %d: %d assistant turn(s) have reasoning_content the chat template does not render "
+                    "even as the turn just generated: the drafter never sees that reasoning. Check the template's "
+                    "options (data.chat_template_kwargs)", shard, stats_of_pass.reasoning_not_rendered)
 
     seconds = time.monotonic() - started
     stats = {
         "shard": shard,
         "num_shards": num_shards,
-        "samples_in_shard": len(mine),
+        "conversations_in_shard": len(mine),
+        "samples_in_shard": stats_of_pass.samples,
+        "turn_samples": stats_of_pass.turn_samples,  # thinking models' earlier turns, each a sample of its own
+        "reasoning_not_rendered": stats_of_pass.reasoning_not_rendered,
         "samples_stored_before": done_before,
         "samples_extracted": progress.done_here,
         "samples_stored": len(writer.done_ids),
         "tokens": tokens,
         "bytes": writer.bytes_written,
         "rejected_nonfinite": len(writer.rejected),
-        "skipped": len(skipped),
-        "skipped_reasons": dict(list(skipped.items())[:20]),
+        "skipped": len(stats_of_pass.skipped),
+        "skipped_reasons": dict(list(stats_of_pass.skipped.items())[:20]),
         "truncated": truncated,
         "bad_records": len(read_stats.bad),
         "bad_record_lines": list(read_stats.bad)[:50],
