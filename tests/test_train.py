@@ -30,6 +30,29 @@ def test_targets_are_shifted_exactly_once():
     assert t.loss_mask[0].tolist() == [True] * 7 + [False]  # not shifted; last position off
 
 
+def test_each_sample_loses_its_own_last_position_not_the_batch_column():
+    """A sample shorter than the batch must not keep a teacher taken from the padding after it."""
+    ids = torch.tensor([[3, 7, 1, 9, 4, 6, 2, 8], [5, 2, 6, 1, 0, 0, 0, 0]])
+    last, lm_head = perfect_target(ids, 10)
+    mask = torch.tensor([[1] * 8, [1, 1, 1, 1, 0, 0, 0, 0]])
+    t = make_teachers(ids, mask, last, lm_head, torch.arange(10), torch.ones(10, dtype=torch.bool),
+                      lengths=torch.tensor([8, 4]))
+    assert t.loss_mask.tolist() == [[True] * 7 + [False], [True, True, True] + [False] * 5]
+
+
+def test_first_draft_position_trains_the_token_before_each_answer():
+    """SGLang drafts an answer's first tokens from the last prompt-template token: with first_draft that
+    position is trained (it predicts the answer's second token), without it the mask is SpecForge's."""
+    ids = torch.tensor([[3, 7, 1, 9, 4, 6, 2, 8, 5, 1]])
+    last, lm_head = perfect_target(ids, 10)
+    mask = torch.tensor([[0, 0, 1, 1, 0, 0, 1, 1, 1, 0]])  # two answers: positions 2-3 and 6-8
+    args = (ids, mask, last, lm_head, torch.arange(10), torch.ones(10, dtype=torch.bool))
+    assert make_teachers(*args).loss_mask[0].nonzero().flatten().tolist() == [2, 3, 6, 7, 8]
+    first = make_teachers(*args, first_draft=True)
+    assert first.loss_mask[0].nonzero().flatten().tolist() == [1, 2, 3, 5, 6, 7, 8]
+    assert first.teacher[0, 1] == ids[0, 3]  # from the prompt's last token, the answer's second token
+
+
 def test_teachers_outside_the_draft_vocab_are_masked_from_the_loss():
     ids = torch.tensor([[3, 7, 1, 9, 4, 6, 2, 8]])
     last, lm_head = perfect_target(ids, 10)
@@ -85,3 +108,15 @@ def test_a_short_run_learns_and_leaves_checkpoints_metrics_and_plots(train_confi
         events.Tags()["scalars"]
     )
     assert [e.value for e in events.Scalars("loss")] == pytest.approx(losses)
+
+
+def test_resume_with_another_number_of_ranks_is_refused(train_config):
+    """The data order and the schedule depend on the world size: a checkpoint written by 2 ranks must not be
+    continued by 1 (here the checkpoint's meta says 2; tests/faults runs real torchrun ranks)."""
+    run_eagle3("train", "--config", str(train_config.config_path))
+    newest = sorted((train_config.run_dir / "train" / "checkpoints").glob("step-*"))[-1]
+    meta = json.loads((newest / "meta.json").read_text())
+    (newest / "meta.json").write_text(json.dumps({**meta, "world_size": 2}))
+    proc = run_eagle3("train", "--config", str(train_config.config_path), check=False)
+    assert proc.returncode == 2
+    assert "written by 2 rank(s), this run has 1" in proc.stderr and "train.gpus" in proc.stderr

@@ -19,7 +19,10 @@ restored: the final weights are bit-identical to an uninterrupted run (tests/tes
 The objective (SpecForge's, which SGLang-served drafters are trained with):
   shift once   the teacher at position t is the target's distribution after token t+1: the stored final
                hidden state and the input ids are shifted left by one (zero fill); the loss mask is not
-               shifted and its last position is 0
+               shifted and each sample's own last position is 0
+  first draft  (train.first_draft_position, on by default; off: SpecForge exactly) the position before each
+               answer, the last prompt-template token, is trained too: SGLang's first draft after prefill
+               starts there
   teachers     target logits = target lm_head(final hidden state); teacher token = argmax over the FULL
                vocab (in chunks); p = softmax over the draft-vocab columns, fp32;
                position_mask = t2d[teacher] * loss_mask
@@ -47,6 +50,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from eagle3.config import ConfigError
 from eagle3.fsutil import atomic_dir, atomic_write_text
 from eagle3.model import LM_HEAD_KEYS, Eagle3Draft, build_draft_model, load_target_tensor
 from eagle3.progress import human_duration
@@ -71,11 +75,17 @@ class Teachers:
     p: torch.Tensor  # [B, T, Vd] target distribution over the draft vocab, fp32
     teacher: torch.Tensor  # [B, T] the target's argmax over its full vocab
     position_mask: torch.Tensor  # [B, T] loss_mask AND teacher in the draft vocab
-    loss_mask: torch.Tensor  # [B, T] assistant tokens, last position 0
+    loss_mask: torch.Tensor  # [B, T] trained positions (assistant tokens), each sample's last position 0
 
 
-def make_teachers(input_ids, loss_mask, last_hidden, target_lm_head, draft_ids, t2d) -> Teachers:
-    """Targets for one padded batch. Never builds [T, full vocab] logits for a whole sample at once."""
+def make_teachers(input_ids, loss_mask, last_hidden, target_lm_head, draft_ids, t2d, lengths=None,
+                  first_draft: bool = False) -> Teachers:
+    """Targets for one padded batch. Never builds [T, full vocab] logits for a whole sample at once.
+
+    lengths: [B] each sample's own length (None: all fill the batch); its last position has no teacher
+    (the state after it is padding), so it is masked per sample. first_draft: also train the position just
+    before each run of loss-masked tokens, the last prompt-template token, from which SGLang drafts the first
+    time after prefill (SpecForge's unshifted mask never trains it)."""
     last = shift_left(last_hidden).float()
     teacher = torch.empty(last.shape[:2], dtype=torch.long, device=last.device)
     flat_last, flat_teacher = last.view(-1, last.shape[-1]), teacher.view(-1)
@@ -83,9 +93,14 @@ def make_teachers(input_ids, loss_mask, last_hidden, target_lm_head, draft_ids, 
         chunk = flat_last[start : start + LOGIT_CHUNK]
         flat_teacher[start : start + LOGIT_CHUNK] = (chunk @ target_lm_head.T).argmax(-1)
     p = (last @ target_lm_head[draft_ids].T).softmax(-1)
-    loss_mask = loss_mask.clone()
-    loss_mask[:, -1] = 0
-    return Teachers(shift_left(input_ids), p, teacher, t2d[teacher] & loss_mask.bool(), loss_mask.bool())
+    loss_mask = loss_mask.bool()
+    if first_draft:
+        loss_mask = loss_mask | shift_left(loss_mask)
+    positions = torch.arange(loss_mask.shape[1], device=loss_mask.device)
+    if lengths is None:
+        lengths = torch.full(loss_mask.shape[:1], loss_mask.shape[1], device=loss_mask.device)
+    loss_mask = loss_mask & (positions[None] < lengths[:, None] - 1)
+    return Teachers(shift_left(input_ids), p, teacher, t2d[teacher] & loss_mask, loss_mask)
 
 
 def simulated_accept_length(accs: list[float]) -> float:
@@ -127,8 +142,11 @@ class TTTObjective(nn.Module):
 
 
 def is_validation(sample_id: str, val_fraction: float) -> bool:
-    """Held-out split by sample-id hash: stable whatever the order or sharding of the data."""
-    return (int(sample_id, 16) % 10_000) < val_fraction * 10_000
+    """Held-out split by the hash of the sample's conversation: stable whatever the order or sharding of the
+    data, and the per-turn samples of one conversation stay on one side."""
+    from eagle3.data import conversation_id_of
+
+    return (int(conversation_id_of(sample_id), 16) % 10_000) < val_fraction * 10_000
 
 
 def plan_epoch(ids_and_lengths: list[tuple[str, int]], batch_tokens: int, seed: int, epoch: int) -> list[list[str]]:
@@ -157,6 +175,7 @@ def collate(store, sample_ids: list[str], device) -> dict[str, torch.Tensor]:
         "aux": torch.zeros(len(samples), n, samples[0]["aux_hidden_states"].shape[-1]),
         "last": torch.zeros(len(samples), n, samples[0]["last_hidden_state"].shape[-1]),
     }
+    out["lengths"] = torch.tensor([len(s["input_ids"]) for s in samples])
     for row, s in enumerate(samples):
         m = len(s["input_ids"])
         out["input_ids"][row, :m] = s["input_ids"].long()
@@ -234,7 +253,8 @@ class Trainer:
         self.draft_ids = torch.as_tensor(mapping.draft_ids, device=self.device)
         self.t2d = torch.as_tensor(mapping.t2d(cfg.target.vocab_size), device=self.device)
         self.target_lm_head = load_target_tensor(cfg.target.model_path, LM_HEAD_KEYS).float().to(self.device)
-        draft = build_draft_model(cfg.target.model_path, cfg.vocab.draft_vocab_size, cfg.resolved_aux_layers())
+        draft = build_draft_model(cfg.target.model_path, cfg.vocab.draft_vocab_size, cfg.resolved_aux_layers(),
+                                  cfg.drafter.model_dump())
         self.draft = draft.to(self.device)
         self.objective = TTTObjective(self.draft, cfg.train.ttt_length)
         self.ddp = (nn.parallel.DistributedDataParallel(self.objective) if self.distributed else self.objective)
@@ -280,6 +300,13 @@ class Trainer:
         if not checkpoints:
             return
         state = load_checkpoint(checkpoints[-1])
+        written_by = json.loads((checkpoints[-1] / "meta.json").read_text()).get("world_size", self.world)
+        if written_by != self.world:
+            raise ConfigError(
+                f"{checkpoints[-1]} was written by {written_by} rank(s), this run has {self.world}: resuming would "
+                "change the data order and the schedule. Set train.gpus (or train.nproc_per_node) back to "
+                f"{written_by} ranks, or start a new run"
+            )
         missing, unexpected = self.draft.load_state_dict(state["model"], strict=False)
         if missing != ["embed_tokens.weight"] or unexpected:
             raise RuntimeError(f"{checkpoints[-1]}: not a checkpoint of this drafter ({missing}, {unexpected})")
@@ -301,10 +328,13 @@ class Trainer:
     def trainable_state(self) -> dict:
         return {k: v for k, v in self.draft.state_dict().items() if k != "embed_tokens.weight"}
 
+    def teachers(self, batch) -> Teachers:
+        return make_teachers(batch["input_ids"], batch["loss_mask"], batch["last"], self.target_lm_head,
+                             self.draft_ids, self.t2d, batch["lengths"], self.cfg.train.first_draft_position)
+
     def train_step(self, sample_ids) -> tuple[float, list[float], list[float], int]:
         batch = collate(self.store, sample_ids, self.device)
-        teachers = make_teachers(batch["input_ids"], batch["loss_mask"], batch["last"], self.target_lm_head,
-                                 self.draft_ids, self.t2d)
+        teachers = self.teachers(batch)
         with self.autocast():
             loss, plosses, accs = self.ddp(batch["aux"], teachers, self.draft_ids)
         loss.backward()
@@ -319,8 +349,7 @@ class Trainer:
         hits, count, loss_sum, batches = None, 0, 0.0, 0
         for sample_ids in plan_epoch(self.val_ids, self.cfg.train.batch_tokens, self.cfg.seed, epoch=0):
             batch = collate(self.store, sample_ids, self.device)
-            t = make_teachers(batch["input_ids"], batch["loss_mask"], batch["last"], self.target_lm_head,
-                              self.draft_ids, self.t2d)
+            t = self.teachers(batch)
             with self.autocast():
                 loss, _, accs = self.objective(batch["aux"], t, self.draft_ids)
             weight = int(t.loss_mask.sum())
