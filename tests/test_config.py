@@ -160,3 +160,42 @@ def test_importing_the_config_stays_light():
     code = "import sys, eagle3.config; print([m for m in ('torch', 'transformers', 'airflow') if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+KIMI_K25_CONFIG = {  # the shape of Kimi-K2.5's config.json (language model under text_config); no weights
+    "architectures": ["KimiK25ForConditionalGeneration"],
+    "text_config": {"architectures": ["DeepseekV3ForCausalLM"], "num_hidden_layers": 61, "hidden_size": 7168,
+                    "num_attention_heads": 64, "num_key_value_heads": 64, "intermediate_size": 18432,
+                    "vocab_size": 163840, "rope_theta": 50000.0, "max_position_embeddings": 262144},
+}
+
+
+def test_init_derives_a_drafter_shape_sglang_serves_for_a_kimi_shaped_target(tmp_path):
+    """hidden / heads would give head_dim 112 with 64 full K/V heads: neither what the published drafters use
+    nor a head dim flashinfer runs. init records head_dim 128, 56 heads, 8 KV heads, the dense MLP width, and
+    the export states exactly that shape in the config SGLang reads."""
+    from eagle3.export import sglang_config
+    from eagle3.model import DraftConfig
+    from tests.conftest import run_eagle3
+
+    model = tmp_path / "kimi-k2.5"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(KIMI_K25_CONFIG))
+    draft = with_changes(workdir=str(tmp_path / "work"), target={"model_path": str(model)})
+    (tmp_path / "draft.json").write_text(json.dumps(draft))
+    written = run_eagle3("init", "--config", str(tmp_path / "draft.json")).stdout.strip()
+    cfg = load_run_config(written)
+    assert cfg.drafter.model_dump() == {"head_dim": 128, "num_attention_heads": 56, "num_key_value_heads": 8,
+                                        "intermediate_size": 18432}
+    exported = sglang_config(DraftConfig.from_target(model, 32000, cfg.resolved_aux_layers(), cfg.drafter.model_dump()),
+                             KIMI_K25_CONFIG["architectures"][0], "bfloat16")
+    assert (exported["head_dim"], exported["num_attention_heads"], exported["num_key_value_heads"],
+            exported["hidden_size"], exported["intermediate_size"]) == (128, 56, 8, 7168, 18432)
+    assert exported["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 29, 57]  # SGLang adds the 1 itself
+
+
+def test_a_head_dim_sglang_cannot_run_is_refused_by_name():
+    assert "drafter.head_dim: 112 is not one SGLang's attention backends all run" in error_of(
+        with_changes(drafter={"head_dim": 112}))
+    assert "drafter.num_key_value_heads: 5 does not divide num_attention_heads 56" in error_of(
+        with_changes(drafter={"num_attention_heads": 56, "num_key_value_heads": 5}))

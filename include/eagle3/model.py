@@ -131,18 +131,23 @@ class DraftConfig:
     aux_layer_ids: tuple[int, ...]
 
     @classmethod
-    def from_target(cls, model_path: str | Path, draft_vocab_size: int, aux_layer_ids) -> DraftConfig:
-        """Derive the drafter's shape from the target's config.json (Kimi-style `text_config` read too)."""
-        hf = json.loads((Path(model_path) / "config.json").read_text())
-        hf = hf.get("text_config") or hf
+    def from_target(cls, model_path: str | Path, draft_vocab_size: int, aux_layer_ids,
+                    geometry: dict | None = None) -> DraftConfig:
+        """The drafter's shape: hidden size, norms, RoPE and vocab from the target's config.json (Kimi-style
+        `text_config` read too); heads, head_dim and MLP width from `geometry` (the run config's drafter
+        section), or derived as eagle3.config.DrafterConfig derives them. Not the target's own head shapes:
+        DeepSeek-V3's 128 heads would give head_dim 56, which SGLang's attention backends cannot run."""
+        from eagle3.config import DrafterConfig, read_text_config
+
+        hf = read_text_config(model_path)
+        geometry = geometry or DrafterConfig().derived(hf)
         rope_params = hf.get("rope_parameters") or {}
-        hidden, heads = hf["hidden_size"], hf["num_attention_heads"]
         return cls(
-            hidden_size=hidden,
-            intermediate_size=hf["intermediate_size"],
-            num_attention_heads=heads,
-            num_key_value_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=hidden // heads,  # Llama-style attention, whatever the target's (MLA) head shapes
+            hidden_size=hf["hidden_size"],
+            intermediate_size=geometry["intermediate_size"],
+            num_attention_heads=geometry["num_attention_heads"],
+            num_key_value_heads=geometry["num_key_value_heads"],
+            head_dim=geometry["head_dim"],
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_params.get("rope_theta", hf.get("rope_theta", 10000.0))),
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
@@ -205,9 +210,10 @@ def load_target_tensor(model_path: str | Path, candidates: tuple[str, ...]) -> t
     raise KeyError(f"{model_path}: none of {list(candidates)} in its safetensors; is this an HF causal LM?")
 
 
-def build_draft_model(model_path: str | Path, draft_vocab_size: int, aux_layer_ids) -> Eagle3Draft:
+def build_draft_model(model_path: str | Path, draft_vocab_size: int, aux_layer_ids,
+                      geometry: dict | None = None) -> Eagle3Draft:
     """A fresh drafter shaped after the target, with the target's token embedding (frozen)."""
-    cfg = DraftConfig.from_target(model_path, draft_vocab_size, aux_layer_ids)
+    cfg = DraftConfig.from_target(model_path, draft_vocab_size, aux_layer_ids, geometry)
     model = Eagle3Draft(cfg)
     embedding = load_target_tensor(model_path, EMBED_KEYS)
     if embedding.shape != model.embed_tokens.weight.shape:
