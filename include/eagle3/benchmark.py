@@ -8,8 +8,11 @@ held-out prompts (as evaluate picks them) with greedy decoding at benchmark.conc
   eagle3    the target with the exported drafter: --speculative-algorithm EAGLE3
             --speculative-draft-model-path RUN_DIR/drafter --speculative-num-steps/-eagle-topk/-num-draft-tokens
 Requests go to SGLang's native POST /generate with the prompt's token ids, because its meta_info reports what
-speculation did per request: completion_tokens and spec_verify_ct (verify steps). Accept length = their ratio,
-as SGLang's own benchmarks compute it. Output tokens/s = all completion tokens / wall time of the run.
+speculation did per request: spec_verify_ct (verify steps), spec_num_correct_drafts and completion_tokens.
+Accept length is SGLang's scheduler metric (avg_spec_accept_length), the one definition evaluate uses too:
+tokens committed per verify step = (accepted drafts + one bonus token per step) / verify steps; the first token,
+which prefill produces, is no verify step's. Beside it, labelled, completion tokens / verify steps (meta_info's
+spec_accept_length, which counts that first token too). Output tokens/s = all completion tokens / wall time.
 
 Writes RUN_DIR/benchmark/benchmark.json (both runs, per-request figures, the speedup) and benchmark.png; each
 server's log is beside them. The servers are stopped however the stage ends (see eagle3.server).
@@ -49,6 +52,7 @@ async def send_prompts(base_url: str, prompts: list[list[int]], max_new_tokens: 
             results[i] = {
                 "completion_tokens": meta["completion_tokens"],
                 "verify_steps": meta.get("spec_verify_ct"),
+                "correct_drafts": meta.get("spec_num_correct_drafts"),
                 "latency_s": round(time.monotonic() - started, 4),
                 "output_ids": answer.get("output_ids"),
             }
@@ -67,15 +71,25 @@ async def send_prompts(base_url: str, prompts: list[list[int]], max_new_tokens: 
     }
     steps = [r["verify_steps"] for r in results]
     if all(s for s in steps):
-        run["mean_accept_length"] = round(tokens / sum(steps), 4)
         for r in results:
-            r["accept_length"] = round(r["completion_tokens"] / r["verify_steps"], 4)
+            r["accept_length"] = round(committed_per_step(r), 4)
+        run["mean_accept_length"] = round(sum(committed_per_step(r) * r["verify_steps"] for r in results)
+                                          / sum(steps), 4)
+        run["completion_tokens_per_verify_step"] = round(tokens / sum(steps), 4)
     return run
 
 
-def run_benchmark(cfg) -> dict:
-    from transformers import AutoTokenizer
+def committed_per_step(request: dict) -> float:
+    """SGLang's accept length of one request: (correct drafts + 1 bonus token per verify step) / verify steps.
+    A server whose meta_info lacks spec_num_correct_drafts: completion tokens less prefill's first token."""
+    steps = request["verify_steps"]
+    if request.get("correct_drafts") is not None:
+        return (request["correct_drafts"] + steps) / steps
+    return (request["completion_tokens"] - 1) / steps
 
+
+def run_benchmark(cfg) -> dict:
+    from eagle3.data import SampleTokenizer
     from eagle3.evaluate import held_out_prompts
     from eagle3.export import DRAFTER_DIR
     from eagle3.server import sglang_server
@@ -85,8 +99,7 @@ def run_benchmark(cfg) -> dict:
     drafter = cfg.run_dir / DRAFTER_DIR
     if not (drafter / "config.json").exists():
         raise DataError(f"{drafter}: no exported drafter here; run the export stage first")
-    tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_dir, trust_remote_code=cfg.target.trust_remote_code)
-    prompts = held_out_prompts(cfg, tokenizer, bench.num_prompts)
+    prompts = held_out_prompts(cfg, SampleTokenizer.for_run(cfg), bench.num_prompts)
     if not prompts:
         raise ValueError("no held-out prompts: raise train.val_fraction or benchmark on more data")
     speculative_flags = {
@@ -115,6 +128,7 @@ def run_benchmark(cfg) -> dict:
         "speculative_flags": speculative_flags,
         "speedup": round(runs["eagle3"]["output_tokens_per_s"] / runs["baseline"]["output_tokens_per_s"], 4),
         "mean_accept_length": runs["eagle3"].get("mean_accept_length"),
+        "completion_tokens_per_verify_step": runs["eagle3"].get("completion_tokens_per_verify_step"),
         # Greedy speculation is lossless in exact arithmetic; batched GPU kernels can still flip a near-tie.
         "identical_outputs": f"{identical}/{len(prompts)}",
         **runs,

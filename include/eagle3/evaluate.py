@@ -6,10 +6,13 @@ For each draft length k in evaluate.draft_lengths, on held-out prompts (the vali
 data, by sample-id hash, first user turn): greedy chain drafting of k tokens with the EXPORTED drafter
 (RUN_DIR/drafter, loaded as SGLang would: the export plus the target's embedding), verification by the
 target, accept the longest agreeing prefix plus the target's own next token. Writes {run dir}/evaluate/:
-  report.json   per k: mean acceptance length (tokens per target forward, as SGLang reports it), the
-                acceptance rate of each draft position, cycles, tokens; beside it the teacher-forced
-                simulated figure from training; and whether every speculative output equalled plain
-                greedy decoding token for token (it must: verification makes speculation lossless)
+  report.json   per k: mean acceptance length (tokens committed per verify step: SGLang's scheduler metric
+                avg_spec_accept_length, which benchmark reports too), the same for the first cycle of each
+                answer (drafted right after prefill) and for the later ones, completion tokens per verify
+                step (meta_info's spec_accept_length, labelled), the acceptance rate of each draft
+                position; beside it the teacher-forced simulated figure from training; and whether every
+                speculative output equalled plain greedy decoding token for token (it must: verification
+                makes speculation lossless)
   acceptance.png  acceptance rate per draft position, one line per k
 
 The drafter runs at the last position with the training-time-test pattern: step 0 over the context
@@ -59,11 +62,15 @@ def speculative_greedy(target, drafter, draft_to_target, prompt: list[int], k: i
         logits, aux = target.logits_and_aux(candidate)
         predictions = logits[len(seq) :].argmax(-1).tolist()  # the target's token after each candidate token
         a = 0
-        while a < k and drafts[a] == predictions[a] and drafts[a] not in eos:
+        while a < k and drafts[a] == predictions[a]:
             a += 1
+            if drafts[a - 1] in eos:  # an accepted end of turn is committed, as SGLang does, and ends the answer
+                break
         seq += [token] + drafts[:a]
-        token = predictions[a]
         accepted.append(a)
+        if a and drafts[a - 1] in eos:
+            return seq[len(prompt) : len(prompt) + max_new], accepted
+        token = predictions[a]
     if token in eos and len(seq) - len(prompt) < max_new:
         seq.append(token)
     return seq[len(prompt) : len(prompt) + max_new], accepted
@@ -79,8 +86,9 @@ def plain_greedy(target, prompt: list[int], max_new: int, eos: set[int]) -> list
     return seq[len(prompt) :]
 
 
-def held_out_prompts(cfg, tokenizer, limit: int | None = None) -> list[list[int]]:
-    """First user turns (chat template applied) of the validation split: prompts training never saw."""
+def held_out_prompts(cfg, tokenizing, limit: int | None = None) -> list[list[int]]:
+    """First user turns (chat template applied, generation prompt added) of the validation split: prompts
+    training never saw. `tokenizing` is the run's eagle3.data.SampleTokenizer."""
     from eagle3.data import read_conversations
     from eagle3.train import is_validation
 
@@ -91,29 +99,50 @@ def held_out_prompts(cfg, tokenizer, limit: int | None = None) -> list[list[int]
         if not is_validation(conversation.sample_id, cfg.train.val_fraction):
             continue
         first_answer = next(i for i, m in enumerate(conversation.messages) if m["role"] == "assistant")
-        text = tokenizer.apply_chat_template(list(conversation.messages[:first_answer]), tokenize=False,
-                                             add_generation_prompt=True)
-        prompts.append(tokenizer.encode(text, add_special_tokens=False))
+        if first_answer == 0:  # nothing prompts it
+            continue
+        prompts.append(tokenizing.prompt_ids(conversation.messages[:first_answer], conversation.tools))
         if len(prompts) == (limit or cfg.evaluate.num_prompts):
             break
     return prompts
 
 
+def acceptance_figures(cycles: list[int], first_cycles: list[int], new_tokens: int, k: int) -> dict:
+    """Acceptance of one draft length from the drafts accepted in each verify step (cycle). The headline is
+    SGLang's scheduler metric, avg_spec_accept_length: tokens committed per verify step, the accepted drafts
+    plus the target's own bonus token. The first cycle of an answer (drafted right after prefill) is shown
+    apart: it is a quarter of the cycles on short answers and the hardest one."""
+    def per_step(accepted: int, steps: int) -> float:
+        return 1 + accepted / max(steps, 1)
+
+    reached = [sum(a >= j for a in cycles) for j in range(k + 1)]
+    later = (sum(cycles) - sum(first_cycles), len(cycles) - len(first_cycles))
+    return {
+        "mean_accept_length": per_step(sum(cycles), len(cycles)),
+        "first_cycle_accept_length": per_step(sum(first_cycles), len(first_cycles)),
+        "later_cycles_accept_length": per_step(*later),
+        # meta_info's spec_accept_length: completion tokens (prefill's first one too) / verify steps
+        "completion_tokens_per_verify_step": new_tokens / max(len(cycles), 1),
+        "accept_rate_per_position": [reached[j + 1] / max(reached[j], 1) for j in range(k)],
+        "cycles": len(cycles),
+    }
+
+
 def run_evaluate(cfg) -> dict:
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
     from eagle3.capture.hf import HfCapture
+    from eagle3.data import SampleTokenizer
     from eagle3.export import DRAFTER_DIR, load_exported_drafter
 
     started = time.monotonic()
     out = cfg.run_dir / "evaluate"
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_dir, trust_remote_code=cfg.target.trust_remote_code)
     eos = AutoConfig.from_pretrained(cfg.target.model_path, trust_remote_code=cfg.target.trust_remote_code).eos_token_id
     eos = set(eos if isinstance(eos, list) else [eos])
     target = HfCapture(cfg)
     drafter, draft_to_target = load_exported_drafter(cfg.run_dir / DRAFTER_DIR, cfg.target.model_path)
-    prompts = held_out_prompts(cfg, tokenizer)
+    prompts = held_out_prompts(cfg, SampleTokenizer.for_run(cfg))
     if not prompts:
         raise ValueError("no held-out prompts: raise train.val_fraction or evaluate on more data")
     max_new = cfg.evaluate.max_new_tokens
@@ -122,20 +151,18 @@ def run_evaluate(cfg) -> dict:
         baseline = [plain_greedy(target, p, max_new, eos) for p in prompts]
         results = {}
         for k in cfg.evaluate.draft_lengths:
-            cycles, identical = [], 0
+            cycles, first_cycles, identical, new_tokens = [], [], 0, 0
             for prompt, expected in zip(prompts, baseline):
                 tokens, accepted = speculative_greedy(target, drafter, draft_to_target, prompt, k, max_new, eos)
                 identical += tokens == expected
+                new_tokens += len(tokens)
                 cycles += accepted
-            reached = [sum(a >= j for a in cycles) for j in range(k + 1)]
-            results[str(k)] = {
-                "mean_accept_length": 1 + sum(cycles) / max(len(cycles), 1),
-                "accept_rate_per_position": [reached[j + 1] / max(reached[j], 1) for j in range(k)],
-                "cycles": len(cycles),
-                "identical_to_greedy": f"{identical}/{len(prompts)}",
-            }
-            log.info("evaluate: k=%d: mean acceptance length %.3f over %d cycles; %d/%d outputs equal greedy",
-                     k, results[str(k)]["mean_accept_length"], len(cycles), identical, len(prompts))
+                first_cycles += accepted[:1]
+            results[str(k)] = acceptance_figures(cycles, first_cycles, new_tokens, k)
+            results[str(k)]["identical_to_greedy"] = f"{identical}/{len(prompts)}"
+            log.info("evaluate: k=%d: mean acceptance length %.3f over %d cycles (first cycle %.3f); %d/%d outputs "
+                     "equal greedy", k, results[str(k)]["mean_accept_length"], len(cycles),
+                     results[str(k)]["first_cycle_accept_length"], identical, len(prompts))
     export = json.loads((cfg.run_dir / DRAFTER_DIR / "export.json").read_text())
     report = {
         "prompts": len(prompts),

@@ -11,7 +11,8 @@ Endpoints (the subset the stages use):
   GET  /v1/models               the served model
   POST /v1/chat/completions     OpenAI chat completion: choices[0].message.content (+ reasoning_content), usage
   POST /generate                SGLang's native API with input_ids; meta_info: completion_tokens, and with
-                                speculation spec_verify_ct (verify steps), as SGLang reports them
+                                speculation spec_verify_ct (verify steps) and spec_num_correct_drafts, as
+                                SGLang reports them
 
 Run by the stages through EAGLE3_SERVER_LAUNCHER=tests/fakes/sglang_server.py, or by a test directly. The
 options after "stand-in" below make it misbehave, for the retry, threshold and lifecycle tests.
@@ -53,6 +54,8 @@ def parse_args(argv=None):
     g.add_argument("--startup-delay-s", type=float, default=0.0, help="serve /health only after this long")
     g.add_argument("--exit-at-start", type=int, default=None, help="exit with this code instead of serving")
     g.add_argument("--record", default=None, help="append each chat request's messages to this JSONL file")
+    g.add_argument("--tool-call", default="", help="answer a request that offers tools, and whose last message is "
+                   "no tool result, with a call of this function (as a tool-calling model would)")
     args, _ = p.parse_known_args(argv)  # SGLang flags it does not model (tp size, dtype, ...) are accepted
     return args
 
@@ -96,15 +99,15 @@ class Model:
         finish = "stop" if new and new[-1] in self.eos else "length"
         return self.tokenizer.decode(new, skip_special_tokens=True), len(ids), len(new), finish
 
-    def generate(self, ids: list[int], max_new: int) -> tuple[list[int], int | None]:
-        """New tokens, and the number of verify steps when speculating."""
+    def generate(self, ids: list[int], max_new: int) -> tuple[list[int], list[int] | None]:
+        """New tokens, and when speculating the drafts accepted at each verify step."""
         with self.lock, self.torch.no_grad():
             if self.speculative is not None:
                 from eagle3.evaluate import speculative_greedy
 
                 target, drafter, d2t, k = self.speculative
                 new, accepted = speculative_greedy(target, drafter, d2t, ids, k, max_new, self.eos)
-                return new, max(len(accepted), 1)
+                return new, accepted
             out = self.model.generate(self.torch.tensor([ids]), max_new_tokens=max_new, do_sample=False,
                                       eos_token_id=list(self.eos), pad_token_id=next(iter(self.eos)))
             return out[0, len(ids):].tolist(), None
@@ -156,7 +159,8 @@ def serve(args) -> None:
                 fault = args.always or next(faults, "ok")
                 if args.record:
                     with open(args.record, "a") as f:
-                        f.write(json.dumps({"messages": body["messages"], "fault": fault}) + "\n")
+                        f.write(json.dumps({"messages": body["messages"], "tools": body.get("tools"),
+                                            "fault": fault}) + "\n")
             if fault == "drop":
                 self.close_connection = True
                 self.connection.shutdown(2)  # the client sees the connection end with no answer
@@ -169,6 +173,10 @@ def serve(args) -> None:
             content, prompt_tokens, completion_tokens, finish = state["model"].chat(body["messages"],
                                                                                    body.get("max_tokens", 256))
             message = {"role": "assistant", "content": "" if fault == "empty" else content}
+            if args.tool_call and body.get("tools") and body["messages"][-1]["role"] != "tool":
+                message = {"role": "assistant", "content": "", "tool_calls": [{
+                    "id": f"call_{next(counter)}", "type": "function",
+                    "function": {"name": args.tool_call, "arguments": "{}"}}]}
             if args.reasoning:
                 message["reasoning_content"] = args.reasoning
             self.reply(200, {
@@ -181,11 +189,12 @@ def serve(args) -> None:
         def native_generate(self, body: dict) -> None:
             t0 = time.monotonic()
             params = body.get("sampling_params", {})
-            new, verify_steps = state["model"].generate(body["input_ids"], params.get("max_new_tokens", 128))
+            new, accepted = state["model"].generate(body["input_ids"], params.get("max_new_tokens", 128))
             meta = {"prompt_tokens": len(body["input_ids"]), "completion_tokens": len(new),
                     "e2e_latency": time.monotonic() - t0}
-            if verify_steps is not None:
-                meta["spec_verify_ct"] = verify_steps
+            if accepted is not None:
+                meta["spec_verify_ct"] = max(len(accepted), 1)
+                meta["spec_num_correct_drafts"] = sum(accepted)
             self.reply(200, {"text": state["model"].tokenizer.decode(new, skip_special_tokens=True),
                              "output_ids": new, "meta_info": meta})
 
