@@ -273,3 +273,62 @@ def test_kill_9_of_the_stage_takes_the_server_down_too(make_config, tmp_path):
     finally:
         for pid in stand_in_processes(cfg.server.port):
             os.kill(pid, signal.SIGKILL)
+
+
+TOOL_CONVERSATION = {
+    "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}],
+    "messages": [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_original", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_original", "content": "18C and sunny"},
+        {"role": "assistant", "content": "It is 18C and sunny in Paris."},
+    ],
+}
+
+
+@pytest.mark.parametrize("calls, kept_turns", [("get_weather", 4), ("get_time", 2)], ids=["same-tool", "other-tool"])
+def test_tool_turns_are_kept_and_a_diverging_tool_call_ends_the_conversation(make_config, stand_in, tmp_path,
+                                                                             calls, kept_turns):
+    """Only assistant turns are asked again, with the record's tools. A regenerated call of the same tool keeps
+    the original call id, so the tool's result (kept as it was) still answers it; a call of another tool ends
+    the conversation there: the result that follows answered a call the target no longer makes."""
+    record = tmp_path / "requests.jsonl"
+    url = stand_in("--tool-call", calls, "--record", str(record))
+    data = tmp_path / "tools.jsonl"
+    data.write_text(json.dumps(TOOL_CONVERSATION) + "\n")
+    cfg = make_config(data={"path": str(data), "max_samples": None},
+                      generate={"enabled": True, "endpoint": url, "max_tokens": 32, "progress_interval_s": 0.3})
+    stats = run_generate(cfg)
+
+    [line] = (cfg.run_dir / "generate" / "conversations.jsonl").read_text().splitlines()
+    output = json.loads(line)
+    assert output["tools"] == TOOL_CONVERSATION["tools"]
+    assert len(output["messages"]) == kept_turns and stats["cut_at_tool_call"] == (kept_turns == 2)
+    call = output["messages"][1]["tool_calls"][0]
+    assert call["function"]["name"] == calls
+    requests = [json.loads(r) for r in record.read_text().splitlines()]
+    assert all(r["tools"] == TOOL_CONVERSATION["tools"] for r in requests)
+    if kept_turns == 4:
+        assert call["id"] == "call_original"
+        assert output["messages"][2] == TOOL_CONVERSATION["messages"][2]  # the tool turn as it was
+        assert requests[1]["messages"][2] == TOOL_CONVERSATION["messages"][2]
+        assert output["messages"][3]["content"] != TOOL_CONVERSATION["messages"][3]["content"]  # asked again
+    conversations, _ = read_conversations(cfg.conversations_path)  # what extract reads accepts it
+    assert conversations[0].tools == tuple(TOOL_CONVERSATION["tools"])
+
+
+def test_the_hf_backend_answers_as_the_server_does_and_resumes(make_config, shared_server, tmp_path):
+    """generate.backend "hf" (the demo's): the target in transformers, batched and left-padded, gives the same
+    greedy answers as the served target does one request at a time, and a rerun with more conversations only
+    regenerates the new ones."""
+    url, _ = shared_server
+    served = generate_config(make_config, url, samples=8, workdir=tmp_path / "served")
+    run_generate(served)
+    local = generate_config(make_config, samples=8, workdir=tmp_path / "hf", backend="hf", concurrency=4,
+                            num_samples=5)
+    assert run_generate(local)["regenerated_now"] == 5
+    more = generate_config(make_config, samples=8, workdir=tmp_path / "hf", backend="hf", concurrency=4)
+    stats = run_generate(more)
+    assert (stats["regenerated"], stats["regenerated_now"], stats["already_done"]) == (8, 3, 5)
+    assert output_of(more) == output_of(served)

@@ -8,6 +8,15 @@ assistant turn is regenerated in order, each conditioned on the regenerated turn
 POST {endpoint}/chat/completions (SGLang's OpenAI-compatible server; generate.launch_server starts one on the
 box for the stage and stops it afterwards, see eagle3.server).
 
+Tool turns stay as they are; only assistant turns are asked again (with the record's `tools` in the request).
+A regenerated turn that calls other tools than the original did (other function names, or none) ends the
+conversation there: the tool results that follow answered the original calls. Where the names agree the
+original call ids are kept, so the results still refer to them.
+
+generate.backend "hf" runs the target in the stage itself with transformers, batched (generate.concurrency
+conversations at a time), for small targets such as the demo's: no server, no reasoning or tool-call parsing
+(the answer is the decoded text). Its rows and resume are the server path's.
+
 Requests run concurrently (generate.concurrency) from an async client; connection errors, timeouts, 429 and 5xx
 are retried with exponential backoff and jitter (generate.max_retries). A conversation that still fails is
 recorded as failed with its error, counted, and left out of the data; a rerun tries it again. When more than
@@ -30,6 +39,7 @@ import json
 import logging
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -70,14 +80,25 @@ def describe(err: BaseException) -> str:
 # -- the client ------------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Reply:
+    content: str
+    reasoning: str | None
+    completion_tokens: int
+    finish_reason: str
+    tool_calls: list[dict] | None = None
+
+
 class ChatClient:
-    """POST /chat/completions with retries. One reply: (content, reasoning_content or None, completion tokens)."""
+    """POST /chat/completions with retries; one Reply per request."""
 
     def __init__(self, cfg, base_url: str):
         gen = cfg.generate
         self.url = base_url.rstrip("/") + "/chat/completions"
         self.body = {"model": gen.model or cfg.target.model_path, "temperature": gen.temperature, "top_p": gen.top_p,
-                     "max_tokens": gen.max_tokens}
+                     "max_tokens": gen.max_tokens,
+                     **({"chat_template_kwargs": cfg.data.chat_template_kwargs} if cfg.data.chat_template_kwargs
+                        else {})}
         self.keep_reasoning = gen.reasoning == "keep"
         self.attempts = gen.max_retries + 1
         self.http = httpx.AsyncClient(
@@ -86,26 +107,29 @@ class ChatClient:
         )
         self.retries = 0
 
-    async def reply(self, messages: list[dict]) -> tuple[str, str | None, int, str]:
+    async def reply(self, messages: list[dict], tools=None) -> Reply:
+        body = {**self.body, "messages": messages, **({"tools": list(tools)} if tools else {})}
         async for attempt in AsyncRetrying(
             retry=retry_if_exception(is_transient), stop=stop_after_attempt(self.attempts),
             wait=wait_exponential_jitter(multiplier=0.5, jitter=0.5, max=30.0), reraise=True,
             before_sleep=self._count_retry,
         ):
             with attempt:
-                response = await self.http.post(self.url, json={**self.body, "messages": messages})
+                response = await self.http.post(self.url, json=body)
                 response.raise_for_status()
         try:
             answer = response.json()
             choice = answer["choices"][0]
             content = choice["message"].get("content") or ""
             reasoning = choice["message"].get("reasoning_content") or None
+            tool_calls = choice["message"].get("tool_calls") or None
             tokens = int((answer.get("usage") or {}).get("completion_tokens") or 0)
         except (ValueError, KeyError, IndexError, TypeError) as err:
             raise RowFailed(f"malformed answer from {self.url}: {describe(err)}") from None
-        if not content.strip():
+        if not content.strip() and not tool_calls:
             raise RowFailed("the server answered with an empty message")
-        return content, reasoning if self.keep_reasoning else None, tokens, choice.get("finish_reason") or ""
+        return Reply(content, reasoning if self.keep_reasoning else None, tokens, choice.get("finish_reason") or "",
+                     tool_calls)
 
     def _count_retry(self, retry_state) -> None:
         self.retries += 1
@@ -114,21 +138,129 @@ class ChatClient:
         await self.http.aclose()
 
 
+class Regeneration:
+    """One conversation asked again: `next_request()` gives the history the next assistant turn answers (the
+    regenerated turns before it, tool and user turns as they were), `answer(reply)` takes the new turn; None
+    when done. Trailing user turns are dropped."""
+
+    def __init__(self, conversation: Conversation):
+        self.conversation = conversation
+        last_answer = max(i for i, m in enumerate(conversation.messages) if m["role"] == "assistant")
+        self.turns = conversation.messages[: last_answer + 1]
+        self.history: list[dict] = []
+        self.index = 0
+        self.tokens, self.truncated, self.cut_short = 0, False, False
+
+    def next_request(self) -> list[dict] | None:
+        if self.cut_short:
+            return None
+        while self.index < len(self.turns) and self.turns[self.index]["role"] != "assistant":
+            self.history.append(dict(self.turns[self.index]))
+            self.index += 1
+        return list(self.history) if self.index < len(self.turns) else None
+
+    def answer(self, reply: Reply) -> None:
+        original = self.turns[self.index]
+        message = {"role": "assistant", "content": reply.content,
+                   **({"reasoning_content": reply.reasoning} if reply.reasoning else {})}
+        old_calls, new_calls = original.get("tool_calls") or [], reply.tool_calls or []
+        if [c["function"]["name"] for c in old_calls] != [c["function"]["name"] for c in new_calls]:
+            self.cut_short = bool(old_calls)  # what follows answered calls this turn no longer makes
+        elif new_calls:  # the same tools: keep the original ids, which the tool results refer to
+            new_calls = [{**new, **({"id": old["id"]} if "id" in old else {})}
+                         for old, new in zip(old_calls, new_calls)]
+        if new_calls:
+            message["tool_calls"] = new_calls
+        self.history.append(message)
+        self.index += 1
+        self.tokens += reply.completion_tokens
+        self.truncated |= reply.finish_reason == "length"
+
+    def result(self) -> dict:
+        return {"messages": self.history, **({"tools": list(self.conversation.tools)} if self.conversation.tools
+                                              else {}),
+                "completion_tokens": self.tokens, "truncated": self.truncated, "cut_at_tool_call": self.cut_short}
+
+
 async def regenerate(client: ChatClient, conversation: Conversation) -> dict:
-    """Every assistant turn again, in order, each after the regenerated ones; trailing user turns are dropped."""
-    history: list[dict] = []
-    tokens, truncated = 0, False
-    last_answer = max(i for i, m in enumerate(conversation.messages) if m["role"] == "assistant")
-    for message in conversation.messages[: last_answer + 1]:
-        if message["role"] != "assistant":
-            history.append({"role": message["role"], "content": message["content"]})
-            continue
-        content, reasoning, n, finish_reason = await client.reply(history)
-        history.append({"role": "assistant", "content": content,
-                        **({"reasoning_content": reasoning} if reasoning else {})})
-        tokens += n
-        truncated |= finish_reason == "length"
-    return {"messages": history, "completion_tokens": tokens, "truncated": truncated}
+    """Every assistant turn again, in order, each after the regenerated ones (see Regeneration)."""
+    walk = Regeneration(conversation)
+    while (history := walk.next_request()) is not None:
+        walk.answer(await client.reply(history, conversation.tools))
+    return walk.result()
+
+
+class HfChat:
+    """generate.backend "hf": the target in transformers on this process's device, batched, left-padded."""
+
+    def __init__(self, cfg):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from eagle3.capture.hf import pick_device
+        from eagle3.data import SampleTokenizer
+
+        self.torch, self.gen = torch, cfg.generate
+        self.device = pick_device(cfg.extract.device)
+        self.tokenizing = SampleTokenizer.for_run(cfg)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            cfg.target.model_path, dtype=getattr(torch, cfg.target.dtype),
+            trust_remote_code=cfg.target.trust_remote_code,
+        ).to(self.device).eval()
+        eos = self.model.generation_config.eos_token_id or self.model.config.eos_token_id
+        self.eos = eos if isinstance(eos, list) else [eos]
+        self.pad_id = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else self.eos[0]
+        log.info("generate: %s in transformers on %s, %d conversations at a time", cfg.target.model_path,
+                 self.device, self.gen.concurrency)
+
+    def replies(self, requests: list[tuple[list[dict], tuple | None]]) -> list[Reply]:
+        """One reply per (history, tools), generated together."""
+        torch = self.torch
+        prompts = [self.tokenizing.prompt_ids(history, tools) for history, tools in requests]
+        width = max(map(len, prompts))
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        attention = torch.zeros_like(ids)
+        for row, prompt in enumerate(prompts):
+            ids[row, width - len(prompt):] = torch.as_tensor(prompt)
+            attention[row, width - len(prompt):] = 1
+        sampling = ({"do_sample": True, "temperature": self.gen.temperature, "top_p": self.gen.top_p}
+                    if self.gen.temperature > 0 else {"do_sample": False})
+        with torch.inference_mode():
+            out = self.model.generate(input_ids=ids.to(self.device), attention_mask=attention.to(self.device),
+                                      max_new_tokens=self.gen.max_tokens, eos_token_id=self.eos,
+                                      pad_token_id=self.pad_id, **sampling)
+        replies = []
+        for new in out[:, width:].tolist():
+            stop = next((i for i, token in enumerate(new) if token in self.eos), None)
+            new = new[: stop + 1] if stop is not None else new
+            text = self.tokenizing.tokenizer.decode(new, skip_special_tokens=True)
+            replies.append(Reply(text, None, len(new), "stop" if stop is not None else "length"))
+        return replies
+
+
+def regenerate_with_hf(cfg, todo: list[Conversation], writer: PartWriter, progress: ProgressLog) -> dict:
+    """generate.backend "hf": generate.concurrency conversations at a time, turn by turn; rows as the server
+    path writes them (a model error is a bug here, not a row's failure)."""
+    chat = HfChat(cfg)
+    truncated = 0
+    # Similar lengths together: less padding per batch.
+    todo = sorted(todo, key=lambda c: sum(len(m["content"]) for m in c.messages))
+    try:
+        for start in range(0, len(todo), cfg.generate.concurrency):
+            walks = [Regeneration(c) for c in todo[start : start + cfg.generate.concurrency]]
+            while asking := [(walk, history) for walk in walks if (history := walk.next_request()) is not None]:
+                replies = chat.replies([(history, walk.conversation.tools) for walk, history in asking])
+                for (walk, _), reply in zip(asking, replies, strict=True):
+                    walk.answer(reply)
+            for walk in walks:
+                result = walk.result()
+                truncated += result["truncated"]
+                writer.add({"source_id": walk.conversation.sample_id, "line_no": walk.conversation.line_no,
+                            "status": "ok", **result})
+                progress.update(1, result["completion_tokens"])
+    finally:
+        writer.flush()
+    return {"retries": 0, "truncated": truncated}
 
 
 # -- rows on disk ----------------------------------------------------------------------------------------------
@@ -247,7 +379,9 @@ def run_generate(cfg) -> dict:
     outcome = {"retries": 0, "truncated": 0}
     if todo:
         random.Random(cfg.seed).shuffle(todo)  # long and short conversations mixed: a steadier ETA
-        if gen.launch_server:
+        if gen.backend == "hf":
+            outcome = regenerate_with_hf(cfg, todo, writer, progress)
+        elif gen.launch_server:
             with sglang_server(cfg, out / "server.log") as server_url:
                 outcome = asyncio.run(regenerate_all(cfg, server_url + "/v1", todo, writer, progress))
         else:
@@ -259,8 +393,9 @@ def run_generate(cfg) -> dict:
     ok_rows = [rows[c.sample_id] for c in conversations if rows.get(c.sample_id, {}).get("status") == "ok"]
     failed = {c.line_no: rows[c.sample_id]["error"] for c in conversations
               if rows.get(c.sample_id, {}).get("status") == "failed"}
+    records = [{"messages": r["messages"], **({"tools": r["tools"]} if r.get("tools") else {})} for r in ok_rows]
     atomic_write_text(out / "conversations.jsonl",
-                      "".join(json.dumps({"messages": r["messages"]}, ensure_ascii=False) + "\n" for r in ok_rows))
+                      "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records))
     elapsed = time.monotonic() - started
     stats = {
         "conversations": len(conversations),
@@ -272,6 +407,7 @@ def run_generate(cfg) -> dict:
         "bad_records": len(read_stats.bad),
         "duplicates": read_stats.duplicates,
         "truncated_now": outcome["truncated"],
+        "cut_at_tool_call": sum(bool(r.get("cut_at_tool_call")) for r in ok_rows),
         "retried_requests": outcome["retries"],
         "completion_tokens_now": progress.tokens,
         "tokens_per_s": round(progress.tokens / elapsed, 1),
