@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 TINY_TARGET := .cache/tiny-target
 
-.PHONY: install demo test lint bench airflow docs clean
+.PHONY: install system-packages demo test lint bench airflow docs clean
 
 $(INSTALLED): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,7 +19,11 @@ install: $(INSTALLED)
 demo: $(INSTALLED)
 	$(PY) scripts/demo.py
 
-test: $(INSTALLED) lint
+# openssh-server, docker-compose and chromium, which the SSH, compose and browser tests drive for real.
+system-packages:
+	bash scripts/system-packages.sh
+
+test: $(INSTALLED) system-packages lint
 	$(PY) -m pytest
 
 lint: $(INSTALLED)

@@ -63,6 +63,18 @@ def test_shards_partition_the_samples(make_config):
         run_extract(split, shard=3)
 
 
+def test_extract_by_hand_without_shard_does_every_shard_and_says_so(make_config):
+    """`python -m eagle3 extract --config F` on a sharded config used to extract shard 0 only, silently."""
+    whole = make_config(run_name="whole", data={"max_samples": 40})
+    run_extract(whole)
+    cfg = make_config(run_name="by-hand", data={"max_samples": 40}, extract={"num_shards": 3})
+    write_run_config(cfg)
+    proc = run_eagle3("extract", "--config", str(cfg.config_path))
+    assert [stats["shard"] for stats in json.loads(proc.stdout)] == [0, 1, 2]
+    assert "shard 2 of 3 (no --shard given: extracting every shard in turn)" in proc.stderr
+    assert sorted(HiddenStateStore(cfg.store_dir).sample_ids) == sorted(HiddenStateStore(whole.store_dir).sample_ids)
+
+
 def test_bad_records_stop_extract_with_line_numbers(make_config, tmp_path):
     data = tmp_path / "bad.jsonl"
     data.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n'

@@ -57,7 +57,17 @@ def cmd_extract(args) -> None:
     from eagle3.extract import run_extract
 
     cfg = load_config(args.config)
-    print(json.dumps(run_extract(cfg, args.shard, args.num_shards, args.gpu_group), indent=2))
+    num_shards = args.num_shards or cfg.extract.num_shards
+    if args.shard is not None:
+        print(json.dumps(run_extract(cfg, args.shard, num_shards, args.gpu_group), indent=2))
+        return
+    # By hand, without --shard: every shard in turn on this GPU group (the DAG runs them in parallel).
+    results = []
+    for shard in range(num_shards):
+        if num_shards > 1:
+            log.info("extract: shard %d of %d (no --shard given: extracting every shard in turn)", shard, num_shards)
+        results.append(run_extract(cfg, shard, num_shards, args.gpu_group))
+    print(json.dumps(results[0] if num_shards == 1 else results, indent=2))
 
 
 # Stages that take only the run config: name -> (module, function, help, description). Each prints its
@@ -199,10 +209,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "extract",
         help="capture the target's EAGLE-3 hidden states into the store (resumable)",
-        description="Capture hidden states for one shard. Safe to kill and rerun: stored samples are skipped.",
+        description="Capture hidden states for one shard (--shard), or, without --shard, for every shard in turn. "
+        "Safe to kill and rerun: stored samples are skipped.",
     )
     p.add_argument("--config", required=True, help="RUN_DIR/config.json")
-    p.add_argument("--shard", type=int, default=0, help="which shard this process extracts (0-based)")
+    p.add_argument("--shard", type=int, default=None,
+                   help="which shard this process extracts (0-based); default: every shard, one after the other")
     p.add_argument("--num-shards", type=int, default=None, help="default: extract.num_shards from the config")
     p.add_argument("--gpu-group", type=int, default=0,
                    help="which of the box's GPU groups the shard uses: GPU K (hf backend, extract.device auto) or "
