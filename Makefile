@@ -35,13 +35,14 @@ bench: $(INSTALLED)
 	$(PY) bench/sglang_state_transport.py
 
 # Not one of the two commands: the Airflow UI on http://localhost:8080 with this project's DAG, for triggering
-# from the form (SQLite; the login is printed at start-up). Run `make demo` once first: it builds the tiny target and
-# writes demo-work/dag-settings.json, which fills the form in for the tiny target on this machine.
+# from the form (SQLite). It prints the URL and the login, then stays quiet (log: demo-work/airflow-standalone.log).
+# Run `make demo` once first: it builds the tiny target and writes demo-work/dag-settings.json, which fills the
+# form in for the tiny target on this machine.
 airflow: $(INSTALLED)
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH AIRFLOW_HOME=$(CURDIR)/demo-work/airflow AIRFLOW__CORE__DAGS_FOLDER=$(CURDIR)/dags \
 	AIRFLOW__CORE__PLUGINS_FOLDER=$(CURDIR)/plugins AIRFLOW__CORE__LOAD_EXAMPLES=False \
 	$(if $(wildcard demo-work/dag-settings.json),EAGLE3_DAG_SETTINGS=$(CURDIR)/demo-work/dag-settings.json) \
-	$(VENV)/bin/airflow standalone
+	$(PY) scripts/airflow_ui.py
 
 # docs/params.md, the trigger form's params reference, regenerated from the run-config model (a test checks it).
 docs: $(INSTALLED)

@@ -3,7 +3,9 @@
 1. builds the tiny DeepSeek-V3-shaped target (cached in .cache/tiny-target),
 2. migrates a throwaway Airflow home in demo-work/airflow (SQLite),
 3. runs `airflow dags test eagle3_drafter` with this machine as the box (connection "local"): preflight,
-   extract (2 shards), vocab, train, export, evaluate, report, every stage a detached box-side job,
+   generate (the tiny target answers the prompts itself, in transformers: the drafter learns the target's own
+   answers, as on a real box), extract (2 shards), vocab, train, export, evaluate, report, every stage a
+   detached box-side job,
 4. prints a summary from the run directory: stage durations, store, vocab, accuracy, acceptance length,
    and where the drafter, its report and plots are. The last line is `run directory: <path>`.
 
@@ -15,16 +17,17 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_TARGET = REPO / ".cache" / "tiny-target"
 WORKDIR = REPO / "demo-work"
 AIRFLOW = str(Path(sys.executable).with_name("airflow"))
-STAGES = ["extract.0", "extract.1", "vocab", "train", "export", "evaluate"]
 
 CONF = {
     "run_name": "demo",
@@ -32,6 +35,10 @@ CONF = {
     "target.model_path": str(TINY_TARGET),
     "target.dtype": "float32",
     "data.path": str(TINY_TARGET / "prompts.jsonl"),
+    "generate.enabled": True,
+    "generate.backend": "hf",
+    "generate.max_tokens": 64,
+    "generate.progress_interval_s": 10,
     "vocab.draft_vocab_size": 512,
     "extract.batch_tokens": 4096,
     "extract.chunk_mib": 32,
@@ -71,6 +78,54 @@ def airflow_env() -> dict[str, str]:
     return env
 
 
+class Console:
+    """What a person watching `make demo` needs from the task log: one line when a stage's job starts and one
+    when it ends (stage, try, box, seconds), the stages' own log lines (progress: done/total, ETA) as they come,
+    and for a failed stage the last lines of its job log and where that log is. Airflow's own lines are left
+    to the log file."""
+
+    JOB_STARTED = re.compile(r"\] (?:started|attached to) \S+ job (?P<key>\S+) on (?P<box>\S+): try (?P<try>\d+)")
+    JOB_ENDED = re.compile(r"\] \[(?P<key>[^\]\s]+)\] ==== eagle3 job \S+ try (?P<try>\d+) (?P<how>(?!started)\w+)")
+    STAGE_SAYS = re.compile(r"\] \[(?P<key>[^\]\s]+)\] (?:\S+ \S+ (?:INFO|WARNING|ERROR) eagle3[\w.]*: )?"
+                            r"(?P<message>(?<=: ).*?|error: .*?)\s+\[eagle3_airflow")
+
+    def __init__(self, run_dir: Path, echo: Callable[[str], None] = print):
+        self.run_dir, self.echo, self.started = run_dir, echo, {}
+
+    def feed(self, line: str) -> None:
+        if match := self.JOB_STARTED.search(line):
+            self.started[match["key"]] = time.monotonic()
+            self.echo(f"[demo] {match['key']:<10} started on {match['box']} (try {match['try']})")
+        elif match := self.JOB_ENDED.search(line):
+            seconds = time.monotonic() - self.started.get(match["key"], time.monotonic())
+            self.echo(f"[demo] {match['key']:<10} {match['how']} after {seconds:.0f}s (try {match['try']})")
+            if match["how"] != "succeeded":
+                self.failed(match["key"])
+        elif match := self.STAGE_SAYS.search(line):
+            stage, message = match["key"].split(".")[0], match["message"]
+            self.echo(f"         {message}" if message.startswith(stage) else f"         {match['key']}: {message}")
+
+    def failed(self, key: str) -> None:
+        log = self.run_dir / "jobs" / key / "log"
+        tail = log.read_text(errors="replace").splitlines()[-15:] if log.exists() else []
+        self.echo("\n".join(["         last lines of its job log:", *(f"           {t}" for t in tail),
+                              f"         the whole job log: {log}"]))
+
+
+def run_dag(conf: dict, env: dict[str, str], log_path: Path, echo: Callable[[str], None] = print) -> int:
+    """`airflow dags test eagle3_drafter` with the whole task log in `log_path` and a Console view of it on
+    the console while it runs. Returns the exit code."""
+    console = Console(Path(conf["workdir"]) / "runs" / conf["run_name"], echo)
+    argv = [AIRFLOW, "dags", "test", "eagle3_drafter", "--conf", json.dumps(conf)]
+    with open(log_path, "w") as log, subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                                      text=True, errors="replace") as proc:
+        for line in proc.stdout:
+            log.write(line)
+            log.flush()
+            console.feed(line)
+    return proc.returncode
+
+
 def step(what: str, argv: list[str], **kwargs) -> None:
     started = time.monotonic()
     print(f"[demo] {what} ...", flush=True)
@@ -89,13 +144,11 @@ def main() -> None:
     env = airflow_env()
     step("migrate the demo's Airflow DB (SQLite)", [AIRFLOW, "db", "migrate"], env=env, stdout=subprocess.DEVNULL)
     log = WORKDIR / "dag-test.log"
-    print(f"[demo] airflow dags test eagle3_drafter: the task log goes to {log}", flush=True)
-    with open(log, "w") as out:
-        proc = subprocess.run([AIRFLOW, "dags", "test", "eagle3_drafter", "--conf", json.dumps(CONF)], env=env,
-                              stdout=out, stderr=subprocess.STDOUT)
-    if proc.returncode != 0:
+    print(f"[demo] airflow dags test eagle3_drafter (the whole task log goes to {log}):", flush=True)
+    returncode = run_dag(CONF, env, log, lambda text: print(text, flush=True))
+    if returncode != 0:
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
-        sys.exit(f"[demo] the DAG run failed (exit {proc.returncode}); last lines of {log}:\n{tail}")
+        sys.exit(f"[demo] the DAG run failed (exit {returncode}); last lines of {log}:\n{tail}")
     print_summary(WORKDIR / "runs" / "demo", time.monotonic() - started)
 
 
@@ -116,7 +169,10 @@ def print_summary(run_dir: Path, total_s: float) -> None:
     report = read_json(run_dir / "evaluate" / "report.json")
 
     print()
+    generate = read_json(run_dir / "generate" / "stats.json")
     print("stage       duration        figures")
+    print(f"generate    {job_seconds(run_dir, 'generate'):<15} {generate['regenerated']} conversations answered by the "
+          f"target itself ({generate['completion_tokens_now']} tokens, {generate['tokens_per_s']:.0f} tokens/s)")
     print(f"extract     {job_seconds(run_dir, 'extract.0'):<15} shard 0; "
           f"{job_seconds(run_dir, 'extract.1')} shard 1; {store['samples']} samples, {store['tokens']} tokens, "
           f"{sum(s.get('duplicates', 0) for s in shards)} duplicate prompts skipped")
@@ -131,9 +187,13 @@ def print_summary(run_dir: Path, total_s: float) -> None:
           f"{report['simulated_accept_length_teacher_forced']:.3f}")
     for k, result in report["speculative"].items():
         print(f"evaluate    {job_seconds(run_dir, 'evaluate'):<15} k={k}: measured acceptance length "
-              f"{result['mean_accept_length']:.3f} on {report['prompts']} held-out prompts; "
+              f"{result['mean_accept_length']:.3f} (first cycle {result['first_cycle_accept_length']:.3f}, later "
+              f"{result['later_cycles_accept_length']:.3f}) on {report['prompts']} held-out prompts; "
               f"outputs equal to greedy: {result['identical_to_greedy']}")
-    print(f"total {total_s:.0f}s (the whole DAG, Airflow included)")
+    print(f"target      {'':15} greedy accuracy on the held-out answers "
+          f"{report['target_greedy_accuracy_held_out']:.3f} (drafts are accepted only where they match it)")
+    disk = sum(p.lstat().st_size for p in run_dir.rglob("*") if p.is_file() and not p.is_symlink())
+    print(f"total {total_s:.0f}s (the whole DAG, Airflow included); the run directory holds {disk / 2**20:.1f} MiB")
     print(f"drafter:       {run_dir / 'drafter'}")
     print(f"report:        {run_dir / 'evaluate' / 'report.json'}")
     print(f"plots:         {run_dir / 'train' / 'loss.png'}, {run_dir / 'train' / 'accuracy.png'}, "

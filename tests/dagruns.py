@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.airflow_env import AIRFLOW, airflow_env, dags_test
+from tests.airflow_env import AIRFLOW, airflow_env
 
 BASELINE_RUN_NAME = "baseline"
 # For drills about training: the stages after export are marked successful instead of run (`--mark-success-pattern`);
@@ -53,6 +53,7 @@ def conf_for(tiny_target: Path, workdir: Path, run_name: str = BASELINE_RUN_NAME
         "evaluate.num_prompts": 2,
         "evaluate.max_new_tokens": 16,
         "evaluate.draft_lengths": [3],
+        "evaluate.progress_interval_s": 1,
         "box.python": sys.executable,
         "box.require_gpus": False,
         "box.poll_interval_s": 0.3,
@@ -109,12 +110,21 @@ def start_dag_run(home: Path, conf: dict, output: Path, *, logical_date: str | N
 @pytest.fixture(scope="session")
 def baseline_run(tiny_target, airflow_home, settings, tmp_path_factory) -> Path:
     """One uninterrupted DAG run through the local transport, shared by the whole session: the reference the
-    DAG tests and fault drills compare against. Returns its run directory; nobody may write into it."""
+    DAG tests and fault drills compare against. Returns its run directory; nobody may write into it.
+
+    It runs the way `make demo` does (scripts/demo.py run_dag): what the demo's console showed, with the
+    moment each line came, is kept beside the run in console.json for the test of that console."""
+    from scripts.demo import run_dag
+
     workdir = tmp_path_factory.mktemp("baseline-box")
     started = time.monotonic()
-    proc = dags_test(airflow_home, conf_for(tiny_target, workdir), env=settings)
+    console: list[tuple[float, str]] = []
+    log = workdir / "dag-test.log"
+    code = run_dag(conf_for(tiny_target, workdir), {**airflow_env(airflow_home), **settings}, log,
+                   lambda text: console.append((time.monotonic() - started, text)))
     print(f"uninterrupted DAG run (local transport): {time.monotonic() - started:.1f} s")
-    assert_succeeded(proc)
+    assert code == 0, f"DAG run failed (exit {code}):\n" + "\n".join(log.read_text().splitlines()[-60:])
+    (workdir / "console.json").write_text(json.dumps({"lines": console, "ended_s": time.monotonic() - started}))
     return workdir / "runs" / BASELINE_RUN_NAME
 
 

@@ -5,6 +5,7 @@ drills that compare against this run are in tests/faults/."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -58,3 +59,23 @@ def test_local_run_produces_an_sglang_drafter_and_a_report(baseline_run):
     for key in ("extract.0", "extract.1", "vocab", "train", "export", "evaluate"):
         state = job_state(baseline_run, key)
         assert (state["status"], state["try"]) == ("succeeded", 1), key
+
+
+def test_the_demo_console_shows_each_stage_and_its_progress_while_the_run_goes(baseline_run):
+    """`make demo` used to be silent for the whole DAG run. The baseline run goes through the demo's console
+    (scripts/demo.py run_dag): a line when each stage's job starts and ends, and at least one progress line of
+    each long stage, each printed as it came, not at the end; none of Airflow's own log lines."""
+    console = json.loads((baseline_run.parent.parent / "console.json").read_text())
+    arrived = {text: at for at, text in console["lines"]}
+    lines = list(arrived)
+    for key in ("extract.0", "extract.1", "vocab", "train", "export", "evaluate"):
+        started = next(i for i, t in enumerate(lines) if t.startswith(f"[demo] {key} ") and "started on local" in t)
+        ended = next(i for i, t in enumerate(lines) if t.startswith(f"[demo] {key} ") and "succeeded after" in t)
+        assert started < ended and "(try 1)" in lines[ended]
+    for progress in (r"extract shard \d: \d+/\d+ samples .* ETA", r"train: step \d+/\d+, .* ETA",
+                     r"evaluate: k=3 speculative: \d+/\d+ prompts .* ETA"):
+        assert any(re.search(progress, t) for t in lines), progress
+    first_train_line = next(t for t in lines if re.search(r"train: step \d+/\d+", t))
+    evaluate_end = next(t for t in lines if t.startswith("[demo] evaluate") and "succeeded" in t)
+    assert arrived[first_train_line] < arrived[evaluate_end] - 1.0  # streamed, not dumped when the run ended
+    assert not [t for t in lines if "[info" in t or "airflow." in t]

@@ -446,6 +446,9 @@ class EvaluateConfig(Section):
     max_new_tokens: int = Field(
         256, ge=1, title="Max new tokens per prompt", description="Greedy, on the target with the drafter."
     )
+    progress_interval_s: float = Field(
+        30.0, gt=0, title="Progress log interval (s)", description="Seconds between progress lines in the task log."
+    )
 
 
 class BenchmarkConfig(Section):

@@ -30,6 +30,7 @@ import time
 import torch
 
 from eagle3.fsutil import atomic_write_text
+from eagle3.progress import ProgressLog
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +108,29 @@ def held_out_prompts(cfg, tokenizing, limit: int | None = None) -> list[list[int
     return prompts
 
 
+def target_greedy_accuracy(cfg, max_tokens: int = 100_000) -> float | None:
+    """Of the held-out samples' trained tokens (the first `max_tokens`), the share the target itself predicts
+    greedily: what explains an acceptance length. Drafts are accepted only where they equal the target's own
+    next token, so data the target would not have written (generate off) caps what a drafter learns from it;
+    with generate on it is near 1."""
+    from eagle3.model import LM_HEAD_KEYS, load_target_tensor
+    from eagle3.store import HiddenStateStore
+    from eagle3.train import is_validation
+
+    store = HiddenStateStore(cfg.store_dir)
+    lm_head = load_target_tensor(cfg.target.model_path, LM_HEAD_KEYS).float()
+    hits = total = 0
+    for sample_id in sorted(s for s in store.sample_ids if is_validation(s, cfg.train.val_fraction)):
+        if total >= max_tokens:
+            break
+        sample = store[sample_id]
+        answered = sample["loss_mask"][1:].bool()  # token t+1 is trained: the target predicted it at t
+        predicted = (sample["last_hidden_state"][:-1][answered].float() @ lm_head.T).argmax(-1)
+        hits += int((predicted == sample["input_ids"][1:][answered].long()).sum())
+        total += int(answered.sum())
+    return hits / total if total else None
+
+
 def acceptance_figures(cycles: list[int], first_cycles: list[int], new_tokens: int, k: int) -> dict:
     """Acceptance of one draft length from the drafts accepted in each verify step (cycle). The headline is
     SGLang's scheduler metric, avg_spec_accept_length: tokens committed per verify step, the accepted drafts
@@ -147,17 +171,28 @@ def run_evaluate(cfg) -> dict:
         raise ValueError("no held-out prompts: raise train.val_fraction or evaluate on more data")
     max_new = cfg.evaluate.max_new_tokens
 
+    def progress(what: str) -> ProgressLog:
+        return ProgressLog(f"evaluate: {what}", len(prompts), 0, cfg.evaluate.progress_interval_s, log,
+                           unit="prompts", track_bytes=False)
+
     with torch.no_grad():
-        baseline = [plain_greedy(target, p, max_new, eos) for p in prompts]
+        baseline, counting = [], progress("greedy baseline")
+        for prompt in prompts:
+            baseline.append(plain_greedy(target, prompt, max_new, eos))
+            counting.update(1, len(baseline[-1]))
+        counting.emit()
         results = {}
         for k in cfg.evaluate.draft_lengths:
             cycles, first_cycles, identical, new_tokens = [], [], 0, 0
+            counting = progress(f"k={k} speculative")
             for prompt, expected in zip(prompts, baseline):
                 tokens, accepted = speculative_greedy(target, drafter, draft_to_target, prompt, k, max_new, eos)
                 identical += tokens == expected
                 new_tokens += len(tokens)
                 cycles += accepted
                 first_cycles += accepted[:1]
+                counting.update(1, len(tokens))
+            counting.emit()
             results[str(k)] = acceptance_figures(cycles, first_cycles, new_tokens, k)
             results[str(k)]["identical_to_greedy"] = f"{identical}/{len(prompts)}"
             log.info("evaluate: k=%d: mean acceptance length %.3f over %d cycles (first cycle %.3f); %d/%d outputs "
@@ -170,6 +205,7 @@ def run_evaluate(cfg) -> dict:
         "generated_tokens": sum(len(b) for b in baseline),
         "speculative": results,
         "simulated_accept_length_teacher_forced": export["val_accept_length"],
+        "target_greedy_accuracy_held_out": target_greedy_accuracy(cfg),
         "val_acc_per_position": export["val_acc"],
         "seconds": round(time.monotonic() - started, 1),
     }

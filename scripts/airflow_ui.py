@@ -1,0 +1,70 @@
+"""`make airflow`: the Airflow UI on http://localhost:8080 with this project's DAG, quietly.
+
+`airflow standalone` (SQLite; scheduler, triggerer, dag-processor and api server in one command) logs every
+component's every line to the console. This starts it with that output in demo-work/airflow-standalone.log,
+waits until its health endpoint reports every component healthy, prints the URL and the login, and then
+says nothing more until it stops (Ctrl-C stops it; if it dies, its last log lines are printed). The
+environment (AIRFLOW_HOME, dags and plugins folders, the demo's form defaults) comes from the Makefile.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+URL = "http://localhost:8080"
+HEALTHY = ("metadatabase", "scheduler", "triggerer", "dag_processor")
+
+
+def healthy() -> bool:
+    try:
+        with urllib.request.urlopen(f"{URL}/api/v2/monitor/health", timeout=5) as response:
+            health = json.loads(response.read())
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+    return all(health.get(part, {}).get("status") == "healthy" for part in HEALTHY)
+
+
+def tail(log: Path, lines: int = 30) -> str:
+    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:]) if log.exists() else ""
+
+
+def main() -> None:
+    home = Path(os.environ["AIRFLOW_HOME"])
+    log = REPO / "demo-work" / "airflow-standalone.log"
+    log.parent.mkdir(exist_ok=True)
+    print(f"[airflow] starting airflow standalone (its log: {log}) ...", flush=True)
+    with open(log, "ab") as out:
+        proc = subprocess.Popen([str(Path(sys.executable).with_name("airflow")), "standalone"], stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        while not healthy():
+            if proc.poll() is not None:
+                sys.exit(f"[airflow] airflow standalone exited ({proc.returncode}); last lines of {log}:\n{tail(log)}")
+            time.sleep(1)
+        passwords = home / "simple_auth_manager_passwords.json.generated"
+        password = json.loads(passwords.read_text()).get("admin", "?") if passwords.exists() else "(see the log)"
+        print(f"[airflow] ready: {URL}  login: admin / {password}  (Ctrl-C stops it)", flush=True)
+        proc.wait()
+        sys.exit(f"[airflow] airflow standalone exited ({proc.returncode}); last lines of {log}:\n{tail(log)}")
+    except KeyboardInterrupt:
+        print("\n[airflow] stopping ...", flush=True)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+
+
+if __name__ == "__main__":
+    main()
