@@ -120,3 +120,12 @@ def test_resume_with_another_number_of_ranks_is_refused(train_config):
     proc = run_eagle3("train", "--config", str(train_config.config_path), check=False)
     assert proc.returncode == 2
     assert "written by 2 rank(s), this run has 1" in proc.stderr and "train.gpus" in proc.stderr
+
+
+def test_without_a_token_budget_every_step_is_one_sample():
+    """train.batch_tokens empty (the default): SpecForge's one sample per rank per step, in a seeded order."""
+    samples = [(f"{i:016x}", n) for i, n in enumerate([5, 40, 7, 300])]
+    plan = train.plan_epoch(samples, None, seed=0, epoch=0)
+    assert sorted(b[0] for b in plan) == sorted(s for s, _ in samples) and all(len(b) == 1 for b in plan)
+    assert plan == train.plan_epoch(samples, None, seed=0, epoch=0) != train.plan_epoch(samples, None, 0, 1)
+    assert [len(b) for b in train.plan_epoch(samples, 100, seed=0, epoch=0)] != [1, 1, 1, 1]  # a budget packs

@@ -392,9 +392,10 @@ class TrainConfig(Section):
         0.015, ge=0, lt=1, title="Warmup fraction", description="Of all steps, with the learning rate rising linearly."
     )
     max_grad_norm: float = Field(0.5, gt=0, title="Gradient clip norm", description="Global L2 norm, per step.")
-    batch_tokens: int = Field(
-        8192, ge=16, title="Tokens per rank per step",
-        description="Padded tokens; the global batch is this x ranks. Lower it if a rank runs out of memory.",
+    batch_tokens: int | None = Field(
+        None, ge=16, title="Tokens per rank per step",
+        description="Padded tokens per rank per step (samples packed up to it). Empty: one sample per rank per "
+        "step, SpecForge's default, which trained the better drafter on the same tokens (bench/train_recipe.py).",
     )
     val_fraction: float = Field(
         0.02, ge=0, lt=1, title="Held-out fraction",

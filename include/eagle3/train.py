@@ -149,13 +149,15 @@ def is_validation(sample_id: str, val_fraction: float) -> bool:
     return (int(conversation_id_of(sample_id), 16) % 10_000) < val_fraction * 10_000
 
 
-def plan_epoch(ids_and_lengths: list[tuple[str, int]], batch_tokens: int, seed: int, epoch: int) -> list[list[str]]:
-    """Shuffle by (seed, epoch), then cut into batches of at most `batch_tokens` padded tokens."""
+def plan_epoch(ids_and_lengths: list[tuple[str, int]], batch_tokens: int | None, seed: int,
+               epoch: int) -> list[list[str]]:
+    """Shuffle by (seed, epoch), then cut into batches of at most `batch_tokens` padded tokens (None: one
+    sample each)."""
     order = torch.randperm(len(ids_and_lengths), generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
     batches, batch, longest = [], [], 0
     for index in order.tolist():
         sample_id, length = ids_and_lengths[index]
-        if batch and (len(batch) + 1) * max(longest, length) > batch_tokens:
+        if batch and (batch_tokens is None or (len(batch) + 1) * max(longest, length) > batch_tokens):
             batches.append(batch)
             batch, longest = [], 0
         batch.append(sample_id)
