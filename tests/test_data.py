@@ -441,3 +441,47 @@ def test_content_policy_masks_the_content_not_a_later_copy_of_it(tiny_tokenizer)
     for a, b in (count[:2], count[2:]):  # the reasoning right after <think>, the content right after </think>
         expected[a:b] = [1] * (b - a)
     assert sample.loss_mask == expected
+
+
+# Kimi-K2.5's own rule: reasoning is blanked for every message up to and including the last assistant turn
+# without tool calls (the "final answer"), kept after it. So a final answer is never rendered with its
+# reasoning, and a tool chain is rendered again, blanked, once its answer follows.
+KIMI_K25_LIKE = KIMI_LIKE.replace(
+    "{% set ns = namespace(last=-1) %}{% for m in messages %}{% if m.role == 'user' %}",
+    "{% set ns = namespace(last=-1) %}{% for m in messages %}{% if m.role == 'assistant' and not m.tool_calls %}")
+# What a user passes as data.generation_chat_template: the same template with the blanking branch emptied.
+KIMI_K25_AS_GENERATED = KIMI_LIKE.replace("{% if m.role == 'user' %}{% set ns.last = loop.index0 %}{% endif %}", "")
+
+
+def test_kimi_k25_turns_are_trained_as_generated_with_a_generation_template(tiny_tokenizer, tiny_target):
+    """Without data.generation_chat_template the tool chain cannot be placed (skipped, with the reason) and a
+    final answer's reasoning is counted as not rendered. With it, every turn is a sample: its prompt as the
+    target's template serves it, then the turn with its reasoning, through <|im_end|>."""
+    tokenizer = with_template(tiny_tokenizer, KIMI_K25_LIKE, KIMI_SPECIALS)
+    end = end_of_turn_tokens(tokenizer, tiny_target)
+    chain = conversation([user("Weather in Paris?"), bot("", reasoning_content="Need the tool.", tool_calls=[CALL]),
+                          {"role": "tool", "tool_call_id": CALL["id"], "content": "18C"},
+                          bot("It is 18C.", reasoning_content="The tool says 18C.")])
+    single = conversation([user("What is 2 + 3?"), bot("5.", reasoning_content="Add them.")])
+
+    stats = TokenizeStats()
+    plain = SampleTokenizer(tokenizer, 4096, "assistant_turn", end)
+    assert [s.sample_id for s in plain.iter([chain, single], stats)] == [single.sample_id]
+    assert "another prefix" in stats.skipped[chain.sample_id] and stats.reasoning_not_rendered == 1
+
+    as_generated = SampleTokenizer(tokenizer, 4096, "assistant_turn", end, generation_template=KIMI_K25_AS_GENERATED)
+    first, final = as_generated.samples(chain)
+    assert (first.sample_id, final.sample_id) == (f"{chain.sample_id}.1", chain.sample_id)
+    call = ("<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+            '{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>')
+    assert masked_runs(tokenizer, first) == [f"<think>Need the tool.</think>{call}<|im_end|>"]
+    assert masked_runs(tokenizer, final) == ["<think>The tool says 18C.</think>It is 18C.<|im_end|>"]
+    # The final answer's prompt is what the target was served: the tool chain as the target's template shows
+    # it before the answer exists (its reasoning still there), plus the generation prompt.
+    prompt = tokenizer.apply_chat_template(list(chain.messages[:3]), tokenize=False, add_generation_prompt=True)
+    assert "Need the tool." in prompt and tokenizer.decode(final.input_ids).startswith(prompt)
+    [only] = as_generated.samples(single)
+    assert masked_runs(tokenizer, only) == ["<think>Add them.</think>5.<|im_end|>"]
+    [content] = SampleTokenizer(tokenizer, 4096, "content", end, generation_template=KIMI_K25_AS_GENERATED) \
+        .samples(single)
+    assert masked_runs(tokenizer, content) == ["Add them.", "5."]

@@ -400,6 +400,8 @@ def _token_cache_key(cfg) -> dict:
         "max_samples": cfg.data.max_samples,
         "on_bad_record": cfg.data.on_bad_record,
         "loss_mask": cfg.data.loss_mask,
+        "generation_chat_template": cfg.data.generation_chat_template,
+        "chat_template_kwargs": cfg.data.chat_template_kwargs,
         "tokenizer": cfg.tokenizer_dir,
         "samples_of": TOKENIZING_VERSION,  # how conversations become samples (eagle3.data)
     }

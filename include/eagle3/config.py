@@ -83,6 +83,14 @@ class DataConfig(Section):
         description='Passed to the target\'s chat template wherever it renders (and to SGLang in generate), e.g. '
         '{"enable_thinking": true} for Qwen3, or a template\'s option to keep reasoning in earlier turns.',
     )
+    generation_chat_template: str | None = Field(
+        None,
+        title="Template for the turns as generated",
+        description="A jinja chat template file on the box that renders every assistant turn with its reasoning "
+        "(e.g. Kimi-K2.5's own, with its history branch emptied). Set it for a target whose template blanks "
+        "reasoning even in the turn just written: each turn is then its own sample, prompt by the target's template.",
+        pattern=ABS_PATH_PATTERN,
+    )
     loss_mask: Literal["assistant_turn", "content"] = Field(
         "assistant_turn",
         title="Trained tokens",

@@ -212,9 +212,12 @@ def read_conversations(path: str | Path, on_bad_record: str = "error", max_sampl
 # -- rendering: which characters of the template's text the target generated ---------------------------------
 
 
-def render(tokenizer, messages, tools=None, add_generation_prompt: bool = False, template_kwargs=None) -> str:
+def render(tokenizer, messages, tools=None, add_generation_prompt: bool = False, template_kwargs=None,
+           chat_template: str | None = None) -> str:
+    """The chat template's text (the tokenizer's own, or `chat_template` given as a template string)."""
     return tokenizer.apply_chat_template(list(messages), tools=list(tools) if tools else None, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt, **(template_kwargs or {}))
+                                         add_generation_prompt=add_generation_prompt, chat_template=chat_template,
+                                         **(template_kwargs or {}))
 
 
 @dataclass(frozen=True)
@@ -241,7 +244,8 @@ def end_of_turn(text: str, start: int, end: int, end_tokens: tuple[str, ...]) ->
 PLACEHOLDER = "\u27e6eagle3:{}\u27e7"  # marks a field in a rendering; no template or text has it
 
 
-def content_spans(tokenizer, messages, i: int, tools, host: str, start: int, template_kwargs=None):
+def content_spans(tokenizer, messages, i: int, tools, host: str, start: int, template_kwargs=None,
+                  chat_template: str | None = None):
     """data.loss_mask "content": where the reasoning and content of assistant turn i stand in `host` (whose
     turn i's generated text begins at `start`). The turn is rendered once more with a unique placeholder in
     place of each field; the template's own text between them must then equal `host`'s, and each field must
@@ -250,7 +254,7 @@ def content_spans(tokenizer, messages, i: int, tools, host: str, start: int, tem
     message = messages[i]
     fields = [key for key in ("reasoning_content", "content") if message.get(key)]
     marked = render(tokenizer, [*messages[:i], {**message, **{k: PLACEHOLDER.format(k) for k in fields}}], tools,
-                    template_kwargs=template_kwargs)
+                    template_kwargs=template_kwargs, chat_template=chat_template)
     spans, at, cursor = [], start, start  # at: position in host; cursor: in the marked rendering
     for key in sorted(fields, key=lambda k: marked.find(PLACEHOLDER.format(k), start)):
         where = marked.find(PLACEHOLDER.format(key), cursor)
@@ -300,6 +304,38 @@ def plan_renderings(tokenizer, conversation: Conversation, loss_mask: LossMaskPo
     renderings = ([Rendering(conversation.sample_id, whole, tuple(in_whole))] if in_whole else []) + own
     if renderings and reasoning_not_rendered:
         renderings[0] = dataclasses.replace(renderings[0], reasoning_not_rendered=reasoning_not_rendered)
+    return renderings
+
+
+def renderings_as_generated(tokenizer, conversation: Conversation, loss_mask: LossMaskPolicy,
+                            end_tokens: tuple[str, ...], template_kwargs, generation_template: str) -> list[Rendering]:
+    """data.generation_chat_template: for targets whose template never renders a turn's reasoning as it was
+    generated (Kimi-K2.5's blanks it up to the last final answer, that answer included, and so also re-renders
+    a tool chain once its answer follows). Each assistant turn is a sample of its own: its prompt as the
+    target's template renders it (what the target was served), then the turn as the generation template
+    renders it (what the target wrote), through the end-of-turn token. The last turn's sample carries the
+    conversation's id, earlier ones "<id>.<turn>"."""
+    messages, tools = conversation.messages, conversation.tools
+    last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    renderings = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant" or i == 0:
+            continue
+        prompt = render(tokenizer, messages[:i], tools, True, template_kwargs)
+        before = render(tokenizer, messages[:i], tools, True, template_kwargs, generation_template)
+        through = render(tokenizer, messages[: i + 1], tools, False, template_kwargs, generation_template)
+        if not through.startswith(before):
+            raise ValueError(f"turn {i} (assistant): data.generation_chat_template renders this turn with another "
+                             "prefix than its generation prompt; it must render every turn as generated (append-only)")
+        end = end_of_turn(through, len(before), len(through), end_tokens)
+        text = prompt + through[len(before) : end]
+        shift = len(prompt) - len(before)
+        spans = [(len(prompt), len(text))] if loss_mask == "assistant_turn" else [
+            (a + shift, b + shift)
+            for a, b in content_spans(tokenizer, messages, i, tools, through, len(before), template_kwargs,
+                                      generation_template)]
+        renderings.append(Rendering(conversation.sample_id if i == last else f"{conversation.sample_id}.{i}", text,
+                                    tuple(spans)))
     return renderings
 
 
@@ -366,7 +402,7 @@ class TokenizeStats:
     turn_samples: int = 0  # samples of an assistant turn the whole rendering does not show as generated
     # Turns with reasoning_content that the template renders without it even as the turn just generated: the
     # drafter then never sees the reasoning the target produced (a template option may keep it, see
-    # data.chat_template_kwargs).
+    # data.chat_template_kwargs; or data.generation_chat_template).
     reasoning_not_rendered: int = 0
     skipped: dict[str, str] = field(default_factory=dict)  # sample or conversation id -> reason
 
@@ -381,16 +417,28 @@ class SampleTokenizer:
     loss_mask: LossMaskPolicy = "assistant_turn"
     end_tokens: tuple[str, ...] = ()
     template_kwargs: dict = field(default_factory=dict)  # data.chat_template_kwargs
+    generation_template: str | None = None  # data.generation_chat_template's text
 
     @classmethod
     def for_run(cls, cfg) -> SampleTokenizer:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_dir, trust_remote_code=cfg.target.trust_remote_code)
+        generation_template = None
+        if cfg.data.generation_chat_template:
+            try:
+                generation_template = Path(cfg.data.generation_chat_template).read_text(encoding="utf-8")
+            except OSError as err:
+                raise DataError(f"data.generation_chat_template: cannot read {cfg.data.generation_chat_template} "
+                                f"({err.strerror}); point it at a jinja chat template file on the box") from None
         return cls(tokenizer, cfg.data.max_length, cfg.data.loss_mask,
-                   end_of_turn_tokens(tokenizer, cfg.target.model_path), dict(cfg.data.chat_template_kwargs))
+                   end_of_turn_tokens(tokenizer, cfg.target.model_path), dict(cfg.data.chat_template_kwargs),
+                   generation_template)
 
     def renderings(self, conversation: Conversation) -> list[Rendering]:
+        if self.generation_template is not None:
+            return renderings_as_generated(self.tokenizer, conversation, self.loss_mask, self.end_tokens,
+                                           self.template_kwargs, self.generation_template)
         return plan_renderings(self.tokenizer, conversation, self.loss_mask, self.end_tokens, self.template_kwargs)
 
     def samples(self, conversation: Conversation) -> list[TokenizedSample]:

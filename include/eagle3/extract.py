@@ -187,8 +187,9 @@ def run_extract(cfg, shard: int = 0, num_shards: int | None = None, gpu_group: i
     progress.emit()
     if stats_of_pass.reasoning_not_rendered:
         log.warning("extract shard %d: %d assistant turn(s) have reasoning_content the chat template does not render "
-                    "even as the turn just generated: the drafter never sees that reasoning. Check the template's "
-                    "options (data.chat_template_kwargs)", shard, stats_of_pass.reasoning_not_rendered)
+                    "even as the turn just generated: the drafter never sees that reasoning. Pass the template's "
+                    "option that keeps it (data.chat_template_kwargs), or a template that renders turns as "
+                    "generated (data.generation_chat_template)", shard, stats_of_pass.reasoning_not_rendered)
 
     seconds = time.monotonic() - started
     stats = {
