@@ -34,7 +34,9 @@ every assistant turn is trained exactly once, in the rendering the target served
 rendering shows as generated (`through` is a prefix of it) are trained there; every other turn gets a
 sample of its own, the conversation rendered through that turn (earlier turns as the template shows
 them then, untrained context), with sample id "<conversation id>.<turn index>". Tool results are never
-trained; neither is an assistant turn with nothing before it (nothing prompted it).
+trained; neither is an assistant turn with nothing before it (nothing prompted it). A template that never
+renders a turn as generated (Kimi-K2.5's blanks the final answer's reasoning too) needs
+data.generation_chat_template: see renderings_as_generated.
 """
 
 from __future__ import annotations
