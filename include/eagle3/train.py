@@ -301,14 +301,14 @@ class Trainer:
         checkpoints = checkpoint_dirs(self.ckpt_root)
         if not checkpoints:
             return
-        state = load_checkpoint(checkpoints[-1])
         written_by = json.loads((checkpoints[-1] / "meta.json").read_text()).get("world_size", self.world)
-        if written_by != self.world:
+        if written_by != self.world:  # checked before the (large) state is read
             raise ConfigError(
                 f"{checkpoints[-1]} was written by {written_by} rank(s), this run has {self.world}: resuming would "
                 "change the data order and the schedule. Set train.gpus (or train.nproc_per_node) back to "
                 f"{written_by} ranks, or start a new run"
             )
+        state = load_checkpoint(checkpoints[-1])
         missing, unexpected = self.draft.load_state_dict(state["model"], strict=False)
         if missing != ["embed_tokens.weight"] or unexpected:
             raise RuntimeError(f"{checkpoints[-1]}: not a checkpoint of this drafter ({missing}, {unexpected})")
