@@ -9,6 +9,7 @@ environment (AIRFLOW_HOME, dags and plugins folders, the demo's form defaults) c
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -38,6 +39,9 @@ def tail(log: Path, lines: int = 30) -> str:
 
 
 def main() -> None:
+    # A SIGTERM (a closed terminal, `timeout`, a service manager) must stop standalone too: it runs in a session
+    # of its own, so nothing else would.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     home = Path(os.environ["AIRFLOW_HOME"])
     log = REPO / "demo-work" / "airflow-standalone.log"
     log.parent.mkdir(exist_ok=True)
@@ -63,7 +67,9 @@ def main() -> None:
             try:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+                pass
+        with contextlib.suppress(ProcessLookupError):  # what of standalone's group outlived it (its api server)
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 if __name__ == "__main__":

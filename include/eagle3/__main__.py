@@ -75,9 +75,10 @@ def cmd_extract(args) -> None:
 STAGES = {
     "generate": (
         "eagle3.generate", "run_generate",
-        "regenerate the data's assistant turns with the target through an OpenAI-compatible server (resumable)",
+        "regenerate the data's assistant turns with the target (an OpenAI-compatible server, or hf; resumable)",
         "Every assistant turn again, in order, from POST {endpoint}/chat/completions (generate.launch_server: "
-        "start SGLang on the box for the stage, stop it afterwards). Retries transient errors; stops early when "
+        "start SGLang on the box for the stage, stop it afterwards), or with generate.backend hf from the target "
+        "in transformers, batched. Tool turns are kept as they are. Retries transient errors; stops early when "
         "generate.max_failure_rate is passed. Safe to kill and rerun: finished conversations are kept. Writes "
         "RUN_DIR/generate/conversations.jsonl, which extract then reads instead of data.path.",
     ),
