@@ -332,3 +332,16 @@ def test_the_hf_backend_answers_as_the_server_does_and_resumes(make_config, shar
     stats = run_generate(more)
     assert (stats["regenerated"], stats["regenerated_now"], stats["already_done"]) == (8, 3, 5)
     assert output_of(more) == output_of(served)
+
+
+def test_an_empty_answer_fails_the_conversation_and_is_not_kept():
+    """The hf backend has no server to refuse an empty message: the walk fails the conversation (a failed row,
+    left out of the data and counted) rather than keep an assistant turn that extract would reject."""
+    from eagle3.data import Conversation
+    from eagle3.generate import Regeneration, Reply
+
+    walk = Regeneration(Conversation("0" * 16, ({"role": "user", "content": "hi"},
+                                                {"role": "assistant", "content": "yo"}), 1))
+    assert walk.next_request() == [{"role": "user", "content": "hi"}]
+    walk.answer(Reply("  ", None, 1, "stop"))
+    assert walk.failed == "the target answered with an empty message" and walk.next_request() is None

@@ -150,9 +150,10 @@ class Regeneration:
         self.history: list[dict] = []
         self.index = 0
         self.tokens, self.truncated, self.cut_short = 0, False, False
+        self.failed: str | None = None  # why the conversation cannot be kept (the server path raises instead)
 
     def next_request(self) -> list[dict] | None:
-        if self.cut_short:
+        if self.cut_short or self.failed:
             return None
         while self.index < len(self.turns) and self.turns[self.index]["role"] != "assistant":
             self.history.append(dict(self.turns[self.index]))
@@ -160,6 +161,9 @@ class Regeneration:
         return list(self.history) if self.index < len(self.turns) else None
 
     def answer(self, reply: Reply) -> None:
+        if not reply.content.strip() and not reply.tool_calls:
+            self.failed = "the target answered with an empty message"
+            return
         original = self.turns[self.index]
         message = {"role": "assistant", "content": reply.content,
                    **({"reasoning_content": reply.reasoning} if reply.reasoning else {})}
@@ -253,10 +257,14 @@ def regenerate_with_hf(cfg, todo: list[Conversation], writer: PartWriter, progre
                 for (walk, _), reply in zip(asking, replies, strict=True):
                     walk.answer(reply)
             for walk in walks:
+                row = {"source_id": walk.conversation.sample_id, "line_no": walk.conversation.line_no}
+                if walk.failed:  # left out of the data and counted, as a failed request is on the server path
+                    writer.add({**row, "status": "failed", "error": walk.failed})
+                    progress.update(0, 0, failed=1)
+                    continue
                 result = walk.result()
                 truncated += result["truncated"]
-                writer.add({"source_id": walk.conversation.sample_id, "line_no": walk.conversation.line_no,
-                            "status": "ok", **result})
+                writer.add({**row, "status": "ok", **result})
                 progress.update(1, result["completion_tokens"])
     finally:
         writer.flush()
