@@ -134,8 +134,9 @@ def target_greedy_accuracy(cfg, max_tokens: int = 100_000) -> float | None:
 def acceptance_figures(cycles: list[int], first_cycles: list[int], new_tokens: int, k: int) -> dict:
     """Acceptance of one draft length from the drafts accepted in each verify step (cycle). The headline is
     SGLang's scheduler metric, avg_spec_accept_length: tokens committed per verify step, the accepted drafts
-    plus the target's own bonus token. The first cycle of an answer (drafted right after prefill) is shown
-    apart: it is a quarter of the cycles on short answers and the hardest one."""
+    plus the target's own bonus token. The first cycle of an answer (drafted right after prefill, from the
+    prompt's last token, a position SpecForge's mask never trains) is shown apart, and so are the later ones:
+    on short answers the first cycle is a large share of all."""
     def per_step(accepted: int, steps: int) -> float:
         return 1 + accepted / max(steps, 1)
 
