@@ -108,17 +108,16 @@ def held_out_prompts(cfg, tokenizing, limit: int | None = None) -> list[list[int
     return prompts
 
 
-def target_greedy_accuracy(cfg, max_tokens: int = 100_000) -> float | None:
+def target_greedy_accuracy(cfg, lm_head: torch.Tensor, max_tokens: int = 100_000) -> float | None:
     """Of the held-out samples' trained tokens (the first `max_tokens`), the share the target itself predicts
     greedily: what explains an acceptance length. Drafts are accepted only where they equal the target's own
     next token, so data the target would not have written (generate off) caps what a drafter learns from it;
-    with generate on it is near 1."""
-    from eagle3.model import LM_HEAD_KEYS, load_target_tensor
+    with generate on it is near 1. `lm_head`: the target's [vocab, hidden] output weights, on the CPU."""
     from eagle3.store import HiddenStateStore
     from eagle3.train import is_validation
 
     store = HiddenStateStore(cfg.store_dir)
-    lm_head = load_target_tensor(cfg.target.model_path, LM_HEAD_KEYS).float()
+    lm_head = lm_head.float()
     hits = total = 0
     for sample_id in sorted(s for s in store.sample_ids if is_validation(s, cfg.train.val_fraction)):
         if total >= max_tokens:
@@ -206,7 +205,7 @@ def run_evaluate(cfg) -> dict:
         "generated_tokens": sum(len(b) for b in baseline),
         "speculative": results,
         "simulated_accept_length_teacher_forced": export["val_accept_length"],
-        "target_greedy_accuracy_held_out": target_greedy_accuracy(cfg),
+        "target_greedy_accuracy_held_out": target_greedy_accuracy(cfg, target.lm_head.weight.detach().cpu()),
         "val_acc_per_position": export["val_acc"],
         "seconds": round(time.monotonic() - started, 1),
     }

@@ -134,6 +134,7 @@ def run_extract(cfg, shard: int = 0, num_shards: int | None = None, gpu_group: i
     meta = StoreMeta(cfg.target.hidden_size, tuple(cfg.resolved_aux_layers()))
     writer = ShardWriter(cfg.store_dir, shard, meta, chunk_bytes=cfg.extract.chunk_mib << 20)
     done_before = sum(conversation_id_of(sid) in mine_ids for sid in [*writer.done_ids, *writer.rejected])
+    stored_conversations = {conversation_id_of(sid) for sid in writer.done_ids} & mine_ids
     log.info(
         "extract shard %d/%d: %d conversations in this shard, %d samples already stored, aux layers %s",
         shard, num_shards, len(mine), done_before, list(meta.aux_layers),
@@ -159,7 +160,9 @@ def run_extract(cfg, shard: int = 0, num_shards: int | None = None, gpu_group: i
     completed = False
     try:
         if backend is not None:
-            backend.prepare(pending_batches(TokenizeStats()), len(mine) - done_before)
+            # Its progress total counts conversations not stored yet: the sample count is known only once all
+            # are tokenised (a thinking model's conversation can give several).
+            backend.prepare(pending_batches(TokenizeStats()), len(mine) - len(stored_conversations))
             loop_started = time.monotonic()  # tokens/s below is the capture pass's (sglang: the aux pass)
         for batch in itertools.chain([first] if first is not None else [], batches):
             progress.total = stats_of_pass.samples + len(mine) - stats_of_pass.conversations
