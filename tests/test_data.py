@@ -17,7 +17,10 @@ import re
 
 import pytest
 
+from eagle3 import data
+from eagle3.__main__ import exit_code_for
 from eagle3.data import (
+    ChatTemplateError,
     Conversation,
     DataError,
     SampleTokenizer,
@@ -485,3 +488,95 @@ def test_kimi_k25_turns_are_trained_as_generated_with_a_generation_template(tiny
     [content] = SampleTokenizer(tokenizer, 4096, "content", end, generation_template=KIMI_K25_AS_GENERATED) \
         .samples(single)
     assert masked_runs(tokenizer, content) == ["Add them.", "5."]
+
+
+# -- hostile chat templates: each goes in as the file a run names, and must be refused with that file named --------
+
+# The tiny target's own template, which every stage renders with unless a test swaps it out.
+PLAIN_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                  "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+ESCAPE = "{{ ''.__class__.__mro__[1].__subclasses__() }}"  # the classic way out of jinja to Python's classes
+NESTED_LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"  # 10^10 steps
+
+
+def generation_template_config(make_config, tmp_path, template: str):
+    path = tmp_path / "generation.jinja"
+    path.write_text(template)
+    return make_config(data={"generation_chat_template": str(path)}), path
+
+
+@pytest.mark.parametrize("template, error", [
+    (ESCAPE, "SecurityError: access to attribute '__class__' of 'str' object is unsafe"),
+    ("{% for m in messages %}{{ m.content }", "TemplateSyntaxError at line 1 of the template: unexpected '}'"),
+    ("{{ messages | nosuchfilter }}", "No filter named 'nosuchfilter'"),
+    ("{{ undefined_thing.field.deeper }}", "UndefinedError: 'undefined_thing' is undefined"),
+    ("{% for i in range(10**9) %}{% endfor %}", "OverflowError: Range too big"),
+    ("{% macro down(n) %}{{ down(n + 1) }}{% endmacro %}{{ down(0) }}", "RecursionError"),
+], ids=["escape", "syntax", "filter", "undefined", "range", "recursion"])
+def test_a_generation_template_the_sandbox_refuses_is_a_config_error(make_config, tmp_path, template, error):
+    """Attack: data.generation_chat_template reaching for Python's internals, or broken (a syntax error, an
+    unknown filter or name, a range past the sandbox's limit, a macro recursing forever). Refused when the
+    stage loads its tokenizer, naming the field, the file and jinja's error in one line, as exit 2."""
+    cfg, path = generation_template_config(make_config, tmp_path, template)
+    with pytest.raises(ChatTemplateError) as info:
+        SampleTokenizer.for_run(cfg)
+    message = str(info.value)
+    assert message.startswith(f"data.generation_chat_template {path}: fails in jinja's sandbox on a two-message "
+                              "conversation (")
+    assert error in message and "\n" not in message
+    assert message.endswith("Fix that file, or point data.generation_chat_template at one that renders.")
+    assert exit_code_for(info.value) == 2
+
+
+def test_a_generation_template_that_loops_is_stopped_and_refused(make_config, tmp_path, monkeypatch):
+    """Attack: data.generation_chat_template with two nested loops of 10^5 steps, each within the sandbox's
+    range limit and together hours of work. The load-time probe is stopped at its time limit (0.3 s here)."""
+    monkeypatch.setattr(data, "PROBE_TIME_LIMIT_S", 0.3)
+    cfg, path = generation_template_config(make_config, tmp_path, PLAIN_TEMPLATE + NESTED_LOOPS)
+    with pytest.raises(ChatTemplateError, match=rf"^data.generation_chat_template {re.escape(str(path))}: took "
+                                                r"longer than 0.3 s to render a two-message conversation"):
+        SampleTokenizer.for_run(cfg)
+
+
+def test_a_target_chat_template_that_escapes_or_loops_is_refused(make_config, tmp_path, tiny_target, monkeypatch):
+    """Attack: the tokenizer directory's own chat_template.jinja replaced by one that reaches for Python's
+    internals, then by one that loops. The message names that file and the field that points there."""
+    monkeypatch.setattr(data, "PROBE_TIME_LIMIT_S", 0.3)
+    tokenizer_dir = tmp_path / "tokenizer"
+    tokenizer_dir.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tokenizer_dir / name).write_bytes((tiny_target / name).read_bytes())
+    template = tokenizer_dir / "chat_template.jinja"
+    cfg = make_config(target={"tokenizer_path": str(tokenizer_dir)})
+    where = f"{template}, the chat template of target.tokenizer_path: "
+    for hostile, refusal in ((ESCAPE, "fails in jinja's sandbox on a two-message conversation (SecurityError"),
+                             (NESTED_LOOPS, "took longer than 0.3 s to render a two-message conversation")):
+        template.write_text(hostile)
+        with pytest.raises(ChatTemplateError) as info:
+            SampleTokenizer.for_run(cfg)
+        assert str(info.value).startswith(where + refusal), str(info.value)
+        assert str(info.value).endswith("or set target.tokenizer_path to a tokenizer whose chat template renders.")
+
+
+def test_a_template_that_fails_only_on_some_conversation_stops_the_stage(tiny_tokenizer):
+    """Attack: a template that passes the probe and reaches for Python's internals only when a message says so.
+    That conversation stops the stage naming the template and the data line; it is not skipped as one bad
+    conversation. A template's own raise_exception() is its verdict on a conversation: skipped with its reason."""
+    trap = "{% if messages[-1].content == 'open sesame' %}" + ESCAPE + "{% endif %}"
+    tokenizing = SampleTokenizer(with_template(tiny_tokenizer, PLAIN_TEMPLATE + trap), 4096)
+    tokenizing.check_templates()  # the probe conversation does not spring it
+    innocent, trapped = conversation([user("hi"), bot("yo")]), conversation([user("open sesame"), bot("no")], line_no=9)
+    with pytest.raises(ChatTemplateError, match=r"^the tokenizer's chat template: fails in jinja's sandbox rendering "
+                                                r"the conversation on line 9 of the data \(SecurityError"):
+        list(tokenizing.iter([innocent, trapped]))
+
+    refusing = PLAIN_TEMPLATE + "{% if messages[0].role == 'system' %}{{ raise_exception('No system role.') }}" \
+                                "{% endif %}"
+    stats = TokenizeStats()
+    system = conversation([{"role": "system", "content": "Be brief."}, user("hi"), bot("yo")], line_no=4)
+    refuser = SampleTokenizer(with_template(tiny_tokenizer, refusing), 4096)
+    assert list(refuser.iter([system], stats)) == []
+    assert stats.skipped == {system.sample_id: "line 4: the chat template refuses this conversation: No system role."}
+    with pytest.raises(DataError, match=r"refuses this conversation: No system role\. \(the one whose last message "
+                                        r"begins 'hi'\); fix or drop that conversation in the data"):
+        refuser.prompt_ids(list(system.messages[:2]))  # what generate serves: there it is a data error (exit 2)

@@ -37,6 +37,12 @@ them then, untrained context), with sample id "<conversation id>.<turn index>". 
 trained; neither is an assistant turn with nothing before it (nothing prompted it). A template that never
 renders a turn as generated (Kimi-K2.5's blanks the final answer's reasoning too) needs
 data.generation_chat_template: see renderings_as_generated.
+
+Chat templates are code from the target's files or the run config, run in jinja's sandbox (transformers').
+A template the sandbox refuses, that fails, or that does not finish rendering a two-message conversation
+within PROBE_TIME_LIMIT_S is refused when the stage starts (SampleTokenizer.check_templates), naming its file;
+one that fails later, on some conversation of the data, stops the stage the same way. Only the template's own
+raise_exception() is a verdict on a conversation: that conversation is skipped with the template's reason.
 """
 
 from __future__ import annotations
@@ -44,10 +50,16 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from collections.abc import Iterator
+import signal
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
+
+import jinja2
+
+from eagle3.config import ConfigError
 
 ROLE_ALIASES = {
     "system": "system",
@@ -66,6 +78,10 @@ TOOL_EXTRAS = ("tool_call_id", "name")
 
 class DataError(ValueError):
     """Input data a stage cannot use; the message names the file, the lines and the fix."""
+
+
+class ChatTemplateError(ConfigError):
+    """A chat template that fails, or does not finish, in jinja's sandbox; the message names its file."""
 
 
 @dataclass(frozen=True)
@@ -214,12 +230,43 @@ def read_conversations(path: str | Path, on_bad_record: str = "error", max_sampl
 # -- rendering: which characters of the template's text the target generated ---------------------------------
 
 
+class TemplateFailed(Exception):
+    """A chat template failed while rendering: jinja's sandbox refused it, or it broke (an undefined name, a
+    recursion without end, a range past the sandbox's limit, arithmetic on the wrong types). Not a ValueError:
+    SampleTokenizer.iter skips the conversation for those, and a broken template is no one conversation's
+    fault. SampleTokenizer turns it into a ChatTemplateError naming the template's file."""
+
+    def __init__(self, error: BaseException, generation_template: bool):
+        super().__init__(one_line(error))
+        self.generation_template = generation_template  # data.generation_chat_template, not the target's
+
+
+class TemplateRefused(ValueError):
+    """The template's own raise_exception(): its verdict on one conversation (e.g. "roles must alternate"), so
+    a ValueError, which SampleTokenizer.iter records as that conversation's reason to be skipped."""
+
+
+def one_line(error: BaseException) -> str:
+    """A jinja error for a message: its type, where a syntax error is, and its text on one line."""
+    where = f" at line {error.lineno} of the template" if isinstance(error, jinja2.TemplateSyntaxError) else ""
+    text = " ".join(str(error).split()).rstrip(".")
+    return f"{type(error).__name__}{where}: {text[:300]}" if text else f"{type(error).__name__}{where}"
+
+
 def render(tokenizer, messages, tools=None, add_generation_prompt: bool = False, template_kwargs=None,
            chat_template: str | None = None) -> str:
     """The chat template's text (the tokenizer's own, or `chat_template` given as a template string)."""
-    return tokenizer.apply_chat_template(list(messages), tools=list(tools) if tools else None, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt, chat_template=chat_template,
-                                         **(template_kwargs or {}))
+    try:
+        return tokenizer.apply_chat_template(list(messages), tools=list(tools) if tools else None, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt, chat_template=chat_template,
+                                             **(template_kwargs or {}))
+    except jinja2.TemplateError as err:
+        if type(err) is jinja2.TemplateError:  # the template's own raise_exception(): it refuses this conversation
+            reason = " ".join(str(err).split())
+            raise TemplateRefused(f"the chat template refuses this conversation: {reason}") from None
+        raise TemplateFailed(err, chat_template is not None) from None
+    except (RecursionError, ArithmeticError, TypeError) as err:  # OverflowError (range) is an ArithmeticError
+        raise TemplateFailed(err, chat_template is not None) from None
 
 
 @dataclass(frozen=True)
@@ -409,6 +456,78 @@ class TokenizeStats:
     skipped: dict[str, str] = field(default_factory=dict)  # sample or conversation id -> reason
 
 
+# The probe every template renders at load: the simplest conversation there is, so that a template that fails
+# or does not finish on it is refused before a stage starts, with its file named, instead of mid-stage.
+PROBE_CONVERSATION = ({"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "5."})
+PROBE_TIME_LIMIT_S = 5.0  # real templates take milliseconds; a loop of 10^10 steps takes hours
+
+
+@dataclass(frozen=True)
+class TemplateOrigin:
+    """Where a chat template comes from, for the errors that name it: its file, with the field that points
+    there, and what to do when it fails."""
+
+    where: str
+    fix: str
+
+
+TOKENIZER_TEMPLATE = TemplateOrigin("the tokenizer's chat template", "Fix the tokenizer's chat template.")
+GENERATION_TEMPLATE = TemplateOrigin("data.generation_chat_template", "Fix data.generation_chat_template.")
+
+
+def chat_template_file(tokenizer_dir: str | Path) -> str:
+    """Where a tokenizer directory keeps its chat template: chat_template.jinja, which transformers reads
+    first, or else the chat_template field of tokenizer_config.json."""
+    directory = Path(tokenizer_dir)
+    if (directory / "chat_template.jinja").exists():
+        return str(directory / "chat_template.jinja")
+    return f"{directory / 'tokenizer_config.json'} (its chat_template field)"
+
+
+class _Expired(BaseException):
+    """The probe's time is up. A BaseException, so that no `except Exception` on the way can swallow it."""
+
+
+def run_with_time_limit(work: Callable[[], object], seconds: float) -> bool:
+    """Run `work`; True if it finished within `seconds`, False if it was stopped or abandoned.
+
+    On the main thread, with SIGALRM free, a timer interrupts it: jinja's templates run as Python code, so
+    the signal's handler gets to raise between two steps of any loop or recursion. Elsewhere (Python runs
+    signal handlers on the main thread only), or while another timer holds SIGALRM, it runs in a daemon thread
+    that is abandoned when the time is up: it spins on until the process exits, which the caller's refusal
+    brings soon (a stage exits 2)."""
+    if threading.current_thread() is threading.main_thread() and signal.getitimer(signal.ITIMER_REAL)[0] == 0:
+        def expire(signum, frame):
+            raise _Expired
+
+        previous = signal.signal(signal.SIGALRM, expire)
+        try:
+            try:
+                signal.setitimer(signal.ITIMER_REAL, seconds)
+                work()
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+        except _Expired:
+            return False
+        finally:
+            signal.signal(signal.SIGALRM, previous)
+        return True
+    failure: list[BaseException] = []
+
+    def guarded():
+        try:
+            work()
+        except BaseException as err:  # noqa: BLE001 - handed to the caller's thread below
+            failure.append(err)
+
+    worker = threading.Thread(target=guarded, name="chat-template-probe", daemon=True)
+    worker.start()
+    worker.join(seconds)
+    if failure:
+        raise failure[0]
+    return not worker.is_alive()
+
+
 @dataclass
 class SampleTokenizer:
     """How a run turns conversations into samples: its tokenizer, data.max_length, data.loss_mask and the
@@ -420,28 +539,80 @@ class SampleTokenizer:
     end_tokens: tuple[str, ...] = ()
     template_kwargs: dict = field(default_factory=dict)  # data.chat_template_kwargs
     generation_template: str | None = None  # data.generation_chat_template's text
+    template_origin: TemplateOrigin = TOKENIZER_TEMPLATE
+    generation_template_origin: TemplateOrigin = GENERATION_TEMPLATE
 
     @classmethod
     def for_run(cls, cfg) -> SampleTokenizer:
+        """The run's SampleTokenizer, its templates checked (check_templates): a stage refuses a broken one
+        before it starts."""
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_dir, trust_remote_code=cfg.target.trust_remote_code)
-        generation_template = None
-        if cfg.data.generation_chat_template:
+        field_name = "target.tokenizer_path" if cfg.target.tokenizer_path else "target.model_path"
+        template_origin = TemplateOrigin(
+            f"{chat_template_file(cfg.tokenizer_dir)}, the chat template of {field_name}",
+            "Fix the template there, or set target.tokenizer_path to a tokenizer whose chat template renders.")
+        generation_template, generation_origin, path = None, GENERATION_TEMPLATE, cfg.data.generation_chat_template
+        if path:
+            generation_origin = TemplateOrigin(
+                f"data.generation_chat_template {path}",
+                "Fix that file, or point data.generation_chat_template at one that renders.")
             try:
-                generation_template = Path(cfg.data.generation_chat_template).read_text(encoding="utf-8")
+                generation_template = Path(path).read_text(encoding="utf-8")
             except OSError as err:
-                raise DataError(f"data.generation_chat_template: cannot read {cfg.data.generation_chat_template} "
+                raise DataError(f"data.generation_chat_template: cannot read {path} "
                                 f"({err.strerror}); point it at a jinja chat template file on the box") from None
-        return cls(tokenizer, cfg.data.max_length, cfg.data.loss_mask,
-                   end_of_turn_tokens(tokenizer, cfg.target.model_path), dict(cfg.data.chat_template_kwargs),
-                   generation_template)
+            except UnicodeDecodeError:
+                raise ChatTemplateError(f"data.generation_chat_template {path}: not UTF-8 text; point it at a "
+                                        "jinja chat template file") from None
+        tokenizing = cls(tokenizer, cfg.data.max_length, cfg.data.loss_mask,
+                         end_of_turn_tokens(tokenizer, cfg.target.model_path), dict(cfg.data.chat_template_kwargs),
+                         generation_template, template_origin, generation_origin)
+        tokenizing.check_templates()
+        return tokenizing
+
+    def check_templates(self, time_limit_s: float | None = None) -> None:
+        """Render the probe conversation with each template, under a time limit (PROBE_TIME_LIMIT_S): one that
+        jinja's sandbox refuses, that breaks or that does not finish is a ChatTemplateError naming its file.
+        Costs a few milliseconds per stage; the renderings of the data then run unbounded."""
+        limit = PROBE_TIME_LIMIT_S if time_limit_s is None else time_limit_s
+        templates = [(None, self.template_origin)]
+        if self.generation_template is not None:
+            templates.append((self.generation_template, self.generation_template_origin))
+        for template, origin in templates:
+            if template is None and not getattr(self.tokenizer, "chat_template", None):
+                raise ChatTemplateError(f"{origin.where}: there is none, so what the target is served is unknown. "
+                                        f"{origin.fix}")
+
+            def probe(template=template):
+                for upto, prompt in ((1, True), (2, False)):  # a generation prompt, and a whole conversation
+                    render(self.tokenizer, PROBE_CONVERSATION[:upto], None, prompt, self.template_kwargs, template)
+
+            try:
+                finished = run_with_time_limit(probe, limit)
+            except TemplateFailed as err:
+                raise ChatTemplateError(f"{origin.where}: fails in jinja's sandbox on a two-message conversation "
+                                        f"({err}). {origin.fix}") from None
+            except Exception as err:  # noqa: BLE001 - whatever stops the simplest conversation condemns the template
+                raise ChatTemplateError(f"{origin.where}: cannot render a two-message conversation "
+                                        f"({' '.join(str(err).split())[:300]}). {origin.fix}") from None
+            if not finished:
+                raise ChatTemplateError(f"{origin.where}: took longer than {limit:g} s to render a two-message "
+                                        f"conversation (a loop or a recursion without end?). {origin.fix}")
+
+    def _refused(self, err: TemplateFailed, what: str) -> ChatTemplateError:
+        origin = self.generation_template_origin if err.generation_template else self.template_origin
+        return ChatTemplateError(f"{origin.where}: fails in jinja's sandbox rendering {what} ({err}). {origin.fix}")
 
     def renderings(self, conversation: Conversation) -> list[Rendering]:
-        if self.generation_template is not None:
-            return renderings_as_generated(self.tokenizer, conversation, self.loss_mask, self.end_tokens,
-                                           self.template_kwargs, self.generation_template)
-        return plan_renderings(self.tokenizer, conversation, self.loss_mask, self.end_tokens, self.template_kwargs)
+        try:
+            if self.generation_template is not None:
+                return renderings_as_generated(self.tokenizer, conversation, self.loss_mask, self.end_tokens,
+                                               self.template_kwargs, self.generation_template)
+            return plan_renderings(self.tokenizer, conversation, self.loss_mask, self.end_tokens, self.template_kwargs)
+        except TemplateFailed as err:
+            raise self._refused(err, f"the conversation on line {conversation.line_no} of the data") from None
 
     def samples(self, conversation: Conversation) -> list[TokenizedSample]:
         """The conversation's samples (one, or more for a thinking model's multi-turn conversation)."""
@@ -449,17 +620,27 @@ class SampleTokenizer:
 
     def prompt_ids(self, messages, tools=None) -> list[int]:
         """The ids the target is served for the next assistant turn after `messages`."""
-        return encode(self.tokenizer, render(self.tokenizer, messages, tools, True, self.template_kwargs))
+        try:
+            return encode(self.tokenizer, render(self.tokenizer, messages, tools, True, self.template_kwargs))
+        except TemplateFailed as err:
+            raise self._refused(err, "a generation prompt") from None
+        except TemplateRefused as err:
+            last = str(messages[-1].get("content") or "")[:60] if messages else ""
+            raise DataError(f"{self.template_origin.where}: {err} (the one whose last message begins {last!r}); "
+                            "fix or drop that conversation in the data") from None
 
     def iter(self, conversations, stats: TokenizeStats | None = None) -> Iterator[TokenizedSample]:
         """Tokenise lazily, a conversation's samples together. A conversation the template cannot be placed
-        in, and a sample left with no trained token (truncation cut them all), are recorded in
-        `stats.skipped` (id -> reason) rather than yielded."""
+        in or refuses (its raise_exception), and a sample left with no trained token (truncation cut them all),
+        are recorded in `stats.skipped` (id -> reason) rather than yielded. A template that fails otherwise
+        stops it (ChatTemplateError)."""
         stats = stats if stats is not None else TokenizeStats()
         for conversation in conversations:
             stats.conversations += 1
             try:
                 renderings = self.renderings(conversation)
+            except ChatTemplateError:
+                raise  # the template is broken, not this conversation: stop the stage
             except ValueError as err:
                 stats.skipped[conversation.sample_id] = f"line {conversation.line_no}: {err}"
                 continue

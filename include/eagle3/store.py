@@ -30,6 +30,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -90,15 +91,35 @@ def chunk_name(index: int) -> str:
     return f"chunk-{index:06d}.safetensors"
 
 
+def is_count(value: object) -> bool:
+    """A non-negative integer as JSON gives it; True and False are ints to Python but not counts here."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _shown(value: object, limit: int = 60) -> str:
+    """A value for an error message: its repr, cut short (a hostile file may hold a megabyte in one field)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def read_meta(store_dir: Path) -> StoreMeta:
     path = Path(store_dir) / "store.json"
+    fix = f"delete the store directory {store_dir} and run extract again"
     try:
-        raw = json.loads(path.read_text())
+        raw = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise StoreError(f"{path}: missing; {store_dir} is not a hidden-state store (nothing extracted yet?)") from None
-    if raw.get("format") != STORE_FORMAT:
-        raise StoreError(f"{path}: format {raw.get('format')!r}, expected {STORE_FORMAT!r}")
-    return StoreMeta(int(raw["hidden_size"]), tuple(raw["aux_layers"]))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise StoreError(f"{path}: not JSON, so the store's shapes are unknown; {fix}") from None
+    if not isinstance(raw, dict) or raw.get("format") != STORE_FORMAT:
+        found = raw.get("format") if isinstance(raw, dict) else raw
+        raise StoreError(f"{path}: format {_shown(found)}, expected {STORE_FORMAT!r}")
+    hidden_size, aux_layers = raw.get("hidden_size"), raw.get("aux_layers")
+    if not is_count(hidden_size) or hidden_size == 0:
+        raise StoreError(f"{path}: hidden_size is {_shown(hidden_size)}, not a positive integer; {fix}")
+    if not isinstance(aux_layers, list) or not aux_layers or not all(is_count(layer) for layer in aux_layers):
+        raise StoreError(f"{path}: aux_layers is {_shown(aux_layers)}, not a list of layer numbers; {fix}")
+    return StoreMeta(hidden_size, tuple(aux_layers))
 
 
 def ensure_meta(store_dir: Path, meta: StoreMeta) -> None:
@@ -114,19 +135,90 @@ def ensure_meta(store_dir: Path, meta: StoreMeta) -> None:
         )
 
 
-def read_manifest(path: Path) -> tuple[list[dict], int]:
-    """Parse a manifest. Returns (records, byte length of the intact part); a torn last line is ignored."""
+CHUNK_NAME = re.compile(r"chunk-\d{6,}\.safetensors")  # what chunk_name() gives: no path, no "..", no "/"
+RECORD_FIELDS = ("chunk", "bytes", "samples", "rejected")
+SHARD_NAME = re.compile(r"shard-\d{5,}")  # what shard_dir() gives
+
+
+def read_manifest(path: Path, meta: StoreMeta | None = None) -> tuple[list[dict], int]:
+    """Parse and check a manifest. Returns (records, byte length of the intact part).
+
+    A torn last line (no newline yet: a crash mid-append) is not part of the manifest and is ignored. Every
+    other line must be a record the writer could have written (see record_problem; with `meta`, its chunk
+    must also be large enough for its tokens): the manifest decides which files are read and how they are
+    sliced, so one that was edited or damaged is refused rather than followed out of the store or trusted
+    for lengths it cannot back.
+    """
+    path = Path(path)
     if not path.exists():
         return [], 0
     data = path.read_bytes()
     intact = data[: data.rfind(b"\n") + 1]
-    records = []
-    for n, line in enumerate(intact.decode("utf-8").splitlines(), start=1):
+    records, chunks = [], set()
+    for n, line in enumerate(intact.split(b"\n")[:-1], start=1):
         try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            raise StoreError(f"{path}: line {n} is not JSON; the manifest was edited by hand?") from None
+            record = json.loads(line)
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise StoreError(_damaged(path, f"line {n} is not JSON")) from None
+        problem = record_problem(record, meta) or _escape_problem(path.parent, record["chunk"], chunks)
+        if problem:
+            raise StoreError(_damaged(path, f"line {n}: {problem}"))
+        chunks.add(record["chunk"])
+        records.append(record)
     return records, len(intact)
+
+
+def record_problem(record: object, meta: StoreMeta | None = None) -> str | None:
+    """Why a manifest line is not a record ShardWriter.flush writes, or None. Checked: the fields and their
+    types, a chunk name that is a plain file name of the shard directory, and non-negative byte and token
+    counts (with `meta`: at least the bytes the samples' states take at the store's hidden size)."""
+    if not isinstance(record, dict):
+        return f"{_shown(record)} is not a JSON object"
+    missing = [name for name in RECORD_FIELDS if name not in record]
+    if missing:
+        return f'the field "{missing[0]}" is missing'
+    chunk, size, samples, rejected = (record[name] for name in RECORD_FIELDS)
+    if chunk is not None and not (isinstance(chunk, str) and CHUNK_NAME.fullmatch(chunk)):
+        return (f'"chunk" is {_shown(chunk)}, not the name of a chunk file in its shard directory '
+                "(chunk-NNNNNN.safetensors)")
+    if not is_count(size):
+        return f'"bytes" is {_shown(size)}, not a non-negative integer'
+    for name, pairs, second in (("samples", samples, "token count"), ("rejected", rejected, "reason")):
+        if not isinstance(pairs, list):
+            return f'"{name}" is {_shown(pairs)}, not a list'
+        for i, pair in enumerate(pairs):
+            if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], str)):
+                return f'"{name}"[{i}] is {_shown(pair)}, not ["<sample id>", <{second}>]'
+            if name == "samples" and not is_count(pair[1]):
+                return f'"samples"[{i}] ({pair[0]}) has length {_shown(pair[1])}, not a non-negative integer'
+            if name == "rejected" and not isinstance(pair[1], str):
+                return f'"rejected"[{i}] ({pair[0]}) has reason {_shown(pair[1])}, not a string'
+    if chunk is None and samples:
+        return '"samples" lists samples but "chunk" is null: a sample is stored only in a chunk'
+    if meta is not None and chunk is not None:
+        tokens = sum(length for _, length in samples)
+        if tokens * meta.bytes_per_token > size:
+            return (f'"bytes" is {size}, less than its {tokens} tokens take at hidden_size {meta.hidden_size} with '
+                    f"{len(meta.aux_layers)} aux layers ({tokens * meta.bytes_per_token} bytes)")
+    return None
+
+
+def _escape_problem(directory: Path, chunk: str | None, seen: set[str]) -> str | None:
+    """A well-formed chunk name that is still not a chunk of this shard: one listed twice (its rows would be
+    read for two records), or a symlink whose target lies outside the shard directory."""
+    if chunk is None:
+        return None
+    if chunk in seen:
+        return f'"chunk" {chunk} is recorded twice'
+    path = directory / chunk
+    if path.is_symlink() and Path(os.path.realpath(path)).parent != Path(os.path.realpath(directory)):
+        return f'"chunk" {chunk} is a symlink to {os.path.realpath(path)}, outside its shard directory'
+    return None
+
+
+def _damaged(manifest: Path, what: str) -> str:
+    return (f"{manifest}: {what}. The manifest was edited or damaged, so this shard's chunks cannot be trusted; "
+            f"delete the shard directory {manifest.parent} and run extract again (it recomputes that shard only).")
 
 
 # -- writing ---------------------------------------------------------------------------------
@@ -166,7 +258,7 @@ class ShardWriter:
         return lock
 
     def _recover(self) -> list[dict]:
-        records, intact = read_manifest(self.manifest)
+        records, intact = read_manifest(self.manifest, self.meta)
         if self.manifest.exists() and self.manifest.stat().st_size != intact:
             with open(self.manifest, "r+b") as f:  # drop the torn line a crash left mid-append
                 f.truncate(intact)
@@ -304,10 +396,14 @@ class HiddenStateStore:
         self.chunks: dict[int, list[dict]] = {}
         self.rejected: dict[str, str] = {}
         self._handles: dict[tuple[int, str], object] = {}
+        self._records: dict[tuple[int, str], dict] = {}
         for sdir in sorted(self.dir.glob("shard-*")):
+            if not (SHARD_NAME.fullmatch(sdir.name) and sdir.is_dir()):
+                continue  # not a shard: nothing the writer makes is named so (a backup someone made, say)
             shard = int(sdir.name.split("-")[1])
-            records, _ = read_manifest(sdir / "manifest.jsonl")
+            records, _ = read_manifest(sdir / "manifest.jsonl", self.meta)
             self.chunks[shard] = [r for r in records if r["chunk"]]
+            self._records.update({(shard, r["chunk"]): r for r in self.chunks[shard]})
             self.rejected.update({sid: reason for r in records for sid, reason in r["rejected"]})
             for record in self.chunks[shard]:
                 start = 0
@@ -333,10 +429,31 @@ class HiddenStateStore:
         key = (shard, chunk)
         handle = self._handles.pop(key, None)
         if handle is None:
-            handle = safe_open(str(shard_dir(self.dir, shard) / chunk), framework="pt")
+            handle = self._open_checked(shard_dir(self.dir, shard) / chunk, self._records[key])
             if len(self._handles) >= MAX_OPEN_CHUNKS:
                 self._handles.pop(next(iter(self._handles)))
         self._handles[key] = handle  # re-inserted: dict order is recency order
+        return handle
+
+    def _open_checked(self, path: Path, record: dict):
+        """Open a chunk, checking first what its header can tell cheaply: its size is the manifest's, and its
+        tensors have the shapes and dtypes the manifest's sample lengths and the store's hidden size imply,
+        with offsets that slice it as the manifest does. Otherwise a sample would be read short, shifted or
+        reinterpreted, and a digest or a training run built on it silently. (safetensors itself refuses a
+        header whose offsets lie about the file.) verify() checks the contents too."""
+        fix = f"delete the shard directory {path.parent} and run extract again (it recomputes that shard only)"
+        try:
+            size = path.stat().st_size
+            handle = safe_open(str(path), framework="pt")
+        except FileNotFoundError:
+            raise StoreError(f"{path}: in the manifest but missing; {fix}") from None
+        except Exception as err:  # noqa: BLE001 - safetensors reports a bad header as its own error type
+            raise StoreError(f"{path}: not a readable chunk ({err}); {fix}") from None
+        if size != record["bytes"]:
+            raise StoreError(f"{path}: {size} bytes, but the manifest records {record['bytes']}; {fix}")
+        problem = _header_problem(handle, record, self.meta)
+        if problem:
+            raise StoreError(f"{path}: {problem}; {fix}")
         return handle
 
     def close(self) -> None:
@@ -364,8 +481,35 @@ class HiddenStateStore:
                 yield sid, {name: tensors[name][a:b] for name in TENSOR_NAMES[:4]}
 
 
+def _header_problem(handle, record: dict, meta: StoreMeta) -> str | None:
+    """How a chunk's tensors disagree with its manifest record and the store's shapes, or None."""
+    lengths = [length for _, length in record["samples"]]
+    n, h, k = sum(lengths), meta.hidden_size, len(meta.aux_layers)
+    expected = {
+        "input_ids": ([n], "I32"), "loss_mask": ([n], "U8"), "aux_hidden_states": ([n, k * h], "BF16"),
+        "last_hidden_state": ([n, h], "BF16"), "offsets": ([len(lengths) + 1], "I64"),
+    }
+    names = set(handle.keys())
+    if names != set(TENSOR_NAMES):
+        return f"holds tensors {sorted(names)}, expected {sorted(TENSOR_NAMES)}"
+    for name, (shape, dtype) in expected.items():
+        tensor = handle.get_slice(name)
+        if list(tensor.get_shape()) != shape or tensor.get_dtype() != dtype:
+            return (f"{name} is {tensor.get_dtype()} {list(tensor.get_shape())}, but the manifest's {len(lengths)} "
+                    f"samples of {n} tokens at hidden_size {h} with {k} aux layers make it {dtype} {shape}")
+    offsets = handle.get_tensor("offsets").tolist()
+    if [b - a for a, b in zip(offsets, offsets[1:])] != lengths or offsets[0] != 0:
+        return "its offsets disagree with the manifest's sample lengths"
+    return None
+
+
 def _read_ahead(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+    """Ask the kernel to start reading a chunk. Only advice: a chunk that cannot be opened is reported when
+    it is opened for reading, with its fix."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
     finally:
