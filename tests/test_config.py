@@ -199,3 +199,121 @@ def test_a_head_dim_sglang_cannot_run_is_refused_by_name():
         with_changes(drafter={"head_dim": 112}))
     assert "drafter.num_key_value_heads: 5 does not divide num_attention_heads 56" in error_of(
         with_changes(drafter={"num_attention_heads": 56, "num_key_value_heads": 5}))
+
+
+# -- a trigger configures the pipeline, nothing more (whoever may trigger the DAG must not own the box) -------
+
+
+@pytest.mark.parametrize("flag, value", [
+    ("host", "0.0.0.0"),  # would listen on every interface of the box
+    ("hos", "0.0.0.0"),  # argparse reads an unambiguous prefix as the flag itself
+    ("port", 22),
+    ("model-path", "/home/other/model"),  # would serve another model than target.model_path
+    ("model", "/home/other/model"),  # SGLang's alias of --model-path
+    ("trust_remote_code", True),  # underscore spelling of --trust-remote-code, while target.trust_remote_code is off
+    ("trust-remote", True),
+    ("tensor-parallel-size", 8),
+    ("config", "/tmp/any.yaml"),  # a YAML file that sets any flag, host included
+    ("dist-init-addr", "10.0.0.9:5000"),  # joins a server on another host
+    ("speculative_draft_model_path", "/x"),  # the benchmark's own flags
+])
+def test_server_extra_args_cannot_override_the_launch(flag, value):
+    message = error_of(with_changes(server={"extra_args": {flag: value}}))
+    assert f"server.extra_args: {flag!r}" in message
+
+
+def test_server_extra_args_still_take_real_tuning_flags():
+    extra = {"attention-backend": "triton", "reasoning-parser": "kimi_k2", "disable_radix_cache": True,
+             "tokenizer-mode": "auto"}
+    assert parse_run_config(with_changes(server={"extra_args": extra})).server.extra_args == extra
+
+
+def test_engine_extra_args_are_refused_in_every_spelling():
+    for name in ("trust_remote_code", "trust-remote-code", "Model_Path"):
+        message = error_of(with_changes(extract={"sglang": {"extra_args": {name: True}}}))
+        assert "extract.sglang.extra_args: " in message and ("run config" in message or "underscores" in message)
+
+
+@pytest.mark.parametrize("endpoint", [
+    "http://evil.example:8080/anything#",  # the fragment would cut off /chat/completions: a GET/POST to any path
+    "http://evil.example/admin?x=",
+    "http://127.0.0.1:30000/v1/../../admin",
+])
+def test_an_endpoint_cannot_redirect_the_stage_to_another_path(endpoint):
+    assert "generate.endpoint" in error_of(with_changes(generate={"endpoint": endpoint}))
+
+
+def test_an_endpoint_with_a_password_is_refused_without_printing_the_password():
+    message = error_of(with_changes(generate={"endpoint": "https://user:hunter2@api.example.com/v1"}))
+    assert "generate.endpoint" in message and "generate.api_key_env" in message
+    assert "hunter2" not in message
+
+
+def numeric_fields() -> list[tuple[str, str, dict]]:
+    """(dotted name, JSON type, schema with the bounds) of every number the trigger form takes, read from the
+    models' own JSON schema: for a list of numbers, the schema of its items."""
+    from eagle3.config import RunConfig
+    from eagle3_airflow.params import BOX_PREFIX, BoxSettings, _walk
+
+    fields = []
+    for dotted, _, prop, _ in _walk(RunConfig, "", "") + _walk(BoxSettings, BOX_PREFIX, ""):
+        for option in prop.get("anyOf", [prop]):
+            schema = option.get("items", {}) if option.get("type") == "array" else option
+            if schema.get("type") in ("integer", "number"):
+                fields.append((dotted, schema["type"], schema))
+    return fields
+
+
+def test_every_number_in_the_form_has_an_upper_bound():
+    """A seed of 2**70 or a draft vocabulary of 10**12 would pass a bound-less field and fail hours later in torch."""
+    fields = numeric_fields()
+    assert len(fields) > 40  # (the walk found the form's numbers)
+    assert [dotted for dotted, _, schema in fields if not {"maximum", "exclusiveMaximum"} & set(schema)] == []
+
+
+def test_infinity_and_nan_are_refused_in_every_number_field():
+    """An infinite timeout, learning rate or heartbeat limit means "never" (a job that never counts as dead)."""
+    from eagle3_airflow.params import BOX_PREFIX, ParamsError, params_to_configs
+
+    required = {"workdir": "/w", "target.model_path": "/m", "data.path": "/d"}
+    for dotted, kind, _ in numeric_fields():
+        if kind != "number":
+            continue
+        for bad in (float("inf"), float("nan")):
+            with pytest.raises(ParamsError) as info:
+                params_to_configs({**required, dotted: bad}, "manual__1")
+            shown = dotted.removeprefix(BOX_PREFIX + ".") if dotted.startswith(BOX_PREFIX) else dotted
+            assert f"{shown}: Input should be a finite number" in str(info.value), dotted
+
+
+@pytest.mark.parametrize("section, values, field", [
+    ("seed", 2**70, "seed"),
+    ("vocab", {"draft_vocab_size": 10**12}, "vocab.draft_vocab_size"),
+    ("train", {"gpus": [0, 10**9]}, "train.gpus.1"),
+    ("extract", {"aux_layers": [1, 2, 10**9]}, "extract.aux_layers.2"),
+])
+def test_absurd_integers_are_refused_with_the_field_named(section, values, field):
+    assert f"{field}: Input should be less than or equal to" in error_of(with_changes(**{section: values}))
+
+
+@pytest.mark.parametrize("hidden_size", ["7168", 7168.5, True, 10**12, -1, None])
+def test_a_target_config_with_a_bad_size_is_a_clear_error_not_a_traceback(tmp_path, hidden_size):
+    """A model directory whose config.json says hidden_size "7168" (a string), 10**12 or null: init exits 2 with
+    the file and the field named (the operator then fails without retries), never a traceback."""
+    from tests.conftest import run_eagle3
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({**KIMI_K25_CONFIG["text_config"], "hidden_size": hidden_size}))
+    draft = with_changes(workdir=str(tmp_path / "work"), target={"model_path": str(model), "num_hidden_layers": None})
+    (tmp_path / "draft.json").write_text(json.dumps(draft))
+    proc = run_eagle3("init", "--config", str(tmp_path / "draft.json"), check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert f"{model}/config.json: hidden_size is {hidden_size!r}" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_target_config_that_is_not_json_is_named(tmp_path):
+    (tmp_path / "config.json").write_text("{'hidden_size': 7168,")
+    with pytest.raises(ConfigError, match=f"{tmp_path}/config.json: not valid JSON"):
+        resolve_target_facts(parse_run_config(with_changes(target={"model_path": str(tmp_path)})))

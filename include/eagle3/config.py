@@ -15,16 +15,27 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
+from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from eagle3.fsutil import atomic_write_text
 
 RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+# http(s)://host[:port][/path] and nothing else: no user:password@ (it would be printed and stored), no ?query or
+# #fragment (either would cut off the /chat/completions the stage appends), no '.' or '..' path segment.
+ENDPOINT_PATTERN = r"^https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?(/[A-Za-z0-9_~-][A-Za-z0-9._~-]*)*/?$"
 # Absolute POSIX path without control characters. Paths travel in this file, never on a command line,
 # but a newline in a path is still always a mistake.
 ABS_PATH_PATTERN = r"^/[^\x00-\x1f]*$"
+
+
+def redact_url(url: str) -> str:
+    """The URL as it may be printed: scheme, host, port and path, never user:password, query or fragment."""
+    parts = urlsplit(url)
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit((parts.scheme, host, parts.path, "", ""))
 
 
 class ConfigError(ValueError):
@@ -32,7 +43,22 @@ class ConfigError(ValueError):
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: JSON from a trigger may carry Infinity or NaN, and an infinite timeout or heartbeat
+    # limit means "never", which no field here is meant to allow.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+
+# Upper bounds for the numbers a run may ask for: far above any real model or run (DeepSeek-V3: 61 layers, 7168
+# hidden, 129280 vocab), low enough that a typo (2**70) is refused here with its field named, not hours later by
+# torch or numpy.
+MAX_LAYERS = 4096
+MAX_WIDTH = 1 << 20  # hidden, intermediate and vocabulary sizes; also tokens per batch or per answer
+MAX_COUNT = 1_000_000_000  # samples, steps
+MAX_GPU_INDEX = 1023
+DAY_S = 24 * 3600.0
+GpuIndex = Annotated[int, Field(ge=0, le=MAX_GPU_INDEX)]
+LayerId = Annotated[int, Field(ge=0, le=MAX_LAYERS - 1)]
+DraftLength = Annotated[int, Field(ge=1, le=64)]
 
 
 class TargetConfig(Section):
@@ -54,9 +80,16 @@ class TargetConfig(Section):
     )
     # Facts about the target. Filled on the box from the model's config.json (resolve_target_facts);
     # set them in the trigger form to have layer ids checked before anything starts.
-    num_hidden_layers: int | None = Field(None, ge=1, title="Decoder layers", description="Filled from config.json.")
-    hidden_size: int | None = Field(None, ge=1, title="Hidden size", description="Filled from config.json.")
-    vocab_size: int | None = Field(None, ge=1, title="Vocabulary size", description="Filled from config.json.")
+    num_hidden_layers: int | None = Field(
+        None, ge=1, le=MAX_LAYERS, title="Decoder layers", description="Filled from config.json."
+    )
+    hidden_size: int | None = Field(
+        None, ge=1, le=MAX_WIDTH, title="Hidden size",
+        description="Filled from config.json."
+    )
+    vocab_size: int | None = Field(
+        None, ge=1, le=16 * MAX_WIDTH, title="Vocabulary size", description="Filled from config.json."
+    )
 
 
 class DataConfig(Section):
@@ -71,7 +104,10 @@ class DataConfig(Section):
     max_length: int = Field(
         4096, ge=16, le=1_048_576, title="Max tokens per sample", description="Longer samples are truncated."
     )
-    max_samples: int | None = Field(None, ge=1, title="Max samples", description="Use only the first N lines.")
+    max_samples: int | None = Field(
+        None, ge=1, le=MAX_COUNT, title="Max samples",
+        description="Use only the first N lines."
+    )
     on_bad_record: Literal["error", "skip"] = Field(
         "error",
         title="Bad records",
@@ -114,18 +150,48 @@ class ServerConfig(Section):
         '"kimi_k2"}; true: a bare flag.',
     )
     startup_timeout_s: float = Field(
-        1800, gt=0, title="Startup timeout (s)", description="Until /health answers; loading a 1T model takes a while."
+        1800, gt=0, le=DAY_S, title="Startup timeout (s)",
+        description="Until /health answers; loading a 1T model takes a while."
     )
+
+    # launch_server flags extra_args must leave alone, and why. Spellings are compared with '_' as '-' and as
+    # argparse reads them: it takes any unambiguous prefix of a flag ('--hos' is '--host'), so a name that begins
+    # one of these is refused too.
+    FROM_CONFIG: ClassVar[tuple[str, ...]] = (
+        "model-path", "model", "tokenizer-path", "trust-remote-code", "dtype", "tp-size", "tensor-parallel-size",
+        "mem-fraction-static",
+    )
+    KEPT_LOCAL: ClassVar[tuple[str, ...]] = ("host", "port", "config", "dist-init-addr", "nccl-init-addr", "nnodes",
+                                              "node-rank")
+    SET_BY_STAGES: ClassVar[tuple[str, ...]] = ("speculative-",)  # the benchmark's drafter flags
 
     @field_validator("extra_args")
     @classmethod
-    def _flag_names(cls, extra: dict) -> dict:
+    def _extra_args_leave_the_launch_alone(cls, extra: dict) -> dict:
         for name in extra:
             if not re.fullmatch(r"[a-z0-9][a-z0-9_-]*", name):
                 raise ValueError(
                     f"{name!r} is not a launch_server flag name; write it without '--', e.g. 'disable-radix-cache'"
                 )
+            flag = name.replace("_", "-")
+            for names, why in (
+                (cls.FROM_CONFIG, "comes from the run config (target.*, server.tp_size, server.mem_fraction_static): "
+                 "set it there"),
+                (cls.KEPT_LOCAL, "is the launcher's: the server listens on 127.0.0.1:server.port of one box, with no "
+                 "config file of its own; remove it"),
+                (cls.SET_BY_STAGES, "is set by the benchmark stage (benchmark.*): remove it"),
+            ):
+                if any(_names_flag(flag, reserved) for reserved in names):
+                    raise ValueError(f"server.extra_args: {name!r} {why}")
         return extra
+
+
+def _names_flag(flag: str, reserved: str) -> bool:
+    """Whether argparse would read `--flag` as the reserved flag: the same, or an abbreviation of it. A reserved
+    name ending in '-' stands for a family of flags ('speculative-')."""
+    if reserved.endswith("-") and flag.startswith(reserved):
+        return True
+    return reserved.startswith(flag)
 
 
 class GenerateConfig(Section):
@@ -147,8 +213,17 @@ class GenerateConfig(Section):
     endpoint: str = Field(
         "http://127.0.0.1:30000/v1",
         title="OpenAI-compatible endpoint",
-        description="Base URL of the target's server, seen from the box (ignored when the stage starts the server).",
-        pattern=r"^https?://[^\s]+$",
+        description="Base URL of the target's server, seen from the box (ignored when the stage starts the server); "
+        "the stage calls its /chat/completions and /models. No user:password, query or fragment: put a key in "
+        "generate.api_key_env.",
+        pattern=ENDPOINT_PATTERN,
+    )
+    api_key_env: str | None = Field(
+        None,
+        title="API key variable",
+        description="Name of the environment variable on the box that holds the endpoint's API key (sent as "
+        "'Authorization: Bearer'). The key itself never goes into the form, the run config or a log.",
+        pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}$",
     )
     model: str | None = Field(
         None, title="Model name in requests", description="Empty: target.model_path, SGLang's default served name."
@@ -159,7 +234,7 @@ class GenerateConfig(Section):
     )
     top_p: float = Field(1.0, gt=0.0, le=1.0, title="Top-p", description="Nucleus sampling; 1 keeps all.")
     max_tokens: int = Field(
-        2048, ge=1, title="Max new tokens per turn",
+        2048, ge=1, le=MAX_WIDTH, title="Max new tokens per turn",
         description="A longer answer is cut here (SGLang finish_reason length) and kept as cut.",
     )
     reasoning: Literal["keep", "drop"] = Field(
@@ -169,14 +244,17 @@ class GenerateConfig(Section):
         "which the chat template renders and the drafter learns; or drop it.",
     )
     num_samples: int | None = Field(
-        None, ge=1, title="Conversations to regenerate", description="The first N; empty: data.max_samples, or all."
+        None, ge=1, le=MAX_COUNT, title="Conversations to regenerate",
+        description="The first N; empty: data.max_samples, or all."
     )
     concurrency: int = Field(
         64, ge=1, le=4096, title="Concurrent requests",
         description="Conversations in flight; SGLang batches them. Higher keeps the GPUs busier.",
     )
     request_timeout_s: float = Field(
-        600.0, gt=0, title="Request timeout (s)", description="One turn's request; a timeout is retried."
+        600.0, gt=0, le=DAY_S, title="Request timeout (s)",
+        description="The whole of one turn's request, from connecting to the last byte of the answer; a timeout is "
+        "retried."
     )
     max_retries: int = Field(
         5, ge=0, le=100, title="Retries per request", description="On connection errors, timeouts, 429 and 5xx."
@@ -189,8 +267,25 @@ class GenerateConfig(Section):
         description="Of the conversations tried (checked after the first 20): a dead server stops the stage early.",
     )
     progress_interval_s: float = Field(
-        30.0, gt=0, title="Progress log interval (s)", description="Seconds between progress lines in the task log."
+        30.0, gt=0, le=3600, title="Progress log interval (s)",
+        description="Seconds between progress lines in the task log."
     )
+
+    @field_validator("endpoint", mode="before")
+    @classmethod
+    def _endpoint_without_credentials(cls, url):
+        # Before the pattern, whose message would repeat the URL, password and all, into the task log.
+        if isinstance(url, str):
+            parts = urlsplit(url)
+            if "@" in parts.netloc:
+                raise ValueError("generate.endpoint: has user:password in it, which would be printed and stored "
+                                 f"with the URL ({redact_url(url)}); put the key in a variable on the box and name "
+                                 "it in generate.api_key_env")
+            if parts.query or parts.fragment or "?" in url or "#" in url:
+                raise ValueError(f"generate.endpoint: {redact_url(url)} has a ?query or #fragment, which would cut "
+                                 "off the /chat/completions the stage appends; give the base URL only, e.g. "
+                                 "http://127.0.0.1:30000/v1")
+        return url
 
     @model_validator(mode="after")
     def _hf_starts_no_server(self) -> GenerateConfig:
@@ -237,6 +332,10 @@ class SglangEngineConfig(Section):
     @field_validator("extra_args")
     @classmethod
     def _extra_args_leave_the_capture_alone(cls, extra: dict) -> dict:
+        for name in extra:  # sglang.Engine takes ServerArgs field names as keyword arguments
+            if not re.fullmatch(r"[a-z][a-z0-9_]*", name):
+                raise ValueError(f"{name!r} is not a ServerArgs field name; write it with underscores, e.g. "
+                                 f"{name.replace('-', '_').lower()!r}")
         for names, why in (
             (cls.FROM_CONFIG, "come from the run config (target.*, extract.sglang.*): set them there"),
             (cls.FOR_CAPTURE, "are set by the capture backend for capture to work: remove them"),
@@ -255,7 +354,7 @@ class ExtractConfig(Section):
     backend: Literal["hf", "sglang"] = Field(
         "hf", title="Capture backend", description="hf: transformers (reference, small targets). sglang: TP giants."
     )
-    aux_layers: list[int] | None = Field(
+    aux_layers: list[LayerId] | None = Field(
         None,
         min_length=3,
         max_length=3,
@@ -268,7 +367,7 @@ class ExtractConfig(Section):
         pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$",
     )
     batch_tokens: int = Field(
-        16384, ge=16, title="Tokens per forward batch",
+        16384, ge=16, le=16 * MAX_WIDTH, title="Tokens per forward batch",
         description="Padded tokens per forward pass (hf); tokens per request batch (sglang).",
     )
     chunk_mib: int = Field(
@@ -283,7 +382,8 @@ class ExtractConfig(Section):
         2, ge=1, le=64, title="Writer queue depth", description="Batches buffered between compute and disk."
     )
     progress_interval_s: float = Field(
-        30.0, gt=0, title="Progress log interval (s)", description="Seconds between progress lines in the task log."
+        30.0, gt=0, le=3600, title="Progress log interval (s)",
+        description="Seconds between progress lines in the task log."
     )
     sglang: SglangEngineConfig = Field(default_factory=SglangEngineConfig)
 
@@ -303,7 +403,7 @@ class VocabConfig(Section):
     """Draft/target vocabulary mapping (the vocab stage)."""
 
     draft_vocab_size: int = Field(
-        32000, ge=1, title="Draft vocabulary size",
+        32000, ge=1, le=16 * MAX_WIDTH, title="Draft vocabulary size",
         description="The most frequent target tokens in the answers; the drafter predicts only these (d2t, t2d).",
     )
     reuse_from: str | None = Field(
@@ -330,20 +430,22 @@ class DrafterConfig(Section):
     init fills them in, so the run config records them."""
 
     head_dim: int | None = Field(
-        None, title="Attention head dim",
+        None, ge=1, le=max(SGLANG_HEAD_DIMS), title="Attention head dim",
         description=f"One of {list(SGLANG_HEAD_DIMS)}, what SGLang's attention backends (flashinfer, fa3, triton) "
         "all run. Default 128 (64 for targets narrower than 1024).",
     )
     num_attention_heads: int | None = Field(
-        None, ge=1, title="Attention heads", description="Default hidden_size // head_dim (DeepSeek-V3/Kimi: 56)."
+        None, ge=1, le=4096, title="Attention heads",
+        description="Default hidden_size // head_dim (DeepSeek-V3/Kimi: 56)."
     )
     num_key_value_heads: int | None = Field(
-        None, ge=1, title="KV heads",
+        None, ge=1, le=4096, title="KV heads",
         description="Grouped-query attention; divides the heads. Default 8 (or the heads, if fewer): the draft KV "
         "cache SGLang keeps per token.",
     )
     intermediate_size: int | None = Field(
-        None, ge=1, title="MLP width", description="Default the target's dense intermediate_size (DeepSeek-V3: 18432)."
+        None, ge=1, le=MAX_WIDTH, title="MLP width",
+        description="Default the target's dense intermediate_size (DeepSeek-V3: 18432)."
     )
 
     @field_validator("head_dim")
@@ -378,7 +480,7 @@ class TrainConfig(Section):
     nproc_per_node: int = Field(
         1, ge=1, le=64, title="Processes per node", description="DDP ranks; with gpus set, len(gpus) wins."
     )
-    gpus: list[int] | None = Field(
+    gpus: list[GpuIndex] | None = Field(
         None,
         title="GPUs",
         description="GPU indices to train on, e.g. [0, 1, 2, 3] for 4 of 8; one rank each. Empty: all visible.",
@@ -392,16 +494,16 @@ class TrainConfig(Section):
         7, ge=1, le=16, title="Training-time-test steps",
         description="Draft positions unrolled per step, each fed the previous one's output (SpecForge: 7).",
     )
-    epochs: int = Field(1, ge=1, title="Epochs", description="Passes over the training split of the store.")
+    epochs: int = Field(1, ge=1, le=10_000, title="Epochs", description="Passes over the training split of the store.")
     learning_rate: float = Field(
-        1e-4, gt=0, title="Learning rate", description="AdamW peak, reached after warmup; cosine decay after."
+        1e-4, gt=0, le=10, title="Learning rate", description="AdamW peak, reached after warmup; cosine decay after."
     )
     warmup_ratio: float = Field(
         0.015, ge=0, lt=1, title="Warmup fraction", description="Of all steps, with the learning rate rising linearly."
     )
-    max_grad_norm: float = Field(0.5, gt=0, title="Gradient clip norm", description="Global L2 norm, per step.")
+    max_grad_norm: float = Field(0.5, gt=0, le=1e6, title="Gradient clip norm", description="Global L2 norm, per step.")
     batch_tokens: int | None = Field(
-        None, ge=16, title="Tokens per rank per step",
+        None, ge=16, le=16 * MAX_WIDTH, title="Tokens per rank per step",
         description="Padded tokens per rank per step (samples packed up to it). Empty: one sample per rank per "
         "step, SpecForge's default, which trained the better drafter on the same tokens (bench/train_recipe.py).",
     )
@@ -410,15 +512,16 @@ class TrainConfig(Section):
         description="Samples kept out of training (by id): validation, best checkpoint, evaluate's prompts.",
     )
     save_every_steps: int = Field(
-        1000, ge=1, title="Checkpoint every N steps",
+        1000, ge=1, le=MAX_COUNT, title="Checkpoint every N steps",
         description="Also validates. A crash loses at most this many steps; the last step is always saved.",
     )
     keep_last: int = Field(
-        2, ge=1, title="Checkpoints kept (plus best)",
+        2, ge=1, le=1000, title="Checkpoints kept (plus best)",
         description="Older ones are deleted; the best by simulated acceptance length is kept too.",
     )
     progress_interval_s: float = Field(
-        30.0, gt=0, title="Progress log interval (s)", description="Seconds between progress lines in the task log."
+        30.0, gt=0, le=3600, title="Progress log interval (s)",
+        description="Seconds between progress lines in the task log."
     )
 
 
@@ -446,17 +549,19 @@ class EvaluateConfig(Section):
     """Measuring acceptance length (the evaluate stage)."""
 
     num_prompts: int = Field(
-        64, ge=1, title="Held-out prompts", description="From the validation split, never trained on."
+        64, ge=1, le=MAX_WIDTH, title="Held-out prompts", description="From the validation split, never trained on."
     )
-    draft_lengths: list[int] = Field(
+    draft_lengths: list[DraftLength] = Field(
         default_factory=lambda: [3, 7], min_length=1, title="Draft lengths k",
         description="Draft tokens proposed per verify step; acceptance length is measured for each.",
     )
     max_new_tokens: int = Field(
-        256, ge=1, title="Max new tokens per prompt", description="Greedy, on the target with the drafter."
+        256, ge=1, le=MAX_WIDTH, title="Max new tokens per prompt",
+        description="Greedy, on the target with the drafter."
     )
     progress_interval_s: float = Field(
-        30.0, gt=0, title="Progress log interval (s)", description="Seconds between progress lines in the task log."
+        30.0, gt=0, le=3600, title="Progress log interval (s)",
+        description="Seconds between progress lines in the task log."
     )
 
 
@@ -467,9 +572,13 @@ class BenchmarkConfig(Section):
         False, title="Benchmark in SGLang", description="Needs sglang on the box; off in the CPU demo."
     )
     num_prompts: int = Field(
-        64, ge=1, title="Held-out prompts", description="The same for both servers, from the validation split."
+        64, ge=1, le=MAX_WIDTH, title="Held-out prompts",
+        description="The same for both servers, from the validation split."
     )
-    max_new_tokens: int = Field(512, ge=1, title="Max new tokens per prompt", description="Greedy (temperature 0).")
+    max_new_tokens: int = Field(
+        512, ge=1, le=MAX_WIDTH, title="Max new tokens per prompt",
+        description="Greedy (temperature 0)."
+    )
     concurrency: int = Field(
         1, ge=1, le=1024, title="Concurrent requests", description="Speculation pays most at small batch sizes."
     )
@@ -508,7 +617,7 @@ class RunConfig(Section):
         pattern=ABS_PATH_PATTERN,
     )
     seed: int = Field(
-        0, ge=0, title="Seed", description="Drafter initial weights and data order."
+        0, ge=0, le=2**32 - 1, title="Seed", description="Drafter initial weights and data order."
     )
     target: TargetConfig
     data: DataConfig
@@ -648,7 +757,16 @@ def read_text_config(model_path: str | Path) -> dict:
         raise ConfigError(
             f"target.model_path: {config_file} does not exist; point it at an HF model directory"
         ) from None
-    return hf_config.get("text_config") or hf_config
+    except (ValueError, UnicodeDecodeError) as err:  # (JSONDecodeError is a ValueError)
+        raise ConfigError(f"{config_file}: not valid JSON ({err}); restore the model's own config.json") from None
+    text_config = hf_config.get("text_config") or hf_config if isinstance(hf_config, dict) else None
+    if not isinstance(text_config, dict):
+        raise ConfigError(f"{config_file}: not a JSON object (or its text_config is not); restore the model's own "
+                          "config.json")
+    return text_config
+
+
+TARGET_FACT_LIMITS = {"num_hidden_layers": MAX_LAYERS, "hidden_size": MAX_WIDTH, "vocab_size": 16 * MAX_WIDTH}
 
 
 def read_target_facts(model_path: str | Path) -> dict[str, int]:
@@ -659,7 +777,12 @@ def read_target_facts(model_path: str | Path) -> dict[str, int]:
     for key in ("num_hidden_layers", "hidden_size", "vocab_size"):
         if key not in text_config:
             raise ConfigError(f"{config_file}: has no {key!r}; is this a decoder-only language model?")
-        facts[key] = int(text_config[key])
+        value = text_config[key]
+        bounds = TARGET_FACT_LIMITS[key]  # the same bounds as the TargetConfig field the fact fills in
+        if type(value) is not int or not 1 <= value <= bounds:  # (bool is an int subclass: not a size)
+            raise ConfigError(f"{config_file}: {key} is {value!r}, not a whole number from 1 to {bounds}; fix the "
+                              "file, or point target.model_path at the model's own directory")
+        facts[key] = value
     return facts
 
 
@@ -680,6 +803,9 @@ def resolve_target_facts(cfg: RunConfig) -> RunConfig:
     except KeyError as err:
         raise ConfigError(f"{cfg.target.model_path}/config.json: has no {err}; set drafter.{err.args[0]} to derive "
                           "the drafter's shape without it") from None
+    except (TypeError, ValueError) as err:  # a size that is not a number
+        raise ConfigError(f"{cfg.target.model_path}/config.json: a size the drafter's shape is derived from is not a "
+                          f"whole number ({err}); fix the file, or set drafter.* explicitly") from None
     return parse_run_config(data, f"{cfg.run_name} (with facts from {cfg.target.model_path})")
 
 
