@@ -17,37 +17,34 @@ re-attaches to while it runs, and restarts (the stage resumes where it stopped) 
 
 from __future__ import annotations
 
-import json
-import os
 from datetime import datetime, timedelta
-from pathlib import Path
 
 from airflow.sdk import DAG, chain, task
 
 from eagle3_airflow import tasks
+from eagle3_airflow.deployment import Deployment
 from eagle3_airflow.jobs import RemoteJobOperator
 from eagle3_airflow.params import build_params
 from eagle3_airflow.sensors import BoxReachableSensor, DiskSpaceSensor, GpuIdleSensor
 
-# Deployment settings without editing code: a JSON file named by EAGLE3_DAG_SETTINGS, e.g.
-# {"schedule": "@weekly", "params": {"workdir": "/data/eagle3", "box.conn_ids": ["gpu-box-1"]}, "pool": "gpu_box"}
-SETTINGS_FILE = os.environ.get("EAGLE3_DAG_SETTINGS")
-SETTINGS = json.loads(Path(SETTINGS_FILE).read_text()) if SETTINGS_FILE else {}
-PARAMS = build_params(SETTINGS.get("params"))
-POOL = SETTINGS.get("pool", "default_pool")  # bounds how many remote stages run on the box at once
-SENSOR_TIMEOUT = timedelta(hours=SETTINGS.get("sensor_timeout_h", 12))
+# The deployment's settings without editing code (eagle3_airflow/deployment.py): schedule, form defaults, and
+# which boxes, services, endpoint hosts and box variables a trigger may use. A JSON file named by EAGLE3_DAG_SETTINGS.
+SETTINGS = Deployment.from_env()
+PARAMS = build_params(SETTINGS.params, SETTINGS.form_choices())
+POOL = SETTINGS.pool  # bounds how many remote stages run on the box at once
+SENSOR_TIMEOUT = timedelta(hours=SETTINGS.sensor_timeout_h)
 
 with DAG(
     dag_id="eagle3_drafter",
     description="Train an EAGLE-3 drafter for a target model on a remote GPU box",
-    schedule=SETTINGS.get("schedule"),
+    schedule=SETTINGS.schedule,
     start_date=datetime(2026, 1, 1),
     catchup=False,
     max_active_runs=1,  # one box, one run: two runs would fight over its GPUs
     default_args={
-        "retries": SETTINGS.get("retries", 3),
-        "retry_delay": timedelta(seconds=SETTINGS.get("retry_delay_s", 60)),
-        "retry_exponential_backoff": SETTINGS.get("retry_exponential_backoff", True),
+        "retries": SETTINGS.retries,
+        "retry_delay": timedelta(seconds=SETTINGS.retry_delay_s),
+        "retry_exponential_backoff": SETTINGS.retry_exponential_backoff,
         "max_retry_delay": timedelta(minutes=30),
     },
     doc_md=__doc__,
@@ -57,7 +54,7 @@ with DAG(
     @task(retries=0, multiple_outputs=True)
     def validate(params=None, dag_run=None) -> dict:
         """Refuse unknown keys and bad values (fields named, fixes given) before anything runs."""
-        return tasks.validate_run(dict(params), dict(dag_run.conf or {}), set(PARAMS), dag_run.run_id)
+        return tasks.validate_run(dict(params), dict(dag_run.conf or {}), set(PARAMS), dag_run.run_id, SETTINGS)
 
     run = validate()
     plan = run["plan"]

@@ -71,8 +71,10 @@ def settings_env(directory: Path, **values) -> dict[str, str]:
 
 @pytest.fixture(scope="session")
 def settings(tmp_path_factory) -> dict[str, str]:
-    """Deployment settings through EAGLE3_DAG_SETTINGS: retries wait 1 s (then 2, 4, ...) instead of a minute."""
-    return settings_env(tmp_path_factory.mktemp("settings"), retry_delay_s=1, retries=2)
+    """Deployment settings through EAGLE3_DAG_SETTINGS: retries wait 1 s (then 2, 4, ...) instead of a minute, and
+    runs may use the loopback sshd's box (tests/sshd.py) besides this machine."""
+    return settings_env(tmp_path_factory.mktemp("settings"), retry_delay_s=1, retries=2,
+                        allowed_boxes=["local", "gpu_box"])
 
 
 def job_state(run_dir: Path, key: str) -> dict:

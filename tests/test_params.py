@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 from airflow.sdk.definitions.param import ParamsDict
 from airflow.sdk.exceptions import AirflowFailException, ParamValidationError
 
+from eagle3_airflow.deployment import Deployment
 from eagle3_airflow.params import ParamsError, build_params, params_to_configs, unflatten
 from eagle3_airflow.tasks import validate_run
 
@@ -66,6 +68,8 @@ def test_settings_file_defaults_override_model_defaults():
         ("box.conn_ids", ["ok", "bad id; rm -rf /"]),
         ("box.python", "python3 -c 'import os'"),
         ("box.stop_services", ["vllm.service; reboot"]),
+        ("box.stop_services", ["--all"]),  # would reach systemctl as an option
+        ("train.learning_rate", float("inf")),
     ],
 )
 def test_bad_values_are_refused_by_the_form(key, value):
@@ -111,7 +115,7 @@ def test_the_params_reference_in_docs_is_the_forms():
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     text = (REPO / "docs" / "params.md").read_text()
-    assert "| `train.epochs` | integer | `1` | >= 1 |" in text and "## server:" in text
+    assert "| `train.epochs` | integer | `1` | >= 1, <= 10000 |" in text and "## server:" in text
 
 
 def test_an_emptied_run_name_is_allowed_and_names_the_run_after_the_run_id():
@@ -119,3 +123,76 @@ def test_an_emptied_run_name_is_allowed_and_names_the_run_after_the_run_id():
     resolved = form(run_name=None).validate()
     config, _ = params_to_configs(resolved, "scheduled__2026-11-29T00:00:00+00:00")
     assert config.run_name == "scheduled__2026-11-29T00-00-00-00-00"
+
+
+# -- the deployment decides which boxes, services, hosts and variables a run may use -----------------------
+
+
+def validate_under(deployment, **overrides) -> dict:
+    return validate_run(dict(form(**overrides).validate()), {}, set(build_params()), "manual__1", deployment)
+
+
+def test_a_trigger_cannot_send_the_run_to_another_stored_connection():
+    """Any Airflow connection id is a valid name (a database bastion's, say); only the deployment's boxes pass."""
+    deployment = Deployment(allowed_boxes=["gpu-box-1", "gpu-box-2"], params={"box.conn_ids": ["gpu-box-1"]})
+    assert validate_under(deployment, **{"box.conn_ids": ["gpu-box-2"]})["plan"]["conn_ids"] == ["gpu-box-2"]
+    with pytest.raises(AirflowFailException, match=r"box.conn_ids: \['db_bastion'\] not allowed here; this "
+                       r"deployment allows \['gpu-box-1', 'gpu-box-2'\]"):
+        validate_under(deployment, **{"box.conn_ids": ["gpu-box-1", "db_bastion"]})
+    # With no list in the settings file, only the default box is allowed.
+    with pytest.raises(AirflowFailException, match=r"allows \['local'\]"):
+        validate_under(Deployment(), **{"box.conn_ids": ["db_bastion"]})
+
+
+def test_the_form_offers_only_the_deployments_boxes_and_services():
+    deployment = Deployment(allowed_boxes=["gpu-box-1"], params={"box.conn_ids": ["gpu-box-1"]})
+    params = ParamsDict(copy.deepcopy(build_params(deployment.params, deployment.form_choices())))
+    for key, value in GOOD.items():
+        params[key] = value
+    with pytest.raises(ParamValidationError, match="'db_bastion' is not one of \\['gpu-box-1'\\]"):
+        params["box.conn_ids"] = ["db_bastion"]
+    with pytest.raises(ParamValidationError):  # no service may be stopped unless the deployment lists one
+        params["box.stop_services"] = ["sshd.service"]
+    params["box.conn_ids"] = ["gpu-box-1"]
+    assert params.validate()["box.conn_ids"] == ["gpu-box-1"]
+
+
+def test_a_trigger_cannot_stop_a_service_the_deployment_did_not_list():
+    deployment = Deployment(allowed_services=["vllm.service"])
+    assert validate_under(deployment, **{"box.stop_services": ["vllm.service"]})["plan"]["stop_services"] == [
+        "vllm.service"]
+    with pytest.raises(AirflowFailException, match=r"box.stop_services: \['sshd.service'\] not allowed here"):
+        validate_under(deployment, **{"box.stop_services": ["sshd.service"]})
+
+
+def test_generate_talks_only_to_the_deployments_endpoint_hosts():
+    """The endpoint receives every conversation (and the API key): a trigger cannot point it at its own host."""
+    on = {"generate.enabled": True}
+    assert validate_under(Deployment(), **on, **{"generate.endpoint": "http://localhost:30000/v1"})
+    with pytest.raises(AirflowFailException, match=r"generate.endpoint: host 'collector.example' not allowed here"):
+        validate_under(Deployment(), **on, **{"generate.endpoint": "https://collector.example/v1"})
+    allowed = Deployment(allowed_endpoint_hosts=["sglang.internal"])
+    assert validate_under(allowed, **on, **{"generate.endpoint": "http://sglang.internal:30000/v1"})
+
+
+def test_an_api_key_variable_must_be_one_the_deployment_passes():
+    """Else a trigger could name any variable of the box (AIRFLOW__CORE__FERNET_KEY on a local box) and have it
+    sent to the endpoint as a bearer token."""
+    with pytest.raises(AirflowFailException, match=r"generate.api_key_env: 'AIRFLOW__CORE__FERNET_KEY' is not a "
+                       r"variable this deployment passes"):
+        validate_under(Deployment(), **{"generate.api_key_env": "AIRFLOW__CORE__FERNET_KEY"})
+    run = validate_under(Deployment(box_env=["SGLANG_API_KEY"]), **{"generate.api_key_env": "SGLANG_API_KEY"})
+    assert run["plan"]["box_env"] == ["SGLANG_API_KEY"]
+
+
+def test_a_settings_file_with_a_typo_or_a_default_it_does_not_allow_is_refused(tmp_path, monkeypatch):
+    settings = tmp_path / "dag-settings.json"
+    monkeypatch.setenv("EAGLE3_DAG_SETTINGS", str(settings))
+    settings.write_text(json.dumps({"allowed_box": ["gpu-box-1"]}))
+    with pytest.raises(ParamsError, match="allowed_box: unknown key"):
+        Deployment.from_env()
+    settings.write_text(json.dumps({"allowed_boxes": ["gpu-box-1"]}))  # the default box, 'local', is not in it
+    with pytest.raises(ParamsError, match=r"box.conn_ids: \['local'\] not allowed here"):
+        Deployment.from_env()
+    settings.write_text(json.dumps({"allowed_boxes": ["gpu-box-1"], "params": {"box.conn_ids": ["gpu-box-1"]}}))
+    assert Deployment.from_env().boxes() == ["gpu-box-1"]

@@ -16,12 +16,13 @@ from eagle3_airflow.sensors import BoxReachableSensor, DiskSpaceSensor, GpuIdleS
 from tests.conftest import H200, VLLM, poke
 
 # A TEST STAND-IN for systemctl (no systemd in a container): `is-active` answers from a state file,
-# `stop` empties it and records the call.
+# `stop` empties it and records the call. It takes the unit only after "--" (anything else exits 2), as the
+# sensor must call it: a unit named like an option ("--all") must never reach systemctl as one.
 FAKE_SYSTEMCTL = """#!/bin/sh
 state="$FAKE_SYSTEMCTL_STATE"
-case "$1" in
-  is-active) grep -qx "$3" "$state" ;;
-  stop) echo "$2" >> "$state.stopped"; grep -vx "$2" "$state" > "$state.new"; mv "$state.new" "$state" ;;
+case "$1 $2 $3" in
+  "is-active --quiet --") grep -qx -- "$4" "$state" ;;
+  "stop -- $3") echo "$3" >> "$state.stopped"; grep -vx -- "$3" "$state" > "$state.new"; mv "$state.new" "$state" ;;
   *) exit 2 ;;
 esac
 """

@@ -20,20 +20,22 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, Validation
 from eagle3.config import ABS_PATH_PATTERN, RUN_NAME_PATTERN, RunConfig, format_validation_error, parse_run_config
 
 ConnId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]{1,200}$")]
-SystemdUnit = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9@._:-]{1,200}$")]
+# Not starting with '-': a unit name reaches systemctl after "--" all the same, but "--all" is never a unit.
+SystemdUnit = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9@_][A-Za-z0-9@._:-]{0,199}$")]
 
 
 class BoxSettings(BaseModel):
     """The GPU box(es) and how the DAG watches them."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # an infinite timeout would mean "never"
 
     conn_ids: list[ConnId] = Field(
         default_factory=lambda: ["local"],
         min_length=1,
         title="Box connections",
-        description="Airflow SSH connection ids of the GPU boxes ('local' = the Airflow worker itself). "
-        "Extraction shards are spread over them; they must share the work directory (NFS, Lustre).",
+        description="Airflow SSH connection ids of the GPU boxes ('local' = the Airflow worker itself), among those "
+        "the deployment allows. Extraction shards are spread over them; they must share the work directory (NFS, "
+        "Lustre).",
     )
     python: str = Field(
         "python3",
@@ -43,13 +45,14 @@ class BoxSettings(BaseModel):
     )
     require_gpus: bool = Field(True, title="Require GPUs", description="Off only for CPU demos: no GPU check.")
     gpu_max_used_mib: int = Field(
-        1024, ge=0, title="GPU memory counted as idle (MiB)",
+        1024, ge=0, le=1 << 24, title="GPU memory counted as idle (MiB)",
         description="A GPU with more memory in use than this, or with any compute process, is busy.",
     )
     stop_services: list[SystemdUnit] = Field(
         default_factory=list,
         title="Services to stop first",
-        description="systemd units stopped before the GPU check, e.g. a vLLM server that starts at boot.",
+        description="systemd units stopped before the GPU check, e.g. a vLLM server that starts at boot; only "
+        "those the deployment allows.",
     )
     disk_margin: float = Field(
         1.2, ge=1.0, le=10.0, title="Disk estimate margin",
@@ -60,12 +63,12 @@ class BoxSettings(BaseModel):
         description="How often a waiting task asks the box for its job's state (one SSH command each).",
     )
     ssh_grace_s: float = Field(
-        900.0, ge=0, title="SSH outage tolerated (s)",
+        900.0, ge=0, le=7 * 24 * 3600, title="SSH outage tolerated (s)",
         description="While a job runs, SSH failures are retried with backoff for this long before the task fails "
         "(the job keeps running; a retry re-attaches).",
     )
     stale_after_s: float = Field(
-        120.0, ge=1, title="Heartbeat timeout (s)", description="A job whose heartbeat is older is dead."
+        120.0, ge=1, le=24 * 3600, title="Heartbeat timeout (s)", description="A job whose heartbeat is older is dead."
     )
 
 
@@ -130,11 +133,12 @@ def _field_default(model: type[BaseModel], dotted: str) -> Any:
     return value.model_dump(mode="json") if isinstance(value, BaseModel) else value
 
 
-def build_params(defaults: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Airflow Params for the whole trigger form; `defaults` (dotted names) override the models' defaults."""
+def build_params(defaults: dict[str, Any] | None = None, choices: dict[str, list] | None = None) -> dict[str, Any]:
+    """Airflow Params for the whole trigger form; `defaults` (dotted names) override the models' defaults, and
+    `choices` (dotted names of list params) limit what their items may be (the deployment's allowed boxes)."""
     from airflow.sdk import Param
 
-    defaults = defaults or {}
+    defaults, choices = defaults or {}, choices or {}
     params: dict[str, Any] = {}
     leaves = _walk(RunConfig, "", "run: name, work directory, seed") + _walk(BoxSettings, BOX_PREFIX, "")
     for dotted, section, prop, default in leaves:
@@ -153,6 +157,10 @@ def build_params(defaults: dict[str, Any] | None = None) -> dict[str, Any]:
         # serializes the DAG (every parse), and checking a value against a draft-07 schema is about 3x cheaper
         # (its meta-schema is one document, 2020-12's a tree of vocabularies). pydantic's keywords (numeric
         # exclusiveMinimum, pattern, enum) are draft-07 keywords. See also the end of dags/eagle3_drafter.py.
+        if dotted in choices:  # Airflow refuses anything else at trigger time, before a run exists
+            schema["items"] = {**schema.get("items", {}), "enum": list(choices[dotted])}
+            if not choices[dotted]:
+                schema["maxItems"] = 0
         schema["$schema"] = JSON_SCHEMA_DRAFT
         description = _describe(prop, required and dotted != "run_name")
         if dotted == "run_name":

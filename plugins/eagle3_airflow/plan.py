@@ -35,9 +35,10 @@ class RunPlan:
     gpus_per_shard: int = 1  # extract: 1 (hf, device auto), tp_size (sglang), 0 (hf on a device the user named)
     train_gpus: int = 1  # GPUs the first box must have for training: highest train.gpus index + 1, or its ranks
     server_gpus: int = 0  # server.tp_size when the run starts SGLang servers (generate, benchmark) on the first box
+    box_env: list[str] = field(default_factory=list)  # box variables the stages get besides job.py's built-in ones
 
     @classmethod
-    def build(cls, config: RunConfig, box: BoxSettings) -> RunPlan:
+    def build(cls, config: RunConfig, box: BoxSettings, box_env: list[str] | None = None) -> RunPlan:
         if config.extract.backend == "sglang":
             gpus_per_shard = config.extract.sglang.tp_size
         else:
@@ -52,6 +53,7 @@ class RunPlan:
             train_gpus=max(config.train.gpus) + 1 if config.train.gpus else config.train.ranks,
             server_gpus=config.server.tp_size
             if (config.generate.enabled and config.generate.launch_server) or config.benchmark.enabled else 0,
+            box_env=list(box_env or []),
         )
 
     @classmethod
@@ -97,5 +99,11 @@ class RunPlan:
         return box_for(conn_id or self.conn_ids[0])
 
     def eagle3(self, *args: str) -> list[str]:
-        """argv running the synced package with the box's python; every element is quoted by the transport."""
-        return ["env", f"PYTHONPATH={self.code_dir}", self.python, "-m", "eagle3", *args]
+        """argv running the synced package with the box's python; every element is quoted by the transport.
+
+        Safe-path semantics (-P, and PYTHONSAFEPATH for the processes it starts: the job supervisor, the stage,
+        torchrun's ranks): `python -m` would otherwise put the working directory, the SSH login directory, first
+        on the path, where an `eagle3/` of anyone's would shadow the synced package. No bytecode is written into
+        the code directory (PYTHONDONTWRITEBYTECODE), which code sync keeps exactly the archive's files."""
+        return ["env", f"PYTHONPATH={self.code_dir}", "PYTHONSAFEPATH=1", "PYTHONDONTWRITEBYTECODE=1", self.python,
+                "-P", "-m", "eagle3", *args]

@@ -92,9 +92,11 @@ class GpuIdleSensor(_BoxSensor):
     def _stop_services(self, conn_id: str) -> None:
         box = self.run_plan.box(conn_id)
         for unit in self.run_plan.stop_services:
-            if box.run(["systemctl", "is-active", "--quiet", unit], timeout=60).returncode != 0:
+            # "--": the unit is a name, never an option, whatever it looks like (validate allows only the
+            # deployment's units, and none starts with '-').
+            if box.run(["systemctl", "is-active", "--quiet", "--", unit], timeout=60).returncode != 0:
                 continue
-            result = box.run(["systemctl", "stop", unit], timeout=300)
+            result = box.run(["systemctl", "stop", "--", unit], timeout=300)
             if result.returncode == 0:
                 self.log.warning("%s: stopped service %s, which was running", conn_id, unit)
             else:

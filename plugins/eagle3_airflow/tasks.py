@@ -12,6 +12,7 @@ import logging
 from airflow.sdk.exceptions import AirflowFailException
 
 from eagle3_airflow.codesync import ensure_code
+from eagle3_airflow.deployment import Deployment
 from eagle3_airflow.params import ParamsError, check_unknown_keys, params_to_configs
 from eagle3_airflow.plan import RunPlan
 from eagle3_airflow.transport import RemoteCommandError
@@ -21,14 +22,19 @@ log = logging.getLogger(__name__)
 REQUIRED_BOX_PACKAGES = ["torch", "transformers", "tokenizers", "safetensors", "numpy", "pydantic"]
 
 
-def validate_run(params: dict, conf: dict, known: set[str], run_id: str) -> dict:
-    """Params -> run plan + run config. Bad input fails the task at once (no retries): nothing has started."""
+def validate_run(params: dict, conf: dict, known: set[str], run_id: str, deployment: Deployment | None = None) -> dict:
+    """Params -> run plan + run config. Bad input, or a run that reaches past what the deployment allows (another
+    box, service, endpoint host or box variable), fails the task at once (no retries): nothing has started."""
+    deployment = deployment or Deployment()
     try:
         check_unknown_keys(conf, known)
         config, box = params_to_configs({k: v for k, v in params.items() if k in known}, run_id)
+        gen = config.generate
+        uses_endpoint = gen.enabled and gen.backend == "server" and not gen.launch_server
+        deployment.check(box.conn_ids, box.stop_services, gen.endpoint if uses_endpoint else None, gen.api_key_env)
     except ParamsError as err:
         raise AirflowFailException(str(err)) from None
-    plan = RunPlan.build(config, box)
+    plan = RunPlan.build(config, box, deployment.box_env)
     log.info("run %s in %s on %s; %d extraction shard(s)", plan.run_name, plan.run_dir, ", ".join(plan.conn_ids),
              plan.num_shards)
     return {"plan": plan.to_xcom(), "config": config.model_dump(mode="json")}

@@ -1,0 +1,120 @@
+"""The deployment's settings file: what whoever runs this Airflow decides, and no trigger can change.
+
+A JSON file named by EAGLE3_DAG_SETTINGS, read when the DAG is parsed:
+
+    {"schedule": "@weekly", "pool": "gpu_box", "retries": 3,
+     "params": {"workdir": "/data/eagle3", "box.conn_ids": ["gpu-box-1"]},
+     "allowed_boxes": ["gpu-box-1", "gpu-box-2"], "allowed_services": ["vllm.service"],
+     "allowed_endpoint_hosts": ["127.0.0.1", "sglang.internal"], "box_env": ["SGLANG_API_KEY"]}
+
+`params` are the trigger form's defaults. The `allowed_*` lists and `box_env` are the trust boundary: many
+people may trigger a DAG (an Airflow role), but which machines it logs in to, which systemd units it stops there,
+which hosts the generate stage sends conversations to, and which of the box's environment variables reach a
+stage are the deployment's choice. The form offers only what they allow, and the validate task refuses anything
+else with the allowed values named. Left out, each allows only what the defaults use: the default boxes, the
+default services (none), the loopback and the default endpoint's host, no extra variables.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Annotated, Any
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
+
+from eagle3.config import GenerateConfig, format_validation_error
+from eagle3_airflow.params import BoxSettings, ConnId, ParamsError, SystemdUnit
+
+EnvName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")]
+HostName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9.-]{1,253}$")]
+LOOPBACK_HOSTS = ["127.0.0.1", "localhost"]
+
+
+class Deployment(BaseModel):
+    """EAGLE3_DAG_SETTINGS, validated: an unknown key (a typo) is refused, not ignored."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    schedule: str | None = Field(None, description="Airflow schedule (cron or preset); none: triggered only.")
+    params: dict[str, Any] = Field(default_factory=dict, description="Trigger-form defaults, by dotted name.")
+    pool: str = Field("default_pool", description="Airflow pool every remote stage runs in.")
+    sensor_timeout_h: float = Field(12, gt=0, le=24 * 14, description="How long a box sensor waits.")
+    retries: int = Field(3, ge=0, le=100)
+    retry_delay_s: float = Field(60, ge=0, le=24 * 3600)
+    retry_exponential_backoff: bool = True
+    allowed_boxes: list[ConnId] | None = Field(
+        None, description="Airflow SSH connection ids box.conn_ids may name; default: those of the default.")
+    allowed_services: list[SystemdUnit] | None = Field(
+        None, description="systemd units box.stop_services may name; default: those of the default (none).")
+    allowed_endpoint_hosts: list[HostName] | None = Field(
+        None, description="Hosts generate.endpoint may name; default: the loopback and the default's host.")
+    box_env: list[EnvName] = Field(
+        default_factory=list,
+        description="Box environment variables passed to the stages besides the built-in ones (CUDA_*, HF_*, ...); "
+        "generate.api_key_env must be one of them.")
+
+    @model_validator(mode="after")
+    def _defaults_are_allowed(self) -> Deployment:
+        # The form's defaults are what a scheduled run uses: they must pass the deployment's own check.
+        self.check(list(self.params.get("box.conn_ids") or BoxSettings().conn_ids),
+                   list(self.params.get("box.stop_services") or []), self.params.get("generate.endpoint"),
+                   self.params.get("generate.api_key_env"), source="params (the form's defaults)")
+        return self
+
+    @classmethod
+    def from_env(cls) -> Deployment:
+        """The settings file EAGLE3_DAG_SETTINGS names, or the defaults when it names none."""
+        path = os.environ.get("EAGLE3_DAG_SETTINGS")
+        if not path:
+            return cls()
+        try:
+            return cls.model_validate(json.loads(Path(path).read_text(encoding="utf-8")))
+        except ValidationError as err:
+            raise ParamsError(format_validation_error(err, f"the settings file {path} (EAGLE3_DAG_SETTINGS)")) from None
+        except (OSError, ValueError) as err:
+            raise ParamsError(f"EAGLE3_DAG_SETTINGS: cannot read {path}: {err}") from None
+
+    # -- what the trigger may choose -------------------------------------------------------------
+    def boxes(self) -> list[str]:
+        return self.allowed_boxes or list(self.params.get("box.conn_ids") or BoxSettings().conn_ids)
+
+    def services(self) -> list[str]:
+        if self.allowed_services is not None:
+            return self.allowed_services
+        return list(self.params.get("box.stop_services") or [])
+
+    def endpoint_hosts(self) -> list[str]:
+        if self.allowed_endpoint_hosts is not None:
+            return self.allowed_endpoint_hosts
+        default = self.params.get("generate.endpoint") or GenerateConfig().endpoint
+        return sorted({*LOOPBACK_HOSTS, urlsplit(default).hostname or ""} - {""})
+
+    def form_choices(self) -> dict[str, list[str]]:
+        """The values the trigger form offers for the list params whose items the deployment chooses."""
+        return {"box.conn_ids": self.boxes(), "box.stop_services": self.services()}
+
+    def check(self, conn_ids: list[str], services: list[str], endpoint: str | None, api_key_env: str | None,
+              source: str = "the run") -> None:
+        """Refuse a run that reaches past what this deployment allows; the message names the field, the allowed
+        values and where they are set."""
+        problems = []
+        for field, chosen, allowed in (("box.conn_ids", conn_ids, self.boxes()),
+                                       ("box.stop_services", services, self.services())):
+            outside = [value for value in chosen if value not in allowed]
+            if outside:
+                problems.append(f"{field}: {outside} not allowed here; this deployment allows {allowed}")
+        if endpoint is not None:
+            host = urlsplit(endpoint).hostname or ""
+            if host not in self.endpoint_hosts():
+                problems.append(f"generate.endpoint: host {host!r} not allowed here; this deployment allows "
+                                f"{self.endpoint_hosts()}")
+        if api_key_env is not None and api_key_env not in self.box_env:
+            problems.append(f"generate.api_key_env: {api_key_env!r} is not a variable this deployment passes to the "
+                            f"stages; it passes {self.box_env}")
+        if problems:
+            raise ParamsError("\n  ".join([f"{source} reaches past what this deployment allows:", *problems])
+                              + "\nThe deployment sets these in its settings file (EAGLE3_DAG_SETTINGS: allowed_boxes, "
+                              "allowed_services, allowed_endpoint_hosts, box_env); ask whoever runs this Airflow.")
