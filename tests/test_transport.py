@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_airflow.codesync import code_dir, ensure_code, package_archive
+from eagle3_airflow.codesync import PACKAGE_DIR, code_dir, ensure_code, package_archive
 from eagle3_airflow.tasks import validate_run, write_config
 from eagle3_airflow.transport import BoxUnreachable, LocalBox, SSHBox
 
@@ -81,6 +81,7 @@ def test_package_archive_is_reproducible():
 
 def test_hostile_paths_travel_as_data_through_ssh(ssh_box, tmp_path, tiny_target, monkeypatch):
     """Every string param with shell syntax goes through validate -> write_config over SSH: stored verbatim."""
+    from eagle3_airflow.deployment import Deployment
     from eagle3_airflow.params import build_params
 
     params = {k: p.value for k, p in build_params().items() if p.has_value}
@@ -89,9 +90,89 @@ def test_hostile_paths_travel_as_data_through_ssh(ssh_box, tmp_path, tiny_target
         "data.path": hostile(tmp_path), "vocab.reuse_from": hostile(tmp_path),
         "vocab.draft_vocab_size": 512, "box.conn_ids": ["gpu_box"], "box.python": sys.executable,
     })
-    run = validate_run(params, {}, set(params), "manual__1")
+    run = validate_run(params, {}, set(params), "manual__1", Deployment(allowed_boxes=["local", "gpu_box"]))
     ensure_code(ssh_box, sys.executable, run["plan"]["workdir"])
     config_path = write_config(run["plan"], run["config"])
     written = json.loads(Path(config_path).read_text())
     assert written["data"]["path"] == hostile(tmp_path) and written["vocab"]["reuse_from"] == hostile(tmp_path)
     assert_nothing_executed(tmp_path)
+
+
+# -- the box runs exactly the code that was synced ---------------------------------------------------------
+
+
+def plan_for(workdir: Path):
+    from eagle3_airflow.plan import RunPlan
+
+    return RunPlan(run_name="r", workdir=str(workdir), run_dir=f"{workdir}/runs/r", conn_ids=["local"],
+                   python=sys.executable, num_shards=1, generate=False, benchmark=False, require_gpus=False,
+                   gpu_max_used_mib=0)
+
+
+PLANTED = 'open({marker!r}, "w").write("planted code ran")\n'
+
+
+def test_a_code_dir_planted_under_the_digest_name_is_moved_aside_and_never_runs(tmp_path, caplog):
+    """Someone with write access to a shared workdir creates code/<digest>/ first, with an eagle3 of their own
+    (the digest is public: it names the directory). The sync compares the directory with the archive, moves it
+    aside and unpacks the real package; a planted bytecode cache is deleted as well."""
+    marker = tmp_path / "pwned"
+    planted = Path(code_dir(str(tmp_path / "work"))) / "eagle3"
+    shutil.copytree(PACKAGE_DIR, planted,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    (planted / "__init__.py").write_text(PLANTED.format(marker=str(marker)))
+    synced = ensure_code(LocalBox(), sys.executable, str(tmp_path / "work"))
+    assert "did not match the package (eagle3/__init__.py differs" in caplog.text
+    assert [p.name.startswith(".untrusted-") for p in Path(synced).parent.iterdir()].count(True) == 1
+
+    (Path(synced) / "eagle3" / "__pycache__").mkdir()
+    (Path(synced) / "eagle3" / "__pycache__" / "config.cpython-311.pyc").write_bytes(b"planted bytecode")
+    ensure_code(LocalBox(), sys.executable, str(tmp_path / "work"))
+    assert not (Path(synced) / "eagle3" / "__pycache__").exists()
+
+    result = LocalBox().run(plan_for(tmp_path / "work").eagle3("--help"))
+    assert result.returncode == 0 and "extract" in result.stdout
+    assert not marker.exists()
+    assert not (Path(synced) / "eagle3" / "__pycache__").exists()  # the stages write no bytecode there
+
+
+def test_an_eagle3_package_in_the_login_directory_does_not_shadow_the_synced_one(tmp_path, monkeypatch):
+    """`python -m eagle3` puts the working directory (over SSH: the login directory) first on the path; a
+    package planted there would run as the box user. Safe-path mode (-P) leaves it out; the code sync runs
+    isolated (-I), so a planted gzip.py or tarfile.py is not imported by its unpack script either."""
+    marker = tmp_path / "pwned"
+    home = tmp_path / "home"
+    (home / "eagle3").mkdir(parents=True)
+    (home / "eagle3" / "__init__.py").write_text(PLANTED.format(marker=str(marker)))
+    (home / "eagle3" / "__main__.py").write_text(PLANTED.format(marker=str(marker)))
+    for module in ("gzip", "tarfile", "hashlib"):
+        (home / f"{module}.py").write_text(PLANTED.format(marker=str(marker)))
+    monkeypatch.chdir(home)
+    ensure_code(LocalBox(), sys.executable, str(tmp_path / "work"))
+    result = LocalBox().run(plan_for(tmp_path / "work").eagle3("--help"))
+    assert result.returncode == 0 and "extract" in result.stdout
+    assert not marker.exists()
+
+
+def test_a_box_python_whose_tarfile_lacks_the_extraction_filter_is_refused(tmp_path):
+    """Older Pythons (before 3.11.4 / 3.10.12) extract whatever paths an archive names, outside the code directory
+    included. TEST STAND-IN for such a Python (none is installed here): a wrapper that runs this Python with
+    tarfile.data_filter deleted before the unpack script starts."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    old_python = tmp_path / "python3.10"
+    old_python.write_text(f'#!/bin/sh\nexec {sys.executable} -I -c \'import sys, tarfile; del tarfile.data_filter; '
+                          'exec(compile(sys.argv.pop(1), "<unpack>", "exec"))\' "$3" "$4" "$5"\n')
+    old_python.chmod(0o755)
+    with pytest.raises(AirflowFailException, match="lacks the extraction filter .* point box.python at Python 3.11.4"):
+        ensure_code(LocalBox(), str(old_python), str(tmp_path / "work"))
+    assert not Path(code_dir(str(tmp_path / "work"))).exists()
+
+
+def test_a_code_root_others_can_write_is_refused(tmp_path):
+    """Whoever can write {workdir}/code could swap a verified directory for their own after the check."""
+    root = tmp_path / "work" / "code"
+    root.mkdir(parents=True)
+    root.chmod(0o777)
+    with pytest.raises(Exception, match=r"writable by others \(mode 777\).*chmod go-w"):
+        ensure_code(LocalBox(), sys.executable, str(tmp_path / "work"))

@@ -3,9 +3,22 @@
 The package (include/eagle3) is packed into a deterministic tarball (sorted names, zero mtimes and
 owners), named by its sha256, and unpacked on the box into {workdir}/code/{digest}/ through a temp
 dir and a rename, so a directory with that name is always complete. The workdir is persistent
-storage: the seed run kept its scripts in /tmp and lost them to a VM crash. Syncing is idempotent and
-cheap when the directory is there; every remote job calls it before starting, so a box that lost its
-code dir (reimaged, or cleaned by hand) gets it back on the next try.
+storage: the seed run kept its scripts in /tmp and lost them to a VM crash. Every remote job syncs
+before it starts, so a box that lost its code dir (reimaged, cleaned by hand) gets it back on the next
+try.
+
+A directory's name is not trusted: the workdir may be shared (NFS), and anyone who can write there
+could plant a `code/<digest>/` of their own. So every sync sends the archive and the unpack script
+compares the directory with it, file by file: the same files with the same bytes, owned by the box
+user and writable by nobody else. Bytecode caches are deleted (a planted .pyc would run instead of
+its source; the stages write none, see RunPlan.eagle3). A directory that differs is moved aside
+(`.untrusted-<digest>-<time>`, kept for whoever investigates) and unpacked again.
+
+The script runs in Python's isolated mode (-I: neither the login directory nor PYTHON* variables can
+shadow the standard library it imports), and refuses a Python older than 3.11 or whose tarfile lacks
+the extraction filter, which would let a crafted archive write outside the code directory. The stages
+themselves run with safe-path semantics (-P, see RunPlan.eagle3), so an `eagle3/` in the SSH login
+directory cannot shadow the synced package either.
 """
 
 from __future__ import annotations
@@ -13,37 +26,97 @@ from __future__ import annotations
 import gzip
 import hashlib
 import io
+import logging
 import tarfile
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from airflow.sdk.exceptions import AirflowFailException
+
 import eagle3
-from eagle3_airflow.transport import Box
+from eagle3_airflow.transport import Box, RemoteCommandError
+
+log = logging.getLogger(__name__)
 
 PACKAGE_DIR = Path(eagle3.__file__).resolve().parent
+UNUSABLE_PYTHON_EXIT = 3  # the unpack script's answer for a box python it refuses: no retry helps
 
-# Runs on the box with only the standard library (the package is not there yet). Arguments: the code
-# root and the expected digest; stdin: the gzipped tarball. Prints the code directory.
+# Runs on the box as `python -I -c UNPACK_SCRIPT ROOT DIGEST` with only the standard library (the package is not
+# there yet); stdin: the gzipped tarball. Prints the code directory; a note on stderr when it re-unpacks.
 UNPACK_SCRIPT = r"""
-import hashlib, io, os, shutil, sys, tarfile, tempfile, gzip
+import gzip, hashlib, io, os, shutil, stat, sys, tarfile, tempfile, time
+if sys.version_info < (3, 11) or not hasattr(tarfile, "data_filter"):
+    sys.stderr.write("box.python %s is Python %s, whose tarfile lacks the extraction filter (or -P): a crafted "
+                     "archive could write outside the code directory; point box.python at Python 3.11.4 or newer\n"
+                     % (sys.executable, sys.version.split()[0]))
+    sys.exit(3)
 root, digest = sys.argv[1], sys.argv[2]
 final = os.path.join(root, digest)
-blob = sys.stdin.buffer.read()
+tar_bytes = gzip.decompress(sys.stdin.buffer.read())
+if hashlib.sha256(tar_bytes).hexdigest()[:16] != digest:
+    sys.exit("code sync: the archive arrived damaged (digest mismatch); retry")
+with tarfile.open(fileobj=io.BytesIO(tar_bytes)) as tar:
+    expected = {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}
+
+def untrusted(path, st):
+    if st.st_uid != os.getuid():
+        return "%s is owned by uid %d, not this user (%d)" % (path, st.st_uid, os.getuid())
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return "%s is writable by others (mode %o)" % (path, stat.S_IMODE(st.st_mode))
+    if stat.S_ISLNK(st.st_mode):
+        return "%s is a symlink" % path
+
+def difference(top):
+    # Why `top` is not exactly the archive, or None.
+    found = set()
+    for dirpath, dirnames, filenames in os.walk(top):
+        if "__pycache__" in dirnames:
+            # Bytecode would run instead of the source it claims to be compiled from. The stages never write it
+            # (PYTHONDONTWRITEBYTECODE), so whatever is here came from elsewhere: removed, the sources are used.
+            dirnames.remove("__pycache__")
+            try:
+                shutil.rmtree(os.path.join(dirpath, "__pycache__"))
+            except OSError as err:
+                return "cannot remove %s: %s" % (os.path.join(dirpath, "__pycache__"), err)
+        for name in dirnames + filenames:
+            path = os.path.join(dirpath, name)
+            problem = untrusted(path, os.lstat(path))
+            if problem:
+                return problem
+        rel_dir = os.path.relpath(dirpath, top)
+        for name in filenames:
+            rel = os.path.normpath(os.path.join(rel_dir, name))
+            if rel not in expected:
+                return "%s is not part of the package" % rel
+            with open(os.path.join(top, rel), "rb") as f:
+                if f.read() != expected[rel]:
+                    return "%s differs from the package" % rel
+            found.add(rel)
+    missing = sorted(set(expected) - found)
+    return "%s is missing" % missing[0] if missing else None
+
+os.makedirs(root, mode=0o755, exist_ok=True)
+problem = untrusted(root, os.lstat(root))
+if problem:
+    sys.exit("code sync: refusing %s: %s; make it this user's own directory (chmod go-w)" % (root, problem))
+if os.path.isdir(final) or os.path.islink(final):
+    problem = untrusted(final, os.lstat(final)) or difference(final)
+    if problem:
+        aside = os.path.join(root, ".untrusted-%s-%d" % (digest, time.time()))
+        os.rename(final, aside)
+        sys.stderr.write("code sync: %s did not match the package (%s); moved it to %s and unpacked again\n"
+                         % (final, problem, aside))
 if not os.path.isdir(final):
-    tar_bytes = gzip.decompress(blob)
-    if hashlib.sha256(tar_bytes).hexdigest()[:16] != digest:
-        sys.exit("code sync: the archive arrived damaged (digest mismatch); retry")
-    os.makedirs(root, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tmp-" + digest + "-", dir=root)
     with tarfile.open(fileobj=io.BytesIO(tar_bytes)) as tar:
-        if hasattr(tarfile, "data_filter"):
-            tar.extractall(tmp, filter="data")
-        else:
-            tar.extractall(tmp)
-    for dirpath, _, files in os.walk(tmp):
-        for name in files:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+        tar.extractall(tmp, filter="data")
+    for dirpath, dirnames, filenames in os.walk(tmp):
+        os.chmod(dirpath, 0o755)  # whatever the umask: readable, and writable by this user only
+        for name in filenames:
+            path = os.path.join(dirpath, name)
+            os.chmod(path, 0o644)
+            fd = os.open(path, os.O_RDONLY)
             os.fsync(fd)
             os.close(fd)
     try:
@@ -88,5 +161,12 @@ def ensure_code(box: Box, python: str, workdir: str) -> str:
     """Upload the package to the box unless it is already there; return its directory."""
     archive = package_archive()
     root = f"{workdir.rstrip('/')}/code"
-    result = box.run([python, "-c", UNPACK_SCRIPT, root, archive.digest], input=archive.gzipped, timeout=300)
-    return result.check(f"code sync to {root}").stdout.strip()
+    result = box.run([python, "-I", "-c", UNPACK_SCRIPT, root, archive.digest], input=archive.gzipped, timeout=300)
+    if result.returncode == UNUSABLE_PYTHON_EXIT:
+        raise AirflowFailException(result.stderr.strip())
+    for line in result.stderr.splitlines():  # a directory that did not match and was unpacked again
+        log.warning("%s: %s", box.conn_id, line)
+    if result.returncode != 0:  # (the message leaves out the script, which check() would print whole)
+        raise RemoteCommandError(f"code sync to {root} on {box.conn_id} failed (exit {result.returncode}): "
+                                 f"{result.stderr.strip()[-2000:]}")
+    return result.stdout.strip()

@@ -105,7 +105,7 @@ class RemoteJobOperator(ResumableJobMixin, BaseOperator):
 
     def _stage_argv(self) -> list[str]:
         plan = self.run_plan
-        argv = [plan.python, "-m", "eagle3", self.stage, "--config", plan.config_path]
+        argv = [plan.python, "-P", "-m", "eagle3", self.stage, "--config", plan.config_path]  # -P: see RunPlan.eagle3
         if self.shard is not None:
             argv += ["--shard", str(self.shard), "--num-shards", str(plan.num_shards),
                      "--gpu-group", str(plan.gpu_group_for_shard(self.shard))]
@@ -131,8 +131,9 @@ class RemoteJobOperator(ResumableJobMixin, BaseOperator):
     def submit_job(self, context) -> str:
         key = self._key(context)
         heartbeat_s = max(1.0, min(30.0, self.run_plan.stale_after_s / 4))
+        passed_env = [arg for name in self.run_plan.box_env for arg in ("--pass-env", name)]
         argv = self._job("start", key, "--heartbeat-s", f"{heartbeat_s:g}",
-                         "--stale-after-s", f"{self.run_plan.stale_after_s:g}", "--", *self._stage_argv())
+                         "--stale-after-s", f"{self.run_plan.stale_after_s:g}", *passed_env, "--", *self._stage_argv())
         box = self.run_plan.box(self.conn_id)
         state = self._riding_out_outages(lambda: box.run(argv, timeout=120)).json(f"starting job {key}")
         verb = "attached to" if state.get("attached") else "started"
