@@ -2,13 +2,17 @@
 
 SGLang cannot run on a CPU machine: the server here is tests/fakes/sglang_server.py, a stand-in that serves the
 tiny target's real greedy generation with SGLang's flags and endpoints, and can be told to fail (500, 429,
-dropped connections, slow answers, empty answers) or to exit at start.
+dropped connections, slow answers, empty answers) or to exit at start. The attacks at the end (a server that
+trickles, floods, redirects, answers nonsense, or echoes the API key) use tests/fakes/hostile_server.py, a
+test double in this process.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
+import logging
 import os
 import re
 import signal
@@ -16,15 +20,25 @@ import socket
 import subprocess
 import sys
 import time
+import tracemalloc
 from pathlib import Path
 
 import httpx
 import pytest
 
-from eagle3.config import write_run_config
+from eagle3.config import ConfigError, write_run_config
 from eagle3.data import DataError, read_conversations
-from eagle3.generate import GenerateAborted, read_rows, run_generate
+from eagle3.generate import (
+    GenerateAborted,
+    check_endpoint,
+    endpoint_url,
+    read_rows,
+    redact_url,
+    response_cap,
+    run_generate,
+)
 from tests.dagruns import wait_for
+from tests.fakes.hostile_server import GOOD, HostileServer, body, echo_headers, flood, redirect, trickle
 from tests.sshd import free_port
 from tests.standin import STAND_IN, stand_in_processes
 
@@ -345,3 +359,192 @@ def test_an_empty_answer_fails_the_conversation_and_is_not_kept():
     assert walk.next_request() == [{"role": "user", "content": "hi"}]
     walk.answer(Reply("  ", None, 1, "stop"))
     assert walk.failed == "the target answered with an empty message" and walk.next_request() is None
+
+
+# -- a hostile or broken server (tests/fakes/hostile_server.py, a stand-in in this process) -------------------
+
+
+def hostile_config(make_config, server: HostileServer, samples: int = 1, **gen):
+    """Small deadlines, and no stop by the failure rate unless a test asks for one."""
+    return generate_config(make_config, server.url, samples=samples, concurrency=1, request_timeout_s=0.5,
+                           max_retries=1, **{"max_failure_rate": 1.0, **gen})
+
+
+def failed_rows(cfg) -> list[dict]:
+    return [r for r in read_rows(cfg.run_dir / "generate" / "parts").values() if r["status"] == "failed"]
+
+
+def test_a_trickling_server_cannot_hold_a_request_past_its_deadline(make_config):
+    """The attack: headers at once, then a byte every 0.1 s of a promised megabyte. Every read comes in within
+    httpx's per-read timeout, so without a deadline on the whole request one conversation would take 29 hours.
+    Each attempt ends at generate.request_timeout_s; the conversation fails as a timeout after its retries."""
+    with HostileServer(then=trickle(every_s=0.1)) as server:
+        cfg = hostile_config(make_config, server)
+        started = time.monotonic()
+        stats = run_generate(cfg)
+        elapsed = time.monotonic() - started
+    # 2 attempts of 0.5 s, one backoff of at most 1 s, and slack for a loaded machine.
+    assert elapsed < 0.5 * 2 + 1 + 3, elapsed
+    assert server.paths().count("/v1/chat/completions") == 2  # the timeout was retried, once
+    assert stats["failure_reasons"] == {"timeout": 1}
+    [row] = failed_rows(cfg)
+    assert "no whole answer from http://127.0.0.1" in row["error"]
+    assert "within generate.request_timeout_s (0.5 s)" in row["error"]
+
+
+def test_a_100_mib_answer_is_refused_unread_and_memory_stays_bounded(make_config):
+    """The attack: a 200 answer whose content runs on for 100 MiB (no Content-Length, so only reading tells).
+    It is refused at the cap, 1 MiB + 256 bytes a max token, without buffering more than the cap, without
+    reading the rest, and without a retry: the row fails as oversize."""
+    with HostileServer(then=flood(100 << 20)) as server:
+        cfg = hostile_config(make_config, server)
+        tracemalloc.start()
+        try:
+            stats = run_generate(cfg)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        time.sleep(0.2)  # the server's last write fails once the closed connection is noticed
+        sent = server.sent_bytes
+    print(f"peak {peak / 2**20:.1f} MiB allocated, {sent / 2**20:.1f} MiB sent")
+    cap = response_cap(cfg.generate.max_tokens)
+    assert stats["failure_reasons"] == {"oversize": 1} and stats["retried_requests"] == 0
+    [row] = failed_rows(cfg)
+    assert f"response over {cap} bytes" in row["error"]
+    assert peak < 50 << 20, f"{peak / 2**20:.0f} MiB allocated at the peak"
+    # Loopback's socket buffers hold a few MiB that were sent but never read; the rest was never sent.
+    assert sent < 32 << 20, f"{sent / 2**20:.0f} MiB of the 100 were sent"
+
+
+MALFORMED = [  # (what the server sends as the whole body, what the failed row's error says)
+    (b"<html>502 Bad Gateway</html>", "not readable JSON"),
+    (b"\xff\xfe\x00garbage", "not readable JSON"),
+    (b"[" * 200_000, "nested too deeply"),
+    ({"choices": []}, "no choices[0] object"),
+    ({"object": "error"}, "no choices[0] object"),
+    ({"choices": [{"message": "hi"}]}, "choices[0].message is a string, not an object"),
+    (b'{"choices": [{"message": 1e999}]}', "a number beyond"),
+    ({"choices": [{"message": ["hi"]}]}, "choices[0].message is a list, not an object"),
+    ({"choices": [{"message": {"content": 42}}]}, "message.content is a number, not a string or null"),
+    ({"choices": [{"message": {"content": "hi", "reasoning_content": {"a": 1}}}]},
+     "message.reasoning_content is an object, not a string"),
+    ({"choices": [{"message": {"content": None, "tool_calls": [{"function": "get_weather"}]}}]},
+     "message.tool_calls is a list, not a list of"),
+    ({"choices": [{"message": {"content": "hi"}, "finish_reason": 7}]}, "finish_reason is a number"),
+    (b'{"choices": [{"message": {"content": "hi"}}], "usage": {"completion_tokens": NaN}}', "NaN"),
+    ({"choices": [{"message": {"content": "hi"}}], "usage": {"completion_tokens": "many"}},
+     "usage.completion_tokens is a string, not a count"),
+    ({"choices": [{"message": {"content": "hi"}}], "usage": {"completion_tokens": 10**400}},
+     "usage.completion_tokens is a number, not a count"),
+    ({"choices": [{"message": {"content": "hi"}}], "usage": "lots"}, "usage is a string, not an object"),
+    (b'{"choices": [{"message": {"content": "hi"}}], "usage": {"completion_tokens": 1' + b"0" * 5000 + b"}}",
+     "not readable JSON"),
+    (b'{"choices": [{"message": {"content": "\\ud800 lone"}}]}', "lone surrogate"),
+]
+
+
+def test_malformed_answers_fail_their_rows_with_a_reason_and_the_stage_goes_on(make_config):
+    """The attack: every shape of wrong answer at once: not JSON, not UTF-8, nested 200,000 deep, no choices,
+    a message that is a string, a number (1e999) or a list, content or reasoning or tool calls or counts of the
+    wrong type, NaN, a 400-digit count (which would break the stats' arithmetic), a 5,000-digit number, a lone
+    surrogate (which would fail the part file's write), a compressed body. Each is one failed row with a
+    one-line reason, not retried; the good conversation after them is kept."""
+    answers = [body(content) for content, _ in MALFORMED]
+    answers.append(body(GOOD, headers={"Content-Encoding": "gzip"}))  # compressed, though asked for none
+    with HostileServer(answers) as server:
+        cfg = hostile_config(make_config, server, samples=len(answers) + 1)
+        stats = run_generate(cfg)
+    assert stats["failure_reasons"] == {"malformed": len(answers)} and stats["regenerated"] == 1
+    assert stats["retried_requests"] == 0
+    errors = [row["error"] for row in failed_rows(cfg)]
+    for _, expected in [*MALFORMED, (None, "compressed (gzip) though the request asked for none")]:
+        assert any(expected in error for error in errors), f"no failed row says {expected!r}: {errors}"
+    assert all("\n" not in error and len(error) < 300 for error in errors)
+    assert "A fine answer." in json.dumps(output_of(cfg))
+
+
+def test_a_server_that_only_answers_nonsense_stops_the_stage_with_the_reason(make_config):
+    """The attack: every answer is {"choices": [{"message": "hi"}]}. The failure-rate rule stops the stage after
+    the first 20 conversations, saying what was wrong, instead of an exception out of the row."""
+    with HostileServer(then=body({"choices": [{"message": "hi"}]})) as server:
+        cfg = hostile_config(make_config, server, samples=40, max_failure_rate=0.5)
+        with pytest.raises(GenerateAborted, match=r"stopped early: 20 of the 20 conversations tried failed.*"
+                                                  r"last error: malformed answer: choices\[0\].message is a string"):
+            run_generate(cfg)
+
+
+def test_a_redirect_is_not_followed(make_config):
+    """The attack: a 302 to another path. The stage calls {endpoint}/chat/completions and nothing else: the row
+    fails with the status, and the other path is never asked."""
+    with HostileServer([redirect("/steal")]) as server:
+        cfg = hostile_config(make_config, server)
+        stats = run_generate(cfg)
+    assert stats["failure_reasons"] == {"http 302": 1}
+    assert set(server.paths()) == {"/v1/models", "/v1/chat/completions"}
+
+
+API_KEY = "sk-test-6f1c2a9e0d4b8e7f"
+
+
+def test_the_api_key_is_sent_as_a_bearer_token_and_shown_nowhere(make_config, monkeypatch, caplog, capsys):
+    """The attack: a server (or a proxy before it) whose 400 error page repeats the request's headers, logging
+    at DEBUG everywhere. The key from generate.api_key_env reaches the server on every request, the probe
+    included, and is in no log line, no row, no stats, no file of the run."""
+    caplog.set_level(logging.DEBUG)
+    for noisy in ("httpx", "httpcore"):
+        caplog.set_level(logging.DEBUG, logger=noisy)
+    monkeypatch.setenv("EAGLE3_TEST_API_KEY", API_KEY)
+    with HostileServer([echo_headers(400)]) as server:
+        cfg = hostile_config(make_config, server, samples=3, api_key_env="EAGLE3_TEST_API_KEY")
+        write_run_config(cfg)
+        stats = run_generate(cfg)
+    assert [headers.get("Authorization") for _, _, headers in server.requests] == [f"Bearer {API_KEY}"] * len(
+        server.requests)
+    assert "/v1/models" in server.paths() and stats["failure_reasons"] == {"http 400": 1}
+    [row] = failed_rows(cfg)
+    assert "HTTP 400" in row["error"] and "[key]" in row["error"]  # the echo came back, the key did not
+    out, err = capsys.readouterr()
+    assert API_KEY not in caplog.text + out + err + json.dumps(stats)
+    files = [p for p in cfg.run_dir.rglob("*") if p.is_file()]
+    assert any(p.name == "config.json" for p in files)
+    assert not [p for p in files if API_KEY.encode() in p.read_bytes()]
+
+
+def test_a_server_that_refuses_the_key_stops_the_stage_at_the_probe(make_config):
+    """The attack, or the mistake: a server that wants a key answers GET /models with 401. The stage stops
+    before its first conversation, naming generate.api_key_env, instead of failing every row with 401."""
+    with HostileServer(models=body({"error": "invalid api key"}, status=401)) as server:
+        cfg = hostile_config(make_config, server)
+        with pytest.raises(GenerateAborted, match=r"/v1/models answered HTTP 401: the server wants an API key; "
+                                                  r"name the variable .* in generate.api_key_env"):
+            run_generate(cfg)
+    assert "/v1/chat/completions" not in server.paths()
+
+
+@pytest.mark.parametrize("value", [None, "", "  "], ids=["unset", "empty", "blank"])
+def test_an_api_key_variable_that_is_not_set_is_a_config_error(make_config, monkeypatch, value):
+    """The attack: the config names a key variable the box does not have. The stage stops before any request
+    with a ConfigError (exit 2) naming the field and the variable, rather than asking without the key."""
+    if value is None:
+        monkeypatch.delenv("EAGLE3_TEST_API_KEY", raising=False)
+    else:
+        monkeypatch.setenv("EAGLE3_TEST_API_KEY", value)
+    with HostileServer() as server:
+        cfg = hostile_config(make_config, server, api_key_env="EAGLE3_TEST_API_KEY")
+        with pytest.raises(ConfigError, match="generate.api_key_env: the variable EAGLE3_TEST_API_KEY is not set "
+                                              "in the box's environment"):
+            run_generate(cfg)
+    assert server.requests == []
+
+
+def test_credentials_in_an_endpoint_are_never_sent_along_or_printed():
+    """The attack: an endpoint with user:password, a ?query and a #fragment, as if it had got past the config
+    (which refuses them). The request URLs keep only scheme, host, port and path, with the route in the path;
+    an error about the endpoint prints it without the password."""
+    port = free_port()
+    endpoint = f"http://admin:hunter2@127.0.0.1:{port}/v1/?token=hunter2#hunter2"
+    assert str(endpoint_url(endpoint, "chat/completions")) == f"http://127.0.0.1:{port}/v1/chat/completions"
+    assert "hunter2" not in redact_url(endpoint)
+    with pytest.raises(GenerateAborted, match="generate.endpoint: cannot reach") as caught:
+        asyncio.run(check_endpoint(endpoint))
+    assert "hunter2" not in str(caught.value)

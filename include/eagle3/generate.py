@@ -19,9 +19,17 @@ conversations at a time), for small targets such as the demo's: no server, no re
 
 Requests run concurrently (generate.concurrency) from an async client; connection errors, timeouts, 429 and 5xx
 are retried with exponential backoff and jitter (generate.max_retries). A conversation that still fails is
-recorded as failed with its error, counted, and left out of the data; a rerun tries it again. When more than
-generate.max_failure_rate of the conversations tried fail (checked after the first 20), the stage stops with
-the last error: a dead server must not turn the whole dataset into errors.
+recorded as failed with its error, counted by reason, and left out of the data; a rerun tries it again. When
+more than generate.max_failure_rate of the conversations tried fail (checked after the first 20), the stage
+stops with the last error: a dead server must not turn the whole dataset into errors.
+
+The server is not trusted to be well-behaved. Each request attempt has one deadline for all of it
+(generate.request_timeout_s: connect, send, and the answer's last byte), so a server trickling a byte a second
+cannot hold a conversation for hours; an answer longer than any real one (response_cap) is refused without
+being read further; and an answer that is not a well-formed chat completion fails its row with the reason,
+never the stage. generate.api_key_env names the variable on the box that holds the server's key; the key is
+sent as a Bearer token and appears nowhere else. The stage only ever calls {endpoint}/chat/completions and
+{endpoint}/models, follows no redirect, and prints the endpoint without credentials (redact_url).
 
 Output in RUN_DIR/generate/:
   parts/part-NNNNN.jsonl  finished rows in batches, each file written atomically (temp, fsync, rename):
@@ -29,7 +37,8 @@ Output in RUN_DIR/generate/:
                           A rerun skips every conversation with an "ok" row: a kill -9 loses at most the
                           rows not yet in a part (they are redone), and duplicates none.
   conversations.jsonl     the "ok" rows in input order as {"messages": [...]}: what extract reads.
-  stats.json              the counts and rates of the stage's last run.
+  stats.json              the counts and rates of the stage's last run; failure_reasons counts the failed rows
+                          by reason: timeout, connection, http NNN, oversize, malformed, empty.
 """
 
 from __future__ import annotations
@@ -37,14 +46,18 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
+import os
 import random
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential_jitter
 
+from eagle3.config import ConfigError, redact_url
 from eagle3.data import Conversation, read_conversations
 from eagle3.fsutil import atomic_write_text
 from eagle3.progress import ProgressLog
@@ -54,6 +67,20 @@ logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request would
 
 MIN_TRIED_BEFORE_ABORT = 20  # the failure rate means little over fewer conversations
 PART_ROWS = 256  # rows per part file at most, and one part per progress interval while rows finish
+PROBE_TIMEOUT_S = 10.0  # the whole GET {endpoint}/models: a live server answers it at once, even under load
+ERROR_BODY_BYTES = 1024  # of an error answer's body, read for its message (and no more)
+
+# A real answer is at most max_tokens tokens of text in a small JSON envelope (id, model, usage). A token is a
+# few characters, and JSON escaping (\uXXXX per non-ASCII character, and once more inside tool-call arguments)
+# makes that some tens of bytes at worst: 256 bytes a token is several times what any answer can need, and
+# 1 MiB covers the envelope. A body past the cap is no answer to our request, so it is refused, not retried.
+RESPONSE_BASE_BYTES = 1 << 20
+RESPONSE_BYTES_PER_TOKEN = 256
+
+
+def response_cap(max_tokens: int) -> int:
+    """The most bytes an answer to a request for at most `max_tokens` tokens may take."""
+    return RESPONSE_BASE_BYTES + RESPONSE_BYTES_PER_TOKEN * max_tokens
 
 
 class GenerateAborted(RuntimeError):
@@ -61,20 +88,70 @@ class GenerateAborted(RuntimeError):
 
 
 class RowFailed(Exception):
-    """A request that retrying will not fix (a 4xx, an empty or malformed answer)."""
+    """A request that failed for good: the conversation's row is failed with this message, counted under
+    `reason` (timeout, connection, http NNN, oversize, malformed, empty) in stats.json's failure_reasons."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
 
 
-def is_transient(err: BaseException) -> bool:
-    """Worth retrying: the connection failed or timed out, or the server is overloaded or broken (429, 5xx)."""
-    if isinstance(err, httpx.HTTPStatusError):
-        return err.response.status_code == 429 or err.response.status_code >= 500
-    return isinstance(err, httpx.TransportError)
+class Transient(RowFailed):
+    """A failure that retrying may fix: the connection failed, the deadline passed, or the server is overloaded
+    or restarting (429, 5xx). Once the retries are spent it fails the row as any RowFailed does."""
 
 
 def describe(err: BaseException) -> str:
-    if isinstance(err, httpx.HTTPStatusError):
-        return f"HTTP {err.response.status_code}: {err.response.text[:200]}"
     return f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+
+
+def one_line(text: str, limit: int = 200) -> str:
+    """Server text as it may go into a message: one line, short."""
+    return " ".join(text.split())[:limit]
+
+
+def endpoint_url(base_url: str, route: str) -> httpx.URL:
+    """{endpoint}/{route}, built from the endpoint's scheme, host, port and path only: whatever else the
+    endpoint holds (user:password, a ?query or #fragment, which the config refuses anyway) cannot ride along
+    or move the route out of the path."""
+    base = httpx.URL(base_url)
+    return base.copy_with(path=base.path.rstrip("/") + "/" + route, userinfo=b"", query=None, fragment=None)
+
+
+def api_key_from_env(gen) -> str | None:
+    """The key in the variable generate.api_key_env names, read on the box at stage start (None: not set).
+    The key itself is kept out of every message: only the variable's name is ever shown."""
+    name = gen.api_key_env
+    if name is None:
+        return None
+    key = os.environ.get(name, "").strip()
+    if not key:
+        raise ConfigError(
+            f"generate.api_key_env: the variable {name} is not set in the box's environment; export it (the "
+            "server's API key) where the stage runs, or clear generate.api_key_env if the server needs no key"
+        )
+    if not (key.isascii() and key.isprintable()) or " " in key:  # it could not travel in an HTTP header
+        raise ConfigError(
+            f"generate.api_key_env: the value of {name} is not a usable API key (it holds spaces or characters "
+            "outside printable ASCII); set it to the key alone"
+        )
+    return key
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+async def read_capped(response: httpx.Response, limit: int) -> tuple[bytes, bool]:
+    """At most `limit` bytes of the body, and whether there was more; the rest is never read. Raw bytes: a
+    content decoder could turn one small compressed chunk into gigabytes before the count saw them."""
+    body = bytearray()
+    async for chunk in response.aiter_raw():
+        room = limit - len(body)
+        body += chunk[:room]
+        if len(chunk) > room:
+            return bytes(body), True
+    return bytes(body), False
 
 
 # -- the client ------------------------------------------------------------------------------------------------
@@ -89,47 +166,152 @@ class Reply:
     tool_calls: list[dict] | None = None
 
 
-class ChatClient:
-    """POST /chat/completions with retries; one Reply per request."""
+def json_kind(value: object) -> str:
+    kinds = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null"}
+    return kinds.get(type(value), "a number")
 
-    def __init__(self, cfg, base_url: str):
+
+def _refuse_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999 reads as inf, which no JSON writer can write back
+        raise ValueError("a number beyond ±1.8e308")
+    return value
+
+
+def _is_tool_call(call: object) -> bool:
+    """OpenAI's shape, which Regeneration and the chat templates rely on: {"id"?, "function": {"name",
+    "arguments"?: a JSON string}}."""
+    function = call.get("function") if isinstance(call, dict) else None
+    return (isinstance(function, dict) and isinstance(function.get("name"), str)
+            and isinstance(function.get("arguments", ""), str) and isinstance(call.get("id", ""), str))
+
+
+def parse_reply(body: bytes, keep_reasoning: bool = True) -> Reply:
+    """The Reply in a chat completion's body. Whatever the body is, this returns a Reply that can be stored as
+    JSON text or raises RowFailed with a one-line reason ("malformed", or "empty" for an empty message)."""
+
+    def malformed(what: str) -> RowFailed:
+        return RowFailed("malformed", f"malformed answer: {what}")
+
+    try:
+        answer = json.loads(body, parse_constant=_refuse_constant, parse_float=_finite_float)
+    except RecursionError:
+        raise malformed("nested too deeply to read") from None
+    except ValueError as err:  # not JSON, not UTF-8, NaN or Infinity, a number out of range, too many digits
+        raise malformed(f"not readable JSON ({one_line(str(err))})") from None
+    choices = answer.get("choices") if isinstance(answer, dict) else None
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        raise malformed("no choices[0] object")
+    choice = choices[0]
+    message = choice.get("message")
+    if not isinstance(message, dict):
+        raise malformed(f"choices[0].message is {json_kind(message)}, not an object")
+    content = "" if message.get("content") is None else message["content"]  # null: a turn of tool calls only
+    reasoning = message.get("reasoning_content") or None
+    tool_calls = message.get("tool_calls") or None
+    finish_reason = choice.get("finish_reason") or ""
+    usage = answer.get("usage") or {}
+    if not isinstance(usage, dict):
+        raise malformed(f"usage is {json_kind(usage)}, not an object")
+    tokens = usage.get("completion_tokens") or 0
+    for field, value, ok, expected in (
+        ("message.content", content, isinstance(content, str), "a string or null"),
+        ("message.reasoning_content", reasoning, reasoning is None or isinstance(reasoning, str), "a string"),
+        ("message.tool_calls", tool_calls,
+         tool_calls is None or (isinstance(tool_calls, list) and all(map(_is_tool_call, tool_calls))),
+         'a list of {"id", "function": {"name", "arguments"}} calls'),
+        ("choices[0].finish_reason", finish_reason, isinstance(finish_reason, str), "a string"),
+        # Past 2^32 no answer's count, and past 1e308 one that would break the stats' float arithmetic.
+        ("usage.completion_tokens", tokens, type(tokens) is int and 0 <= tokens < 1 << 32, "a count"),
+    ):
+        if not ok:
+            raise malformed(f"{field} is {json_kind(value)}, not {expected}")
+    try:  # all of it goes into a part file as UTF-8: a lone surrogate (\ud800) would fail that write
+        json.dumps([content, reasoning, tool_calls], ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise malformed("a string in the message is not valid Unicode (a lone surrogate)") from None
+    if not content.strip() and not tool_calls:
+        raise RowFailed("empty", "the server answered with an empty message")
+    return Reply(content, reasoning if keep_reasoning else None, tokens, finish_reason, tool_calls)
+
+
+class ChatClient:
+    """POST {endpoint}/chat/completions with retries; one Reply per request."""
+
+    def __init__(self, cfg, base_url: str, api_key: str | None = None):
         gen = cfg.generate
-        self.url = base_url.rstrip("/") + "/chat/completions"
+        self.url = endpoint_url(base_url, "chat/completions")
+        self.shown_url = redact_url(str(self.url))
         self.body = {"model": gen.model or cfg.target.model_path, "temperature": gen.temperature, "top_p": gen.top_p,
                      "max_tokens": gen.max_tokens,
                      **({"chat_template_kwargs": cfg.data.chat_template_kwargs} if cfg.data.chat_template_kwargs
                         else {})}
         self.keep_reasoning = gen.reasoning == "keep"
         self.attempts = gen.max_retries + 1
+        self.deadline_s = gen.request_timeout_s
+        self.max_bytes = response_cap(gen.max_tokens)
+        self.api_key = api_key
         self.http = httpx.AsyncClient(
+            # httpx's timeouts are per phase and per read; the attempt's deadline (see _attempt) bounds the sum.
             timeout=httpx.Timeout(gen.request_timeout_s, connect=min(30.0, gen.request_timeout_s)),
             limits=httpx.Limits(max_connections=gen.concurrency, max_keepalive_connections=gen.concurrency),
+            # Identity: the body's bytes are counted against the cap as they arrive, not after decompression.
+            headers={"Accept-Encoding": "identity", **auth_headers(api_key)},
+            # A redirect would send the request, and the key, somewhere other than {endpoint}/chat/completions:
+            # it fails the row instead (httpx's default; stated because it matters).
+            follow_redirects=False,
         )
         self.retries = 0
 
     async def reply(self, messages: list[dict], tools=None) -> Reply:
         body = {**self.body, "messages": messages, **({"tools": list(tools)} if tools else {})}
         async for attempt in AsyncRetrying(
-            retry=retry_if_exception(is_transient), stop=stop_after_attempt(self.attempts),
+            retry=retry_if_exception_type(Transient), stop=stop_after_attempt(self.attempts),
             wait=wait_exponential_jitter(multiplier=0.5, jitter=0.5, max=30.0), reraise=True,
             before_sleep=self._count_retry,
         ):
             with attempt:
-                response = await self.http.post(self.url, json=body)
-                response.raise_for_status()
+                answer = await self._attempt(body)
+        return parse_reply(answer, self.keep_reasoning)
+
+    async def _attempt(self, body: dict) -> bytes:
+        """One POST, its body read to the end, all within the deadline (httpx has no total timeout)."""
         try:
-            answer = response.json()
-            choice = answer["choices"][0]
-            content = choice["message"].get("content") or ""
-            reasoning = choice["message"].get("reasoning_content") or None
-            tool_calls = choice["message"].get("tool_calls") or None
-            tokens = int((answer.get("usage") or {}).get("completion_tokens") or 0)
-        except (ValueError, KeyError, IndexError, TypeError) as err:
-            raise RowFailed(f"malformed answer from {self.url}: {describe(err)}") from None
-        if not content.strip() and not tool_calls:
-            raise RowFailed("the server answered with an empty message")
-        return Reply(content, reasoning if self.keep_reasoning else None, tokens, choice.get("finish_reason") or "",
-                     tool_calls)
+            async with asyncio.timeout(self.deadline_s):
+                async with self.http.stream("POST", self.url, json=body) as response:
+                    return await self._body_of(response)
+        except TimeoutError:
+            raise Transient("timeout", f"no whole answer from {self.shown_url} within generate.request_timeout_s "
+                                       f"({self.deadline_s:g} s)") from None
+        except httpx.TransportError as err:
+            reason = "timeout" if isinstance(err, httpx.TimeoutException) else "connection"
+            raise Transient(reason, f"{self.shown_url}: {describe(err)}") from None
+
+    async def _body_of(self, response: httpx.Response) -> bytes:
+        status = response.status_code
+        if response.is_redirect:
+            raise RowFailed(f"http {status}", f"HTTP {status}: a redirect, not followed: the stage calls "
+                                              f"{self.shown_url} and nothing else")
+        if not response.is_success:
+            text = (await read_capped(response, ERROR_BODY_BYTES))[0].decode("utf-8", "replace")
+            if self.api_key:  # a proxy that echoes the request's headers back must not put the key in a row
+                text = text.replace(self.api_key, "[key]")
+            error = Transient if status == 429 or status >= 500 else RowFailed
+            raise error(f"http {status}", f"HTTP {status}: {one_line(text)}")
+        encoding = response.headers.get("Content-Encoding", "identity").lower()
+        if encoding != "identity":
+            raise RowFailed("malformed", f"malformed answer: compressed ({one_line(encoding, 40)}) though the "
+                                         "request asked for none (Accept-Encoding: identity)")
+        answer, more = await read_capped(response, self.max_bytes)
+        if more:
+            raise RowFailed("oversize", f"response over {self.max_bytes} bytes, more than an answer of "
+                                        f"generate.max_tokens ({self.body['max_tokens']}) tokens can take; not "
+                                        "read further")
+        return answer
 
     def _count_retry(self, retry_state) -> None:
         self.retries += 1
@@ -259,7 +441,7 @@ def regenerate_with_hf(cfg, todo: list[Conversation], writer: PartWriter, progre
             for walk in walks:
                 row = {"source_id": walk.conversation.sample_id, "line_no": walk.conversation.line_no}
                 if walk.failed:  # left out of the data and counted, as a failed request is on the server path
-                    writer.add({**row, "status": "failed", "error": walk.failed})
+                    writer.add({**row, "status": "failed", "reason": "empty", "error": walk.failed})
                     progress.update(0, 0, failed=1)
                     continue
                 result = walk.result()
@@ -315,11 +497,11 @@ def read_rows(parts_dir: Path) -> dict[str, dict]:
 
 
 async def regenerate_all(cfg, base_url: str, todo: list[Conversation], writer: PartWriter,
-                         progress: ProgressLog) -> dict:
+                         progress: ProgressLog, api_key: str | None = None) -> dict:
     """Run the conversations through `concurrency` workers, counting into `progress` (done_here: regenerated,
     failed, tokens). Returns {"retries": retried requests, "truncated": answers cut at max_tokens}."""
     gen = cfg.generate
-    client = ChatClient(cfg, base_url)
+    client = ChatClient(cfg, base_url, api_key)
     queue: asyncio.Queue[Conversation] = asyncio.Queue()
     for conversation in todo:
         queue.put_nowait(conversation)
@@ -333,13 +515,13 @@ async def regenerate_all(cfg, base_url: str, todo: list[Conversation], writer: P
             row = {"source_id": conversation.sample_id, "line_no": conversation.line_no}
             try:
                 result = await regenerate(client, conversation)
-            except (httpx.HTTPError, RowFailed) as err:
-                writer.add({**row, "status": "failed", "error": describe(err)})
+            except RowFailed as err:  # whatever the server did, or did not, answer
+                writer.add({**row, "status": "failed", "reason": err.reason, "error": str(err)})
                 progress.update(0, 0, failed=1)
                 tried = progress.done_here + progress.failed
                 if tried >= min(MIN_TRIED_BEFORE_ABORT, len(todo)) and progress.failed > gen.max_failure_rate * tried:
                     abort.append(f"{progress.failed} of the {tried} conversations tried failed "
-                                 f"(generate.max_failure_rate {gen.max_failure_rate:.0%}); last error: {describe(err)}")
+                                 f"(generate.max_failure_rate {gen.max_failure_rate:.0%}); last error: {err}")
                 continue
             truncated += result["truncated"]
             writer.add({**row, "status": "ok", **result})
@@ -352,21 +534,33 @@ async def regenerate_all(cfg, base_url: str, todo: list[Conversation], writer: P
         await client.close()
     if abort:
         raise GenerateAborted(
-            f"generate stopped early: {abort[0]}. Is the server at {base_url} up and serving "
+            f"generate stopped early: {abort[0]}. Is the server at {redact_url(base_url)} up and serving "
             f"{cfg.generate.model or cfg.target.model_path}? Rows done so far are kept; run the stage again to go on."
         )
     return {"retries": client.retries, "truncated": truncated}
 
 
-def check_endpoint(base_url: str) -> None:
-    """Fail in seconds, not after a dataset's worth of retries, when nothing listens at the endpoint."""
+async def check_endpoint(base_url: str, api_key: str | None = None) -> None:
+    """Fail in seconds, not after a dataset's worth of retries, when nothing listens at the endpoint or it
+    refuses the key. Only the status line and headers are read, within PROBE_TIMEOUT_S all told."""
+    shown = redact_url(base_url)
     try:
-        httpx.get(base_url.rstrip("/") + "/models", timeout=10.0)
-    except httpx.TransportError as err:
+        async with asyncio.timeout(PROBE_TIMEOUT_S), httpx.AsyncClient(
+                headers=auth_headers(api_key), timeout=PROBE_TIMEOUT_S, follow_redirects=False) as http:
+            async with http.stream("GET", endpoint_url(base_url, "models")) as response:
+                status = response.status_code
+    except (TimeoutError, httpx.TransportError) as err:
+        why = f"no answer within {PROBE_TIMEOUT_S:g} s" if isinstance(err, TimeoutError) else describe(err)
         raise GenerateAborted(
-            f"generate.endpoint: cannot reach {base_url} ({describe(err)}); start the target's server there, or "
-            "set generate.launch_server to have the stage start it"
+            f"generate.endpoint: cannot reach {shown} ({why}); start the target's server there, or set "
+            "generate.launch_server to have the stage start it"
         ) from None
+    if status in (401, 403):
+        raise GenerateAborted(
+            f"generate.endpoint: {shown}/models answered HTTP {status}: the server wants an API key"
+            + (" and refused the one sent" if api_key else "") + "; name the variable on the box that holds it "
+            "in generate.api_key_env"
+        )
 
 
 def run_generate(cfg) -> dict:
@@ -374,6 +568,10 @@ def run_generate(cfg) -> dict:
 
     gen = cfg.generate
     started = time.monotonic()
+    # Read first, so that a missing key fails the stage before anything else. Sent whenever it is set, also to a
+    # server the stage starts: that one needs no key, but a Bearer header is harmless to a server without
+    # --api-key and needed by one given a key in server.extra_args. The hf backend has no server to send it to.
+    api_key = api_key_from_env(gen) if gen.backend == "server" else None
     out = cfg.run_dir / "generate"
     limit = gen.num_samples or cfg.data.max_samples
     conversations, read_stats = read_conversations(cfg.data.path, cfg.data.on_bad_record, limit)
@@ -391,16 +589,17 @@ def run_generate(cfg) -> dict:
             outcome = regenerate_with_hf(cfg, todo, writer, progress)
         elif gen.launch_server:
             with sglang_server(cfg, out / "server.log") as server_url:
-                outcome = asyncio.run(regenerate_all(cfg, server_url + "/v1", todo, writer, progress))
+                outcome = asyncio.run(regenerate_all(cfg, server_url + "/v1", todo, writer, progress, api_key))
         else:
-            check_endpoint(gen.endpoint)
-            outcome = asyncio.run(regenerate_all(cfg, gen.endpoint, todo, writer, progress))
+            asyncio.run(check_endpoint(gen.endpoint, api_key))
+            outcome = asyncio.run(regenerate_all(cfg, gen.endpoint, todo, writer, progress, api_key))
         progress.emit()
 
     rows = read_rows(writer.dir)
     ok_rows = [rows[c.sample_id] for c in conversations if rows.get(c.sample_id, {}).get("status") == "ok"]
-    failed = {c.line_no: rows[c.sample_id]["error"] for c in conversations
-              if rows.get(c.sample_id, {}).get("status") == "failed"}
+    failed_rows = {c.line_no: rows[c.sample_id] for c in conversations
+                   if rows.get(c.sample_id, {}).get("status") == "failed"}
+    failed = {line_no: row["error"] for line_no, row in failed_rows.items()}
     records = [{"messages": r["messages"], **({"tools": r["tools"]} if r.get("tools") else {})} for r in ok_rows]
     atomic_write_text(out / "conversations.jsonl",
                       "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records))
@@ -412,6 +611,8 @@ def run_generate(cfg) -> dict:
         "already_done": len(conversations) - len(todo),
         "failed": len(failed),
         "failed_lines": dict(list(failed.items())[:50]),
+        # Rows written before reasons were recorded count as "unrecorded".
+        "failure_reasons": dict(Counter(row.get("reason", "unrecorded") for row in failed_rows.values())),
         "bad_records": len(read_stats.bad),
         "duplicates": read_stats.duplicates,
         "truncated_now": outcome["truncated"],
