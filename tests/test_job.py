@@ -29,9 +29,13 @@ def jobs(tmp_path):
     jobs_dir = tmp_path / "jobs"
     yield jobs_dir
     for state_file in jobs_dir.glob("*/state.json"):
-        state = json.loads(state_file.read_text())
+        try:
+            state = job.read_state(state_file.parent)
+        except job.CorruptState:  # (a test's hostile file: it names nothing this test started)
+            continue
         if state["pgid"] != os.getpgid(0):  # never this test process's own group
-            job.kill_leftovers(state, wait_s=5)
+            # This boot's id: a test that faked a reboot has put the real one back by now.
+            job.kill_leftovers({**state, "boot_id": job.read_boot_id()}, wait_s=5)
 
 
 def eagle3_job(*args: str) -> dict:
@@ -88,7 +92,7 @@ def test_start_poll_and_success_with_the_output_in_the_log(jobs, tmp_path):
     assert done["state"]["exit_code"] == 0 and done["state"]["ended_at"] and done["log_tail"] == []
     assert re.match(r"==== eagle3 job ok try 1 started \d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ on \S+ ====\n", done["log"])
     assert "hello from the stage\ndone\n" in done["log"]
-    assert (jobs / "ok").stat().st_mode & 0o777 == 0o700  # spec.json holds the environment
+    assert (jobs / "ok").stat().st_mode & 0o777 == 0o700  # private: the log and argv are nobody else's business
 
     again = start(jobs, "ok", "print('must not run')")  # a succeeded job is reported, not rerun
     assert again["attached"] is True and again["try"] == 1
@@ -210,18 +214,33 @@ def test_a_reboot_makes_the_job_dead(jobs, tmp_path, monkeypatch):
     assert eagle3_job("kill", "--jobs-dir", str(jobs), "--key", "reboot")["state"]["status"] == "killed"
 
 
-def test_an_old_heartbeat_makes_the_job_dead(tmp_path):
-    # A hand-written state whose "supervisor" is this very test process: alive, right start time, silent for 300 s.
-    # (Outside the `jobs` fixture, so that nothing ever SIGKILLs this process's group; only poll looks at it.)
-    directory = tmp_path / "jobs" / "stale"
-    directory.mkdir(parents=True)
-    pid = os.getpid()
-    (directory / "state.json").write_text(json.dumps({
-        "key": "stale", "try": 1, "status": "running", "pid": pid, "pgid": os.getpgid(0),
+def hand_written_state(jobs_dir: Path, key: str, pid: int, **fields) -> dict:
+    """Write the state.json a supervisor with `pid` would write for a running job (fields override)."""
+    directory = jobs_dir / key
+    directory.mkdir(parents=True, exist_ok=True)
+    state = {
+        "key": key, "try": 1, "status": "running", "pid": pid, "pgid": pid,
         "pid_start_ticks": job.pid_start_ticks(pid), "boot_id": job.read_boot_id(), "host": "box",
-        "argv": ["x"], "started_at": "2026-01-01T00:00:00Z", "heartbeat_at": time.time() - 300,
-        "exit_code": None, "ended_at": None, "log": str(directory / "log"),
-    }))
+        "argv": ["x"], "started_at": "2026-01-01T00:00:00Z", "heartbeat_at": time.time(),
+        "exit_code": None, "ended_at": None, "log": str(directory / "log"), **fields,
+    }
+    (directory / "state.json").write_text(json.dumps(state))
+    return state
+
+
+@pytest.fixture
+def stranger():
+    """A process that is no job's: a `sleep` leading a session (and so a process group) of its own."""
+    process = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    wait_until(lambda: job.pid_start_ticks(process.pid), "the stranger to start")
+    yield process
+    process.kill()
+    process.wait()
+
+
+def test_an_old_heartbeat_makes_the_job_dead(tmp_path, stranger):
+    # A hand-written state whose "supervisor" is a stand-in: alive, right start time, silent for 300 s.
+    hand_written_state(tmp_path / "jobs", "stale", stranger.pid, heartbeat_at=time.time() - 300)
     dead = poll(tmp_path / "jobs", "stale", "--stale-after-s", "120")
     assert dead["effective"] == "dead"
     assert re.search(r"heartbeat 30\d s old \(limit 120 s\)", dead["reason"]), dead["reason"]
@@ -300,3 +319,253 @@ def test_job_help_hides_supervise_and_the_module_stays_light():
     assert "supervise" not in run_eagle3("job", "--help").stdout
     check = "import sys, eagle3.job; assert not {'torch', 'airflow'} & set(sys.modules), sys.modules.keys()"
     subprocess.run([PY, "-c", check], check=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Trust boundaries: a stale or hostile file never gets anything signalled that the job does not own, and the
+# caller's secrets never reach the stage or the job's files.
+
+
+def kill_cli(jobs_dir: Path, key: str) -> tuple[subprocess.CompletedProcess, dict]:
+    proc = run_eagle3("job", "kill", "--jobs-dir", str(jobs_dir), "--key", key, "--grace-s", "2", check=False,
+                      timeout=60)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    return proc, json.loads(proc.stdout)
+
+
+@pytest.fixture
+def signals_sent(monkeypatch) -> list:
+    """Record, instead of sending, every signal this process would send."""
+    sent = []
+    monkeypatch.setattr(os, "killpg", lambda pgid, signum: sent.append(("killpg", pgid, signum)))
+    monkeypatch.setattr(os, "kill", lambda pid, signum: sent.append(("kill", pid, signum)))
+    return sent
+
+
+def test_a_pgid_tampered_to_name_another_group_gets_that_group_neither_killed_nor_in_the_way(jobs, stranger):
+    """Attack: state.json keeps a live supervisor's pid but its pgid names a stranger's process group."""
+    stand_in = subprocess.Popen(["sleep", "60"], start_new_session=True)  # the "supervisor" the file names
+    try:
+        wait_until(lambda: job.pid_start_ticks(stand_in.pid), "the stand-in to start")
+        hand_written_state(jobs, "tampered", stand_in.pid, pgid=stranger.pid)
+
+        proc, killed = kill_cli(jobs, "tampered")
+        assert proc.returncode == 1 and "error: job tampered was not killed" in proc.stderr
+        assert killed["signalled"] is False and killed["effective"] == "dead"
+        assert str(jobs / "tampered" / "state.json") in killed["refused"]
+        assert f"pgid {stranger.pid} is not pid {stand_in.pid}" in killed["refused"]
+
+        started = start(jobs, "tampered", "print('the real stage')")  # relaunched over the file, nothing signalled
+        assert started["attached"] is False and started["try"] == 2  # (the try number is still readable)
+        assert f"pgid {stranger.pid} is not pid {stand_in.pid}" in started["refused"]
+        wait_for_effective(jobs, "tampered", "succeeded")
+        assert is_running(stranger.pid) and is_running(stand_in.pid)
+    finally:
+        stand_in.kill()
+        stand_in.wait()
+
+
+def test_pid_1_or_0_in_state_json_is_never_signalled(jobs, signals_sent):
+    """Attack: state.json names init (pid and pgid 1), which would have had `killpg(1, SIGKILL)` sent to it."""
+    state = hand_written_state(jobs, "init", 1)
+    killed = job.kill_job(jobs, "init", grace_s=1)
+    assert killed["signalled"] is False and "pid 1 cannot be a supervisor's" in killed["refused"]
+    assert signals_sent == []
+    assert (jobs / "init" / "state.json").read_text() == json.dumps(state)  # a corrupt state is left as it is
+
+    # kill_leftovers, whatever it is handed, and the ownership check itself
+    for bad in (1, 0, -1):
+        record = {"pid": bad, "pgid": bad, "pid_start_ticks": 0, "boot_id": job.read_boot_id()}
+        assert "cannot be a supervisor's" in job.group_ownership_problem(record)
+        assert "cannot be a supervisor's" in job.kill_leftovers(record, wait_s=0)
+        assert "cannot be a supervisor's" in job.kill_leftovers({"pgid": bad, "pid_start_ticks": 0}, wait_s=0)
+    assert signals_sent == []
+
+    started = job.start_job(jobs, "init", [PY, "-c", "print('relaunched')"])  # (the supervisor is a real process)
+    assert started["attached"] is False and "pid 1 cannot be a supervisor's" in started["refused"]
+    assert signals_sent == []
+    wait_for_effective(jobs, "init", "succeeded")
+
+
+def test_pid_1_refused_by_the_cli_too(jobs):
+    """Attack: as above, through `python -m eagle3 job kill` (nothing is monkeypatched: the refusal is real)."""
+    hand_written_state(jobs, "init", 1)
+    proc, killed = kill_cli(jobs, "init")
+    assert proc.returncode == 1 and "pid 1 cannot be a supervisor's" in killed["refused"]
+    assert killed["signalled"] is False
+
+
+def test_a_reused_pid_is_not_signalled(jobs, stranger):
+    """Attack (or just a stale file): the recorded pid is alive, but it is another process: it started later."""
+    ticks = job.pid_start_ticks(stranger.pid)
+    hand_written_state(jobs, "reused", stranger.pid, pid_start_ticks=ticks - 1)
+
+    proc, killed = kill_cli(jobs, "reused")
+    assert proc.returncode == 0, proc.stderr  # nothing of the job is left, which is what kill is for
+    assert killed["signalled"] is False and killed["state"]["status"] == "killed"
+    assert f"pid {stranger.pid} is another process now" in killed["refused"]
+
+    hand_written_state(jobs, "reused", stranger.pid, pid_start_ticks=ticks - 1)
+    started = start(jobs, "reused", "print('relaunched')")
+    assert started["try"] == 2 and f"pid {stranger.pid} is another process now" in started["refused"]
+    wait_for_effective(jobs, "reused", "succeeded")
+    assert is_running(stranger.pid)
+
+
+def test_a_group_whose_leader_is_gone_is_signalled_only_if_it_carries_the_jobs_mark(jobs):
+    """Attack: the recorded supervisor is gone and a stranger's group of that number lives on without its leader
+    (the number was reused after the job had ended); its pid and start time match what state.json says."""
+    leader = subprocess.Popen(
+        [PY, "-c", "import subprocess, sys; print(subprocess.Popen(['sleep', '60']).pid, flush=True); "
+         "sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    orphan = int(leader.stdout.readline())
+    try:
+        hand_written_state(jobs, "orphans", leader.pid)  # the leader's true start time
+        leader.stdin.close()
+        leader.wait()
+        assert job.group_members(leader.pid) == [orphan]
+
+        proc, killed = kill_cli(jobs, "orphans")
+        assert killed["signalled"] is False and f"carries its mark {job.GROUP_MARK_VAR}=" in killed["refused"]
+        assert is_running(orphan)
+    finally:
+        os.kill(orphan, signal.SIGKILL)
+
+
+def test_a_supervisor_killed_alone_has_its_stage_stopped_before_the_relaunch(jobs, tmp_path):
+    """The other side of the mark: the stage that outlived its supervisor is the job's, and is SIGKILLed."""
+    marker = tmp_path / "checkpoint"
+    code = RESUMING.format(marker=str(marker))
+    first = start(jobs, "alone", code)
+    wait_until(marker.exists, "the first try to start working")
+    os.kill(first["pid"], signal.SIGKILL)  # the supervisor only: its stage works on, leading nothing
+    wait_until(lambda: not is_running(first["pid"]), "the supervisor to die")
+    assert is_running(first["child_pid"])
+
+    second = start(jobs, "alone", code)
+    assert second["try"] == 2 and second["refused"] is None
+    assert not is_running(first["child_pid"])  # no second copy beside the first
+    assert "resumed from the checkpoint" in wait_for_effective(jobs, "alone", "succeeded")["log"]
+
+
+def test_a_permission_error_from_the_kernel_is_reported_not_raised(jobs, monkeypatch, capsys):
+    """Attack: the job's group holds a process this user may not signal (here: killpg raises EPERM)."""
+    from eagle3.__main__ import main
+
+    started = start(jobs, "perm", "import time; time.sleep(30)")
+
+    def refuse(pgid, signum):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "killpg", refuse)
+    killed = job.kill_job(jobs, "perm", grace_s=1)
+    assert killed["signalled"] is False and killed["state"]["status"] == "running"  # nothing recorded
+    assert "Operation not permitted" in killed["refused"] and f"kill -KILL -- -{started['pgid']}" in killed["refused"]
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["job", "kill", "--jobs-dir", str(jobs), "--key", "perm", "--grace-s", "1"])
+    assert exit_info.value.code == 1
+    assert "error: job perm was not killed: the kernel refused" in capsys.readouterr().err
+
+    # A start that finds the try dead (stale heartbeat) but cannot stop it launches no second copy.
+    with pytest.raises(job.JobLaunchError, match="cannot be stopped: the kernel refused"):
+        job.start_job(jobs, "perm", [PY, "-c", "pass"], heartbeat_s=0.01, stale_after_s=0.02)
+    assert job.read_state(jobs / "perm")["try"] == 1 and is_running(started["child_pid"])
+
+
+@pytest.mark.parametrize("content, problem", [
+    ('{"key": "torn", "sta', "not valid JSON"),
+    ("{}", "no key, try, status, pid"),
+    ("[1, 2]", "JSON an array, not an object"),
+])
+def test_a_torn_or_keyless_state_json_is_reported_and_relaunched_over(jobs, content, problem):
+    """Attack (or a broken disk): state.json is torn, empty of keys or not an object. Before, every start raised
+    KeyError or JSONDecodeError on it, for ever."""
+    (jobs / "torn").mkdir(parents=True)
+    (jobs / "torn" / "state.json").write_text(content)
+    polled = poll(jobs, "torn")
+    assert polled["effective"] == "dead" and polled["state"] is None
+    assert f"{jobs / 'torn' / 'state.json'} is not a job state ({problem}" in polled["reason"]
+    proc, killed = kill_cli(jobs, "torn")
+    assert proc.returncode == 1 and "nothing was signalled" in killed["refused"]
+
+    first = start(jobs, "torn", "print('ran')")
+    assert first["try"] == 1 and problem in first["refused"]
+    wait_for_effective(jobs, "torn", "succeeded")
+
+    (jobs / "torn" / "state.json").write_text(content)  # again, now that spec.json tells the last try
+    second = start(jobs, "torn", "print('ran again')")
+    assert second["try"] == 2
+    assert "ran again" in wait_for_effective(jobs, "torn", "succeeded")["log"]
+
+
+def test_a_corrupt_state_json_with_its_supervisor_alive_launches_no_second_copy(jobs):
+    """Attack: state.json is overwritten while the job runs. Its supervisor still runs and repairs the file at its
+    next heartbeat; a relaunch meanwhile would run the stage twice."""
+    started = start(jobs, "live", "import time; time.sleep(30)", "--heartbeat-s", "0.2")
+    os.kill(started["pid"], signal.SIGSTOP)  # no heartbeat until the checks below are done
+    try:
+        (jobs / "live" / "state.json").write_text("{}")
+        proc = run_eagle3("job", "start", "--jobs-dir", str(jobs), "--key", "live", "--", PY, "-c", "pass",
+                          check=False)
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr
+        assert f"supervisor (pid {started['pid']}) still runs: not launching a second copy" in proc.stderr
+        proc, killed = kill_cli(jobs, "live")
+        assert proc.returncode == 1 and f"its supervisor (pid {started['pid']}) still runs" in killed["refused"]
+    finally:
+        os.kill(started["pid"], signal.SIGCONT)
+    repaired = wait_for_effective(jobs, "live", "running")
+    assert repaired["state"]["pid"] == started["pid"] and repaired["state"]["try"] == 1
+
+
+SECRETS = {
+    "AIRFLOW__CORE__FERNET_KEY": "secret-fernet",
+    "AIRFLOW__API_AUTH__JWT_SECRET": "secret-jwt",
+    "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": "postgresql://u:secret-pw@h/db",
+}
+
+
+def test_the_callers_secrets_reach_neither_the_stage_nor_spec_json(jobs, monkeypatch):
+    """Attack: `job start` runs on an Airflow worker whose environment holds the Fernet key, the JWT secret and
+    the database URL; the stage gets only the allowlist and --pass-env names, and spec.json holds no value."""
+    for name, value in {**SECRETS, "MY_TOKEN": "secret-token", "HF_HOME": "/cache/hf"}.items():
+        monkeypatch.setenv(name, value)
+    jobs.mkdir(mode=0o755)  # as older code left it
+    os.chmod(jobs, 0o755)
+    code = "import json, os; print('ENV=' + json.dumps(dict(os.environ)))"
+    start(jobs, "env", code, "--pass-env", "MY_TOKEN")
+    log = wait_for_effective(jobs, "env", "succeeded")["log"]
+    stage_env = json.loads(next(line for line in log.splitlines() if line.startswith("ENV="))[4:])
+
+    assert not set(SECRETS) & set(stage_env)
+    assert stage_env["MY_TOKEN"] == "secret-token" and stage_env["HF_HOME"] == "/cache/hf"
+    assert stage_env["PATH"] == os.environ["PATH"] and job.GROUP_MARK_VAR in stage_env
+    assert stage_env.get("PYTHONPATH") == os.environ.get("PYTHONPATH")  # (not the supervisor's, which has ours first)
+    spec_bytes = (jobs / "env" / "spec.json").read_bytes()
+    for value in [*SECRETS.values(), "secret-token", "secret-pw"]:
+        assert value.encode() not in spec_bytes
+    spec = json.loads(spec_bytes)
+    assert "MY_TOKEN" in spec["env_names"] and "env" not in spec and not set(SECRETS) & set(spec["env_names"])
+
+    assert {path.name: path.stat().st_mode & 0o777 for path in [jobs, *jobs.iterdir()]} == {"jobs": 0o700,
+                                                                                         "env": 0o700}
+    for name in ("spec.json", "state.json", "log", "lock"):
+        assert (jobs / "env" / name).stat().st_mode & 0o777 == 0o600, name
+
+
+def test_pass_env_takes_names_only(jobs):
+    proc = run_eagle3("job", "start", "--jobs-dir", str(jobs), "--key", "bad", "--pass-env", "A=B", "--", "true",
+                      check=False)
+    assert proc.returncode == 2 and "error: --pass-env 'A=B' is not an environment variable's name" in proc.stderr
+    assert not jobs.exists()
+
+
+def test_a_job_directory_of_another_user_is_refused(jobs, monkeypatch):
+    """Attack: someone else made the job's directory (and could read or swap its files)."""
+    (jobs / "theirs").mkdir(parents=True)
+    monkeypatch.setattr(os, "geteuid", lambda: os.stat(jobs).st_uid + 4242)
+    with pytest.raises(job.JobError, match=r"job directory .*theirs belongs to uid \d+, not to this user"):
+        job.start_job(jobs, "theirs", [PY, "-c", "pass"])
+    assert list((jobs / "theirs").iterdir()) == []

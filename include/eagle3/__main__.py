@@ -174,7 +174,8 @@ def cmd_job(args) -> None:
     if args.job_command == "start":
         argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
         try:
-            result = job.start_job(args.jobs_dir, args.key, argv, args.heartbeat_s, args.stale_after_s)
+            result = job.start_job(args.jobs_dir, args.key, argv, args.heartbeat_s, args.stale_after_s,
+                                   args.pass_env)
         except job.JobLaunchError as err:  # not a usage error: a retry may well succeed
             print(f"error: {err}", file=sys.stderr)
             raise SystemExit(1) from None
@@ -182,6 +183,13 @@ def cmd_job(args) -> None:
         result = job.poll_job(args.jobs_dir, args.key, args.log_offset, args.max_log_bytes, args.stale_after_s)
     else:
         result = job.kill_job(args.jobs_dir, args.key, args.grace_s)
+        print(json.dumps(result))
+        # Refused, and nothing records the job as over (state.json unreadable, or the kernel said no): the job may
+        # run on, and whoever asked for the kill must hear it.
+        if result["refused"] and (result["state"] or {}).get("status", "running") == "running":
+            print(f"error: job {args.key} was not killed: {result['refused']}", file=sys.stderr)
+            raise SystemExit(1)
+        return
     print(json.dumps(result))
 
 
@@ -259,13 +267,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "job",
         help="run a command detached from the SSH session; re-attach, poll and kill it by key",
-        description="Jobs live in JOBS_DIR/KEY/ (state.json, log, spec.json, lock). Each command prints one JSON "
-        "object. start is idempotent: it attaches to a live or succeeded job and relaunches a dead one.",
+        description="Jobs live in JOBS_DIR/KEY/ (state.json, log, spec.json, lock), private to this user (0700). "
+        "Each command prints one JSON object. start is idempotent: it attaches to a live or succeeded job and "
+        "relaunches a dead one; an unreadable state.json counts as dead.",
     )
     job_sub = p.add_subparsers(dest="job_command", required=True, metavar="SUBCOMMAND")
     start = job_sub.add_parser("start", help="start the job unless it is alive: job start ... -- CMD ARG...")
     poll = job_sub.add_parser("poll", help="effective status (running, dead, ...) and new log text")
-    kill = job_sub.add_parser("kill", help="SIGTERM the job's process group, SIGKILL it after the grace period")
+    kill = job_sub.add_parser(
+        "kill", help="SIGTERM the job's process group, SIGKILL it after the grace period",
+        description="Signals the job's process group only if it is provably the job's (its supervisor leads it, in "
+        "this boot, with the recorded start time); the answer's \"signalled\" says whether it got a signal and "
+        "\"refused\" why not. Exits 1 when the job may still run: state.json unreadable, or the kernel refused.",
+    )
     supervise = job_sub.add_parser("supervise")  # internal (start runs it); no help=, so --help doesn't list it
     for q in (start, poll, kill, supervise):
         q.add_argument("--jobs-dir", required=True, help="directory holding one subdirectory per job")
@@ -275,6 +289,10 @@ def build_parser() -> argparse.ArgumentParser:
         q.add_argument("--stale-after-s", type=float, default=120.0,
                        help="a running job whose heartbeat is older counts as dead")
     start.add_argument("--heartbeat-s", type=float, default=10.0, help="how often the supervisor updates state.json")
+    start.add_argument("--pass-env", action="append", default=[], metavar="NAME",
+                       help="also pass this environment variable to the command (repeatable); beyond these it gets "
+                       "only an allowlist (PATH, HOME, LANG, CUDA_*, HF_*, NCCL_*, TORCH_*, EAGLE3_*, ...), and "
+                       "spec.json records the names, never the values")
     start.add_argument("argv", nargs=argparse.REMAINDER, help="-- then the command and its arguments")
     poll.add_argument("--log-offset", type=int, default=0, help="byte offset to read the log from (last log_offset)")
     poll.add_argument("--max-log-bytes", type=int, default=65536)

@@ -28,14 +28,28 @@ to rewrite it). A running job is alive only if all of these hold:
 A job that fails a check is "dead"; the next start relaunches it (every stage resumes by itself). Before that, start
 SIGKILLs whatever is left of the old process group, so that two copies never write the same checkpoints.
 
+Why a signal needs more than a pgid: state.json is a file, and a file can be stale (the pid was reused since) or
+written by someone else. Every signal therefore goes through one check, group_ownership_problem: the recorded
+supervisor leads its own group (pgid == pid, never 0 or 1), in this boot, and either it still runs with the recorded
+start time, or it is gone and a process left in its group carries the mark (EAGLE3_JOB_GROUP=pid:start ticks) that
+the supervisor put into its stage's environment. A state that fails the check is not signalled at all. A state.json
+that no supervisor can have written (torn, not an object, keys missing or mistyped, pgid != pid) counts as a dead
+job: poll says so, naming the file, kill refuses, and the next start relaunches over it without signalling anything.
+
 Why flock: starts and kills can overlap (a worker that only looked dead, a user's cancel racing a retry). An
 exclusive flock on `lock` makes "read the state, then launch or kill" one step, so two starts can't both launch and
 a kill can't overwrite a new try's state. The kernel drops a flock when its holder dies, so a crashed start never
 leaves the job locked. The supervisor never takes the lock (start holds it while waiting for the supervisor), and
-poll doesn't need it: state.json is only ever replaced atomically (eagle3.fsutil).
+poll doesn't need it: state.json is only ever replaced atomically (as eagle3.fsutil does).
 
-Files in {jobs_dir}/{key}/, a private (0700) directory because spec.json holds the environment:
-  spec.json   what to run: argv, cwd, env, heartbeat_s and the try number
+What the stage sees of the caller's environment: only an allowlist (STAGE_ENV_NAMES, STAGE_ENV_PREFIXES) plus the
+names given with `start --pass-env`. The caller may be an Airflow worker whose environment holds the Fernet key,
+the JWT secret and the database URL; none of that is the stage's business. The supervisor inherits the filtered
+environment and hands it on; spec.json records only the names.
+
+Files in {jobs_dir}/{key}/; both directories are private (0700) and so are the files (0600): the log and the argv
+may well carry things other users of the box should not read.
+  spec.json   what to run: argv, cwd, env_names (names only, never values), heartbeat_s and the try number
   state.json  the supervisor's report: key, try, status, pid, pgid, pid_start_ticks, boot_id, host, argv,
               started_at, heartbeat_at, exit_code, ended_at, log (and child_pid)
   log         the stage's stdout+stderr, appended across tries; each try starts with a "==== ... ====" line
@@ -54,14 +68,17 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from stat import S_IMODE, S_ISVTX, S_IWOTH
 
-from eagle3.fsutil import atomic_write_text
+from eagle3.fsutil import commit, tmp_path_for
 
 KEY_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+ENV_NAME_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
+GROUP_MARK_VAR = "EAGLE3_JOB_GROUP"  # in the stage's environment: "pid:start ticks" of its supervisor
 DEFAULT_HEARTBEAT_S = 10.0
 DEFAULT_STALE_AFTER_S = 120.0
 SUPERVISOR_REPORT_TIMEOUT_S = 10.0  # how long start waits for a new supervisor's first state.json
@@ -70,13 +87,48 @@ LEFTOVER_WAIT_S = 10.0  # how long to wait for SIGKILLed processes to vanish (a 
 LOG_TAIL_LINES = 30
 LOG_TAIL_BYTES = 64 * 1024
 
+# The caller's environment variables a stage gets (and the supervisor between them), by exact name ...
+STAGE_ENV_NAMES = frozenset({
+    # a working process: where programs and the home directory are, who runs it, its shell and scratch space
+    "PATH", "HOME", "USER", "LOGNAME", "SHELL", "TMPDIR",
+    # text and time: the locale (decoding of tokenizer files, log timestamps) and the time zone
+    "LANG", "TZ",
+    # the Python the stage runs: its venv, import path and how it writes bytecode and output
+    "VIRTUAL_ENV", "PYTHONPATH", "PYTHONSAFEPATH", "PYTHONDONTWRITEBYTECODE", "PYTHONUNBUFFERED",
+    # native libraries and CPU threads (CUDA and MKL libraries outside the default paths, BLAS thread counts)
+    "LD_LIBRARY_PATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "TOKENIZERS_PARALLELISM",
+    # where Hugging Face, torch and triton keep their caches when no *_HOME or *_CACHE_DIR says otherwise
+    "XDG_CACHE_HOME",
+})
+# ... and by prefix.
+STAGE_ENV_PREFIXES = (
+    "LC_",  # the locale's categories, as LANG
+    "CUDA_", "NVIDIA_",  # which GPUs (CUDA_VISIBLE_DEVICES), where CUDA is (CUDA_HOME), the container runtime's view
+    "HF_", "TRANSFORMERS_",  # the model and data caches, offline mode, the hub's settings
+    "NCCL_", "TORCH_", "PYTORCH_", "TORCHINDUCTOR_", "TRITON_",  # multi-GPU transport, allocator and compiler caches
+    "SGLANG_", "SGL_", "FLASHINFER_",  # the inference server the extract and generate stages start, and its kernels
+    "EAGLE3_",  # this project's own hooks (EAGLE3_SERVER_LAUNCHER, EAGLE3_BOOT_ID_FILE, ...)
+)
+
 
 class JobError(Exception):
     """A usage error (bad key, no command): the CLI prints it and exits 2."""
 
 
 class JobLaunchError(RuntimeError):
-    """The supervisor did not come up; the message carries the end of the log."""
+    """The supervisor did not come up, or the last try could not be stopped; the message says why."""
+
+
+class CorruptState(Exception):
+    """state.json exists but no supervisor can have written it: torn, not a JSON object, keys missing or wrong."""
+
+    def __init__(self, path: Path, problem: str, recorded_try: int | None = None):
+        super().__init__(f"{path} is not a job state ({problem})")
+        self.recorded_try = recorded_try  # the try number, if the file still tells it
+
+
+class SignalRefused(Exception):
+    """The recorded process group is not provably the job's, so it was not signalled; the message says why."""
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -118,23 +170,139 @@ def group_members(pgid: int) -> list[int]:
     return members
 
 
-def kill_leftovers(state: dict, wait_s: float = LEFTOVER_WAIT_S) -> None:
-    """SIGKILL whatever is left of a job's process group and wait (up to wait_s) until it is gone.
+def supervisor_argv(directory: Path) -> list[str]:
+    # -P: the working directory (an SSH login directory) stays off the path, so no eagle3/ there can shadow this one
+    return [sys.executable, "-P", "-m", "eagle3", "job", "supervise", "--jobs-dir", str(directory.parent),
+            "--key", directory.name]
 
-    Only for a state of this boot. The group's id is the supervisor's pid, and Linux never hands out a pid again
-    while a process group of that id has members. So the group is this job's, unless a process with that pid
-    exists and started at another time: then the job's group is empty and the number belongs to a stranger."""
-    pgid = state["pgid"]
-    leader = process_stat(pgid)
-    if leader is not None and leader[2] != state["pid_start_ticks"]:
-        return
+
+def supervisor_pids(directory: Path) -> list[int]:
+    """Pids of live processes whose command line is this job's supervisor's (any interpreter). Reason enough to
+    hold back a second launch; never a reason to signal anything, for a command line is easy to copy."""
+    wanted = [arg.encode() for arg in supervisor_argv(directory)[1:]]
+    pids = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                argv = Path(f"/proc/{name}/cmdline").read_bytes().split(b"\0")[:-1]
+            except OSError:
+                continue
+            if argv[1:] == wanted and pid_start_ticks(int(name)) is not None:
+                pids.append(int(name))
+    return pids
+
+
+def carries_mark(pid: int, mark: str) -> bool:
+    """Whether `pid` started with GROUP_MARK_VAR=mark in its environment (readable for our own processes only)."""
     try:
-        os.killpg(pgid, signal.SIGKILL)
+        environment = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return False
+    return f"{GROUP_MARK_VAR}={mark}".encode() in environment.split(b"\0")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Who may be signalled
+
+
+def is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # (JSON true would pass for 1 otherwise)
+
+
+def group_fields_problem(state: dict) -> str | None:
+    """Why the recorded pid, pgid and pid_start_ticks cannot be a supervisor's own group, or None."""
+    pid, pgid, ticks = state.get("pid"), state.get("pgid"), state.get("pid_start_ticks")
+    if not (is_count(pid) and is_count(pgid) and is_count(ticks)):
+        return f"pid {pid!r}, pgid {pgid!r} and pid_start_ticks {ticks!r} must be whole numbers"
+    if pgid != pid:
+        return f"pgid {pgid} is not pid {pid}, yet the supervisor always leads its own process group"
+    if pid <= 1:
+        return f"pid {pid} cannot be a supervisor's (0 means the signaller's own group, 1 is init)"
+    return None
+
+
+def group_ownership_problem(state: dict, marked: bool = True) -> str | None:
+    """None if the recorded process group is the job's own and may be signalled; else why not, as a sentence.
+
+    `marked`: the group's processes carry GROUP_MARK_VAR (a job's stage does; a caller's own child, such as
+    eagle3.server's, does not). The group is the job's when the recorded supervisor leads it (pgid == pid > 1) in
+    this boot and
+      - the supervisor still exists and started at the recorded time (if it started at another time, the pid was
+        reused, which Linux does only once nothing is left in the job's group), or
+      - the supervisor is gone but its group is not: Linux hands out no pid while a process group of that number
+        has members, so the group has been one and the same since its leader started; a member carrying the
+        supervisor's mark shows that this leader was the job's supervisor, not a stranger that got the number
+        after the job had ended."""
+    problem = group_fields_problem(state)
+    if problem:
+        return problem
+    pid, ticks = state["pid"], state["pid_start_ticks"]
+    if state.get("boot_id") != read_boot_id():
+        return f"it was recorded in another boot ({state.get('boot_id')}): none of its processes can be left"
+    leader = process_stat(pid)
+    if leader is not None:
+        if leader[2] != ticks:
+            return f"pid {pid} is another process now (started at tick {leader[2]}, not {ticks})"
+        return None
+    members = group_members(pid)
+    older = [member for member in members if (pid_start_ticks(member) or ticks) < ticks]
+    if older:
+        return f"process {older[0]} of group {pid} started before the group's recorded leader: not the job's group"
+    mark = f"{pid}:{ticks}"
+    if marked and members and not any(carries_mark(member, mark) for member in members):
+        return (f"supervisor {pid} is gone, and no process left in group {pid} carries its mark "
+                f"{GROUP_MARK_VAR}={mark}: the group is not the job's")
+    return None
+
+
+def signal_group(state: dict, signum: int, marked: bool = True) -> bool:
+    """Send `signum` to the job's process group. True: sent; False: the group has no process left.
+
+    Raises SignalRefused when the group is not provably the job's (group_ownership_problem), and PermissionError
+    when the kernel refuses."""
+    problem = group_ownership_problem(state, marked)
+    if problem:
+        raise SignalRefused(f"process group {state.get('pgid')!r} was not signalled: {problem}")
+    try:
+        os.killpg(state["pgid"], signum)
     except ProcessLookupError:
-        return
+        return False
+    return True
+
+
+def permission_refusal(state: dict, err: PermissionError) -> str:
+    return (f"the kernel refused to signal process group {state['pgid']} ({err.strerror or err}): some of its "
+            f"processes belong to another user or are out of this user's reach; stop them as their owner "
+            f"(kill -KILL -- -{state['pgid']}) and check with ps -g {state['pgid']}")
+
+
+def sigkill_group(state: dict, wait_s: float = LEFTOVER_WAIT_S, marked: bool = True) -> bool:
+    """SIGKILL the job's process group and wait (up to wait_s) until it is gone. Raises as signal_group does."""
+    if not signal_group(state, signal.SIGKILL, marked):
+        return False
     deadline = time.monotonic() + wait_s
-    while group_members(pgid) and time.monotonic() < deadline:
+    while group_members(state["pgid"]) and time.monotonic() < deadline:
         time.sleep(0.05)
+    return True
+
+
+def kill_leftovers(state: dict, wait_s: float = LEFTOVER_WAIT_S) -> str | None:
+    """SIGKILL whatever is left of a job's process group and wait (up to wait_s) until it is gone. Returns None,
+    or why nothing was signalled (the group is not provably the job's, or the kernel refused).
+
+    `state` is a job's state, or a bare record {"pgid", "pid_start_ticks"[, "boot_id"]} of a caller's own child
+    that leads its own group (eagle3.server's sglang server): then its pid is its pgid, and a record without a boot
+    id is of this boot."""
+    marked = "pid" in state
+    if not marked:
+        state = {"pid": state.get("pgid"), "boot_id": state.get("boot_id", read_boot_id()), **state}
+    try:
+        sigkill_group(state, wait_s, marked)
+    except SignalRefused as err:
+        return str(err)
+    except PermissionError as err:
+        return permission_refusal(state, err)
+    return None
 
 
 def liveness(state: dict | None, stale_after_s: float) -> tuple[str, str]:
@@ -145,7 +313,7 @@ def liveness(state: dict | None, stale_after_s: float) -> tuple[str, str]:
     if status == "succeeded":
         return status, "the command exited with code 0"
     if status == "failed":
-        return status, f"the command failed with exit code {state['exit_code']}"
+        return status, f"the command failed with exit code {state.get('exit_code')}"
     if status == "killed":
         return status, "the job was killed"
     boot_id, pid = read_boot_id(), state["pid"]
@@ -176,21 +344,111 @@ def job_dir(jobs_dir: str | Path, key: str) -> Path:
     return Path(jobs_dir).absolute() / key
 
 
-def read_state(directory: Path) -> dict | None:
+def make_private_dirs(directory: Path) -> None:
+    """Create the jobs dir and the job's dir, both 0700, and make existing ones 0700 too (older code made 0755).
+
+    The job's dir must be this user's: one that another user made could be read, or swapped, by them. A shared
+    jobs dir (world-writable and sticky, like /tmp) keeps its mode: the job's own dir is private all the same."""
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    for path in (directory.parent, directory):
+        info = path.stat()
+        if info.st_uid != os.geteuid():
+            if path == directory.parent:
+                continue  # not ours to change (a shared directory); the job's dir below is checked all the same
+            raise JobError(f"job directory {path} belongs to uid {info.st_uid}, not to this user "
+                           f"(uid {os.geteuid()}): its files would not be private; remove it or use another --jobs-dir")
+        shared = info.st_mode & S_ISVTX and info.st_mode & S_IWOTH
+        if S_IMODE(info.st_mode) != 0o700 and not shared:
+            os.chmod(path, 0o700)
+
+
+def private_opener(path: str, flags: int) -> int:
+    """For open(..., opener=): files only their owner can read, also if they existed with a wider mode."""
+    fd = os.open(path, flags, 0o600)
+    os.fchmod(fd, 0o600)
+    return fd
+
+
+def write_private_text(path: Path, text: str) -> None:
+    """Replace `path` atomically (the recipe of eagle3.fsutil.atomic_write_text), with a file made 0600 from the
+    start: fsutil's files get the umask's mode, usually 0644."""
+    tmp = tmp_path_for(path)
     try:
-        return json.loads((directory / "state.json").read_text())
+        with open(tmp, "wb", opener=private_opener) as f:
+            f.write(text.encode("utf-8"))
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    commit(tmp, path)
+
+
+STATE_FIELDS = {"key": str, "try": int, "status": str, "pid": int, "pgid": int, "pid_start_ticks": int,
+                "boot_id": str, "heartbeat_at": (int, float)}
+STATUSES = ("running", "succeeded", "failed", "killed")
+
+
+def json_kind(value) -> str:
+    kinds = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
+    return kinds.get(type(value), "a number")
+
+
+def state_problem(state, key: str) -> str | None:
+    """Why `state` (parsed state.json of job `key`) cannot be a supervisor's report, or None."""
+    if not isinstance(state, dict):
+        return f"JSON {json_kind(state)}, not an object"
+    missing = [name for name in STATE_FIELDS if name not in state]
+    if missing:
+        return f"no {', '.join(missing)}"
+    for name, kind in STATE_FIELDS.items():
+        value = state[name]
+        if isinstance(value, bool) or not isinstance(value, kind):
+            return f"{name} is {json_kind(value)}, {value!r}"
+    if state["key"] != key:
+        return f"it is job {state['key']!r}'s, not {key!r}'s"
+    if state["status"] not in STATUSES:
+        return f"status {state['status']!r} is none of {', '.join(STATUSES)}"
+    if state["try"] < 1:
+        return f"try {state['try']} is not a try number"
+    return group_fields_problem(state)
+
+
+def read_state(directory: Path) -> dict | None:
+    """The job's state.json, or None if there is none. Raises CorruptState for a file no supervisor wrote."""
+    path = directory / "state.json"
+    try:
+        data = path.read_bytes()
     except FileNotFoundError:
         return None
+    try:
+        state = json.loads(data)
+    except ValueError as err:  # (UnicodeDecodeError included)
+        raise CorruptState(path, f"not valid JSON: {err}") from None
+    problem = state_problem(state, directory.name)
+    if problem:
+        recorded_try = state.get("try") if isinstance(state, dict) else None
+        raise CorruptState(path, problem, recorded_try if is_count(recorded_try) and recorded_try > 0 else None)
+    return state
 
 
 def write_state(directory: Path, state: dict) -> None:
-    atomic_write_text(directory / "state.json", json.dumps(state, indent=2) + "\n")
+    write_private_text(directory / "state.json", json.dumps(state, indent=2) + "\n")
+
+
+def last_try_number(directory: Path, corrupt: CorruptState) -> int:
+    """The try a corrupt state.json was about, from the file itself or else from spec.json; 0 if neither tells."""
+    if corrupt.recorded_try is not None:
+        return corrupt.recorded_try
+    try:
+        recorded = json.loads((directory / "spec.json").read_bytes()).get("try")
+    except (OSError, ValueError, AttributeError):  # (AttributeError: spec.json is JSON, but not an object)
+        return 0
+    return recorded if is_count(recorded) and recorded > 0 else 0
 
 
 @contextmanager
 def locked(directory: Path) -> Iterator[None]:
     """Hold the job's exclusive flock, waiting for the current holder if there is one."""
-    with open(directory / "lock", "a") as lock_file:  # closing the file releases the lock
+    with open(directory / "lock", "a", opener=private_opener) as lock_file:  # closing the file releases the lock
         fcntl.flock(lock_file, fcntl.LOCK_EX)
         yield
 
@@ -239,6 +497,40 @@ def read_log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# The stage's environment
+
+
+def stage_environment(pass_env: Iterable[str] = ()) -> dict[str, str]:
+    """The part of this process's environment that the supervisor and its stage get: the variables the allowlist
+    names (STAGE_ENV_NAMES, STAGE_ENV_PREFIXES) and those named in pass_env, where they are set."""
+    extra = set()
+    for name in pass_env:
+        if not ENV_NAME_PATTERN.fullmatch(name):
+            raise JobError(f"--pass-env {name!r} is not an environment variable's name: it must match "
+                           f"{ENV_NAME_PATTERN.pattern}")
+        extra.add(name)
+    return {name: value for name, value in sorted(os.environ.items())
+            if name in STAGE_ENV_NAMES or name.startswith(STAGE_ENV_PREFIXES) or name in extra}
+
+
+def package_root() -> str:
+    """The directory holding this eagle3 package: first on the supervisor's PYTHONPATH, so that it runs this code."""
+    return str(Path(__file__).resolve().parents[1])
+
+
+def supervisor_python_path(stage_path: str | None) -> str:
+    return os.pathsep.join(filter(None, [package_root(), stage_path]))
+
+
+def stage_python_path(supervisor_path: str) -> str | None:
+    """The PYTHONPATH the caller of start had (None: none), from the supervisor's (supervisor_python_path)."""
+    root = package_root()
+    if supervisor_path.startswith(root + os.pathsep):
+        return supervisor_path[len(root) + 1 :]
+    return None if supervisor_path in ("", root) else supervisor_path
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # start, poll, kill
 
 
@@ -248,46 +540,80 @@ def start_job(
     argv: list[str],
     heartbeat_s: float = DEFAULT_HEARTBEAT_S,
     stale_after_s: float = DEFAULT_STALE_AFTER_S,
+    pass_env: Iterable[str] = (),
 ) -> dict:
     """Make sure the job runs: attach to a live (or succeeded) try, or launch a new one. Returns its state plus
-    "attached" (True: nothing was launched)."""
+    "attached" (True: nothing was launched) and "refused" (why nothing of the last try was signalled before the
+    relaunch, or None). pass_env: names of environment variables the stage gets beyond the allowlist."""
     directory = job_dir(jobs_dir, key)
     if not argv:
         raise JobError("job start needs the command to run after `--`")
     if not 0 < heartbeat_s <= stale_after_s / 2:
         raise JobError(f"--heartbeat-s {heartbeat_s:g} must be positive and at most half of --stale-after-s "
                        f"{stale_after_s:g}, or a healthy job would look dead")
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    env = stage_environment(pass_env)
+    make_private_dirs(directory)
     with locked(directory):
-        state = read_state(directory)
-        effective, _ = liveness(state, stale_after_s)
-        if effective in ("running", "succeeded"):  # a succeeded job is not rerun: the caller decides what it means
-            return {**state, "attached": True}
-        if state is not None and state["boot_id"] == read_boot_id():
-            kill_leftovers(state)  # an earlier try may have left processes (a hung supervisor and its stage)
-        try_number = (state["try"] if state else 0) + 1
-        supervisor = launch_supervisor(directory, key, argv, heartbeat_s, try_number)
-        return {**wait_for_report(directory, supervisor, try_number), "attached": False}
+        try:
+            state = read_state(directory)
+        except CorruptState as corrupt:
+            # Nothing in the file can be trusted, so nothing is signalled on its word, and the job is relaunched as
+            # a dead one would be: a file that blocked every start would need a person to remove it. Unless its
+            # supervisor still runs: it rewrites the file at its next heartbeat, and a second copy would not only
+            # run the stage twice but also fight it over state.json.
+            alive = supervisor_pids(directory)
+            if alive:
+                raise JobLaunchError(
+                    f"{corrupt}, yet this job's supervisor (pid {alive[0]}) still runs: not launching a second copy "
+                    "beside it. A running supervisor rewrites state.json within its heartbeat (heartbeat_s in "
+                    f"spec.json): start the job again then. If the file stays broken, the supervisor hangs: stop "
+                    f"it by hand (kill -KILL -- -{alive[0]}) and start again"
+                ) from None
+            refused = f"{corrupt}; nothing was signalled on its word"
+            try_number = last_try_number(directory, corrupt) + 1
+        else:
+            effective, _ = liveness(state, stale_after_s)
+            if effective in ("running", "succeeded"):  # a succeeded job is not rerun: the caller decides what it means
+                return {**state, "attached": True, "refused": None}
+            refused = stop_last_try(state) if state is not None else None
+            try_number = (state["try"] if state else 0) + 1
+        supervisor = launch_supervisor(directory, argv, heartbeat_s, try_number, env)
+        return {**wait_for_report(directory, supervisor, try_number), "attached": False, "refused": refused}
+
+
+def stop_last_try(state: dict) -> str | None:
+    """SIGKILL what an earlier try may have left (a hung supervisor and its stage) before a relaunch, so that two
+    copies never write the same checkpoints. Returns why nothing was signalled, or None. Raises JobLaunchError
+    when the group is the job's but the kernel will not let it be killed: better no new try than two."""
+    if state["boot_id"] != read_boot_id():
+        return None  # a try of an earlier boot left nothing behind
+    try:
+        sigkill_group(state)
+    except SignalRefused as err:
+        return str(err)
+    except PermissionError as err:
+        raise JobLaunchError(f"what is left of try {state['try']} of job {state['key']} cannot be stopped: "
+                             f"{permission_refusal(state, err)}; then start the job again") from None
+    return None
 
 
 def launch_supervisor(
-    directory: Path, key: str, argv: list[str], heartbeat_s: float, try_number: int
+    directory: Path, argv: list[str], heartbeat_s: float, try_number: int, env: dict[str, str]
 ) -> subprocess.Popen:
-    spec = {"argv": list(argv), "cwd": os.getcwd(), "env": dict(os.environ), "heartbeat_s": heartbeat_s,
+    """Start the supervisor with `env` (stage_environment's), which it hands on to the stage."""
+    spec = {"argv": list(argv), "cwd": os.getcwd(), "env_names": sorted(env), "heartbeat_s": heartbeat_s,
             "try": try_number}
-    atomic_write_text(directory / "spec.json", json.dumps(spec, indent=2) + "\n")
-    # The supervisor must run this very code: put the directory holding this eagle3 package first on its path.
-    package_root = str(Path(__file__).resolve().parents[1])
-    python_path = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
-    with open(directory / "log", "ab") as log_file:  # its own stderr (a traceback if it ever crashes) goes there
+    write_private_text(directory / "spec.json", json.dumps(spec, indent=2) + "\n")
+    # The supervisor's own stderr (a traceback, should it ever crash) goes to the log.
+    with open(directory / "log", "ab", opener=private_opener) as log_file:
         return subprocess.Popen(
-            [sys.executable, "-m", "eagle3", "job", "supervise", "--jobs-dir", str(directory.parent), "--key", key],
+            supervisor_argv(directory),
             start_new_session=True,  # setsid: out of the SSH session's process group, no controlling terminal
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,  # not the SSH channel, or `ssh box job start` would wait for the job
             stderr=log_file,
             close_fds=True,  # in particular not the lock, which would stay held as long as the supervisor runs
-            env=dict(os.environ, PYTHONPATH=python_path),
+            env={**env, "PYTHONPATH": supervisor_python_path(env.get("PYTHONPATH"))},
         )
 
 
@@ -296,14 +622,18 @@ def wait_for_report(directory: Path, supervisor: subprocess.Popen, try_number: i
     deadline = time.monotonic() + SUPERVISOR_REPORT_TIMEOUT_S
     while True:
         exited = supervisor.poll() is not None  # checked before reading, so a state written before exit is seen
-        state = read_state(directory)
+        try:
+            state = read_state(directory)
+        except CorruptState:  # the file the new supervisor is about to replace
+            state = None
         if state is not None and state["try"] == try_number and state["pid"] == supervisor.pid:
             return state
         if exited:
             problem = f"the job supervisor exited with code {supervisor.returncode} before reporting"
             break
         if time.monotonic() > deadline:
-            os.killpg(supervisor.pid, signal.SIGKILL)  # a late report from it would confuse the next start
+            # (Our own child, which leads its own group.) A late report from it would confuse the next start.
+            os.killpg(supervisor.pid, signal.SIGKILL)
             supervisor.wait()
             problem = f"the job supervisor did not report within {SUPERVISOR_REPORT_TIMEOUT_S:g} s"
             break
@@ -323,8 +653,13 @@ def poll_job(
     directory = job_dir(jobs_dir, key)
     if log_offset < 0 or max_log_bytes < 0:
         raise JobError("--log-offset and --max-log-bytes must not be negative")
-    state = read_state(directory)
-    effective, reason = liveness(state, stale_after_s)
+    try:
+        state = read_state(directory)
+        effective, reason = liveness(state, stale_after_s)
+    except CorruptState as err:
+        # "dead", as a crashed job: nothing shows that the job runs, and a caller that sees a dead job starts it
+        # again, which relaunches it over the file. (A status of its own would be one more for every caller.)
+        state, effective, reason = None, "dead", f"{err}; the next job start relaunches the job over it"
     # The state is read before the log: once it says finished, the log read next is complete.
     log, new_offset = read_log(directory / "log", log_offset, max_log_bytes, whole_lines=effective == "running")
     return {
@@ -340,31 +675,58 @@ def poll_job(
 
 def kill_job(jobs_dir: str | Path, key: str, grace_s: float = CHILD_GRACE_S) -> dict:
     """Stop the job (SIGTERM, then SIGKILL after grace_s) and record "killed". A finished or absent job is left as
-    it is. Returns poll_job's answer, without log text (log_tail still holds the end of the log)."""
+    it is. Returns poll_job's answer, without log text (log_tail still holds the end of the log), plus "signalled"
+    (whether the job's process group got a signal) and "refused" (why it got none, or None).
+
+    A state.json that cannot be trusted is never acted on: a corrupt one is left as it is, and a group that is not
+    provably the job's is not signalled (the job's own group is gone then, so the kill is recorded)."""
     directory = job_dir(jobs_dir, key)
-    if read_state(directory) is not None:  # (no state: nothing to kill, and no directory to create for the lock)
+    signalled, refused = False, None
+    if (directory / "state.json").exists():  # (no state: nothing to kill, and no directory to create for the lock)
         with locked(directory):  # held throughout, so that no start relaunches the job while it is being killed
-            state = read_state(directory)
-            if state["status"] == "running":
-                if liveness(state, stale_after_s=math.inf)[0] == "running":  # a stale heartbeat: still kill it
-                    terminate(state, grace_s)
-                if state["boot_id"] == read_boot_id():
-                    kill_leftovers(state)
-                latest = read_state(directory)
-                if latest["status"] == "running":  # the supervisor was SIGKILLed or gone before it could record it
-                    write_state(directory, {**latest, "status": "killed", "ended_at": utc_now()})
-    return poll_job(jobs_dir, key, max_log_bytes=0)
+            signalled, refused = stop_running_job(directory, grace_s)
+    return {**poll_job(jobs_dir, key, max_log_bytes=0), "signalled": signalled, "refused": refused}
 
 
-def terminate(state: dict, grace_s: float) -> None:
-    """SIGTERM the whole group (the supervisor passes it on too) and wait until the supervisor has exited."""
+def stop_running_job(directory: Path, grace_s: float) -> tuple[bool, str | None]:
+    """kill_job's work, under the lock: (signalled, refused)."""
     try:
-        os.killpg(state["pgid"], signal.SIGTERM)
-    except ProcessLookupError:
-        return
+        state = read_state(directory)
+    except CorruptState as err:
+        alive = supervisor_pids(directory)
+        who = f"its supervisor (pid {alive[0]}) still runs and" if alive else "if the job still runs, its supervisor"
+        return False, (f"{err}; nothing was signalled on its word: {who} rewrites the file within a heartbeat; "
+                       "kill the job again then")
+    if state is None or state["status"] != "running":
+        return False, None
+    signalled, refused = False, None
+    if state["boot_id"] == read_boot_id():  # (processes of an earlier boot are gone: the kill is only recorded)
+        try:
+            if liveness(state, stale_after_s=math.inf)[0] == "running":  # a stale heartbeat: still kill it
+                signalled = terminate(state, grace_s)
+            signalled = sigkill_group(state) or signalled  # whatever ignored SIGTERM, or outlived the supervisor
+        except SignalRefused as err:
+            refused = str(err)
+        except PermissionError as err:
+            return signalled, permission_refusal(state, err)  # the job may well run on: record nothing
+    try:
+        latest = read_state(directory) or state  # the supervisor's last word, if it had the time to record the kill
+    except CorruptState:
+        latest = state
+    if latest["status"] == "running":  # the supervisor was SIGKILLed or gone before it could record it
+        write_state(directory, {**latest, "status": "killed", "ended_at": utc_now()})
+    return signalled, refused
+
+
+def terminate(state: dict, grace_s: float) -> bool:
+    """SIGTERM the whole group (the supervisor passes it on too) and wait until the supervisor has exited.
+    Returns and raises as signal_group does."""
+    if not signal_group(state, signal.SIGTERM):
+        return False
     deadline = time.monotonic() + grace_s
     while pid_start_ticks(state["pid"]) == state["pid_start_ticks"] and time.monotonic() < deadline:
         time.sleep(0.05)
+    return True
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -383,7 +745,7 @@ def supervise(jobs_dir: str | Path, key: str) -> None:
     directory = job_dir(jobs_dir, key)
     spec = json.loads((directory / "spec.json").read_text())
     host, log_path = socket.gethostname(), directory / "log"
-    with open(log_path, "ab") as log_file:
+    with open(log_path, "ab", opener=private_opener) as log_file:
 
         def log_line(text: str) -> None:
             log_file.write(f"==== eagle3 job {key} try {spec['try']} {text} ====\n".encode())
@@ -396,10 +758,17 @@ def supervise(jobs_dir: str | Path, key: str) -> None:
             "argv": spec["argv"], "started_at": utc_now(), "heartbeat_at": time.time(), "exit_code": None,
             "ended_at": None, "log": str(log_path),
         }
+        # The stage gets this process's environment, which start filtered already, with the caller's PYTHONPATH
+        # and the group's mark, by which a later start or kill recognises what is left of it once this is gone.
+        stage_env = {name: value for name, value in os.environ.items() if name != "PYTHONPATH"}
+        stage_path = stage_python_path(os.environ.get("PYTHONPATH", ""))
+        if stage_path is not None:
+            stage_env["PYTHONPATH"] = stage_path
+        stage_env.update({"PYTHONUNBUFFERED": "1", GROUP_MARK_VAR: f"{state['pid']}:{state['pid_start_ticks']}"})
         try:
             # Same process group as the supervisor (the default), so that kill's killpg reaches the whole stage.
             child = subprocess.Popen(
-                spec["argv"], cwd=spec["cwd"], env={**spec["env"], "PYTHONUNBUFFERED": "1"},
+                spec["argv"], cwd=spec["cwd"], env=stage_env,
                 stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
             )
         except OSError as err:  # no such program, cwd gone, ...
