@@ -12,8 +12,10 @@ copy_through_vocab (a run directory where extract and vocab already succeeded, f
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
+import secrets
 import shutil
 import subprocess
 import sys
@@ -109,6 +111,15 @@ def start_dag_run(home: Path, conf: dict, output: Path, *, logical_date: str | N
                                 stderr=subprocess.STDOUT, start_new_session=True)
 
 
+# What an Airflow worker's environment holds on the docker-compose stack, where the local box is the worker itself.
+# The baseline runs with them; test_dag.py checks that none reaches a stage, a file on the box, a log or XCom.
+WORKER_SECRETS = {
+    "AIRFLOW__CORE__FERNET_KEY": base64.urlsafe_b64encode(secrets.token_bytes(32)).decode(),
+    "AIRFLOW__API_AUTH__JWT_SECRET": f"jwt-secret-{secrets.token_hex(16)}",
+    "AWS_SECRET_ACCESS_KEY": f"aws-secret-{secrets.token_hex(16)}",
+}
+
+
 @pytest.fixture(scope="session")
 def baseline_run(tiny_target, airflow_home, settings, tmp_path_factory) -> Path:
     """One uninterrupted DAG run through the local transport, shared by the whole session: the reference the
@@ -122,7 +133,7 @@ def baseline_run(tiny_target, airflow_home, settings, tmp_path_factory) -> Path:
     started = time.monotonic()
     console: list[tuple[float, str]] = []
     log = workdir / "dag-test.log"
-    code = run_dag(conf_for(tiny_target, workdir), {**airflow_env(airflow_home), **settings}, log,
+    code = run_dag(conf_for(tiny_target, workdir), {**airflow_env(airflow_home), **settings, **WORKER_SECRETS}, log,
                    lambda text: console.append((time.monotonic() - started, text)))
     print(f"uninterrupted DAG run (local transport): {time.monotonic() - started:.1f} s")
     assert code == 0, f"DAG run failed (exit {code}):\n" + "\n".join(log.read_text().splitlines()[-60:])
