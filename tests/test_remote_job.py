@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import sys
 import time
 
@@ -134,3 +135,52 @@ def test_the_workers_job_start_rides_out_an_outage_and_starts_the_job_once(box, 
     assert "box gpu_box unreachable for 0 s (tolerated for 60 s)" in capsys.readouterr().out  # retries logged
     poll = operator._poll(key)
     assert poll["state"]["try"] == 1  # one job, started once
+
+
+TRY_SCRIPT = """
+import pathlib, sys
+marker = pathlib.Path(sys.argv[1])
+if marker.exists():  # the second try: three lines, success
+    for i in range(3):
+        print(f"try-2 line {i}")
+else:  # the first try: about 300 KB of log, more than one poll returns, then a failure
+    marker.touch()
+    for i in range(5000):
+        print(f"try-1 line {i:05d} " + "x" * 48)
+    sys.exit(1)
+"""
+
+
+def test_each_try_streams_its_own_log_lines_and_all_of_them(tmp_path, caplog):
+    """Through the local transport. Try 1 writes about 300 KB and fails; its trigger streams every one of its lines
+    (the log is drained to the end before the event, not left after the first 64 KiB). Try 2 prints three lines;
+    its trigger streams exactly those, none of try 1's, although the job log holds both tries."""
+    from eagle3_airflow.transport import LocalBox
+
+    eagle3, jobs_dir = [sys.executable, "-m", "eagle3"], str(tmp_path / "jobs")
+    command = [sys.executable, "-c", TRY_SCRIPT, str(tmp_path / "first-try-done")]
+
+    def run_try() -> list[str]:
+        LocalBox().run(job_argv(eagle3, jobs_dir, "start", "stage", "--heartbeat-s", "0.5", "--", *command)).check(
+            "job start")
+        trigger = RemoteJobTrigger(conn_id="local", eagle3_argv=eagle3, jobs_dir=jobs_dir, key="stage",
+                                   poll_interval_s=0.2)
+        trigger._log = logging.getLogger("test.trigger")  # (the triggerer's structlog logger writes past caplog)
+        caplog.clear()
+        with caplog.at_level("INFO", logger="test.trigger"):
+            event = asyncio.run(first_event(trigger))
+        streamed = [r.getMessage().removeprefix("[stage] ") for r in caplog.records
+                    if r.getMessage().startswith("[stage] ")]
+        return event["status"], streamed
+
+    status, streamed = run_try()
+    assert status == "failed"
+    assert [line for line in streamed if line.startswith("try-1")] == [
+        f"try-1 line {i:05d} " + "x" * 48 for i in range(5000)]
+    assert "try 1 failed" in streamed[-1]
+
+    status, streamed = run_try()
+    assert status == "succeeded"
+    assert [line for line in streamed if not line.startswith("====")] == [f"try-2 line {i}" for i in range(3)]
+    assert "try 2 started" in streamed[0] and "try 2 succeeded" in streamed[-1]
+    assert len(streamed) == 5

@@ -180,7 +180,8 @@ def cmd_job(args) -> None:
             print(f"error: {err}", file=sys.stderr)
             raise SystemExit(1) from None
     elif args.job_command == "poll":
-        result = job.poll_job(args.jobs_dir, args.key, args.log_offset, args.max_log_bytes, args.stale_after_s)
+        offset = None if args.from_try_start else args.log_offset
+        result = job.poll_job(args.jobs_dir, args.key, offset, args.max_log_bytes, args.stale_after_s)
     else:
         result = job.kill_job(args.jobs_dir, args.key, args.grace_s)
         print(json.dumps(result))
@@ -295,6 +296,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "spec.json records the names, never the values")
     start.add_argument("argv", nargs=argparse.REMAINDER, help="-- then the command and its arguments")
     poll.add_argument("--log-offset", type=int, default=0, help="byte offset to read the log from (last log_offset)")
+    poll.add_argument("--from-try-start", action="store_true",
+                      help="read the log from the first line of the recorded try (its log_start), not --log-offset: "
+                      "the log holds every try")
     poll.add_argument("--max-log-bytes", type=int, default=65536)
     kill.add_argument("--grace-s", type=float, default=20.0, help="time between SIGTERM and SIGKILL")
     return parser

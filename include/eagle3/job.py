@@ -51,8 +51,9 @@ Files in {jobs_dir}/{key}/; both directories are private (0700) and so are the f
 may well carry things other users of the box should not read.
   spec.json   what to run: argv, cwd, env_names (names only, never values), heartbeat_s and the try number
   state.json  the supervisor's report: key, try, status, pid, pgid, pid_start_ticks, boot_id, host, argv,
-              started_at, heartbeat_at, exit_code, ended_at, log (and child_pid)
-  log         the stage's stdout+stderr, appended across tries; each try starts with a "==== ... ====" line
+              started_at, heartbeat_at, exit_code, ended_at, log, log_start (and child_pid)
+  log         the stage's stdout+stderr, appended across tries; each try starts with a "==== ... ====" line, at
+              byte log_start of its state, so that a caller can show one try's lines (poll --from-try-start)
   lock        the flock file
 """
 
@@ -645,13 +646,15 @@ def wait_for_report(directory: Path, supervisor: subprocess.Popen, try_number: i
 def poll_job(
     jobs_dir: str | Path,
     key: str,
-    log_offset: int = 0,
+    log_offset: int | None = 0,
     max_log_bytes: int = 65536,
     stale_after_s: float = DEFAULT_STALE_AFTER_S,
 ) -> dict:
-    """The job's effective status and the log from log_offset on. Never changes anything."""
+    """The job's effective status and the log from log_offset on (None: from the recorded try's first line, its
+    log_start). log_size says how much log there is, so that a caller can read on to its end once the job is over.
+    Never changes anything."""
     directory = job_dir(jobs_dir, key)
-    if log_offset < 0 or max_log_bytes < 0:
+    if (log_offset is not None and log_offset < 0) or max_log_bytes < 0:
         raise JobError("--log-offset and --max-log-bytes must not be negative")
     try:
         state = read_state(directory)
@@ -660,8 +663,16 @@ def poll_job(
         # "dead", as a crashed job: nothing shows that the job runs, and a caller that sees a dead job starts it
         # again, which relaunches it over the file. (A status of its own would be one more for every caller.)
         state, effective, reason = None, "dead", f"{err}; the next job start relaunches the job over it"
+    if log_offset is None:  # (a state from before log_start was recorded: the whole log)
+        log_offset = state.get("log_start", 0) if state else 0
     # The state is read before the log: once it says finished, the log read next is complete.
-    log, new_offset = read_log(directory / "log", log_offset, max_log_bytes, whole_lines=effective == "running")
+    try:
+        log_size = (directory / "log").stat().st_size
+    except FileNotFoundError:
+        log_size = 0
+    # Whole lines only, so that no caller prints half a line; the end of a finished job's log as it is.
+    whole_lines = effective == "running" or log_offset + max_log_bytes < log_size
+    log, new_offset = read_log(directory / "log", log_offset, max_log_bytes, whole_lines)
     return {
         "key": key,
         "effective": effective,
@@ -669,6 +680,7 @@ def poll_job(
         "state": state,
         "log": log,
         "log_offset": new_offset,
+        "log_size": log_size,
         "log_tail": read_log_tail(directory / "log") if effective in ("failed", "dead", "killed") else [],
     }
 
@@ -751,12 +763,13 @@ def supervise(jobs_dir: str | Path, key: str) -> None:
             log_file.write(f"==== eagle3 job {key} try {spec['try']} {text} ====\n".encode())
             log_file.flush()
 
+        log_start = os.fstat(log_file.fileno()).st_size  # this try's lines begin here (the log holds every try)
         log_line(f"started {utc_now()} on {host}")
         state = {
             "key": key, "try": spec["try"], "status": "running", "pid": os.getpid(), "pgid": os.getpgid(0),
             "pid_start_ticks": pid_start_ticks(os.getpid()), "boot_id": read_boot_id(), "host": host,
             "argv": spec["argv"], "started_at": utc_now(), "heartbeat_at": time.time(), "exit_code": None,
-            "ended_at": None, "log": str(log_path),
+            "ended_at": None, "log": str(log_path), "log_start": log_start,
         }
         # The stage gets this process's environment, which start filtered already, with the caller's PYTHONPATH
         # and the group's mark, by which a later start or kill recognises what is left of it once this is gone.

@@ -210,7 +210,7 @@ class RemoteJobOperator(ResumableJobMixin, BaseOperator):
 class RemoteJobTrigger(BaseTrigger):
     """Polls a box-side job from the triggerer until it ends; streams its log into the task log."""
 
-    def __init__(self, *, conn_id: str, eagle3_argv: list[str], jobs_dir: str, key: str, log_offset: int = 0,
+    def __init__(self, *, conn_id: str, eagle3_argv: list[str], jobs_dir: str, key: str, log_offset: int | None = None,
                  poll_interval_s: float = 10.0, ssh_grace_s: float = 900.0, stale_after_s: float = 120.0):
         super().__init__()
         self.conn_id = conn_id
@@ -234,11 +234,14 @@ class RemoteJobTrigger(BaseTrigger):
         return job_argv(self.eagle3_argv, self.jobs_dir, command, self.key, *args)
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
+        """Poll until the job ends. The task log shows the job's current try only: the job log holds every try,
+        so the first poll reads from this try's first line (log_offset None), and each next one from where the
+        last stopped; once the job is over, the rest of the log is read to its end before the event goes out."""
         box = box_for(self.conn_id)
         try:
             while True:
-                argv = self._argv("poll", "--log-offset", str(self.log_offset),
-                                  "--stale-after-s", f"{self.stale_after_s:g}")
+                where = ["--from-try-start"] if self.log_offset is None else ["--log-offset", str(self.log_offset)]
+                argv = self._argv("poll", *where, "--stale-after-s", f"{self.stale_after_s:g}")
                 try:
                     async for attempt in AsyncRetrying(**outage_retry(self.conn_id, self.ssh_grace_s, self.log)):
                         with attempt:
@@ -250,6 +253,8 @@ class RemoteJobTrigger(BaseTrigger):
                     if line.strip():
                         self.log.info("[%s] %s", self.key, line)
                 self.log_offset = poll["log_offset"]
+                if poll["effective"] in TERMINAL and self.log_offset < poll.get("log_size", 0):
+                    continue  # over, but more log than one poll returns: read on at once, then report
                 if poll["effective"] in TERMINAL:
                     yield TriggerEvent({
                         "status": poll["effective"], "key": self.key, "reason": poll.get("reason", ""),
