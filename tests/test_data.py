@@ -14,6 +14,7 @@ import copy
 import hashlib
 import json
 import re
+import threading
 
 import pytest
 
@@ -528,6 +529,15 @@ def test_a_generation_template_the_sandbox_refuses_is_a_config_error(make_config
     assert exit_code_for(info.value) == 2
 
 
+def no_probe_left_running() -> bool:
+    """A probe stopped by its timer leaves nothing behind; one left in a thread would spin on for hours and slow
+    every later test of this process."""
+    return not [thread for thread in threading.enumerate() if thread.name == "chat-template-probe"]
+
+
+# method="thread": pytest-timeout's default holds SIGALRM for the whole test, and the probe's timer needs it (a
+# stage's main thread always has it free).
+@pytest.mark.timeout(300, method="thread")
 def test_a_generation_template_that_loops_is_stopped_and_refused(make_config, tmp_path, monkeypatch):
     """Attack: data.generation_chat_template with two nested loops of 10^5 steps, each within the sandbox's
     range limit and together hours of work. The load-time probe is stopped at its time limit (0.3 s here)."""
@@ -536,8 +546,10 @@ def test_a_generation_template_that_loops_is_stopped_and_refused(make_config, tm
     with pytest.raises(ChatTemplateError, match=rf"^data.generation_chat_template {re.escape(str(path))}: took "
                                                 r"longer than 0.3 s to render a two-message conversation"):
         SampleTokenizer.for_run(cfg)
+    assert no_probe_left_running()
 
 
+@pytest.mark.timeout(300, method="thread")  # (as above)
 def test_a_target_chat_template_that_escapes_or_loops_is_refused(make_config, tmp_path, tiny_target, monkeypatch):
     """Attack: the tokenizer directory's own chat_template.jinja replaced by one that reaches for Python's
     internals, then by one that loops. The message names that file and the field that points there."""
@@ -556,6 +568,7 @@ def test_a_target_chat_template_that_escapes_or_loops_is_refused(make_config, tm
             SampleTokenizer.for_run(cfg)
         assert str(info.value).startswith(where + refusal), str(info.value)
         assert str(info.value).endswith("or set target.tokenizer_path to a tokenizer whose chat template renders.")
+    assert no_probe_left_running()
 
 
 def test_a_template_that_fails_only_on_some_conversation_stops_the_stage(tiny_tokenizer):
