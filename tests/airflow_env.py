@@ -32,12 +32,17 @@ def airflow_env(home: Path, **extra: str) -> dict[str, str]:
     return env
 
 
-@pytest.fixture(scope="session")
-def airflow_home(tmp_path_factory) -> Path:
-    """An Airflow home with a migrated SQLite DB (about 5 s), shared by the session's DAG tests."""
-    home = tmp_path_factory.mktemp("airflow-home")
+def migrated_airflow_home(home: Path) -> Path:
+    """`home` made an Airflow home with a migrated SQLite DB (about 5 s)."""
+    home.mkdir(parents=True, exist_ok=True)
     subprocess.run([AIRFLOW, "db", "migrate"], env=airflow_env(home), check=True, capture_output=True, timeout=300)
     return home
+
+
+@pytest.fixture(scope="session")
+def airflow_home(tmp_path_factory) -> Path:
+    """An Airflow home with a migrated SQLite DB, shared by the session's DAG tests (of one xdist worker)."""
+    return migrated_airflow_home(tmp_path_factory.mktemp("airflow-home"))
 
 
 def dags_test(home: Path, conf: dict, *, logical_date: str | None = None, timeout: float = 900,

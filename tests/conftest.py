@@ -1,5 +1,10 @@
 """Shared fixtures. The tiny target is built once per machine into .cache/tiny-target (the same cache
-`make demo` uses); building it takes about two minutes on 2 cores, reusing it a second."""
+`make demo` uses); building it takes about two minutes on 2 cores, reusing it a second.
+
+The suite runs on two pytest-xdist workers (pyproject.toml). What is expensive to make and only read afterwards
+is made once for both: the tiny target (under a file lock beside it) and the baseline DAG run (tests/dagruns.py,
+under a lock in the directory both workers' temp dirs share). Slow tests are sent out first, so that the last
+test to start is a short one and neither worker waits long for the other at the end."""
 
 from __future__ import annotations
 
@@ -32,9 +37,18 @@ def run_eagle3(*args: str, check: bool = True, timeout: float = 600) -> subproce
 
 @pytest.fixture(scope="session")
 def tiny_target() -> Path:
+    from filelock import FileLock
+
     from eagle3.tiny_target import TinyTargetSpec, build
 
-    return build(TINY_TARGET, TinyTargetSpec())
+    TINY_TARGET.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(TINY_TARGET.parent / "tiny-target.lock"):  # the other worker waits, then reuses it
+        return build(TINY_TARGET, TinyTargetSpec())
+
+
+def pytest_collection_modifyitems(config, items):
+    """Slow tests (marked so: whole DAG runs, drills, the browser) first, the rest in their usual order after."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 @pytest.fixture(scope="session")

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.airflow_env import AIRFLOW, airflow_env
+from tests.airflow_env import AIRFLOW, airflow_env, migrated_airflow_home
 
 BASELINE_RUN_NAME = "baseline"
 # For drills about training: the stages after export are marked successful instead of run (`--mark-success-pattern`);
@@ -121,23 +121,40 @@ WORKER_SECRETS = {
 
 
 @pytest.fixture(scope="session")
-def baseline_run(tiny_target, airflow_home, settings, tmp_path_factory) -> Path:
+def baseline_run(tiny_target, settings, tmp_path_factory, worker_id) -> Path:
     """One uninterrupted DAG run through the local transport, shared by the whole session: the reference the
     DAG tests and fault drills compare against. Returns its run directory; nobody may write into it.
 
+    Made once for both xdist workers: the first to need it runs it under a lock in the directory their temp
+    dirs share, with an Airflow home of its own beside it (airflow-home/); the other waits and finds it made, or
+    finds that it failed (and fails the same way without running it again).
+
     It runs the way `make demo` does (scripts/demo.py run_dag): what the demo's console showed, with the
     moment each line came, is kept beside the run in console.json for the test of that console."""
+    from filelock import FileLock
+
     from scripts.demo import run_dag
 
-    workdir = tmp_path_factory.mktemp("baseline-box")
-    started = time.monotonic()
-    console: list[tuple[float, str]] = []
-    log = workdir / "dag-test.log"
-    code = run_dag(conf_for(tiny_target, workdir), {**airflow_env(airflow_home), **settings, **WORKER_SECRETS}, log,
-                   lambda text: console.append((time.monotonic() - started, text)))
-    print(f"uninterrupted DAG run (local transport): {time.monotonic() - started:.1f} s")
-    assert code == 0, f"DAG run failed (exit {code}):\n" + "\n".join(log.read_text().splitlines()[-60:])
-    (workdir / "console.json").write_text(json.dumps({"lines": console, "ended_s": time.monotonic() - started}))
+    shared = tmp_path_factory.getbasetemp()
+    if worker_id != "master":
+        shared = shared.parent
+    workdir = shared / "baseline-box"
+    outcome_file = workdir / "outcome.json"
+    with FileLock(shared / "baseline-box.lock"):
+        if not outcome_file.exists():
+            home = migrated_airflow_home(workdir / "airflow-home")
+            started = time.monotonic()
+            console: list[tuple[float, str]] = []
+            log = workdir / "dag-test.log"
+            code = run_dag(conf_for(tiny_target, workdir), {**airflow_env(home), **settings, **WORKER_SECRETS}, log,
+                           lambda text: console.append((time.monotonic() - started, text)))
+            print(f"uninterrupted DAG run (local transport): {time.monotonic() - started:.1f} s")
+            (workdir / "console.json").write_text(json.dumps({"lines": console,
+                                                              "ended_s": time.monotonic() - started}))
+            outcome_file.write_text(json.dumps({"exit_code": code, "log_tail": log.read_text().splitlines()[-60:]}))
+    outcome = json.loads(outcome_file.read_text())
+    assert outcome["exit_code"] == 0, (f"DAG run failed (exit {outcome['exit_code']}):\n"
+                                       + "\n".join(outcome["log_tail"]))
     return workdir / "runs" / BASELINE_RUN_NAME
 
 
