@@ -58,25 +58,41 @@ def tiny_tokenizer(tiny_target):
     return AutoTokenizer.from_pretrained(tiny_target)
 
 
+def tiny_run_data(tiny_target: Path, workdir: Path, run_name: str) -> dict:
+    """A run config (as JSON data) on the tiny target: 200 samples, small chunks, a 512-token draft vocabulary."""
+    return {
+        "run_name": run_name,
+        "workdir": str(workdir),
+        "target": {"model_path": str(tiny_target), "dtype": "float32"},
+        "data": {"path": str(tiny_target / "prompts.jsonl"), "max_samples": 200},
+        "vocab": {"draft_vocab_size": 512},
+        "extract": {"batch_tokens": 1024, "chunk_mib": 1, "progress_interval_s": 0.5},
+    }
+
+
 @pytest.fixture
 def make_config(tmp_path, tiny_target):
     """A RunConfig on the tiny target in a fresh workdir; keyword sections override the defaults."""
     from eagle3.config import parse_run_config, resolve_target_facts
 
     def make(run_name: str = "test-run", workdir: Path | None = None, **sections):
-        data = {
-            "run_name": run_name,
-            "workdir": str(workdir or tmp_path / "work"),
-            "target": {"model_path": str(tiny_target), "dtype": "float32"},
-            "data": {"path": str(tiny_target / "prompts.jsonl"), "max_samples": 200},
-            "vocab": {"draft_vocab_size": 512},
-            "extract": {"batch_tokens": 1024, "chunk_mib": 1, "progress_interval_s": 0.5},
-        }
+        data = tiny_run_data(tiny_target, workdir or tmp_path / "work", run_name)
         for section, values in sections.items():
             data.setdefault(section, {}).update(values)
         return resolve_target_facts(parse_run_config(data))
 
     return make
+
+
+def shared_dir(tmp_path_factory, worker_id: str) -> Path:
+    """The directory both xdist workers' temp dirs live in (this session's own temp dir without xdist): where
+    what is made once for the whole session goes, under a FileLock."""
+    base = tmp_path_factory.getbasetemp()
+    return base if worker_id == "master" else base.parent
+
+
+TRAIN_SETTINGS = {"batch_tokens": 512, "save_every_steps": 4, "epochs": 2, "learning_rate": 1e-3,
+                  "progress_interval_s": 0.5, "keep_last": 2}
 
 
 @pytest.fixture
@@ -86,11 +102,49 @@ def train_config(make_config):
     from eagle3.extract import run_extract
     from eagle3.vocab import run_vocab
 
-    cfg = make_config(run_name="train", train={"batch_tokens": 512, "save_every_steps": 4, "epochs": 2,
-                                               "learning_rate": 1e-3, "progress_interval_s": 0.5, "keep_last": 2})
+    cfg = make_config(run_name="train", train=TRAIN_SETTINGS)
     run_extract(cfg)
     run_vocab(cfg)
     write_run_config(cfg)
+    return cfg
+
+
+@pytest.fixture(scope="session")
+def trained_run(tiny_target, tmp_path_factory, worker_id) -> tuple[Path, dict]:
+    """train_config's run, trained once for the session (both workers) by `python -m eagle3 train`, as the DAG
+    runs it: (its workdir, train's summary). Read it only; `trained_config` gives a copy to write in."""
+    from filelock import FileLock
+
+    from eagle3.config import parse_run_config, resolve_target_facts, write_run_config
+    from eagle3.extract import run_extract
+    from eagle3.vocab import run_vocab
+
+    shared = shared_dir(tmp_path_factory, worker_id)
+    workdir = shared / "trained-work"
+    summary_file = workdir / "train-summary.json"
+    with FileLock(shared / "trained-work.lock"):
+        if not summary_file.exists():
+            cfg = resolve_target_facts(parse_run_config({**tiny_run_data(tiny_target, workdir, "train"),
+                                                         "train": TRAIN_SETTINGS}))
+            run_extract(cfg)
+            run_vocab(cfg)
+            write_run_config(cfg)
+            summary_file.write_text(run_eagle3("train", "--config", str(cfg.config_path)).stdout)
+    return workdir, json.loads(summary_file.read_text())
+
+
+@pytest.fixture
+def trained_config(trained_run, make_config, tmp_path):
+    """A copy of the trained run in this test's own workdir, and its config: for tests that export or evaluate."""
+    import shutil
+
+    from eagle3.config import write_run_config
+
+    run_config = trained_run[0] / "runs" / "train" / "config.json"
+    shutil.copytree(trained_run[0], tmp_path / "work",
+                    ignore=lambda directory, names: ["config.json"] if Path(directory) == run_config.parent else [])
+    cfg = make_config(run_name="train", train=TRAIN_SETTINGS)
+    write_run_config(cfg)  # (the copy's own: the trained run's names the other workdir)
     return cfg
 
 

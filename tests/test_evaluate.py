@@ -6,11 +6,10 @@ import json
 
 from eagle3.evaluate import run_evaluate
 from eagle3.export import run_export
-from eagle3.train import run_train
 
 
-def test_speculation_is_lossless_and_reports_acceptance(train_config, make_config):
-    run_train(train_config)
+def test_speculation_is_lossless_and_reports_acceptance(trained_config, make_config):
+    train_config = trained_config
     run_export(train_config)
     cfg = make_config(run_name="train", evaluate={"num_prompts": 8, "max_new_tokens": 24, "draft_lengths": [1, 3]},
                       **{k: train_config.model_dump()[k] for k in ("train", "vocab", "extract")})

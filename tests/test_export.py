@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 from eagle3.export import EXPORT_KEYS, load_exported_drafter, run_export, sglang_config
 from eagle3.model import DraftConfig, build_draft_model
-from eagle3.train import load_checkpoint, run_train
+from eagle3.train import load_checkpoint
 
 
 def test_sglang_config_converts_aux_ids_for_the_targets_family():
@@ -23,8 +23,8 @@ def test_sglang_config_converts_aux_ids_for_the_targets_family():
         == [2, 29, 57]
 
 
-def test_export_has_exactly_the_keys_sglang_loads_and_round_trips(train_config, tiny_target):
-    run_train(train_config)
+def test_export_has_exactly_the_keys_sglang_loads_and_round_trips(trained_config, tiny_target):
+    train_config = trained_config
     report = run_export(train_config)
     drafter = train_config.run_dir / "drafter"
 

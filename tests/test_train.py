@@ -79,14 +79,9 @@ def test_simulated_accept_length():
     assert simulated_accept_length([1.0] * 7) == 8.0
 
 
-def final_state(cfg):
-    checkpoints = sorted((cfg.run_dir / "train" / "checkpoints").glob("step-*"))
-    return load_checkpoint(checkpoints[-1])
-
-
-def test_a_short_run_learns_and_leaves_checkpoints_metrics_and_plots(train_config):
-    summary = json.loads(run_eagle3("train", "--config", str(train_config.config_path)).stdout)
-    out = train_config.run_dir / "train"
+def test_a_short_run_learns_and_leaves_checkpoints_metrics_and_plots(trained_run):
+    workdir, summary = trained_run
+    out = workdir / "runs" / "train" / "train"
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records if "loss" in r]
     val = [r for r in records if "val_acc" in r]
@@ -97,7 +92,7 @@ def test_a_short_run_learns_and_leaves_checkpoints_metrics_and_plots(train_confi
     best = f"step-{summary['best']['step']:06d}"
     assert best in kept and len(kept) <= 3  # keep_last 2, plus the best
     assert not [p for p in (out / "checkpoints").iterdir() if p.name.startswith(".")]
-    state = final_state(train_config)
+    state = load_checkpoint(sorted((out / "checkpoints").glob("step-*"))[-1])
     assert "embed_tokens.weight" not in state["model"] and state["step"] == summary["steps"]
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
