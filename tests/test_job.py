@@ -569,3 +569,52 @@ def test_a_job_directory_of_another_user_is_refused(jobs, monkeypatch):
     with pytest.raises(job.JobError, match=r"job directory .*theirs belongs to uid \d+, not to this user"):
         job.start_job(jobs, "theirs", [PY, "-c", "pass"])
     assert list((jobs / "theirs").iterdir()) == []
+
+
+# -- stalls: alive, heartbeating, and doing nothing ------------------------------------------------------------
+
+BEATING = """
+import os, signal, sys, time
+from eagle3.progress import beat
+for step in range({steps}):
+    beat(f"step {{step}}")
+    print(f"step {{step}}", flush=True)
+    time.sleep({pause})
+    if step == {stop_at}:
+        os.kill(os.getpid(), signal.SIGSTOP)  # as an NCCL hang or a dead mount would: alive, and stuck
+"""
+
+
+def test_a_stage_that_stops_making_progress_is_killed_and_its_try_failed(jobs):
+    """Attack on an unattended weekend: the stage's process is stopped (SIGSTOP) after three progress beats. The
+    supervisor keeps heartbeating, so the job looked alive forever; now the stage is killed within the stall limit
+    (2 s here, checked every heartbeat) and the try fails naming the last progress line."""
+    code = BEATING.format(steps=100, pause=0.3, stop_at=2)
+    started = time.monotonic()
+    job_state = start(jobs, "hung", code, "--heartbeat-s", "0.5", "--stall-timeout-s", "2")
+    result = wait_for_effective(jobs, "hung", "failed")
+    elapsed = time.monotonic() - started
+    assert elapsed < 2 + 0.9 + 1.0 + 5, f"took {elapsed:.1f} s"  # the beats, the limit, a heartbeat, slack
+    assert result["reason"].startswith("no progress for") and "since its last progress: 'step 2'" in result["reason"]
+    assert not is_running(result["state"]["child_pid"])
+    assert result["state"]["progress_line"] == "step 2"
+    assert "no progress for" in (jobs / "hung" / "log").read_text()
+    assert job_state["try"] == 1 and result["state"]["stalled"]
+
+
+def test_a_slow_stage_that_keeps_making_progress_is_not_killed(jobs):
+    """Eight beats 0.8 s apart (6 s in all) under a 2 s stall limit, and a first beat only after 1.5 s, under
+    --first-progress-timeout-s 3: never more silent than allowed, so it runs to success."""
+    code = "import time; time.sleep(1.5)\n" + BEATING.format(steps=8, pause=0.8, stop_at=-1)
+    start(jobs, "slow", code, "--heartbeat-s", "0.5", "--stall-timeout-s", "2", "--first-progress-timeout-s", "3")
+    result = wait_until(lambda: (r := job.poll_job(jobs, "slow"))["effective"] != "running" and r, "slow job's end")
+    assert result["effective"] == "succeeded", result["reason"]
+    assert result["state"]["progress_line"] == "step 7"
+
+
+def test_a_stage_that_never_reports_progress_is_killed_after_the_first_limit(jobs):
+    """A stage that hangs while loading (before any progress) is caught by --first-progress-timeout-s."""
+    start(jobs, "loading", "import time; time.sleep(600)", "--heartbeat-s", "0.5", "--stall-timeout-s", "60",
+          "--first-progress-timeout-s", "1.5")
+    result = wait_for_effective(jobs, "loading", "failed")
+    assert "since the stage started (no progress yet)" in result["reason"] and "limit 1.5 s" in result["reason"]

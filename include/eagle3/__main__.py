@@ -174,8 +174,10 @@ def cmd_job(args) -> None:
     if args.job_command == "start":
         argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
         try:
+            stall = job.StallLimits(args.first_progress_timeout_s or args.stall_timeout_s, args.stall_timeout_s) \
+                if args.stall_timeout_s else None
             result = job.start_job(args.jobs_dir, args.key, argv, args.heartbeat_s, args.stale_after_s,
-                                   args.pass_env)
+                                   args.pass_env, stall)
         except job.JobLaunchError as err:  # not a usage error: a retry may well succeed
             print(f"error: {err}", file=sys.stderr)
             raise SystemExit(1) from None
@@ -290,6 +292,12 @@ def build_parser() -> argparse.ArgumentParser:
         q.add_argument("--stale-after-s", type=float, default=120.0,
                        help="a running job whose heartbeat is older counts as dead")
     start.add_argument("--heartbeat-s", type=float, default=10.0, help="how often the supervisor updates state.json")
+    start.add_argument("--stall-timeout-s", type=float, default=0.0,
+                       help="kill the stage and fail the try when it reports no progress (eagle3.progress.beat) for "
+                       "this long; 0: never")
+    start.add_argument("--first-progress-timeout-s", type=float, default=0.0,
+                       help="the same limit until its first progress report (model loading); default: "
+                       "--stall-timeout-s")
     start.add_argument("--pass-env", action="append", default=[], metavar="NAME",
                        help="also pass this environment variable to the command (repeatable); beyond these it gets "
                        "only an allowlist (PATH, HOME, LANG, CUDA_*, HF_*, NCCL_*, TORCH_*, EAGLE3_*, ...), and "

@@ -52,6 +52,10 @@ may well carry things other users of the box should not read.
   spec.json   what to run: argv, cwd, env_names (names only, never values), heartbeat_s and the try number
   state.json  the supervisor's report: key, try, status, pid, pgid, pid_start_ticks, boot_id, host, argv,
               started_at, heartbeat_at, exit_code, ended_at, log, log_start (and child_pid)
+  progress.json  the stage's newest progress beat (eagle3.progress.beat: time, line, allowance); with
+              `start --stall-timeout-s`, a stage silent for longer is killed and its try fails "no progress for
+              N s since <line>" (state.json: stalled, progress_at, progress_line), so a hang is a retry, not a
+              job polled forever
   log         the stage's stdout+stderr, appended across tries; each try starts with a "==== ... ====" line, at
               byte log_start of its state, so that a caller can show one try's lines (poll --from-try-start)
   lock        the flock file
@@ -59,6 +63,7 @@ may well carry things other users of the box should not read.
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import json
 import math
@@ -75,6 +80,7 @@ from pathlib import Path
 from stat import S_IMODE, S_ISVTX, S_IWOTH
 
 from eagle3.fsutil import commit, tmp_path_for
+from eagle3.progress import PROGRESS_FILE_VAR
 
 KEY_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 ENV_NAME_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -314,6 +320,8 @@ def liveness(state: dict | None, stale_after_s: float) -> tuple[str, str]:
     if status == "succeeded":
         return status, "the command exited with code 0"
     if status == "failed":
+        if state.get("stalled"):
+            return status, state["stalled"]
         return status, f"the command failed with exit code {state.get('exit_code')}"
     if status == "killed":
         return status, "the job was killed"
@@ -542,10 +550,12 @@ def start_job(
     heartbeat_s: float = DEFAULT_HEARTBEAT_S,
     stale_after_s: float = DEFAULT_STALE_AFTER_S,
     pass_env: Iterable[str] = (),
+    stall: StallLimits | None = None,
 ) -> dict:
     """Make sure the job runs: attach to a live (or succeeded) try, or launch a new one. Returns its state plus
     "attached" (True: nothing was launched) and "refused" (why nothing of the last try was signalled before the
-    relaunch, or None). pass_env: names of environment variables the stage gets beyond the allowlist."""
+    relaunch, or None). pass_env: names of environment variables the stage gets beyond the allowlist. stall: when
+    to kill a stage that stopped making progress (None: never)."""
     directory = job_dir(jobs_dir, key)
     if not argv:
         raise JobError("job start needs the command to run after `--`")
@@ -578,7 +588,7 @@ def start_job(
                 return {**state, "attached": True, "refused": None}
             refused = stop_last_try(state) if state is not None else None
             try_number = (state["try"] if state else 0) + 1
-        supervisor = launch_supervisor(directory, argv, heartbeat_s, try_number, env)
+        supervisor = launch_supervisor(directory, argv, heartbeat_s, try_number, env, stall)
         return {**wait_for_report(directory, supervisor, try_number), "attached": False, "refused": refused}
 
 
@@ -599,11 +609,12 @@ def stop_last_try(state: dict) -> str | None:
 
 
 def launch_supervisor(
-    directory: Path, argv: list[str], heartbeat_s: float, try_number: int, env: dict[str, str]
+    directory: Path, argv: list[str], heartbeat_s: float, try_number: int, env: dict[str, str],
+    stall: StallLimits | None = None,
 ) -> subprocess.Popen:
     """Start the supervisor with `env` (stage_environment's), which it hands on to the stage."""
     spec = {"argv": list(argv), "cwd": os.getcwd(), "env_names": sorted(env), "heartbeat_s": heartbeat_s,
-            "try": try_number}
+            "try": try_number, "stall": dataclasses.asdict(stall) if stall else None}
     write_private_text(directory / "spec.json", json.dumps(spec, indent=2) + "\n")
     # The supervisor's own stderr (a traceback, should it ever crash) goes to the log.
     with open(directory / "log", "ab", opener=private_opener) as log_file:
@@ -742,6 +753,72 @@ def terminate(state: dict, grace_s: float) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# Stalls: a stage that is alive but no longer moves on
+
+
+@dataclasses.dataclass(frozen=True)
+class StallLimits:
+    """How long a stage may go without a progress beat (eagle3.progress.beat) before it counts as hung:
+    `first_s` until its first beat (loading a model comes first), `between_s` after that. A beat may announce a
+    longer silence of its own (its allowance_s)."""
+
+    first_s: float
+    between_s: float
+
+
+class StallWatch:
+    """The supervisor's view of its stage's progress file."""
+
+    def __init__(self, limits: StallLimits, progress_file: Path):
+        self.limits, self.progress_file = limits, progress_file
+        self.started = time.time()
+        self.last: dict | None = None  # the newest beat: {"at", "line", "allowance_s"}
+
+    def progress(self) -> dict:
+        """The newest beat, for state.json: progress_at and progress_line."""
+        try:
+            beat = json.loads(self.progress_file.read_text())
+            if isinstance(beat, dict) and isinstance(beat.get("at"), int | float):
+                self.last = beat
+        except (OSError, ValueError):
+            pass  # none yet, or being replaced: the last one read stands
+        if self.last is None:
+            return {}
+        return {"progress_at": self.last["at"], "progress_line": self.last.get("line")}
+
+    def stalled(self) -> str | None:
+        """Why the stage counts as hung ("no progress for N s since ..."), or None."""
+        now = time.time()
+        if self.last is None:
+            silent, limit, since = now - self.started, self.limits.first_s, "the stage started (no progress yet)"
+        else:
+            allowance = self.last.get("allowance_s")
+            limit = max(self.limits.between_s, allowance if isinstance(allowance, int | float) else 0)
+            silent, since = now - self.last["at"], f"its last progress: {self.last.get('line')!r}"
+        if silent <= limit:
+            return None
+        return f"no progress for {silent:.0f} s (limit {limit:g} s) since {since}"
+
+
+def stop_stage(child: subprocess.Popen, own_group: int, grace_s: float = CHILD_GRACE_S) -> None:
+    """Stop a hung stage: SIGCONT and SIGTERM (a stopped process acts on TERM only once continued), SIGKILL after
+    grace_s, then SIGKILL whatever else is left in this group (torchrun's ranks, a server), the supervisor aside."""
+    for signum in (signal.SIGCONT, signal.SIGTERM):
+        child.send_signal(signum)
+    try:
+        child.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
+    for pid in group_members(own_group):
+        if pid != os.getpid():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # The supervisor
 
 
@@ -778,6 +855,10 @@ def supervise(jobs_dir: str | Path, key: str) -> None:
         if stage_path is not None:
             stage_env["PYTHONPATH"] = stage_path
         stage_env.update({"PYTHONUNBUFFERED": "1", GROUP_MARK_VAR: f"{state['pid']}:{state['pid_start_ticks']}"})
+        progress_file = directory / "progress.json"
+        progress_file.unlink(missing_ok=True)  # an earlier try's beats say nothing of this one
+        stage_env[PROGRESS_FILE_VAR] = str(progress_file)
+        watch = StallWatch(StallLimits(**spec["stall"]), progress_file) if spec.get("stall") else None
         try:
             # Same process group as the supervisor (the default), so that kill's killpg reaches the whole stage.
             child = subprocess.Popen(
@@ -792,15 +873,26 @@ def supervise(jobs_dir: str | Path, key: str) -> None:
         write_state(directory, state)
 
         next_heartbeat = time.monotonic() + spec["heartbeat_s"]
-        while child.poll() is None and not stop_requested:
+        stalled = None
+        while child.poll() is None and not stop_requested and stalled is None:
             time.sleep(0.1)
             if time.monotonic() >= next_heartbeat:
                 next_heartbeat = time.monotonic() + spec["heartbeat_s"]  # (no burst of catch-up beats after a stall)
+                if watch is not None:
+                    state.update(watch.progress())
+                    stalled = watch.stalled()
                 try:
                     write_state(directory, {**state, "heartbeat_at": time.time()})
                 except OSError as err:  # a full disk must not end the stage; missing beats make it look dead, though
                     print(f"eagle3 job supervisor: cannot write the heartbeat: {err}", file=sys.stderr, flush=True)
-        if stop_requested:
+        if stalled is not None:
+            # Hung, not slow: the stage (and whatever it started, in this group) is stopped, and the try fails with
+            # the reason, so that a retry resumes the stage from what it wrote.
+            log_line(f"{stalled}; stopping the stage")
+            stop_stage(child, os.getpgid(0))
+            state["stalled"] = stalled
+            status = "failed"
+        elif stop_requested:
             child.send_signal(signal.SIGTERM)
             try:
                 child.wait(timeout=CHILD_GRACE_S)
@@ -808,7 +900,7 @@ def supervise(jobs_dir: str | Path, key: str) -> None:
                 child.kill()
                 child.wait()
             status = "killed"
-        else:
+        elif stalled is None:
             status = "succeeded" if child.returncode == 0 else "failed"
         # The log is complete before the state says so: a poll that sees the end then reads the whole log.
         log_line(f"{status} (exit code {child.returncode}) {utc_now()}")

@@ -1,13 +1,43 @@
-"""Progress lines for long stages, at a fixed interval, in the task log (stdout/stderr via logging).
+"""Progress lines for long stages, at a fixed interval, in the task log (stdout/stderr via logging), and the
+progress heartbeat the job supervisor watches.
 
 One line a person reads at a glance: done/total, rate, bytes, ETA. Rates count only the work of this
 process, so a resumed run shows its real speed, and the ETA covers what is left.
+
+The heartbeat (beat): a stage that runs as a job (eagle3.job) finds EAGLE3_PROGRESS_FILE in its environment
+and writes {"at", "line", "allowance_s"} there whenever its work moves on (at most five times a second). A supervisor
+that sees no beat for too long kills the stage as hung: an NCCL hang, a deadlocked scheduler or a stuck
+filesystem keeps the process alive, and only the work it stopped doing tells. `allowance_s` is a stage's way to
+announce a long silence (loading a 1T model) before it starts one.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import time
+
+PROGRESS_FILE_VAR = "EAGLE3_PROGRESS_FILE"
+BEAT_MIN_INTERVAL_S = 0.2  # a rename a beat: cheap, and the newest line is the one a stall message names
+_last_beat = {"at": 0.0, "allowance_s": None}
+
+
+def beat(line: str, allowance_s: float | None = None) -> None:
+    """Tell the job supervisor that the work moved on (`line` says how far); no-op outside a job. `allowance_s`:
+    the silence to allow until the next beat, when longer than the supervisor's usual limit."""
+    path = os.environ.get(PROGRESS_FILE_VAR)
+    now = time.time()
+    if not path or (now - _last_beat["at"] < BEAT_MIN_INTERVAL_S and allowance_s == _last_beat["allowance_s"]):
+        return
+    _last_beat.update(at=now, allowance_s=allowance_s)
+    tmp = f"{path}.tmp"
+    try:  # a heartbeat, not data: renamed into place, no fsync
+        with open(tmp, "w") as f:
+            json.dump({"at": now, "line": line[:500], "allowance_s": allowance_s}, f)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a full disk must not fail the stage; the supervisor's limit applies as without beats
 
 
 def format_bytes(n: float) -> str:
@@ -56,6 +86,8 @@ class ProgressLog:
         if now - self.last >= self.interval_s:
             self.last = now
             self.emit()
+        elif samples or tokens or failed:
+            beat(f"{self.label}: {self.done}/{self.total} {self.unit}")
 
     def emit(self) -> None:
         elapsed = max(time.monotonic() - self.started, 1e-9)
@@ -65,8 +97,7 @@ class ProgressLog:
         pct = 100.0 * self.done / self.total if self.total else 100.0
         failed = f"{self.failed} failed, " if self.track_failures else ""
         written = f"{self.bytes / 2**30:.2f} GiB written, " if self.track_bytes else ""
-        self.log.info(
-            "%s: %d/%d %s (%.1f%%), %s%.0f tokens/s, %selapsed %s, ETA %s",
-            self.label, self.done, self.total, self.unit, pct, failed, self.tokens / elapsed, written,
-            human_duration(elapsed), eta,
-        )
+        line = (f"{self.label}: {self.done}/{self.total} {self.unit} ({pct:.1f}%), {failed}"
+                f"{self.tokens / elapsed:.0f} tokens/s, {written}elapsed {human_duration(elapsed)}, ETA {eta}")
+        self.log.info("%s", line)
+        beat(line)

@@ -40,6 +40,7 @@ import httpx
 from eagle3.config import ConfigError
 from eagle3.fsutil import atomic_write_text
 from eagle3.job import group_members, kill_leftovers, pid_start_ticks, read_boot_id, read_log_tail
+from eagle3.progress import beat
 
 log = logging.getLogger(__name__)
 
@@ -174,6 +175,8 @@ def sglang_server(cfg, log_path: Path, extra_flags: dict | None = None) -> Itera
                 "pgid": process.pid, "pid_start_ticks": pid_start_ticks(process.pid), "boot_id": read_boot_id(),
                 "argv": argv,
             }))
+            # The supervisor's stall limit would count a 1T model's load as a hang: announce the silence.
+            beat(f"server: starting {cfg.target.model_path}", allowance_s=cfg.server.startup_timeout_s + 60)
             wait_until_healthy(process, base_url, log_path, cfg.server.startup_timeout_s)
             yield base_url
         finally:

@@ -53,7 +53,7 @@ from torch import nn
 from eagle3.config import ConfigError
 from eagle3.fsutil import atomic_dir, atomic_write_text
 from eagle3.model import LM_HEAD_KEYS, Eagle3Draft, build_draft_model, load_target_tensor
-from eagle3.progress import human_duration
+from eagle3.progress import beat, human_duration
 
 log = logging.getLogger(__name__)
 
@@ -403,6 +403,8 @@ class Trainer:
         for step, sample_ids in self.batches_from(self.step):
             loss, plosses, accs, batch_tokens = self.train_step(sample_ids)
             self.step, tokens, steps_here = step + 1, tokens + batch_tokens * self.world, steps_here + 1
+            if self.rank == 0:  # (a hung rank stalls rank 0 in the next all-reduce, so its beats stop too)
+                beat(f"train: step {self.step}/{self.total_steps}")
             now = time.monotonic()
             if self.rank == 0 and (now - last_log >= self.cfg.train.progress_interval_s or steps_here == 1):
                 last_log, rate = now, tokens / (now - started)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from datetime import timedelta
 from typing import Any
 
 from airflow.sdk import BaseOperator, ResumableJobMixin
@@ -131,9 +132,12 @@ class RemoteJobOperator(ResumableJobMixin, BaseOperator):
     def submit_job(self, context) -> str:
         key = self._key(context)
         heartbeat_s = max(1.0, min(30.0, self.run_plan.stale_after_s / 4))
-        passed_env = [arg for name in self.run_plan.box_env for arg in ("--pass-env", name)]
-        argv = self._job("start", key, "--heartbeat-s", f"{heartbeat_s:g}",
-                         "--stale-after-s", f"{self.run_plan.stale_after_s:g}", *passed_env, "--", *self._stage_argv())
+        plan = self.run_plan
+        passed_env = [arg for name in plan.box_env for arg in ("--pass-env", name)]
+        stall = ["--stall-timeout-s", f"{plan.stall_timeout_s:g}",
+                 "--first-progress-timeout-s", f"{plan.first_progress_timeout_s or plan.stall_timeout_s:g}"]
+        argv = self._job("start", key, "--heartbeat-s", f"{heartbeat_s:g}", "--stale-after-s",
+                         f"{plan.stale_after_s:g}", *stall, *passed_env, "--", *self._stage_argv())
         box = self.run_plan.box(self.conn_id)
         state = self._riding_out_outages(lambda: box.run(argv, timeout=120)).json(f"starting job {key}")
         verb = "attached to" if state.get("attached") else "started"
@@ -159,6 +163,8 @@ class RemoteJobOperator(ResumableJobMixin, BaseOperator):
                 stale_after_s=plan.stale_after_s,
             ),
             method_name="execute_complete",
+            # However it progresses, a stage this long is not waited for (a retry re-attaches, or resumes it).
+            timeout=timedelta(hours=plan.stage_timeout_h),
         )
 
     def execute_complete(self, context, event: dict) -> dict:

@@ -70,6 +70,20 @@ class BoxSettings(BaseModel):
     stale_after_s: float = Field(
         120.0, ge=1, le=24 * 3600, title="Heartbeat timeout (s)", description="A job whose heartbeat is older is dead."
     )
+    stall_timeout_s: float = Field(
+        900.0, ge=0, le=7 * 24 * 3600, title="Stall limit (s)",
+        description="A stage that reports no progress (a batch, a step, a conversation) for this long is hung (an "
+        "NCCL hang, a stuck filesystem): it is killed and the try fails; the retry resumes. 0: never.",
+    )
+    first_progress_timeout_s: float = Field(
+        3600.0, ge=0, le=7 * 24 * 3600, title="Limit before the first progress (s)",
+        description="The same, until a stage's first progress report: loading the target comes first. (Starting an "
+        "SGLang server or engine allows its own startup time.)",
+    )
+    stage_timeout_h: float = Field(
+        168.0, gt=0, le=24 * 90, title="Stage time limit (h)",
+        description="How long a task waits for its stage at most (the deferral's timeout), however it progresses.",
+    )
 
 
 BOX_PREFIX = "box"

@@ -32,6 +32,9 @@ class RunPlan:
     poll_interval_s: float = 10.0
     ssh_grace_s: float = 900.0
     stale_after_s: float = 120.0
+    stall_timeout_s: float = 900.0
+    first_progress_timeout_s: float = 3600.0
+    stage_timeout_h: float = 168.0
     gpus_per_shard: int = 1  # extract: 1 (hf, device auto), tp_size (sglang), 0 (hf on a device the user named)
     train_gpus: int = 1  # GPUs the first box must have for training: highest train.gpus index + 1, or its ranks
     server_gpus: int = 0  # server.tp_size when the run starts SGLang servers (generate, benchmark) on the first box
@@ -49,7 +52,9 @@ class RunPlan:
             generate=config.generate.enabled, benchmark=config.benchmark.enabled, require_gpus=box.require_gpus,
             gpu_max_used_mib=box.gpu_max_used_mib, stop_services=list(box.stop_services),
             disk_margin=box.disk_margin, poll_interval_s=box.poll_interval_s, ssh_grace_s=box.ssh_grace_s,
-            stale_after_s=box.stale_after_s, gpus_per_shard=gpus_per_shard,
+            stale_after_s=box.stale_after_s, stall_timeout_s=box.stall_timeout_s,
+            first_progress_timeout_s=box.first_progress_timeout_s, stage_timeout_h=box.stage_timeout_h,
+            gpus_per_shard=gpus_per_shard,
             train_gpus=max(config.train.gpus) + 1 if config.train.gpus else config.train.ranks,
             server_gpus=config.server.tp_size
             if (config.generate.enabled and config.generate.launch_server) or config.benchmark.enabled else 0,

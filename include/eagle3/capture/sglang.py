@@ -38,7 +38,11 @@ import torch
 from eagle3.capture import CapturedStates, check_gpu_group
 from eagle3.capture.staging import StagedStates, staging_dir
 from eagle3.layer_ids import sglang_layer_ids
-from eagle3.progress import ProgressLog
+from eagle3.progress import ProgressLog, beat
+
+# A silence the job supervisor allows while an engine loads (eagle3.progress.beat): Kimi-K2.5's 1T parameters
+# onto 8 GPUs take 10-30 minutes, far past the usual limit between two batches.
+ENGINE_LOAD_ALLOWANCE_S = 3600.0
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +169,7 @@ class SglangCapture:
 
     def _start(self, capture: str):
         log.info("sglang capture: starting the %s engine %s", capture, self.kwargs[capture])
+        beat(f"{self.label}: starting the {capture} engine", allowance_s=ENGINE_LOAD_ALLOWANCE_S)
         return self.engine_class(**self.kwargs[capture])
 
     def _generate(self, engine, batch, width: int) -> list[torch.Tensor]:
