@@ -72,12 +72,20 @@ def atomic_dir(final: Path) -> Iterator[Path]:
     fsync_dir(final.parent)
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
+def private_opener(path: str, flags: int) -> int:
+    """For open(..., opener=): a file only its owner can read (0600), also if it existed with a wider mode."""
+    fd = os.open(path, flags, 0o600)
+    os.fchmod(fd, 0o600)
+    return fd
+
+
+def atomic_write_bytes(path: Path, data: bytes, private: bool = False) -> None:
+    """Replace `path` atomically. private: the file is 0600 from the start (else the umask's mode, usually 0644)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = tmp_path_for(path)
     try:
-        with open(tmp, "wb") as f:
+        with open(tmp, "wb", opener=private_opener if private else None) as f:
             f.write(data)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -85,8 +93,8 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     commit(tmp, path)
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    atomic_write_bytes(path, text.encode("utf-8"))
+def atomic_write_text(path: Path, text: str, private: bool = False) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"), private)
 
 
 def append_line_durably(path: Path, line: str) -> None:

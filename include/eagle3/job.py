@@ -79,7 +79,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from stat import S_IMODE, S_ISVTX, S_IWOTH
 
-from eagle3.fsutil import commit, tmp_path_for
+from eagle3.fsutil import atomic_write_text, private_opener
 from eagle3.progress import PROGRESS_FILE_VAR
 
 KEY_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
@@ -371,26 +371,6 @@ def make_private_dirs(directory: Path) -> None:
             os.chmod(path, 0o700)
 
 
-def private_opener(path: str, flags: int) -> int:
-    """For open(..., opener=): files only their owner can read, also if they existed with a wider mode."""
-    fd = os.open(path, flags, 0o600)
-    os.fchmod(fd, 0o600)
-    return fd
-
-
-def write_private_text(path: Path, text: str) -> None:
-    """Replace `path` atomically (the recipe of eagle3.fsutil.atomic_write_text), with a file made 0600 from the
-    start: fsutil's files get the umask's mode, usually 0644."""
-    tmp = tmp_path_for(path)
-    try:
-        with open(tmp, "wb", opener=private_opener) as f:
-            f.write(text.encode("utf-8"))
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    commit(tmp, path)
-
-
 STATE_FIELDS = {"key": str, "try": int, "status": str, "pid": int, "pgid": int, "pid_start_ticks": int,
                 "boot_id": str, "heartbeat_at": (int, float)}
 STATUSES = ("running", "succeeded", "failed", "killed")
@@ -440,7 +420,7 @@ def read_state(directory: Path) -> dict | None:
 
 
 def write_state(directory: Path, state: dict) -> None:
-    write_private_text(directory / "state.json", json.dumps(state, indent=2) + "\n")
+    atomic_write_text(directory / "state.json", json.dumps(state, indent=2) + "\n", private=True)
 
 
 def last_try_number(directory: Path, corrupt: CorruptState) -> int:
@@ -615,7 +595,7 @@ def launch_supervisor(
     """Start the supervisor with `env` (stage_environment's), which it hands on to the stage."""
     spec = {"argv": list(argv), "cwd": os.getcwd(), "env_names": sorted(env), "heartbeat_s": heartbeat_s,
             "try": try_number, "stall": dataclasses.asdict(stall) if stall else None}
-    write_private_text(directory / "spec.json", json.dumps(spec, indent=2) + "\n")
+    atomic_write_text(directory / "spec.json", json.dumps(spec, indent=2) + "\n", private=True)
     # The supervisor's own stderr (a traceback, should it ever crash) goes to the log.
     with open(directory / "log", "ab", opener=private_opener) as log_file:
         return subprocess.Popen(

@@ -17,6 +17,9 @@ import json
 import logging
 import os
 import time
+from pathlib import Path
+
+from eagle3.fsutil import tmp_path_for
 
 PROGRESS_FILE_VAR = "EAGLE3_PROGRESS_FILE"
 BEAT_MIN_INTERVAL_S = 0.2  # a rename a beat: cheap, and the newest line is the one a stall message names
@@ -31,8 +34,8 @@ def beat(line: str, allowance_s: float | None = None) -> None:
     if not path or (now - _last_beat["at"] < BEAT_MIN_INTERVAL_S and allowance_s == _last_beat["allowance_s"]):
         return
     _last_beat.update(at=now, allowance_s=allowance_s)
-    tmp = f"{path}.tmp"
-    try:  # a heartbeat, not data: renamed into place, no fsync
+    tmp = tmp_path_for(Path(path))
+    try:  # a heartbeat, not data: renamed into place, no fsync (eagle3.fsutil's commit would add three)
         with open(tmp, "w") as f:
             json.dump({"at": now, "line": line[:500], "allowance_s": allowance_s}, f)
         os.replace(tmp, path)
