@@ -59,8 +59,8 @@ class Deployment(BaseModel):
     @model_validator(mode="after")
     def _defaults_are_allowed(self) -> Deployment:
         # The form's defaults are what a scheduled run uses: they must pass the deployment's own check.
-        self.check(list(self.params.get("box.conn_ids") or BoxSettings().conn_ids),
-                   list(self.params.get("box.stop_services") or []), self.params.get("generate.endpoint"),
+        self.check(self._default("box.conn_ids", BoxSettings().conn_ids), self._default("box.stop_services", []),
+                   self.params.get("generate.endpoint"),
                    self.params.get("generate.api_key_env"), source="params (the form's defaults)")
         return self
 
@@ -78,13 +78,16 @@ class Deployment(BaseModel):
             raise ParamsError(f"EAGLE3_DAG_SETTINGS: cannot read {path}: {err}") from None
 
     # -- what the trigger may choose -------------------------------------------------------------
+    def _default(self, dotted: str, model_default: list[str]) -> list[str]:
+        """The form's default for a list param: the settings file's, or the model's."""
+        return list(self.params.get(dotted) or model_default)
+
     def boxes(self) -> list[str]:
-        return self.allowed_boxes or list(self.params.get("box.conn_ids") or BoxSettings().conn_ids)
+        return self.allowed_boxes if self.allowed_boxes is not None else self._default("box.conn_ids",
+                                                                                       BoxSettings().conn_ids)
 
     def services(self) -> list[str]:
-        if self.allowed_services is not None:
-            return self.allowed_services
-        return list(self.params.get("box.stop_services") or [])
+        return self.allowed_services if self.allowed_services is not None else self._default("box.stop_services", [])
 
     def endpoint_hosts(self) -> list[str]:
         if self.allowed_endpoint_hosts is not None:
