@@ -4,8 +4,10 @@ VENV := .venv
 PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 TINY_TARGET := .cache/tiny-target
+SGLANG_ENV := .cache/sglang-env
+SITE_PACKAGES = $$($(1) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 
-.PHONY: install system-packages demo test lint bench airflow docs clean
+.PHONY: install system-packages sglang-env demo test lint bench airflow docs clean
 
 $(INSTALLED): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,7 +25,19 @@ demo: $(INSTALLED)
 system-packages:
 	bash scripts/system-packages.sh
 
-test: $(INSTALLED) system-packages lint
+# The real sglang package for tests/test_sglang_plugin.py, beside the control plane's .venv (requirements-sglang-env.txt
+# says why it is built this way). About 5.5 GB, from this machine's local wheels; built once, rebuilt when the file changes.
+$(SGLANG_ENV)/.installed: requirements-sglang-env.txt $(INSTALLED)
+	rm -rf $(SGLANG_ENV)
+	$(PYTHON) -m venv $(SGLANG_ENV)
+	$(SGLANG_ENV)/bin/pip install -q torch==2.14.1 torchvision==0.29.1
+	echo "$(call SITE_PACKAGES,$(CURDIR)/$(PY))" > "$(call SITE_PACKAGES,$(SGLANG_ENV)/bin/python)/zz-control-plane.pth"
+	$(SGLANG_ENV)/bin/pip install -q --no-deps -r requirements-sglang-env.txt
+	touch $@
+
+sglang-env: $(SGLANG_ENV)/.installed
+
+test: $(INSTALLED) system-packages sglang-env lint
 	$(PY) -m pytest
 
 lint: $(INSTALLED)

@@ -16,8 +16,10 @@ import sys
 import time
 
 import pytest
+import torch
 
-from eagle3.capture.sglang import SglangSetupError, check_version, engine_kwargs, states_from_output
+from eagle3.capture import sglang_plugin
+from eagle3.capture.sglang import SglangSetupError, check_version, engine_kwargs, sink_dir, states_from_output
 from eagle3.capture.staging import staging_dir
 from eagle3.config import write_run_config
 from eagle3.extract import run_extract
@@ -54,6 +56,9 @@ def test_engine_arguments_for_capture(make_config):
     assert engine_kwargs(cfg, "DeepseekV3ForCausalLM", "aux", gpu_group=1)["base_gpu_id"] == 8
     last = engine_kwargs(cfg, "DeepseekV3ForCausalLM", "last")
     assert last["enable_return_hidden_states"] is True and "speculative_algorithm" not in last
+    assert "disable_overlap_schedule" not in aux  # the list path keeps overlap scheduling
+    plugin = engine_kwargs(cfg, "DeepseekV3ForCausalLM", "plugin")
+    assert plugin == aux | {"disable_overlap_schedule": True}  # overlap's CPU copy leaves the final states out
 
 
 def test_extra_args_cannot_undo_the_capture_or_spread_a_shard_over_more_gpus(make_config):
@@ -82,8 +87,11 @@ def test_wrong_row_count_is_an_error_that_suggests_the_cause():
         states_from_output(ragged, 2, 8)
 
 
+LISTS = {"backend": "sglang", "sglang": {"capture": "lists"}}
+
+
 def test_two_passes_one_engine_at_a_time_store_what_the_hf_backend_stores(make_config, fake_engine):
-    cfg = make_config(data={"max_samples": 60}, extract={"backend": "sglang", "batch_tokens": 256})
+    cfg = make_config(data={"max_samples": 60}, extract={**LISTS, "batch_tokens": 256})
     staged_parts_seen_by_aux_pass = []
     fake_engine.on_generate = lambda mode: mode == "aux" and staged_parts_seen_by_aux_pass.append(
         len(list(staging_dir(cfg.run_dir, 0).glob("part-*"))))
@@ -106,13 +114,91 @@ def test_layer_ids_not_starting_at_1_are_converted_for_deepseek(make_config, fak
     assert digest(cfg.store_dir) == hf_digest(make_config, 12, aux_layers=[2, 4, 5])
 
 
+def test_the_plugin_path_runs_one_engine_and_one_prefill_and_stores_what_the_hf_backend_stores(
+        make_config, fake_engine):
+    cfg = make_config(data={"max_samples": 60}, extract={"backend": "sglang", "batch_tokens": 256, "chunk_mib": 2})
+    sink, manifest = sink_dir(cfg.run_dir, 0), cfg.store_dir / "shard-00000" / "manifest.jsonl"
+    seen = []  # (states files waiting in the sink, samples the store has committed) before every batch
+
+    def look(mode: str) -> None:
+        stored = sum(len(json.loads(line)["samples"]) for line in manifest.read_text().splitlines()) \
+            if manifest.exists() else 0
+        seen.append((len(list(sink.glob("*.safetensors"))), stored))
+
+    fake_engine.on_generate = look
+    stats = run_extract(cfg)
+
+    assert digest(cfg.store_dir) == hf_digest(make_config, 60, batch_tokens=256, chunk_mib=2)
+    assert (stats["capture_path"], stats["prefill_passes"], stats["capture_fallback"]) == ("plugin", 1, None)
+    assert fake_engine.started == {"last": 0, "aux": 1}  # the plugin engine is an aux-capture engine
+    probe = fake_engine.tokens_computed["aux"] - stats["tokens"]  # the start-up probe's short request
+    assert fake_engine.tokens_computed["last"] == 0 and 0 < probe <= 8
+    # A file stays only until the store has committed its sample (never a file for a stored one), and the
+    # sink is gone at the end; the list path's staging is never used.
+    assert all(files + stored <= 60 for files, stored in seen) and max(files for files, _ in seen) > 0
+    assert not sink.exists() and not staging_dir(cfg.run_dir, 0).exists()
+    assert json.loads((cfg.store_dir / "shard-00000" / "extract_stats.json").read_text())["capture_path"] == "plugin"
+
+
+@pytest.mark.parametrize("failure", ["gate", "probe"])
+def test_auto_falls_back_to_the_list_path_and_says_why(make_config, fake_engine, monkeypatch, caplog, failure):
+    """The version gate refuses the installed sglang, or the hook never ran in the engine (HookRegistry only logs
+    a hook it could not apply): either way the run goes on over the list path, logged and in the stats."""
+    if failure == "gate":
+        monkeypatch.setenv("FAKE_SGLANG_PLUGIN_GATE_PROBLEM", "sglang 0.6.0 is installed and the plugin was checked "
+                                                              "against sglang 0.5.23 only")
+    else:
+        monkeypatch.setenv("FAKE_SGLANG_PLUGIN_SILENT", "1")
+    cfg = make_config(data={"max_samples": 24}, extract={"backend": "sglang", "batch_tokens": 256})
+    stats = run_extract(cfg)
+
+    why = "sglang 0.6.0 is installed" if failure == "gate" else "the start-up probe's request produced no states file"
+    assert stats["capture_path"] == "lists" and stats["prefill_passes"] == 2 and why in stats["capture_fallback"]
+    assert any("falling back to the list path" in r.message and why in r.message for r in caplog.records)
+    assert digest(cfg.store_dir) == hf_digest(make_config, 24, batch_tokens=256)
+    # gate: no plugin engine at all; probe: the plugin engine was started, probed and shut down first
+    assert fake_engine.started == {"last": 1, "aux": 1 if failure == "gate" else 2}
+    assert not sink_dir(cfg.run_dir, 0).exists()
+
+
+def test_capture_plugin_insists_and_names_the_setting_when_the_plugin_cannot_run(make_config, fake_engine,
+                                                                                 monkeypatch):
+    monkeypatch.setenv("FAKE_SGLANG_PLUGIN_SILENT", "1")
+    cfg = make_config(data={"max_samples": 8}, extract={"backend": "sglang", "sglang": {"capture": "plugin"}})
+    with pytest.raises(SglangSetupError, match="extract.sglang.capture is 'plugin', but the start-up probe"):
+        run_extract(cfg)
+    assert fake_engine.started == {"last": 0, "aux": 1}  # and that engine is shut down (the fixture checks)
+
+
+def test_a_crash_on_the_plugin_path_resumes_and_a_dead_try_s_files_are_not_taken(make_config, fake_engine):
+    cfg = make_config(data={"max_samples": 60}, extract={"backend": "sglang", "batch_tokens": 256})
+    fake_engine.crash_after_batches = 6  # the probe and five batches
+    with pytest.raises(EngineCrashed):
+        run_extract(cfg)
+    stored_before = verify(cfg.store_dir)["samples"]
+    assert 0 < stored_before < 60
+    # A kill -9 leaves the sink behind, with files of a batch the store never got: the next try must not read them.
+    sink = sink_dir(cfg.run_dir, 0)
+    sink.mkdir(parents=True, exist_ok=True)
+    planted = sink / "e3-00000-0badcafe-000000000.safetensors"
+    sglang_plugin.write_request_states(sink, planted.stem, torch.zeros(3, 768), torch.zeros(3, 256))
+
+    fake_engine.crash_after_batches = None
+    fake_engine.tokens_computed = {"aux": 0, "last": 0}
+    stats = run_extract(cfg)
+    assert stats["samples_stored_before"] == stored_before and stats["samples_stored"] == 60
+    assert digest(cfg.store_dir) == hf_digest(make_config, 60, batch_tokens=256)
+    assert fake_engine.tokens_computed["aux"] - stats["tokens"] <= 8  # only the new samples (and the probe)
+    assert not sink.exists()
+
+
 @pytest.mark.parametrize("crash_in", ["final-state pass", "aux pass"])
 def test_a_crash_in_either_pass_resumes_without_computing_anything_twice(make_config, fake_engine, crash_in):
-    cfg = make_config(data={"max_samples": 60}, extract={"backend": "sglang", "batch_tokens": 256})
+    cfg = make_config(data={"max_samples": 60}, extract={**LISTS, "batch_tokens": 256})
     first_pass_batches = None
     if crash_in == "aux pass":  # count the batches of the final-state pass, then crash the aux pass midway
         run_extract(make_config(run_name="count", data={"max_samples": 60},
-                                extract={"backend": "sglang", "batch_tokens": 256}))
+                                extract={**LISTS, "batch_tokens": 256}))
         first_pass_batches = fake_engine.batches_served // 2
         fake_engine.reset()
         fake_engine.crash_after_batches = first_pass_batches + first_pass_batches // 2
@@ -139,7 +225,7 @@ def test_kill_9_in_either_pass_then_finish_stores_what_the_hf_backend_stores(mak
     monkeypatch.setenv("EAGLE3_SGLANG_ENGINE", "tests.fakes.sglang_engine:FakeSglangEngine")
     monkeypatch.setenv("FAKE_SGLANG_BATCH_DELAY_S", "0.1")
     monkeypatch.setenv("PYTHONPATH", str(REPO))
-    cfg = make_config(data={"max_samples": 60}, extract={"backend": "sglang", "batch_tokens": 256})
+    cfg = make_config(data={"max_samples": 60}, extract={**LISTS, "batch_tokens": 256})
     config_path = write_run_config(cfg)
     staging, manifest = staging_dir(cfg.run_dir, 0), cfg.store_dir / "shard-00000" / "manifest.jsonl"
 
@@ -178,7 +264,7 @@ def test_no_sample_is_ever_in_neither_the_store_nor_the_staging(make_config, fak
 
     from eagle3.store import read_manifest
 
-    cfg = make_config(data={"max_samples": 60}, extract={"backend": "sglang", "batch_tokens": 256, "chunk_mib": 2})
+    cfg = make_config(data={"max_samples": 60}, extract={**LISTS, "batch_tokens": 256, "chunk_mib": 2})
     staging, manifest = staging_dir(cfg.run_dir, 0), cfg.store_dir / "shard-00000" / "manifest.jsonl"
     checks = []
 
@@ -201,7 +287,7 @@ def test_no_sample_is_ever_in_neither_the_store_nor_the_staging(make_config, fak
 def test_a_partly_stored_batch_after_a_plan_change_is_captured_whole(make_config, fake_engine):
     """The data (here: the batch budget) changed after a crash in the aux pass, so a new batch mixes stored
     and unstored samples: captured whole, nothing missing or doubled."""
-    first = make_config(data={"max_samples": 60}, extract={"backend": "sglang", "batch_tokens": 256})
+    first = make_config(data={"max_samples": 60}, extract={**LISTS, "batch_tokens": 256})
     fake_engine.crash_after_batches = 16  # about 10 batches per pass: mid aux pass
     with pytest.raises(EngineCrashed):
         run_extract(first)
@@ -209,7 +295,7 @@ def test_a_partly_stored_batch_after_a_plan_change_is_captured_whole(make_config
     assert 0 < stored_before < 60
 
     fake_engine.crash_after_batches = None
-    replanned = make_config(data={"max_samples": 60}, extract={"backend": "sglang", "batch_tokens": 400})
+    replanned = make_config(data={"max_samples": 60}, extract={**LISTS, "batch_tokens": 400})
     stats = run_extract(replanned)
     assert stats["samples_stored_before"] == stored_before and stats["samples_stored"] == 60
     assert verify(replanned.store_dir)["samples"] == 60
@@ -221,7 +307,7 @@ def test_a_stored_sample_whose_part_is_gone_comes_back_without_a_final_state(mak
     from eagle3.capture.sglang import SglangCapture
     from eagle3.data import TokenizedSample
 
-    cfg = make_config(extract={"backend": "sglang"})
+    cfg = make_config(extract=LISTS)
     a, c, d, e, f = (TokenizedSample(name * 16, [5, 6, 7], [0, 1, 1], False) for name in "acdef")
     stored: set[str] = set()
     first = SglangCapture(cfg, is_stored=stored.__contains__)

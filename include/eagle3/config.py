@@ -314,6 +314,12 @@ class SglangEngineConfig(Section):
         description="Blackwell workstation cards (sm_120) need one that supports them.",
         pattern=r"^[A-Za-z0-9_-]+$",
     )
+    capture: Literal["auto", "plugin", "lists"] = Field(
+        "auto", title="Capture path",
+        description="plugin: one engine, one prefill per sample; its scheduler writes the states to files "
+        "(eagle3/capture/sglang_plugin.py). lists: SGLang's public return path, two engines in turn, the prefill "
+        "twice. auto: plugin where the sglang version and a start-up probe allow, else lists (logged).",
+    )
     extra_args: dict[str, str | int | float | bool] = Field(
         default_factory=dict, title="Extra engine arguments", description="Any other sglang ServerArgs field."
     )
@@ -326,6 +332,7 @@ class SglangEngineConfig(Section):
     FOR_CAPTURE: ClassVar[tuple[str, ...]] = (
         "skip_tokenizer_init", "disable_radix_cache", "chunked_prefill_size", "enable_return_aux_hidden_states",
         "speculative_algorithm", "return_aux_hidden_state_layer_ids", "enable_return_hidden_states", "base_gpu_id",
+        "disable_overlap_schedule",
     )
     SPREAD_OVER_GPUS: ClassVar[tuple[str, ...]] = ("dp_size", "pp_size", "gpu_id_step")
 

@@ -217,6 +217,8 @@ def run_extract(cfg, shard: int = 0, num_shards: int | None = None, gpu_group: i
         "seconds": round(seconds, 3),
         "loop_seconds": round(loop_seconds, 3),
         "tokens_per_s": round(tokens / loop_seconds, 1) if loop_seconds else None,
+        # how the states were captured (sglang: plugin or lists, and why it fell back); nothing captured: None
+        **(backend.stats() if backend is not None else {"capture_path": None}),
     }
     atomic_write_text(shard_dir(cfg.store_dir, shard) / "extract_stats.json", json.dumps(stats, indent=2) + "\n")
     return stats

@@ -1,11 +1,11 @@
 """Code sync: the box runs exactly the eagle3 package this DAG was parsed with.
 
-The package (include/eagle3) is packed into a deterministic tarball (sorted names, zero mtimes and
-owners), named by its sha256, and unpacked on the box into {workdir}/code/{digest}/ through a temp
-dir and a rename, so a directory with that name is always complete. The workdir is persistent
-storage: the seed run kept its scripts in /tmp and lost them to a VM crash. Every remote job syncs
-before it starts, so a box that lost its code dir (reimaged, cleaned by hand) gets it back on the next
-try.
+The package (include/eagle3, and beside it the metadata by which SGLang finds its capture plugin) is packed
+into a deterministic tarball (sorted names, zero mtimes and owners), named by its sha256, and unpacked on
+the box into {workdir}/code/{digest}/ through a temp dir and a rename, so a directory with that name is
+always complete. The workdir is persistent storage: the seed run kept its scripts in /tmp and lost them
+to a VM crash. Every remote job syncs before it starts, so a box that lost its code dir (reimaged,
+cleaned by hand) gets it back on the next try.
 
 A directory's name is not trusted: the workdir may be shared (NFS), and anyone who can write there
 could plant a `code/<digest>/` of their own. So every sync sends the archive and the unpack script
@@ -40,6 +40,10 @@ from eagle3_airflow.transport import Box, RemoteCommandError
 log = logging.getLogger(__name__)
 
 PACKAGE_DIR = Path(eagle3.__file__).resolve().parent
+# Beside the package: the metadata whose entry point lets SGLang's scheduler processes find the capture plugin on
+# PYTHONPATH (eagle3/capture/sglang_plugin.py), so nothing needs pip-installing on the box.
+PLUGIN_METADATA_DIR = PACKAGE_DIR.parent / "eagle3_capture-1.0.dist-info"
+SYNCED_DIRS = (PACKAGE_DIR, PLUGIN_METADATA_DIR)
 UNUSABLE_PYTHON_EXIT = 3  # the unpack script's answer for a box python it refuses: no retry helps
 
 # Runs on the box as `python -I -c UNPACK_SCRIPT ROOT DIGEST` with only the standard library (the package is not
@@ -141,13 +145,14 @@ def package_archive() -> CodeArchive:
     """The eagle3 package as a reproducible .tar.gz and its digest (same files -> same digest)."""
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for path in sorted(PACKAGE_DIR.rglob("*")):
-            if "__pycache__" in path.parts or path.suffix == ".pyc" or not path.is_file():
-                continue
-            info = tarfile.TarInfo(str(Path("eagle3") / path.relative_to(PACKAGE_DIR)))
-            data = path.read_bytes()
-            info.size, info.mode, info.mtime = len(data), 0o644, 0
-            tar.addfile(info, io.BytesIO(data))
+        for top in SYNCED_DIRS:
+            for path in sorted(top.rglob("*")):
+                if "__pycache__" in path.parts or path.suffix == ".pyc" or not path.is_file():
+                    continue
+                info = tarfile.TarInfo(str(Path(top.name) / path.relative_to(top)))
+                data = path.read_bytes()
+                info.size, info.mode, info.mtime = len(data), 0o644, 0
+                tar.addfile(info, io.BytesIO(data))
     tar_bytes = buffer.getvalue()
     return CodeArchive(hashlib.sha256(tar_bytes).hexdigest()[:16], gzip.compress(tar_bytes, mtime=0))
 

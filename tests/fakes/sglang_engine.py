@@ -9,7 +9,13 @@ computing real states of the tiny target with transformers:
     them (+1 only when the first id is 1; a captured id j is the INPUT of layer j), concatenated in order;
     an id naming no layer's input (the last layer's output) is refused, as SGLang's logits processor does;
   - nothing is returned without return_hidden_states=True and one of those flags, nor with
-    max_new_tokens 0, the radix cache on, or chunked prefill on (what the backend must switch off).
+    max_new_tokens 0, the radix cache on, or chunked prefill on (what the backend must switch off);
+  - the capture plugin: an aux engine started with our plugin selected (SGLANG_PLUGINS, EAGLE3_CAPTURE_SINK in
+    the environment its schedulers would inherit) and overlap scheduling off hands each request's aux and final
+    states to the plugin's own writer (eagle3.capture.sglang_plugin.write_request_states) under the request's
+    rid, and returns empty lists, as the hooked scheduler method does (tests/test_sglang_plugin.py checks that
+    method against the real sglang package). FAKE_SGLANG_PLUGIN_SILENT=1 plays a hook that failed to apply
+    (HookRegistry only logs it); FAKE_SGLANG_PLUGIN_GATE_PROBLEM plays a version the gate refuses.
 Prompts are computed as one right-padded batch, exactly like the hf backend, so equal states mean equal
 bits. Class attributes let a test see what happened: `live` engines (GPU memory holds ONE copy of a
 Kimi-size target: a second engine raises), prefill tokens computed per capture mode, and a crash after
@@ -21,8 +27,11 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import torch
+
+from eagle3.capture import sglang_plugin
 
 DEEPSEEK_FAMILY = {"DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "KimiK25ForConditionalGeneration"}
 
@@ -38,6 +47,10 @@ class FakeSglangEngine:
     crash_after_batches: int | None = None
     batches_served = 0
     on_generate = None  # a test's callback, called with the capture mode before each batch
+
+    @staticmethod
+    def plugin_gate_problem() -> str | None:
+        return os.environ.get("FAKE_SGLANG_PLUGIN_GATE_PROBLEM") or None
 
     @classmethod
     def reset(cls) -> None:
@@ -69,6 +82,12 @@ class FakeSglangEngine:
             if max(self.input_of_layers) >= config.num_hidden_layers:
                 raise ValueError("The model captured 2 aux hidden states, but --return-aux-hidden-state-layer-ids "
                                  "names 3 layers. A layer this model cannot capture, usually its last layer, ...")
+        selected = os.environ.get("SGLANG_PLUGINS", "").split(",")
+        self.plugin_sink = None  # what the scheduler processes would read from the environment at start
+        if (self.mode == "aux" and sglang_plugin.PLUGIN_NAME in selected and os.environ.get(sglang_plugin.SINK_ENV)
+                and not os.environ.get("FAKE_SGLANG_PLUGIN_SILENT")):
+            assert kwargs.get("disable_overlap_schedule") is True, "overlap's CPU copy leaves the final states out"
+            self.plugin_sink = Path(os.environ[sglang_plugin.SINK_ENV])
         dtype = getattr(torch, kwargs.get("dtype", "float32"))
         self.model = AutoModelForCausalLM.from_pretrained(kwargs["model_path"], dtype=dtype).eval()
         self.pad_id = self.model.config.pad_token_id or 0
@@ -76,7 +95,7 @@ class FakeSglangEngine:
         FakeSglangEngine.started[self.mode] += 1
 
     @torch.inference_mode()
-    def generate(self, input_ids, sampling_params, return_hidden_states=False):
+    def generate(self, input_ids, sampling_params, return_hidden_states=False, rid=None):
         assert sampling_params["max_new_tokens"] >= 1, "sglang 0.5.23 returns no states with max_new_tokens 0"
         if FakeSglangEngine.crash_after_batches is not None:
             if FakeSglangEngine.batches_served >= FakeSglangEngine.crash_after_batches:
@@ -100,7 +119,11 @@ class FakeSglangEngine:
         results = []
         for row, n in enumerate(lengths):
             meta = {"prompt_tokens": n, "completion_tokens": 1}
-            if return_hidden_states:
+            if return_hidden_states and self.plugin_sink is not None:
+                sglang_plugin.write_request_states(self.plugin_sink, rid[row], states[row, :n],
+                                                   out.last_hidden_state[row, :n])
+                meta["hidden_states"] = []  # the list path left empty
+            elif return_hidden_states:
                 meta["hidden_states"] = [states[row, :n].tolist()]
             results.append({"output_ids": [0], "meta_info": meta})
         return results

@@ -4,6 +4,7 @@ A backend is built with `open_backend(cfg, shard, gpu_group, is_stored)` and off
     prepare(batches: Iterable[list[TokenizedSample]], total: int)   work over the whole shard first
     capture(batch: list[TokenizedSample]) -> list[CapturedStates]    (same order, whole samples, no padding)
     release_stored()                                                 drop what it kept for stored samples
+    stats() -> dict                                                  how it captured, for extract_stats.json
     close()
 extract calls prepare once with every batch it will capture, then capture batch by batch, same batches,
 and release_stored after each. `is_stored(sample_id)` says whether the store has committed a sample; a
@@ -14,7 +15,8 @@ back without a final state (None): extract drops them.
 
   hf      transformers, CPU or GPU: the reference; small and mid-size targets.
   sglang  SGLang's own EAGLE-3 capture (no source patch), for TP-sharded giants; imported only when chosen.
-          prepare runs its final-state pass; see eagle3/capture/sglang.py.
+          prepare chooses its path: the capture plugin (one engine, one prefill) or, failing that, SGLang's
+          list path, whose final-state pass it then runs; see eagle3/capture/sglang.py.
 """
 
 from __future__ import annotations

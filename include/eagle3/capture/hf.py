@@ -61,6 +61,9 @@ class HfCapture:
     def release_stored(self) -> None:
         """Nothing is kept between batches."""
 
+    def stats(self) -> dict:
+        return {"capture_path": "hf"}
+
     @torch.inference_mode()
     def capture(self, batch) -> list[CapturedStates]:
         lengths = [len(s.input_ids) for s in batch]

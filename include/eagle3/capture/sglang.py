@@ -3,39 +3,50 @@
 Written against sglang 0.5.23's source (../shared notes, docs/architecture.md) and NOT yet run on a GPU:
 bench/gpu_capture_check.py compares it with the hf backend on a small model, in one command.
 
-Two passes over the shard, ONE engine at a time, so a target that fills the box (Kimi-K2.5, tp 8) fits:
-  1. final-state pass  an Engine with enable_return_hidden_states=True returns the final post-norm state
-                       [T, H] of every prompt; staged on disk (eagle3/capture/staging.py), then shut down.
-  2. aux pass          an Engine with enable_return_aux_hidden_states=True + speculative_algorithm="EAGLE3"
-                       (the algorithm only names the capture convention: no draft is loaded) and
-                       return_aux_hidden_state_layer_ids from eagle3.layer_ids (per-family id conversion)
-                       returns [T, 3H], layers in ascending order; joined with the staged final state,
-                       whole samples go to the store.
-Why two: the engine that captures aux states cannot also return the final state (sglang keeps it for
-in-process consumers only), and the last layer cannot be an aux layer (sglang captures a layer's input).
-Cost: the target's prefill runs twice; the staging holds H of every token's 4H state columns when
-pass 1 ends and shrinks as pass 2 stores batches (never more disk than the finished store: staging.py).
-A pass resumes where it stopped: staged samples are not recomputed, and once all are staged a restart
-loads only the aux engine.
-Every request asks for max_new_tokens=1 (0 returns no states in 0.5.23), with the radix cache off
-(cached prefix tokens return no states) and chunked prefill off (only the last chunk returns states).
-States travel as Python lists through sglang's IPC: correct, slow at Kimi scale; measure before relying
-on it.
+Every engine captures with enable_return_aux_hidden_states=True + speculative_algorithm="EAGLE3" (the algorithm
+only names the capture convention: no draft is loaded) and return_aux_hidden_state_layer_ids from
+eagle3.layer_ids (per-family id conversion). Two ways to get the states out (extract.sglang.capture):
+
+  plugin  ONE engine, one prefill per sample. eagle3/capture/sglang_plugin.py, loaded by SGLang's plugin
+          framework in the engine's scheduler processes, writes each request's aux [T, 3H] and final post-norm
+          [T, H] states to {run dir}/capture-sink/shard-NNNNN/{rid}.safetensors; this backend reads each file
+          into the batch it hands to the store and deletes it once the store has committed the batch. The
+          engine runs without overlap scheduling: its copy to the CPU leaves the final states out.
+  lists   SGLang's public return path, in two passes with ONE engine at a time, so a target that fills the box
+          (Kimi-K2.5, tp 8) fits:
+            1. final-state pass  an engine with enable_return_hidden_states=True returns the final state of every
+                                 prompt; staged on disk (eagle3/capture/staging.py), then shut down;
+            2. aux pass          the aux engine returns [T, 3H], joined with the staged final state.
+          Two, because over the public path an engine that captures aux states cannot also return the final
+          state, and the last layer cannot be an aux layer (sglang captures a layer's input). Costs: the prefill
+          runs twice, and the states travel as Python lists (a few hundred tokens/s per engine at Kimi width,
+          bench/sglang_state_transport.py). The staging holds H of every token's 4H state columns when pass 1
+          ends and shrinks as pass 2 stores batches; a pass resumes where it stopped.
+  auto    (default) plugin, unless the plugin's version gate or its start-up probe (one short request must
+          produce its file, final state included) fails: then lists, with the reason in the log and in the
+          shard's extract_stats.json (capture_path, capture_fallback).
+
+Every request asks for max_new_tokens=1 (0 returns no states in 0.5.23), with the radix cache off (cached prefix
+tokens return no states) and chunked prefill off (only the last chunk returns states).
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import itertools
 import json
 import logging
 import os
+import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import load_file
 
-from eagle3.capture import CapturedStates, check_gpu_group
+from eagle3.capture import CapturedStates, check_gpu_group, sglang_plugin
 from eagle3.capture.staging import StagedStates, staging_dir
 from eagle3.layer_ids import sglang_layer_ids
 from eagle3.progress import ProgressLog, beat
@@ -70,8 +81,9 @@ def target_architecture(model_path: str) -> str:
 
 
 def engine_kwargs(cfg, architecture: str, capture: str, gpu_group: int = 0) -> dict:
-    """Engine arguments for the 'aux' or the 'last' (final-state) capture engine, from the run config.
-    Shard number `gpu_group` on its box runs on GPUs gpu_group x tp_size onwards (SGLang's base_gpu_id)."""
+    """Engine arguments for the 'aux' or the 'last' (final-state) capture engine of the list path, or the 'plugin'
+    engine (the aux engine, its final states written by the plugin), from the run config. Shard number
+    `gpu_group` on its box runs on GPUs gpu_group x tp_size onwards (SGLang's base_gpu_id)."""
     engine = cfg.extract.sglang  # its extra_args cannot override what is set here (checked by the config)
     kwargs = {
         "model_path": cfg.target.model_path,
@@ -84,12 +96,14 @@ def engine_kwargs(cfg, architecture: str, capture: str, gpu_group: int = 0) -> d
         "disable_radix_cache": True,
         "chunked_prefill_size": -1,
     }
-    if capture == "aux":
+    if capture in ("aux", "plugin"):
         kwargs |= {
             "enable_return_aux_hidden_states": True,
             "speculative_algorithm": "EAGLE3",
             "return_aux_hidden_state_layer_ids": sglang_layer_ids(cfg.resolved_aux_layers(), architecture),
         }
+        if capture == "plugin":  # overlap's copy to the CPU (GenerationBatchResult.copy_to_cpu) skips final states
+            kwargs["disable_overlap_schedule"] = True
     elif capture == "last":
         kwargs |= {"enable_return_hidden_states": True}
     else:
@@ -146,11 +160,47 @@ def load_engine_class():
     return sglang.Engine
 
 
+def plugin_gate_problem(engine_class) -> str | None:
+    """The capture plugin's version gate for the engine about to run; a stand-in engine (tests) answers itself."""
+    answer = getattr(engine_class, "plugin_gate_problem", None)
+    return answer() if answer is not None else sglang_plugin.gate_problem()
+
+
+def sink_dir(run_dir: Path, shard: int) -> Path:
+    """Where the plugin engine of one shard writes its requests' states."""
+    return Path(run_dir) / "capture-sink" / f"shard-{shard:05d}"
+
+
+@contextmanager
+def plugin_selected(sink: Path):
+    """The environment an engine's scheduler processes inherit at start: the sink, and our plugin selected in
+    SGLANG_PLUGINS (added to a selection the box already makes). Restored afterwards, so that an engine started
+    later (the list path's) loads no plugin."""
+    saved = {name: os.environ.get(name) for name in (sglang_plugin.SINK_ENV, "SGLANG_PLUGINS")}
+    selected = [name for name in (saved["SGLANG_PLUGINS"] or "").split(",") if name.strip()]
+    os.environ[sglang_plugin.SINK_ENV] = str(sink)
+    os.environ["SGLANG_PLUGINS"] = ",".join(dict.fromkeys([*selected, sglang_plugin.PLUGIN_NAME]))
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+class ProbeFailed(RuntimeError):
+    """The plugin engine's start-up request produced no usable states file."""
+
+
 class SglangCapture:
-    """The two-pass capture. `prepare(batches)` runs the final-state pass over the shard's batches;
-    `capture(batch)` then runs the aux pass one batch at a time, in the same batches."""
+    """`prepare(batches)` chooses the capture path (extract.sglang.capture): the plugin engine if its gate and
+    probe pass, else the list path, whose final-state pass it then runs over the shard's batches. `capture(batch)`
+    captures one batch, in the planned order."""
 
     SAMPLING = {"max_new_tokens": 1, "temperature": 0.0}
+    PROBE_TOKENS = 8
 
     def __init__(self, cfg, shard: int = 0, gpu_group: int = 0, is_stored=lambda sample_id: False):
         self.engine_class = load_engine_class()
@@ -160,12 +210,22 @@ class SglangCapture:
         architecture = target_architecture(cfg.target.model_path)
         self.hidden_size = cfg.target.hidden_size
         self.num_aux = len(cfg.resolved_aux_layers())
-        # Both argument sets are built (and so checked) now, before an engine spends minutes loading.
-        self.kwargs = {capture: engine_kwargs(cfg, architecture, capture, gpu_group) for capture in ("last", "aux")}
+        # Every argument set is built (and so checked) now, before an engine spends minutes loading.
+        self.kwargs = {capture: engine_kwargs(cfg, architecture, capture, gpu_group)
+                       for capture in ("plugin", "last", "aux")}
+        self.capture_setting = cfg.extract.sglang.capture
         self.staged = StagedStates(staging_dir(cfg.run_dir, shard), self.hidden_size)
+        self.sink = sink_dir(cfg.run_dir, shard)
+        self.shard = shard
         self.progress_interval_s = cfg.extract.progress_interval_s
         self.label = f"extract shard {shard}"
-        self.aux_engine = None
+        self.path: str | None = None  # "plugin" or "lists", once prepare has chosen
+        self.fallback: str | None = None  # why auto took the list path
+        self.engine = None  # the capturing engine: the plugin engine, or the list path's aux engine
+        self.files: dict[str, Path] = {}  # sample id -> its states file, until the store holds the sample
+        # Request ids, so file names, are new in every try: a file a dead try left can never pass for this one's.
+        self.rid_prefix = f"e3-{shard:05d}-{os.urandom(4).hex()}"
+        self.requests = 0
 
     def _start(self, capture: str):
         log.info("sglang capture: starting the %s engine %s", capture, self.kwargs[capture])
@@ -177,10 +237,129 @@ class SglangCapture:
         outputs = engine.generate(input_ids=prompts, sampling_params=self.SAMPLING, return_hidden_states=True)
         return [states_from_output(out, len(p), width) for p, out in zip(prompts, outputs, strict=True)]
 
+    def stats(self) -> dict:
+        return {"capture_path": self.path, "capture_fallback": self.fallback,
+                "prefill_passes": {"plugin": 1, "lists": 2}.get(self.path)}
+
+    # -- choosing the path ---------------------------------------------------------------------------------------
+
     def prepare(self, batches, total: int) -> None:
-        """Pass 1: stage the final state of every sample in `batches` (an iterable: a shard's batches are
-        tokenised as they are read) that is not staged yet; `total` samples are expected, for the progress
-        line. The final-state engine is started only when a batch needs it, and always shut down."""
+        """Choose the capture path; on the list path, run its final-state pass over `batches` (an iterable: a
+        shard's batches are tokenised as they are read), `total` samples expected, for the progress line."""
+        batches = iter(batches)
+        if self.capture_setting != "lists":
+            first = next(batches, None)
+            if first is None:
+                return
+            problem = self._start_plugin_engine(first[0])
+            if problem is None:
+                self.path = "plugin"
+                log.info("%s: capturing through the plugin: one engine, one prefill per sample", self.label)
+                return
+            if self.capture_setting == "plugin":
+                raise SglangSetupError(
+                    f"extract.sglang.capture is 'plugin', but {problem}. Set extract.sglang.capture to 'auto' (falls "
+                    "back to the list path, the prefill twice) or 'lists'; bench/gpu_capture_check.py checks the "
+                    "plugin on a GPU box"
+                )
+            log.warning("%s: the capture plugin cannot be used (%s); falling back to the list path: two engines in "
+                        "turn, the prefill twice, states as Python lists", self.label, problem)
+            self.fallback = problem
+            batches = itertools.chain([first], batches)
+        self.path = "lists"
+        self._final_state_pass(batches, total)
+
+    def _start_plugin_engine(self, probe_sample) -> str | None:
+        """Start the plugin engine and probe it; None when it captures, else why not (no engine left running)."""
+        problem = plugin_gate_problem(self.engine_class)
+        if problem is not None:
+            return problem
+        if self.sink.exists():  # a crashed try's files: their batches were never stored and are captured again
+            shutil.rmtree(self.sink)
+        self.sink.mkdir(parents=True)
+        with plugin_selected(self.sink):
+            self.engine = self._start("plugin")
+        try:
+            self._probe(probe_sample)
+        except ProbeFailed as failed:
+            self.engine.shutdown()
+            self.engine = None
+            return str(failed)
+        return None
+
+    def _probe(self, sample) -> None:
+        """One short request must come back as a file with both states of every token: HookRegistry only logs a
+        hook that fails to apply, and a plugin that never ran would otherwise look like an engine that lost data."""
+        prompt = list(sample.input_ids[: self.PROBE_TOKENS])
+        rid = f"{self.rid_prefix}-probe"
+        self.engine.generate(input_ids=[prompt], sampling_params=self.SAMPLING, return_hidden_states=True, rid=[rid])
+        path = sglang_plugin.states_file(self.sink, rid)
+        if not path.exists():
+            raise ProbeFailed(f"the start-up probe's request produced no states file in {self.sink}: the plugin did "
+                              f"not run in the engine's scheduler (its log says why: look for 'eagle3 capture plugin')")
+        try:
+            self._read_states(path, len(prompt))
+        except RuntimeError as err:
+            raise ProbeFailed(f"the start-up probe's states file is unusable: {err}") from None
+        finally:
+            path.unlink(missing_ok=True)
+
+    # -- capturing -----------------------------------------------------------------------------------------------
+
+    def capture(self, batch) -> list[CapturedStates]:
+        if self.path == "plugin":
+            return self._capture_through_plugin(batch)
+        return self._capture_aux_pass(batch)
+
+    def _capture_through_plugin(self, batch) -> list[CapturedStates]:
+        rids = [f"{self.rid_prefix}-{self.requests + i:09d}" for i in range(len(batch))]
+        self.requests += len(batch)
+        prompts = [list(s.input_ids) for s in batch]
+        self.engine.generate(input_ids=prompts, sampling_params=self.SAMPLING, return_hidden_states=True, rid=rids)
+        captured = []
+        for sample, rid in zip(batch, rids, strict=True):
+            path = sglang_plugin.states_file(self.sink, rid)
+            if not path.exists():
+                raise RuntimeError(f"sglang capture: the plugin wrote no states for request {rid} (sample "
+                                   f"{sample.sample_id}) into {self.sink}; the engine's log says why")
+            aux, last = self._read_states(path, len(sample.input_ids))
+            self.files[sample.sample_id] = path
+            captured.append(CapturedStates(aux, last))
+        return captured
+
+    def _read_states(self, path: Path, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        states = load_file(str(path))
+        aux, last = states.get(sglang_plugin.AUX_KEY), states.get(sglang_plugin.LAST_KEY)
+        expected = {"aux": (num_tokens, self.num_aux * self.hidden_size), "final": (num_tokens, self.hidden_size)}
+        for name, tensor in (("aux", aux), ("final", last)):
+            shape = None if tensor is None else tuple(tensor.shape)
+            if shape != expected[name]:
+                raise RuntimeError(f"{path}: {name} states of shape {shape}, expected {expected[name]} for a "
+                                   f"{num_tokens}-token prompt (radix cache or chunked prefill on?)")
+        return aux.to(torch.bfloat16), last.to(torch.bfloat16)
+
+    def release_stored(self) -> None:
+        """What the store has committed by now needs keeping no longer: states files, or staged final states."""
+        for sample_id, path in list(self.files.items()):
+            if self.is_stored(sample_id):
+                path.unlink(missing_ok=True)
+                del self.files[sample_id]
+        self.staged.discard_stored(self.is_stored)
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
+        # Called once the store has taken every batch it was given: what is left was never stored, and a
+        # restart captures those batches again.
+        if self.sink.exists():
+            shutil.rmtree(self.sink)
+
+    # -- the list path -------------------------------------------------------------------------------------------
+
+    def _final_state_pass(self, batches, total: int) -> None:
+        """Stage the final state of every sample in `batches` that is not staged yet. The final-state engine is
+        started only when a batch needs it, and always shut down."""
         progress = ProgressLog(f"{self.label} final-state pass", total, 0, self.progress_interval_s, log,
                                track_bytes=False)
         engine = None
@@ -207,24 +386,15 @@ class SglangCapture:
     def _needs_no_staging(self, sample) -> bool:
         return sample.sample_id in self.staged or self.is_stored(sample.sample_id)
 
-    def capture(self, batch) -> list[CapturedStates]:
-        """Pass 2, one batch: aux states from the aux engine, final states from the staging (none for a
-        sample the store already holds: its staged part may be gone)."""
-        if self.aux_engine is None:
-            self.aux_engine = self._start("aux")
-        aux = self._generate(self.aux_engine, batch, self.num_aux * self.hidden_size)
+    def _capture_aux_pass(self, batch) -> list[CapturedStates]:
+        """Aux states from the aux engine, final states from the staging (none for a sample the store already
+        holds: its staged part may be gone)."""
+        if self.engine is None:
+            self.engine = self._start("aux")
+        aux = self._generate(self.engine, batch, self.num_aux * self.hidden_size)
         return [CapturedStates(a.to(torch.bfloat16), self._staged_state(s)) for s, a in zip(batch, aux, strict=True)]
 
     def _staged_state(self, sample) -> torch.Tensor | None:
         if sample.sample_id not in self.staged and self.is_stored(sample.sample_id):
             return None
         return self.staged.get(sample)
-
-    def release_stored(self) -> None:
-        """Staged final states of batches the store has committed can go."""
-        self.staged.discard_stored(self.is_stored)
-
-    def close(self) -> None:
-        if self.aux_engine is not None:
-            self.aux_engine.shutdown()
-            self.aux_engine = None
