@@ -2,11 +2,13 @@
 
     python bench/gpu_capture_check.py --model /models/Llama-3.2-1B-Instruct [--prompts FILE] [--samples 16]
 
-Captures the same samples with the hf backend (transformers on cuda) and the sglang backend (sglang's
-own EAGLE-3 capture) and prints, per aux layer and for the final state: max |diff|, mean cosine
-similarity, and whether they agree (cosine >= 0.99 everywhere). Run it after installing a new sglang
-version before extracting a real dataset: a layer-id or post-norm mismatch shows up as a low cosine.
-Without --prompts it uses a few built-in conversations.
+Captures the same samples with the hf backend (transformers on cuda) and with the sglang backend over each of
+its capture paths (--paths, default both): `plugin`, the capture plugin (one engine, states as files; insisted
+on, so a plugin that cannot run is an error here, not a fallback), and `lists`, SGLang's public return path (two
+engines in turn). Prints, per path, per aux layer and for the final state: max |diff|, mean cosine similarity,
+and whether everything agrees (cosine >= 0.99 everywhere). Run it after installing a new sglang version before
+extracting a real dataset: a layer-id or post-norm mismatch shows up as a low cosine. Exit status 1 if any path
+disagrees. Without --prompts it uses a few built-in conversations.
 """
 
 from __future__ import annotations
@@ -40,7 +42,9 @@ def main() -> None:
     parser.add_argument("--tp-size", type=int, default=1)
     parser.add_argument("--trust-remote-code", action="store_true")
     parser.add_argument("--device", default="cuda", help="for the hf reference (default cuda)")
+    parser.add_argument("--paths", default="plugin,lists", help="sglang capture paths to check (default both)")
     args = parser.parse_args()
+    paths = [p.strip() for p in args.paths.split(",") if p.strip()]
 
     with tempfile.TemporaryDirectory() as tmp:
         prompts = args.prompts
@@ -54,8 +58,6 @@ def main() -> None:
             "vocab": {"draft_vocab_size": 1},
         }
         hf_cfg = resolve_target_facts(parse_run_config({**base, "extract": {"backend": "hf", "device": args.device}}))
-        sgl_cfg = resolve_target_facts(parse_run_config(
-            {**base, "extract": {"backend": "sglang", "sglang": {"tp_size": args.tp_size}}}))
         conversations, _ = read_conversations(hf_cfg.data.path, max_samples=args.samples)
         samples = list(SampleTokenizer.for_run(hf_cfg).iter(conversations))
 
@@ -65,13 +67,26 @@ def main() -> None:
         del hf
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        sglang = SglangCapture(sgl_cfg)
-        sglang.prepare([samples], len(samples))  # the final-state pass (stages under tmp), then the aux pass
-        candidate = sglang.capture(samples)
-        sglang.close()
+        candidates = {}
+        for path in paths:  # one engine at a time
+            engine = {"tp_size": args.tp_size, "capture": path}
+            sgl_cfg = resolve_target_facts(parse_run_config(
+                {**base, "run_name": f"gpu-capture-check-{path}", "extract": {"backend": "sglang", "sglang": engine}}))
+            sglang = SglangCapture(sgl_cfg)
+            sglang.prepare([samples], len(samples))  # plugin: start and probe; lists: the final-state pass
+            candidates[path] = sglang.capture(samples)
+            sglang.close()
 
-    h = hf_cfg.target.hidden_size
-    names = [f"aux layer {i}" for i in hf_cfg.resolved_aux_layers()] + ["final (post-norm)"]
+    report = {path: compare(reference, candidate, hf_cfg) for path, candidate in candidates.items()}
+    agree = all(layer["mean_cosine"] >= 0.99 for layers in report.values() for layer in layers.values())
+    print(json.dumps({"samples": len(samples), "paths": report, "agree": agree}, indent=2))
+    sys.exit(0 if agree else 1)
+
+
+def compare(reference, candidate, cfg) -> dict:
+    """Per aux layer and for the final state: max |diff| and mean cosine of one path's states against hf's."""
+    h = cfg.target.hidden_size
+    names = [f"aux layer {i}" for i in cfg.resolved_aux_layers()] + ["final (post-norm)"]
     report = {}
     for k, name in enumerate(names):
         diffs, cosines = [], []
@@ -84,9 +99,7 @@ def main() -> None:
             diffs.append((a - b).abs().max().item())
             cosines.append(torch.nn.functional.cosine_similarity(a, b, dim=-1).mean().item())
         report[name] = {"max_abs_diff": max(diffs), "mean_cosine": sum(cosines) / len(cosines)}
-    agree = all(r["mean_cosine"] >= 0.99 for r in report.values())
-    print(json.dumps({"samples": len(samples), "layers": report, "agree": agree}, indent=2))
-    sys.exit(0 if agree else 1)
+    return report
 
 
 if __name__ == "__main__":

@@ -385,5 +385,7 @@ def test_gpu_capture_check_runs_and_reports_agreement(tiny_target):
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout)
     assert report["agree"] is True and report["samples"] == 3
-    assert list(report["layers"]) == ["aux layer 1", "aux layer 3", "aux layer 4", "final (post-norm)"]
-    assert all(layer["mean_cosine"] > 0.999 for layer in report["layers"].values())
+    assert list(report["paths"]) == ["plugin", "lists"]
+    for layers in report["paths"].values():
+        assert list(layers) == ["aux layer 1", "aux layer 3", "aux layer 4", "final (post-norm)"]
+        assert all(layer["mean_cosine"] > 0.999 for layer in layers.values())
