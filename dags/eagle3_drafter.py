@@ -31,6 +31,7 @@ from eagle3_airflow.sensors import BoxReachableSensor, DiskSpaceSensor, GpuIdleS
 # which boxes, services, endpoint hosts and box variables a trigger may use. A JSON file named by EAGLE3_DAG_SETTINGS.
 SETTINGS = Deployment.from_env()
 PARAMS = build_params(SETTINGS.params, SETTINGS.form_choices())
+SETTINGS.check_schedulable(PARAMS)  # a schedule whose defaults cannot make a run is an import error, not silence
 POOL = SETTINGS.pool  # bounds how many remote stages run on the box at once
 SENSOR_TIMEOUT = timedelta(hours=SETTINGS.sensor_timeout_h)
 

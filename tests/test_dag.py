@@ -47,6 +47,26 @@ print(json.dumps({{"errors": {{k: str(v) for k, v in bag.import_errors.items()}}
     assert result["seconds"] < 1.0  # the figure is printed here and measured in bench/dag_parse.py
 
 
+def test_a_schedule_without_defaults_for_its_required_params_is_an_import_error(airflow_home, tmp_path):
+    """What the UI's import errors show for a settings file that schedules runs it cannot make."""
+    settings = tmp_path / "dag-settings.json"
+    settings.write_text(json.dumps({"schedule": "@daily"}))
+    script = f"""
+import json
+from airflow.dag_processing.dagbag import DagBag
+bag = DagBag(dag_folder={str(DAG_FILE)!r})
+print(json.dumps({{"errors": list(map(str, bag.import_errors.values())), "dags": sorted(bag.dag_ids)}}))
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env=airflow_env(airflow_home, EAGLE3_DAG_SETTINGS=str(settings)))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["dags"] == []
+    (error,) = result["errors"]
+    assert str(settings) in error and "schedule '@daily'" in error
+    assert "['data.path', 'target.model_path', 'workdir']" in error
+
+
 # -- whole runs --------------------------------------------------------------------------------------
 
 

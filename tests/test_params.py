@@ -196,3 +196,25 @@ def test_a_settings_file_with_a_typo_or_a_default_it_does_not_allow_is_refused(t
         Deployment.from_env()
     settings.write_text(json.dumps({"allowed_boxes": ["gpu-box-1"], "params": {"box.conn_ids": ["gpu-box-1"]}}))
     assert Deployment.from_env().boxes() == ["gpu-box-1"]
+
+
+def test_a_schedule_needs_a_default_for_every_required_param_and_a_valid_run(tmp_path, monkeypatch):
+    """Scheduled runs take the form's defaults: without a default for target.model_path the scheduler used to fail
+    'creating DagRun' on every loop while the UI showed nothing. Refused where the DAG is parsed instead."""
+    settings = tmp_path / "dag-settings.json"
+    monkeypatch.setenv("EAGLE3_DAG_SETTINGS", str(settings))
+    settings.write_text(json.dumps({"schedule": "@weekly", "params": {"data.path": "/data/conversations.jsonl"}}))
+    deployment = Deployment.from_env()
+    with pytest.raises(ParamsError, match=rf"the settings file {settings} \(EAGLE3_DAG_SETTINGS\): schedule '@weekly' "
+                       r"starts runs .* required params have none: \['target.model_path', 'workdir'\]"):
+        deployment.check_schedulable(build_params(deployment.params, deployment.form_choices()))
+
+    settings.write_text(json.dumps({"schedule": "@weekly", "params": {**GOOD, "train.learning_rate": -1.0}}))
+    deployment = Deployment.from_env()
+    with pytest.raises(ParamsError, match=r"(?s)do not make a valid run: .*train.learning_rate: Input should be greater than 0"):
+        deployment.check_schedulable(build_params(deployment.params, deployment.form_choices()))
+
+    settings.write_text(json.dumps({"schedule": "@weekly", "params": GOOD}))
+    deployment = Deployment.from_env()
+    deployment.check_schedulable(build_params(deployment.params, deployment.form_choices()))
+    Deployment().check_schedulable(build_params())  # unscheduled: triggers fill the form in

@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Annotated, Any
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StringConstraints, ValidationError, model_validator
 
 from eagle3.config import GenerateConfig, format_validation_error
-from eagle3_airflow.params import BoxSettings, ConnId, ParamsError, SystemdUnit
+from eagle3_airflow.params import BoxSettings, ConnId, ParamsError, SystemdUnit, params_to_configs, required_params
 
 EnvName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")]
 HostName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9.-]{1,253}$")]
@@ -55,6 +55,7 @@ class Deployment(BaseModel):
         default_factory=list,
         description="Box environment variables passed to the stages besides the built-in ones (CUDA_*, HF_*, ...); "
         "generate.api_key_env must be one of them.")
+    _source: str = PrivateAttr("the built-in settings (EAGLE3_DAG_SETTINGS names no file)")
 
     @model_validator(mode="after")
     def _defaults_are_allowed(self) -> Deployment:
@@ -71,11 +72,30 @@ class Deployment(BaseModel):
         if not path:
             return cls()
         try:
-            return cls.model_validate(json.loads(Path(path).read_text(encoding="utf-8")))
+            settings = cls.model_validate(json.loads(Path(path).read_text(encoding="utf-8")))
         except ValidationError as err:
             raise ParamsError(format_validation_error(err, f"the settings file {path} (EAGLE3_DAG_SETTINGS)")) from None
         except (OSError, ValueError) as err:
             raise ParamsError(f"EAGLE3_DAG_SETTINGS: cannot read {path}: {err}") from None
+        settings._source = f"the settings file {path} (EAGLE3_DAG_SETTINGS)"
+        return settings
+
+    def check_schedulable(self, params: dict) -> None:
+        """A schedule starts runs from the form's defaults alone, so every required param needs one and together
+        they must make a valid run. Otherwise the scheduler fails to create a run on every loop ('Failed creating
+        DagRun', in its log only) and the UI shows nothing; raised while the DAG file is parsed, this is an import
+        error the UI shows, naming the settings file. `params`: the DAG's Params (eagle3_airflow.params)."""
+        if self.schedule is None:
+            return
+        why = f"{self._source}: schedule {self.schedule!r} starts runs with the trigger form's defaults"
+        missing = [name for name in required_params() if self.params.get(name) is None]
+        if missing:
+            raise ParamsError(f"{why}, and these required params have none: {missing}. Give them defaults in its "
+                              f"\"params\" (e.g. \"params\": {{\"{missing[0]}\": ...}}), or remove the schedule")
+        try:
+            params_to_configs({name: param.value for name, param in params.items()}, "scheduled__check")
+        except ParamsError as err:
+            raise ParamsError(f"{why}, and they do not make a valid run: {err}") from None
 
     # -- what the trigger may choose -------------------------------------------------------------
     def _default(self, dotted: str, model_default: list[str]) -> list[str]:

@@ -190,6 +190,13 @@ def build_params(defaults: dict[str, Any] | None = None, choices: dict[str, list
     return params
 
 
+def required_params() -> list[str]:
+    """The form's params that have no default of their own (paths on the box): a trigger or the settings file gives
+    them."""
+    leaves = _walk(RunConfig, "", "") + _walk(BoxSettings, BOX_PREFIX, "")
+    return sorted(dotted for dotted, _, _, default in leaves if default is ... and dotted != "run_name")
+
+
 def _describe(prop: dict, required: bool) -> str:
     text = prop.get("description") or ""
     if prop.get("pattern") == ABS_PATH_PATTERN:
