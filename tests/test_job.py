@@ -90,7 +90,11 @@ def test_start_poll_and_success_with_the_output_in_the_log(jobs, tmp_path):
     go_on.touch()
     done = wait_for_effective(jobs, "ok", "succeeded")
     assert done["state"]["exit_code"] == 0 and done["state"]["ended_at"] and done["log_tail"] == []
-    assert re.match(r"==== eagle3 job ok try 1 started \d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ on \S+ ====\n", done["log"])
+    # The first line of a try names when, where and which code: the directory this package was imported from.
+    code = str(Path(job.__file__).resolve().parents[1])
+    header = rf"==== eagle3 job ok try 1 started \d{{4}}-\d\d-\d\dT[\d:]{{8}}Z on \S+, code {re.escape(code)} ====\n"
+    assert re.match(header, done["log"])
+    assert done["state"]["code"] == code
     assert "hello from the stage\ndone\n" in done["log"]
     assert (jobs / "ok").stat().st_mode & 0o777 == 0o700  # private: the log and argv are nobody else's business
 

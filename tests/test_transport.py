@@ -4,6 +4,7 @@ with host keys verified; shell syntax in values stays data; code sync is content
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import shutil
 import sys
@@ -176,3 +177,55 @@ def test_a_code_root_others_can_write_is_refused(tmp_path):
     root.chmod(0o777)
     with pytest.raises(Exception, match=r"writable by others \(mode 777\).*chmod go-w"):
         ensure_code(LocalBox(), sys.executable, str(tmp_path / "work"))
+
+
+@pytest.fixture
+def deploy(tmp_path, monkeypatch):
+    """Deploys new code to the worker: its package gets a changed file, so another digest (undone afterwards)."""
+    from eagle3_airflow import codesync
+
+    def deploy_new_code() -> str:
+        new = tmp_path / "deployed" / "eagle3"
+        shutil.copytree(PACKAGE_DIR, new, ignore=shutil.ignore_patterns("__pycache__"))
+        (new / "__init__.py").write_text((new / "__init__.py").read_text() + "# a fix deployed mid-run\n")
+        monkeypatch.setattr(codesync, "SYNCED_DIRS", (new, codesync.PLUGIN_METADATA_DIR))
+        codesync.package_archive.cache_clear()
+        return package_archive().digest
+
+    yield deploy_new_code
+    codesync.package_archive.cache_clear()
+
+
+def test_a_retry_after_a_deploy_runs_the_code_its_run_was_validated_with(tmp_path, deploy, caplog):
+    """The code dir used to be named by the worker's package on every try: a retry after a deploy resumed a
+    half-done stage under new code. The plan pins the digest at validate; the box's kept archive serves later tries."""
+    from dataclasses import replace
+
+    from airflow.sdk.exceptions import AirflowFailException
+
+    pinned = package_archive().digest
+    plan = replace(plan_for(tmp_path / "work"), code_digest=pinned)  # what validate records
+    first = plan.ensure_code()
+    assert first.endswith(pinned)
+    assert deploy() != pinned
+
+    assert plan.ensure_code() == first == plan.code_dir  # the run goes on with its own code
+    assert f"this run's code is {pinned} (pinned when it was validated)" in caplog.text
+    shutil.rmtree(first)  # a reimaged box lost the directory: unpacked again from the box's copy
+    assert plan.ensure_code() == first and (Path(first) / "eagle3" / "__init__.py").read_text() == \
+        (PACKAGE_DIR / "__init__.py").read_text()
+    result = LocalBox().run(plan.eagle3("--help"))
+    assert result.returncode == 0 and "extract" in result.stdout
+
+    kept = tmp_path / "work" / "code" / ".archives" / f"{pinned}.tar.gz"
+    original = kept.read_bytes()
+    kept.write_bytes(gzip.compress(b"not the package"))
+    with pytest.raises(AirflowFailException, match="was altered: it does not hash to its name"):
+        plan.ensure_code()
+    kept.write_bytes(original)
+    kept.unlink()
+    with pytest.raises(AirflowFailException, match=rf"validated with code {pinned}, the worker's package is \w+ now.*"
+                       "clear this run's validate task with its downstream tasks"):
+        plan.ensure_code()
+    # Clearing validate pins the new code: a run validated now syncs and runs it.
+    assert replace(plan, code_digest=package_archive().digest).ensure_code().endswith(package_archive().digest)

@@ -821,12 +821,13 @@ def supervise(jobs_dir: str | Path, key: str) -> None:
             log_file.flush()
 
         log_start = os.fstat(log_file.fileno()).st_size  # this try's lines begin here (the log holds every try)
-        log_line(f"started {utc_now()} on {host}")
+        # Which code this try runs: on a box, the synced directory named by the digest the run pinned at validate.
+        log_line(f"started {utc_now()} on {host}, code {package_root()}")
         state = {
             "key": key, "try": spec["try"], "status": "running", "pid": os.getpid(), "pgid": os.getpgid(0),
             "pid_start_ticks": pid_start_ticks(os.getpid()), "boot_id": read_boot_id(), "host": host,
             "argv": spec["argv"], "started_at": utc_now(), "heartbeat_at": time.time(), "exit_code": None,
-            "ended_at": None, "log": str(log_path), "log_start": log_start,
+            "ended_at": None, "log": str(log_path), "log_start": log_start, "code": package_root(),
         }
         # The stage gets this process's environment, which start filtered already, with the caller's PYTHONPATH
         # and the group's mark, by which a later start or kill recognises what is left of it once this is gone.

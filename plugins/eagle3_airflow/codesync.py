@@ -14,6 +14,13 @@ user and writable by nobody else. Bytecode caches are deleted (a planted .pyc wo
 its source; the stages write none, see RunPlan.eagle3). A directory that differs is moved aside
 (`.untrusted-<digest>-<time>`, kept for whoever investigates) and unpacked again.
 
+A run keeps the code it started with. The validate task pins the worker's digest in the run plan, and every
+try of every task of that run syncs that digest, so a deploy in the middle of a run never resumes a half-done
+stage (one store, two capture codes) under other code. The box keeps each archive it was sent
+(`code/.archives/<digest>.tar.gz`); a try whose worker has other code by now sends nothing, and the box checks
+that copy against the pinned digest before it verifies or unpacks the directory from it. To move a run to new
+code on purpose, clear its validate task with downstream: validate pins the worker's code again.
+
 The script runs in Python's isolated mode (-I: neither the login directory nor PYTHON* variables can
 shadow the standard library it imports), and refuses a Python older than 3.11 or whose tarfile lacks
 the extraction filter, which would let a crafted archive write outside the code directory. The stages
@@ -45,6 +52,7 @@ PACKAGE_DIR = Path(eagle3.__file__).resolve().parent
 PLUGIN_METADATA_DIR = PACKAGE_DIR.parent / "eagle3_capture-1.0.dist-info"
 SYNCED_DIRS = (PACKAGE_DIR, PLUGIN_METADATA_DIR)
 UNUSABLE_PYTHON_EXIT = 3  # the unpack script's answer for a box python it refuses: no retry helps
+CODE_GONE_EXIT = 4  # ... for a pinned digest the box has no copy of, which the worker no longer has either
 
 # Runs on the box as `python -I -c UNPACK_SCRIPT ROOT DIGEST` with only the standard library (the package is not
 # there yet); stdin: the gzipped tarball. Prints the code directory; a note on stderr when it re-unpacks.
@@ -57,9 +65,23 @@ if sys.version_info < (3, 11) or not hasattr(tarfile, "data_filter"):
     sys.exit(3)
 root, digest = sys.argv[1], sys.argv[2]
 final = os.path.join(root, digest)
-tar_bytes = gzip.decompress(sys.stdin.buffer.read())
-if hashlib.sha256(tar_bytes).hexdigest()[:16] != digest:
-    sys.exit("code sync: the archive arrived damaged (digest mismatch); retry")
+kept = os.path.join(root, ".archives", digest + ".tar.gz")
+sent = sys.stdin.buffer.read()
+if sent:
+    gzipped = sent
+else:  # the worker has other code now: the archive this box kept when the run's code was first synced
+    try:
+        with open(kept, "rb") as f:
+            gzipped = f.read()
+    except FileNotFoundError:
+        sys.stderr.write("the box keeps no copy of code %s (%s is missing)\n" % (digest, kept))
+        sys.exit(4)
+tar_bytes = gzip.decompress(gzipped)
+if hashlib.sha256(tar_bytes).hexdigest()[:16] != digest:  # the digest came from the worker: the copy is checked
+    if sent:
+        sys.exit("code sync: the archive arrived damaged (digest mismatch); retry")
+    sys.stderr.write("the box's copy of code %s (%s) was altered: it does not hash to its name\n" % (digest, kept))
+    sys.exit(4)
 with tarfile.open(fileobj=io.BytesIO(tar_bytes)) as tar:
     expected = {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}
 
@@ -130,6 +152,21 @@ if not os.path.isdir(final):
     fd = os.open(root, os.O_RDONLY)
     os.fsync(fd)
     os.close(fd)
+def kept_differs():
+    try:
+        with open(kept, "rb") as f:
+            return f.read() != sent
+    except FileNotFoundError:
+        return True
+
+if sent and kept_differs():  # for a later try of this run after the worker's code changed
+    os.makedirs(os.path.dirname(kept), mode=0o755, exist_ok=True)
+    tmp = "%s.tmp-%d" % (kept, os.getpid())
+    with open(tmp, "wb") as f:
+        f.write(sent)
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(tmp, kept)
 print(final)
 """
 
@@ -157,18 +194,32 @@ def package_archive() -> CodeArchive:
     return CodeArchive(hashlib.sha256(tar_bytes).hexdigest()[:16], gzip.compress(tar_bytes, mtime=0))
 
 
-def code_dir(workdir: str) -> str:
-    """Where this DAG's package lives on the box."""
-    return f"{workdir.rstrip('/')}/code/{package_archive().digest}"
+def code_dir(workdir: str, digest: str | None = None) -> str:
+    """Where the package of digest `digest` (default: the worker's own) lives on the box."""
+    return f"{workdir.rstrip('/')}/code/{digest or package_archive().digest}"
 
 
-def ensure_code(box: Box, python: str, workdir: str) -> str:
-    """Upload the package to the box unless it is already there; return its directory."""
+def ensure_code(box: Box, python: str, workdir: str, digest: str | None = None) -> str:
+    """Make sure the box has the package of digest `digest` (a run's pinned code; default: the worker's own) and
+    return its directory. The worker's own package is uploaded, and the box keeps a copy of the archive; a digest
+    the worker no longer has (deployed since the run started) is checked against, and if need be unpacked from,
+    that copy."""
     archive = package_archive()
+    digest = digest or archive.digest
     root = f"{workdir.rstrip('/')}/code"
-    result = box.run([python, "-I", "-c", UNPACK_SCRIPT, root, archive.digest], input=archive.gzipped, timeout=300)
+    if digest != archive.digest:
+        log.info("%s: this run's code is %s (pinned when it was validated); the worker's package is %s now, so the box "
+                 "uses its copy of %s", box.conn_id, digest, archive.digest, digest)
+    payload = archive.gzipped if digest == archive.digest else b""
+    result = box.run([python, "-I", "-c", UNPACK_SCRIPT, root, digest], input=payload, timeout=300)
     if result.returncode == UNUSABLE_PYTHON_EXIT:
         raise AirflowFailException(result.stderr.strip())
+    if result.returncode == CODE_GONE_EXIT:
+        raise AirflowFailException(
+            f"{result.stderr.strip()}: this run was validated with code {digest}, the worker's package is "
+            f"{archive.digest} now, and {box.conn_id} no longer has {digest}. To go on with the new code, clear this "
+            "run's validate task with its downstream tasks: validate pins the worker's code again, and stages that "
+            "finished stay finished (their jobs succeeded)")
     for line in result.stderr.splitlines():  # a directory that did not match and was unpacked again
         log.warning("%s: %s", box.conn_id, line)
     if result.returncode != 0:  # (the message leaves out the script, which check() would print whole)

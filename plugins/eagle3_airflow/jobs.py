@@ -33,7 +33,6 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 from tenacity import AsyncRetrying, Retrying, retry_if_exception_type, stop_after_delay, wait_exponential_jitter
 
 from eagle3.job import run_seconds
-from eagle3_airflow.codesync import ensure_code
 from eagle3_airflow.plan import RunPlan
 from eagle3_airflow.transport import BoxUnreachable, box_for
 
@@ -122,7 +121,7 @@ class RemoteJobOperator(ResumableJobMixin, BaseOperator):
             raise AirflowSkipException(f"{self.only_if}.enabled is off for this run")
         self._running_key = self._key(context)  # for on_kill, which gets no context
         # A rebooted or reimaged box may have lost the code dir; syncing is a no-op when it is there.
-        self._riding_out_outages(lambda: ensure_code(plan.box(self.conn_id), plan.python, plan.workdir))
+        self._riding_out_outages(lambda: plan.ensure_code(self.conn_id))  # the run's pinned code
         return self.execute_resumable(context)
 
     def _riding_out_outages(self, command):

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from eagle3.config import RunConfig
-from eagle3_airflow.codesync import code_dir
+from eagle3_airflow.codesync import code_dir, ensure_code, package_archive
 from eagle3_airflow.params import BoxSettings
 from eagle3_airflow.transport import Box, box_for
 
@@ -39,6 +39,9 @@ class RunPlan:
     train_gpus: int = 1  # GPUs the first box must have for training: highest train.gpus index + 1, or its ranks
     server_gpus: int = 0  # server.tp_size when the run starts SGLang servers (generate, benchmark) on the first box
     box_env: list[str] = field(default_factory=list)  # box variables the stages get besides job.py's built-in ones
+    # The package digest the run was validated with; every try of the run uses that code (eagle3_airflow.codesync).
+    # Empty in plans made before pinning existed: the worker's current code.
+    code_digest: str = ""
 
     @classmethod
     def build(cls, config: RunConfig, box: BoxSettings, box_env: list[str] | None = None) -> RunPlan:
@@ -59,6 +62,7 @@ class RunPlan:
             server_gpus=config.server.tp_size
             if (config.generate.enabled and config.generate.launch_server) or config.benchmark.enabled else 0,
             box_env=list(box_env or []),
+            code_digest=package_archive().digest,
         )
 
     @classmethod
@@ -79,7 +83,11 @@ class RunPlan:
 
     @property
     def code_dir(self) -> str:
-        return code_dir(self.workdir)
+        return code_dir(self.workdir, self.code_digest or None)
+
+    def ensure_code(self, conn_id: str | None = None) -> str:
+        """Sync this run's code to a box (the first by default); returns its directory there."""
+        return ensure_code(self.box(conn_id), self.python, self.workdir, self.code_digest or None)
 
     def conn_for_shard(self, shard: int) -> str:
         return self.conn_ids[shard % len(self.conn_ids)]

@@ -11,7 +11,6 @@ import logging
 
 from airflow.sdk.exceptions import AirflowFailException
 
-from eagle3_airflow.codesync import ensure_code
 from eagle3_airflow.deployment import Deployment
 from eagle3_airflow.params import ParamsError, check_unknown_keys, params_to_configs
 from eagle3_airflow.plan import RunPlan
@@ -49,7 +48,7 @@ def sync_code(plan_dict: dict, config: dict) -> dict:
     facts = {}
     for conn_id in plan.conn_ids:
         box = plan.box(conn_id)
-        where = ensure_code(box, plan.python, plan.workdir)
+        where = plan.ensure_code(conn_id)
         result = box.run(plan.eagle3("box", "info", *require), timeout=300)
         try:
             info = result.json(f"python -m eagle3 box info on {conn_id}")
