@@ -32,7 +32,7 @@ from eagle3_airflow.sensors import BoxReachableSensor, DiskSpaceSensor, GpuIdleS
 SETTINGS = Deployment.from_env()
 PARAMS = build_params(SETTINGS.params, SETTINGS.form_choices())
 SETTINGS.check_schedulable(PARAMS)  # a schedule whose defaults cannot make a run is an import error, not silence
-POOL = SETTINGS.pool  # bounds how many remote stages run on the box at once
+POOL = SETTINGS.pool  # bounds how many remote stages run at once, deferred ones counted (create-pool makes it)
 SENSOR_TIMEOUT = timedelta(hours=SETTINGS.sensor_timeout_h)
 
 with DAG(

@@ -45,9 +45,15 @@ def main() -> None:
     home = Path(os.environ["AIRFLOW_HOME"])
     log = REPO / "demo-work" / "airflow-standalone.log"
     log.parent.mkdir(exist_ok=True)
+    airflow = str(Path(sys.executable).with_name("airflow"))
+    # The DAG's pool must exist before its tasks can run, counting deferred ones (eagle3_airflow.deployment).
+    with open(log, "ab") as out:
+        subprocess.run([airflow, "db", "migrate"], stdout=out, stderr=subprocess.STDOUT, check=True)
+        subprocess.run([sys.executable, "-m", "eagle3_airflow.deployment", "create-pool", "--airflow", airflow],
+                       stdout=out, stderr=subprocess.STDOUT, check=True)
     print(f"[airflow] starting airflow standalone (its log: {log}) ...", flush=True)
     with open(log, "ab") as out:
-        proc = subprocess.Popen([str(Path(sys.executable).with_name("airflow")), "standalone"], stdout=out,
+        proc = subprocess.Popen([airflow, "standalone"], stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     try:
         while not healthy():

@@ -132,6 +132,7 @@ def test_services_and_commands(rendered):
     assert _argv(init["entrypoint"]) == ["/bin/bash"]
     script = _argv(init["command"])[-1]
     assert "airflow db migrate" in script
+    assert "python -m eagle3_airflow.deployment create-pool" in script  # the DAG's pool, counting deferred tasks
     assert "SIMPLE_AUTH_MANAGER_PASSWORDS_FILE" in script
     assert "restart" not in init and "healthcheck" not in init
 

@@ -218,3 +218,19 @@ def test_a_schedule_needs_a_default_for_every_required_param_and_a_valid_run(tmp
     deployment = Deployment.from_env()
     deployment.check_schedulable(build_params(deployment.params, deployment.form_choices()))
     Deployment().check_schedulable(build_params())  # unscheduled: triggers fill the form in
+
+
+def test_create_pool_makes_the_settings_pool_and_counts_deferred_tasks(airflow_home, tmp_path):
+    """The remote stages defer within seconds and wait in the triggerer: a pool that leaves deferred tasks out
+    bounds nothing. make demo, make airflow and the compose init create it with this command."""
+    from tests.airflow_env import AIRFLOW, airflow_env
+
+    settings = tmp_path / "dag-settings.json"
+    settings.write_text(json.dumps({"pool": "gpu-box-pool", "pool_slots": 3}))
+    env = airflow_env(airflow_home, EAGLE3_DAG_SETTINGS=str(settings))
+    subprocess.run([sys.executable, "-m", "eagle3_airflow.deployment", "create-pool", "--airflow", AIRFLOW],
+                   env=env, check=True, capture_output=True, timeout=120)
+    shown = subprocess.run([AIRFLOW, "pools", "get", "gpu-box-pool", "-o", "json"], env=env, check=True,
+                           capture_output=True, text=True, timeout=120)
+    (pool,) = json.loads(shown.stdout)
+    assert pool["slots"] in (3, "3") and str(pool["include_deferred"]).lower() == "true"

@@ -129,3 +129,55 @@ def test_the_plan_knows_how_many_gpus_each_box_needs(make_config):
     assert served.gpus_needed("local") == (8, "the SGLang servers of generate / benchmark (server.tp_size)")
     named = RunPlan.build(make_config(extract={"device": "cuda:0", "num_shards": 4}), BoxSettings())
     assert named.gpus_needed("local")[0] == 1  # a device the user named: only training's rank counts
+
+
+# -- waiting in the triggerer --------------------------------------------------------------------------------
+
+
+def test_a_busy_box_defers_to_the_triggerer_which_checks_until_the_gpus_are_free(plan, gpus, capsys):
+    """Ready at once: done in the worker, no deferral. Busy: the sensor defers to BoxCheckTrigger, which runs the
+    same check from the triggerer (the async transport) until the GPUs are free, then resumes the task."""
+    import asyncio
+
+    from airflow.sdk.exceptions import TaskDeferred
+
+    from eagle3_airflow.sensors import BoxCheckTrigger
+
+    gpus([{**H200, "memory.used": 1}])
+    assert GpuIdleSensor(task_id="gpus_idle", plan=plan).execute({}) is None
+
+    gpus([{**H200, "memory.used": 90000}], [VLLM])
+    sensor = GpuIdleSensor(task_id="gpus_idle", plan=plan, poke_interval=0.2, timeout=3600)
+    with pytest.raises(TaskDeferred) as deferred:
+        sensor.execute({})
+    trigger = deferred.value.trigger
+    assert isinstance(trigger, BoxCheckTrigger) and deferred.value.timeout.total_seconds() == 3600
+    classpath, kwargs = trigger.serialize()
+    assert classpath == "eagle3_airflow.sensors.BoxCheckTrigger" and kwargs["check"] == "gpus"
+
+    async def wait_then_free_the_gpus():
+        events = trigger.run()
+        waiting = asyncio.ensure_future(events.__anext__())
+        await asyncio.sleep(1.5)  # a few checks while vLLM still holds the GPU
+        assert not waiting.done()
+        gpus([{**H200, "memory.used": 1}])
+        return await asyncio.wait_for(waiting, 30)
+
+    capsys.readouterr()
+    event = asyncio.run(wait_then_free_the_gpus())
+    assert event.payload == {"status": "ready"}
+    assert "pid 4242 python3 -m vllm" in capsys.readouterr().out  # what the trigger saw goes to the task log
+    sensor.execute_complete({}, event.payload)
+
+
+def test_what_waiting_cannot_fix_fails_the_deferred_sensor(plan, gpus):
+    import asyncio
+
+    from eagle3_airflow.sensors import BoxCheckTrigger
+
+    gpus([{**H200, "memory.used": 1}])
+    trigger = BoxCheckTrigger(check="gpus", plan={**plan, "train_gpus": 8}, poke_interval_s=0.1)
+    event = asyncio.run(trigger.run().__anext__())
+    assert event.payload["status"] == "failed" and "needs 8 there for training" in event.payload["message"]
+    with pytest.raises(AirflowFailException, match="needs 8 there for training"):
+        GpuIdleSensor(task_id="gpus_idle", plan=plan).execute_complete({}, event.payload)

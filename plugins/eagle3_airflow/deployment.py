@@ -40,7 +40,9 @@ class Deployment(BaseModel):
 
     schedule: str | None = Field(None, description="Airflow schedule (cron or preset); none: triggered only.")
     params: dict[str, Any] = Field(default_factory=dict, description="Trigger-form defaults, by dotted name.")
-    pool: str = Field("default_pool", description="Airflow pool every remote stage runs in.")
+    pool: str = Field("eagle3_box", pattern=r"^[A-Za-z0-9_.-]{1,256}$",
+                      description="Airflow pool every remote stage runs in; counts deferred tasks.")
+    pool_slots: int = Field(8, ge=1, le=4096, description="How many of them may run at once (one per GPU group).")
     sensor_timeout_h: float = Field(12, gt=0, le=24 * 14, description="How long a box sensor waits.")
     retries: int = Field(3, ge=0, le=100)
     retry_delay_s: float = Field(60, ge=0, le=24 * 3600)
@@ -141,3 +143,32 @@ class Deployment(BaseModel):
             raise ParamsError("\n  ".join([f"{source} reaches past what this deployment allows:", *problems])
                               + "\nThe deployment sets these in its settings file (EAGLE3_DAG_SETTINGS: allowed_boxes, "
                               "allowed_services, allowed_endpoint_hosts, box_env); ask whoever runs this Airflow.")
+
+
+def create_pool_argv(settings: Deployment, airflow: str = "airflow") -> list[str]:
+    """`airflow pools set` for the settings' pool. include_deferred: the remote stages defer within seconds of
+    starting and wait in the triggerer for hours; a pool that does not count deferred tasks bounds nothing."""
+    return [airflow, "pools", "set", settings.pool, str(settings.pool_slots),
+            "eagle3 remote stages and box sensors (deferred ones count)", "--include-deferred"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+    import shutil
+    import subprocess
+
+    parser = argparse.ArgumentParser(
+        prog="python -m eagle3_airflow.deployment",
+        description="Create or update the Airflow pool of the settings file EAGLE3_DAG_SETTINGS names (default "
+                    "settings without one), counting deferred tasks. make demo, make airflow and the compose file's "
+                    "airflow-init run it.")
+    parser.add_argument("command", choices=["create-pool"])
+    parser.add_argument("--airflow", default=shutil.which("airflow") or "airflow", help="the airflow executable")
+    args = parser.parse_args(argv)
+    command = create_pool_argv(Deployment.from_env(), args.airflow)
+    print("+", " ".join(command), flush=True)
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+
+
+if __name__ == "__main__":
+    main()

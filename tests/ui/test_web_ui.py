@@ -233,6 +233,9 @@ def standalone(chromium, artifacts, tiny_target, tmp_path):
                 return False
 
         server.wait_until(dag_parsed, f"the dag-processor to serialize {DAG_ID}", deadline)
+        # The DAG's pool, as make airflow and the compose init create it: its tasks wait for a pool that exists.
+        subprocess.run([sys.executable, "-m", "eagle3_airflow.deployment", "create-pool", "--airflow", AIRFLOW],
+                       env=env, check=True, capture_output=True, timeout=120)
         print(f"airflow standalone on {server.url}: ready in {time.monotonic() - started:.1f} s")
         yield server
     finally:
@@ -404,4 +407,7 @@ def test_trigger_form_run_and_clear_in_a_real_browser(standalone, chromium, arti
     assert {task: tries[task] - tries_before[task] for task in ("train", "export", "evaluate", "report")} == {
         "train": 0, "export": 1, "evaluate": 1, "report": 1}, (tries_before, tries)
     assert (tmp_path / "box" / "runs" / RUN_NAME / "drafter" / "model.safetensors").exists()
+    # The remote stages ran in the DAG's pool, which counts them while they wait deferred in the triggerer.
+    pool = standalone.api("/pools/eagle3_box")
+    assert pool["include_deferred"] is True and pool["slots"] == 8
     print(f"screenshots in {artifacts}:\n" + "\n".join(f"  {path.name}" for path in shots))
