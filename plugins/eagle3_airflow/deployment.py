@@ -33,6 +33,28 @@ HostName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9.-]{1,253}$")]
 LOOPBACK_HOSTS = ["127.0.0.1", "localhost"]
 
 
+MailAddress = Annotated[str, StringConstraints(pattern=r"^[^@\s<>,;]+@[^@\s<>,;]+$")]
+DottedCallable = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")]
+
+
+class NotifySettings(BaseModel):
+    """Who hears of a failed or late run (eagle3_airflow/notify.py)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    to: list[MailAddress] = Field(default_factory=list, description="Mail addresses; none: no mail.")
+    smtp_conn_id: ConnId = Field("smtp_default", description="The Airflow SMTP connection the mail goes through.")
+    from_email: MailAddress | None = Field(None, description="Sender; default: the SMTP connection's from_email.")
+    callables: list[DottedCallable] = Field(
+        default_factory=list, description="Other channels: module:function, called with (subject, body).")
+    late_after_h: float | None = Field(
+        None, gt=0, le=24 * 60, description="Warn when a run is not done this many hours after it was queued.")
+
+    def kwargs(self) -> dict:
+        return {"smtp_conn_id": self.smtp_conn_id, "to": self.to, "from_email": self.from_email,
+                "callables": self.callables}
+
+
 class Deployment(BaseModel):
     """EAGLE3_DAG_SETTINGS, validated: an unknown key (a typo) is refused, not ignored."""
 
@@ -57,6 +79,7 @@ class Deployment(BaseModel):
         default_factory=list,
         description="Box environment variables passed to the stages besides the built-in ones (CUDA_*, HF_*, ...); "
         "generate.api_key_env must be one of them.")
+    notify: NotifySettings | None = Field(None, description="Failure and lateness notifications; none: silent.")
     _source: str = PrivateAttr("the built-in settings (EAGLE3_DAG_SETTINGS names no file)")
 
     @model_validator(mode="after")
@@ -98,6 +121,36 @@ class Deployment(BaseModel):
             params_to_configs({name: param.value for name, param in params.items()}, "scheduled__check")
         except ParamsError as err:
             raise ParamsError(f"{why}, and they do not make a valid run: {err}") from None
+
+    # -- who hears of a failure ------------------------------------------------------------------
+    def run_failure_callbacks(self) -> list:
+        """The DAG's on_failure_callback: the run failed."""
+        if self.notify is None:
+            return []
+        from eagle3_airflow.notify import FailureNotifier
+
+        return [FailureNotifier(scope="run", **self.notify.kwargs())]
+
+    def task_failure_callbacks(self) -> list:
+        """Every task's on_failure_callback: it failed with no retry left (a retry itself is silent)."""
+        if self.notify is None:
+            return []
+        from eagle3_airflow.notify import FailureNotifier
+
+        return [FailureNotifier(scope="task", **self.notify.kwargs())]
+
+    def deadline(self):
+        """A DeadlineAlert that warns when a run is not done `notify.late_after_h` after it was queued, or None."""
+        if self.notify is None or self.notify.late_after_h is None:
+            return None
+        from datetime import timedelta
+
+        from airflow.sdk import AsyncCallback, DeadlineAlert, DeadlineReference
+
+        return DeadlineAlert(
+            reference=DeadlineReference.DAGRUN_QUEUED_AT, interval=timedelta(hours=self.notify.late_after_h),
+            callback=AsyncCallback("eagle3_airflow.notify.late_run",
+                                   kwargs={**self.notify.kwargs(), "late_after_h": self.notify.late_after_h}))
 
     # -- what the trigger may choose -------------------------------------------------------------
     def _default(self, dotted: str, model_default: list[str]) -> list[str]:

@@ -179,7 +179,8 @@ class RemoteJobOperator(ResumableJobMixin, BaseOperator):
         state = event.get("state") or {}
         tail = "\n".join(event.get("log_tail") or [])
         message = (f"{self.stage} job {event['key']} {status} (exit code {state.get('exit_code')}; {event['reason']}) "
-                   f"on {self.conn_id}, try {state.get('try')}. Last log lines:\n{tail}")
+                   f"on {self.conn_id}, try {state.get('try')} (job log on the box: {state.get('log')}). "
+                   f"Last log lines:\n{tail}")
         if state.get("exit_code") == USER_ERROR_EXIT:
             # The stage refused its input (the message above says which field or file): retrying cannot help.
             # Fix the cause, then clear the task.

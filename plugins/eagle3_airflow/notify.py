@@ -1,0 +1,148 @@
+"""Telling someone: a mail when a task has failed for good or a run has failed, and one when a run is late.
+
+Configured in the deployment's settings file (`notify`, eagle3_airflow/deployment.py), never by a trigger. Airflow
+calls these through its notifier interface: the DAG's on_failure_callback (the run failed), every task's
+on_failure_callback (a task failed with no retry left: retries go by silently) and, with `notify.late_after_h`, a
+DeadlineAlert on the run (still not done that long after it was queued).
+
+A message names the run, the task and its try, the box, the job log's path on the box and the last lines the
+task reported (the remote-job operator puts the job's log tail and path in its failure). It carries nothing else:
+no params, no environment, nothing a secret could hide in. SMTP goes through the smtp provider's SmtpNotifier and
+the deployment's SMTP connection; `notify.callables` adds any other channel, each a `module:function` called with
+(subject, body).
+
+The message is handed to SmtpNotifier.notify() directly, never through the notifier's __call__, which would first
+render its fields as Jinja templates: log lines are not templates, and a `{{ ... }}` in one must not be evaluated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import html
+import importlib
+import logging
+from datetime import timedelta
+from typing import Any
+
+from airflow.sdk import BaseNotifier
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_LINES = 60
+
+
+def _describe_exception(context) -> str:
+    error = context.get("exception")
+    if error is None:
+        return "(no error message)"
+    lines = f"{type(error).__name__}: {error}".splitlines()
+    return "\n".join(lines[-MAX_BODY_LINES:])
+
+
+def task_failure_message(context) -> tuple[str, str]:
+    ti = context["ti"]
+    task = context.get("task")
+    run_id = getattr(context.get("dag_run"), "run_id", None) or context.get("run_id")
+    task_name = ti.task_id if getattr(ti, "map_index", -1) in (-1, None) else f"{ti.task_id}[{ti.map_index}]"
+    box = None
+    try:
+        box = getattr(task, "conn_id", None)  # the remote stages know their box
+    except Exception:  # noqa: BLE001 - a plan that did not render: the box is unknown, the mail still goes
+        box = None
+    subject = f"[eagle3] {ti.dag_id}: {task_name} failed in run {run_id}"
+    body = "\n".join([
+        f"Run:   {ti.dag_id} / {run_id}",
+        f"Task:  {task_name}, try {ti.try_number} (no retries left)",
+        f"Box:   {box or '(not a box task)'}",
+        "",
+        _describe_exception(context),
+        "",
+        "Clear the task in the Airflow UI to resume the stage where it stopped.",
+    ])
+    return subject, body
+
+
+def run_failure_message(context) -> tuple[str, str]:
+    dag_run = context.get("dag_run")
+    dag_id = getattr(context.get("dag"), "dag_id", None) or getattr(dag_run, "dag_id", "?")
+    run_id = getattr(dag_run, "run_id", None) or context.get("run_id")
+    subject = f"[eagle3] {dag_id}: run {run_id} failed"
+    body = "\n".join([
+        f"Run:    {dag_id} / {run_id}",
+        f"Reason: {context.get('reason') or 'a task failed'}",
+        "",
+        "The failed task's own mail names the box, the job log and the last log lines.",
+    ])
+    return subject, body
+
+
+class FailureNotifier(BaseNotifier):
+    """Builds the failure message of a task or a run and sends it through every configured channel."""
+
+    template_fields = ()
+
+    def __init__(self, *, scope: str, smtp_conn_id: str | None, to: list[str], from_email: str | None,
+                 callables: list[str]):
+        super().__init__()
+        self.scope = scope  # "task" or "run"
+        self.smtp_conn_id = smtp_conn_id
+        self.to = list(to)
+        self.from_email = from_email
+        self.callables = list(callables)
+
+    def render_template_fields(self, context, jinja_env=None) -> None:
+        """Nothing here is a template. (BaseNotifier's own asks the DAG for a Jinja environment, which a DAG-level
+        callback's serialized DAG lacks in Airflow 3.3: the run-failure mail was never sent.)"""
+
+    def notify(self, context) -> None:
+        subject, body = (task_failure_message if self.scope == "task" else run_failure_message)(context)
+        send(subject, body, context, self.smtp_conn_id, self.to, self.from_email, self.callables)
+
+
+def send(subject: str, body: str, context, smtp_conn_id: str | None, to: list[str], from_email: str | None,
+         callables: list[str]) -> None:
+    """Every channel gets the message; one that fails is logged and does not stop the others."""
+    if to:
+        from airflow.providers.smtp.notifications.smtp import SmtpNotifier
+
+        # Every field given: SmtpNotifier renders the ones left None (from_email included) as templates, asking the
+        # DAG for a Jinja environment that a DAG-level callback's serialized DAG does not have.
+        mail = SmtpNotifier(to=to, from_email=from_email or _connection_sender(smtp_conn_id), subject=subject,
+                            smtp_conn_id=smtp_conn_id, html_content=f"<pre>{html.escape(body)}</pre>")
+        try:
+            mail.notify(context)  # not mail(context): that would render subject and body as Jinja first
+            log.info("sent '%s' to %s", subject, to)
+        except Exception:
+            log.exception("could not send '%s' by SMTP (connection %s)", subject, smtp_conn_id)
+    for dotted in callables:
+        try:
+            module, _, name = dotted.partition(":")
+            getattr(importlib.import_module(module), name)(subject, body)
+        except Exception:
+            log.exception("notify callable %s failed for '%s'", dotted, subject)
+
+
+def _connection_sender(smtp_conn_id: str | None) -> str:
+    """The SMTP connection's from_email, else eagle3-airflow@<this host>."""
+    import socket
+
+    from airflow.sdk import BaseHook
+
+    try:
+        sender = BaseHook.get_connection(smtp_conn_id or "smtp_default").extra_dejson.get("from_email")
+    except Exception:  # noqa: BLE001 - no such connection: the send below says so
+        sender = None
+    return sender or f"eagle3-airflow@{socket.getfqdn()}"
+
+
+async def late_run(smtp_conn_id: str | None, to: list[str], from_email: str | None, callables: list[str],
+                   late_after_h: float, context: dict | None = None, **_: Any) -> None:
+    """The DeadlineAlert's callback (it runs in the triggerer): the run is still not done."""
+    context = context or {}
+    dag_run = context.get("dag_run") or {}
+    run_id = dag_run.get("run_id") if isinstance(dag_run, dict) else getattr(dag_run, "run_id", None)
+    dag_id = dag_run.get("dag_id") if isinstance(dag_run, dict) else getattr(dag_run, "dag_id", None)
+    subject = f"[eagle3] {dag_id or 'eagle3_drafter'}: run {run_id} is late"
+    body = (f"Run {dag_id} / {run_id} is not done {timedelta(hours=late_after_h)} after it was queued "
+            "(notify.late_after_h in the DAG settings). It may be waiting for a box, GPUs or disk, or a stage is slow.")
+    await asyncio.to_thread(send, subject, body, context, smtp_conn_id, to, from_email, callables)

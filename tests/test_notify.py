@@ -1,0 +1,130 @@
+"""Failure and lateness notifications, received by a real SMTP server on loopback (aiosmtpd), sent through the smtp
+provider's SmtpNotifier and an Airflow SMTP connection."""
+
+from __future__ import annotations
+
+import email
+import html
+import json
+import socket
+import subprocess
+from email.message import Message
+
+import pytest
+
+from tests.airflow_env import AIRFLOW, airflow_env
+from tests.dagruns import WORKER_SECRETS, settings_env
+
+
+class Inbox:
+    """The messages a loopback SMTP server received."""
+
+    def __init__(self):
+        self.messages: list[Message] = []
+
+    async def handle_DATA(self, server, session, envelope):  # noqa: N802 - aiosmtpd's handler protocol
+        self.messages.append(email.message_from_bytes(envelope.original_content))
+        return "250 OK"
+
+    def bodies(self) -> list[str]:
+        """Each message's text, as a reader sees it (the mail is HTML: <pre> and escaped characters)."""
+        return [html.unescape(part.get_payload(decode=True).decode()) for message in self.messages
+                for part in message.walk() if part.get_content_type() == "text/html"]
+
+
+@pytest.fixture
+def smtp_server(monkeypatch):
+    """(inbox, connection json) of an SMTP server on 127.0.0.1, plain, no login."""
+    from aiosmtpd.controller import Controller
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    inbox = Inbox()
+    controller = Controller(inbox, hostname="127.0.0.1", port=port)
+    controller.start()
+    connection = json.dumps({"conn_type": "smtp", "host": "127.0.0.1", "port": port,
+                             "extra": {"disable_tls": True, "disable_ssl": True, "from_email": "airflow@example.com",
+                                       "timeout": 10, "retry_limit": 1}})
+    monkeypatch.setenv("AIRFLOW_CONN_SMTP_TEST", connection)
+    yield inbox, connection
+    controller.stop()
+
+
+NOTIFY = {"to": ["oncall@example.com"], "smtp_conn_id": "smtp_test"}
+
+
+def test_a_stage_that_failed_for_good_mails_its_run_task_box_log_path_and_last_lines(smtp_server, plan):
+    """The remote-job operator's failure (exit code, box, try, job log path, log tail) reaches the on-call person.
+    A log line that looks like a Jinja template arrives as written, not evaluated."""
+    from types import SimpleNamespace
+
+    from eagle3_airflow.jobs import RemoteJobOperator
+    from eagle3_airflow.notify import FailureNotifier
+
+    inbox, _ = smtp_server
+    operator = RemoteJobOperator(task_id="train", stage="train", plan=plan)
+    failed = {"status": "failed", "key": "train", "reason": "exited 1",
+              "state": {"exit_code": 1, "try": 3, "log": "/data/eagle3/runs/r/jobs/train/log"},
+              "log_tail": ["step 812/4000 loss 2.31", "RuntimeError: NCCL timeout {{ 7 * 7 }}"]}
+    with pytest.raises(Exception) as error:
+        operator.execute_complete({}, failed)
+    # The context Airflow hands an on_failure_callback, with what this message reads of it.
+    context = {"ti": SimpleNamespace(dag_id="eagle3_drafter", task_id="train", map_index=-1, try_number=3),
+               "task": operator, "dag_run": SimpleNamespace(run_id="scheduled__2026-12-01"),
+               "exception": error.value}
+    FailureNotifier(scope="task", **NOTIFY, from_email=None, callables=[]).notify(context)
+
+    (message,) = inbox.messages
+    assert message["Subject"] == "[eagle3] eagle3_drafter: train failed in run scheduled__2026-12-01"
+    assert message["To"] == "oncall@example.com"
+    (body,) = inbox.bodies()
+    for expected in ("Run:   eagle3_drafter / scheduled__2026-12-01", "Task:  train, try 3 (no retries left)",
+                     "Box:   local", "job log on the box: /data/eagle3/runs/r/jobs/train/log",
+                     "step 812/4000 loss 2.31", "NCCL timeout {{ 7 * 7 }}"):
+        assert expected in body, expected
+
+
+@pytest.mark.slow
+def test_a_failed_run_mails_the_failed_task_and_the_run_and_no_secret(smtp_server, airflow_home, tmp_path,
+                                                                       tiny_target):
+    """A whole `airflow dags test` run that fails (its validate refuses a mistyped param) sends both notifications through
+    the settings file's SMTP connection; the worker's secrets are in its environment and in no mail."""
+    from tests.dagruns import conf_for
+
+    _, connection = smtp_server
+    inbox = smtp_server[0]
+    env = {**airflow_env(airflow_home), **settings_env(tmp_path, notify=NOTIFY), **WORKER_SECRETS,
+           "AIRFLOW_CONN_SMTP_TEST": connection}
+    conf = conf_for(tiny_target, tmp_path / "work", run_name="doomed", **{"train.epoch": 2})  # a typo
+    proc = subprocess.run([AIRFLOW, "dags", "test", "eagle3_drafter", "--conf", json.dumps(conf)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0
+    subjects = sorted(message["Subject"] for message in inbox.messages)
+    assert len(subjects) == 2, (subjects, proc.stdout[-3000:])
+    assert subjects[0].startswith("[eagle3] eagle3_drafter: run ") and subjects[0].endswith(" failed")
+    assert subjects[1].startswith("[eagle3] eagle3_drafter: validate failed in run ")
+    bodies = "\n".join(inbox.bodies())
+    assert "unknown trigger parameter(s): 'train.epoch'" in bodies  # what validate refused
+    for name, secret in WORKER_SECRETS.items():
+        assert secret not in bodies, name
+
+
+def test_a_deadline_warns_of_a_late_run_only_when_the_settings_ask_for_it(smtp_server):
+    """notify.late_after_h becomes the DAG's DeadlineAlert (queued-at + interval); its callback, run as the
+    triggerer runs it, mails that the run is late."""
+    import asyncio
+    from datetime import timedelta
+
+    from eagle3_airflow.deployment import Deployment
+    from eagle3_airflow.notify import late_run
+
+    inbox, _ = smtp_server
+    assert Deployment().deadline() is None and Deployment(notify=NOTIFY).deadline() is None
+    alert = Deployment(notify={**NOTIFY, "late_after_h": 30}).deadline()
+    assert alert.interval == timedelta(hours=30) and alert.callback.path == "eagle3_airflow.notify.late_run"
+    asyncio.run(late_run(**alert.callback.kwargs, context={"dag_run": {"dag_id": "eagle3_drafter",
+                                                                       "run_id": "manual__1"}}))
+    (message,) = inbox.messages
+    assert message["Subject"] == "[eagle3] eagle3_drafter: run manual__1 is late"
+    assert "not done 1 day, 6:00:00 after it was queued" in inbox.bodies()[0]
