@@ -11,10 +11,13 @@
 
 Running it again finds every job of run "demo" finished (about 45 s, all Airflow and Python start-up); delete
 demo-work/runs/demo to start over.
+
+    python scripts/demo.py [--state-dtype {bf16,fp8_e4m3}]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -137,15 +140,31 @@ def read_json(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "--state-dtype", choices=("bf16", "fp8_e4m3"), default="bf16",
+        help="extract.state_dtype: the dtype the store keeps the hidden states in (fp8_e4m3: half the disk, a "
+        "scale per token and layer; default %(default)s). Run \"demo\" keeps the dtype it was extracted with: "
+        "delete demo-work/runs/demo to switch",
+    )
+    return parser.parse_args(argv)
+
+
 def main() -> None:
+    args = parse_args()
+    conf = {**CONF, "extract.state_dtype": args.state_dtype}
     started = time.monotonic()
     WORKDIR.mkdir(exist_ok=True)
     step("build the tiny target", [sys.executable, "-m", "eagle3", "make-tiny-target", str(TINY_TARGET)])
     env = airflow_env()
     step("migrate the demo's Airflow DB (SQLite)", [AIRFLOW, "db", "migrate"], env=env, stdout=subprocess.DEVNULL)
+    step("create the DAG's pool (deferred tasks counted)",
+         [sys.executable, "-m", "eagle3_airflow.deployment", "create-pool", "--airflow", AIRFLOW], env=env,
+         stdout=subprocess.DEVNULL)
     log = WORKDIR / "dag-test.log"
     print(f"[demo] airflow dags test eagle3_drafter (the whole task log goes to {log}):", flush=True)
-    returncode = run_dag(CONF, env, log, lambda text: print(text, flush=True))
+    returncode = run_dag(conf, env, log, lambda text: print(text, flush=True))
     if returncode != 0:
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
         sys.exit(f"[demo] the DAG run failed (exit {returncode}); last lines of {log}:\n{tail}")

@@ -327,6 +327,24 @@ def test_disk_estimate_for_the_generate_stage_says_what_it_counted(disk_config, 
     assert "standing in" not in plain["message"]
 
 
+def test_disk_estimate_follows_the_state_dtype(disk_config, make_config):
+    """extract.state_dtype fp8_e4m3: the estimate asks for what the store itself counts per token for that dtype
+    (eagle3.store.StoreMeta: the fp8 payload and one float32 scale per token and layer), about half of bf16's."""
+    from eagle3.store import StoreMeta
+
+    cfg, _ = disk_config
+    fp8_cfg = make_config(data=cfg.data.model_dump(), extract={"state_dtype": "fp8_e4m3"})
+    bf16, fp8 = (boxinfo.disk_estimate(c, margin=1.0) for c in (cfg, fp8_cfg))
+    for run_cfg, out in ((cfg, bf16), (fp8_cfg, fp8)):
+        meta = StoreMeta(run_cfg.target.hidden_size, tuple(run_cfg.resolved_aux_layers()), run_cfg.extract.state_dtype)
+        assert out["bytes_per_token"] == meta.bytes_per_token
+        assert out["estimate_bytes"] == out["tokens"] * meta.bytes_per_token  # margin 1: exactly the payload
+    assert fp8["tokens"] == bf16["tokens"] > 0
+    assert fp8["bytes_per_token"] < 0.52 * bf16["bytes_per_token"]
+    assert f"({cfg.target.hidden_size} x 1 B + 4 B scale, fp8_e4m3)" in fp8["message"]
+    assert f"x {cfg.target.hidden_size} x 2 B x 1 +" in bf16["message"] and "scale" not in bf16["message"]
+
+
 def test_box_disk_user_errors_exit_2(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "eagle3", "box", "disk", "--config", str(tmp_path / "none.json")],
                           capture_output=True, text=True, timeout=120)

@@ -88,8 +88,8 @@ def test_a_stage_that_failed_for_good_mails_its_run_task_box_log_path_and_last_l
 @pytest.mark.slow
 def test_a_failed_run_mails_the_failed_task_and_the_run_and_no_secret(smtp_server, airflow_home, tmp_path,
                                                                        tiny_target):
-    """A whole `airflow dags test` run that fails (its validate refuses a mistyped param) sends both notifications through
-    the settings file's SMTP connection; the worker's secrets are in its environment and in no mail."""
+    """A whole `airflow dags test` run that fails (its validate refuses a mistyped param) sends both notifications
+    through the settings file's SMTP connection; the worker's secrets are in its environment and in no mail."""
     from tests.dagruns import conf_for
 
     _, connection = smtp_server

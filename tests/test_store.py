@@ -1,4 +1,4 @@
-"""The hidden-state store: round trip, crash leftovers, rejected samples, locking, verify and digest."""
+"""The hidden-state store: round trip, crash leftovers, rejected samples, locking, verify and digest; bf16 and fp8."""
 
 from __future__ import annotations
 
@@ -276,3 +276,228 @@ def test_a_refused_store_is_exit_2_with_one_line_of_error(tmp_path, capsys):
     assert main(["store", "digest", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert f"error: {manifest}: line 1: \"chunk\" is '../../etc/passwd'" in err and "Traceback" not in err
+
+
+# -- fp8 stores (extract.state_dtype fp8_e4m3): a float8_e4m3fn payload with a float32 scale per token and layer ------
+
+FP8_META = StoreMeta(hidden_size=H, aux_layers=(1, 3, 4), state_dtype="fp8_e4m3")
+
+
+def write_fp8_store(store_dir, samples, states, chunk_bytes=4096, batch=5):
+    writer = ShardWriter(store_dir, 0, FP8_META, chunk_bytes=chunk_bytes)
+    for i in range(0, len(samples), batch):
+        writer.add_batch(samples[i : i + batch], states[i : i + batch])
+    writer.close()
+
+
+def spread_magnitudes(states, seed=0):
+    """Each token's layers scaled by factors from 1e-4 to 1e4, chosen apart, and a few rows zeroed: a scale
+    shared by more than one token's layer would flush the small rows to zero."""
+    gen = torch.Generator().manual_seed(seed)
+    for state in states:
+        for name in ("aux_hidden_states", "last_hidden_state"):
+            rows = getattr(state, name).view(len(state.aux_hidden_states), -1, H)
+            rows *= 10.0 ** (torch.rand(rows.shape[:2], generator=gen) * 8 - 4).unsqueeze(-1)
+        state.aux_hidden_states[0, H : 2 * H] = 0.0  # one aux layer of one token all zeros
+        state.last_hidden_state[-1] = 0.0
+    return states
+
+
+def layer_rows(tensor):
+    return tensor.float().reshape(len(tensor), -1, H)
+
+
+def test_fp8_round_trip_is_within_half_a_step_of_each_token_layers_amax(tmp_path):
+    """Every value comes back within e4m3's half step at the top of the range (16 of 448, 1/28) of its token
+    layer's amax, as float32; zero rows come back as zeros, not NaN; ids and masks are exact; shard iteration
+    reads what random access reads."""
+    samples, states = make_samples(30)
+    spread_magnitudes(states)
+    write_fp8_store(tmp_path, samples, states)
+    store = HiddenStateStore(tmp_path)
+    worst = 0.0
+    for sample, state in zip(samples, states):
+        got = store[sample.sample_id]
+        assert got["input_ids"].tolist() == sample.input_ids and got["loss_mask"].tolist() == sample.loss_mask
+        for name in ("aux_hidden_states", "last_hidden_state"):
+            want = layer_rows(getattr(state, name).bfloat16())  # what the capture hands over, in bf16
+            assert got[name].dtype == torch.float32 and got[name].shape == getattr(state, name).shape
+            error = (layer_rows(got[name]) - want).abs().amax(-1)
+            amax = want.abs().amax(-1)
+            assert torch.isfinite(layer_rows(got[name])).all()
+            assert torch.all(error[amax == 0] == 0), "a zero row must dequantize to zeros"
+            worst = max(worst, float((error[amax > 0] / amax[amax > 0]).max()))
+    assert 0 < worst <= 1 / 28 + 1e-6, worst
+    by_id = dict(store.iter_shard(0))
+    assert list(by_id) == [s.sample_id for s in samples]
+    for sample in samples[:5]:
+        for name, tensor in store[sample.sample_id].items():
+            assert torch.equal(by_id[sample.sample_id][name], tensor), name
+
+
+def test_fp8_chunks_hold_the_payload_and_one_scale_per_token_and_layer(tmp_path):
+    """The on-disk contract: float8_e4m3fn states, float32 scales [N, 3] and [N, 1], each layer's largest |value|
+    stored as +-448, store.json naming the dtype, verify's stats naming it too."""
+    samples, states = make_samples(10)
+    spread_magnitudes(states)
+    write_fp8_store(tmp_path, samples, states)
+    assert json.loads((tmp_path / "store.json").read_text())["dtype"] == "float8_e4m3fn"
+    store = HiddenStateStore(tmp_path)
+    assert store.meta == FP8_META
+    stored = store.stored(samples[3].sample_id)
+    n = len(samples[3].input_ids)
+    assert stored["aux_hidden_states"].dtype == stored["last_hidden_state"].dtype == torch.float8_e4m3fn
+    assert stored["aux_scales"].dtype == stored["last_scale"].dtype == torch.float32
+    assert stored["aux_scales"].shape == (n, 3) and stored["last_scale"].shape == (n, 1)
+    top = layer_rows(stored["aux_hidden_states"]).abs().amax(-1)
+    nonzero = layer_rows(states[3].aux_hidden_states).abs().amax(-1) > 0
+    assert torch.all(top[nonzero] == 448) and torch.all(stored["aux_scales"] > 0)
+    stats = verify(tmp_path)
+    assert stats["state_dtype"] == "fp8_e4m3" and stats["samples"] == 10
+    assert FP8_META.bytes_per_token <= stats["bytes_per_token"] < FP8_META.bytes_per_token * 1.5
+
+
+def test_fp8_samples_with_non_finite_states_are_rejected_before_quantising(tmp_path):
+    """A scale would turn inf into a finite payload with an inf scale, or hide a NaN: the bf16 check comes first."""
+    samples, states = make_samples(6)
+    states[1].aux_hidden_states[3, 7] = float("inf")
+    states[5].last_hidden_state[0, 2] = float("nan")
+    writer = ShardWriter(tmp_path, 0, FP8_META)
+    assert writer.add_batch(samples, states) == 2
+    writer.close()
+    stats = verify(tmp_path)
+    assert (stats["samples"], stats["rejected"]) == (4, 2)
+    assert HiddenStateStore(tmp_path).rejected[samples[1].sample_id] == "non-finite hidden state"
+
+
+@pytest.mark.parametrize("existing, asked", [("bf16", "fp8_e4m3"), ("fp8_e4m3", "bf16")])
+def test_a_store_of_the_other_dtype_is_refused_never_mixed(tmp_path, existing, asked):
+    samples, states = make_samples(5)
+    writer = ShardWriter(tmp_path, 0, StoreMeta(H, (1, 3, 4), existing))
+    writer.add_batch(samples, states)
+    writer.close()
+    before = digest(tmp_path)
+    for shard in (0, 1):  # the shard it wrote, and one not begun yet
+        with pytest.raises(StoreError) as info:
+            ShardWriter(tmp_path, shard, StoreMeta(H, (1, 3, 4), asked))
+        message = str(info.value)
+        assert message.startswith(f"{tmp_path}: holds {existing} hidden states"), message
+        assert f"extract.state_dtype is {asked}" in message and "never mixes two dtypes" in message
+        assert f"Set extract.state_dtype back to {existing}" in message and f"delete {tmp_path}" in message
+    assert digest(tmp_path) == before and verify(tmp_path)["state_dtype"] == existing
+    assert not shard_dir(tmp_path, 1).joinpath("manifest.jsonl").exists()
+
+
+def rewrite_chunk(path, change):
+    """Rewrite a chunk with `change(tensors)` applied, keeping its metadata (and so its size): a bad disk or a hand
+    that edits the bytes, the manifest none the wiser."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(path), framework="pt") as f:
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+        metadata = f.metadata()
+    change(tensors)
+    save_file(tensors, str(path), metadata=metadata)
+
+
+def set_value(name, value, at=(2, 1)):
+    def change(tensors):
+        if tensors[name].dtype == torch.float8_e4m3fn:  # e4m3fn's NaN is the bit pattern 0x7f
+            tensors[name].view(torch.uint8)[at] = value
+        else:
+            tensors[name][at] = value
+    return change
+
+
+@pytest.mark.parametrize("change, fragment", [
+    (set_value("aux_scales", 0.0), "aux_scales has 1 scale(s) not finite and > 0 (first: token 2, layer 1: 0.0)"),
+    (set_value("aux_scales", -0.5), "aux_scales has 1 scale(s) not finite and > 0 (first: token 2, layer 1: -0.5)"),
+    (set_value("last_scale", float("nan"), (4, 0)), "last_scale has 1 scale(s) not finite and > 0 (first: token 4, "
+                                                    "layer 0: nan)"),
+    (set_value("last_scale", float("inf"), (0, 0)), "last_scale has 1 scale(s) not finite and > 0 (first: token 0"),
+    (set_value("aux_hidden_states", 0x7F), "aux_hidden_states has NaN"),
+    (lambda tensors: tensors.pop("last_scale"), "tensors ['aux_hidden_states', 'aux_scales', 'input_ids', "
+                                                "'last_hidden_state', 'loss_mask', 'offsets'], expected ["),
+    (lambda tensors: tensors.update(aux_scales=tensors["aux_scales"][:, :2].contiguous()),
+     "shapes do not agree with"),
+    (lambda tensors: tensors.update(aux_scales=tensors["aux_scales"].double()), "aux_scales is torch.float64, "
+                                                                                "expected torch.float32"),
+], ids=["zero-scale", "negative-scale", "nan-scale", "inf-scale", "nan-payload", "scales-missing", "scales-short",
+        "scales-float64"])
+def test_verify_checks_the_fp8_scales_and_payload(tmp_path, change, fragment):
+    samples, states = make_samples(10)
+    write_fp8_store(tmp_path, samples, states, chunk_bytes=1 << 20)
+    chunk = shard_dir(tmp_path, 0) / "chunk-000000.safetensors"
+    verify(tmp_path)
+    rewrite_chunk(chunk, change)
+    with pytest.raises(StoreError) as info:
+        verify(tmp_path)
+    assert f"{chunk}: {fragment}" in str(info.value), str(info.value)
+
+
+def test_fp8_digest_covers_payload_and_scales_and_ignores_chunking(tmp_path):
+    samples, states = make_samples(25)
+    write_fp8_store(tmp_path / "a", samples, states, chunk_bytes=2048, batch=3)
+    write_fp8_store(tmp_path / "b", samples, states, chunk_bytes=1 << 20, batch=7)
+    write_store(tmp_path / "bf16", samples, states)
+    assert digest(tmp_path / "a") == digest(tmp_path / "b") != digest(tmp_path / "bf16")
+    chunk = shard_dir(tmp_path / "b", 0) / "chunk-000000.safetensors"
+
+    def double_a_scale(tensors):  # still a valid scale: only the digest can tell
+        tensors["last_scale"][3, 0] *= 2
+
+    rewrite_chunk(chunk, double_a_scale)
+    verify(tmp_path / "b")
+    assert digest(tmp_path / "b") != digest(tmp_path / "a")
+
+
+def test_fp8_store_resumed_after_a_kill_9_has_the_digest_of_an_uninterrupted_one(tmp_path):
+    """What a kill -9 leaves (a batch pending in memory, a temp file mid-write, a renamed chunk whose manifest line
+    never came, a torn line), then a new writer that recovers the shard and writes the batches not recorded, as
+    extract does: the digest, payload bits and scales alike, equals an uninterrupted store's, chunked otherwise.
+    (tests/faults/test_fault_extract_kill.py kills real fp8 extract jobs.)"""
+    samples, states = make_samples(40)
+    spread_magnitudes(states)
+    batches = [(samples[i : i + 5], states[i : i + 5]) for i in range(0, 40, 5)]
+    killed = ShardWriter(tmp_path / "killed", 0, FP8_META, chunk_bytes=1)  # a chunk per batch
+    for batch in batches[:3]:
+        killed.add_batch(*batch)
+    killed.chunk_tokens = 1 << 30  # the fourth batch is still pending when the process dies
+    killed.add_batch(*batches[3])
+    killed.release()
+    sdir = shard_dir(tmp_path / "killed", 0)
+    (sdir / ".chunk-000003.safetensors.tmp-4242").write_bytes(b"partial")
+    (sdir / "chunk-000003.safetensors").write_bytes((sdir / "chunk-000000.safetensors").read_bytes())
+    with open(sdir / "manifest.jsonl", "a") as f:
+        f.write('{"chunk": "chunk-000003.safetensors", "bytes": 12, "sam')
+
+    writer = ShardWriter(tmp_path / "killed", 0, FP8_META, chunk_bytes=1)
+    assert len(writer.done_ids) == 15
+    for batch in batches:
+        if not all(writer.is_done(s.sample_id) for s in batch[0]):
+            writer.add_batch(*batch)
+    writer.close()
+    write_fp8_store(tmp_path / "clean", samples, states, chunk_bytes=1 << 20, batch=5)
+    assert verify(tmp_path / "killed")["samples"] == 40
+    assert digest(tmp_path / "killed") == digest(tmp_path / "clean")
+
+
+def test_fp8_takes_about_half_the_bytes_of_bf16_at_kimi_width(tmp_path):
+    """At hidden size 7168 (Kimi-K2.5, DeepSeek-V3), from the chunks' real sizes on disk: (4H + 16 + 5) / (8H + 5)
+    is 0.5003 per token; headers add a little to both."""
+    h = 7168
+    gen = torch.Generator().manual_seed(0)
+    samples = [TokenizedSample(f"{i:016x}", list(range(40)), [1] * 40, False) for i in range(4)]
+    states = [CapturedStates(torch.randn(40, 3 * h, generator=gen), torch.randn(40, h, generator=gen))
+              for _ in samples]
+    sizes = {}
+    for dtype in ("bf16", "fp8_e4m3"):
+        writer = ShardWriter(tmp_path / dtype, 0, StoreMeta(h, (1, 3, 4), dtype), chunk_bytes=1 << 30)
+        writer.add_batch(samples, states)
+        writer.close()
+        stats = verify(tmp_path / dtype)
+        assert stats["tokens"] == 160 and stats["chunks"] == 1
+        sizes[dtype] = stats["bytes"]
+    ratio = sizes["fp8_e4m3"] / sizes["bf16"]
+    assert 0.5 < ratio <= 0.51, (ratio, sizes)

@@ -4,6 +4,7 @@ and resume drills (one process, and 2 gloo ranks under torchrun) are in tests/fa
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -124,3 +125,53 @@ def test_without_a_token_budget_every_step_is_one_sample():
     assert sorted(b[0] for b in plan) == sorted(s for s, _ in samples) and all(len(b) == 1 for b in plan)
     assert plan == train.plan_epoch(samples, None, seed=0, epoch=0) != train.plan_epoch(samples, None, 0, 1)
     assert [len(b) for b in train.plan_epoch(samples, 100, seed=0, epoch=0)] != [1, 1, 1, 1]  # a budget packs
+
+
+def stored_again(store_dir, out_dir, state_dtype: str) -> None:
+    """The store's samples written into `out_dir` with another state dtype, shard by shard and one sample a batch
+    (the states as the bf16 store holds them: what the capture handed over)."""
+    from eagle3.capture import CapturedStates
+    from eagle3.data import TokenizedSample
+    from eagle3.store import HiddenStateStore, ShardWriter, StoreMeta
+
+    store = HiddenStateStore(store_dir)
+    meta = StoreMeta(store.meta.hidden_size, store.meta.aux_layers, state_dtype)
+    for shard in store.chunks:
+        writer = ShardWriter(out_dir, shard, meta)
+        for sample_id, s in store.iter_shard(shard):
+            sample = TokenizedSample(sample_id, s["input_ids"].tolist(), s["loss_mask"].tolist(), False)
+            writer.add_batch([sample], [CapturedStates(s["aux_hidden_states"], s["last_hidden_state"])])
+        writer.close()
+
+
+def test_the_trainer_reads_an_fp8_store_as_it_reads_a_bf16_one(trained_config):
+    """The trained drafter on its own store and on the same samples stored as fp8 (extract.state_dtype fp8_e4m3):
+    collated batches hold the same ids, masks and lengths, float32 states within fp8's half step of each token
+    layer's amax, the validation accuracy per position moves by less than 2 points, and a training step runs."""
+    cfg = trained_config
+    bf16 = train.Trainer(cfg)
+    bf16.resume()
+    val_ids = [sid for sid, _ in bf16.val_ids]
+    bf16_batch, bf16_val = train.collate(bf16.store, val_ids, "cpu"), bf16.validate()
+
+    bf16_dir = cfg.store_dir.with_name("hidden_states-bf16")
+    cfg.store_dir.rename(bf16_dir)
+    stored_again(bf16_dir, cfg.store_dir, "fp8_e4m3")
+    fp8 = train.Trainer(cfg)
+    assert fp8.store.meta.state_dtype == "fp8_e4m3" and fp8.val_ids == bf16.val_ids
+    fp8.resume()
+    fp8_batch = train.collate(fp8.store, val_ids, "cpu")
+    for name in ("input_ids", "loss_mask", "lengths"):
+        assert torch.equal(fp8_batch[name], bf16_batch[name]), name
+    hidden = cfg.target.hidden_size
+    for name in ("aux", "last"):
+        assert fp8_batch[name].dtype == bf16_batch[name].dtype == torch.float32
+        want = bf16_batch[name].reshape(*bf16_batch[name].shape[:2], -1, hidden)
+        error = (fp8_batch[name].reshape(want.shape) - want).abs().amax(-1)
+        assert torch.all(error <= want.abs().amax(-1) / 28 * (1 + 1e-5)), name  # (a tie lands on the bound)
+        assert error.max() > 0, "the fp8 store holds the bf16 states unchanged: it did not quantise"
+    fp8_val = fp8.validate()
+    assert len(fp8_val["val_acc"]) == len(bf16_val["val_acc"]) == cfg.train.ttt_length
+    assert max(abs(a - b) for a, b in zip(fp8_val["val_acc"], bf16_val["val_acc"])) < 0.02, (fp8_val, bf16_val)
+    loss, *_ = fp8.train_step(val_ids[:4])
+    assert math.isfinite(loss)

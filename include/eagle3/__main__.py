@@ -240,10 +240,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("store", help="inspect a hidden-state store")
     store_sub = p.add_subparsers(dest="store_command", required=True, metavar="SUBCOMMAND")
-    v = store_sub.add_parser("verify", help="check every chunk against the manifest; print JSON stats")
+    v = store_sub.add_parser("verify", help="check every chunk against the manifest (an fp8 store's scales and "
+                             "payload too); print JSON stats")
     v.add_argument("dir", help="the store directory (RUN_DIR/hidden_states)")
     v.set_defaults(func=cmd_store_verify)
-    d = store_sub.add_parser("digest", help="sha256 over all samples in id order (equal digests = equal content)")
+    d = store_sub.add_parser("digest", help="sha256 over all samples in id order, as stored (an fp8 store's scales "
+                             "too): equal digests = equal content")
     d.add_argument("dir", help="the store directory (RUN_DIR/hidden_states)")
     d.set_defaults(func=cmd_store_digest)
 

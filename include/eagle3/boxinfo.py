@@ -45,7 +45,10 @@ REPORTED_PACKAGES = (*REQUIRED_PACKAGES, "sglang")
 
 
 TOKEN_CACHE_NAME = "disk_estimate_tokens.json"
-STATE_BYTES = 2  # bf16, the store's dtype for hidden states
+# Bytes per hidden-state value by extract.state_dtype, and per state row (one token's layer): fp8's float32
+# scale. As eagle3.store.StoreMeta.bytes_per_token counts them, which imports torch: the sensor must not.
+STATE_BYTES = {"bf16": 2, "fp8_e4m3": 1}
+SCALE_BYTES = {"bf16": 0, "fp8_e4m3": 4}
 IDS_AND_MASK_BYTES = 5  # an int32 token id and a uint8 loss-mask entry per token
 
 
@@ -443,6 +446,7 @@ def disk_estimate(cfg, margin: float = 1.2) -> dict:
     """Will the run's extraction fit? `cfg` is a RunConfig with the target facts resolved.
 
     estimate = tokens x (aux layers + 1) x hidden_size x 2 B (bf16) x margin + 5 B per token (ids, mask);
+    with extract.state_dtype fp8_e4m3, hidden_size x 1 B + 4 B (its scale) in place of hidden_size x 2 B;
     the sglang backend's staged final states need no more (they shrink as the store grows, and together
     never exceed the finished store: eagle3/capture/staging.py);
     needed = estimate - bytes the store already holds; enough = needed <= free bytes of the file system
@@ -456,7 +460,8 @@ def disk_estimate(cfg, margin: float = 1.2) -> dict:
     counts = cached_token_count(cfg, cfg.run_dir / TOKEN_CACHE_NAME)
     states_per_token = len(cfg.resolved_aux_layers()) + 1
     hidden_size = cfg.target.hidden_size
-    state_bytes_per_token = states_per_token * hidden_size * STATE_BYTES
+    dtype = cfg.extract.state_dtype
+    state_bytes_per_token = states_per_token * (hidden_size * STATE_BYTES[dtype] + SCALE_BYTES[dtype])
     tokens = counts["tokens"]
     estimate = math.ceil(tokens * (state_bytes_per_token * margin + IDS_AND_MASK_BYTES))
     held = store_held_bytes(cfg.store_dir)
@@ -465,10 +470,13 @@ def disk_estimate(cfg, margin: float = 1.2) -> dict:
     fs = os.statvfs(where)
     free = fs.f_bavail * fs.f_frsize
     enough = needed <= free
+    state_row = f"{hidden_size} x {STATE_BYTES[dtype]} B"
+    if SCALE_BYTES[dtype]:
+        state_row = f"({state_row} + {SCALE_BYTES[dtype]} B scale, {dtype})"
     message = (
         f"{'enough' if enough else 'not enough'} disk: need {format_bytes(needed)} more for "
-        f"{format_count(tokens)} tokens x ({states_per_token} x {hidden_size} x {STATE_BYTES} B x {margin:g} "
-        f"+ {IDS_AND_MASK_BYTES} B) (store already holds {format_bytes(held)}); {format_bytes(free)} free on {where}"
+        f"{format_count(tokens)} tokens x ({states_per_token} x {state_row} x {margin:g} + {IDS_AND_MASK_BYTES} B) "
+        f"(store already holds {format_bytes(held)}); {format_bytes(free)} free on {where}"
     )
     if cfg.generate.enabled:
         message += f"; tokens counted from {cfg.data.path}, standing in for the answers generate will write"

@@ -377,6 +377,10 @@ class ExtractConfig(Section):
         16384, ge=16, le=16 * MAX_WIDTH, title="Tokens per forward batch",
         description="Padded tokens per forward pass (hf); tokens per request batch (sglang).",
     )
+    state_dtype: Literal["bf16", "fp8_e4m3"] = Field(
+        "bf16", title="Stored state dtype",
+        description="bf16: as the target computes them. fp8_e4m3: half the disk, one scale per token and layer.",
+    )
     chunk_mib: int = Field(
         256, ge=1, le=16384, title="Chunk size (MiB)", description="Target size of one store chunk file."
     )

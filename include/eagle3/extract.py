@@ -131,7 +131,7 @@ def run_extract(cfg, shard: int = 0, num_shards: int | None = None, gpu_group: i
     mine = [c for c in conversations if shard_of(c.sample_id, num_shards) == shard]
     mine_ids = {c.sample_id for c in mine}
 
-    meta = StoreMeta(cfg.target.hidden_size, tuple(cfg.resolved_aux_layers()))
+    meta = StoreMeta(cfg.target.hidden_size, tuple(cfg.resolved_aux_layers()), cfg.extract.state_dtype)
     writer = ShardWriter(cfg.store_dir, shard, meta, chunk_bytes=cfg.extract.chunk_mib << 20)
     done_before = sum(conversation_id_of(sid) in mine_ids for sid in [*writer.done_ids, *writer.rejected])
     stored_conversations = {conversation_id_of(sid) for sid in writer.done_ids} & mine_ids

@@ -2,7 +2,8 @@
 
 On-disk contract (one store per run, {run dir}/hidden_states/):
 
-  store.json                      written once: format, hidden_size, aux_layers, dtype
+  store.json                      written once: format, hidden_size, aux_layers, dtype (the states' dtype:
+                                  "bfloat16", or "float8_e4m3fn" with extract.state_dtype fp8_e4m3; one per store)
   shard-00000/
     manifest.jsonl                append-only journal, fsynced line by line; the ONLY record of what exists.
                                   One line per commit: a chunk and the samples rejected since the last one
@@ -15,12 +16,21 @@ On-disk contract (one store per run, {run dir}/hidden_states/):
                                     last_hidden_state  bf16  [N, H]    (final post-norm state, lm_head input)
                                     offsets            int64 [S+1]     sample s is rows offsets[s]:offsets[s+1]
                                   metadata: {"format": ..., "sample_ids": JSON list}
+                                  In an fp8 store both states are float8_e4m3fn [N, 3H] / [N, H] instead, and
+                                  each of the token's layers (its H columns) has a scale of its own:
+                                    aux_scales         fp32  [N, 3]    aux layer j of token t is
+                                                           aux_hidden_states[t, jH:(j+1)H] x aux_scales[t, j]
+                                    last_scale         fp32  [N, 1]    last_hidden_state[t] x last_scale[t, 0]
+                                  scale = amax(|x| over those H values) / 448 (e4m3fn's largest value), so the
+                                  largest one is stored as +-448; a row of zeros gets scale 1. Every scale is
+                                  finite and > 0. About half the bytes of bf16: (4H + 16 + 5) / (8H + 5) per token.
 
 A chunk is written to a temporary name, fsynced, renamed, and only then recorded in the manifest (fsynced).
 A chunk not in the manifest does not exist: opening a shard for writing deletes such leftovers and a
 torn last manifest line. Samples whose states are not finite are rejected, recorded, and counted, so a
-resumed run neither loses them silently nor computes them again. Readers mmap (safetensors) and never
-modify anything.
+resumed run neither loses them silently nor computes them again (checked on the states as captured, before
+they are quantised). Readers mmap (safetensors) and never modify anything; they give an fp8 store's states
+dequantized to float32, so a consumer reads either store alike.
 """
 
 from __future__ import annotations
@@ -32,7 +42,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,9 +54,18 @@ from eagle3.fsutil import append_line_durably, atomic_write_text, commit, fsync_
 from eagle3.progress import format_bytes
 
 STORE_FORMAT = "eagle3-hidden-states/1"
-STATE_DTYPE = torch.bfloat16
+STATE_DTYPE = torch.bfloat16  # what the capture backends hand over, and what a bf16 store holds
 MAX_OPEN_CHUNKS = 64
-TENSOR_NAMES = ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state", "offsets")
+# extract.state_dtype -> the dtype the states are stored in (store.json's "dtype" is its torch name)
+STORED_DTYPES = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
+SCALE_OF = {"aux_hidden_states": "aux_scales", "last_hidden_state": "last_scale"}  # fp8 stores only
+SAMPLE_TENSORS = ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state")  # what a reader gets
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448: a layer's largest |value| is stored as this
+SCALE_BYTES = 4  # float32
+SAFETENSORS_DTYPES = {  # how a chunk's header names each dtype (safe_open's get_dtype)
+    torch.int32: "I32", torch.uint8: "U8", torch.int64: "I64", torch.float32: "F32", torch.bfloat16: "BF16",
+    torch.float8_e4m3fn: "F8_E4M3",
+}
 
 
 class StoreError(RuntimeError):
@@ -57,18 +76,76 @@ class StoreError(RuntimeError):
 class StoreMeta:
     hidden_size: int
     aux_layers: tuple[int, ...]
+    state_dtype: str = "bf16"  # extract.state_dtype's names: "bf16" or "fp8_e4m3"
+
+    def __post_init__(self):
+        if self.state_dtype not in STORED_DTYPES:
+            raise ValueError(f"state_dtype {self.state_dtype!r}: expected one of {sorted(STORED_DTYPES)}")
+
+    @property
+    def stored_dtype(self) -> torch.dtype:
+        return STORED_DTYPES[self.state_dtype]
+
+    @property
+    def quantized(self) -> bool:
+        """fp8: the states are stored with a scale per token and layer (the module docstring)."""
+        return self.state_dtype == "fp8_e4m3"
 
     def to_json(self) -> str:
         return json.dumps(
             {"format": STORE_FORMAT, "hidden_size": self.hidden_size, "aux_layers": list(self.aux_layers),
-             "dtype": "bfloat16"},
+             "dtype": _torch_name(self.stored_dtype)},
             indent=2,
         ) + "\n"
 
     @property
     def bytes_per_token(self) -> int:
-        """Payload bytes of one token: aux + last states in bf16, an int32 id, a uint8 mask."""
-        return (len(self.aux_layers) + 1) * self.hidden_size * 2 + 4 + 1
+        """Payload bytes of one token: aux + last states (with fp8, a float32 scale for each), an int32 id,
+        a uint8 mask."""
+        states = len(self.aux_layers) + 1
+        per_state = self.hidden_size * self.stored_dtype.itemsize + (SCALE_BYTES if self.quantized else 0)
+        return states * per_state + 4 + 1
+
+    def chunk_tensors(self, tokens: int, samples: int) -> dict[str, tuple[list[int], torch.dtype]]:
+        """name -> (shape, dtype) of every tensor in a chunk of `samples` samples of `tokens` tokens in all; the
+        per-token ones first, in the order the digest hashes them."""
+        h, k = self.hidden_size, len(self.aux_layers)
+        tensors = {
+            "input_ids": ([tokens], torch.int32), "loss_mask": ([tokens], torch.uint8),
+            "aux_hidden_states": ([tokens, k * h], self.stored_dtype),
+            "last_hidden_state": ([tokens, h], self.stored_dtype),
+        }
+        if self.quantized:
+            tensors |= {"aux_scales": ([tokens, k], torch.float32), "last_scale": ([tokens, 1], torch.float32)}
+        return tensors | {"offsets": ([samples + 1], torch.int64)}
+
+    @property
+    def row_tensors(self) -> tuple[str, ...]:
+        """The chunk's tensors with one row per token (all but the offsets), in digest order."""
+        return tuple(name for name in self.chunk_tensors(0, 0) if name != "offsets")
+
+
+def _torch_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def quantize_fp8(states: torch.Tensor, layers: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, layers x H] states -> (float8_e4m3fn [N, layers x H], float32 scales [N, layers]): each token's
+    layer scaled so its largest |value| is e4m3fn's largest (448), where the format's 3 mantissa bits sit on
+    that row's own range. A row of zeros gets scale 1 (any positive one dequantizes it to zeros, and none
+    divides by 0); so does one whose amax / 448 underflows float32."""
+    rows = states.float().reshape(len(states), layers, -1)
+    scales = rows.abs().amax(dim=-1) / FP8_MAX
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    # x / scale is at most 448 up to float rounding; the clamp keeps that last bit from reading as out of range
+    payload = (rows / scales.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return payload.reshape(states.shape), scales
+
+
+def dequantize_fp8(payload: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """quantize_fp8's inverse: float32 [N, layers x H] (payload x scale, exact in float32)."""
+    rows = payload.float().reshape(len(payload), scales.shape[-1], -1)
+    return (rows * scales.unsqueeze(-1)).reshape(payload.shape)
 
 
 def all_finite(tensor: torch.Tensor) -> bool:
@@ -119,7 +196,11 @@ def read_meta(store_dir: Path) -> StoreMeta:
         raise StoreError(f"{path}: hidden_size is {_shown(hidden_size)}, not a positive integer; {fix}")
     if not isinstance(aux_layers, list) or not aux_layers or not all(is_count(layer) for layer in aux_layers):
         raise StoreError(f"{path}: aux_layers is {_shown(aux_layers)}, not a list of layer numbers; {fix}")
-    return StoreMeta(hidden_size, tuple(aux_layers))
+    state_dtypes = {_torch_name(dtype): name for name, dtype in STORED_DTYPES.items()}
+    dtype = raw.get("dtype")
+    if dtype not in state_dtypes:
+        raise StoreError(f"{path}: dtype is {_shown(dtype)}, not one of {sorted(state_dtypes)}; {fix}")
+    return StoreMeta(hidden_size, tuple(aux_layers), state_dtypes[dtype])
 
 
 def ensure_meta(store_dir: Path, meta: StoreMeta) -> None:
@@ -128,10 +209,17 @@ def ensure_meta(store_dir: Path, meta: StoreMeta) -> None:
     if not path.exists():
         atomic_write_text(path, meta.to_json())  # several shards may race here: same content, atomic replace
     existing = read_meta(store_dir)
-    if existing != meta:
+    if (existing.hidden_size, existing.aux_layers) != (meta.hidden_size, meta.aux_layers):
         raise StoreError(
             f"{path}: holds hidden_size={existing.hidden_size} aux_layers={list(existing.aux_layers)}, but this "
             f"run asks for hidden_size={meta.hidden_size} aux_layers={list(meta.aux_layers)}; use a new run_name"
+        )
+    if existing.state_dtype != meta.state_dtype:
+        raise StoreError(
+            f"{store_dir}: holds {existing.state_dtype} hidden states ({path}), but this run's extract.state_dtype "
+            f"is {meta.state_dtype}, and a store never mixes two dtypes. Set extract.state_dtype back to "
+            f"{existing.state_dtype} to continue this store, or extract {meta.state_dtype} into a new one (another "
+            f"run_name, or delete {store_dir} first)"
         )
 
 
@@ -199,7 +287,7 @@ def record_problem(record: object, meta: StoreMeta | None = None) -> str | None:
         tokens = sum(length for _, length in samples)
         if tokens * meta.bytes_per_token > size:
             return (f'"bytes" is {size}, less than its {tokens} tokens take at hidden_size {meta.hidden_size} with '
-                    f"{len(meta.aux_layers)} aux layers ({tokens * meta.bytes_per_token} bytes)")
+                    f"{len(meta.aux_layers)} aux layers in {meta.state_dtype} ({tokens * meta.bytes_per_token} bytes)")
     return None
 
 
@@ -243,7 +331,7 @@ class ShardWriter:
         self.done_ids = {sid for r in records for sid, _ in r.get("samples", ())}
         self.rejected = {sid: reason for r in records for sid, reason in r["rejected"]}
         self.num_chunks = sum(1 for r in records if r["chunk"])
-        self._pending: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._pending: list[tuple[str, dict[str, torch.Tensor]]] = []  # (id, its row tensors as they are stored)
         self._pending_rejects: list[tuple[str, str]] = []
         self._pending_tokens = 0
         self.bytes_written = 0
@@ -299,12 +387,16 @@ class ShardWriter:
                 f"sample {sample_id}: shapes ids={n} mask={len(loss_mask)} aux={tuple(aux.shape)} "
                 f"last={tuple(last.shape)} do not match hidden_size={h} with {len(self.meta.aux_layers)} aux layers"
             )
-        if not (all_finite(aux) and all_finite(last)):
+        if not (all_finite(aux) and all_finite(last)):  # before quantising, which would carry inf/NaN into a scale
             self._pending_rejects.append((sample_id, "non-finite hidden state"))
             return False
-        ids = torch.as_tensor(input_ids, dtype=torch.int32)
-        mask = torch.as_tensor(loss_mask, dtype=torch.uint8)
-        self._pending.append((sample_id, ids, mask, aux, last))
+        rows = {"input_ids": torch.as_tensor(input_ids, dtype=torch.int32),
+                "loss_mask": torch.as_tensor(loss_mask, dtype=torch.uint8),
+                "aux_hidden_states": aux, "last_hidden_state": last}
+        if self.meta.quantized:  # here, on the writer thread: the forward pass does not wait for it
+            rows["aux_hidden_states"], rows["aux_scales"] = quantize_fp8(aux, len(self.meta.aux_layers))
+            rows["last_hidden_state"], rows["last_scale"] = quantize_fp8(last, 1)
+        self._pending.append((sample_id, rows))
         self._pending_tokens += n
         return True
 
@@ -329,17 +421,12 @@ class ShardWriter:
         self._pending_tokens = 0
 
     def _write_chunk(self) -> dict:
-        ids, ids_t, mask_t, aux_t, last_t = zip(*self._pending)
-        lengths = [len(t) for t in ids_t]
+        ids, rows = zip(*self._pending)
+        lengths = [len(r["input_ids"]) for r in rows]
         offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
         offsets[1:] = torch.tensor(lengths).cumsum(0)
-        tensors = {
-            "input_ids": torch.cat(ids_t),
-            "loss_mask": torch.cat(mask_t),
-            "aux_hidden_states": torch.cat(aux_t),
-            "last_hidden_state": torch.cat(last_t),
-            "offsets": offsets,
-        }
+        tensors = {name: torch.cat([r[name] for r in rows]) for name in self.meta.row_tensors}
+        tensors["offsets"] = offsets
         name = chunk_name(self.num_chunks)
         final = self.dir / name
         tmp = tmp_path_for(final)
@@ -460,40 +547,73 @@ class HiddenStateStore:
         """Drop the open handles (their mmaps go with them)."""
         self._handles.clear()
 
-    def __getitem__(self, sample_id: str) -> dict[str, torch.Tensor]:
-        """One sample's tensors as views of the mmapped chunk: the bytes are read when first touched."""
+    def stored(self, sample_id: str) -> dict[str, torch.Tensor]:
+        """One sample's row tensors exactly as stored (an fp8 store's payload and scales): what the digest hashes."""
         loc = self.locations[sample_id]
         f = self._open(loc.shard, loc.chunk)
-        return {name: f.get_slice(name)[loc.start : loc.end] for name in TENSOR_NAMES[:4]}
+        return {name: f.get_slice(name)[loc.start : loc.end] for name in self.meta.row_tensors}
 
-    def iter_shard(self, shard: int) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
+    def __getitem__(self, sample_id: str) -> Mapping[str, torch.Tensor]:
+        """One sample's SAMPLE_TENSORS. From a bf16 store, views of the mmapped chunk: the bytes are read when
+        first touched; from an fp8 store, its states dequantized to float32 when asked for (DequantizedSample)."""
+        loc = self.locations[sample_id]
+        f = self._open(loc.shard, loc.chunk)
+        if self.meta.quantized:
+            return DequantizedSample(lambda name: f.get_slice(name)[loc.start : loc.end])
+        return {name: f.get_slice(name)[loc.start : loc.end] for name in SAMPLE_TENSORS}
+
+    def iter_shard(self, shard: int) -> Iterator[tuple[str, Mapping[str, torch.Tensor]]]:
         """Samples of one shard in storage order, as views of the mmapped chunks (read when touched,
-        e.g. when a batch is collated). The kernel reads the next chunk ahead meanwhile."""
+        e.g. when a batch is collated; an fp8 store's dequantized then). The kernel reads the next chunk ahead
+        meanwhile."""
         records = self.chunks.get(shard, [])
         for i, record in enumerate(records):
             if i + 1 < len(records):
                 _read_ahead(shard_dir(self.dir, shard) / records[i + 1]["chunk"])
             f = self._open(shard, record["chunk"])
-            tensors = {name: f.get_tensor(name) for name in TENSOR_NAMES}
+            tensors = {name: f.get_tensor(name) for name in self.meta.chunk_tensors(0, 0)}
             offsets = tensors["offsets"].tolist()
             for row, (sid, _) in enumerate(record["samples"]):
                 a, b = offsets[row], offsets[row + 1]
-                yield sid, {name: tensors[name][a:b] for name in TENSOR_NAMES[:4]}
+                if self.meta.quantized:
+                    yield sid, DequantizedSample(lambda name, t=tensors, a=a, b=b: t[name][a:b])
+                else:
+                    yield sid, {name: tensors[name][a:b] for name in SAMPLE_TENSORS}
+
+
+class DequantizedSample(Mapping):
+    """One sample of an fp8 store, read as a bf16 store's is: input_ids and loss_mask as stored, each state
+    dequantized to float32 (payload x scale, exact: a bf16 result would round a second time) when asked for.
+    Computed on each access, not kept: a reader of ids alone (vocab counting) never pays for the states, and
+    a batch being collated does not hold a second float32 copy of itself."""
+
+    def __init__(self, read: Callable[[str], torch.Tensor]):
+        self._read = read  # name -> the sample's rows of that stored tensor
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name in SCALE_OF:
+            return dequantize_fp8(self._read(name), self._read(SCALE_OF[name]))
+        if name in SAMPLE_TENSORS:
+            return self._read(name)
+        raise KeyError(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(SAMPLE_TENSORS)
+
+    def __len__(self) -> int:
+        return len(SAMPLE_TENSORS)
 
 
 def _header_problem(handle, record: dict, meta: StoreMeta) -> str | None:
     """How a chunk's tensors disagree with its manifest record and the store's shapes, or None."""
     lengths = [length for _, length in record["samples"]]
     n, h, k = sum(lengths), meta.hidden_size, len(meta.aux_layers)
-    expected = {
-        "input_ids": ([n], "I32"), "loss_mask": ([n], "U8"), "aux_hidden_states": ([n, k * h], "BF16"),
-        "last_hidden_state": ([n, h], "BF16"), "offsets": ([len(lengths) + 1], "I64"),
-    }
+    expected = meta.chunk_tensors(n, len(lengths))
     names = set(handle.keys())
-    if names != set(TENSOR_NAMES):
-        return f"holds tensors {sorted(names)}, expected {sorted(TENSOR_NAMES)}"
+    if names != set(expected):
+        return f"holds tensors {sorted(names)}, expected {sorted(expected)} (a {meta.state_dtype} store's)"
     for name, (shape, dtype) in expected.items():
-        tensor = handle.get_slice(name)
+        tensor, dtype = handle.get_slice(name), SAFETENSORS_DTYPES[dtype]
         if list(tensor.get_shape()) != shape or tensor.get_dtype() != dtype:
             return (f"{name} is {tensor.get_dtype()} {list(tensor.get_shape())}, but the manifest's {len(lengths)} "
                     f"samples of {n} tokens at hidden_size {h} with {k} aux layers make it {dtype} {shape}")
@@ -522,7 +642,8 @@ def _read_ahead(path: Path) -> None:
 def verify(store_dir: str | Path) -> dict:
     """Check every chunk against the manifest and the contract; return stats or raise StoreError."""
     store = HiddenStateStore(store_dir)
-    h, k = store.meta.hidden_size, len(store.meta.aux_layers)
+    meta = store.meta
+    names = set(meta.chunk_tensors(0, 0))
     problems: list[str] = []
     tokens = loss_tokens = payload_bytes = 0
     for shard, records in store.chunks.items():
@@ -536,16 +657,17 @@ def verify(store_dir: str | Path) -> dict:
                 problems.append(f"{path}: {path.stat().st_size} bytes, manifest says {record['bytes']}")
             try:
                 with safe_open(str(path), framework="pt") as f:
-                    names = set(f.keys())
-                    if names != set(TENSOR_NAMES):
-                        problems.append(f"{path}: tensors {sorted(names)}, expected {sorted(TENSOR_NAMES)}")
+                    found = set(f.keys())
+                    if found != names:
+                        problems.append(f"{path}: tensors {sorted(found)}, expected {sorted(names)} "
+                                        f"(a {meta.state_dtype} store's)")
                         continue
-                    t = {name: f.get_tensor(name) for name in TENSOR_NAMES}
+                    t = {name: f.get_tensor(name) for name in names}
                     metadata = f.metadata() or {}
             except Exception as err:  # noqa: BLE001 - any unreadable chunk is a finding, not a crash
                 problems.append(f"{path}: unreadable ({err})")
                 continue
-            problems += _check_chunk(path, record, t, metadata, h, k)
+            problems += _check_chunk(path, record, t, metadata, meta)
             tokens += len(t["input_ids"])
             loss_tokens += int(t["loss_mask"].sum())
     if problems:
@@ -559,45 +681,62 @@ def verify(store_dir: str | Path) -> dict:
         "shards": len(store.chunks),
         "bytes": payload_bytes,
         "bytes_per_token": payload_bytes / tokens if tokens else None,
-        "hidden_size": h,
-        "aux_layers": list(store.meta.aux_layers),
+        "hidden_size": meta.hidden_size,
+        "aux_layers": list(meta.aux_layers),
+        "state_dtype": meta.state_dtype,
     }
 
 
-def _check_chunk(path, record, t, metadata, h, k) -> list[str]:
+def _check_chunk(path, record, t, metadata, meta: StoreMeta) -> list[str]:
     problems = []
     n = len(t["input_ids"])
     lengths = [length for _, length in record["samples"]]
-    expected_dtypes = {
-        "input_ids": torch.int32, "loss_mask": torch.uint8, "aux_hidden_states": STATE_DTYPE,
-        "last_hidden_state": STATE_DTYPE, "offsets": torch.int64,
-    }
-    for name, dtype in expected_dtypes.items():
+    expected = meta.chunk_tensors(n, len(lengths))
+    for name, (_, dtype) in expected.items():
         if t[name].dtype != dtype:
             problems.append(f"{path}: {name} is {t[name].dtype}, expected {dtype}")
-    if t["aux_hidden_states"].shape != (n, k * h) or t["last_hidden_state"].shape != (n, h) or len(t["loss_mask"]) != n:
-        problems.append(f"{path}: shapes do not agree with {n} tokens, hidden_size {h}, {k} aux layers")
+    if any(list(t[name].shape) != shape for name, (shape, _) in expected.items() if name != "offsets"):
+        scales = ", one scale per token and layer" if meta.quantized else ""
+        problems.append(f"{path}: shapes do not agree with {n} tokens, hidden_size {meta.hidden_size}, "
+                        f"{len(meta.aux_layers)} aux layers{scales}")
     offsets = t["offsets"].tolist()
     if offsets[0] != 0 or offsets[-1] != n or [b - a for a, b in zip(offsets, offsets[1:])] != lengths:
         problems.append(f"{path}: offsets {offsets[:4]}... disagree with the manifest's sample lengths")
     if json.loads(metadata.get("sample_ids", "[]")) != [sid for sid, _ in record["samples"]]:
         problems.append(f"{path}: sample ids in the file differ from the manifest")
-    for name in ("aux_hidden_states", "last_hidden_state"):
-        if not torch.isfinite(t[name]).all():
+    for name, scale_name in SCALE_OF.items():
+        state = t[name]
+        if state.dtype == torch.float8_e4m3fn:  # e4m3fn has NaN encodings but no inf (isfinite has no fp8 kernel)
+            if torch.isnan(state).any():
+                problems.append(f"{path}: {name} has NaN")
+        elif not torch.isfinite(state).all():
             problems.append(f"{path}: {name} has NaN or inf")
+        if meta.quantized:
+            scales = t[scale_name]
+            bad = ~(torch.isfinite(scales) & (scales > 0))
+            if bad.any():
+                token, layer = (int(i) for i in bad.nonzero()[0])
+                problems.append(f"{path}: {scale_name} has {int(bad.sum())} scale(s) not finite and > 0 (first: token "
+                                f"{token}, layer {layer}: {float(scales[token, layer])}); a scale dequantizes its "
+                                f"layer's {meta.hidden_size} values")
     return problems
 
 
+# numpy has no bf16 or fp8 dtype: their bits are hashed as integers of the same width
+RAW_BITS = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8}
+
+
 def digest(store_dir: str | Path) -> str:
-    """sha256 over all samples in sample-id order: equal digests mean equal content, however chunked."""
+    """sha256 over all samples in sample-id order, as stored (an fp8 store's payload bits and scales): equal
+    digests mean equal content, however chunked."""
     store = HiddenStateStore(store_dir)
     h = hashlib.sha256()
     for sample_id in sorted(store.sample_ids):
-        sample = store[sample_id]
+        sample = store.stored(sample_id)
         h.update(sample_id.encode())
-        for name in TENSOR_NAMES[:4]:
+        for name in store.meta.row_tensors:
             tensor = sample[name].contiguous()
-            if tensor.dtype == STATE_DTYPE:
-                tensor = tensor.view(torch.int16)  # numpy has no bf16; the raw bits are what matter
+            if tensor.dtype in RAW_BITS:
+                tensor = tensor.view(RAW_BITS[tensor.dtype])
             h.update(tensor.numpy().tobytes())
     return h.hexdigest()

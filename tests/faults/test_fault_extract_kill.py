@@ -1,6 +1,9 @@
 """Fault drill 1: kill -9 the extract job at 10 random moments during a real DAG run; every kill is retried by
 Airflow and the job resumes. Figure printed: each kill (shard, try, what was killed, pid, chunks stored at
-that moment), then samples expected/stored, lost, duplicated, the two digests and the durations."""
+that moment), then samples expected/stored, lost, duplicated, the two digests and the durations.
+
+The drill stores fp8 states (extract.state_dtype fp8_e4m3): resume must give the same payload bits AND the same
+per-token scales. bf16 stores are resumed by the other extract tests and the demo (one drill: the suite's time)."""
 
 from __future__ import annotations
 
@@ -29,7 +32,8 @@ pytestmark = pytest.mark.slow
 KILLS = 10
 SHARDS = 2
 MAX_KILLS_PER_SHARD = 5  # Airflow's retry delay doubles per try (1, 2, 4, 8, 16 s): spread the kills
-SAMPLES = 640  # about 13 one-MiB chunks per shard: room for 5 kills each (a late kill eats up to 3)
+STATE_DTYPE = "fp8_e4m3"
+SAMPLES = 640  # about 9 one-MiB fp8 chunks per shard (13 in bf16): room for 5 kills each (a late kill eats up to 3)
 # Only extraction is under test: Airflow marks the later stages successful instead of running them.
 AFTER_EXTRACT = "vocab|train|export|evaluate|benchmark|report"
 
@@ -138,7 +142,7 @@ def test_extract_killed_10_times_in_a_dag_run_loses_nothing_and_duplicates_nothi
     # The reference: the same two shard commands the DAG's jobs run, uninterrupted, in the background while
     # Airflow starts up.
     reference = make_config(run_name="uninterrupted", data={"max_samples": SAMPLES},
-                            extract={"batch_tokens": 512, "num_shards": SHARDS})
+                            extract={"batch_tokens": 512, "num_shards": SHARDS, "state_dtype": STATE_DTYPE})
     write_run_config(reference)
     reference_jobs = [
         subprocess.Popen([sys.executable, "-m", "eagle3", "extract", "--config", str(reference.config_path),
@@ -148,7 +152,7 @@ def test_extract_killed_10_times_in_a_dag_run_loses_nothing_and_duplicates_nothi
     ]
 
     conf = conf_for(tiny_target, tmp_path / "box", "killed",
-                    **{"data.max_samples": SAMPLES, "extract.batch_tokens": 512})
+                    **{"data.max_samples": SAMPLES, "extract.batch_tokens": 512, "extract.state_dtype": STATE_DTYPE})
     run_dir = tmp_path / "box" / "runs" / "killed"
     killer = ExtractKiller(run_dir, seed=20261129)
     killer.start()
@@ -165,6 +169,7 @@ def test_extract_killed_10_times_in_a_dag_run_loses_nothing_and_duplicates_nothi
 
     store = run_dir / "hidden_states"
     stats = json.loads(run_eagle3("store", "verify", str(store)).stdout)  # raises unless every chunk checks out
+    reference_stats = json.loads(run_eagle3("store", "verify", str(reference.store_dir)).stdout)
     got = run_eagle3("store", "digest", str(store)).stdout.strip()
     expected = run_eagle3("store", "digest", str(reference.store_dir)).stdout.strip()
     entries = [sid for shard in range(SHARDS) for sid in manifest_entries(store, shard)]
@@ -175,8 +180,8 @@ def test_extract_killed_10_times_in_a_dag_run_loses_nothing_and_duplicates_nothi
     print(f"\ndrill 1 (extract kill -9 in a DAG run): {len(killer.kills)} kills")
     for kill in killer.kills:
         print(f"  kill: {kill}")
-    print(f"  samples: {len(wanted)} expected, {stats['samples']} stored ({stats['chunks']} chunks), "
-          f"lost {lost}, duplicated {duplicated}; tries per shard {tries}")
+    print(f"  samples: {len(wanted)} expected, {stats['samples']} stored ({stats['chunks']} {stats['state_dtype']} "
+          f"chunks), lost {lost}, duplicated {duplicated}; tries per shard {tries}")
     print(f"  store digest {got[:16]}..., uninterrupted {expected[:16]}...; DAG run {dag_seconds:.0f} s")
 
     assert len(killer.kills) == KILLS, f"only {len(killer.kills)} kills landed: {killer.kills}"
@@ -184,4 +189,5 @@ def test_extract_killed_10_times_in_a_dag_run_loses_nothing_and_duplicates_nothi
     assert all(job_state(run_dir, f"extract.{s}")["status"] == "succeeded" for s in range(SHARDS))
     assert (lost, duplicated) == (0, 0)
     assert stats["samples"] == len(wanted) > 600
+    assert stats["state_dtype"] == reference_stats["state_dtype"] == STATE_DTYPE  # the digests compare fp8 stores
     assert got == expected
