@@ -47,9 +47,10 @@ with DAG(
         "retry_delay": timedelta(seconds=SETTINGS.retry_delay_s),
         "retry_exponential_backoff": SETTINGS.retry_exponential_backoff,
         "max_retry_delay": timedelta(minutes=30),
-        "on_failure_callback": SETTINGS.task_failure_callbacks(),  # settings' notify: a task failed for good
+        # None without the settings' notify: an empty list still makes Airflow schedule callback runs
+        "on_failure_callback": SETTINGS.task_failure_callbacks() or None,  # notify: a task failed for good
     },
-    on_failure_callback=SETTINGS.run_failure_callbacks(),  # ... and the run failed
+    on_failure_callback=SETTINGS.run_failure_callbacks() or None,  # ... and the run failed
     deadline=SETTINGS.deadline(),  # ... and a run is late (notify.late_after_h)
     doc_md=__doc__,
     tags=["eagle3", "llm", "speculative-decoding"],
