@@ -1,12 +1,14 @@
 """The DAG with every SGLang-facing stage on: generate (the target regenerates the answers), extract with the
-sglang capture backend (two shards, two passes each) and benchmark (SGLang serving the drafter against the
-plain target), in one real `airflow dags test` run through the local transport.
+sglang capture backend (two shards, each on the capture plugin's path: one engine, one prefill) and benchmark
+(SGLang serving the drafter against the plain target), in one real `airflow dags test` run through the local
+transport.
 
 SGLang cannot run on a CPU machine: EAGLE3_SERVER_LAUNCHER makes generate and benchmark start
 tests/fakes/sglang_server.py instead of `python -m sglang.launch_server`, with the same flags (it serves the
 tiny target's real greedy generation, and speculative decoding with the exported drafter), and
 EAGLE3_SGLANG_ENGINE makes extract use tests/fakes/sglang_engine.py instead of sglang.Engine (it computes the
-tiny target's real states the way SGLang returns them)."""
+tiny target's real states the way SGLang returns them, handing them to the capture plugin's writer as the hooked
+scheduler method does)."""
 
 from __future__ import annotations
 
@@ -61,9 +63,13 @@ def test_generate_and_benchmark_run_in_the_dag(tiny_target, airflow_home, settin
     original_ids = {c.sample_id for c in read_conversations(tiny_target / "prompts.jsonl", max_samples=16)[0]}
     stored_ids = set(HiddenStateStore(run_dir / "hidden_states").sample_ids)
     assert len(regenerated_ids) == 16 and stored_ids == regenerated_ids != original_ids
-    for shard in (0, 1):  # both passes ran, one engine after the other, and the staging went
+    for shard in (0, 1):  # one engine, the capture plugin's, one prefill per sample; its sink is gone at the end
         log = (run_dir / "jobs" / f"extract.{shard}" / "log").read_text()
-        assert log.index("starting the last engine") < log.index("starting the aux engine"), log[-2000:]
+        assert "starting the plugin engine" in log and "capturing through the plugin" in log, log[-2000:]
+        assert "starting the last engine" not in log  # no final-state pass: that is the list path's
+        stats = json.loads((run_dir / "hidden_states" / f"shard-{shard:05d}" / "extract_stats.json").read_text())
+        assert (stats["capture_path"], stats["prefill_passes"]) == ("plugin", 1)
+        assert not (run_dir / "capture-sink" / f"shard-{shard:05d}").exists()
         assert not (run_dir / "capture-staging" / f"shard-{shard:05d}").exists()
 
     benchmark = json.loads((run_dir / "benchmark" / "benchmark.json").read_text())
