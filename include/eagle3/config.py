@@ -306,7 +306,7 @@ class SglangEngineConfig(Section):
         gt=0.0,
         lt=1.0,
         title="Static memory fraction",
-        description="Of each GPU, for the capture engine (one at a time: final-state pass, then aux pass).",
+        description="Of each GPU, for the capture engine (one at a time on either capture path).",
     )
     attention_backend: str | None = Field(
         None,
