@@ -44,7 +44,6 @@ def task_failure_message(context) -> tuple[str, str]:
     task = context.get("task")
     run_id = getattr(context.get("dag_run"), "run_id", None) or context.get("run_id")
     task_name = ti.task_id if getattr(ti, "map_index", -1) in (-1, None) else f"{ti.task_id}[{ti.map_index}]"
-    box = None
     try:
         box = getattr(task, "conn_id", None)  # the remote stages know their box
     except Exception:  # noqa: BLE001 - a plan that did not render: the box is unknown, the mail still goes
