@@ -20,6 +20,14 @@ import pytest
 # Airflow modules imported by tests (params, operators) read their home at import: keep it out of ~/airflow.
 os.environ.setdefault("AIRFLOW_HOME", tempfile.mkdtemp(prefix="airflow-home-"))
 
+# One CPU thread per torch process (this worker's and every stage, DAG run and torchrun rank it starts: the variable
+# is inherited, and the loopback sshd sets it for the SSH box). The suite keeps both cores busy with its two
+# workers; a thread team per process then spins waiting on a core the other worker holds. Measured on 2 cores: a
+# training stage took 36.8 CPU-seconds with two threads on an idle machine, 97 inside the suite, 26.4 with one.
+# Results are compared within the suite only (every run of it uses the same setting); the tiny target's bytes do not
+# depend on it (eagle3.tiny_target pins its own thread count).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 REPO = Path(__file__).resolve().parents[1]
 TINY_TARGET = REPO / ".cache" / "tiny-target"
 

@@ -128,6 +128,8 @@ class LoopbackSshd:
                     "PermitRootLogin prohibit-password",
                     f"PidFile {self.workdir / 'sshd.pid'}",
                     "LogLevel VERBOSE",
+                    # the suite's one torch thread per process (tests/conftest.py), for the box's processes too
+                    f"SetEnv OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '1')}",
                     "",
                 ]
             )

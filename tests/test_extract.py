@@ -93,6 +93,7 @@ def test_bad_records_stop_extract_with_line_numbers(make_config, tmp_path):
 def test_the_background_writer_leaves_the_forward_pass_all_its_threads():
     """torch.set_num_threads is process-wide: a writer thread that set it to 1 made a model that starts
     later (the sglang backend's) compute single-threaded. Checked in a fresh interpreter, as a stage runs."""
+    import os
     import subprocess
     import sys
 
@@ -106,8 +107,10 @@ def test_the_background_writer_leaves_the_forward_pass_all_its_threads():
             "    BackgroundWriter(Writer(), depth=1).close()\n"
             "print(torch.get_num_threads())\n"  # the main thread's first parallel setting: after the writer's
         )
+        # Two threads asked for whatever the suite's setting (tests/conftest.py): with one, a writer that set it
+        # to one would go unseen.
         return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                              check=True).stdout.strip()
+                              check=True, env={**os.environ, "OMP_NUM_THREADS": "2"}).stdout.strip()
 
     assert threads_seen_by_main(start_writer=True) == threads_seen_by_main(start_writer=False)
 

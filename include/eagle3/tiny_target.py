@@ -26,6 +26,10 @@ from eagle3.fsutil import atomic_dir
 log = logging.getLogger(__name__)
 
 BUILD_VERSION = 1  # bump when the generator or training changes what gets built
+# The CPU threads the build trains with, whatever the machine or OMP_NUM_THREADS say: a matmul's sums depend on how
+# its work is split, so the weights (and every figure the demo prints) would otherwise differ between a test run that
+# built the target single-threaded and a `make demo` on the same machine.
+BUILD_THREADS = 2
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -185,7 +189,12 @@ def build(directory: Path, spec: TinyTargetSpec) -> Path:
     ]  # JSON text covers every character the chat template and the tasks produce
     tokenizer = train_tokenizer(corpus + [CHAT_TEMPLATE], spec.vocab_size)
     model = DeepseekV3ForCausalLM(model_config(spec, tokenizer))
-    losses = train_briefly(model, tokenizer, rng, spec.train_steps)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(BUILD_THREADS)
+    try:
+        losses = train_briefly(model, tokenizer, rng, spec.train_steps)
+    finally:
+        torch.set_num_threads(threads)
 
     with atomic_dir(directory) as building:
         model.save_pretrained(building)
