@@ -170,6 +170,16 @@ def test_the_trainer_reads_an_fp8_store_as_it_reads_a_bf16_one(trained_config):
         error = (fp8_batch[name].reshape(want.shape) - want).abs().amax(-1)
         assert torch.all(error <= want.abs().amax(-1) / 28 * (1 + 1e-5)), name  # (a tie lands on the bound)
         assert error.max() > 0, "the fp8 store holds the bf16 states unchanged: it did not quantise"
+    # The batch carries the states to the device as stored and converts them there: the same bits as each sample
+    # dequantized on its own, zeros where it is padded.
+    from eagle3.store import HiddenStateStore
+
+    for store, batch in ((fp8.store, fp8_batch), (HiddenStateStore(bf16_dir), bf16_batch)):
+        for row, sid in enumerate(val_ids):
+            sample, m = store[sid], int(batch["lengths"][row])
+            for name, stored in (("aux", "aux_hidden_states"), ("last", "last_hidden_state")):
+                assert torch.equal(batch[name][row, :m], sample[stored].float()), (sid, name)
+                assert not batch[name][row, m:].any(), (sid, name)
     fp8_val = fp8.validate()
     assert len(fp8_val["val_acc"]) == len(bf16_val["val_acc"]) == cfg.train.ttt_length
     assert max(abs(a - b) for a, b in zip(fp8_val["val_acc"], bf16_val["val_acc"])) < 0.02, (fp8_val, bf16_val)

@@ -143,8 +143,9 @@ def quantize_fp8(states: torch.Tensor, layers: int) -> tuple[torch.Tensor, torch
 
 
 def dequantize_fp8(payload: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """quantize_fp8's inverse: float32 [N, layers x H] (payload x scale, exact in float32)."""
-    rows = payload.float().reshape(len(payload), scales.shape[-1], -1)
+    """quantize_fp8's inverse: float32 [..., layers x H] (payload x scale, exact in float32) from scales
+    [..., layers]: one sample's rows, or a padded batch of them."""
+    rows = payload.float().reshape(*payload.shape[:-1], scales.shape[-1], -1)
     return (rows * scales.unsqueeze(-1)).reshape(payload.shape)
 
 
