@@ -8,8 +8,10 @@ test to start is a short one and neither worker waits long for the other at the 
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -17,8 +19,11 @@ from pathlib import Path
 
 import pytest
 
-# Airflow modules imported by tests (params, operators) read their home at import: keep it out of ~/airflow.
-os.environ.setdefault("AIRFLOW_HOME", tempfile.mkdtemp(prefix="airflow-home-"))
+# Airflow modules imported by tests (params, operators) read their home at import: keep it out of ~/airflow, in a
+# directory of this process's own that goes when it ends (every run of the suite left two behind in /tmp).
+if "AIRFLOW_HOME" not in os.environ:
+    os.environ["AIRFLOW_HOME"] = tempfile.mkdtemp(prefix="airflow-home-")
+    atexit.register(shutil.rmtree, os.environ["AIRFLOW_HOME"], ignore_errors=True)
 
 # One CPU thread per torch process (this worker's and every stage, DAG run and torchrun rank it starts: the variable
 # is inherited, and the loopback sshd sets it for the SSH box). The suite keeps both cores busy with its two
@@ -144,8 +149,6 @@ def trained_run(tiny_target, tmp_path_factory, worker_id) -> tuple[Path, dict]:
 @pytest.fixture
 def trained_config(trained_run, make_config, tmp_path):
     """A copy of the trained run in this test's own workdir, and its config: for tests that export or evaluate."""
-    import shutil
-
     from eagle3.config import write_run_config
 
     run_config = trained_run[0] / "runs" / "train" / "config.json"
