@@ -171,9 +171,9 @@ def collate(store, sample_ids: list[str], device) -> dict[str, torch.Tensor]:
     """Right-padded batch tensors; padding has loss_mask 0 (and causal attention never looks right).
 
     The states travel to the device as stored (bf16, or an fp8 store's payload and scales) and become float32
-    there. On the host, that conversion takes 125 ms (bf16) and 485 ms (fp8) per 4096-token sample at Kimi width
-    on 2 cores (bench/state_conversion.py), in the training loop, and the copy to the GPU then carried 4 bytes
-    per value instead of 2 (bf16) or 1 (fp8). Both conversions are exact: the batch is the same bits anywhere."""
+    there. On the host that conversion would take 125 ms (bf16) or 485 ms (fp8) per 4096-token sample at Kimi
+    width on 2 cores (bench/state_conversion.py), inside the training loop, and the copy to the GPU would carry
+    4 bytes per value instead of 2 or 1. Both conversions are exact: the batch is the same bits on any device."""
     from eagle3.store import SCALE_OF, dequantize_fp8
 
     rows = [store.stored(sid) for sid in sample_ids]
