@@ -80,11 +80,26 @@ def stand_in_servers(tiny_target: Path, log_dir: Path):
             proc.wait()
 
 
+@pytest.fixture(scope="module")
+def misbehaving_server(tiny_target, tmp_path_factory) -> str:
+    """One stand-in server for the tests that make it misbehave (`stand_in`): its /v1 URL."""
+    with stand_in_servers(tiny_target, tmp_path_factory.mktemp("misbehaving-stand-in")) as start:
+        yield start()
+
+
 @pytest.fixture
-def stand_in(tiny_target, tmp_path):
-    """A server of this test's own, for flags that change it (faults are used up by the requests)."""
-    with stand_in_servers(tiny_target, tmp_path) as start:
-        yield start
+def stand_in(misbehaving_server):
+    """`stand_in(*flags)` gives the misbehaving server this test's stand-in flags (faults are used up by the
+    requests) and returns its /v1 URL; it behaves again after the test. The server is told, not restarted:
+    loading the tiny target is most of what a start costs (about 8 CPU-seconds)."""
+    control = misbehaving_server.removesuffix("/v1") + "/stand-in/misbehave"
+
+    def misbehave(*flags: str) -> str:
+        httpx.post(control, json={"flags": list(flags)}, timeout=90).raise_for_status()
+        return misbehaving_server
+
+    yield misbehave
+    misbehave()
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,9 @@ Endpoints (the subset the stages use):
   POST /generate                SGLang's native API with input_ids; meta_info: completion_tokens, and with
                                 speculation spec_verify_ct (verify steps) and spec_num_correct_drafts, as
                                 SGLang reports them
+  POST /stand-in/misbehave      {"flags": [...]}: the "stand-in" options below, replacing the current ones
+                                once no chat request is in flight (a test's own misbehaviour without a server
+                                start of its own: loading the model is most of what a start costs)
 
 Run by the stages through EAGLE3_SERVER_LAUNCHER=tests/fakes/sglang_server.py, or by a test directly. The
 options after "stand-in" below make it misbehave, for the retry, threshold and lifecycle tests.
@@ -113,14 +116,47 @@ class Model:
             return out[0, len(ids):].tolist(), None
 
 
+class Misbehaviour:
+    """The "stand-in" options in force, and what is left of --faults. Chat requests pick their fault under the
+    condition's lock; `replace` waits there until no chat request is in flight."""
+
+    def __init__(self, args):
+        self.args, self.in_flight = args, 0
+        self.faults = iter(f.strip() for f in args.faults.split(",") if f.strip())
+        self.changed = threading.Condition()
+
+    def replace(self, args, timeout_s: float = 60.0) -> None:
+        with self.changed:
+            if not self.changed.wait_for(lambda: self.in_flight == 0, timeout_s):
+                raise TimeoutError(f"{self.in_flight} chat request(s) still in flight after {timeout_s:.0f} s")
+            self.args = args
+            self.faults = iter(f.strip() for f in args.faults.split(",") if f.strip())
+
+    def start_request(self, body: dict):
+        """This request's fault and the options it runs under; call end_request when it is answered."""
+        with self.changed:
+            self.in_flight += 1
+            args = self.args
+            fault = args.always or next(self.faults, "ok")
+            if args.record:
+                with open(args.record, "a") as f:
+                    f.write(json.dumps({"messages": body["messages"], "tools": body.get("tools"),
+                                        "fault": fault}) + "\n")
+            return fault, args
+
+    def end_request(self) -> None:
+        with self.changed:
+            self.in_flight -= 1
+            self.changed.notify_all()
+
+
 def serve(args) -> None:
     if args.exit_at_start is not None:
         print("stand-in: exiting at start, as told", flush=True)
         sys.exit(args.exit_at_start)
     started = time.monotonic()
     state = {"model": None}
-    faults = iter(f.strip() for f in args.faults.split(",") if f.strip())
-    fault_lock = threading.Lock()
+    misbehaviour = Misbehaviour(args)
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -151,16 +187,24 @@ def serve(args) -> None:
                 self.chat(body)
             elif self.path == "/generate":
                 self.native_generate(body)
+            elif self.path == "/stand-in/misbehave":
+                try:
+                    misbehaviour.replace(parse_args(["--model-path", args.model_path, *body.get("flags", [])]))
+                except TimeoutError as err:
+                    self.reply(409, {"error": str(err)})
+                    return
+                self.reply(200, {"flags": body.get("flags", [])})
             else:
                 self.reply(404, {"error": f"no route {self.path}"})
 
         def chat(self, body: dict) -> None:
-            with fault_lock:
-                fault = args.always or next(faults, "ok")
-                if args.record:
-                    with open(args.record, "a") as f:
-                        f.write(json.dumps({"messages": body["messages"], "tools": body.get("tools"),
-                                            "fault": fault}) + "\n")
+            fault, options = misbehaviour.start_request(body)
+            try:
+                self.answer_chat(body, fault, options)
+            finally:
+                misbehaviour.end_request()
+
+        def answer_chat(self, body: dict, fault: str, options) -> None:
             if fault == "drop":
                 self.close_connection = True
                 self.connection.shutdown(2)  # the client sees the connection end with no answer
@@ -169,16 +213,16 @@ def serve(args) -> None:
                 self.reply(int(fault), {"error": {"message": f"stand-in fault {fault}"}})
                 return
             if fault == "slow":
-                time.sleep(args.slow_s)
+                time.sleep(options.slow_s)
             content, prompt_tokens, completion_tokens, finish = state["model"].chat(body["messages"],
                                                                                    body.get("max_tokens", 256))
             message = {"role": "assistant", "content": "" if fault == "empty" else content}
-            if args.tool_call and body.get("tools") and body["messages"][-1]["role"] != "tool":
+            if options.tool_call and body.get("tools") and body["messages"][-1]["role"] != "tool":
                 message = {"role": "assistant", "content": "", "tool_calls": [{
                     "id": f"call_{next(counter)}", "type": "function",
-                    "function": {"name": args.tool_call, "arguments": "{}"}}]}
-            if args.reasoning:
-                message["reasoning_content"] = args.reasoning
+                    "function": {"name": options.tool_call, "arguments": "{}"}}]}
+            if options.reasoning:
+                message["reasoning_content"] = options.reasoning
             self.reply(200, {
                 "id": f"chatcmpl-{next(counter)}", "object": "chat.completion", "model": body.get("model"),
                 "choices": [{"index": 0, "message": message, "finish_reason": finish}],
