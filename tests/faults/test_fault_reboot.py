@@ -18,7 +18,16 @@ from pathlib import Path
 import pytest
 
 from eagle3.job import group_members
-from tests.dagruns import LATER_STAGES, conf_for, copy_through_vocab, job_state, sha256, start_dag_run, wait_for
+from tests.dagruns import (
+    BOX_CHECKS,
+    LATER_STAGES,
+    conf_for,
+    copy_through_vocab,
+    job_state,
+    sha256,
+    start_dag_run,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -46,8 +55,8 @@ def test_worker_kill_then_box_reboot_mid_train(tiny_target, airflow_home, settin
     succeeds, and the drafter is bit-identical to the uninterrupted baseline's.
 
     Starts from a copy of the baseline's run directory with extract and vocab done (their jobs succeeded: the
-    DAG re-attaches to them at once; the drill is about training); evaluate, benchmark and report are marked
-    successful: the drafter (export) is what the drill compares."""
+    DAG re-attaches to them at once; the drill is about training); the box checks, evaluate, benchmark and
+    report are marked successful: the drafter (export) is what the drill compares."""
     workdir = tmp_path / "box"
     run_dir = copy_through_vocab(baseline_run, workdir)
     box_tmp = tmp_path / "box-tmp"
@@ -61,7 +70,7 @@ def test_worker_kill_then_box_reboot_mid_train(tiny_target, airflow_home, settin
     first_log, second_log = tmp_path / "first-run.log", tmp_path / "second-run.log"
     started = time.monotonic()
     first = start_dag_run(airflow_home, conf, first_log, logical_date=logical_date, env=env,
-                          mark_success=LATER_STAGES)
+                          mark_success=f"{BOX_CHECKS}|{LATER_STAGES}")
     second = None
     try:
         def first_checkpoint() -> bool:
@@ -76,7 +85,7 @@ def test_worker_kill_then_box_reboot_mid_train(tiny_target, airflow_home, settin
         os.killpg(state["pgid"], signal.SIGSTOP)  # the job lives on, frozen until the new attempt has attached
         frozen_at = time.monotonic()
         second = start_dag_run(airflow_home, conf, second_log, logical_date=logical_date, env=env,
-                               mark_success=LATER_STAGES)
+                               mark_success=f"{BOX_CHECKS}|{LATER_STAGES}")
 
         def attach_line() -> str | None:
             assert second.poll() is None, "the second DAG run ended early:\n" + second_log.read_text()[-6000:]
