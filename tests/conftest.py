@@ -3,8 +3,9 @@
 
 The suite runs on two pytest-xdist workers (pyproject.toml). What is expensive to make and only read afterwards
 is made once for both: the tiny target (under a file lock beside it) and the baseline DAG run (tests/dagruns.py,
-under a lock in the directory both workers' temp dirs share). Slow tests are sent out first, so that the last
-test to start is a short one and neither worker waits long for the other at the end."""
+under a lock in the directory both workers' temp dirs share). Tests go out one at a time, the longest first (see
+pytest_collection_modifyitems), so that the last test to start is a short one and neither worker waits long for
+the other at the end."""
 
 from __future__ import annotations
 
@@ -59,9 +60,33 @@ def tiny_target() -> Path:
         return build(TINY_TARGET, TinyTargetSpec())
 
 
+# The longest tests (each a whole DAG run, or the browser's), longest first as `--durations` measured them on 2
+# cores. The first two need different shared fixtures: one worker builds the baseline run in the reboot drill's
+# setup while the other drives the browser, and the SSH run, which needs the baseline, comes third. The trained
+# drafter (`trained_run`, about a minute) is made by test_evaluate.py's first test while other long tests run, not
+# later, when test_export.py and test_train.py would wait for it on the other worker.
+LONGEST_FIRST = (
+    "tests/ui/test_web_ui.py",
+    "tests/faults/test_fault_reboot.py",
+    "tests/faults/test_fault_ssh_outage.py",
+    "tests/faults/test_fault_extract_kill.py",
+    "tests/test_dag_generate.py",
+    "tests/faults/test_fault_train_kill.py",
+    "tests/test_evaluate.py",
+)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Slow tests (marked so: whole DAG runs, drills, the browser) first, the rest in their usual order after."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    """The order xdist hands tests out in (pyproject.toml: --dist loadgroup, one test, or one xdist_group, at a
+    time to whichever worker is free): LONGEST_FIRST, then the other slow tests (marked so: real subprocesses,
+    servers, drills), then the rest, each part in its usual order."""
+    def rank(item) -> tuple[int, int]:
+        path = item.nodeid.split("::")[0]
+        if path in LONGEST_FIRST:
+            return 0, LONGEST_FIRST.index(path)
+        return (1 if item.get_closest_marker("slow") else 2), 0
+
+    items.sort(key=rank)
 
 
 @pytest.fixture(scope="session")

@@ -23,6 +23,8 @@ REPO = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = REPO / "docker-compose.yaml"
 KEY_TARGET = "/opt/airflow/secrets/gpu_box_key"
 JWT_SECRET = "test-jwt-secret-shared-by-all"
+# One worker runs the module: `docker-compose config` (module-scoped `rendered`) runs once.
+pytestmark = pytest.mark.xdist_group("test_compose")
 
 AIRFLOW_SERVICES = {
     "airflow-apiserver": ["api-server"],

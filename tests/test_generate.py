@@ -42,7 +42,8 @@ from tests.fakes.hostile_server import GOOD, HostileServer, body, echo_headers, 
 from tests.sshd import free_port
 from tests.standin import STAND_IN, stand_in_processes
 
-pytestmark = pytest.mark.slow
+# One worker runs the module: its stand-in servers (module-scoped) start once.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("test_generate")]
 
 def listening(port: int) -> bool:
     with socket.socket() as s:

@@ -27,6 +27,8 @@ from eagle3_airflow.codesync import package_archive
 from tests.conftest import REPO
 
 SGLANG_ENV_PYTHON = Path(os.environ.get("EAGLE3_SGLANG_ENV_PYTHON", REPO / ".cache" / "sglang-env" / "bin" / "python"))
+# One worker runs the module: the real-sglang child process (module-scoped plugin_run) runs once.
+pytestmark = pytest.mark.xdist_group("test_sglang_plugin")
 
 
 def synced_code_dir(root: Path) -> Path:
