@@ -121,16 +121,17 @@ class Misbehaviour:
     condition's lock; `replace` waits there until no chat request is in flight."""
 
     def __init__(self, args):
-        self.args, self.in_flight = args, 0
-        self.faults = iter(f.strip() for f in args.faults.split(",") if f.strip())
-        self.changed = threading.Condition()
+        self.in_flight, self.changed = 0, threading.Condition()
+        self._take(args)
+
+    def _take(self, args) -> None:
+        self.args, self.faults = args, iter(f.strip() for f in args.faults.split(",") if f.strip())
 
     def replace(self, args, timeout_s: float = 60.0) -> None:
         with self.changed:
             if not self.changed.wait_for(lambda: self.in_flight == 0, timeout_s):
                 raise TimeoutError(f"{self.in_flight} chat request(s) still in flight after {timeout_s:.0f} s")
-            self.args = args
-            self.faults = iter(f.strip() for f in args.faults.split(",") if f.strip())
+            self._take(args)
 
     def start_request(self, body: dict):
         """This request's fault and the options it runs under; call end_request when it is answered."""
