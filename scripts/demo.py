@@ -182,7 +182,7 @@ def job_seconds(run_dir: Path, key: str) -> str:
 def print_summary(run_dir: Path, total_s: float) -> None:
     verify = [sys.executable, "-m", "eagle3", "store", "verify", str(run_dir / "hidden_states")]
     store = json.loads(subprocess.run(verify, check=True, capture_output=True, text=True).stdout)
-    shards = [read_json(p) for p in sorted((run_dir / "hidden_states").glob("shard-*/extract_stats.json"))]
+    shards = [read_json(p) for p in sorted((run_dir / "extract").glob("shard-*.stats.json"))]
     vocab = read_json(run_dir / "vocab_mapping" / "meta.json")
     train = read_json(run_dir / "train" / "summary.json")
     report = read_json(run_dir / "evaluate" / "report.json")
@@ -195,6 +195,9 @@ def print_summary(run_dir: Path, total_s: float) -> None:
     print(f"extract     {job_seconds(run_dir, 'extract.0'):<15} shard 0; "
           f"{job_seconds(run_dir, 'extract.1')} shard 1; {store['samples']} samples, {store['tokens']} tokens, "
           f"{sum(s.get('duplicates', 0) for s in shards)} duplicate prompts skipped")
+    print(f"            {'':15} {sum(s['samples_extracted'] for s in shards)} samples extracted, "
+          f"{sum(s['samples_stored_before'] for s in shards)} reused from the shared store "
+          f"{(run_dir / 'hidden_states').resolve()}")
     print(f"store       {'':15} {store['bytes'] / 2**20:.1f} MiB, {store['bytes_per_token']:.1f} bytes/token, "
           f"aux layers {store['aux_layers']}")
     print(f"vocab       {job_seconds(run_dir, 'vocab'):<15} draft vocab {vocab.get('draft_vocab_size')} of "
@@ -211,8 +214,9 @@ def print_summary(run_dir: Path, total_s: float) -> None:
               f"outputs equal to greedy: {result['identical_to_greedy']}")
     print(f"target      {'':15} greedy accuracy on the held-out answers "
           f"{report['target_greedy_accuracy_held_out']:.3f} (drafts are accepted only where they match it)")
-    disk = sum(p.lstat().st_size for p in run_dir.rglob("*") if p.is_file() and not p.is_symlink())
-    print(f"total {total_s:.0f}s (the whole DAG, Airflow included); the run directory holds {disk / 2**20:.1f} MiB")
+    disk = sum(os.lstat(os.path.join(d, f)).st_size for d, _, files in os.walk(run_dir) for f in files)
+    print(f"total {total_s:.0f}s (the whole DAG, Airflow included); the run directory holds {disk / 2**20:.1f} MiB "
+          "besides the store")
     print(f"drafter:       {run_dir / 'drafter'}")
     print(f"report:        {run_dir / 'evaluate' / 'report.json'}")
     print(f"plots:         {run_dir / 'train' / 'loss.png'}, {run_dir / 'train' / 'accuracy.png'}, "

@@ -163,8 +163,8 @@ def baseline_run(tiny_target, settings, tmp_path_factory, worker_id) -> Path:
     return workdir / "runs" / BASELINE_RUN_NAME
 
 
-THROUGH_VOCAB = ("hidden_states", "vocab_mapping", "disk_estimate_tokens.json", "jobs/extract.0", "jobs/extract.1",
-                 "jobs/vocab")
+THROUGH_VOCAB = ("hidden_states", "extract", "vocab_mapping", "disk_estimate_tokens.json", "jobs/extract.0",
+                 "jobs/extract.1", "jobs/vocab")
 
 
 def copy_through_vocab(baseline: Path, workdir: Path) -> Path:
@@ -176,7 +176,11 @@ def copy_through_vocab(baseline: Path, workdir: Path) -> Path:
     for part in THROUGH_VOCAB:
         source, target = baseline / part, run_dir / part
         target.parent.mkdir(parents=True, exist_ok=True)
-        if source.is_dir():
+        if source.is_symlink():  # the store, shared in {workdir}/stores/: copied there, linked the same way
+            store = Path(workdir) / "stores" / source.resolve().name
+            shutil.copytree(source.resolve(), store)
+            target.symlink_to(source.readlink())
+        elif source.is_dir():
             shutil.copytree(source, target, symlinks=True)
         else:
             shutil.copy2(source, target)

@@ -23,7 +23,7 @@ from eagle3.capture.sglang import SglangSetupError, check_version, engine_kwargs
 from eagle3.capture.staging import staging_dir
 from eagle3.config import write_run_config
 from eagle3.extract import run_extract
-from eagle3.store import digest, verify
+from eagle3.store import digest, run_stats_path, verify
 from tests.conftest import REPO, run_eagle3
 from tests.fakes.sglang_engine import EngineCrashed, FakeSglangEngine
 
@@ -137,7 +137,7 @@ def test_the_plugin_path_runs_one_engine_and_one_prefill_and_stores_what_the_hf_
     # sink is gone at the end; the list path's staging is never used.
     assert all(files + stored <= 60 for files, stored in seen) and max(files for files, _ in seen) > 0
     assert not sink.exists() and not staging_dir(cfg.run_dir, 0).exists()
-    assert json.loads((cfg.store_dir / "shard-00000" / "extract_stats.json").read_text())["capture_path"] == "plugin"
+    assert json.loads(run_stats_path(cfg.run_dir, 0).read_text())["capture_path"] == "plugin"
 
 
 @pytest.mark.parametrize("failure", ["gate", "probe"])
@@ -193,11 +193,13 @@ def test_a_crash_on_the_plugin_path_resumes_and_a_dead_try_s_files_are_not_taken
 
 
 @pytest.mark.parametrize("crash_in", ["final-state pass", "aux pass"])
-def test_a_crash_in_either_pass_resumes_without_computing_anything_twice(make_config, fake_engine, crash_in):
+def test_a_crash_in_either_pass_resumes_without_computing_anything_twice(make_config, fake_engine, crash_in,
+                                                                        tmp_path):
     cfg = make_config(data={"max_samples": 60}, extract={**LISTS, "batch_tokens": 256})
     first_pass_batches = None
     if crash_in == "aux pass":  # count the batches of the final-state pass, then crash the aux pass midway
-        run_extract(make_config(run_name="count", data={"max_samples": 60},
+        # (in a work directory of its own: in the same one, the run would find the states in the shared store)
+        run_extract(make_config(run_name="count", workdir=tmp_path / "counting", data={"max_samples": 60},
                                 extract={**LISTS, "batch_tokens": 256}))
         first_pass_batches = fake_engine.batches_served // 2
         fake_engine.reset()

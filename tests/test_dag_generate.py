@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from eagle3.data import read_conversations
-from eagle3.store import HiddenStateStore
+from eagle3.store import HiddenStateStore, run_stats_path
 from tests.airflow_env import dags_test
 from tests.dagruns import assert_succeeded, conf_for
 from tests.sshd import free_port
@@ -67,7 +67,7 @@ def test_generate_and_benchmark_run_in_the_dag(tiny_target, airflow_home, settin
         log = (run_dir / "jobs" / f"extract.{shard}" / "log").read_text()
         assert "starting the plugin engine" in log and "capturing through the plugin" in log, log[-2000:]
         assert "starting the last engine" not in log  # no final-state pass: that is the list path's
-        stats = json.loads((run_dir / "hidden_states" / f"shard-{shard:05d}" / "extract_stats.json").read_text())
+        stats = json.loads(run_stats_path(run_dir, shard).read_text())
         assert (stats["capture_path"], stats["prefill_passes"]) == ("plugin", 1)
         assert not (run_dir / "capture-sink" / f"shard-{shard:05d}").exists()
         assert not (run_dir / "capture-staging" / f"shard-{shard:05d}").exists()

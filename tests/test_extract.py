@@ -12,7 +12,7 @@ import pytest
 from eagle3.config import write_run_config
 from eagle3.data import TokenizedSample
 from eagle3.extract import plan_batches, run_extract
-from eagle3.store import HiddenStateStore, verify
+from eagle3.store import HiddenStateStore, run_stats_path, verify
 from tests.conftest import run_eagle3
 
 
@@ -49,7 +49,7 @@ def test_extract_stores_every_sample_and_a_rerun_computes_nothing(make_config, c
 
     again = run_extract(cfg)
     assert again["samples_extracted"] == 0 and again["samples_stored_before"] == first["samples_stored"]
-    assert json.loads((cfg.store_dir / "shard-00000" / "extract_stats.json").read_text()) == again
+    assert json.loads(run_stats_path(cfg.run_dir, 0).read_text()) == again
 
 
 def test_shards_partition_the_samples(make_config):

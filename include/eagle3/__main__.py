@@ -43,8 +43,12 @@ def cmd_init(args) -> None:
         draft = json.loads(sys.stdin.read() if args.config == "-" else Path(args.config).read_text())
     except (OSError, json.JSONDecodeError) as err:
         raise ConfigError(f"{source}: cannot read it as JSON ({err})") from None
+    from eagle3.identity import attach_store
+
     cfg = resolve_target_facts(parse_run_config(draft, source))
-    print(write_run_config(cfg))
+    path = write_run_config(cfg)
+    attach_store(cfg)  # RUN_DIR/hidden_states -> {workdir}/stores/<capture key>, fixed now for every later try
+    print(path)
 
 
 def cmd_config_schema(args) -> None:
@@ -326,9 +330,11 @@ def exit_code_for(err: Exception) -> int | None:
         return 2
     from eagle3.generate import GenerateAborted
     from eagle3.server import ServerError
-    from eagle3.store import StoreError  # torch-heavy
+    from eagle3.store import StoreBusy, StoreError  # torch-heavy
     from eagle3.vocab import VocabError
 
+    if isinstance(err, StoreBusy):  # another run writes the shard now: the retry finds its samples stored
+        return 1
     if isinstance(err, (StoreError, VocabError)):
         return 2
     if isinstance(err, (GenerateAborted, ServerError)):

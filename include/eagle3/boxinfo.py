@@ -383,7 +383,9 @@ def count_tokens(cfg) -> dict:
         samples += 1
         truncated += sample.truncated
     return {"tokens": tokens, "samples": samples, "skipped": len(stats.skipped), "truncated": truncated,
-            "bad_records": len(read_stats.bad)}
+            "bad_records": len(read_stats.bad),
+            # what of a shared store is this data's (store_held_bytes)
+            "conversation_ids": sorted(c.sample_id for c in conversations)}
 
 
 def _token_cache_key(cfg) -> dict:
@@ -407,6 +409,7 @@ def _token_cache_key(cfg) -> dict:
         "chat_template_kwargs": cfg.data.chat_template_kwargs,
         "tokenizer": cfg.tokenizer_dir,
         "samples_of": TOKENIZING_VERSION,  # how conversations become samples (eagle3.data)
+        "counts": 2,  # what a count holds: 2 added the conversation ids
     }
 
 
@@ -428,17 +431,28 @@ def cached_token_count(cfg, cache_path: Path) -> dict:
     return counts
 
 
-def store_held_bytes(store_dir: Path) -> int:
-    """Bytes of the chunks the store's manifests record (0 without a store): what extraction has done."""
+def store_held_bytes(store_dir: Path, conversation_ids: set[str] | None = None) -> int:
+    """Bytes of the chunks the store's manifests record (0 without a store): what extraction has done.
+    `conversation_ids`: count only those conversations' samples (a store shared with other runs' data), each
+    sample at its share of its chunk's bytes by tokens."""
     shard_dirs = sorted(Path(store_dir).glob("shard-*"))
     if not shard_dirs:
         return 0
+    from eagle3.data import conversation_id_of
     from eagle3.store import read_manifest  # imports torch: only when there is a store to read
 
     held = 0
     for shard in shard_dirs:
         records, _ = read_manifest(shard / "manifest.jsonl")
-        held += sum(record["bytes"] for record in records if record.get("chunk"))
+        for record in records:
+            if not record.get("chunk"):
+                continue
+            if conversation_ids is None:
+                held += record["bytes"]
+                continue
+            lengths = [n for _, n in record["samples"]]
+            ours = sum(n for sid, n in record["samples"] if conversation_id_of(sid) in conversation_ids)
+            held += record["bytes"] * ours // max(1, sum(lengths))
     return held
 
 
@@ -464,7 +478,10 @@ def disk_estimate(cfg, margin: float = 1.2) -> dict:
     state_bytes_per_token = states_per_token * (hidden_size * STATE_BYTES[dtype] + SCALE_BYTES[dtype])
     tokens = counts["tokens"]
     estimate = math.ceil(tokens * (state_bytes_per_token * margin + IDS_AND_MASK_BYTES))
-    held = store_held_bytes(cfg.store_dir)
+    # A shared store (RUN_DIR/hidden_states links into {workdir}/stores/) also holds other runs' data: only this
+    # data's samples are done. With generate on, data.path's ids stand in for answers not yet written: none held.
+    shared = cfg.store_dir.is_symlink()
+    held = store_held_bytes(cfg.store_dir, set(counts.get("conversation_ids", ())) if shared else None)
     needed = max(0, estimate - held)
     where = nearest_existing(cfg.run_dir)
     fs = os.statvfs(where)

@@ -113,10 +113,10 @@ def target_greedy_accuracy(cfg, lm_head: torch.Tensor, max_tokens: int = 100_000
     greedily: what explains an acceptance length. Drafts are accepted only where they equal the target's own
     next token, so data the target would not have written (generate off) caps what a drafter learns from it;
     with generate on it is near 1. `lm_head`: the target's [vocab, hidden] output weights, on the CPU."""
-    from eagle3.store import HiddenStateStore
+    from eagle3.store import open_run_store
     from eagle3.train import is_validation
 
-    store = HiddenStateStore(cfg.store_dir)
+    store = open_run_store(cfg)
     lm_head = lm_head.float()
     hits = total = 0
     for sample_id in sorted(s for s in store.sample_ids if is_validation(s, cfg.train.val_fraction)):
@@ -207,11 +207,26 @@ def run_evaluate(cfg) -> dict:
         "simulated_accept_length_teacher_forced": export["val_accept_length"],
         "target_greedy_accuracy_held_out": target_greedy_accuracy(cfg, target.lm_head.weight.detach().cpu()),
         "val_acc_per_position": export["val_acc"],
+        "hidden_states": extraction_summary(cfg),
         "seconds": round(time.monotonic() - started, 1),
     }
     atomic_write_text(out / "report.json", json.dumps(report, indent=2) + "\n")
     plot_acceptance(report, out / "acceptance.png")
     return report
+
+
+def extraction_summary(cfg) -> dict:
+    """What extract did for this run: how many samples it computed, how many it found in the shared store."""
+    from eagle3.store import run_stats_path
+
+    shards = [json.loads(path.read_text()) for shard in range(cfg.extract.num_shards)
+              if (path := run_stats_path(cfg.run_dir, shard)).exists()]
+    return {
+        "store": str(cfg.store_dir.resolve()),
+        "samples": sum(s["samples_stored"] for s in shards),
+        "extracted": sum(s["samples_extracted"] for s in shards),
+        "reused": sum(s["samples_stored_before"] for s in shards),
+    }
 
 
 def plot_acceptance(report: dict, path) -> None:

@@ -35,8 +35,9 @@ from eagle3.data import (
     shard_of,
 )
 from eagle3.fsutil import atomic_write_text
+from eagle3.identity import attach_store
 from eagle3.progress import ProgressLog
-from eagle3.store import ShardWriter, StoreMeta, shard_dir
+from eagle3.store import ShardWriter, StoreMeta, run_samples_path, run_stats_path
 
 log = logging.getLogger(__name__)
 
@@ -131,27 +132,32 @@ def run_extract(cfg, shard: int = 0, num_shards: int | None = None, gpu_group: i
     mine = [c for c in conversations if shard_of(c.sample_id, num_shards) == shard]
     mine_ids = {c.sample_id for c in mine}
 
+    store = attach_store(cfg)  # shared by every run of the same capture: only what it lacks is computed
     meta = StoreMeta(cfg.target.hidden_size, tuple(cfg.resolved_aux_layers()), cfg.extract.state_dtype)
     writer = ShardWriter(cfg.store_dir, shard, meta, chunk_bytes=cfg.extract.chunk_mib << 20)
     done_before = sum(conversation_id_of(sid) in mine_ids for sid in [*writer.done_ids, *writer.rejected])
     stored_conversations = {conversation_id_of(sid) for sid in writer.done_ids} & mine_ids
     log.info(
-        "extract shard %d/%d: %d conversations in this shard, %d samples already stored, aux layers %s",
-        shard, num_shards, len(mine), done_before, list(meta.aux_layers),
+        "extract shard %d/%d: %d conversations in this shard, %d samples already in store %s, aux layers %s",
+        shard, num_shards, len(mine), done_before, store.name, list(meta.aux_layers),
     )
     tokenizing = SampleTokenizer.for_run(cfg)
     stats_of_pass = TokenizeStats()
 
-    def pending_batches(stats: TokenizeStats) -> Iterator[list[TokenizedSample]]:
+    run_sample_ids: set[str] = set()  # this run's samples in the shard, stored now or before (by any run)
+
+    def pending_batches(stats: TokenizeStats, seen: set[str] | None = None) -> Iterator[list[TokenizedSample]]:
         """The shard's planned batches that hold a sample not stored yet (tokenised as they are read)."""
         for batch in plan_batches(tokenizing.iter(mine, stats), cfg.extract.batch_tokens):
+            if seen is not None:
+                seen.update(s.sample_id for s in batch)
             if not all(writer.is_done(s.sample_id) for s in batch):
                 yield batch
 
     # Samples are counted as conversations are tokenised (a thinking model's multi-turn conversation gives
     # one per turn): until then each conversation not yet tokenised counts as one.
     progress = ProgressLog(f"extract shard {shard}", len(mine), done_before, cfg.extract.progress_interval_s, log)
-    batches = pending_batches(stats_of_pass)
+    batches = pending_batches(stats_of_pass, run_sample_ids)
     first = next(batches, None)
     backend = open_backend(cfg, shard, gpu_group, writer.is_done) if first is not None else None  # done: none
     background = BackgroundWriter(writer, cfg.extract.writer_queue_depth)
@@ -184,6 +190,9 @@ def run_extract(cfg, shard: int = 0, num_shards: int | None = None, gpu_group: i
         loop_seconds = time.monotonic() - loop_started  # capture + writing, without start-up and model load
         if completed:  # every sample is in the store now; discarded under the shard lock
             discard_staging(cfg.run_dir, shard)
+            # The run's part of the shared store; written last, so that it exists means the shard is done.
+            atomic_write_text(run_samples_path(cfg.run_dir, shard),
+                              "".join(f"{sid}\n" for sid in sorted(run_sample_ids) if writer.is_done(sid)))
         writer.release()
         if backend is not None:
             backend.close()
@@ -202,9 +211,11 @@ def run_extract(cfg, shard: int = 0, num_shards: int | None = None, gpu_group: i
         "samples_in_shard": stats_of_pass.samples,
         "turn_samples": stats_of_pass.turn_samples,  # thinking models' earlier turns, each a sample of its own
         "reasoning_not_rendered": stats_of_pass.reasoning_not_rendered,
-        "samples_stored_before": done_before,
+        "store": store.name,  # {workdir}/stores/<this>, shared by every run with the same capture key
+        "samples_stored_before": done_before,  # reused: in the store already (this run's earlier try, or another run)
         "samples_extracted": progress.done_here,
-        "samples_stored": len(writer.done_ids),
+        "samples_stored": sum(sid in writer.done_ids for sid in run_sample_ids),  # the run's, now
+        "store_samples": len(writer.done_ids),  # every run's, in this shard
         "tokens": tokens,
         "bytes": writer.bytes_written,
         "rejected_nonfinite": len(writer.rejected),
@@ -220,7 +231,7 @@ def run_extract(cfg, shard: int = 0, num_shards: int | None = None, gpu_group: i
         # how the states were captured (sglang: plugin or lists, and why it fell back); nothing captured: None
         **(backend.stats() if backend is not None else {"capture_path": None}),
     }
-    atomic_write_text(shard_dir(cfg.store_dir, shard) / "extract_stats.json", json.dumps(stats, indent=2) + "\n")
+    atomic_write_text(run_stats_path(cfg.run_dir, shard), json.dumps(stats, indent=2) + "\n")
     return stats
 
 

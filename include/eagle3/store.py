@@ -72,6 +72,10 @@ class StoreError(RuntimeError):
     """A store that is inconsistent or does not match the run; the message names the file."""
 
 
+class StoreBusy(StoreError):
+    """Another process writes the shard: another run on the same shared store, most likely. A retry may do."""
+
+
 @dataclass(frozen=True)
 class StoreMeta:
     hidden_size: int
@@ -343,7 +347,8 @@ class ShardWriter:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             lock.close()
-            raise StoreError(f"{self.dir}: another process is writing this shard; wait for it or stop it") from None
+            raise StoreBusy(f"{self.dir}: another process is writing this shard (another run sharing this store, or "
+                            "a stray extract); the retry waits for it, or stop it") from None
         return lock
 
     def _recover(self) -> list[dict]:
@@ -475,16 +480,20 @@ class SampleLocation:
 
 
 class HiddenStateStore:
-    """Read-only view of a store: random access by sample id, iteration by shard. Files are mmapped."""
+    """Read-only view of a store: random access by sample id, iteration by shard. Files are mmapped.
 
-    def __init__(self, store_dir: str | Path):
+    `only`: see just these samples (one run's, of a store shared by many: `open_run_store`)."""
+
+    def __init__(self, store_dir: str | Path, only: set[str] | None = None):
         self.dir = Path(store_dir)
+        self.only = only
         self.meta = read_meta(self.dir)
         self.locations: dict[str, SampleLocation] = {}
         self.chunks: dict[int, list[dict]] = {}
         self.rejected: dict[str, str] = {}
         self._handles: dict[tuple[int, str], object] = {}
         self._records: dict[tuple[int, str], dict] = {}
+        seen: set[str] = set()
         for sdir in sorted(self.dir.glob("shard-*")):
             if not (SHARD_NAME.fullmatch(sdir.name) and sdir.is_dir()):
                 continue  # not a shard: nothing the writer makes is named so (a backup someone made, say)
@@ -496,10 +505,18 @@ class HiddenStateStore:
             for record in self.chunks[shard]:
                 start = 0
                 for row, (sid, n) in enumerate(record["samples"]):
-                    if sid in self.locations:
+                    if sid in seen:
                         raise StoreError(f"{sdir}: sample {sid} is stored twice ({record['chunk']})")
-                    self.locations[sid] = SampleLocation(shard, record["chunk"], row, start, start + n)
+                    seen.add(sid)
+                    if only is None or sid in only:
+                        self.locations[sid] = SampleLocation(shard, record["chunk"], row, start, start + n)
                     start += n
+        if only is not None:
+            self.rejected = {sid: reason for sid, reason in self.rejected.items() if sid in only}
+            missing = only.difference(self.locations, self.rejected)
+            if missing:
+                raise StoreError(f"{self.dir}: {len(missing)} of the run's samples are not in the store (e.g. "
+                                 f"{min(missing)}); run extract again, it adds what is missing")
 
     def __len__(self) -> int:
         return len(self.locations)
@@ -575,11 +592,40 @@ class HiddenStateStore:
             tensors = {name: f.get_tensor(name) for name in self.meta.chunk_tensors(0, 0)}
             offsets = tensors["offsets"].tolist()
             for row, (sid, _) in enumerate(record["samples"]):
+                if self.only is not None and sid not in self.only:
+                    continue
                 a, b = offsets[row], offsets[row + 1]
                 if self.meta.quantized:
                     yield sid, DequantizedSample(lambda name, t=tensors, a=a, b=b: t[name][a:b])
                 else:
                     yield sid, {name: tensors[name][a:b] for name in SAMPLE_TENSORS}
+
+
+def run_samples_path(run_dir: Path, shard: int) -> Path:
+    """The sample ids one run's extract shard stored (or found stored), one per line: the run's part of a
+    shared store. Written when the shard is complete, so its presence means done."""
+    return Path(run_dir) / "extract" / f"shard-{shard:05d}.samples"
+
+
+def run_stats_path(run_dir: Path, shard: int) -> Path:
+    return Path(run_dir) / "extract" / f"shard-{shard:05d}.stats.json"
+
+
+def open_run_store(cfg) -> HiddenStateStore:
+    """The run's samples of its store. A store shared by runs (RUN_DIR/hidden_states is a link into
+    {workdir}/stores/) holds every run's samples, so the run's own are those its extract shards listed; a run
+    directory with a store of its own (made before stores were shared) uses all of it."""
+    if not cfg.store_dir.is_symlink():
+        return HiddenStateStore(cfg.store_dir)
+    ids: set[str] = set()
+    for shard in range(cfg.extract.num_shards):
+        path = run_samples_path(cfg.run_dir, shard)
+        try:
+            ids.update(path.read_text().split())
+        except FileNotFoundError:
+            raise StoreError(f"{path}: missing, so extract shard {shard} of this run has not finished; run it "
+                             f"(python -m eagle3 extract --config {cfg.config_path} --shard {shard})") from None
+    return HiddenStateStore(cfg.store_dir, only=ids)
 
 
 class DequantizedSample(Mapping):

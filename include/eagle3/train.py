@@ -241,7 +241,7 @@ def die_with_parent() -> None:
 
 class Trainer:
     def __init__(self, cfg):
-        from eagle3.store import HiddenStateStore
+        from eagle3.store import open_run_store
         from eagle3.vocab import MAPPING_DIR, load_mapping
 
         self.cfg = cfg
@@ -258,7 +258,7 @@ class Trainer:
         self.ckpt_root.mkdir(parents=True, exist_ok=True)
 
         torch.manual_seed(cfg.seed)  # the drafter's initial weights: the same on every rank and every try
-        self.store = HiddenStateStore(cfg.store_dir)
+        self.store = open_run_store(cfg)  # the run's samples (a shared store holds other runs' too)
         mapping, _ = load_mapping(cfg.run_dir / MAPPING_DIR)
         self.draft_ids = torch.as_tensor(mapping.draft_ids, device=self.device)
         self.t2d = torch.as_tensor(mapping.t2d(cfg.target.vocab_size), device=self.device)

@@ -130,12 +130,12 @@ def write_mapping(directory: Path, mapping: VocabMapping, target_vocab: int, met
 
 def run_vocab(cfg) -> dict:
     """Build the run's mapping, or reuse `vocab.reuse_from` if it covers this store well enough."""
-    from eagle3.store import HiddenStateStore
+    from eagle3.store import open_run_store
 
     out_dir = cfg.run_dir / MAPPING_DIR
     target_vocab, draft_vocab = cfg.target.vocab_size, cfg.vocab.draft_vocab_size
     fingerprint = tokenizer_fingerprint(cfg.tokenizer_dir)
-    counts = count_tokens(HiddenStateStore(cfg.store_dir), target_vocab)
+    counts = count_tokens(open_run_store(cfg), target_vocab)
     if counts.total == 0:
         raise VocabError(f"{cfg.store_dir}: no loss-masked tokens; run extract first")
 

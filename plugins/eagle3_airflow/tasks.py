@@ -94,6 +94,8 @@ def report(plan_dict: dict) -> dict:
         "val_acc_per_position": [round(a, 3) for a in evaluation["val_acc_per_position"]],
         "simulated_accept_length": evaluation["simulated_accept_length_teacher_forced"],
         "measured_accept_length": {k: v["mean_accept_length"] for k, v in evaluation["speculative"].items()},
+        # samples extracted by this run, and reused from the store runs with the same capture share
+        "hidden_states": evaluation.get("hidden_states"),
     }
     if plan.benchmark:
         benchmark_path = f"{plan.run_dir}/benchmark/benchmark.json"

@@ -1,0 +1,153 @@
+"""What decides a target's hidden states, as a digest: the key of the shared store they are kept in.
+
+Scheduled reruns of a lineage see the same conversations again and again; their states are computed once
+and kept in `{workdir}/stores/{key}/`, a store every run with the same capture uses. The key covers
+everything that changes a stored byte:
+
+- the target itself: config.json, and its weight files (a sampled digest, below), the tokenizer files and
+  the chat template;
+- how conversations become token ids and masks: data.max_length, data.loss_mask, data.chat_template_kwargs,
+  data.generation_chat_template (the file's bytes);
+- how states are taken and stored: extract.backend (SGLang's kernels and transformers' differ in the last
+  bits), the resolved aux layers, extract.state_dtype, and extract.num_shards (a sample's shard is its id mod
+  num_shards, so another shard count is another layout).
+
+Left out on purpose: data.path (a store is content-addressed by sample id, so new data only adds samples),
+batch sizes, devices and everything after extract.
+
+Weights are digested by sampling, not read whole: Kimi-K2.5's are about 1 TB, a full sha256 half an hour.
+Each safetensors file contributes its name, size, header (every tensor's name, dtype, shape and offsets)
+and 16 blocks of 64 KiB spread evenly over its data; a file under 64 MiB is read whole. A new checkpoint of
+the same architecture (identical headers) changes practically every weight, so it changes the sampled
+blocks too; a change to a few weights elsewhere would not be seen (say so with a new model directory).
+
+Never imports torch: `init` computes the key for the config it writes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+KEY_FORMAT = 1  # bump when the store's layout or the key's fields change: a new key, never a mixed store
+KEY_CHARS = 16  # hex digits of the sha256 in the directory name
+
+TOKENIZER_AND_TEMPLATE_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "tiktoken.model",
+    "vocab.json", "merges.txt", "vocab.txt", "chat_template.jinja", "chat_template.json",
+)
+WHOLE_FILE_LIMIT = 64 << 20
+SAMPLED_BLOCKS = 16
+BLOCK_BYTES = 64 << 10
+
+
+def file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+def weights_digest(path: Path) -> str:
+    """A safetensors file's size, header and sampled data (the whole file if small)."""
+    size = path.stat().st_size
+    if size <= WHOLE_FILE_LIMIT:
+        return file_digest(path)
+    h = hashlib.sha256(f"{size}".encode())
+    with open(path, "rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        h.update(f.read(min(header_len, size - 8)))
+        data_start = 8 + header_len
+        span = max(0, size - data_start - BLOCK_BYTES)
+        for i in range(SAMPLED_BLOCKS):
+            f.seek(data_start + span * i // (SAMPLED_BLOCKS - 1))
+            h.update(f.read(BLOCK_BYTES))
+    return h.hexdigest()
+
+
+def target_identity(model_path: str | Path, tokenizer_dir: str | Path) -> dict[str, str]:
+    """{file name: digest} of the target's config, weights (sampled), weight index, tokenizer and template."""
+    from eagle3.config import ConfigError
+
+    model_path, tokenizer_dir = Path(model_path), Path(tokenizer_dir)
+    weight_files = sorted(model_path.glob("*.safetensors"))
+    if not weight_files:
+        raise ConfigError(f"target.model_path: {model_path} holds no *.safetensors weights")
+    identity = {"config.json": file_digest(model_path / "config.json")}
+    identity.update({f.name: file_digest(f) for f in sorted(model_path.glob("*.safetensors.index.json"))})
+    identity.update({f.name: weights_digest(f) for f in weight_files})
+    for name in TOKENIZER_AND_TEMPLATE_FILES:
+        if (tokenizer_dir / name).is_file():
+            identity[f"tokenizer/{name}"] = file_digest(tokenizer_dir / name)
+    return identity
+
+
+def capture_fields(cfg) -> dict:
+    """Every field that decides the stored bytes (see the module docstring); `cfg` has its target facts."""
+    from eagle3.config import ConfigError
+
+    template = cfg.data.generation_chat_template
+    if template and not Path(template).is_file():
+        raise ConfigError(f"data.generation_chat_template: {template} does not exist on the box; copy the template "
+                          "there or leave the field empty")
+    return {
+        "format": KEY_FORMAT,
+        "target": target_identity(cfg.target.model_path, cfg.tokenizer_dir),
+        "target_dtype": cfg.target.dtype,
+        "max_length": cfg.data.max_length,
+        "loss_mask": cfg.data.loss_mask,
+        "chat_template_kwargs": cfg.data.chat_template_kwargs,
+        "generation_chat_template": file_digest(Path(template)) if template else None,
+        "backend": cfg.extract.backend,
+        "aux_layers": cfg.resolved_aux_layers(),
+        "state_dtype": cfg.extract.state_dtype,
+        "num_shards": cfg.extract.num_shards,
+    }
+
+
+def capture_key(fields: dict) -> str:
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:KEY_CHARS]
+
+
+def shared_store_dir(workdir: str | Path, key: str) -> Path:
+    return Path(workdir) / "stores" / key
+
+
+def attach_store(cfg) -> Path:
+    """Point the run's store (`RUN_DIR/hidden_states`) at the shared store of its capture key; returns the key's
+    directory. Idempotent. Refuses a run whose link names another key: its target or a capture field changed
+    since the run started, and one store must never hold two captures.
+
+    A run directory whose hidden_states is a directory of its own (made before stores were shared) keeps it."""
+    from eagle3.config import ConfigError
+    from eagle3.fsutil import atomic_write_text, fsync_dir
+
+    fields = capture_fields(cfg)
+    key = capture_key(fields)
+    shared = shared_store_dir(cfg.workdir, key)
+    link = cfg.store_dir
+    if link.is_dir() and not link.is_symlink():
+        return link
+    shared.mkdir(parents=True, exist_ok=True)
+    if not (shared / "key.json").exists():  # what the key covers, for a person choosing what to delete
+        atomic_write_text(shared / "key.json", json.dumps(fields, indent=2, sort_keys=True) + "\n")
+    if link.is_symlink():
+        linked = Path(link.readlink()).name
+        if linked != key:
+            raise ConfigError(
+                f"{link}: this run's hidden states were captured into store {linked}, but its target or capture "
+                f"settings now give store {key} (see {shared / 'key.json'} and "
+                f"{shared_store_dir(cfg.workdir, linked) / 'key.json'} for what differs): a new target checkpoint "
+                "or setting is a new run; pick a new run_name"
+            )
+        return shared
+    link.parent.mkdir(parents=True, exist_ok=True)
+    tmp = link.with_name(f".{link.name}.tmp")
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(Path("..", "..", "stores", key))  # relative: the work directory may be moved whole
+    tmp.rename(link)
+    fsync_dir(link.parent)
+    return shared

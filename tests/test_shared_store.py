@@ -1,0 +1,95 @@
+"""Runs with the same capture share one hidden-state store: a rerun extracts only what the store lacks.
+
+Scheduled reruns see last week's conversations again; their states are computed once, in
+{workdir}/stores/<capture key>/, and every run reads only its own samples of it.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from eagle3.config import ConfigError
+from eagle3.data import read_conversations
+from eagle3.extract import run_extract
+from eagle3.identity import attach_store
+from eagle3.store import HiddenStateStore, StoreError, open_run_store, run_samples_path, verify
+
+
+def conversation_ids(cfg) -> list[str]:
+    return [c.sample_id for c in read_conversations(cfg.data.path, max_samples=cfg.data.max_samples)[0]]
+
+
+def test_a_rerun_extracts_nothing_and_grown_data_extracts_exactly_the_new_samples(make_config):
+    first = make_config(run_name="week-1", data={"max_samples": 40})
+    week1 = run_extract(first)
+    assert week1["samples_extracted"] == week1["samples_stored"] == len(conversation_ids(first))
+    assert week1["samples_stored_before"] == 0
+
+    same = make_config(run_name="week-2", data={"max_samples": 40})
+    rerun = run_extract(same)
+    assert (rerun["samples_extracted"], rerun["samples_stored_before"]) == (0, week1["samples_stored"])
+    assert same.store_dir.resolve() == first.store_dir.resolve() == first.store_dir.parent.parent.parent / "stores" / \
+        week1["store"]
+
+    grown = make_config(run_name="week-3", data={"max_samples": 44})  # 10 % more conversations
+    new_ids = set(conversation_ids(grown)) - set(conversation_ids(first))
+    week3 = run_extract(grown)
+    assert len(new_ids) == 4 and week3["samples_extracted"] == 4
+    assert week3["samples_stored_before"] == week1["samples_stored"] and week3["samples_stored"] == 44
+
+    # Each run reads its own samples of the shared store, however it grows afterwards.
+    assert set(open_run_store(first).sample_ids) == set(open_run_store(same).sample_ids) == set(conversation_ids(first))
+    assert set(open_run_store(grown).sample_ids) == set(conversation_ids(grown))
+    assert len(HiddenStateStore(grown.store_dir)) == verify(grown.store_dir)["samples"] == 44  # stored once
+
+
+def test_a_change_to_what_decides_the_states_starts_another_store(make_config):
+    base = make_config(run_name="base", data={"max_samples": 12})
+    run_extract(base)
+    for i, change in enumerate([{"extract": {"aux_layers": [2, 3, 4]}}, {"data": {"max_samples": 12, "max_length": 64}},
+                                {"extract": {"state_dtype": "fp8_e4m3"}}, {"extract": {"num_shards": 2}}]):
+        other = make_config(run_name=f"other-{i}", **{"data": {"max_samples": 12}, **change})
+        stats = run_extract(other, 0)
+        assert other.store_dir.resolve() != base.store_dir.resolve(), change
+        assert stats["samples_stored_before"] == 0 and stats["samples_extracted"] > 0, change
+    # What a store's key covers is written beside it, for a person deciding what to delete.
+    assert '"aux_layers": [\n    1,\n    3,\n    4\n  ]' in (base.store_dir / "key.json").read_text()
+
+
+def test_a_run_whose_target_changed_after_it_started_is_refused(make_config, tiny_target, tmp_path):
+    """A new checkpoint dropped into the model directory mid-run would mix two targets' states in one store."""
+    model = tmp_path / "target"
+    shutil.copytree(tiny_target, model)
+    cfg = make_config(target={"model_path": str(model)}, data={"max_samples": 8})
+    run_extract(cfg)
+    (model / "config.json").write_text((model / "config.json").read_text() + "\n")  # "another checkpoint"
+    with pytest.raises(ConfigError, match="its target or capture settings now give store .* pick a new run_name"):
+        run_extract(cfg)
+    fresh = make_config(run_name="new-checkpoint", target={"model_path": str(model)}, data={"max_samples": 8})
+    assert attach_store(fresh) != cfg.store_dir.resolve()
+
+
+def test_a_run_whose_extract_has_not_finished_is_not_read(make_config):
+    cfg = make_config(data={"max_samples": 8})
+    run_extract(cfg)
+    run_samples_path(cfg.run_dir, 0).unlink()  # as if the shard's extract had been killed before its end
+    with pytest.raises(StoreError, match="extract shard 0 of this run has not finished"):
+        open_run_store(cfg)
+
+
+def test_a_run_that_finds_another_writing_its_shard_fails_retryably(make_config):
+    """Two scheduled runs extracting the same store at once: the second's retry finds the states stored."""
+    from eagle3.__main__ import exit_code_for
+    from eagle3.store import ShardWriter, StoreBusy, read_meta
+
+    first = make_config(run_name="first", data={"max_samples": 8})
+    run_extract(first)
+    writing = ShardWriter(first.store_dir, 0, read_meta(first.store_dir))  # the other run, mid-extraction
+    second = make_config(run_name="second", data={"max_samples": 8})
+    with pytest.raises(StoreBusy, match="another process is writing this shard") as refused:
+        run_extract(second)
+    assert exit_code_for(refused.value) == 1  # retried, unlike a store that does not match (exit 2)
+    writing.release()
+    assert run_extract(second)["samples_extracted"] == 0
