@@ -151,6 +151,35 @@ def test_every_assistant_turn_is_regenerated_in_order_after_the_regenerated_hist
     assert re.search(r"generate: 8/8 conversations \(100.0%\), 0 failed, \d+ tokens/s, elapsed \S+, ETA", caplog.text)
 
 
+def test_runs_with_the_same_target_and_settings_ask_only_for_new_conversations(make_config, shared_server):
+    """A scheduled rerun on last week's prompts plus new ones: only the new ones are sent to the server."""
+    url, record = shared_server
+
+    def requests_during(run) -> int:
+        before = len(record.read_text().splitlines()) if record.exists() else 0
+        stats = run()
+        return stats, len(record.read_text().splitlines()) - before
+
+    def week(name: str, samples: int, **gen):
+        cfg = generate_config(make_config, url, samples=samples, **gen).model_copy(update={"run_name": name})
+        return cfg, *requests_during(lambda: run_generate(cfg))
+
+    first, stats, asked = week("week-1", 6)
+    assert stats["regenerated_now"] == 6 and asked >= 6
+    again, stats, asked = week("week-2", 6)
+    assert (stats["regenerated_now"], stats["already_done"], asked) == (0, 6, 0)
+    assert output_of(again) == output_of(first) and stats["answers_cache"] == first_cache(first)
+    grown, stats, asked = week("week-3", 8)
+    assert (stats["regenerated_now"], stats["already_done"]) == (2, 6) and asked >= 2
+    assert output_of(grown)[:6] == output_of(first)
+    other, stats, _ = week("hotter", 6, temperature=0.7)  # other settings: other answers, asked again
+    assert stats["regenerated_now"] == 6 and stats["answers_cache"] != first_cache(first)
+
+
+def first_cache(cfg) -> str:
+    return (cfg.run_dir / "generate" / "parts").resolve().name
+
+
 def test_transient_errors_are_retried_until_the_answer_comes(make_config, stand_in):
     """One each of 500, 429, a dropped connection and a request slower than the timeout: all retried."""
     url = stand_in("--faults", "500,429,drop,slow", "--slow-s", "3")

@@ -83,8 +83,10 @@ STAGES = {
         "Every assistant turn again, in order, from POST {endpoint}/chat/completions (generate.launch_server: "
         "start SGLang on the box for the stage, stop it afterwards), or with generate.backend hf from the target "
         "in transformers, batched. Tool turns are kept as they are. Retries transient errors; stops early when "
-        "generate.max_failure_rate is passed. Safe to kill and rerun: finished conversations are kept. Writes "
-        "RUN_DIR/generate/conversations.jsonl, which extract then reads instead of data.path.",
+        "generate.max_failure_rate is passed. Safe to kill and rerun: finished conversations are kept. Answers are "
+        "shared by every run with the same target and generation settings ({workdir}/generated/<key>): only "
+        "conversations no run had answered are sent. Writes RUN_DIR/generate/conversations.jsonl, which extract "
+        "then reads instead of data.path.",
     ),
     "vocab": (
         "eagle3.vocab", "run_vocab",
@@ -226,7 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
         "extract",
         help="capture the target's EAGLE-3 hidden states into the store (resumable)",
         description="Capture hidden states for one shard (--shard), or, without --shard, for every shard in turn. "
-        "Safe to kill and rerun: stored samples are skipped.",
+        "Safe to kill and rerun: stored samples are skipped. The store (RUN_DIR/hidden_states) is shared by every "
+        "run with the same target and capture settings ({workdir}/stores/<key>): samples another run stored are "
+        "reused, not computed again.",
     )
     p.add_argument("--config", required=True, help="RUN_DIR/config.json")
     p.add_argument("--shard", type=int, default=None,

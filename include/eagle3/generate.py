@@ -35,7 +35,10 @@ Output in RUN_DIR/generate/:
   parts/part-NNNNN.jsonl  finished rows in batches, each file written atomically (temp, fsync, rename):
                           {"source_id", "line_no", "status": "ok"|"failed", "messages" | "error", ...}.
                           A rerun skips every conversation with an "ok" row: a kill -9 loses at most the
-                          rows not yet in a part (they are redone), and duplicates none.
+                          rows not yet in a part (they are redone), and duplicates none. `parts` links to
+                          {workdir}/generated/<key>/, shared by every run with the same target and generation
+                          settings (eagle3.identity.generation_fields): a scheduled rerun asks only for the
+                          conversations no run has had answered; one writer at a time (a lock; exit 1 else).
   conversations.jsonl     the "ok" rows in input order as {"messages": [...]}: what extract reads.
   stats.json              the counts and rates of the stage's last run; failure_reasons counts the failed rows
                           by reason: timeout, connection, http NNN, oversize, malformed, empty.
@@ -44,6 +47,7 @@ Output in RUN_DIR/generate/:
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import logging
 import math
@@ -60,6 +64,7 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt,
 from eagle3.config import ConfigError, redact_url
 from eagle3.data import Conversation, read_conversations
 from eagle3.fsutil import atomic_write_text
+from eagle3.identity import attach_generated
 from eagle3.progress import ProgressLog
 
 log = logging.getLogger(__name__)
@@ -85,6 +90,10 @@ def response_cap(max_tokens: int) -> int:
 
 class GenerateAborted(RuntimeError):
     """Too many conversations failed: the server is down or refusing; the message says what it answered."""
+
+
+class GenerateBusy(GenerateAborted):
+    """Another run writes the same cache of answers right now; a retry (exit 1) finds its answers there."""
 
 
 class RowFailed(Exception):
@@ -457,11 +466,19 @@ def regenerate_with_hf(cfg, todo: list[Conversation], writer: PartWriter, progre
 
 
 class PartWriter:
-    """Finished rows, in batches, each batch one new part file written atomically."""
+    """Finished rows, in batches, each batch one new part file written atomically. Holds the directory's lock:
+    the parts are a cache runs share (eagle3.identity.attach_generated), and two writers would pick one name."""
 
     def __init__(self, parts_dir: Path, interval_s: float):
         self.dir, self.interval_s = parts_dir, interval_s
         self.dir.mkdir(parents=True, exist_ok=True)
+        self._lock = open(self.dir / ".lock", "a+")
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock.close()
+            raise GenerateBusy(f"{self.dir}: another run is generating into this cache of answers now; the retry "
+                               "finds its answers there") from None
         existing = [int(p.stem.split("-")[1]) for p in self.dir.glob("part-*.jsonl")]
         self.next_index = max(existing, default=-1) + 1
         self.rows: list[dict] = []
@@ -480,6 +497,10 @@ class PartWriter:
         atomic_write_text(self.dir / f"part-{self.next_index:05d}.jsonl", text)
         self.next_index += 1
         self.rows = []
+
+    def release(self) -> None:
+        self.flush()
+        self._lock.close()
 
 
 def read_rows(parts_dir: Path) -> dict[str, dict]:
@@ -564,8 +585,6 @@ async def check_endpoint(base_url: str, api_key: str | None = None) -> None:
 
 
 def run_generate(cfg) -> dict:
-    from eagle3.server import sglang_server
-
     gen = cfg.generate
     started = time.monotonic()
     # Read first, so that a missing key fails the stage before anything else. Sent whenever it is set, also to a
@@ -575,7 +594,19 @@ def run_generate(cfg) -> dict:
     out = cfg.run_dir / "generate"
     limit = gen.num_samples or cfg.data.max_samples
     conversations, read_stats = read_conversations(cfg.data.path, cfg.data.on_bad_record, limit)
+    cache = attach_generated(cfg)  # answers of earlier runs with the same target and settings are reused
     writer = PartWriter(out / "parts", gen.progress_interval_s)  # a kill -9 loses one interval's rows at most
+    try:
+        return _generate(cfg, out, conversations, read_stats, writer, cache.name, started, api_key)
+    finally:
+        writer.release()
+
+
+def _generate(cfg, out: Path, conversations: list[Conversation], read_stats, writer: PartWriter, cache: str,
+              started: float, api_key: str | None) -> dict:
+    from eagle3.server import sglang_server
+
+    gen = cfg.generate
     rows = read_rows(writer.dir)
     todo = [c for c in conversations if rows.get(c.sample_id, {}).get("status") != "ok"]
     progress = ProgressLog("generate", len(conversations), len(conversations) - len(todo), gen.progress_interval_s,
@@ -608,7 +639,8 @@ def run_generate(cfg) -> dict:
         "conversations": len(conversations),
         "regenerated": len(ok_rows),
         "regenerated_now": progress.done_here,
-        "already_done": len(conversations) - len(todo),
+        "already_done": len(conversations) - len(todo),  # answered before: by an earlier try, or another run
+        "answers_cache": cache,  # {workdir}/generated/<this>, shared by runs with the same target and settings
         "failed": len(failed),
         "failed_lines": dict(list(failed.items())[:50]),
         # Rows written before reasons were recorded count as "unrecorded".

@@ -1,4 +1,5 @@
-"""What decides a target's hidden states, as a digest: the key of the shared store they are kept in.
+"""What decides a target's hidden states (or its regenerated answers), as a digest: the key of the store
+runs share them in.
 
 Scheduled reruns of a lineage see the same conversations again and again; their states are computed once
 and kept in `{workdir}/stores/{key}/`, a store every run with the same capture uses. The key covers
@@ -15,6 +16,10 @@ everything that changes a stored byte:
 Left out on purpose: data.path (a store is content-addressed by sample id, so new data only adds samples),
 batch sizes, devices and everything after extract.
 
+Regenerated answers are shared the same way, in `{workdir}/generated/{key}/` (generation_fields: the target,
+the server that answers, sampling, max_tokens, reasoning, template options), keyed inside by the source
+conversation's id.
+
 Weights are digested by sampling, not read whole: Kimi-K2.5's are about 1 TB, a full sha256 half an hour.
 Each safetensors file contributes its name, size, header (every tensor's name, dtype, shape and offsets)
 and 16 blocks of 64 KiB spread evenly over its data; a file under 64 MiB is read whole. A new checkpoint of
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 KEY_FORMAT = 1  # bump when the store's layout or the key's fields change: a new key, never a mixed store
@@ -122,13 +128,47 @@ def attach_store(cfg) -> Path:
     since the run started, and one store must never hold two captures.
 
     A run directory whose hidden_states is a directory of its own (made before stores were shared) keeps it."""
+    fields = capture_fields(cfg)
+    return link_shared(cfg.store_dir, shared_store_dir(cfg.workdir, capture_key(fields)), fields,
+                       "hidden states were captured into store", "target or capture settings")
+
+
+def generation_fields(cfg) -> dict:
+    """What decides a regenerated answer besides its conversation: the target, the server that answers and how
+    it is asked. Sampling is part of it (a cached answer drawn at temperature 0.7 stands for one), the seed not."""
+    gen = cfg.generate
+    return {
+        "format": KEY_FORMAT,
+        "target": target_identity(cfg.target.model_path, cfg.tokenizer_dir),
+        "backend": gen.backend,
+        # an endpoint the stage does not start serves whatever model it serves: its address and name stand for it
+        "endpoint": None if gen.backend == "hf" or gen.launch_server else gen.endpoint,
+        "model": gen.model,
+        "server": cfg.server.model_dump(mode="json") if gen.backend == "server" and gen.launch_server else None,
+        "target_dtype": cfg.target.dtype if gen.backend == "hf" else None,
+        "temperature": gen.temperature,
+        "top_p": gen.top_p,
+        "max_tokens": gen.max_tokens,
+        "reasoning": gen.reasoning,
+        "chat_template_kwargs": cfg.data.chat_template_kwargs,
+    }
+
+
+def attach_generated(cfg) -> Path:
+    """Point the run's `generate/parts` at the answers cache of its generation key ({workdir}/generated/<key>):
+    a conversation answered by an earlier run with the same key is not asked again."""
+    fields = generation_fields(cfg)
+    key = capture_key(fields)
+    return link_shared(cfg.run_dir / "generate" / "parts", Path(cfg.workdir) / "generated" / key, fields,
+                       "answers were generated into cache", "target or generation settings")
+
+
+def link_shared(link: Path, shared: Path, fields: dict, made_into: str, what_changed: str) -> Path:
+    """`link` -> `shared` (relative), made atomically, with `shared/key.json` listing `fields`. A real directory at
+    `link` (made before outputs were shared) is kept as it is."""
     from eagle3.config import ConfigError
     from eagle3.fsutil import atomic_write_text, fsync_dir
 
-    fields = capture_fields(cfg)
-    key = capture_key(fields)
-    shared = shared_store_dir(cfg.workdir, key)
-    link = cfg.store_dir
     if link.is_dir() and not link.is_symlink():
         return link
     shared.mkdir(parents=True, exist_ok=True)
@@ -136,18 +176,17 @@ def attach_store(cfg) -> Path:
         atomic_write_text(shared / "key.json", json.dumps(fields, indent=2, sort_keys=True) + "\n")
     if link.is_symlink():
         linked = Path(link.readlink()).name
-        if linked != key:
+        if linked != shared.name:
             raise ConfigError(
-                f"{link}: this run's hidden states were captured into store {linked}, but its target or capture "
-                f"settings now give store {key} (see {shared / 'key.json'} and "
-                f"{shared_store_dir(cfg.workdir, linked) / 'key.json'} for what differs): a new target checkpoint "
-                "or setting is a new run; pick a new run_name"
+                f"{link}: this run's {made_into} {linked}, but its {what_changed} now give {shared.name} (see "
+                f"{shared / 'key.json'} and {shared.with_name(linked) / 'key.json'} for what differs): a new target "
+                "checkpoint or setting is a new run; pick a new run_name"
             )
         return shared
     link.parent.mkdir(parents=True, exist_ok=True)
     tmp = link.with_name(f".{link.name}.tmp")
     tmp.unlink(missing_ok=True)
-    tmp.symlink_to(Path("..", "..", "stores", key))  # relative: the work directory may be moved whole
+    tmp.symlink_to(Path(os.path.relpath(shared, link.parent)))  # relative: the work directory may move whole
     tmp.rename(link)
     fsync_dir(link.parent)
     return shared
