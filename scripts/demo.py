@@ -212,6 +212,9 @@ def print_summary(run_dir: Path, total_s: float) -> None:
               f"{result['mean_accept_length']:.3f} (first cycle {result['first_cycle_accept_length']:.3f}, later "
               f"{result['later_cycles_accept_length']:.3f}) on {report['prompts']} held-out prompts; "
               f"outputs equal to greedy: {result['identical_to_greedy']}")
+    promotion = report["promotion"]
+    print(f"promotion   {'':15} {'promoted' if promotion['promoted'] else 'not promoted'}: {promotion['reason']}; "
+          f"current drafter of the lineage: {promotion.get('current', '-')}")
     print(f"target      {'':15} greedy accuracy on the held-out answers "
           f"{report['target_greedy_accuracy_held_out']:.3f} (drafts are accepted only where they match it)")
     disk = sum(os.lstat(os.path.join(d, f)).st_size for d, _, files in os.walk(run_dir) for f in files)

@@ -112,7 +112,9 @@ STAGES = {
     "evaluate": (
         "eagle3.evaluate", "run_evaluate",
         "measure acceptance length: speculative decoding with the exported drafter on the HF target",
-        "Writes RUN_DIR/evaluate/report.json and acceptance.png.",
+        "Writes RUN_DIR/evaluate/report.json and acceptance.png. Measures on the lineage's pinned prompts, the "
+        "lineage's current drafter too, and promotes this run's if better ({workdir}/drafters/<lineage>/current; "
+        "evaluate.promote, evaluate.promote_margin).",
     ),
     "benchmark": (
         "eagle3.benchmark", "run_benchmark",

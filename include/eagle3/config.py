@@ -570,6 +570,19 @@ class EvaluateConfig(Section):
         256, ge=1, le=MAX_WIDTH, title="Max new tokens per prompt",
         description="Greedy, on the target with the drafter."
     )
+    promote: bool = Field(
+        True, title="Promote a better drafter",
+        description="Measure the lineage's current drafter on the same pinned prompts and make this run's the "
+        "current one ({workdir}/drafters/<lineage>/current) if it is better.",
+    )
+    promote_margin: float = Field(
+        0.0, ge=0, le=100, title="Promotion margin",
+        description="How much longer the acceptance length at the first draft length must be than the current "
+        "drafter's.",
+    )
+    keep_versions: int = Field(
+        3, ge=1, le=1000, title="Promoted versions kept", description="Older promoted drafters are removed."
+    )
     progress_interval_s: float = Field(
         30.0, gt=0, le=3600, title="Progress log interval (s)",
         description="Seconds between progress lines in the task log."

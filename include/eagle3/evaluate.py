@@ -15,6 +15,9 @@ target, accept the longest agreeing prefix plus the target's own next token. Wri
                 makes speculation lossless)
   acceptance.png  acceptance rate per draft position, one line per k
 
+The prompts are the lineage's pinned evaluation set (eagle3.promote: chosen by its first evaluation, the same for
+every run since), and the lineage's current drafter is measured on them too; this run's is promoted if better.
+
 The drafter runs at the last position with the training-time-test pattern: step 0 over the context
 (target features at t, token t+1), then each further draft step feeds its own output hidden state and
 the token it just drafted, RoPE position advanced by one. No KV cache: each cycle recomputes, which is
@@ -87,9 +90,9 @@ def plain_greedy(target, prompt: list[int], max_new: int, eos: set[int]) -> list
     return seq[len(prompt) :]
 
 
-def held_out_prompts(cfg, tokenizing, limit: int | None = None) -> list[list[int]]:
-    """First user turns (chat template applied, generation prompt added) of the validation split: prompts
-    training never saw. `tokenizing` is the run's eagle3.data.SampleTokenizer."""
+def held_out(cfg, tokenizing, limit: int | None = None) -> list[tuple[str, list[int]]]:
+    """(conversation id, prompt) for the first user turns (chat template applied, generation prompt added) of the
+    validation split: prompts training never saw. `tokenizing` is the run's eagle3.data.SampleTokenizer."""
     from eagle3.data import read_conversations
     from eagle3.train import is_validation
 
@@ -102,10 +105,15 @@ def held_out_prompts(cfg, tokenizing, limit: int | None = None) -> list[list[int
         first_answer = next(i for i, m in enumerate(conversation.messages) if m["role"] == "assistant")
         if first_answer == 0:  # nothing prompts it
             continue
-        prompts.append(tokenizing.prompt_ids(conversation.messages[:first_answer], conversation.tools))
+        prompts.append((conversation.sample_id,
+                        tokenizing.prompt_ids(conversation.messages[:first_answer], conversation.tools)))
         if len(prompts) == (limit or cfg.evaluate.num_prompts):
             break
     return prompts
+
+
+def held_out_prompts(cfg, tokenizing, limit: int | None = None) -> list[list[int]]:
+    return [prompt for _, prompt in held_out(cfg, tokenizing, limit)]
 
 
 def target_greedy_accuracy(cfg, lm_head: torch.Tensor, max_tokens: int = 100_000) -> float | None:
@@ -158,6 +166,7 @@ def run_evaluate(cfg) -> dict:
     from eagle3.capture.hf import HfCapture
     from eagle3.data import SampleTokenizer
     from eagle3.export import DRAFTER_DIR, load_exported_drafter
+    from eagle3.promote import Lineage
 
     started = time.monotonic()
     out = cfg.run_dir / "evaluate"
@@ -166,9 +175,15 @@ def run_evaluate(cfg) -> dict:
     eos = set(eos if isinstance(eos, list) else [eos])
     target = HfCapture(cfg)
     drafter, draft_to_target = load_exported_drafter(cfg.run_dir / DRAFTER_DIR, cfg.target.model_path)
-    prompts = held_out_prompts(cfg, SampleTokenizer.for_run(cfg))
-    if not prompts:
+    candidates = held_out(cfg, SampleTokenizer.for_run(cfg))
+    if not candidates:
         raise ValueError("no held-out prompts: raise train.val_fraction or evaluate on more data")
+    # Every run of the lineage measures the prompts its first evaluation pinned, so that figures compare.
+    lineage = Lineage(cfg)
+    pinned = lineage.pin_eval_set(*map(list, zip(*candidates)), cfg.run_name)
+    prompts = pinned["prompts"]
+    log.info("evaluate: %d prompts of lineage %s's evaluation set (pinned by run %s)", len(prompts), lineage.key,
+             pinned["pinned_by"])
     max_new = cfg.evaluate.max_new_tokens
 
     def progress(what: str) -> ProgressLog:
@@ -181,23 +196,10 @@ def run_evaluate(cfg) -> dict:
             baseline.append(plain_greedy(target, prompt, max_new, eos))
             counting.update(1, len(baseline[-1]))
         counting.emit()
-        results = {}
-        for k in cfg.evaluate.draft_lengths:
-            cycles, first_cycles, identical, new_tokens = [], [], 0, 0
-            counting = progress(f"k={k} speculative")
-            for prompt, expected in zip(prompts, baseline):
-                tokens, accepted = speculative_greedy(target, drafter, draft_to_target, prompt, k, max_new, eos)
-                identical += tokens == expected
-                new_tokens += len(tokens)
-                cycles += accepted
-                first_cycles += accepted[:1]
-                counting.update(1, len(tokens))
-            counting.emit()
-            results[str(k)] = acceptance_figures(cycles, first_cycles, new_tokens, k)
-            results[str(k)]["identical_to_greedy"] = f"{identical}/{len(prompts)}"
-            log.info("evaluate: k=%d: mean acceptance length %.3f over %d cycles (first cycle %.3f); %d/%d outputs "
-                     "equal greedy", k, results[str(k)]["mean_accept_length"], len(cycles),
-                     results[str(k)]["first_cycle_accept_length"], identical, len(prompts))
+        results = measure(cfg, target, drafter, draft_to_target, prompts, baseline, eos, progress)
+        promotion = compare_and_promote(cfg, lineage, pinned, results, lambda drafter_dir: measure(
+            cfg, target, *load_exported_drafter(drafter_dir, cfg.target.model_path), prompts, baseline, eos, progress,
+            "current drafter, "))
     export = json.loads((cfg.run_dir / DRAFTER_DIR / "export.json").read_text())
     report = {
         "prompts": len(prompts),
@@ -208,11 +210,73 @@ def run_evaluate(cfg) -> dict:
         "target_greedy_accuracy_held_out": target_greedy_accuracy(cfg, target.lm_head.weight.detach().cpu()),
         "val_acc_per_position": export["val_acc"],
         "hidden_states": extraction_summary(cfg),
+        "promotion": promotion,
         "seconds": round(time.monotonic() - started, 1),
     }
     atomic_write_text(out / "report.json", json.dumps(report, indent=2) + "\n")
     plot_acceptance(report, out / "acceptance.png")
     return report
+
+
+def measure(cfg, target, drafter, draft_to_target, prompts, baseline, eos, progress, label: str = "") -> dict:
+    """Acceptance figures per k of one drafter on `prompts` (`baseline`: the target's plain greedy answers)."""
+    results = {}
+    for k in cfg.evaluate.draft_lengths:
+        cycles, first_cycles, identical, new_tokens = [], [], 0, 0
+        counting = progress(f"{label}k={k} speculative")
+        for prompt, expected in zip(prompts, baseline):
+            tokens, accepted = speculative_greedy(target, drafter, draft_to_target, prompt, k,
+                                                  cfg.evaluate.max_new_tokens, eos)
+            identical += tokens == expected
+            new_tokens += len(tokens)
+            cycles += accepted
+            first_cycles += accepted[:1]
+            counting.update(1, len(tokens))
+        counting.emit()
+        results[str(k)] = acceptance_figures(cycles, first_cycles, new_tokens, k)
+        results[str(k)]["identical_to_greedy"] = f"{identical}/{len(prompts)}"
+        log.info("evaluate: %sk=%d: mean acceptance length %.3f over %d cycles (first cycle %.3f); %d/%d outputs "
+                 "equal greedy", label, k, results[str(k)]["mean_accept_length"], len(cycles),
+                 results[str(k)]["first_cycle_accept_length"], identical, len(prompts))
+    return results
+
+
+def compare_and_promote(cfg, lineage, pinned: dict, results: dict, measure_drafter) -> dict:
+    """Measure the lineage's current drafter (`measure_drafter(its dir)`) on the same prompts, and promote this
+    run's if it is better by evaluate.promote_margin (eagle3.promote)."""
+    from eagle3.export import DRAFTER_DIR
+    from eagle3.promote import decide, weights_digest
+
+    k = cfg.evaluate.draft_lengths[0]
+    figures = {key: value["mean_accept_length"] for key, value in results.items()}
+    outcome = {"lineage": lineage.key, "lineage_dir": str(lineage.dir), "eval_set_prompts": len(pinned["prompts"]),
+               "eval_set_pinned_by": pinned["pinned_by"], "accept_length": figures, "current_before": None}
+    if not cfg.evaluate.promote:
+        return {**outcome, "promoted": False, "reason": "evaluate.promote is off"}
+    ours = weights_digest(cfg.run_dir / DRAFTER_DIR)
+    current = lineage.current()
+    theirs = None
+    if current is not None:
+        record = current.record
+        outcome["current_before"] = {"version": current.name, "run": record["run"]}
+        if record["weights_sha256"] == ours:  # a retried evaluate, or a rerun whose inputs had not changed
+            return {**outcome, "promoted": False, "current": str(current.path),
+                    "reason": f"this drafter is the current one already ({current.name}, the same weights)"}
+        theirs = measure_drafter(current.path)
+        outcome["current_before"]["accept_length"] = {key: v["mean_accept_length"] for key, v in theirs.items()}
+    promote, reason = decide(results, theirs, k, cfg.evaluate.promote_margin)
+    log.info("evaluate: %s %s", "promoting this run's drafter:" if promote else "not promoted:", reason)
+    if not promote:
+        return {**outcome, "promoted": False, "reason": reason, "current": str(current.path)}
+    record = {"run": cfg.run_name, "run_dir": str(cfg.run_dir), "weights_sha256": ours, "accept_length": figures,
+              "promoted_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "reason": reason,
+              "previous": outcome["current_before"], "eval_set_prompts": len(pinned["prompts"])}
+    version = lineage.promote(cfg.run_dir / DRAFTER_DIR, cfg.run_name, record, cfg.evaluate.keep_versions,
+                              expected_current=current.name if current else None)
+    if version is None:
+        return {**outcome, "promoted": False, "reason": "another run promoted a drafter while this one was measured; "
+                "evaluate again to compare with it"}
+    return {**outcome, "promoted": True, "reason": reason, "current": str(version.path), "version": version.name}
 
 
 def extraction_summary(cfg) -> dict:

@@ -21,7 +21,7 @@ the server that answers, sampling, max_tokens, reasoning, template options), key
 conversation's id.
 
 Weights are digested by sampling, not read whole: Kimi-K2.5's are about 1 TB, a full sha256 half an hour.
-Each safetensors file contributes its name, size, header (every tensor's name, dtype, shape and offsets)
+Each weight file contributes its name, size, safetensors header (every tensor's name, dtype, shape and offsets)
 and 16 blocks of 64 KiB spread evenly over its data; a file under 64 MiB is read whole. A new checkpoint of
 the same architecture (identical headers) changes practically every weight, so it changes the sampled
 blocks too; a change to a few weights elsewhere would not be seen (say so with a new model directory).
@@ -43,6 +43,7 @@ TOKENIZER_AND_TEMPLATE_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "tiktoken.model",
     "vocab.json", "merges.txt", "vocab.txt", "chat_template.jinja", "chat_template.json",
 )
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth")
 WHOLE_FILE_LIMIT = 64 << 20
 SAMPLED_BLOCKS = 16
 BLOCK_BYTES = 64 << 10
@@ -57,15 +58,17 @@ def file_digest(path: Path) -> str:
 
 
 def weights_digest(path: Path) -> str:
-    """A safetensors file's size, header and sampled data (the whole file if small)."""
+    """A weight file's size, safetensors header and sampled data (the whole file if small)."""
     size = path.stat().st_size
     if size <= WHOLE_FILE_LIMIT:
         return file_digest(path)
     h = hashlib.sha256(f"{size}".encode())
     with open(path, "rb") as f:
-        header_len = int.from_bytes(f.read(8), "little")
-        h.update(f.read(min(header_len, size - 8)))
-        data_start = 8 + header_len
+        data_start = 0
+        if path.suffix == ".safetensors":
+            header_len = int.from_bytes(f.read(8), "little")
+            h.update(f.read(min(header_len, size - 8)))
+            data_start = 8 + header_len
         span = max(0, size - data_start - BLOCK_BYTES)
         for i in range(SAMPLED_BLOCKS):
             f.seek(data_start + span * i // (SAMPLED_BLOCKS - 1))
@@ -75,14 +78,11 @@ def weights_digest(path: Path) -> str:
 
 def target_identity(model_path: str | Path, tokenizer_dir: str | Path) -> dict[str, str]:
     """{file name: digest} of the target's config, weights (sampled), weight index, tokenizer and template."""
-    from eagle3.config import ConfigError
-
     model_path, tokenizer_dir = Path(model_path), Path(tokenizer_dir)
-    weight_files = sorted(model_path.glob("*.safetensors"))
-    if not weight_files:
-        raise ConfigError(f"target.model_path: {model_path} holds no *.safetensors weights")
+    # (a directory without weights has a key too: init may check a config before the weights are copied)
+    weight_files = sorted(f for pattern in WEIGHT_FILES for f in model_path.glob(pattern))
     identity = {"config.json": file_digest(model_path / "config.json")}
-    identity.update({f.name: file_digest(f) for f in sorted(model_path.glob("*.safetensors.index.json"))})
+    identity.update({f.name: file_digest(f) for f in sorted(model_path.glob("*.index.json"))})
     identity.update({f.name: weights_digest(f) for f in weight_files})
     for name in TOKENIZER_AND_TEMPLATE_FILES:
         if (tokenizer_dir / name).is_file():

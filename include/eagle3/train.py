@@ -241,6 +241,8 @@ def die_with_parent() -> None:
 
 class Trainer:
     def __init__(self, cfg):
+        from eagle3.data import conversation_id_of
+        from eagle3.promote import pinned_conversation_ids
         from eagle3.store import open_run_store
         from eagle3.vocab import MAPPING_DIR, load_mapping
 
@@ -270,7 +272,13 @@ class Trainer:
         self.ddp = (nn.parallel.DistributedDataParallel(self.objective) if self.distributed else self.objective)
 
         lengths = {sid: loc.end - loc.start for sid, loc in self.store.locations.items()}
-        self.train_ids = sorted((s, n) for s, n in lengths.items() if not is_validation(s, cfg.train.val_fraction))
+        # The lineage's pinned evaluation prompts are never trained on, whatever this run's split says.
+        pinned = pinned_conversation_ids(cfg)
+        self.train_ids = sorted((s, n) for s, n in lengths.items()
+                                if not is_validation(s, cfg.train.val_fraction) and conversation_id_of(s) not in pinned)
+        if self.rank == 0 and (left_out := sum(not is_validation(s, cfg.train.val_fraction) for s in lengths)
+                               - len(self.train_ids)):
+            log.info("train: %d samples of the lineage's pinned evaluation set left out of training", left_out)
         self.val_ids = sorted((s, n) for s, n in lengths.items() if is_validation(s, cfg.train.val_fraction))
         # Packing depends on the shuffle, so each epoch has its own number of steps (the same on every rank:
         # a tail of fewer than `world` batches is dropped).

@@ -96,6 +96,8 @@ def report(plan_dict: dict) -> dict:
         "measured_accept_length": {k: v["mean_accept_length"] for k, v in evaluation["speculative"].items()},
         # samples extracted by this run, and reused from the store runs with the same capture share
         "hidden_states": evaluation.get("hidden_states"),
+        # measured against the lineage's current drafter on its pinned prompts; promoted or not, and why
+        "promotion": evaluation.get("promotion"),
     }
     if plan.benchmark:
         benchmark_path = f"{plan.run_dir}/benchmark/benchmark.json"

@@ -1,0 +1,158 @@
+"""A lineage's drafters: a pinned evaluation set, the promoted drafter, and the switch to a better one.
+
+A lineage is a target (its identity: eagle3.identity.target_identity) with one drafter geometry (shape, draft
+vocabulary size, aux layers): drafters of one lineage are interchangeable in a deployment, so they are compared.
+Everything of a lineage lives in {workdir}/drafters/<lineage key>/:
+
+  key.json          what the key covers
+  eval_set.json     the pinned evaluation prompts: chosen by the lineage's first evaluation from its held-out
+                    split and kept, so that every later run measures the same thing; training leaves their
+                    conversations out (Trainer), so no drafter of the lineage ever trains on them
+  versions/<name>/  promoted drafters (the export's files, and promotion.json: figures, run, previous version),
+                    named <run_name>-<first 8 hex of the weights' sha256>; the newest evaluate.keep_versions kept
+  current           a link to the promoted version, switched atomically (a new link renamed over the old)
+
+Evaluate measures the run's drafter and the current one on the pinned set in the same run, and promotes the
+new one only when its acceptance length at the first of evaluate.draft_lengths beats the current's by more
+than evaluate.promote_margin. A drafter with the current's exact bytes (a retried evaluate, or a rerun on
+unchanged inputs) is the current one: nothing to compare or switch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from eagle3.fsutil import atomic_dir, atomic_write_text, fsync_dir
+from eagle3.identity import capture_key, target_identity
+
+EVAL_SET = "eval_set.json"
+CURRENT = "current"
+VERSIONS = "versions"
+RECORD = "promotion.json"
+
+
+def lineage_fields(cfg) -> dict:
+    return {
+        "format": 1,
+        "target": target_identity(cfg.target.model_path, cfg.tokenizer_dir),
+        "drafter": cfg.drafter.model_dump(mode="json"),
+        "draft_vocab_size": cfg.vocab.draft_vocab_size,
+        "aux_layers": cfg.resolved_aux_layers(),
+    }
+
+
+def weights_digest(drafter_dir: Path) -> str:
+    h = hashlib.sha256()
+    with open(Path(drafter_dir) / "model.safetensors", "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class Version:
+    name: str
+    path: Path
+
+    @property
+    def record(self) -> dict:
+        return json.loads((self.path / RECORD).read_text())
+
+
+class Lineage:
+    def __init__(self, cfg):
+        fields = lineage_fields(cfg)
+        self.key = capture_key(fields)
+        self.dir = Path(cfg.workdir) / "drafters" / self.key
+        self.dir.mkdir(parents=True, exist_ok=True)
+        if not (self.dir / "key.json").exists():
+            atomic_write_text(self.dir / "key.json", json.dumps(fields, indent=2, sort_keys=True) + "\n")
+
+    @contextlib.contextmanager
+    def locked(self):
+        """One run at a time pins the set or switches `current` (the evaluation itself runs unlocked)."""
+        with open(self.dir / ".lock", "a+") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            yield
+
+    # -- the pinned evaluation set ------------------------------------------------------------------------
+
+    def eval_set(self) -> dict | None:
+        """{"conversation_ids": [...], "prompts": [[token ids], ...], "pinned_by": run} or None before the first."""
+        try:
+            return json.loads((self.dir / EVAL_SET).read_text())
+        except FileNotFoundError:
+            return None
+
+    def pin_eval_set(self, conversation_ids: list[str], prompts: list[list[int]], run_name: str) -> dict:
+        """The pinned set: the one already there, or these prompts, pinned now."""
+        with self.locked():
+            pinned = self.eval_set()
+            if pinned is None:
+                pinned = {"conversation_ids": conversation_ids, "prompts": prompts, "pinned_by": run_name,
+                          "pinned_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+                atomic_write_text(self.dir / EVAL_SET, json.dumps(pinned) + "\n")
+            return pinned
+
+    # -- versions ------------------------------------------------------------------------------------------
+
+    def current(self) -> Version | None:
+        link = self.dir / CURRENT
+        if not link.is_symlink():
+            return None
+        return Version(Path(link.readlink()).name, link.resolve())
+
+    def promote(self, drafter_dir: Path, run_name: str, record: dict, keep: int,
+                expected_current: str | None) -> Version | None:
+        """Copy the drafter into versions/, switch `current` to it, drop the oldest versions beyond `keep`. None,
+        and nothing switched, if `current` is no longer `expected_current` (the version it was measured against)."""
+        name = f"{run_name}-{weights_digest(drafter_dir)[:8]}"
+        version = self.dir / VERSIONS / name
+        with self.locked():
+            now = self.current()
+            if (now.name if now else None) != expected_current:
+                return None
+            if not version.exists():
+                with atomic_dir(version) as tmp:
+                    for f in sorted(Path(drafter_dir).iterdir()):
+                        shutil.copy2(f, tmp / f.name)
+                    (tmp / RECORD).write_text(json.dumps({**record, "version": name}, indent=2) + "\n")
+            tmp_link = self.dir / f".{CURRENT}.tmp"
+            tmp_link.unlink(missing_ok=True)
+            tmp_link.symlink_to(Path(VERSIONS) / name)
+            os.replace(tmp_link, self.dir / CURRENT)
+            fsync_dir(self.dir)
+            self._prune(keep, name)
+        return Version(name, version)
+
+    def _prune(self, keep: int, current: str) -> None:
+        versions = sorted((p for p in (self.dir / VERSIONS).iterdir() if not p.name.startswith(".")),
+                          key=lambda p: json.loads((p / RECORD).read_text())["promoted_at"], reverse=True)
+        for old in versions[keep:]:
+            if old.name != current:
+                shutil.rmtree(old)
+
+
+def pinned_conversation_ids(cfg) -> set[str]:
+    """The conversations of the lineage's pinned evaluation set: never trained on."""
+    pinned = Lineage(cfg).eval_set()
+    return set(pinned["conversation_ids"]) if pinned else set()
+
+
+def decide(new: dict, current: dict | None, k: int, margin: float) -> tuple[bool, str]:
+    """(promote?, why) from the measured acceptance length per k of the new and the current drafter."""
+    ours = new[str(k)]["mean_accept_length"]
+    if current is None:
+        return True, f"the lineage's first drafter (k={k}: {ours:.3f})"
+    theirs = current[str(k)]["mean_accept_length"]
+    if ours > theirs + margin:
+        return True, f"better at k={k}: {ours:.3f} against the current {theirs:.3f} (margin {margin:g})"
+    return False, f"not better at k={k} by more than {margin:g}: {ours:.3f} against the current {theirs:.3f}"

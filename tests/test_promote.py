@@ -1,0 +1,92 @@
+"""A lineage's drafters: measured on one pinned set, the better one promoted, the current one switched atomically."""
+
+from __future__ import annotations
+
+import shutil
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from eagle3.config import write_run_config
+from eagle3.data import conversation_id_of
+from eagle3.evaluate import run_evaluate
+from eagle3.export import run_export
+from eagle3.promote import Lineage
+from eagle3.train import Trainer, is_validation
+
+EVALUATE = {"num_prompts": 6, "max_new_tokens": 16, "draft_lengths": [3]}
+
+
+def run_like(trained, make_config, name: str, noise: float = 0.0, **evaluate):
+    """A run of the same lineage with the trained run's drafter (its weights disturbed by `noise`: a worse one)."""
+    shutil.copytree(trained.run_dir, trained.run_dir.with_name(name),  # all but its config.json, written below
+                    ignore=lambda directory, names: ["config.json"] if directory == str(trained.run_dir) else [])
+    cfg = make_config(run_name=name, evaluate={**EVALUATE, **evaluate},
+                      **{k: trained.model_dump()[k] for k in ("train", "vocab", "extract")})
+    write_run_config(cfg)
+    if noise:
+        weights_file = cfg.run_dir / "drafter" / "model.safetensors"
+        weights = load_file(weights_file)
+        generator = torch.Generator().manual_seed(0)
+        for name_, w in weights.items():
+            if w.dim() == 2 and w.is_floating_point():
+                weights[name_] = w + noise * w.float().std() * torch.randn(w.shape, generator=generator).to(w.dtype)
+        save_file(weights, weights_file, metadata={"format": "pt"})
+    return cfg
+
+
+def test_the_better_drafter_is_promoted_on_the_pinned_set_and_a_worse_one_is_not(trained_config, make_config):
+    run_export(trained_config)
+    weak = run_like(trained_config, make_config, "weak", noise=3.0)
+    first = run_evaluate(weak)["promotion"]
+    assert first["promoted"] and "the lineage's first drafter" in first["reason"]
+    lineage = Lineage(weak)
+    assert lineage.current().name.startswith("weak-")
+    pinned = lineage.eval_set()
+    assert pinned["pinned_by"] == "weak" and len(pinned["prompts"]) == 6
+
+    again = run_evaluate(weak)["promotion"]  # a retried evaluate: the same weights are the current ones already
+    assert not again["promoted"] and "is the current one already" in again["reason"]
+
+    good = run_like(trained_config, make_config, "good", num_prompts=20)  # another num_prompts: the pinned set wins
+    report = run_evaluate(good)
+    promotion = report["promotion"]
+    assert report["prompts"] == 6 and promotion["eval_set_pinned_by"] == "weak"
+    assert promotion["promoted"], promotion["reason"]
+    assert promotion["current_before"]["version"].startswith("weak-")
+    assert promotion["accept_length"]["3"] > promotion["current_before"]["accept_length"]["3"]
+    assert lineage.current().name == promotion["version"] and lineage.current().name.startswith("good-")
+    assert lineage.current().record["previous"]["version"].startswith("weak-")
+    assert (lineage.current().path / "model.safetensors").read_bytes() == \
+        (good.run_dir / "drafter" / "model.safetensors").read_bytes()
+
+    worse = run_like(trained_config, make_config, "worse", noise=3.0, keep_versions=1)
+    promotion = run_evaluate(worse)["promotion"]
+    assert not promotion["promoted"] and "not better at k=3" in promotion["reason"]
+    assert promotion["current_before"]["accept_length"]["3"] == report["speculative"]["3"]["mean_accept_length"]
+    assert lineage.current().name.startswith("good-")
+
+    better_by_a_margin = run_like(trained_config, make_config, "strict", noise=0.01, promote_margin=5.0)
+    assert not run_evaluate(better_by_a_margin)["promotion"]["promoted"]  # no drafter is 5 tokens better
+
+
+def test_old_versions_beyond_keep_versions_are_removed(trained_config, make_config):
+    run_export(trained_config)
+    lineage = Lineage(trained_config)
+    run_evaluate(run_like(trained_config, make_config, "old", noise=3.0, keep_versions=1))
+    assert [p.name.split("-")[0] for p in (lineage.dir / "versions").iterdir()] == ["old"]
+    assert run_evaluate(run_like(trained_config, make_config, "new", keep_versions=1))["promotion"]["promoted"]
+    assert [p.name.split("-")[0] for p in (lineage.dir / "versions").iterdir()] == ["new"]
+    assert lineage.current().name.startswith("new-") and (lineage.current().path / "model.safetensors").exists()
+
+
+def test_training_leaves_the_pinned_evaluation_prompts_out(trained_config, make_config):
+    """Pinned from a wide validation split, then trained with a narrow one: the pinned prompts stay untrained."""
+    run_export(trained_config)
+    wide = run_like(trained_config, make_config, "wide-split", num_prompts=12)
+    wide = wide.model_copy(update={"train": wide.train.model_copy(update={"val_fraction": 0.5})})
+    run_evaluate(wide)
+    pinned = set(Lineage(wide).eval_set()["conversation_ids"])
+    assert any(not is_validation(sid, trained_config.train.val_fraction) for sid in pinned)  # else nothing to test
+    trained_ids = {conversation_id_of(sid) for sid, _ in Trainer(trained_config).train_ids}
+    assert trained_ids and not trained_ids & pinned
