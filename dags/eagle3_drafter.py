@@ -9,7 +9,8 @@ the drafter, report and plots.
 preflight: validate -> box reachable -> code synced -> config written -> GPUs idle -> disk enough;
 then generate (regenerate the answers with the target; skipped unless generate.enabled) -> extract (one
 mapped task per shard) -> GPUs released -> vocab -> train -> export -> evaluate -> benchmark (SGLang with
-the drafter against the plain target; skipped unless benchmark.enabled) -> report.
+the drafter against the plain target; skipped unless benchmark.enabled) -> report -> promoted (an event on the
+drafter Asset when evaluate promoted this run's drafter over the lineage's current one; skipped otherwise).
 
 **Resume = clear the failed task.** Every stage is a detached job on the box that a retry or a clear
 re-attaches to while it runs, and restarts (the stage resumes where it stopped) when it died.
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
-from airflow.sdk import DAG, chain, task
+from airflow.sdk import DAG, Asset, chain, task
 
 from eagle3_airflow import tasks
 from eagle3_airflow.deployment import Deployment
@@ -34,6 +35,7 @@ PARAMS = build_params(SETTINGS.params, SETTINGS.form_choices())
 SETTINGS.check_schedulable(PARAMS)  # a schedule whose defaults cannot make a run is an import error, not silence
 POOL = SETTINGS.pool  # bounds how many remote stages run at once, deferred ones counted (create-pool makes it)
 SENSOR_TIMEOUT = timedelta(hours=SETTINGS.sensor_timeout_h)
+DRAFTER = Asset(SETTINGS.drafter_asset)  # updated when a run promotes its drafter: deployments schedule on it
 
 with DAG(
     dag_id="eagle3_drafter",
@@ -87,9 +89,10 @@ with DAG(
     evaluate = RemoteJobOperator(task_id="evaluate", stage="evaluate", plan=plan, pool=POOL)
     benchmark = RemoteJobOperator(task_id="benchmark", stage="benchmark", plan=plan, pool=POOL, only_if="benchmark")
     summary = task(tasks.report, task_id="report", trigger_rule="none_failed")(plan)
+    promoted = task(tasks.announce_promotion, task_id="promoted", outlets=[DRAFTER])(plan, summary, DRAFTER.name)
 
     chain(run, box_reachable, code_synced, config_written, gpus_idle, disk_space, generate, extract, gpus_released,
-          vocab, train, export, evaluate, benchmark, summary)
+          vocab, train, export, evaluate, benchmark, summary, promoted)
 
 # The form's params go on the DAG after its tasks exist. Passed to DAG(...), Airflow would copy all ~60 of them
 # into every task, then re-validate every copy when it serializes the DAG: about 0.5 s of the dag-processor's

@@ -29,7 +29,7 @@ from tests.airflow_env import AIRFLOW, airflow_env, migrated_airflow_home
 BASELINE_RUN_NAME = "baseline"
 # For drills about training: the stages after export are marked successful instead of run (`--mark-success-pattern`);
 # the drafter (export) is what they compare.
-LATER_STAGES = "evaluate|benchmark|report"
+LATER_STAGES = "evaluate|benchmark|report|promoted"
 # For drills about one stage: the box checks are marked successful too. A run's `box info` and `box disk` cost
 # about 6 CPU-seconds (torch, a tokenizer); the baseline and the SSH run check the box for real.
 BOX_CHECKS = "box_reachable|gpus_idle|disk_space|gpus_released"

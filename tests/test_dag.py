@@ -8,6 +8,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -79,6 +80,26 @@ def test_local_run_produces_an_sglang_drafter_and_a_report(baseline_run):
     for key in ("extract.0", "extract.1", "vocab", "train", "export", "evaluate"):
         state = job_state(baseline_run, key)
         assert (state["status"], state["try"]) == ("succeeded", 1), key
+
+
+def test_the_promoted_drafter_is_an_asset_event_a_deployment_can_be_scheduled_on(baseline_run):
+    """The baseline's workdir had no drafter of its lineage: evaluate promoted the run's, and the `promoted`
+    task recorded an event on the drafter Asset with the figures (read from the run's Airflow DB)."""
+    import sqlite3
+
+    report = json.loads((baseline_run / "evaluate" / "report.json").read_text())
+    assert report["promotion"]["promoted"] and report["promotion"]["current_before"] is None
+    db = baseline_run.parent.parent / "airflow-home" / "airflow.db"
+    with sqlite3.connect(db) as connection:
+        rows = connection.execute(
+            "SELECT asset.name, asset_event.extra, asset_event.source_task_id FROM asset_event "
+            "JOIN asset ON asset.id = asset_event.asset_id").fetchall()
+    (name, extra, task_id), = rows
+    extra = json.loads(extra)
+    assert (name, task_id) == ("eagle3_drafter", "promoted")
+    assert extra["version"] == report["promotion"]["version"] and extra["previous"] is None
+    assert extra["accept_length"]["3"] == report["speculative"]["3"]["mean_accept_length"]
+    assert Path(extra["drafter"]).resolve() == Path(report["promotion"]["lineage_dir"]) / "versions" / extra["version"]
 
 
 def test_no_secret_of_the_worker_reaches_the_box_a_log_or_xcom(baseline_run):

@@ -260,14 +260,14 @@ def compare_and_promote(cfg, lineage, pinned: dict, results: dict, measure_draft
         record = current.record
         outcome["current_before"] = {"version": current.name, "run": record["run"]}
         if record["weights_sha256"] == ours:  # a retried evaluate, or a rerun whose inputs had not changed
-            return {**outcome, "promoted": False, "current": str(current.path),
+            return {**outcome, "promoted": False, "current": str(lineage.dir / "current"),
                     "reason": f"this drafter is the current one already ({current.name}, the same weights)"}
         theirs = measure_drafter(current.path)
         outcome["current_before"]["accept_length"] = {key: v["mean_accept_length"] for key, v in theirs.items()}
     promote, reason = decide(results, theirs, k, cfg.evaluate.promote_margin)
     log.info("evaluate: %s %s", "promoting this run's drafter:" if promote else "not promoted:", reason)
     if not promote:
-        return {**outcome, "promoted": False, "reason": reason, "current": str(current.path)}
+        return {**outcome, "promoted": False, "reason": reason, "current": str(lineage.dir / "current")}
     record = {"run": cfg.run_name, "run_dir": str(cfg.run_dir), "weights_sha256": ours, "accept_length": figures,
               "promoted_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "reason": reason,
               "previous": outcome["current_before"], "eval_set_prompts": len(pinned["prompts"])}
@@ -276,7 +276,8 @@ def compare_and_promote(cfg, lineage, pinned: dict, results: dict, measure_draft
     if version is None:
         return {**outcome, "promoted": False, "reason": "another run promoted a drafter while this one was measured; "
                 "evaluate again to compare with it"}
-    return {**outcome, "promoted": True, "reason": reason, "current": str(version.path), "version": version.name}
+    return {**outcome, "promoted": True, "reason": reason, "current": str(lineage.dir / "current"),
+            "version": version.name}
 
 
 def extraction_summary(cfg) -> dict:

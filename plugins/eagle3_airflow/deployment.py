@@ -80,6 +80,10 @@ class Deployment(BaseModel):
         description="Box environment variables passed to the stages besides the built-in ones (CUDA_*, HF_*, ...); "
         "generate.api_key_env must be one of them.")
     notify: NotifySettings | None = Field(None, description="Failure and lateness notifications; none: silent.")
+    drafter_asset: str = Field(
+        "eagle3_drafter", pattern=r"^[A-Za-z0-9_.:/-]{1,1500}$",
+        description="The Airflow Asset a promoted drafter updates (its event's extra: lineage, version, figures, "
+        "the previous ones, store and code): schedule a deployment DAG on it.")
     _source: str = PrivateAttr("the built-in settings (EAGLE3_DAG_SETTINGS names no file)")
 
     @model_validator(mode="after")

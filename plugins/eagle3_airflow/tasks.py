@@ -111,3 +111,29 @@ def report(plan_dict: dict) -> dict:
     for key, value in summary.items():
         log.info("%-24s %s", key, value)
     return summary
+
+
+def announce_promotion(plan_dict: dict, summary: dict, asset_name: str, outlet_events=None) -> dict:
+    """An event on the drafter Asset when the run's drafter was promoted, for a deployment DAG scheduled on it;
+    skipped (no event) when it was not, with the reason."""
+    from airflow.sdk import Asset
+    from airflow.sdk.exceptions import AirflowSkipException
+
+    promotion = summary.get("promotion") or {}
+    if not promotion.get("promoted"):
+        raise AirflowSkipException(f"not promoted: {promotion.get('reason', 'no promotion in the report')}")
+    plan = RunPlan.from_xcom(plan_dict)
+    extra = {
+        "run_dir": plan.run_dir,
+        "lineage": promotion["lineage"],
+        "version": promotion["version"],
+        "drafter": promotion["current"],  # the lineage's `current` link: what to serve
+        "accept_length": promotion["accept_length"],
+        "previous": promotion["current_before"],
+        "eval_set_prompts": promotion["eval_set_prompts"],
+        "store": (summary.get("hidden_states") or {}).get("store"),
+        "code_digest": plan.code_digest,
+    }
+    outlet_events[Asset(asset_name)].extra = extra
+    log.info("promoted %s: event on asset %s with %s", promotion["version"], asset_name, extra)
+    return extra
