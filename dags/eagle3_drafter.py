@@ -8,9 +8,11 @@ the drafter, report and plots.
 
 preflight: validate -> box reachable -> code synced -> config written -> GPUs idle -> disk enough;
 then generate (regenerate the answers with the target; skipped unless generate.enabled) -> extract (one
-mapped task per shard) -> GPUs released -> vocab -> train -> export -> evaluate -> benchmark (SGLang with
+mapped task per shard) -> GPUs released -> vocab -> inputs changed? (else: nothing changed since the lineage's
+current drafter, so training is skipped) -> train -> export -> evaluate -> benchmark (SGLang with
 the drafter against the plain target; skipped unless benchmark.enabled) -> report -> promoted (an event on the
-drafter Asset when evaluate promoted this run's drafter over the lineage's current one; skipped otherwise).
+drafter Asset when evaluate promoted this run's drafter over the lineage's current one; skipped otherwise)
+-> retention (old run directories removed, with the settings' keep_runs).
 
 **Resume = clear the failed task.** Every stage is a detached job on the box that a retry or a clear
 re-attaches to while it runs, and restarts (the stage resumes where it stopped) when it died.
@@ -84,15 +86,20 @@ with DAG(
     ).expand(shard=shards(plan))
     gpus_released = GpuIdleSensor(task_id="gpus_released", plan=plan, poke_interval=30, timeout=SENSOR_TIMEOUT)
     vocab = RemoteJobOperator(task_id="vocab", stage="vocab", plan=plan, pool=POOL)
+    # Nothing new since the lineage's current drafter (same samples, vocab, settings): train, export, evaluate and
+    # benchmark are skipped; report (none_failed) still runs and says so.
+    inputs_changed = task.short_circuit(tasks.inputs_changed, task_id="inputs_changed",
+                                        ignore_downstream_trigger_rules=False)(plan)
     train = RemoteJobOperator(task_id="train", stage="train", plan=plan, pool=POOL)
     export = RemoteJobOperator(task_id="export", stage="export", plan=plan, pool=POOL)
     evaluate = RemoteJobOperator(task_id="evaluate", stage="evaluate", plan=plan, pool=POOL)
     benchmark = RemoteJobOperator(task_id="benchmark", stage="benchmark", plan=plan, pool=POOL, only_if="benchmark")
     summary = task(tasks.report, task_id="report", trigger_rule="none_failed")(plan)
     promoted = task(tasks.announce_promotion, task_id="promoted", outlets=[DRAFTER])(plan, summary, DRAFTER.name)
+    retention = task(tasks.prune_runs, task_id="retention", trigger_rule="none_failed")(plan, SETTINGS.keep_runs)
 
     chain(run, box_reachable, code_synced, config_written, gpus_idle, disk_space, generate, extract, gpus_released,
-          vocab, train, export, evaluate, benchmark, summary, promoted)
+          vocab, inputs_changed, train, export, evaluate, benchmark, summary, promoted, retention)
 
 # The form's params go on the DAG after its tasks exist. Passed to DAG(...), Airflow would copy all ~60 of them
 # into every task, then re-validate every copy when it serializes the DAG: about 0.5 s of the dag-processor's

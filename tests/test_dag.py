@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.airflow_env import REPO, airflow_env
-from tests.dagruns import WORKER_SECRETS, job_state
+from tests.airflow_env import REPO, airflow_env, dags_test
+from tests.dagruns import BOX_CHECKS, WORKER_SECRETS, assert_succeeded, conf_for, job_state
 
 pytestmark = pytest.mark.slow
 
@@ -85,12 +86,14 @@ def test_local_run_produces_an_sglang_drafter_and_a_report(baseline_run):
 def test_the_promoted_drafter_is_an_asset_event_a_deployment_can_be_scheduled_on(baseline_run):
     """The baseline's workdir had no drafter of its lineage: evaluate promoted the run's, and the `promoted`
     task recorded an event on the drafter Asset with the figures (read from the run's Airflow DB)."""
+    import contextlib
     import sqlite3
 
     report = json.loads((baseline_run / "evaluate" / "report.json").read_text())
     assert report["promotion"]["promoted"] and report["promotion"]["current_before"] is None
     db = baseline_run.parent.parent / "airflow-home" / "airflow.db"
-    with sqlite3.connect(db) as connection:
+    # read-only and immutable: no -wal file appears beside the DB (the secrets test reads every file there)
+    with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro&immutable=1", uri=True)) as connection:
         rows = connection.execute(
             "SELECT asset.name, asset_event.extra, asset_event.source_task_id FROM asset_event "
             "JOIN asset ON asset.id = asset_event.asset_id").fetchall()
@@ -100,6 +103,25 @@ def test_the_promoted_drafter_is_an_asset_event_a_deployment_can_be_scheduled_on
     assert extra["version"] == report["promotion"]["version"] and extra["previous"] is None
     assert extra["accept_length"]["3"] == report["speculative"]["3"]["mean_accept_length"]
     assert Path(extra["drafter"]).resolve() == Path(report["promotion"]["lineage_dir"]) / "versions" / extra["version"]
+
+
+def test_a_rerun_on_unchanged_inputs_extracts_nothing_skips_training_and_says_since_which_run(
+        baseline_run, airflow_home, settings, tiny_target, tmp_path):
+    """Next week's scheduled run on the same data, in the baseline's work directory (a copy: its shared store,
+    its lineage with the baseline's promoted drafter): extract finds every sample stored, and nothing the drafter
+    is made from changed, so train, export and evaluate are skipped and the report says since which run."""
+    workdir = tmp_path / "box"
+    for shared in ("stores", "drafters"):
+        shutil.copytree(baseline_run.parent.parent / shared, workdir / shared, symlinks=True)  # `current` too
+    proc = dags_test(airflow_home, conf_for(tiny_target, workdir, run_name="next-week"), env=settings,
+                     mark_success=BOX_CHECKS)
+    assert_succeeded(proc)
+    run_dir = workdir / "runs" / "next-week"
+    stats = [json.loads((run_dir / "extract" / f"shard-{i:05d}.stats.json").read_text()) for i in (0, 1)]
+    assert sum(s["samples_extracted"] for s in stats) == 0 and sum(s["samples_stored_before"] for s in stats) > 0
+    assert job_state(run_dir, "vocab")["status"] == "succeeded"
+    assert not (run_dir / "jobs" / "train").exists() and not (run_dir / "drafter").exists()  # never started
+    assert "nothing changed since run baseline" in proc.stdout + proc.stderr
 
 
 def test_no_secret_of_the_worker_reaches_the_box_a_log_or_xcom(baseline_run):

@@ -11,7 +11,7 @@ from eagle3.config import write_run_config
 from eagle3.data import conversation_id_of
 from eagle3.evaluate import run_evaluate
 from eagle3.export import run_export
-from eagle3.promote import Lineage
+from eagle3.promote import Lineage, check_inputs
 from eagle3.train import Trainer, is_validation
 
 EVALUATE = {"num_prompts": 6, "max_new_tokens": 16, "draft_lengths": [3]}
@@ -59,6 +59,11 @@ def test_the_better_drafter_is_promoted_on_the_pinned_set_and_a_worse_one_is_not
     assert lineage.current().record["previous"]["version"].startswith("weak-")
     assert (lineage.current().path / "model.safetensors").read_bytes() == \
         (good.run_dir / "drafter" / "model.safetensors").read_bytes()
+
+    # A later run with the same samples, vocab and settings would train this drafter again: nothing changed.
+    check = check_inputs(good)
+    assert (check["changed"], check["unchanged_since"], check["current"]) == (False, "good", promotion["version"])
+    assert check_inputs(good.model_copy(update={"seed": 7}))["changed"]
 
     worse = run_like(trained_config, make_config, "worse", noise=3.0, keep_versions=1)
     promotion = run_evaluate(worse)["promotion"]

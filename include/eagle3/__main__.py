@@ -152,6 +152,24 @@ def cmd_store_digest(args) -> None:
     print(digest(args.dir))
 
 
+def cmd_store_gc(args) -> None:
+    from eagle3.retention import gc_stores
+
+    print(json.dumps(gc_stores(args.workdir, args.dry_run), indent=2))
+
+
+def cmd_runs_prune(args) -> None:
+    from eagle3.retention import prune_runs
+
+    print(json.dumps(prune_runs(args.workdir, args.keep, args.dry_run), indent=2))
+
+
+def cmd_lineage_check(args) -> None:
+    from eagle3.promote import check_inputs
+
+    print(json.dumps(check_inputs(load_config(args.config)), indent=2))
+
+
 def cmd_box_info(args) -> None:
     from eagle3.boxinfo import box_info
 
@@ -258,6 +276,31 @@ def build_parser() -> argparse.ArgumentParser:
                              "too): equal digests = equal content")
     d.add_argument("dir", help="the store directory (RUN_DIR/hidden_states)")
     d.set_defaults(func=cmd_store_digest)
+    g = store_sub.add_parser("gc", help="remove the shared stores and answers caches no run directory links to",
+                             description="Never run by the DAG: a store is what makes the next rerun cheap. Prune "
+                             "run directories first (runs prune), then collect what none of the rest uses.")
+    g.add_argument("--workdir", required=True)
+    g.add_argument("--dry-run", action="store_true", help="list what would go, remove nothing")
+    g.set_defaults(func=cmd_store_gc)
+
+    p = sub.add_parser("runs", help="the run directories of a work directory")
+    runs_sub = p.add_subparsers(dest="runs_command", required=True, metavar="SUBCOMMAND")
+    r = runs_sub.add_parser("prune", help="remove run directories beyond the newest --keep, except promoted "
+                            "drafters' and those with a live job")
+    r.add_argument("--workdir", required=True)
+    r.add_argument("--keep", type=int, required=True, help="how many of the newest run directories to keep")
+    r.add_argument("--dry-run", action="store_true", help="list what would go, remove nothing")
+    r.set_defaults(func=cmd_runs_prune)
+
+    p = sub.add_parser("lineage", help="the drafters of this run's lineage ({workdir}/drafters/<lineage>)")
+    lineage_sub = p.add_subparsers(dest="lineage_command", required=True, metavar="SUBCOMMAND")
+    c = lineage_sub.add_parser(
+        "check", help="after vocab: has anything the drafter is made from changed since the current drafter? JSON",
+        description="Compares this run's training inputs (its samples of the store, the vocab mapping, the train, "
+        "drafter and export settings, the seed, the pinned evaluation set) with those of the lineage's current "
+        "drafter. The DAG skips training when nothing changed.")
+    c.add_argument("--config", required=True, help="RUN_DIR/config.json")
+    c.set_defaults(func=cmd_lineage_check)
 
     p = sub.add_parser(
         "box", help="facts about this box as JSON (for the sensors)",

@@ -245,7 +245,7 @@ def compare_and_promote(cfg, lineage, pinned: dict, results: dict, measure_draft
     """Measure the lineage's current drafter (`measure_drafter(its dir)`) on the same prompts, and promote this
     run's if it is better by evaluate.promote_margin (eagle3.promote)."""
     from eagle3.export import DRAFTER_DIR
-    from eagle3.promote import decide, weights_digest
+    from eagle3.promote import decide, inputs_digest, weights_digest
 
     k = cfg.evaluate.draft_lengths[0]
     figures = {key: value["mean_accept_length"] for key, value in results.items()}
@@ -269,6 +269,7 @@ def compare_and_promote(cfg, lineage, pinned: dict, results: dict, measure_draft
     if not promote:
         return {**outcome, "promoted": False, "reason": reason, "current": str(lineage.dir / "current")}
     record = {"run": cfg.run_name, "run_dir": str(cfg.run_dir), "weights_sha256": ours, "accept_length": figures,
+              "inputs_digest": promoted_inputs(cfg, inputs_digest),  # a later run with the same skips training
               "promoted_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "reason": reason,
               "previous": outcome["current_before"], "eval_set_prompts": len(pinned["prompts"])}
     version = lineage.promote(cfg.run_dir / DRAFTER_DIR, cfg.run_name, record, cfg.evaluate.keep_versions,
@@ -280,9 +281,16 @@ def compare_and_promote(cfg, lineage, pinned: dict, results: dict, measure_draft
             "version": version.name}
 
 
+def promoted_inputs(cfg, inputs_digest) -> str | None:
+    try:
+        return inputs_digest(cfg)
+    except FileNotFoundError:  # a run directory from before stores were shared: never taken as unchanged
+        return None
+
+
 def extraction_summary(cfg) -> dict:
     """What extract did for this run: how many samples it computed, how many it found in the shared store."""
-    from eagle3.store import run_stats_path
+    from eagle3.runlayout import run_stats_path
 
     shards = [json.loads(path.read_text()) for shard in range(cfg.extract.num_shards)
               if (path := run_stats_path(cfg.run_dir, shard)).exists()]

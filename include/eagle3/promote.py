@@ -141,6 +141,56 @@ class Lineage:
                 shutil.rmtree(old)
 
 
+def training_inputs(cfg) -> dict:
+    """Everything the drafter is made from, but the code: the run's samples (by id, in its shared store), the
+    vocab mapping, the training, drafter and export settings, the seed, the pinned evaluation set. Two runs with
+    equal inputs train the same drafter (training is deterministic). A new version of the pipeline is not a
+    new input: an unrelated fix must not retrain a drafter for hours; a user who wants one retrained clears its
+    train task (or changes the seed)."""
+    from eagle3.runlayout import run_samples_path
+
+    samples = hashlib.sha256()
+    for shard in range(cfg.extract.num_shards):
+        samples.update(run_samples_path(cfg.run_dir, shard).read_bytes())
+    pinned = Lineage(cfg).eval_set()
+    return {
+        "store": cfg.store_dir.resolve().name,
+        "samples": samples.hexdigest(),
+        "vocab": hashlib.sha256((cfg.run_dir / "vocab_mapping" / "d2t.npy").read_bytes()).hexdigest(),
+        "train": cfg.train.model_dump(mode="json", exclude={"progress_interval_s", "keep_last"}),
+        "drafter": cfg.drafter.model_dump(mode="json"),
+        "export": cfg.export.model_dump(mode="json"),
+        "seed": cfg.seed,
+        "eval_set": hashlib.sha256(json.dumps(pinned["conversation_ids"]).encode()).hexdigest() if pinned else None,
+    }
+
+
+def inputs_digest(cfg) -> str:
+    return hashlib.sha256(json.dumps(training_inputs(cfg), sort_keys=True).encode()).hexdigest()
+
+
+def check_inputs(cfg) -> dict:
+    """Has anything the drafter is made from changed since the lineage's current drafter? Runs after vocab: the
+    DAG skips training, export and evaluation when not ("nothing changed since run X")."""
+    try:
+        digest = inputs_digest(cfg)
+    except FileNotFoundError as err:  # a run directory from before stores were shared lists no samples
+        return {"changed": True, "inputs_digest": None, "why": f"cannot compare: {err.filename} is missing"}
+    lineage = Lineage(cfg)
+    current = lineage.current()
+    record = current.record if current else {}
+    unchanged = bool(record) and record.get("inputs_digest") == digest
+    return {
+        "changed": not unchanged,
+        "inputs_digest": digest,
+        "lineage": lineage.key,
+        "current": current.name if current else None,
+        "unchanged_since": record.get("run") if unchanged else None,
+        "current_accept_length": record.get("accept_length") if unchanged else None,
+        "current_drafter": str(lineage.dir / CURRENT) if current else None,
+    }
+
+
 def pinned_conversation_ids(cfg) -> set[str]:
     """The conversations of the lineage's pinned evaluation set: never trained on."""
     pinned = Lineage(cfg).eval_set()

@@ -52,6 +52,7 @@ from safetensors.torch import save_file
 
 from eagle3.fsutil import append_line_durably, atomic_write_text, commit, fsync_dir, is_tmp_leftover, tmp_path_for
 from eagle3.progress import format_bytes
+from eagle3.runlayout import run_samples_path, run_stats_path  # noqa: F401 - a run's part of a store
 
 STORE_FORMAT = "eagle3-hidden-states/1"
 STATE_DTYPE = torch.bfloat16  # what the capture backends hand over, and what a bf16 store holds
@@ -599,16 +600,6 @@ class HiddenStateStore:
                     yield sid, DequantizedSample(lambda name, t=tensors, a=a, b=b: t[name][a:b])
                 else:
                     yield sid, {name: tensors[name][a:b] for name in SAMPLE_TENSORS}
-
-
-def run_samples_path(run_dir: Path, shard: int) -> Path:
-    """The sample ids one run's extract shard stored (or found stored), one per line: the run's part of a
-    shared store. Written when the shard is complete, so its presence means done."""
-    return Path(run_dir) / "extract" / f"shard-{shard:05d}.samples"
-
-
-def run_stats_path(run_dir: Path, shard: int) -> Path:
-    return Path(run_dir) / "extract" / f"shard-{shard:05d}.stats.json"
 
 
 def open_run_store(cfg) -> HiddenStateStore:

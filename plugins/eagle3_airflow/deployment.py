@@ -80,6 +80,10 @@ class Deployment(BaseModel):
         description="Box environment variables passed to the stages besides the built-in ones (CUDA_*, HF_*, ...); "
         "generate.api_key_env must be one of them.")
     notify: NotifySettings | None = Field(None, description="Failure and lateness notifications; none: silent.")
+    keep_runs: int | None = Field(
+        None, ge=1, le=100_000,
+        description="Run directories kept on the box after a run (the newest; promoted drafters' and live ones "
+        "too); none: all kept. Shared stores stay: `python -m eagle3 store gc` removes unused ones.")
     drafter_asset: str = Field(
         "eagle3_drafter", pattern=r"^[A-Za-z0-9_.:/-]{1,1500}$",
         description="The Airflow Asset a promoted drafter updates (its event's extra: lineage, version, figures, "

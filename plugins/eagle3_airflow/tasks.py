@@ -79,11 +79,38 @@ def write_config(plan_dict: dict, config: dict) -> str:
     return path
 
 
+def check_inputs(plan: RunPlan) -> dict:
+    result = plan.box().run(plan.eagle3("lineage", "check", "--config", plan.config_path), timeout=600)
+    return result.json("python -m eagle3 lineage check")
+
+
+def inputs_changed(plan_dict: dict) -> bool:
+    """After vocab: False (training, export and evaluation are skipped) when the run's samples, vocab mapping and
+    settings equal those the lineage's current drafter was trained from (eagle3.promote.check_inputs)."""
+    check = check_inputs(RunPlan.from_xcom(plan_dict))
+    if check["changed"]:
+        log.info("inputs: new since the current drafter (%s); training", check.get("current") or "none yet")
+        return True
+    log.info("nothing changed since run %s: its drafter %s is current (acceptance %s); skipping training, export "
+             "and evaluation", check["unchanged_since"], check["current_drafter"], check["current_accept_length"])
+    return False
+
+
 def report(plan_dict: dict) -> dict:
     """Collect the run's results from the box: figures, and where the drafter, report and plots are."""
     plan = RunPlan.from_xcom(plan_dict)
     box = plan.box()
     report_path = f"{plan.run_dir}/evaluate/report.json"
+    if box.run(["test", "-e", report_path]).returncode != 0:  # evaluate was skipped: say why
+        check = check_inputs(plan)
+        if check["changed"]:
+            raise AirflowFailException(f"{report_path} is missing, though the inputs changed: evaluate did not run")
+        summary = {"run_dir": plan.run_dir, "nothing_changed_since": check["unchanged_since"],
+                   "drafter": check["current_drafter"], "measured_accept_length": check["current_accept_length"],
+                   "promotion": {"promoted": False, "reason": f"nothing changed since run {check['unchanged_since']}"}}
+        log.info("nothing changed since run %s; the lineage's drafter stays %s (measured acceptance %s)",
+                 check["unchanged_since"], check["current_drafter"], check["current_accept_length"])
+        return summary
     evaluation = box.run(["cat", report_path]).json(f"reading {report_path}")
     plots = sorted(box.run(["find", plan.run_dir, "-name", "*.png"]).check("listing plots").stdout.split())
     summary = {
@@ -137,3 +164,18 @@ def announce_promotion(plan_dict: dict, summary: dict, asset_name: str, outlet_e
     outlet_events[Asset(asset_name)].extra = extra
     log.info("promoted %s: event on asset %s with %s", promotion["version"], asset_name, extra)
     return extra
+
+
+def prune_runs(plan_dict: dict, keep_runs: int | None) -> dict:
+    """The settings' retention: run directories beyond the newest keep_runs go (eagle3.retention); skipped
+    without keep_runs."""
+    from airflow.sdk.exceptions import AirflowSkipException
+
+    if keep_runs is None:
+        raise AirflowSkipException("keep_runs is not set in the settings file: every run directory is kept")
+    plan = RunPlan.from_xcom(plan_dict)
+    outcome = plan.box().run(plan.eagle3("runs", "prune", "--workdir", plan.workdir, "--keep", str(keep_runs)),
+                             timeout=3600).json("python -m eagle3 runs prune")
+    log.info("retention: %d run directories, kept the newest %d; removed %s; kept beyond that: %s", outcome["runs"],
+             keep_runs, outcome["removed"] or "none", outcome["kept_beyond_keep"] or "none")
+    return outcome
