@@ -61,7 +61,8 @@ def prune_runs(workdir: str | Path, keep: int, dry_run: bool = False) -> dict:
             removed.append(run_dir.name)
             if not dry_run:
                 shutil.rmtree(run_dir)
-    return {"runs": len(runs), "keep": keep, "removed": sorted(removed), "kept_beyond_keep": kept_for, "dry_run": dry_run}
+    return {"runs": len(runs), "keep": keep, "removed": sorted(removed), "kept_beyond_keep": kept_for,
+            "dry_run": dry_run}
 
 
 def linked(workdir: Path, link_glob: str) -> set[str]:
