@@ -184,8 +184,6 @@ def print_summary(run_dir: Path, total_s: float) -> None:
     store = json.loads(subprocess.run(verify, check=True, capture_output=True, text=True).stdout)
     shards = [read_json(p) for p in sorted((run_dir / "extract").glob("shard-*.stats.json"))]
     vocab = read_json(run_dir / "vocab_mapping" / "meta.json")
-    train = read_json(run_dir / "train" / "summary.json")
-    report = read_json(run_dir / "evaluate" / "report.json")
 
     print()
     generate = read_json(run_dir / "generate" / "stats.json")
@@ -202,6 +200,11 @@ def print_summary(run_dir: Path, total_s: float) -> None:
           f"aux layers {store['aux_layers']}")
     print(f"vocab       {job_seconds(run_dir, 'vocab'):<15} draft vocab {vocab.get('draft_vocab_size')} of "
           f"{vocab.get('target_vocab_size')} ids covers {vocab.get('coverage', 0):.2%} of assistant tokens")
+    if not (run_dir / "evaluate" / "report.json").exists():  # the DAG found nothing new since the current drafter
+        print_unchanged(run_dir, total_s)
+        return
+    train = read_json(run_dir / "train" / "summary.json")
+    report = read_json(run_dir / "evaluate" / "report.json")
     print(f"train       {job_seconds(run_dir, 'train'):<15} {train['steps']} steps; best step {train['best']['step']}")
     print(f"export      {job_seconds(run_dir, 'export'):<15} val acc per position "
           f"{[round(a, 3) for a in report['val_acc_per_position']]}")
@@ -224,6 +227,19 @@ def print_summary(run_dir: Path, total_s: float) -> None:
     print(f"report:        {run_dir / 'evaluate' / 'report.json'}")
     print(f"plots:         {run_dir / 'train' / 'loss.png'}, {run_dir / 'train' / 'accuracy.png'}, "
           f"{run_dir / 'evaluate' / 'acceptance.png'}")
+    print(f"job logs:      {run_dir / 'jobs'}/<stage>/log")
+    print(f"run directory: {run_dir}")
+
+
+def print_unchanged(run_dir: Path, total_s: float) -> None:
+    check_argv = [sys.executable, "-m", "eagle3", "lineage", "check", "--config", str(run_dir / "config.json")]
+    check = json.loads(subprocess.run(check_argv, check=True, capture_output=True, text=True).stdout)
+    figures = ", ".join(f"k={k}: {v:.3f}" for k, v in (check["current_accept_length"] or {}).items())
+    print(f"train       {'skipped':<15} nothing changed since run {check['unchanged_since']} (same samples, vocab "
+          "mapping, settings and seed): training, export and evaluation skipped")
+    print(f"drafter     {'':15} the lineage's current one stays: {check['current_drafter']} (measured {figures})")
+    print(f"total {total_s:.0f}s (the whole DAG, Airflow included). To train anyway: change the seed, or delete "
+          f"{Path(check['current_drafter']).parent} to start the lineage over")
     print(f"job logs:      {run_dir / 'jobs'}/<stage>/log")
     print(f"run directory: {run_dir}")
 

@@ -23,7 +23,8 @@ from eagle3.capture.sglang import SglangSetupError, check_version, engine_kwargs
 from eagle3.capture.staging import staging_dir
 from eagle3.config import write_run_config
 from eagle3.extract import run_extract
-from eagle3.store import digest, run_stats_path, verify
+from eagle3.runlayout import run_stats_path
+from eagle3.store import digest, verify
 from tests.conftest import REPO, run_eagle3
 from tests.fakes.sglang_engine import EngineCrashed, FakeSglangEngine
 

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from eagle3.data import read_conversations
-from eagle3.store import HiddenStateStore, run_stats_path
+from eagle3.runlayout import run_stats_path
+from eagle3.store import HiddenStateStore
 from tests.airflow_env import dags_test
 from tests.dagruns import assert_succeeded, conf_for
 from tests.sshd import free_port

@@ -12,7 +12,8 @@ import pytest
 from eagle3.config import write_run_config
 from eagle3.data import TokenizedSample
 from eagle3.extract import plan_batches, run_extract
-from eagle3.store import HiddenStateStore, run_stats_path, verify
+from eagle3.runlayout import run_stats_path
+from eagle3.store import HiddenStateStore, verify
 from tests.conftest import run_eagle3
 
 

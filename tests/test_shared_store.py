@@ -14,7 +14,8 @@ from eagle3.config import ConfigError
 from eagle3.data import read_conversations
 from eagle3.extract import run_extract
 from eagle3.identity import attach_store
-from eagle3.store import HiddenStateStore, StoreError, open_run_store, run_samples_path, verify
+from eagle3.runlayout import run_samples_path
+from eagle3.store import HiddenStateStore, StoreError, open_run_store, verify
 
 
 def conversation_ids(cfg) -> list[str]:

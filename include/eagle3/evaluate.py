@@ -269,7 +269,7 @@ def compare_and_promote(cfg, lineage, pinned: dict, results: dict, measure_draft
     if not promote:
         return {**outcome, "promoted": False, "reason": reason, "current": str(lineage.dir / "current")}
     record = {"run": cfg.run_name, "run_dir": str(cfg.run_dir), "weights_sha256": ours, "accept_length": figures,
-              "inputs_digest": promoted_inputs(cfg, inputs_digest),  # a later run with the same skips training
+              "inputs_digest": inputs_digest(cfg),  # a later run with the same inputs skips training
               "promoted_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "reason": reason,
               "previous": outcome["current_before"], "eval_set_prompts": len(pinned["prompts"])}
     version = lineage.promote(cfg.run_dir / DRAFTER_DIR, cfg.run_name, record, cfg.evaluate.keep_versions,
@@ -279,13 +279,6 @@ def compare_and_promote(cfg, lineage, pinned: dict, results: dict, measure_draft
                 "evaluate again to compare with it"}
     return {**outcome, "promoted": True, "reason": reason, "current": str(lineage.dir / "current"),
             "version": version.name}
-
-
-def promoted_inputs(cfg, inputs_digest) -> str | None:
-    try:
-        return inputs_digest(cfg)
-    except FileNotFoundError:  # a run directory from before stores were shared: never taken as unchanged
-        return None
 
 
 def extraction_summary(cfg) -> dict:

@@ -37,7 +37,8 @@ from eagle3.data import (
 from eagle3.fsutil import atomic_write_text
 from eagle3.identity import attach_store
 from eagle3.progress import ProgressLog
-from eagle3.store import ShardWriter, StoreMeta, run_samples_path, run_stats_path
+from eagle3.runlayout import run_samples_path, run_stats_path
+from eagle3.store import ShardWriter, StoreMeta
 
 log = logging.getLogger(__name__)
 

@@ -165,21 +165,24 @@ def training_inputs(cfg) -> dict:
     }
 
 
-def inputs_digest(cfg) -> str:
-    return hashlib.sha256(json.dumps(training_inputs(cfg), sort_keys=True).encode()).hexdigest()
+def inputs_digest(cfg) -> str | None:
+    """The digest of training_inputs; None for a run directory from before stores were shared (it lists no
+    samples), which is never taken as unchanged."""
+    try:
+        inputs = training_inputs(cfg)
+    except FileNotFoundError:
+        return None
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
 
 
 def check_inputs(cfg) -> dict:
     """Has anything the drafter is made from changed since the lineage's current drafter? Runs after vocab: the
     DAG skips training, export and evaluation when not ("nothing changed since run X")."""
-    try:
-        digest = inputs_digest(cfg)
-    except FileNotFoundError as err:  # a run directory from before stores were shared lists no samples
-        return {"changed": True, "inputs_digest": None, "why": f"cannot compare: {err.filename} is missing"}
+    digest = inputs_digest(cfg)
     lineage = Lineage(cfg)
     current = lineage.current()
     record = current.record if current else {}
-    unchanged = bool(record) and record.get("inputs_digest") == digest
+    unchanged = digest is not None and record.get("inputs_digest") == digest
     return {
         "changed": not unchanged,
         "inputs_digest": digest,

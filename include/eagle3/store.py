@@ -52,7 +52,7 @@ from safetensors.torch import save_file
 
 from eagle3.fsutil import append_line_durably, atomic_write_text, commit, fsync_dir, is_tmp_leftover, tmp_path_for
 from eagle3.progress import format_bytes
-from eagle3.runlayout import run_samples_path, run_stats_path  # noqa: F401 - a run's part of a store
+from eagle3.runlayout import run_samples_path
 
 STORE_FORMAT = "eagle3-hidden-states/1"
 STATE_DTYPE = torch.bfloat16  # what the capture backends hand over, and what a bf16 store holds
