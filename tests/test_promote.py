@@ -63,7 +63,10 @@ def test_the_better_drafter_is_promoted_on_the_pinned_set_and_a_worse_one_is_not
     # A later run with the same samples, vocab and settings would train this drafter again: nothing changed.
     check = check_inputs(good)
     assert (check["changed"], check["unchanged_since"], check["current"]) == (False, "good", promotion["version"])
-    assert check_inputs(good.model_copy(update={"seed": 7}))["changed"]
+    twin = run_like(trained_config, make_config, "twin").model_copy(update={"seed": 7})  # other inputs, same weights
+    assert check_inputs(twin)["changed"]
+    assert "is the current one already" in run_evaluate(twin)["promotion"]["reason"]
+    assert (check_inputs(twin)["changed"], check_inputs(twin)["unchanged_since"]) == (False, "good")
 
     worse = run_like(trained_config, make_config, "worse", noise=3.0, keep_versions=1)
     promotion = run_evaluate(worse)["promotion"]

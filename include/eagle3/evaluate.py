@@ -260,6 +260,7 @@ def compare_and_promote(cfg, lineage, pinned: dict, results: dict, measure_draft
         record = current.record
         outcome["current_before"] = {"version": current.name, "run": record["run"]}
         if record["weights_sha256"] == ours:  # a retried evaluate, or a rerun whose inputs had not changed
+            lineage.also_made_from(current, inputs_digest(cfg))  # the next run with these inputs skips training
             return {**outcome, "promoted": False, "current": str(lineage.dir / "current"),
                     "reason": f"this drafter is the current one already ({current.name}, the same weights)"}
         theirs = measure_drafter(current.path)

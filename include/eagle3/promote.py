@@ -133,6 +133,17 @@ class Lineage:
             self._prune(keep, name)
         return Version(name, version)
 
+    def also_made_from(self, version: Version, digest: str | None) -> None:
+        """Record that inputs with `digest` trained `version`'s exact weights too (a run whose drafter was the current
+        one already), so that a later run with those inputs is seen as unchanged."""
+        if digest is None:
+            return
+        with self.locked():
+            record = version.record
+            if digest != record.get("inputs_digest") and digest not in record.get("also_made_from", []):
+                record["also_made_from"] = [*record.get("also_made_from", []), digest]
+                atomic_write_text(version.path / RECORD, json.dumps(record, indent=2) + "\n")
+
     def _prune(self, keep: int, current: str) -> None:
         versions = sorted((p for p in (self.dir / VERSIONS).iterdir() if not p.name.startswith(".")),
                           key=lambda p: json.loads((p / RECORD).read_text())["promoted_at"], reverse=True)
@@ -182,7 +193,7 @@ def check_inputs(cfg) -> dict:
     lineage = Lineage(cfg)
     current = lineage.current()
     record = current.record if current else {}
-    unchanged = digest is not None and record.get("inputs_digest") == digest
+    unchanged = digest is not None and digest in [record.get("inputs_digest"), *record.get("also_made_from", [])]
     return {
         "changed": not unchanged,
         "inputs_digest": digest,
