@@ -10,8 +10,9 @@ everything that changes a stored byte:
 - how conversations become token ids and masks: data.max_length, data.loss_mask, data.chat_template_kwargs,
   data.generation_chat_template (the file's bytes);
 - how states are taken and stored: extract.backend (SGLang's kernels and transformers' differ in the last
-  bits), the resolved aux layers, extract.state_dtype, and extract.num_shards (a sample's shard is its id mod
-  num_shards, so another shard count is another layout).
+  bits), target.dtype, the resolved aux layers, extract.state_dtype, and extract.num_shards (a sample's shard is
+  its id mod num_shards, so another shard count is another layout). Not SGLang's tp size or attention backend:
+  they move the last bits too, and a store keyed on them would be rebuilt for a change of box.
 
 Left out on purpose: data.path (a store is content-addressed by sample id, so new data only adds samples),
 batch sizes, devices and everything after extract.
