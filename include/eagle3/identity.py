@@ -40,10 +40,11 @@ from pathlib import Path
 KEY_FORMAT = 1  # bump when the store's layout or the key's fields change: a new key, never a mixed store
 KEY_CHARS = 16  # hex digits of the sha256 in the directory name
 
-TOKENIZER_AND_TEMPLATE_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "tiktoken.model",
-    "vocab.json", "merges.txt", "vocab.txt", "chat_template.jinja", "chat_template.json",
-)
+# Files that define how text becomes ids (HF fast/slow, sentencepiece, tiktoken as Kimi-K2.5 ships it), and the
+# chat template when it is a file of its own.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "tiktoken.model", "vocab.json", "merges.txt", "vocab.txt")
+TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth")
 WHOLE_FILE_LIMIT = 64 << 20
 SAMPLED_BLOCKS = 16
@@ -78,14 +79,15 @@ def weights_digest(path: Path) -> str:
 
 
 def target_identity(model_path: str | Path, tokenizer_dir: str | Path) -> dict[str, str]:
-    """{file name: digest} of the target's config, weights (sampled), weight index, tokenizer and template."""
+    """{file name: digest} of the target's config, weights (sampled), weight index, tokenizer and template. Not
+    cached: the point is to see a target that changed; sampled, it takes tens of milliseconds at any size."""
     model_path, tokenizer_dir = Path(model_path), Path(tokenizer_dir)
     # (a directory without weights has a key too: init may check a config before the weights are copied)
     weight_files = sorted(f for pattern in WEIGHT_FILES for f in model_path.glob(pattern))
     identity = {"config.json": file_digest(model_path / "config.json")}
     identity.update({f.name: file_digest(f) for f in sorted(model_path.glob("*.index.json"))})
     identity.update({f.name: weights_digest(f) for f in weight_files})
-    for name in TOKENIZER_AND_TEMPLATE_FILES:
+    for name in (*TOKENIZER_FILES, *TEMPLATE_FILES):
         if (tokenizer_dir / name).is_file():
             identity[f"tokenizer/{name}"] = file_digest(tokenizer_dir / name)
     return identity

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eagle3.fsutil import atomic_dir, atomic_write_text, fsync_dir
-from eagle3.identity import capture_key, target_identity
+from eagle3.identity import capture_key, file_digest, target_identity
 
 EVAL_SET = "eval_set.json"
 CURRENT = "current"
@@ -50,11 +50,7 @@ def lineage_fields(cfg) -> dict:
 
 
 def weights_digest(drafter_dir: Path) -> str:
-    h = hashlib.sha256()
-    with open(Path(drafter_dir) / "model.safetensors", "rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-    return h.hexdigest()
+    return file_digest(Path(drafter_dir) / "model.safetensors")
 
 
 @dataclass(frozen=True)

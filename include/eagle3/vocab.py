@@ -24,14 +24,11 @@ from pathlib import Path
 import numpy as np
 
 from eagle3.fsutil import atomic_dir
+from eagle3.identity import TOKENIZER_FILES
 
 log = logging.getLogger(__name__)
 
 MAPPING_DIR = "vocab_mapping"
-# Files that define how text becomes ids, for fingerprinting a tokenizer (HF fast/slow, sentencepiece,
-# tiktoken as Kimi-K2.5 ships it).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "tiktoken.model", "vocab.json", "merges.txt", "vocab.txt")
 
 
 class VocabError(ValueError):
