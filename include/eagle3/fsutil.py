@@ -9,6 +9,7 @@ stores can recognise and delete leftovers of a crash.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 from collections.abc import Iterator
@@ -108,3 +109,28 @@ def append_line_durably(path: Path, line: str) -> None:
         f.write(line + "\n")
         f.flush()
         os.fsync(f.fileno())
+
+
+def atomic_symlink(link: Path, target: Path) -> None:
+    """Point `link` at `target` (a path relative to the link's directory, or absolute), replacing what was there
+    in one rename: a reader sees the old link or the new one. The shared stores' links and a lineage's
+    `current` switch are made so."""
+    link = Path(link)
+    link.parent.mkdir(parents=True, exist_ok=True)
+    tmp = link.with_name(f".{link.name}{TMP_MARKER}link")
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(target)
+    os.replace(tmp, link)
+    fsync_dir(link.parent)
+
+
+def try_exclusive_lock(path: Path):
+    """An open file holding an exclusive flock on `path`, or None if another process holds it. Closing the file
+    (or the process ending, even by SIGKILL) releases it."""
+    lock = open(path, "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        return None
+    return lock

@@ -47,7 +47,6 @@ Output in RUN_DIR/generate/:
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import json
 import logging
 import math
@@ -63,7 +62,7 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt,
 
 from eagle3.config import ConfigError, redact_url
 from eagle3.data import Conversation, read_conversations
-from eagle3.fsutil import atomic_write_text
+from eagle3.fsutil import atomic_write_text, try_exclusive_lock
 from eagle3.identity import attach_generated
 from eagle3.progress import ProgressLog
 
@@ -472,11 +471,8 @@ class PartWriter:
     def __init__(self, parts_dir: Path, interval_s: float):
         self.dir, self.interval_s = parts_dir, interval_s
         self.dir.mkdir(parents=True, exist_ok=True)
-        self._lock = open(self.dir / ".lock", "a+")
-        try:
-            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._lock.close()
+        self._lock = try_exclusive_lock(self.dir / ".lock")
+        if self._lock is None:
             raise GenerateBusy(f"{self.dir}: another run is generating into this cache of answers now; the retry "
                                "finds its answers there") from None
         existing = [int(p.stem.split("-")[1]) for p in self.dir.glob("part-*.jsonl")]

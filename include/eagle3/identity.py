@@ -170,7 +170,7 @@ def link_shared(link: Path, shared: Path, fields: dict, made_into: str, what_cha
     """`link` -> `shared` (relative), made atomically, with `shared/key.json` listing `fields`. A real directory at
     `link` (made before outputs were shared) is kept as it is."""
     from eagle3.config import ConfigError
-    from eagle3.fsutil import atomic_write_text, fsync_dir
+    from eagle3.fsutil import atomic_symlink, atomic_write_text
 
     if link.is_dir() and not link.is_symlink():
         return link
@@ -187,9 +187,5 @@ def link_shared(link: Path, shared: Path, fields: dict, made_into: str, what_cha
             )
         return shared
     link.parent.mkdir(parents=True, exist_ok=True)
-    tmp = link.with_name(f".{link.name}.tmp")
-    tmp.unlink(missing_ok=True)
-    tmp.symlink_to(Path(os.path.relpath(shared, link.parent)))  # relative: the work directory may move whole
-    tmp.rename(link)
-    fsync_dir(link.parent)
+    atomic_symlink(link, Path(os.path.relpath(shared, link.parent)))  # relative: the work directory may move whole
     return shared

@@ -24,13 +24,12 @@ import contextlib
 import fcntl
 import hashlib
 import json
-import os
 import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagle3.fsutil import atomic_dir, atomic_write_text, fsync_dir
+from eagle3.fsutil import atomic_dir, atomic_symlink, atomic_write_text
 from eagle3.identity import capture_key, file_digest, target_identity
 
 EVAL_SET = "eval_set.json"
@@ -121,11 +120,7 @@ class Lineage:
                     for f in sorted(Path(drafter_dir).iterdir()):
                         shutil.copy2(f, tmp / f.name)
                     (tmp / RECORD).write_text(json.dumps({**record, "version": name}, indent=2) + "\n")
-            tmp_link = self.dir / f".{CURRENT}.tmp"
-            tmp_link.unlink(missing_ok=True)
-            tmp_link.symlink_to(Path(VERSIONS) / name)
-            os.replace(tmp_link, self.dir / CURRENT)
-            fsync_dir(self.dir)
+            atomic_symlink(self.dir / CURRENT, Path(VERSIONS) / name)
             self._prune(keep, name)
         return Version(name, version)
 

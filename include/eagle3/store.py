@@ -36,7 +36,6 @@ dequantized to float32, so a consumer reads either store alike.
 from __future__ import annotations
 
 import errno
-import fcntl
 import hashlib
 import json
 import os
@@ -50,7 +49,15 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from eagle3.fsutil import append_line_durably, atomic_write_text, commit, fsync_dir, is_tmp_leftover, tmp_path_for
+from eagle3.fsutil import (
+    append_line_durably,
+    atomic_write_text,
+    commit,
+    fsync_dir,
+    is_tmp_leftover,
+    tmp_path_for,
+    try_exclusive_lock,
+)
 from eagle3.progress import format_bytes
 from eagle3.runlayout import run_samples_path
 
@@ -343,13 +350,10 @@ class ShardWriter:
         self.bytes_written = 0
 
     def _take_lock(self):
-        lock = open(self.dir / ".lock", "a+")
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            lock.close()
+        lock = try_exclusive_lock(self.dir / ".lock")
+        if lock is None:
             raise StoreBusy(f"{self.dir}: another process is writing this shard (another run sharing this store, or "
-                            "a stray extract); the retry waits for it, or stop it") from None
+                            "a stray extract); the retry waits for it, or stop it")
         return lock
 
     def _recover(self) -> list[dict]:
