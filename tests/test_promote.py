@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import shutil
+import time
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -11,8 +13,9 @@ from eagle3.config import write_run_config
 from eagle3.data import conversation_id_of
 from eagle3.evaluate import run_evaluate
 from eagle3.export import run_export
-from eagle3.promote import Lineage, check_inputs
-from eagle3.train import Trainer, is_validation
+from eagle3.model import build_draft_model
+from eagle3.promote import Lineage, check_inputs, weights_digest
+from eagle3.train import Trainer, checkpoint_dirs, is_validation, load_checkpoint, load_warm_start
 
 EVALUATE = {"num_prompts": 6, "max_new_tokens": 16, "draft_lengths": [3]}
 
@@ -98,3 +101,68 @@ def test_training_leaves_the_pinned_evaluation_prompts_out(trained_config, make_
     assert any(not is_validation(sid, trained_config.train.val_fraction) for sid in pinned)  # else nothing to test
     trained_ids = {conversation_id_of(sid) for sid, _ in Trainer(trained_config).train_ids}
     assert trained_ids and not trained_ids & pinned
+
+
+def promote_by_hand(cfg, drafter_dir, run_name: str, expected_current: str | None):
+    """Make `drafter_dir` the lineage's current drafter without measuring it (the warm-start tests' setup)."""
+    record = {"run": run_name, "weights_sha256": weights_digest(drafter_dir), "accept_length": {},
+              "promoted_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    return Lineage(cfg).promote(drafter_dir, run_name, record, keep=5, expected_current=expected_current)
+
+
+def test_a_warm_start_begins_from_the_current_drafter_and_every_try_from_the_same_one(trained_config, make_config):
+    """train.init_from current: training starts from the lineage's promoted drafter (its first step's loss is
+    already far below a fresh start's), and the weights it starts from are the ones its first try pinned: a try
+    that found no checkpoint after `current` moved on trains the same drafter bit for bit."""
+    run_export(trained_config)
+    current = promote_by_hand(trained_config, trained_config.run_dir / "drafter", "train", None)
+    warm = run_like(trained_config, make_config, "warm")
+    for made_by_the_trained_run in ("train", "drafter"):
+        shutil.rmtree(warm.run_dir / made_by_the_trained_run)
+    warm = warm.model_copy(update={"train": warm.train.model_copy(update={"init_from": "current", "epochs": 1})})
+
+    summary = Trainer(warm).run()
+    assert summary["started_from"] == current.name
+    pinned = json.loads((warm.run_dir / "train" / "init" / "init.json").read_text())
+    assert pinned["version"] == current.name and pinned["weights_sha256"] == weights_digest(current.path)
+
+    def first_loss(run_dir):
+        return next(r["loss"] for line in (run_dir / "train" / "metrics.jsonl").read_text().splitlines()
+                    if "loss" in (r := json.loads(line)))
+
+    scratch, warmed = first_loss(trained_config.run_dir), first_loss(warm.run_dir)
+    print(f"first step's loss: {scratch:.3f} from scratch, {warmed:.3f} warm-started from {current.name}")
+    assert warmed < 0.7 * scratch
+    finished = load_checkpoint(checkpoint_dirs(warm.run_dir / "train" / "checkpoints")[-1])["model"]
+
+    # A crash before the first checkpoint, and meanwhile another drafter was promoted: the retry starts over from
+    # the pinned weights, not from the new current drafter.
+    other = run_like(trained_config, make_config, "other", noise=3.0)
+    assert promote_by_hand(trained_config, other.run_dir / "drafter", "other", current.name) is not None
+    for made_by_the_first_try in ("checkpoints", "metrics.jsonl", "summary.json", "tensorboard"):
+        path = warm.run_dir / "train" / made_by_the_first_try
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    assert Trainer(warm).run()["started_from"] == current.name
+    again = load_checkpoint(checkpoint_dirs(warm.run_dir / "train" / "checkpoints")[-1])["model"]
+    assert all(torch.equal(finished[key], again[key]) for key in finished)
+
+
+def test_a_warm_start_takes_each_draft_vocab_row_by_the_token_it_stands_for(trained_config):
+    """A rebuilt vocab mapping may hold other tokens, in other rows: lm_head rows follow their tokens, and a token
+    new to the draft vocabulary keeps its fresh row; every other weight is copied as it is."""
+    run_export(trained_config)
+    exported = load_file(trained_config.run_dir / "drafter" / "model.safetensors")
+    old_ids = exported["d2t"] + torch.arange(len(exported["d2t"]))
+    unused = sorted(set(range(trained_config.target.vocab_size)) - set(old_ids.tolist()))[:3]
+    new_ids = torch.tensor(sorted([*old_ids.tolist()[3:], *unused]))  # three tokens out, three new ones in
+    draft = build_draft_model(trained_config.target.model_path, trained_config.vocab.draft_vocab_size,
+                              trained_config.resolved_aux_layers(), trained_config.drafter.model_dump())
+    fresh = draft.lm_head.weight.detach().clone()
+
+    taken = load_warm_start(draft, exported, new_ids)
+    assert taken == len(new_ids) - 3
+    old_row = {int(token): row for row, token in enumerate(old_ids)}
+    for row, token in enumerate(new_ids.tolist()):
+        expected = exported["lm_head.weight"][old_row[token]].float() if token in old_row else fresh[row]
+        assert torch.equal(draft.lm_head.weight[row], expected), (row, token)
+    assert torch.equal(draft.fc.weight, exported["fc.weight"].float())

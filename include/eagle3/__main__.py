@@ -100,7 +100,8 @@ STAGES = {
         "train the drafter with training-time test (resumes from the newest checkpoint)",
         "One rank per train.gpus entry (or train.nproc_per_node); with several, it re-runs itself under "
         "torchrun (DDP: nccl, gloo on CPU). Safe to kill and rerun: it continues from the newest checkpoint, "
-        "bit-identically.",
+        "bit-identically. With train.init_from current it starts from the lineage's promoted drafter, copied to "
+        "RUN_DIR/train/init/ by the first try so that every try starts from the same weights.",
     ),
     "export": (
         "eagle3.export", "run_export",

@@ -506,6 +506,12 @@ class TrainConfig(Section):
         description="Draft positions unrolled per step, each fed the previous one's output (SpecForge: 7).",
     )
     epochs: int = Field(1, ge=1, le=10_000, title="Epochs", description="Passes over the training split of the store.")
+    init_from: Literal["scratch", "current"] = Field(
+        "scratch", title="Start from",
+        description="scratch: fresh seeded weights. current: the lineage's promoted drafter "
+        "({workdir}/drafters/<lineage>/current; scratch while there is none), its draft-vocab rows matched by token. "
+        "Chosen by the first try and kept: retries start from the same weights.",
+    )
     learning_rate: float = Field(
         1e-4, gt=0, le=10, title="Learning rate", description="AdamW peak, reached after warmup; cosine decay after."
     )

@@ -246,6 +246,7 @@ def compare_and_promote(cfg, lineage, pinned: dict, results: dict, measure_draft
     run's if it is better by evaluate.promote_margin (eagle3.promote)."""
     from eagle3.export import DRAFTER_DIR
     from eagle3.promote import decide, inputs_digest, weights_digest
+    from eagle3.train import started_from
 
     k = cfg.evaluate.draft_lengths[0]
     figures = {key: value["mean_accept_length"] for key, value in results.items()}
@@ -271,6 +272,7 @@ def compare_and_promote(cfg, lineage, pinned: dict, results: dict, measure_draft
         return {**outcome, "promoted": False, "reason": reason, "current": str(lineage.dir / "current")}
     record = {"run": cfg.run_name, "run_dir": str(cfg.run_dir), "weights_sha256": ours, "accept_length": figures,
               "inputs_digest": inputs_digest(cfg),  # a later run with the same inputs skips training
+              "started_from": started_from(cfg),  # train.init_from current: the version it was warm-started from
               "promoted_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "reason": reason,
               "previous": outcome["current_before"], "eval_set_prompts": len(pinned["prompts"])}
     version = lineage.promote(cfg.run_dir / DRAFTER_DIR, cfg.run_name, record, cfg.evaluate.keep_versions,

@@ -159,7 +159,8 @@ def training_inputs(cfg) -> dict:
         "store": cfg.store_dir.resolve().name,
         "samples": samples.hexdigest(),
         "vocab": hashlib.sha256((cfg.run_dir / "vocab_mapping" / "d2t.npy").read_bytes()).hexdigest(),
-        "train": cfg.train.model_dump(mode="json", exclude={"progress_interval_s", "keep_last"}),
+        # Not init_from: warm-starting from the current drafter on the data it was trained on is no new work.
+        "train": cfg.train.model_dump(mode="json", exclude={"progress_interval_s", "keep_last", "init_from"}),
         "drafter": cfg.drafter.model_dump(mode="json"),
         "export": cfg.export.model_dump(mode="json"),
         "seed": cfg.seed,

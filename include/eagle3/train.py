@@ -220,6 +220,64 @@ def load_checkpoint(path: Path) -> dict:
     return torch.load(path / "state.pt", weights_only=True, map_location="cpu")
 
 
+INIT_DIR = "init"  # RUN_DIR/train/init/: the weights a warm start (train.init_from current) begins from
+
+
+def pin_initial_weights(cfg) -> dict:
+    """What a warm-started run starts from, chosen once, by its first try, and kept in RUN_DIR/train/init/
+    (init.json, and a copy of the drafter's model.safetensors): every later try starts from the same weights,
+    though the lineage's current drafter may have been switched or pruned in between. A try that resumes from
+    a checkpoint never reads it."""
+    init_dir = cfg.run_dir / "train" / INIT_DIR
+    if (init_dir / "init.json").exists():
+        return json.loads((init_dir / "init.json").read_text())
+    from eagle3.promote import Lineage, weights_digest
+
+    lineage = Lineage(cfg)
+    current = lineage.current()
+    record = {"init_from": cfg.train.init_from, "lineage": lineage.key, "version": None}
+    with atomic_dir(init_dir) as tmp:
+        if current is not None:
+            shutil.copy2(current.path / "model.safetensors", tmp / "model.safetensors")
+            record.update(version=current.name, weights_sha256=weights_digest(tmp))
+        (tmp / "init.json").write_text(json.dumps(record, indent=2) + "\n")
+    return record
+
+
+def started_from(cfg) -> str | None:
+    """The promoted version a warm-started run began from (None: from scratch)."""
+    try:
+        return json.loads((cfg.run_dir / "train" / INIT_DIR / "init.json").read_text())["version"]
+    except FileNotFoundError:
+        return None
+
+
+def load_warm_start(draft: Eagle3Draft, weights: dict[str, torch.Tensor], draft_ids: torch.Tensor) -> int:
+    """Copy an exported drafter of the same lineage into `draft` (the same shapes: the lineage fixes them).
+    lm_head's rows stand for draft tokens, and this run's vocab mapping may hold other tokens than the one the
+    drafter was trained with: each row is taken by the target token it stands for, and a token new to the draft
+    vocabulary keeps its fresh row. Returns how many rows were taken."""
+    weights = dict(weights)
+    d2t = weights.pop("d2t")
+    weights.pop("t2d", None)
+    state = {k: v for k, v in draft.state_dict().items() if k != "embed_tokens.weight"}
+    if set(weights) != set(state) or any(weights[k].shape != state[k].shape for k in state):
+        raise ConfigError("train.init_from current: the lineage's drafter does not fit this drafter's shape; "
+                          "set train.init_from to scratch")
+    row_of_token = {int(token): row for row, token in enumerate(d2t + torch.arange(len(d2t)))}
+    taken = [(row, row_of_token[int(token)]) for row, token in enumerate(draft_ids.tolist())
+             if int(token) in row_of_token]
+    with torch.no_grad():
+        for key, tensor in weights.items():
+            if key != "lm_head.weight":
+                state[key].copy_(tensor.float())
+        if taken:
+            rows, old_rows = map(torch.tensor, zip(*taken))
+            state["lm_head.weight"][rows.to(state["lm_head.weight"].device)] = \
+                weights["lm_head.weight"][old_rows].float().to(state["lm_head.weight"].device)
+    return len(taken)
+
+
 def die_with_parent() -> None:
     """torchrun starts each rank in a session of its own, so killing torchrun's process group (a job
     runner stopping a task, a kill -9) would leave the ranks running, on the GPUs, writing checkpoints.
@@ -338,6 +396,23 @@ class Trainer:
             atomic_write_text(metrics_file, "".join(line + "\n" for line in kept))
         log.info("train: resumed from %s (step %d/%d)", checkpoints[-1], self.step, self.total_steps)
 
+    def warm_start(self) -> None:
+        """Start from the lineage's promoted drafter, as pinned by the run's first try (pin_initial_weights)."""
+        from safetensors.torch import load_file
+
+        if self.rank == 0:
+            pin_initial_weights(self.cfg)
+        if self.distributed:
+            dist.barrier()
+        init_dir = self.out / INIT_DIR
+        record = json.loads((init_dir / "init.json").read_text())
+        if record["version"] is None:
+            log.info("train: train.init_from current, but the lineage has no promoted drafter yet: from scratch")
+            return
+        taken = load_warm_start(self.draft, load_file(init_dir / "model.safetensors"), self.draft_ids)
+        log.info("train: warm start from the lineage's drafter %s (%d of %d draft-vocab rows by token)",
+                 record["version"], taken, len(self.draft_ids))
+
     def autocast(self):
         """bf16 matmuls on GPU over fp32 master weights (the loss itself is taken in fp32); fp32 on CPU,
         where bf16 is slow and the exact-resume tests run."""
@@ -411,6 +486,8 @@ class Trainer:
         from torch.utils.tensorboard import SummaryWriter
 
         self.resume()
+        if self.step == 0 and self.cfg.train.init_from == "current":
+            self.warm_start()
         metrics_file = self.out / "metrics.jsonl"
         if self.rank == 0:  # purge_step: a resumed run replaces what its killed predecessor logged past here
             self.tensorboard = SummaryWriter(self.out / "tensorboard", purge_step=self.step or None)
@@ -438,7 +515,7 @@ class Trainer:
             self.tensorboard.close()
             plot_metrics(metrics_file, self.out)
             summary = {"steps": self.step, "best": self.best, "seconds": round(time.monotonic() - started, 1),
-                       "checkpoint": str(checkpoint_dirs(self.ckpt_root)[-1])}
+                       "checkpoint": str(checkpoint_dirs(self.ckpt_root)[-1]), "started_from": started_from(self.cfg)}
             atomic_write_text(self.out / "summary.json", json.dumps(summary, indent=2) + "\n")
         if self.distributed:
             dist.destroy_process_group()
