@@ -42,7 +42,7 @@ DRAFTER = Asset(SETTINGS.drafter_asset)  # updated when a run promotes its draft
 with DAG(
     dag_id="eagle3_drafter",
     description="Train an EAGLE-3 drafter for a target model on a remote GPU box",
-    schedule=SETTINGS.schedule,
+    schedule=SETTINGS.dag_schedule(),  # time, the data's or target's Asset updated, or either
     start_date=datetime(2026, 1, 1),
     catchup=False,
     max_active_runs=1,  # one box, one run: two runs would fight over its GPUs

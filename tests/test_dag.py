@@ -69,6 +69,46 @@ print(json.dumps({{"errors": list(map(str, bag.import_errors.values())), "dags":
     assert "['data.path', 'target.model_path', 'workdir']" in error
 
 
+def test_a_schedule_on_the_data_and_target_assets_or_on_time_is_what_the_scheduler_reads(airflow_home,
+                                                                                         tiny_target, tmp_path):
+    """schedule_assets in the settings file: a run starts when the prompt set's or the target's Asset is updated,
+    or on the cron, whichever comes first (Airflow's AssetOrTimeSchedule), as the serialized DAG the scheduler reads
+    says. Asset-started runs use the form's defaults as scheduled ones do: without them it is an import error."""
+    both = tmp_path / "both.json"
+    both.write_text(json.dumps({"schedule": "@weekly", "schedule_assets": ["eagle3_prompts", "eagle3_target"],
+                                "params": conf_for(tiny_target, tmp_path / "box", run_name="")}))
+    assets_only = tmp_path / "assets-only.json"
+    assets_only.write_text(json.dumps({"schedule_assets": ["eagle3_prompts"]}))
+    script = f"""
+import json, os
+from airflow.dag_processing.dagbag import DagBag
+from airflow.serialization.serialized_objects import DagSerialization
+found = {{}}
+for settings in ({str(both)!r}, {str(assets_only)!r}):
+    os.environ["EAGLE3_DAG_SETTINGS"] = settings
+    bag = DagBag(dag_folder={str(DAG_FILE)!r})
+    dag = bag.dags.get("eagle3_drafter")
+    found[settings] = {{"errors": list(map(str, bag.import_errors.values())),
+                       "timetable": dag and DagSerialization.to_dict(dag)["dag"]["timetable"]}}
+print(json.dumps(found))
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env=airflow_env(airflow_home))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    scheduled = found[str(both)]
+    assert scheduled["errors"] == []
+    timetable = scheduled["timetable"]
+    assert timetable["__type"] == "airflow.timetables.assets.AssetOrTimeSchedule"
+    condition = timetable["__var"]["asset_condition"]
+    assert condition["__type"] == "asset_any"
+    assert [a["name"] for a in condition["objects"]] == ["eagle3_prompts", "eagle3_target"]
+    assert timetable["__var"]["timetable"]["__var"]["expression"] == "0 0 * * 0"  # @weekly
+    (error,) = found[str(assets_only)]["errors"]
+    assert str(assets_only) in error and "schedule_assets ['eagle3_prompts']" in error
+    assert "['data.path', 'target.model_path', 'workdir']" in error
+
+
 # -- whole runs --------------------------------------------------------------------------------------
 
 

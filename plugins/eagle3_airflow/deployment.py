@@ -2,12 +2,14 @@
 
 A JSON file named by EAGLE3_DAG_SETTINGS, read when the DAG is parsed:
 
-    {"schedule": "@weekly", "pool": "gpu_box", "retries": 3,
+    {"schedule": "@weekly", "schedule_assets": ["eagle3_prompts"], "pool": "gpu_box", "retries": 3,
      "params": {"workdir": "/data/eagle3", "box.conn_ids": ["gpu-box-1"]},
      "allowed_boxes": ["gpu-box-1", "gpu-box-2"], "allowed_services": ["vllm.service"],
      "allowed_endpoint_hosts": ["127.0.0.1", "sglang.internal"], "box_env": ["SGLANG_API_KEY"]}
 
-`params` are the trigger form's defaults. The `allowed_*` lists and `box_env` are the trust boundary: many
+`schedule` and `schedule_assets` start runs on time, when an upstream DAG updates one of those Assets (a new prompt
+set, a new target checkpoint), or on either; such runs take `params`, the trigger form's defaults, which must then
+make a valid run (an import error otherwise). The `allowed_*` lists and `box_env` are the trust boundary: many
 people may trigger a DAG (an Airflow role), but which machines it logs in to, which systemd units it stops there,
 which hosts the generate stage sends conversations to, and which of the box's environment variables reach a
 stage are the deployment's choice. The form offers only what they allow, and the validate task refuses anything
@@ -33,6 +35,7 @@ HostName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9.-]{1,253}$")]
 LOOPBACK_HOSTS = ["127.0.0.1", "localhost"]
 
 
+AssetName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:/-]{1,1500}$")]
 MailAddress = Annotated[str, StringConstraints(pattern=r"^[^@\s<>,;]+@[^@\s<>,;]+$")]
 DottedCallable = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")]
 
@@ -61,6 +64,11 @@ class Deployment(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     schedule: str | None = Field(None, description="Airflow schedule (cron or preset); none: triggered only.")
+    schedule_assets: list[AssetName] = Field(
+        default_factory=list,
+        description="Airflow Assets whose update starts a run: the prompt set and the target (a DAG that refreshes "
+        "the data or publishes a checkpoint updates them). With schedule too, a run starts on either (Airflow's "
+        "AssetOrTimeSchedule).")
     params: dict[str, Any] = Field(default_factory=dict, description="Trigger-form defaults, by dotted name.")
     pool: str = Field("eagle3_box", pattern=r"^[A-Za-z0-9_.-]{1,256}$",
                       description="Airflow pool every remote stage runs in; counts deferred tasks.")
@@ -84,8 +92,8 @@ class Deployment(BaseModel):
         None, ge=1, le=100_000,
         description="Run directories kept on the box after a run (the newest; promoted drafters' and live ones "
         "too); none: all kept. Shared stores stay: `python -m eagle3 store gc` removes unused ones.")
-    drafter_asset: str = Field(
-        "eagle3_drafter", pattern=r"^[A-Za-z0-9_.:/-]{1,1500}$",
+    drafter_asset: AssetName = Field(
+        "eagle3_drafter",
         description="The Airflow Asset a promoted drafter updates (its event's extra: lineage, version, figures, "
         "the previous ones, store and code): schedule a deployment DAG on it.")
     _source: str = PrivateAttr("the built-in settings (EAGLE3_DAG_SETTINGS names no file)")
@@ -113,14 +121,28 @@ class Deployment(BaseModel):
         settings._source = f"the settings file {path} (EAGLE3_DAG_SETTINGS)"
         return settings
 
+    def dag_schedule(self):
+        """The DAG's schedule: `schedule` alone (time), `schedule_assets` alone (any of them updated), or both
+        (whichever comes first: Airflow's AssetOrTimeSchedule, the cron read in UTC)."""
+        if not self.schedule_assets:
+            return self.schedule
+        from airflow.sdk import Asset, AssetAny, AssetOrTimeSchedule, CronTriggerTimetable
+
+        assets = AssetAny(*(Asset(name) for name in self.schedule_assets))
+        if self.schedule is None:
+            return assets
+        return AssetOrTimeSchedule(timetable=CronTriggerTimetable(self.schedule, timezone="UTC"), assets=assets)
+
     def check_schedulable(self, params: dict) -> None:
         """A schedule starts runs from the form's defaults alone, so every required param needs one and together
         they must make a valid run. Otherwise the scheduler fails to create a run on every loop ('Failed creating
         DagRun', in its log only) and the UI shows nothing; raised while the DAG file is parsed, this is an import
         error the UI shows, naming the settings file. `params`: the DAG's Params (eagle3_airflow.params)."""
-        if self.schedule is None:
+        if self.schedule is None and not self.schedule_assets:
             return
-        why = f"{self._source}: schedule {self.schedule!r} starts runs with the trigger form's defaults"
+        what = " and ".join(filter(None, [self.schedule and f"schedule {self.schedule!r}",
+                                          self.schedule_assets and f"schedule_assets {self.schedule_assets}"]))
+        why = f"{self._source}: {what} starts runs with the trigger form's defaults"
         missing = [name for name in required_params() if self.params.get(name) is None]
         if missing:
             raise ParamsError(f"{why}, and these required params have none: {missing}. Give them defaults in its "
