@@ -1,11 +1,11 @@
 """Shared fixtures. The tiny target is built once per machine into .cache/tiny-target (the same cache
 `make demo` uses); building it takes about two minutes on 2 cores, reusing it a second.
 
-The suite runs on two pytest-xdist workers (pyproject.toml). What is expensive to make and only read afterwards
-is made once for both: the tiny target (under a file lock beside it) and the baseline DAG run (tests/dagruns.py,
-under a lock in the directory both workers' temp dirs share). Tests go out one at a time, the longest first (see
-pytest_collection_modifyitems), so that the last test to start is a short one and neither worker waits long for
-the other at the end."""
+The suite runs on three pytest-xdist workers (pyproject.toml). What is expensive to make and only read afterwards
+is made once for all: the tiny target (under a file lock beside it) and the baseline DAG run (tests/dagruns.py,
+under a lock in the directory the workers' temp dirs share). Tests go out one at a time, the longest first (see
+pytest_collection_modifyitems), so that the last test to start is a short one and no worker waits long for the
+others at the end."""
 
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ if "AIRFLOW_HOME" not in os.environ:
     atexit.register(shutil.rmtree, os.environ["AIRFLOW_HOME"], ignore_errors=True)
 
 # One CPU thread per torch process (this worker's and every stage, DAG run and torchrun rank it starts: the variable
-# is inherited, and the loopback sshd sets it for the SSH box). The suite keeps both cores busy with its two
-# workers; a thread team per process then spins waiting on a core the other worker holds. Measured on 2 cores: a
+# is inherited, and the loopback sshd sets it for the SSH box). The suite keeps both cores busy with its three
+# workers; a thread team per process then spins waiting on a core another worker holds. Measured on 2 cores: a
 # training stage took 36.8 CPU-seconds with two threads on an idle machine, 97 inside the suite, 26.4 with one.
 # Results are compared within the suite only (every run of it uses the same setting); the tiny target's bytes do not
 # depend on it (eagle3.tiny_target pins its own thread count).
@@ -56,20 +56,21 @@ def tiny_target() -> Path:
     from eagle3.tiny_target import TinyTargetSpec, build
 
     TINY_TARGET.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(TINY_TARGET.parent / "tiny-target.lock"):  # the other worker waits, then reuses it
+    with FileLock(TINY_TARGET.parent / "tiny-target.lock"):  # the other workers wait, then reuse it
         return build(TINY_TARGET, TinyTargetSpec())
 
 
 # The longest tests (each a whole DAG run, or the browser's), longest first as `--durations` measured them on 2
-# cores. The first two need different shared fixtures: one worker builds the baseline run in the reboot drill's
-# setup while the other drives the browser, and the SSH run, which needs the baseline, comes third. The trained
-# drafter (`trained_run`, about a minute) is made by test_evaluate.py's first test while other long tests run, not
-# later, when test_export.py and test_train.py would wait for it on the other worker.
+# cores. The first three need different shared fixtures, one for each of the three workers: the browser's run,
+# the baseline run (built in the reboot drill's setup) and the extract drill, which needs neither; the SSH run,
+# which needs the baseline, comes fourth, by when the baseline is made. The trained drafter (`trained_run`, about a
+# minute) is made by test_evaluate.py's first test while other long tests run, not later, when test_export.py and
+# test_train.py would wait for it on another worker.
 LONGEST_FIRST = (
     "tests/ui/test_web_ui.py",
     "tests/faults/test_fault_reboot.py",
-    "tests/faults/test_fault_ssh_outage.py",
     "tests/faults/test_fault_extract_kill.py",
+    "tests/faults/test_fault_ssh_outage.py",
     "tests/test_dag_generate.py",
     "tests/faults/test_fault_train_kill.py",
     "tests/test_evaluate.py",
@@ -123,7 +124,7 @@ def make_config(tmp_path, tiny_target):
 
 
 def shared_dir(tmp_path_factory, worker_id: str) -> Path:
-    """The directory both xdist workers' temp dirs live in (this session's own temp dir without xdist): where
+    """The directory all xdist workers' temp dirs live in (this session's own temp dir without xdist): where
     what is made once for the whole session goes, under a FileLock."""
     base = tmp_path_factory.getbasetemp()
     return base if worker_id == "master" else base.parent
@@ -149,7 +150,7 @@ def train_config(make_config):
 
 @pytest.fixture(scope="session")
 def trained_run(tiny_target, tmp_path_factory, worker_id) -> tuple[Path, dict]:
-    """train_config's run, trained once for the session (both workers) by `python -m eagle3 train`, as the DAG
+    """train_config's run, trained once for the session (all workers) by `python -m eagle3 train`, as the DAG
     runs it: (its workdir, train's summary). Read it only; `trained_config` gives a copy to write in."""
     from filelock import FileLock
 

@@ -130,9 +130,9 @@ def baseline_run(tiny_target, settings, tmp_path_factory, worker_id) -> Path:
     """One uninterrupted DAG run through the local transport, shared by the whole session: the reference the
     DAG tests and fault drills compare against. Returns its run directory; nobody may write into it.
 
-    Made once for both xdist workers: the first to need it runs it under a lock in the directory their temp
-    dirs share, with an Airflow home of its own beside it (airflow-home/); the other waits and finds it made, or
-    finds that it failed (and fails the same way without running it again).
+    Made once for all xdist workers: the first to need it runs it under a lock in the directory their temp
+    dirs share, with an Airflow home of its own beside it (airflow-home/); the others wait and find it made, or
+    find that it failed (and fail the same way without running it again).
 
     It runs the way `make demo` does (scripts/demo.py run_dag): what the demo's console showed, with the
     moment each line came, is kept beside the run in console.json for the test of that console."""

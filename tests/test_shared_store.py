@@ -6,16 +6,23 @@ Scheduled reruns see last week's conversations again; their states are computed 
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
-from eagle3.config import ConfigError
+from eagle3.config import ConfigError, write_run_config
 from eagle3.data import read_conversations
 from eagle3.extract import run_extract
 from eagle3.identity import attach_store
 from eagle3.runlayout import run_samples_path
-from eagle3.store import HiddenStateStore, StoreError, open_run_store, verify
+from eagle3.store import HiddenStateStore, StoreError, digest, open_run_store, read_manifest, verify
+from tests.conftest import run_eagle3
 
 
 def conversation_ids(cfg) -> list[str]:
@@ -94,3 +101,48 @@ def test_a_run_that_finds_another_writing_its_shard_fails_retryably(make_config)
     assert exit_code_for(refused.value) == 1  # retried, unlike a store that does not match (exit 2)
     writing.release()
     assert run_extract(second)["samples_extracted"] == 0
+
+
+def chunks_stored(store_dir) -> int:
+    manifest = store_dir / "shard-00000" / "manifest.jsonl"
+    return len(read_manifest(manifest)[0]) if manifest.exists() else 0
+
+
+@pytest.mark.slow
+def test_kill_9_during_an_incremental_extraction_leaves_the_store_a_clean_one_would(make_config, tmp_path):
+    """Week 1 stored 180 conversations; week 2's data has 10 % more, and its extraction (`python -m eagle3 extract`,
+    as the job runs it) is SIGKILLed right after it stored its first new chunk, then run again. The shared store
+    then holds what the same two weeks without the kill leave (`store digest`), every sample once, and week 2 computed
+    exactly the new samples over its two tries."""
+    week1 = make_config(run_name="week-1", workdir=tmp_path / "clean", data={"max_samples": 180})
+    run_extract(week1)
+    shutil.copytree(tmp_path / "clean", tmp_path / "killed", symlinks=True)  # the same week 1 in both workdirs
+    clean = make_config(run_name="week-2", workdir=tmp_path / "clean", data={"max_samples": 198})
+    new = len(set(conversation_ids(clean)) - set(conversation_ids(week1)))
+    assert run_extract(clean)["samples_extracted"] == new == 18
+
+    killed = make_config(run_name="week-2", workdir=tmp_path / "killed", data={"max_samples": 198})
+    write_run_config(killed)
+    attach_store(killed)
+    before = chunks_stored(killed.store_dir)
+    extraction = subprocess.Popen([sys.executable, "-m", "eagle3", "extract", "--config", str(killed.config_path)],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while chunks_stored(killed.store_dir) == before:
+            assert extraction.poll() is None, extraction.stderr.read().decode()[-3000:]
+            assert time.monotonic() < deadline, "no new chunk within 300 s"
+            time.sleep(0.005)
+        os.killpg(extraction.pid, signal.SIGKILL)
+    finally:
+        extraction.wait(30)
+    first_try = chunks_stored(killed.store_dir) - before
+    second_try = json.loads(run_eagle3("extract", "--config", str(killed.config_path)).stdout)
+
+    print(f"\nincremental extraction killed after {first_try} new chunk(s); the rerun extracted "
+          f"{second_try['samples_extracted']} of the {new} new samples, reused {second_try['samples_stored_before']}")
+    assert 0 < second_try["samples_extracted"] < new  # the kill landed mid-run: both tries did some of the work
+    assert second_try["samples_stored"] == 198
+    assert verify(killed.store_dir)["samples"] == verify(clean.store_dir)["samples"] == 198  # each sample once
+    assert digest(killed.store_dir) == digest(clean.store_dir)
+    assert run_samples_path(killed.run_dir, 0).read_bytes() == run_samples_path(clean.run_dir, 0).read_bytes()
