@@ -49,6 +49,15 @@ def run_eagle3(*args: str, check: bool = True, timeout: float = 600) -> subproce
     return proc
 
 
+def chunk_count(store: Path, shard: int = 0) -> int:
+    """How many chunks a store's shard has committed (its manifest's intact records): what kill drills watch for
+    progress."""
+    from eagle3.store import read_manifest
+
+    manifest = Path(store) / f"shard-{shard:05d}" / "manifest.jsonl"
+    return len(read_manifest(manifest)[0]) if manifest.exists() else 0
+
+
 @pytest.fixture(scope="session")
 def tiny_target() -> Path:
     from filelock import FileLock

@@ -21,8 +21,8 @@ from eagle3.data import read_conversations
 from eagle3.extract import run_extract
 from eagle3.identity import attach_store
 from eagle3.runlayout import run_samples_path
-from eagle3.store import HiddenStateStore, StoreError, digest, open_run_store, read_manifest, verify
-from tests.conftest import run_eagle3
+from eagle3.store import HiddenStateStore, StoreError, digest, open_run_store, verify
+from tests.conftest import chunk_count, run_eagle3
 
 
 def conversation_ids(cfg) -> list[str]:
@@ -103,11 +103,6 @@ def test_a_run_that_finds_another_writing_its_shard_fails_retryably(make_config)
     assert run_extract(second)["samples_extracted"] == 0
 
 
-def chunks_stored(store_dir) -> int:
-    manifest = store_dir / "shard-00000" / "manifest.jsonl"
-    return len(read_manifest(manifest)[0]) if manifest.exists() else 0
-
-
 @pytest.mark.slow
 def test_kill_9_during_an_incremental_extraction_leaves_the_store_a_clean_one_would(make_config, tmp_path):
     """Week 1 stored 180 conversations; week 2's data has 10 % more, and its extraction (`python -m eagle3 extract`,
@@ -124,19 +119,19 @@ def test_kill_9_during_an_incremental_extraction_leaves_the_store_a_clean_one_wo
     killed = make_config(run_name="week-2", workdir=tmp_path / "killed", data={"max_samples": 198})
     write_run_config(killed)
     attach_store(killed)
-    before = chunks_stored(killed.store_dir)
+    before = chunk_count(killed.store_dir)
     extraction = subprocess.Popen([sys.executable, "-m", "eagle3", "extract", "--config", str(killed.config_path)],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     try:
         deadline = time.monotonic() + 300
-        while chunks_stored(killed.store_dir) == before:
+        while chunk_count(killed.store_dir) == before:
             assert extraction.poll() is None, extraction.stderr.read().decode()[-3000:]
             assert time.monotonic() < deadline, "no new chunk within 300 s"
             time.sleep(0.005)
         os.killpg(extraction.pid, signal.SIGKILL)
     finally:
         extraction.wait(30)
-    first_try = chunks_stored(killed.store_dir) - before
+    first_try = chunk_count(killed.store_dir) - before
     second_try = json.loads(run_eagle3("extract", "--config", str(killed.config_path)).stdout)
 
     print(f"\nincremental extraction killed after {first_try} new chunk(s); the rerun extracted "

@@ -24,7 +24,7 @@ import pytest
 from eagle3.config import write_run_config
 from eagle3.store import read_manifest
 from tests.airflow_env import dags_test
-from tests.conftest import run_eagle3
+from tests.conftest import chunk_count, run_eagle3
 from tests.dagruns import BOX_CHECKS, assert_succeeded, conf_for, job_state, settings_env
 
 pytestmark = pytest.mark.slow
@@ -43,11 +43,6 @@ def manifest_entries(store: Path, shard: int) -> list[str]:
     """Every sample id the shard's manifest records, duplicates included."""
     records, _ = read_manifest(store / f"shard-{shard:05d}" / "manifest.jsonl")
     return [sid for record in records if record["chunk"] for sid, _ in record["samples"]]
-
-
-def chunk_count(store: Path, shard: int) -> int:
-    manifest = store / f"shard-{shard:05d}" / "manifest.jsonl"
-    return len(read_manifest(manifest)[0]) if manifest.exists() else 0
 
 
 def started_at(state: dict) -> float:
