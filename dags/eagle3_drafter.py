@@ -24,7 +24,7 @@ from datetime import datetime, timedelta
 
 from airflow.sdk import DAG, Asset, chain, task
 
-from eagle3_airflow import tasks
+from eagle3_airflow import DAG_ID, tasks
 from eagle3_airflow.deployment import Deployment
 from eagle3_airflow.jobs import RemoteJobOperator
 from eagle3_airflow.params import build_params
@@ -40,7 +40,7 @@ SENSOR_TIMEOUT = timedelta(hours=SETTINGS.sensor_timeout_h)
 DRAFTER = Asset(SETTINGS.drafter_asset)  # updated when a run promotes its drafter: deployments schedule on it
 
 with DAG(
-    dag_id="eagle3_drafter",
+    dag_id=DAG_ID,
     description="Train an EAGLE-3 drafter for a target model on a remote GPU box",
     schedule=SETTINGS.dag_schedule(),  # time, the data's or target's Asset updated, or either
     start_date=datetime(2026, 1, 1),

@@ -3,7 +3,11 @@
 One test walks through what a user does: log in, open the DAG, read the trigger form (sections, help texts, the
 values EAGLE3_DAG_SETTINGS prefilled), enter bad values and see them refused, trigger a run on the tiny target,
 see it succeed in the run's header and the grid, then clear one task (`export`, with its downstream tasks, as the
-clear dialog proposes) and see it re-run and succeed. Screenshots and standalone's log go to EAGLE3_UI_ARTIFACTS, else
+clear dialog proposes) and see it re-run and succeed; then read the run's note and open its *EAGLE-3 report* tab
+(plugins/eagle3_ui.py), whose plots come from the box. Then the real scheduler starts two more runs on updates of the
+prompt set's Asset, as a deployment's `schedule_assets` says: the second, on the same data, extracts nothing and
+skips training; the third, on data grown by 10 %, extracts exactly the new conversations, warm-starts from the
+promoted drafter and reports both drafters' figures. Screenshots and standalone's log go to EAGLE3_UI_ARTIFACTS, else
 test-artifacts/ui/ in the repo.
 
 Needs /usr/bin/chromium (`.ci/run` installs Debian's `chromium`; no `playwright install`) and the `playwright`
@@ -39,15 +43,29 @@ RUN_NAME = "ui-run"
 TASKS = ["validate", "box_reachable", "sync_code", "extract", "vocab", "train", "export", "evaluate", "report"]
 STARTUP_TIMEOUT_S = 240
 RUN_TIMEOUT_S = 400
+PROMPTS_ASSET = "eagle3_prompts"
+CONVERSATIONS, GROWN = 30, 33  # the prompt set, and the same grown by 10 % for the third run
 
 
-def form_defaults(tiny_target: Path, workdir: Path) -> dict:
+def form_defaults(data: Path, tiny_target: Path, workdir: Path) -> dict:
     """The trigger form's prefilled values: the DAG tests' small run on the tiny target made smaller still (the
-    browser only needs a run that succeeds), with `run_name` empty as in a deployment's settings file."""
+    browser only needs a run that succeeds), with `run_name` empty as in a deployment's settings file. `data` holds
+    all the conversations the runs use (no max_samples: a run reads all, so the set can grow), and runs warm-start
+    from the lineage's promoted drafter once there is one."""
     return conf_for(tiny_target, workdir, run_name="", **{
-        "data.max_samples": 24, "extract.num_shards": 1, "train.val_fraction": 0.2,  # 24 samples: 1+ held out
+        "data.path": str(data), "data.max_samples": None, "extract.num_shards": 1,
+        "train.val_fraction": 0.2, "train.init_from": "current",  # 30 samples: 6 held out
+        "train.epochs": 1,  # what the form test leaves (it enters 0, the form puts the minimum back), so the asset-
+        # started runs, which take these defaults, have run 1's settings: their inputs differ only in the data
         "evaluate.num_prompts": 1, "evaluate.max_new_tokens": 8,
     })
+
+
+def write_prompts(tiny_target: Path, path: Path, count: int) -> None:
+    """The first `count` conversations of the tiny target's prompt set: a prompt set that grows by appending."""
+    with open(tiny_target / "prompts.jsonl") as source:
+        lines = [next(source) for _ in range(count)]
+    path.write_text("".join(lines))
 
 
 # -- processes -------------------------------------------------------------------------------------------------
@@ -133,19 +151,28 @@ class Standalone:
     def password(self) -> str:
         return json.loads((self.home / "simple_auth_manager_passwords.json.generated").read_text())["admin"]
 
-    def _request(self, path: str, body: dict | None = None, token: str | None = None) -> dict:
+    def _request(self, path: str, body: dict | None = None, token: str | None = None) -> bytes:
         headers = {"Content-Type": "application/json"}
         if token:
             headers["Authorization"] = f"Bearer {token}"
         data = json.dumps(body).encode() if body is not None else None
-        with urllib.request.urlopen(urllib.request.Request(self.url + path, data, headers), timeout=10) as resp:
-            return json.loads(resp.read())
+        with urllib.request.urlopen(urllib.request.Request(self.url + path, data, headers), timeout=30) as resp:
+            return resp.read()
 
-    def api(self, path: str) -> dict:
+    @property
+    def token(self) -> str:
         if self._token is None:
-            self._token = self._request("/auth/token", {"username": "admin", "password": self.password})[
+            self._token = json.loads(self._request("/auth/token", {"username": "admin", "password": self.password}))[
                 "access_token"]
-        return self._request("/api/v2" + path, token=self._token)
+        return self._token
+
+    def api(self, path: str, body: dict | None = None) -> dict:
+        """GET (or POST `body` to) the REST API as the admin."""
+        return json.loads(self._request("/api/v2" + path, body, token=self.token))
+
+    def fetch(self, path: str, authorized: bool = True) -> bytes:
+        """Any path of the API server (the plugin's), with the admin's token or without any."""
+        return self._request(path, token=self.token if authorized else None)
 
     def wait_until(self, ready, what: str, deadline: float) -> None:
         """Poll `ready()` every half second until it is true, failing if standalone exits or `deadline` (a
@@ -192,11 +219,14 @@ def artifacts() -> Path:
 @pytest.fixture
 def standalone(chromium, artifacts, tiny_target, tmp_path):
     """`airflow standalone` (SQLite, LocalExecutor) with this repo's DAG, the form prefilled for the tiny target,
-    the box being this machine; killed with everything it started at the end, pass or fail."""
+    the box being this machine, runs also started by updates of the prompt set's Asset; killed with everything it
+    started at the end, pass or fail."""
     home, workdir = tmp_path / "airflow", tmp_path / "box"
     home.mkdir()
+    write_prompts(tiny_target, tmp_path / "prompts.jsonl", CONVERSATIONS)
     settings = tmp_path / "dag-settings.json"
-    settings.write_text(json.dumps({"params": form_defaults(tiny_target, workdir), "retry_delay_s": 1}))
+    settings.write_text(json.dumps({"params": form_defaults(tmp_path / "prompts.jsonl", tiny_target, workdir),
+                                    "schedule_assets": [PROMPTS_ASSET], "retry_delay_s": 1}))
     port = free_port()
     env = airflow_env(
         home,
@@ -311,17 +341,17 @@ def test_trigger_form_run_and_clear_in_a_real_browser(standalone, chromium, arti
             form.get_by_role("button", name=re.compile(r"^data: ")).click()
             help_text = form.get_by_text(DataConfig.model_fields["path"].description)
             expect(help_text).to_be_visible()
-            expect(form.locator('[id="element_data.path"]')).to_have_value(str(tiny_target / "prompts.jsonl"))
+            expect(form.locator('[id="element_data.path"]')).to_have_value(str(tmp_path / "prompts.jsonl"))
             help_text.scroll_into_view_if_needed()
             shot("trigger-form-data-section")
             form.get_by_role("button", name=re.compile(r"^train: ")).click()
             epochs = form.get_by_label(re.compile(r"^Epochs\b"))
-            expect(epochs).to_have_value("2")
+            expect(epochs).to_have_value("1")
             epochs.scroll_into_view_if_needed()
             shot("trigger-form-train-section")
 
             # 4. Bad values. train.epochs = 0 (minimum 1): the number field does not keep it, it puts the
-            # minimum back when it loses focus (the run below trains with that 1 epoch: a shorter run).
+            # minimum back when it loses focus.
             epochs.fill("0")
             epochs.press("Tab")
             expect(epochs).to_have_value("1")
@@ -413,7 +443,21 @@ def test_trigger_form_run_and_clear_in_a_real_browser(standalone, chromium, arti
             shot("export-cleared-and-succeeded")
             page.get_by_role("link", name=run_id, exact=True).click()  # the breadcrumb: back to the run
             expect(header_state).to_have_text("Success")
-            shot("run-succeeded-after-clear")
+            # 8. The run's note, written when it ended (again, after the clear): the report in a few lines.
+            expect(page.get_by_text("EAGLE-3 drafter: promoted")).to_be_visible()
+            shot("run-succeeded-after-clear-with-note")
+
+            # 9. The run's EAGLE-3 report tab: the plugin's page in the UI's frame, its plots read from the box.
+            page.get_by_role("link", name="EAGLE-3 report", exact=True).click()
+            report = page.frame_locator("iframe")
+            expect(report.locator("#verdict")).to_have_text("promoted")
+            expect(report.locator("#acceptance")).to_contain_text("acceptance length")
+            plots = report.locator("img")
+            expect(plots).to_have_count(3)  # training loss and accuracy, acceptance per position
+            for index in range(3):
+                expect(plots.nth(index)).to_have_js_property("complete", True)
+                assert plots.nth(index).evaluate("img => img.naturalWidth") > 100, f"plot {index} did not load"
+            shot("report-tab")
         except Exception as err:
             try:
                 shot("failure")
@@ -435,4 +479,75 @@ def test_trigger_form_run_and_clear_in_a_real_browser(standalone, chromium, arti
     # The remote stages ran in the DAG's pool, which counts them while they wait deferred in the triggerer.
     pool = standalone.api("/pools/eagle3_box")
     assert pool["include_deferred"] is True and pool["slots"] == 8
+    note = standalone.api(f"/dags/{DAG_ID}/dagRuns/{run_id}")["note"]
+    assert note.startswith("### EAGLE-3 drafter: promoted") and "the lineage's first drafter" in note, note
+
+    # The report view: Airflow's access control, and only the files the run's report names.
+    report_page = f"/eagle3/dags/{DAG_ID}/runs/{run_id}/"
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        standalone.fetch(report_page, authorized=False)
+    assert refused.value.code in (401, 403)
+    with pytest.raises(urllib.error.HTTPError) as missing:
+        standalone.fetch(report_page + "plots/3")
+    assert missing.value.code == 404
+    assert standalone.fetch(report_page + "plots/0").startswith(b"\x89PNG")
+    evaluation = json.loads(standalone.fetch(report_page + "report.json"))
+    assert evaluation["promotion"]["promoted"] is True
+
     print(f"screenshots in {artifacts}:\n" + "\n".join(f"  {path.name}" for path in shots))
+    scheduled_runs_on_asset_updates(standalone, tiny_target, tmp_path, first=run_id)
+
+
+def scheduled_runs_on_asset_updates(standalone, tiny_target: Path, tmp_path: Path, first: str) -> None:
+    """Runs 2 and 3, started by the scheduler on events of the prompt set's Asset (as an upstream DAG that
+    refreshes the data would make them; here the REST API does)."""
+    from eagle3.runlayout import run_stats_path
+    from eagle3_airflow.params import run_name_from_run_id
+
+    asset_id = standalone.api(f"/assets?name_pattern={PROMPTS_ASSET}")["assets"][0]["id"]
+
+    def next_run(previous: set[str]) -> tuple[str, Path]:
+        standalone.api("/assets/events", {"asset_id": asset_id})
+
+        def started_and_ended() -> bool:
+            runs = [run for run in standalone.api(f"/dags/{DAG_ID}/dagRuns")["dag_runs"]
+                    if run["dag_run_id"] not in previous]
+            return bool(runs) and runs[0]["state"] in ("success", "failed")
+
+        standalone.wait_until(started_and_ended, "a run started by the asset event to end",
+                              time.monotonic() + RUN_TIMEOUT_S)
+        run, = [run for run in standalone.api(f"/dags/{DAG_ID}/dagRuns")["dag_runs"]
+                if run["dag_run_id"] not in previous]
+        assert (run["run_type"], run["state"]) == ("asset_triggered", "success"), (run, standalone.tail())
+        return run["dag_run_id"], tmp_path / "box" / "runs" / run_name_from_run_id(run["dag_run_id"])
+
+    def extracted(run_dir: Path) -> tuple[int, int]:
+        stats = json.loads(run_stats_path(run_dir, 0).read_text())
+        return stats["samples_extracted"], stats["samples_stored_before"]
+
+    # Run 2: the same data. Nothing to extract, nothing to train: it ends early, and says since which run.
+    second, second_dir = next_run({first})
+    assert extracted(second_dir) == (0, CONVERSATIONS)
+    states = {ti["task_id"]: ti["state"] for ti in
+              standalone.api(f"/dags/{DAG_ID}/dagRuns/{second}/taskInstances")["task_instances"]}
+    assert {states[task] for task in ("train", "export", "evaluate")} == {"skipped"}, states
+    assert standalone.api(f"/dags/{DAG_ID}/dagRuns/{second}")["note"].startswith(
+        f"### EAGLE-3 drafter: nothing changed since run {RUN_NAME}")
+
+    # Run 3: 10 % more conversations. Exactly those are extracted; training warm-starts from run 1's drafter; the
+    # new drafter and the current one are measured on the lineage's pinned prompts, and both figures reported.
+    write_prompts(tiny_target, tmp_path / "prompts.jsonl", GROWN)
+    third, third_dir = next_run({first, second})
+    assert extracted(third_dir) == (GROWN - CONVERSATIONS, CONVERSATIONS)
+    first_version = json.loads((tmp_path / "box" / "runs" / RUN_NAME / "evaluate" / "report.json").read_text())[
+        "promotion"]["version"]
+    assert json.loads((third_dir / "train" / "summary.json").read_text())["started_from"] == first_version
+    promotion = json.loads((third_dir / "evaluate" / "report.json").read_text())["promotion"]
+    assert promotion["current_before"]["version"] == first_version
+    ours, theirs = promotion["accept_length"]["3"], promotion["current_before"]["accept_length"]["3"]
+    note = standalone.api(f"/dags/{DAG_ID}/dagRuns/{third}")["note"]
+    assert f"| 3 | {ours:.3f} | {theirs:.3f} |" in note, note
+    assert promotion["reason"] in note
+    page = standalone.fetch(f"/eagle3/dags/{DAG_ID}/runs/{third}/").decode()
+    assert f"<td>{ours:.3f}</td><td>{theirs:.3f}</td>" in page
+    print(f"run 3: {'promoted' if promotion['promoted'] else 'not promoted'}: {promotion['reason']}")

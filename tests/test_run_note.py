@@ -1,0 +1,61 @@
+"""The DAG run's note (eagle3_airflow.run_note): the report task's summary in a few markdown lines.
+
+That a finished run gets it, in the real scheduler, is tests/ui/test_web_ui.py's; these check what it says.
+"""
+
+from __future__ import annotations
+
+from eagle3_airflow.run_note import NOTE_LIMIT, NOTE_TITLE, failure_markdown, note_markdown
+
+SUMMARY = {
+    "run_dir": "/data/eagle3/runs/week-48",
+    "drafter": "/data/eagle3/runs/week-48/drafter",
+    "simulated_accept_length": 5.144,
+    "measured_accept_length": {"3": 2.821, "7": 3.406},
+    "hidden_states": {"store": "/data/eagle3/stores/ab12", "samples": 1078, "extracted": 98, "reused": 980},
+    "promotion": {
+        "promoted": True, "reason": "better at k=3: 2.821 against the current 2.538 (margin 0.05)",
+        "current": "/data/eagle3/drafters/f209/current",
+        "current_before": {"version": "week-47-1a2b3c4d", "run": "week-47", "accept_length": {"3": 2.538, "7": 2.351}},
+    },
+}
+
+
+def test_a_promoted_run_says_so_with_both_drafters_figures_and_where_the_drafter_is():
+    note = note_markdown(SUMMARY)
+    assert note.startswith(f"{NOTE_TITLE}: promoted\n")
+    assert SUMMARY["promotion"]["reason"] in note
+    assert "| 3 | 2.821 | 2.538 |" in note and "| 7 | 3.406 | 2.351 |" in note
+    assert "98 extracted, 980 reused" in note
+    assert "`/data/eagle3/runs/week-48/drafter`" in note and "`/data/eagle3/drafters/f209/current`" in note
+
+
+def test_the_first_drafter_and_a_refused_one_read_differently():
+    first = {**SUMMARY, "promotion": {"promoted": True, "reason": "the lineage's first drafter (k=3: 2.821)",
+                                      "current_before": None}}
+    assert "| 3 | 2.821 | - |" in note_markdown(first)  # no current drafter to compare with
+    why = "not better at k=3 by more than 0.05: 2.560 against the current 2.538"
+    refused = {**SUMMARY, "promotion": {**SUMMARY["promotion"], "promoted": False, "reason": why}}
+    assert note_markdown(refused).startswith(f"{NOTE_TITLE}: not promoted\n\nnot better at k=3")
+
+
+def test_a_run_that_changed_nothing_names_the_run_it_matches():
+    summary = {"run_dir": "/w/runs/r2", "nothing_changed_since": "week-47", "drafter": "/w/drafters/f209/current",
+               "measured_accept_length": {"3": 2.538},
+               "promotion": {"promoted": False, "reason": "nothing changed since run week-47"}}
+    note = note_markdown(summary)
+    assert note.startswith(f"{NOTE_TITLE}: nothing changed since run week-47\n")
+    assert "| 3 | 2.538 | - |" in note
+
+
+def test_a_failure_after_the_report_is_said_too():
+    assert "the run failed after its report: retention" in note_markdown(SUMMARY, ["retention"])
+    assert failure_markdown(["extract", "train"]).startswith(f"{NOTE_TITLE}: run failed\n\nfailed: extract, train")
+
+
+def test_the_note_fits_airflows_column_whatever_the_paths():
+    deep = "/" + "/".join(["a-very-long-directory-name"] * 30)
+    summary = {**SUMMARY, "drafter": deep + "/drafter", "promotion": {**SUMMARY["promotion"], "current": deep}}
+    note = note_markdown(summary)
+    assert len(note) <= NOTE_LIMIT
+    assert note.startswith(f"{NOTE_TITLE}: promoted") and "| 3 | 2.821 | 2.538 |" in note  # the figures stay
