@@ -10,8 +10,10 @@ preflight: validate -> box reachable -> code synced -> config written -> GPUs id
 then generate (regenerate the answers with the target; skipped unless generate.enabled) -> extract (one
 mapped task per shard) -> GPUs released -> vocab -> inputs changed? (else: nothing changed since the lineage's
 current drafter, so training is skipped) -> train -> export -> evaluate -> benchmark (SGLang with
-the drafter against the plain target; skipped unless benchmark.enabled) -> report -> promoted (an event on the
-drafter Asset when evaluate promoted this run's drafter over the lineage's current one; skipped otherwise)
+the drafter against the plain target; skipped unless benchmark.enabled) -> [with the settings'
+approve_promotion: promotion proposed? -> approve_promotion (a person, under Required Actions) -> promote]
+-> report -> promoted (an event on the drafter Asset when this run's drafter was promoted over the lineage's
+current one; skipped otherwise)
 -> retention (old run directories removed, with the settings' keep_runs).
 
 **Resume = clear the failed task.** Every stage is a detached job on the box that a retry or a clear
@@ -92,14 +94,28 @@ with DAG(
                                         ignore_downstream_trigger_rules=False)(plan)
     train = RemoteJobOperator(task_id="train", stage="train", plan=plan, pool=POOL)
     export = RemoteJobOperator(task_id="export", stage="export", plan=plan, pool=POOL)
-    evaluate = RemoteJobOperator(task_id="evaluate", stage="evaluate", plan=plan, pool=POOL)
+    # With the settings' approve_promotion, evaluate only proposes; a person approves before `current` is switched.
+    hold = ["--hold-promotion"] if SETTINGS.approve_promotion else []
+    evaluate = RemoteJobOperator(task_id="evaluate", stage="evaluate", plan=plan, pool=POOL, stage_args=hold)
     benchmark = RemoteJobOperator(task_id="benchmark", stage="benchmark", plan=plan, pool=POOL, only_if="benchmark")
+    approval = []
+    if SETTINGS.approve_promotion:
+        from airflow.providers.standard.operators.hitl import ApprovalOperator
+
+        proposed = task.short_circuit(tasks.promotion_proposed, task_id="promotion_proposed",
+                                      trigger_rule="none_failed",  # after a skipped benchmark too
+                                      ignore_downstream_trigger_rules=False)(plan)
+        approve = ApprovalOperator(
+            task_id="approve_promotion", subject="Promote the drafter of run {{ run_id }}?",
+            body="{{ ti.xcom_pull(task_ids='promotion_proposed') }}",
+            defaults="Reject", response_timeout=timedelta(hours=SETTINGS.approval_timeout_h))  # no answer: rejected
+        approval = [proposed, approve, task(tasks.promote_held, task_id="promote")(plan)]
     summary = task(tasks.report, task_id="report", trigger_rule="none_failed")(plan)
     promoted = task(tasks.announce_promotion, task_id="promoted", outlets=[DRAFTER])(plan, summary, DRAFTER.name)
     retention = task(tasks.prune_runs, task_id="retention", trigger_rule="none_failed")(plan, SETTINGS.keep_runs)
 
     chain(run, box_reachable, code_synced, config_written, gpus_idle, disk_space, generate, extract, gpus_released,
-          vocab, inputs_changed, train, export, evaluate, benchmark, summary, promoted, retention)
+          vocab, inputs_changed, train, export, evaluate, benchmark, *approval, summary, promoted, retention)
 
 # The form's params go on the DAG after its tasks exist. Passed to DAG(...), Airflow would copy all ~60 of them
 # into every task, then re-validate every copy when it serializes the DAG: about 0.5 s of the dag-processor's

@@ -6,6 +6,7 @@ import json
 import shutil
 import time
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -14,7 +15,7 @@ from eagle3.data import conversation_id_of
 from eagle3.evaluate import run_evaluate
 from eagle3.export import run_export
 from eagle3.model import build_draft_model
-from eagle3.promote import Lineage, check_inputs, weights_digest
+from eagle3.promote import Lineage, check_inputs, promote_held, weights_digest
 from eagle3.train import Trainer, checkpoint_dirs, is_validation, load_checkpoint, load_warm_start
 
 EVALUATE = {"num_prompts": 6, "max_new_tokens": 16, "draft_lengths": [3]}
@@ -79,6 +80,34 @@ def test_the_better_drafter_is_promoted_on_the_pinned_set_and_a_worse_one_is_not
 
     better_by_a_margin = run_like(trained_config, make_config, "strict", noise=0.01, promote_margin=5.0)
     assert not run_evaluate(better_by_a_margin)["promotion"]["promoted"]  # no drafter is 5 tokens better
+
+
+def test_a_promotion_held_for_approval_switches_only_when_promoted_and_never_over_a_newer_drafter(
+        trained_config, make_config):
+    """The deployment's approve_promotion: `evaluate --hold-promotion` decides but switches nothing; `lineage promote`
+    (after the approval) switches and rewrites the report, and a retry of it changes nothing. A held promotion whose
+    measured-against drafter was replaced meanwhile is not made: it no longer compares with what is current."""
+    run_export(trained_config)
+    first = run_like(trained_config, make_config, "first", noise=3.0)
+    lineage = Lineage(first)
+    held = run_evaluate(first, hold_promotion=True)["promotion"]
+    assert (held["promoted"], held["pending_approval"]) == (False, True) and lineage.current() is None
+    promoted = promote_held(first)
+    assert promoted["promoted"] and promoted["reason"].endswith("; approved")
+    assert lineage.current().name == promoted["version"] and lineage.current().record["approved"] is True
+    report = json.loads((first.run_dir / "evaluate" / "report.json").read_text())
+    assert report["promotion"] == promoted
+    assert promote_held(first) == promoted  # a retried promote task
+
+    good = run_like(trained_config, make_config, "good")
+    assert run_evaluate(good, hold_promotion=True)["promotion"]["pending_approval"]
+    other = run_like(trained_config, make_config, "other", noise=0.5)  # measured and promoted while good waits
+    assert run_evaluate(other)["promotion"]["promoted"]
+    late = promote_held(good)
+    assert not late["promoted"] and "another run promoted a drafter since" in late["reason"]
+    assert lineage.current().name.startswith("other-")
+    with pytest.raises(ValueError, match="held no promotion for approval"):  # settled: nothing is pending any more
+        promote_held(good)
 
 
 def test_old_versions_beyond_keep_versions_are_removed(trained_config, make_config):

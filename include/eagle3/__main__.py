@@ -136,7 +136,8 @@ def cmd_stage(args) -> None:
             os.execvpe(launch[0][0], launch[0], launch[1])
     module, function = STAGES[args.command][:2]
     run = getattr(importlib.import_module(module), function)
-    result = run(load_config(args.config))
+    options = {"hold_promotion": True} if getattr(args, "hold_promotion", False) else {}
+    result = run(load_config(args.config), **options)
     if result:  # under torchrun only rank 0 returns a summary
         print(json.dumps(result, indent=2))
 
@@ -169,6 +170,12 @@ def cmd_lineage_check(args) -> None:
     from eagle3.promote import check_inputs
 
     print(json.dumps(check_inputs(load_config(args.config)), indent=2))
+
+
+def cmd_lineage_promote(args) -> None:
+    from eagle3.promote import promote_held
+
+    print(json.dumps(promote_held(load_config(args.config)), indent=2))
 
 
 def cmd_box_info(args) -> None:
@@ -265,6 +272,10 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (_, _, help_text, description) in STAGES.items():
         p = sub.add_parser(name, help=help_text, description=description)
         p.add_argument("--config", required=True, help="RUN_DIR/config.json")
+        if name == "evaluate":
+            p.add_argument("--hold-promotion", action="store_true",
+                           help="decide on the promotion but leave the switch to `lineage promote`, which the DAG "
+                           "runs once a person approved (the deployment's approve_promotion)")
         p.set_defaults(func=cmd_stage)
 
     p = sub.add_parser("store", help="inspect a hidden-state store")
@@ -302,6 +313,13 @@ def build_parser() -> argparse.ArgumentParser:
         "drafter. The DAG skips training when nothing changed.")
     c.add_argument("--config", required=True, help="RUN_DIR/config.json")
     c.set_defaults(func=cmd_lineage_check)
+    c = lineage_sub.add_parser(
+        "promote", help="after an approval: make the promotion `evaluate --hold-promotion` held; JSON",
+        description="Switches the lineage's current drafter to this run's, as evaluate decided, unless another run "
+        "promoted one since (then nothing is switched, and the report says so). Rewrites the promotion in "
+        "RUN_DIR/evaluate/report.json. Safe to rerun.")
+    c.add_argument("--config", required=True, help="RUN_DIR/config.json")
+    c.set_defaults(func=cmd_lineage_promote)
 
     p = sub.add_parser(
         "box", help="facts about this box as JSON (for the sensors)",

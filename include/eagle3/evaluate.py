@@ -160,7 +160,7 @@ def acceptance_figures(cycles: list[int], first_cycles: list[int], new_tokens: i
     }
 
 
-def run_evaluate(cfg) -> dict:
+def run_evaluate(cfg, hold_promotion: bool = False) -> dict:
     from transformers import AutoConfig
 
     from eagle3.capture.hf import HfCapture
@@ -199,7 +199,7 @@ def run_evaluate(cfg) -> dict:
         results = measure(cfg, target, drafter, draft_to_target, prompts, baseline, eos, progress)
         promotion = compare_and_promote(cfg, lineage, pinned, results, lambda drafter_dir: measure(
             cfg, target, *load_exported_drafter(drafter_dir, cfg.target.model_path), prompts, baseline, eos, progress,
-            "current drafter, "))
+            "current drafter, "), hold=hold_promotion)
     export = json.loads((cfg.run_dir / DRAFTER_DIR / "export.json").read_text())
     report = {
         "prompts": len(prompts),
@@ -241,11 +241,12 @@ def measure(cfg, target, drafter, draft_to_target, prompts, baseline, eos, progr
     return results
 
 
-def compare_and_promote(cfg, lineage, pinned: dict, results: dict, measure_drafter) -> dict:
+def compare_and_promote(cfg, lineage, pinned: dict, results: dict, measure_drafter, hold: bool = False) -> dict:
     """Measure the lineage's current drafter (`measure_drafter(its dir)`) on the same prompts, and promote this
-    run's if it is better by evaluate.promote_margin (eagle3.promote)."""
+    run's if it is better by evaluate.promote_margin (eagle3.promote). `hold`: decide, but leave the switch to
+    `lineage promote`, which the DAG runs once a person approved (the deployment's approve_promotion)."""
     from eagle3.export import DRAFTER_DIR
-    from eagle3.promote import decide, inputs_digest, weights_digest
+    from eagle3.promote import decide, hold_for_approval, inputs_digest, weights_digest
     from eagle3.train import started_from
 
     k = cfg.evaluate.draft_lengths[0]
@@ -275,6 +276,10 @@ def compare_and_promote(cfg, lineage, pinned: dict, results: dict, measure_draft
               "started_from": started_from(cfg),  # train.init_from current: the version it was warm-started from
               "promoted_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "reason": reason,
               "previous": outcome["current_before"], "eval_set_prompts": len(pinned["prompts"])}
+    if hold:
+        hold_for_approval(cfg, record, expected_current=current.name if current else None)
+        return {**outcome, "promoted": False, "pending_approval": True, "reason": reason,
+                "current": str(lineage.dir / "current")}
     version = lineage.promote(cfg.run_dir / DRAFTER_DIR, cfg.run_name, record, cfg.evaluate.keep_versions,
                               expected_current=current.name if current else None)
     if version is None:

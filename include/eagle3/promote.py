@@ -33,6 +33,7 @@ from eagle3.fsutil import atomic_dir, atomic_symlink, atomic_write_text
 from eagle3.identity import capture_key, file_digest, target_identity
 
 EVAL_SET = "eval_set.json"
+PROPOSAL = "proposal.json"  # RUN_DIR/evaluate/: a promotion evaluate decided on and held for approval
 CURRENT = "current"
 VERSIONS = "versions"
 RECORD = "promotion.json"
@@ -212,3 +213,49 @@ def decide(new: dict, current: dict | None, k: int, margin: float) -> tuple[bool
     if ours > theirs + margin:
         return True, f"better at k={k}: {ours:.3f} against the current {theirs:.3f} (margin {margin:g})"
     return False, f"not better at k={k} by more than {margin:g}: {ours:.3f} against the current {theirs:.3f}"
+
+
+# -- promotion held for approval -------------------------------------------------------------------------------
+
+def hold_for_approval(cfg, record: dict, expected_current: str | None) -> None:
+    """What `promote_held` needs later: the version's record, and the current version it was measured against."""
+    proposal = {"record": record, "expected_current": expected_current}
+    atomic_write_text(cfg.run_dir / "evaluate" / PROPOSAL, json.dumps(proposal, indent=2) + "\n")
+
+
+def promote_held(cfg) -> dict:
+    """`lineage promote`: make the switch evaluate decided on and held (`evaluate --hold-promotion`), once a person
+    approved it, and rewrite the report's promotion. Safe to retry: a try that died after the switch finds this
+    run's drafter current and only rewrites the report. If another run promoted a drafter meanwhile, nothing is
+    switched: this one was measured against a drafter that is no longer current."""
+    from eagle3.config import ConfigError
+    from eagle3.export import DRAFTER_DIR
+
+    report_path = cfg.run_dir / "evaluate" / "report.json"
+    report = json.loads(report_path.read_text())
+    promotion = report["promotion"]
+    if promotion.get("promoted"):
+        return promotion
+    if not promotion.get("pending_approval"):
+        raise ConfigError(f"{report_path}: evaluate held no promotion for approval ({promotion.get('reason')}); "
+                          "nothing to promote")
+    proposal = json.loads((cfg.run_dir / "evaluate" / PROPOSAL).read_text())
+    record = {**proposal["record"], "approved": True,
+              "promoted_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    lineage = Lineage(cfg)
+    current = lineage.current()
+    if current is not None and current.record["weights_sha256"] == record["weights_sha256"]:
+        version = current  # switched by a try that died before it rewrote the report
+    else:
+        version = lineage.promote(cfg.run_dir / DRAFTER_DIR, cfg.run_name, record, cfg.evaluate.keep_versions,
+                                  expected_current=proposal["expected_current"])
+    if version is None:
+        outcome = {**promotion, "pending_approval": False,
+                   "reason": f"{promotion['reason']}; approved, but another run promoted a drafter since this one "
+                   "was measured: evaluate again to compare with it"}
+    else:
+        outcome = {**promotion, "promoted": True, "pending_approval": False, "version": version.name,
+                   "reason": f"{promotion['reason']}; approved"}
+    report["promotion"] = outcome
+    atomic_write_text(report_path, json.dumps(report, indent=2) + "\n")
+    return outcome

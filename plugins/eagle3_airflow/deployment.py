@@ -96,6 +96,12 @@ class Deployment(BaseModel):
         "eagle3_drafter",
         description="The Airflow Asset a promoted drafter updates (its event's extra: lineage, version, figures, "
         "the previous ones, store and code): schedule a deployment DAG on it.")
+    approve_promotion: bool = Field(
+        False,
+        description="A person approves each promotion: evaluate only proposes it, an approval task (Airflow's "
+        "human-in-the-loop ApprovalOperator, under Required Actions) waits, and the switch happens on Approve.")
+    approval_timeout_h: float = Field(
+        72, gt=0, le=24 * 60, description="How long the approval task waits; then the promotion is rejected.")
     _source: str = PrivateAttr("the built-in settings (EAGLE3_DAG_SETTINGS names no file)")
 
     @model_validator(mode="after")

@@ -83,12 +83,14 @@ class RemoteJobOperator(ResumableJobMixin, BaseOperator):
     external_id_key = "eagle3_job_key"
     ui_color = "#e8eefc"
 
-    def __init__(self, *, stage: str, plan: Any, shard: int | None = None, only_if: str | None = None, **kwargs):
+    def __init__(self, *, stage: str, plan: Any, shard: int | None = None, only_if: str | None = None,
+                 stage_args: list[str] | None = None, **kwargs):
         super().__init__(**kwargs)
         self.stage = stage
         self.plan = plan
         self.shard = shard
         self.only_if = only_if
+        self.stage_args = list(stage_args or [])  # fixed flags of the stage's command (never a user's value)
 
     # -- what this task instance runs where ------------------------------------------------------
     @property
@@ -105,7 +107,8 @@ class RemoteJobOperator(ResumableJobMixin, BaseOperator):
 
     def _stage_argv(self) -> list[str]:
         plan = self.run_plan
-        argv = [plan.python, "-P", "-m", "eagle3", self.stage, "--config", plan.config_path]  # -P: see RunPlan.eagle3
+        argv = [plan.python, "-P", "-m", "eagle3", self.stage, "--config", plan.config_path,  # -P: see RunPlan.eagle3
+                *self.stage_args]
         if self.shard is not None:
             argv += ["--shard", str(self.shard), "--num-shards", str(plan.num_shards),
                      "--gpu-group", str(plan.gpu_group_for_shard(self.shard))]

@@ -7,7 +7,8 @@ of a run of this project's DAG (an external view with destination dag_run):
   /eagle3/dags/{dag_id}/runs/{run_id}/plots/{index}   one plot (PNG), read from the box
   /eagle3/dags/{dag_id}/runs/{run_id}/report.json     evaluate's whole report, read from the box
 
-Access is Airflow's: the caller must be allowed to read the DAG's runs (the UI's session cookie or a bearer token).
+Access is Airflow's: the caller must be allowed to read the DAG's runs and their XComs (the UI's session cookie or a
+bearer token).
 What may be read is what the run's own XCom names: the plots the report task listed and the report it wrote,
 under the run directory the validate task planned, on the run's box, through the transport every task uses.
 No path comes from the request, so a caller cannot make the API server read anything else on the box.
@@ -31,8 +32,10 @@ from sqlalchemy.orm import Session
 from eagle3_airflow import DAG_ID
 from eagle3_airflow.plan import RunPlan
 
-app = FastAPI(title="EAGLE-3 run report", description="The eagle3_drafter DAG's run reports and plots")
-CanReadRuns = [Depends(requires_access_dag("GET", DagAccessEntity.RUN))]
+app = FastAPI(title="EAGLE-3 run report", docs_url=None, redoc_url=None, openapi_url=None)  # pages, not an API
+# The page shows the run's XCom (the report task's summary, the plan's paths) as well as files of the run.
+CanReadRuns = [Depends(requires_access_dag("GET", DagAccessEntity.RUN)),
+               Depends(requires_access_dag("GET", DagAccessEntity.XCOM))]
 BOX_READ_TIMEOUT_S = 60
 
 

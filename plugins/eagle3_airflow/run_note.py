@@ -24,11 +24,13 @@ NOTE_TITLE = "### EAGLE-3 drafter"
 NOTE_LIMIT = 1000  # characters: Airflow's dag_run_note.content column
 
 
-def note_markdown(summary: dict, failed_tasks: list[str] | None = None) -> str:
+def note_markdown(summary: dict, failed_tasks: list[str] | None = None, headline: str | None = None) -> str:
     """The report task's summary (eagle3_airflow.tasks.report) as a short markdown note; `failed_tasks` when a
     task after the report failed the run."""
     promotion = summary.get("promotion") or {}
-    if summary.get("nothing_changed_since"):
+    if headline:
+        pass
+    elif summary.get("nothing_changed_since"):
         headline = f"nothing changed since run {summary['nothing_changed_since']}"
     else:
         headline = "promoted" if promotion.get("promoted") else "not promoted"

@@ -126,6 +126,8 @@ def report(plan_dict: dict) -> dict:
         # measured against the lineage's current drafter on its pinned prompts; promoted or not, and why
         "promotion": evaluation.get("promotion"),
     }
+    if (summary["promotion"] or {}).get("pending_approval"):  # promote_held runs before the report when approved
+        summary["promotion"]["reason"] += "; held for approval, not approved (rejected, or timed out)"
     if plan.benchmark:
         benchmark_path = f"{plan.run_dir}/benchmark/benchmark.json"
         benchmark = box.run(["cat", benchmark_path]).json(f"reading {benchmark_path}")
@@ -138,6 +140,34 @@ def report(plan_dict: dict) -> dict:
     for key, value in summary.items():
         log.info("%-24s %s", key, value)
     return summary
+
+
+def promotion_proposed(plan_dict: dict) -> str | bool:
+    """With the deployment's approve_promotion: did evaluate propose a promotion? The proposal as markdown (the
+    approval's body: both drafters' figures), or False, which skips the approval (nothing to approve)."""
+    from eagle3_airflow.run_note import note_markdown
+
+    plan = RunPlan.from_xcom(plan_dict)
+    report_path = f"{plan.run_dir}/evaluate/report.json"
+    read = plan.box().run(["cat", report_path])
+    if read.returncode != 0:  # evaluate was skipped: nothing changed
+        return False
+    promotion = read.json(f"reading {report_path}")["promotion"]
+    if not promotion.get("pending_approval"):
+        log.info("no promotion to approve: %s", promotion.get("reason"))
+        return False
+    summary = {"drafter": f"{plan.run_dir}/drafter", "promotion": promotion,
+               "measured_accept_length": promotion["accept_length"]}
+    return note_markdown(summary, headline="proposed for promotion")
+
+
+def promote_held(plan_dict: dict) -> dict:
+    """Approved: make the switch evaluate held (`python -m eagle3 lineage promote`, safe to retry)."""
+    plan = RunPlan.from_xcom(plan_dict)
+    outcome = plan.box().run(plan.eagle3("lineage", "promote", "--config", plan.config_path),
+                             timeout=3600).json("python -m eagle3 lineage promote")
+    log.info("%s: %s", "promoted" if outcome["promoted"] else "not promoted", outcome["reason"])
+    return outcome
 
 
 def announce_promotion(plan_dict: dict, summary: dict, asset_name: str, outlet_events=None) -> dict:
