@@ -237,6 +237,9 @@ def standalone(chromium, artifacts, tiny_target, tmp_path):
         AIRFLOW__API__PORT=str(port),
         AIRFLOW__CORE__EXECUTION_API_SERVER_URL=f"http://localhost:{port}/execution/",
         AIRFLOW__CORE__PARALLELISM="4",  # LocalExecutor forks this many workers: 32 by default, on 2 cores
+        # The settings file is fixed for the test, so the DAG file needs parsing once: every 30 s (the default)
+        # the dag-processor forked a parse of it, for nothing, through the test's eight minutes under load.
+        AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL="3600",
         EAGLE3_DAG_SETTINGS=str(settings),
     )
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # it spawns `airflow ...`
