@@ -229,3 +229,12 @@ def test_a_retry_after_a_deploy_runs_the_code_its_run_was_validated_with(tmp_pat
         plan.ensure_code()
     # Clearing validate pins the new code: a run validated now syncs and runs it.
     assert replace(plan, code_digest=package_archive().digest).ensure_code().endswith(package_archive().digest)
+
+
+def test_a_command_killed_under_the_async_transport_counts_as_an_outage(ssh_box):
+    """When sshd goes down during a job poll, the poll dies by a signal (exit status -1 in asyncssh): CI saw that
+    fail a trigger as "polling failed on the box" instead of riding out the outage. Every async command is safe to
+    repeat, so a killed one is BoxUnreachable, which the trigger retries within its grace period."""
+    with pytest.raises(BoxUnreachable, match="killed by TERM"):
+        asyncio.run(ssh_box.arun(["sh", "-c", "kill -TERM $$"]))
+    assert asyncio.run(ssh_box.arun(["sh", "-c", "exit 3"])).returncode == 3  # a plain failure stays one

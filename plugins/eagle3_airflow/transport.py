@@ -144,6 +144,12 @@ class SSHBox(Box):
         if result.exit_status is None:  # the connection closed before the command reported how it ended
             await self.aclose()
             raise BoxUnreachable(f"connection to box {self.conn_id!r} lost while running {argv[:3]}")
+        if result.exit_signal is not None:  # -1: killed by a signal, as when sshd goes down under it
+            # Every async command (job polls, box checks) is safe to repeat, so a killed one counts as the box's
+            # outage and is retried within the grace period, on a new connection.
+            await self.aclose()
+            raise BoxUnreachable(f"a command on box {self.conn_id!r} was killed by {result.exit_signal[0]} "
+                                 f"while running {argv[:3]} (sshd stopped under it?)")
         return CommandResult(argv, result.exit_status, _text(result.stdout), _text(result.stderr))
 
     async def aclose(self) -> None:
