@@ -31,6 +31,7 @@ from sqlalchemy.orm import Session
 
 from eagle3_airflow import DAG_ID
 from eagle3_airflow.plan import RunPlan
+from eagle3_airflow.run_note import figure, verdict
 
 app = FastAPI(title="EAGLE-3 run report", docs_url=None, redoc_url=None, openapi_url=None)  # pages, not an API
 # The page shows the run's XCom (the report task's summary, the plan's paths) as well as files of the run.
@@ -105,17 +106,13 @@ Escaped = Annotated[str, "html-escaped"]
 def _summary_html(summary: dict) -> Escaped:
     e = html.escape
     promotion = summary.get("promotion") or {}
-    if summary.get("nothing_changed_since"):
-        verdict = f"nothing changed since run {summary['nothing_changed_since']}"
-    else:
-        verdict = "promoted" if promotion.get("promoted") else "not promoted"
-    parts = [f"<h2 id='verdict'>{e(verdict)}</h2>"]
+    parts = [f"<h2 id='verdict'>{e(verdict(summary))}</h2>"]
     if promotion.get("reason"):
         parts.append(f"<p id='reason'>{e(promotion['reason'])}</p>")
     ours = summary.get("measured_accept_length") or {}
     theirs = (promotion.get("current_before") or {}).get("accept_length") or {}
     if ours:
-        rows = "".join(f"<tr><td>{e(k)}</td><td>{value:.3f}</td><td>{_cell(theirs.get(k))}</td></tr>"
+        rows = "".join(f"<tr><td>{e(k)}</td><td>{figure(value)}</td><td>{figure(theirs.get(k))}</td></tr>"
                        for k, value in ours.items())
         parts.append("<table id='acceptance'><tr><th>draft length k</th><th>acceptance length</th>"
                      f"<th>current drafter</th></tr>{rows}</table>")
@@ -138,10 +135,6 @@ def _summary_html(summary: dict) -> Escaped:
     for index, path in enumerate(summary.get("plots") or []):
         parts.append(f"<figure><img src='plots/{index}' alt='{e(path)}'><figcaption>{e(path)}</figcaption></figure>")
     return "\n".join(parts)
-
-
-def _cell(value) -> str:
-    return "-" if value is None else f"{value:.3f}"
 
 
 def _text(value) -> str:

@@ -28,13 +28,7 @@ def note_markdown(summary: dict, failed_tasks: list[str] | None = None, headline
     """The report task's summary (eagle3_airflow.tasks.report) as a short markdown note; `failed_tasks` when a
     task after the report failed the run."""
     promotion = summary.get("promotion") or {}
-    if headline:
-        pass
-    elif summary.get("nothing_changed_since"):
-        headline = f"nothing changed since run {summary['nothing_changed_since']}"
-    else:
-        headline = "promoted" if promotion.get("promoted") else "not promoted"
-    lines = [f"{NOTE_TITLE}: {headline}", ""]
+    lines = [f"{NOTE_TITLE}: {headline or verdict(summary)}", ""]
     if failed_tasks:
         lines += [f"the run failed after its report: {', '.join(failed_tasks)}", ""]
     if promotion.get("reason"):
@@ -43,7 +37,7 @@ def note_markdown(summary: dict, failed_tasks: list[str] | None = None, headline
     theirs = ((promotion.get("current_before") or {}).get("accept_length")) or {}
     if ours:
         lines += ["| k | acceptance length | current drafter |", "|---|---|---|"]
-        lines += [f"| {k} | {value:.3f} | {_figure(theirs.get(k))} |" for k, value in ours.items()]
+        lines += [f"| {k} | {value:.3f} | {figure(theirs.get(k))} |" for k, value in ours.items()]
         lines.append("")
     facts = []
     if summary.get("simulated_accept_length") is not None:
@@ -67,7 +61,15 @@ def failure_markdown(failed_tasks: list[str]) -> str:
                  "Clear a failed task to resume: the stage picks up where it stopped."])
 
 
-def _figure(value) -> str:
+def verdict(summary: dict) -> str:
+    """The outcome in three words or so: the note's headline and the report tab's."""
+    if summary.get("nothing_changed_since"):
+        return f"nothing changed since run {summary['nothing_changed_since']}"
+    return "promoted" if (summary.get("promotion") or {}).get("promoted") else "not promoted"
+
+
+def figure(value) -> str:
+    """An acceptance length as both views print it; '-' where there is none (no current drafter yet)."""
     return "-" if value is None else f"{value:.3f}"
 
 
