@@ -27,26 +27,31 @@ DAG_FILE = REPO / "dags" / "eagle3_drafter.py"
 def test_dag_parses_fast_without_errors_and_without_torch(airflow_home):
     """What the dag-processor sees: no import errors, the parse time Airflow records, and no torch import."""
     script = f"""
-import json, sys
+import json, sys, time
 from airflow.dag_processing.dagbag import DagBag
+cpu = time.process_time()
 bag = DagBag(dag_folder={str(DAG_FILE)!r})
+cpu = time.process_time() - cpu
 dag = bag.dags.get("eagle3_drafter")
 print(json.dumps({{"errors": {{k: str(v) for k, v in bag.import_errors.items()}}, "dags": sorted(bag.dag_ids),
-    "seconds": bag.dagbag_stats[0].duration.total_seconds(), "torch": "torch" in sys.modules,
+    "seconds": bag.dagbag_stats[0].duration.total_seconds(), "cpu_seconds": cpu, "torch": "torch" in sys.modules,
     "dag_params": len(dag.params), "task_params": sum(len(t.params) for t in dag.tasks)}}))
 """
     proc = subprocess.run([sys.executable, "-c", script], env=airflow_env(airflow_home), capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    print(f"DagBag parse time of {DAG_FILE.name} (fresh interpreter): {result['seconds']:.3f} s")
+    print(f"DagBag parse time of {DAG_FILE.name} (fresh interpreter): {result['seconds']:.3f} s, "
+          f"{result['cpu_seconds']:.3f} CPU-s")
     assert result["errors"] == {}
     assert result["dags"] == ["eagle3_drafter"]
     assert result["torch"] is False
     # The form's params live on the DAG only: a copy in every task made the dag-processor re-validate ~900
     # params per parse (1.0-1.9 s measured in `airflow standalone`, against 0.18 s without the copies).
     assert result["dag_params"] > 50 and result["task_params"] == 0
-    assert result["seconds"] < 1.0  # the figure is printed here and measured in bench/dag_parse.py
+    # A guard against a parse that does seconds of work, not a benchmark (bench/dag_parse.py measures): CPU time,
+    # because the wall-clock figure Airflow records doubled inside the suite (1.51 s, two other workers on 2 cores).
+    assert result["cpu_seconds"] < 1.0
 
 
 def test_a_schedule_without_defaults_for_its_required_params_is_an_import_error(airflow_home, tmp_path):
