@@ -36,7 +36,8 @@ AIRFLOW_SERVICES = {
 HEALTHCHECKS = {
     "postgres": ["CMD", "pg_isready", "-U", "airflow"],
     "redis": ["CMD", "redis-cli", "ping"],
-    "airflow-apiserver": ["CMD", "curl", "--fail", "http://localhost:8080/api/v2/version"],
+    "airflow-apiserver": ["CMD-SHELL", "curl --fail --silent http://localhost:8080/api/v2/version && "
+                                       "curl --fail --silent http://localhost:8080/execution/health"],
     "airflow-scheduler": ["CMD", "curl", "--fail", "http://localhost:8974/health"],
     "airflow-dag-processor": [
         "CMD-SHELL", 'airflow jobs check --job-type DagProcessorJob --hostname "${HOSTNAME}"'
