@@ -2,9 +2,10 @@
 
 `airflow standalone` (SQLite; scheduler, triggerer, dag-processor and api server in one command) logs every
 component's every line to the console. This starts it with that output in demo-work/airflow-standalone.log,
-waits until its health endpoint reports every component healthy, prints the URL and the login, and then
-says nothing more until it stops (Ctrl-C stops it; if it dies, its last log lines are printed). The
-environment (AIRFLOW_HOME, dags and plugins folders, the demo's form defaults) comes from the Makefile.
+waits until its health endpoint reports every component healthy (and the Execution API has answered once),
+prints the URL and the login, and then says nothing more until it stops (Ctrl-C stops it; if it dies, its last
+log lines are printed). The environment (AIRFLOW_HOME, dags and plugins folders, the demo's form defaults) comes
+from the Makefile.
 """
 
 from __future__ import annotations
@@ -34,6 +35,13 @@ def healthy() -> bool:
     return all(health.get(part, {}).get("status") == "healthy" for part in HEALTHY)
 
 
+def warm_execution_api() -> None:
+    """The Execution API builds its versioned routes on its first request (several CPU-seconds holding the api
+    server's worker); ask it once now, so the first task's start call, with its 5 s timeout, does not pay."""
+    with contextlib.suppress(urllib.error.URLError, OSError):
+        urllib.request.urlopen(f"{URL}/execution/health", timeout=120).close()
+
+
 def tail(log: Path, lines: int = 30) -> str:
     return "\n".join(log.read_text(errors="replace").splitlines()[-lines:]) if log.exists() else ""
 
@@ -60,6 +68,7 @@ def main() -> None:
             if proc.poll() is not None:
                 sys.exit(f"[airflow] airflow standalone exited ({proc.returncode}); last lines of {log}:\n{tail(log)}")
             time.sleep(1)
+        warm_execution_api()
         passwords = home / "simple_auth_manager_passwords.json.generated"
         password = json.loads(passwords.read_text()).get("admin", "?") if passwords.exists() else "(see the log)"
         print(f"[airflow] ready: {URL}  login: admin / {password}  (Ctrl-C stops it)", flush=True)
