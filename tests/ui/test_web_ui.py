@@ -158,9 +158,8 @@ class Standalone:
     def password(self) -> str:
         return json.loads((self.home / "simple_auth_manager_passwords.json.generated").read_text())["admin"]
 
-    def _request(self, path: str, body: dict | None = None, token: str | None = None,
-                 headers: dict[str, str] | None = None) -> bytes:
-        headers = {"Content-Type": "application/json", **(headers or {})}
+    def _request(self, path: str, body: dict | None = None, token: str | None = None) -> bytes:
+        headers = {"Content-Type": "application/json"}
         if token:
             headers["Authorization"] = f"Bearer {token}"
         data = json.dumps(body).encode() if body is not None else None
@@ -178,9 +177,9 @@ class Standalone:
         """GET (or POST `body` to) the REST API as the admin."""
         return json.loads(self._request("/api/v2" + path, body, token=self.token))
 
-    def fetch(self, path: str, authorized: bool = True, headers: dict[str, str] | None = None) -> bytes:
+    def fetch(self, path: str, authorized: bool = True) -> bytes:
         """Any path of the API server (the plugin's), with the admin's token or without any."""
-        return self._request(path, token=self.token if authorized else None, headers=headers)
+        return self._request(path, token=self.token if authorized else None)
 
     def wait_until(self, ready, what: str, deadline: float, every_s: float = 0.5) -> None:
         """Poll `ready()` every `every_s` until it is true, failing if standalone exits or `deadline` (a
@@ -280,10 +279,13 @@ def standalone(chromium, artifacts, tiny_target, tmp_path):
         # The Execution API builds its versioned routes (Cadwyn) on its first request, holding the api server's
         # one worker for about 10 CPU-seconds. The first task's start call paid for it: inside the suite the whole
         # api server stood still for 40 s, the call's five tries at 5 s each timed out and `validate` failed. Pay
-        # for it here, as a deployment's health check would, before anything runs.
+        # for it here, as a deployment's health check would, before anything runs (with time to spare: under
+        # load it is the 40 s above, more than the REST client's 30 s).
         from airflow.sdk.api.client import API_VERSION  # the version the tasks' calls ask for
 
-        server.fetch("/execution/health", authorized=False, headers={"airflow-api-version": API_VERSION})
+        first = urllib.request.Request(server.url + "/execution/health", headers={"airflow-api-version": API_VERSION})
+        with urllib.request.urlopen(first, timeout=STARTUP_TIMEOUT_S):
+            pass
         # The DAG's pool, as make airflow and the compose init create it: its tasks wait for a pool that exists.
         subprocess.run([sys.executable, "-m", "eagle3_airflow.deployment", "create-pool", "--airflow", AIRFLOW],
                        env=env, check=True, capture_output=True, timeout=120)
