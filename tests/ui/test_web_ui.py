@@ -280,12 +280,9 @@ def standalone(chromium, artifacts, tiny_target, tmp_path):
         # one worker for about 10 CPU-seconds. The first task's start call paid for it: inside the suite the whole
         # api server stood still for 40 s, the call's five tries at 5 s each timed out and `validate` failed. Pay
         # for it here, as a deployment's health check would, before anything runs (with time to spare: under
-        # load it is the 40 s above, more than the REST client's 30 s).
-        from airflow.sdk.api.client import API_VERSION  # the version the tasks' calls ask for
-
-        first = urllib.request.Request(server.url + "/execution/health", headers={"airflow-api-version": API_VERSION})
-        with urllib.request.urlopen(first, timeout=STARTUP_TIMEOUT_S):
-            pass
+        # load it is the 40 s above, more than the REST client's 30 s). Any first request builds every version's
+        # routes, as `make airflow` and the compose healthcheck rely on too.
+        urllib.request.urlopen(server.url + "/execution/health", timeout=STARTUP_TIMEOUT_S).close()
         # The DAG's pool, as make airflow and the compose init create it: its tasks wait for a pool that exists.
         subprocess.run([sys.executable, "-m", "eagle3_airflow.deployment", "create-pool", "--airflow", AIRFLOW],
                        env=env, check=True, capture_output=True, timeout=120)
