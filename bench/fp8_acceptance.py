@@ -15,8 +15,8 @@ Printed: per seed the acceptance length of each dtype and the difference; then t
 a 95 % t-interval (what answers "does fp8 cost more than 0.02?": the seeds' spread is in it), and each seed's
 interval over prompts (paired bootstrap: the same prompts, and, speculation being lossless, the same target tokens
 for both drafters). Then both drafters' validation accuracy per draft position, each measured on the bf16 store's
-validation split, so that both meet the same teachers. Everything lands in bench-work/fp8-acceptance/; a rerun reuses what is there (stores, drafters,
-measurements), so seeds can be added later.
+validation split, so that both meet the same teachers. Everything lands in bench-work/fp8-acceptance/; a rerun
+reuses what is there (stores, drafters, measurements), so seeds can be added later.
 """
 
 from __future__ import annotations
