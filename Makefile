@@ -42,9 +42,10 @@ sglang-env: $(SGLANG_ENV)/.installed
 tiny-target: $(INSTALLED)
 	$(PY) -m eagle3 make-tiny-target $(TINY_TARGET)
 
-# On a fresh machine the tiny target is built while apt and pip install, which leave a core mostly idle waiting on
-# disk and network, instead of at the start of the suite, where the long tests would wait for it.
-test: $(INSTALLED)
+# On a fresh machine the prerequisites go side by side (make orders what depends on .venv): apt waits on the network
+# while pip fills .venv, and the tiny target trains while pip unpacks the sglang env, each leaving a core idle,
+# instead of at the start of the suite, where the long tests would wait for it.
+test:
 	$(MAKE) --jobs=4 --output-sync=target system-packages sglang-env tiny-target lint
 	$(PY) -m pytest
 
