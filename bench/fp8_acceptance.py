@@ -11,12 +11,14 @@ demo run's regenerated conversations and through the same CLI stages the DAG run
   3. measure every drafter with real speculative decoding (eagle3.evaluate.speculative_greedy, chain drafts of k,
      verified by the target) on the same fresh prompts: new draws of the tiny target's synthetic tasks whose
      question is in none of the data's conversations.
-Printed: per seed the acceptance length of each dtype and the difference; then the mean difference over seeds with
-a 95 % t-interval (what answers "does fp8 cost more than 0.02?": the seeds' spread is in it), and each seed's
-interval over prompts (paired bootstrap: the same prompts, and, speculation being lossless, the same target tokens
-for both drafters). Then both drafters' validation accuracy per draft position, each measured on the bf16 store's
-validation split, so that both meet the same teachers. Everything lands in bench-work/fp8-acceptance/; a rerun
-reuses what is there (stores, drafters, measurements), so seeds can be added later.
+Printed: per seed the acceptance length of each dtype and the difference, with the seed's interval over prompts
+(paired bootstrap: the same prompts, and, speculation being lossless, the same target tokens for both drafters);
+then the mean difference over seeds with a 95 % t-interval (the seeds' spread is in it), and the verdict on "within
+0.02" (`--margin`) as an equivalence test: two one-sided t-tests at 5 %, i.e. the 90 % interval inside the margin.
+Then both drafters' validation accuracy per draft position, each measured on the bf16 store's validation split, so
+that both meet the same teachers, with the same test against 0.5 points (`--margin-points`). Everything lands in
+bench-work/fp8-acceptance/; a rerun reuses what is there (stores, drafters, measurements), so seeds can be added
+later.
 """
 
 from __future__ import annotations
@@ -37,8 +39,11 @@ REPO = Path(__file__).resolve().parents[1]
 WORK = REPO / "bench-work" / "fp8-acceptance"
 DTYPES = ("bf16", "fp8_e4m3")
 FRESH_STREAM = 2_000_003  # tiny_target draws the training task from seed 0 and the data from seed + 1_000_003
-# Student's t, 97.5th percentile, for 1..10 degrees of freedom (beyond: t_975)
-T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
+# Student's t for 1..10 degrees of freedom, by quantile (beyond 10: t_quantile's expansion)
+T_TABLE = {
+    0.975: (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228),
+    0.95: (6.314, 2.920, 2.353, 2.132, 2.015, 1.943, 1.895, 1.860, 1.833, 1.812),
+}
 
 
 def stage(name: str, config: Path, threads: int = 1) -> None:
@@ -156,6 +161,13 @@ def val_acc_against_bf16(seed: int) -> dict[str, list[float]]:
     return accs
 
 
+def save_json(path: Path, data: dict) -> None:
+    """Whole or not at all: a killed bench leaves the previous file, and a rerun measures the rest."""
+    partial = path.with_suffix(".partial")
+    partial.write_text(json.dumps(data))
+    os.replace(partial, path)
+
+
 def accept_length(cycles: list[list[int]], prompts=None) -> float:
     """SGLang's avg_spec_accept_length over these prompts' cycles: 1 + accepted drafts per verify step."""
     chosen = cycles if prompts is None else [cycles[i] for i in prompts]
@@ -177,22 +189,32 @@ def paired_interval(ours: list[list[int]], theirs: list[list[int]], draws: int =
     return float(np.percentile(diffs, 2.5)), float(np.percentile(diffs, 97.5))
 
 
-def t_975(df: int) -> float:
-    """Student's t, 97.5th percentile: the table up to 10 degrees of freedom, beyond it the Cornish-Fisher
-    expansion around the normal quantile (Abramowitz & Stegun 26.7.5; 2.2009 at 11 against 2.2010, closer
-    beyond). No scipy in the control plane's environment for one number."""
-    if df <= len(T_975):
-        return T_975[df - 1]
-    z = NormalDist().inv_cdf(0.975)
+def t_quantile(p: float, df: int) -> float:
+    """Student's t quantile p (0.975 or 0.95): the table up to 10 degrees of freedom, beyond it the Cornish-Fisher
+    expansion around the normal quantile (Abramowitz & Stegun 26.7.5; at 0.975, 2.2009 for 11 against 2.2010,
+    closer beyond). No scipy in the control plane's environment for two numbers."""
+    if df <= 10:
+        return T_TABLE[p][df - 1]
+    z = NormalDist().inv_cdf(p)
     return (z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
             + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * df**3))
 
 
-def t_interval(values: list[float]) -> tuple[float, float]:
-    """95 % t-interval of the mean over seeds."""
+def t_interval(values: list[float], confidence: float = 0.95) -> tuple[float, float]:
+    """Two-sided t-interval of the mean over seeds (confidence 0.95 or 0.90)."""
     mean, sem = sum(values) / len(values), stdev(values) / len(values) ** 0.5
-    half = t_975(len(values) - 1) * sem
+    half = t_quantile(1 - (1 - confidence) / 2, len(values) - 1) * sem
     return mean - half, mean + half
+
+
+def equivalence(differences: list[float], margin: float, number: str) -> str:
+    """Whether fp8 and bf16 are equivalent within +-margin at the 5 % level: the two one-sided tests (TOST), i.e.
+    the 90 % interval of the mean difference lies inside the margin. A wide interval around a small mean says
+    "not shown", not "equivalent"."""
+    low, high = t_interval(differences, confidence=0.90)
+    verdict = "equivalent" if -margin < low and high < margin else "equivalence NOT shown"
+    interval = f"[{number.format(low)}, {number.format(high)}]"
+    return f"within +-{margin:g} (90% interval {interval}, two one-sided tests at 5%): {verdict}"
 
 
 def main() -> None:
@@ -203,6 +225,9 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=3, help="draft length")
     parser.add_argument("--max-new-tokens", type=int, default=48, help="the demo's evaluate.max_new_tokens")
     parser.add_argument("--jobs", type=int, default=2, help="trainings and measurements at a time, one thread each")
+    parser.add_argument("--margin", type=float, default=0.02, help="acceptance length difference called equivalent")
+    parser.add_argument("--margin-points", type=float, default=0.5,
+                        help="validation accuracy difference (points, mean of positions) called equivalent")
     args = parser.parse_args()
     source = args.run_dir.resolve()
     if not (source / "generate" / "conversations.jsonl").exists():
@@ -227,7 +252,7 @@ def main() -> None:
                    for pair in todo}
         for (dtype, seed), future in futures.items():
             results[f"{dtype}-seed{seed}"] = future.result()
-            results_file.write_text(json.dumps(results))
+            save_json(results_file, results)
     print(f"measured after {time.monotonic() - started:.0f} s", flush=True)
 
     print(f"\nacceptance length at k={args.k} on {args.prompts} fresh prompts (max {args.max_new_tokens} new tokens)")
@@ -249,13 +274,20 @@ def main() -> None:
     if len(differences) > 1:
         low, high = t_interval(differences)
         print(f"fp8 - bf16 over {len(differences)} seeds: {mean:+.3f}, 95% interval [{low:+.3f}, {high:+.3f}]; "
-              f"seed-to-seed spread (sd) bf16 {stdev(bf16_all):.3f}, fp8 {stdev(fp8_all):.3f}")
+              f"seed-to-seed spread (sd) bf16 {stdev(bf16_all):.3f}, fp8 {stdev(fp8_all):.3f}, "
+              f"difference {stdev(differences):.3f}")
+        print(equivalence(differences, args.margin, "{:+.3f}"))
 
     print("\nvalidation accuracy per draft position on the bf16 store's validation split (the same teachers for both)")
     print(f"{'seed':>4} {'bf16 (mean of positions)':>25} {'fp8':>7} {'fp8-bf16':>9}  per position fp8-bf16 (points)")
     gaps = []
+    val_file = WORK / "val-acc.json"  # per seed; the drafters of a seed never change once exported
+    val_accs = json.loads(val_file.read_text()) if val_file.exists() else {}
     for seed in args.seeds:
-        accs = val_acc_against_bf16(seed)
+        if str(seed) not in val_accs:
+            val_accs[str(seed)] = val_acc_against_bf16(seed)
+            save_json(val_file, val_accs)
+        accs = val_accs[str(seed)]
         bf16, fp8 = (sum(accs[d]) / len(accs[d]) for d in DTYPES)
         gaps.append(100 * (fp8 - bf16))
         per_position = " ".join(f"{100 * (f - b):+.1f}" for b, f in zip(accs["bf16"], accs["fp8_e4m3"]))
@@ -264,6 +296,7 @@ def main() -> None:
         low, high = t_interval(gaps)
         print(f"fp8 - bf16 over {len(gaps)} seeds: {sum(gaps) / len(gaps):+.2f} points, 95% interval "
               f"[{low:+.2f}, {high:+.2f}]")
+        print(equivalence(gaps, args.margin_points, "{:+.2f}"))
 
 
 if __name__ == "__main__":
