@@ -232,7 +232,7 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=2, help="trainings and measurements at a time, one thread each")
     parser.add_argument("--margin", type=float, default=0.02, help="acceptance length difference to rule out")
     parser.add_argument("--margin-points", type=float, default=0.5,
-                        help="the validation accuracy difference (points, mean of positions) to rule out")
+                        help="validation accuracy difference (points, mean of positions) to rule out")
     args = parser.parse_args()
     source = args.run_dir.resolve()
     if not (source / "generate" / "conversations.jsonl").exists():
