@@ -35,6 +35,8 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from statistics import NormalDist, stdev
 
+from eagle3.fsutil import atomic_write_text
+
 REPO = Path(__file__).resolve().parents[1]
 WORK = REPO / "bench-work" / "fp8-acceptance"
 DTYPES = ("bf16", "fp8_e4m3")
@@ -163,9 +165,7 @@ def val_acc_against_bf16(seed: int) -> dict[str, list[float]]:
 
 def save_json(path: Path, data: dict) -> None:
     """Whole or not at all: a killed bench leaves the previous file, and a rerun measures the rest."""
-    partial = path.with_suffix(".partial")
-    partial.write_text(json.dumps(data))
-    os.replace(partial, path)
+    atomic_write_text(path, json.dumps(data))
 
 
 def accept_length(cycles: list[list[int]], prompts=None) -> float:
