@@ -104,8 +104,9 @@ def xdist_grouped(request):
     """Fails a test of an `xdist_group` that xdist did not group. xdist 3.8 marks a test's group by appending
     "@group" to its node id, which pytest 9.2 ignores (pytest-dev/pytest-xdist#1386): nothing fails by itself, the
     tests of a group spread over the workers and each worker starts the group's module-scoped servers again
-    (measured: about 70 CPU-seconds more in a suite that is CPU-bound on 2 cores). requirements.txt pins a pytest
-    that works; this says so when it does not."""
+    (measured with bench/suite_cpu.py: test_sglang_plugin.py 43 CPU-seconds spread, 14 grouped; test_generate.py 68
+    and 55; the suite is CPU-bound on 2 cores). requirements.txt pins a pytest that works; this says so when it
+    does not."""
     config = request.config
     if (hasattr(config, "workerinput") and config.getvalue("loadgroup")
             and request.node.get_closest_marker("xdist_group") and "@" not in request.node.nodeid.rpartition("::")[2]):
