@@ -163,11 +163,6 @@ def val_acc_against_bf16(seed: int) -> dict[str, list[float]]:
     return accs
 
 
-def save_json(path: Path, data: dict) -> None:
-    """Whole or not at all: a killed bench leaves the previous file, and a rerun measures the rest."""
-    atomic_write_text(path, json.dumps(data))
-
-
 def accept_length(cycles: list[list[int]], prompts=None) -> float:
     """SGLang's avg_spec_accept_length over these prompts' cycles: 1 + accepted drafts per verify step."""
     chosen = cycles if prompts is None else [cycles[i] for i in prompts]
@@ -257,7 +252,7 @@ def main() -> None:
                    for pair in todo}
         for (dtype, seed), future in futures.items():
             results[f"{dtype}-seed{seed}"] = future.result()
-            save_json(results_file, results)
+            atomic_write_text(results_file, json.dumps(results))  # a killed bench keeps what it measured
     print(f"measured after {time.monotonic() - started:.0f} s", flush=True)
 
     print(f"\nacceptance length at k={args.k} on {args.prompts} fresh prompts (max {args.max_new_tokens} new tokens)")
@@ -291,7 +286,7 @@ def main() -> None:
     for seed in args.seeds:
         if str(seed) not in val_accs:
             val_accs[str(seed)] = val_acc_against_bf16(seed)
-            save_json(val_file, val_accs)
+            atomic_write_text(val_file, json.dumps(val_accs))
         accs = val_accs[str(seed)]
         bf16, fp8 = (sum(accs[d]) / len(accs[d]) for d in DTYPES)
         gaps.append(100 * (fp8 - bf16))

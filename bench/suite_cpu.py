@@ -34,31 +34,33 @@ RECORDS_ENV = "EAGLE3_SUITE_CPU_RECORDS"
 # -- the pytest plugin (loaded in every worker with -p bench.suite_cpu) ----------------------------------------------
 
 
-def _cgroup() -> Path:
-    return CPUACCT / f"eagle3-suite-{os.environ.get('PYTEST_XDIST_WORKER', 'master')}"
+WORKER = os.environ.get("PYTEST_XDIST_WORKER", "master")
+CGROUP = CPUACCT / f"eagle3-suite-{WORKER}"
+_counting = False  # set in a process that runs tests, when bench/suite_cpu.py started the suite
 
 
 def _usage_s() -> float:
-    return int((_cgroup() / "cpuacct.usage").read_text()) / 1e9
+    return int((CGROUP / "cpuacct.usage").read_text()) / 1e9
 
 
 def pytest_configure(config):
-    if RECORDS_ENV not in os.environ or (os.environ.get("PYTEST_XDIST_WORKER") is None and config.getoption(
-            "numprocesses", None)):  # the controller of a distributed run runs no tests
-        return
-    _cgroup().mkdir(exist_ok=True)
-    (_cgroup() / "tasks").write_text(str(os.getpid()))  # this worker, and from now on all it starts
+    global _counting
+    controller = WORKER == "master" and config.getoption("numprocesses", None)  # distributes, runs no tests
+    if RECORDS_ENV in os.environ and not controller:
+        CGROUP.mkdir(exist_ok=True)
+        (CGROUP / "tasks").write_text(str(os.getpid()))  # this worker, and from now on all it starts
+        _counting = True
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    if RECORDS_ENV not in os.environ or not (_cgroup() / "tasks").exists():
+    if not _counting:
         yield
         return
     started, before = time.time(), _usage_s()
     yield
     record = {"test": item.nodeid.split("@")[0], "cpu_s": _usage_s() - before, "wall_s": time.time() - started}
-    with open(Path(os.environ[RECORDS_ENV]) / f"{os.environ.get('PYTEST_XDIST_WORKER', 'master')}.jsonl", "a") as f:
+    with open(Path(os.environ[RECORDS_ENV]) / f"{WORKER}.jsonl", "a") as f:
         f.write(json.dumps(record) + "\n")
 
 
