@@ -418,19 +418,30 @@ def test_trigger_form_run_and_clear_in_a_real_browser(standalone, chromium, arti
             # An answer given while the asking try's worker is still exiting can be lost: the answer resumes the task,
             # then the scheduler drains that worker's stale exit event, calls it a state mismatch and retries the
             # resumed try (Airflow 3.3; the family of apache/airflow#66374, #67287, #72716; seen on a loaded 2-core
-            # VM, answered 4 s after the task paused). The retry asks again, and the person answers again.
+            # VM, answered 4 s after the task paused, and in a suite where the worker took 6 s to exit: answered
+            # before it was gone twice in a row, the third try waited for an answer until the test timed out). So
+            # the test answers once the scheduler has taken the asking try's exit, as its log says, as a person
+            # reading the UI would answer seconds later. Should the answer still be lost, the retry asks again.
             def approval_asked(run: dict, answered_try: int) -> bool:
                 approval = task_instances(run_id).get("approve_promotion", {})
                 return run["state"] != "running" or (approval.get("state") == "awaiting_input"
                                                      and approval["try_number"] > answered_try)
 
+            def asking_worker_gone(try_number: int) -> bool:
+                event = (f"Received executor event with state success for task instance TaskInstanceKey(dag_id="
+                         f"'{DAG_ID}', task_id='approve_promotion', run_id='{run_id}', try_number={try_number},")
+                return event in standalone.log.read_text(errors="replace")
+
             answered_try = 0
-            for _ in range(2):
+            for _ in range(3):
                 wait_away_from_the_ui(run_id, lambda run, answered=answered_try: approval_asked(run, answered),
                                       "the promotion to await approval")
                 approval = task_instances(run_id)["approve_promotion"]
                 if approval["state"] != "awaiting_input":
                     break
+                standalone.wait_until(lambda: asking_worker_gone(approval["try_number"]),
+                                      f"the scheduler to take the exit of approve_promotion's try "
+                                      f"{approval['try_number']}, which asked", time.monotonic() + 120, every_s=1)
                 if answered_try:
                     print(f"approve_promotion asked again (try {approval['try_number']}): Airflow's stale exit "
                           f"event lost the answer to try {answered_try}")
