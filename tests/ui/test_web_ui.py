@@ -439,7 +439,7 @@ def test_trigger_form_run_and_clear_in_a_real_browser(standalone, chromium, arti
                 approval = task_instances(run_id)["approve_promotion"]
                 if approval["state"] != "awaiting_input":
                     break
-                standalone.wait_until(lambda: asking_worker_gone(approval["try_number"]),
+                standalone.wait_until(lambda asking=approval["try_number"]: asking_worker_gone(asking),
                                       f"the scheduler to take the exit of approve_promotion's try "
                                       f"{approval['try_number']}, which asked", time.monotonic() + 120, every_s=1)
                 if answered_try:
