@@ -169,8 +169,8 @@ def train_briefly(model, tokenizer, rng: random.Random, steps: int, batch_size: 
 
 def build(directory: Path, spec: TinyTargetSpec) -> Path:
     """Build the tiny target into `directory` (atomically), or reuse it if built with the same spec. The reuse check
-    comes before torch and transformers are imported: `make test` and `make demo` ask it every time, and the imports
-    alone cost more CPU-seconds than the check (6 of them, 10-40 s on a cold page cache)."""
+    reads one file and comes before torch and transformers are imported: `make test` and `make demo` ask for the
+    target every time, and those imports cost about 6 CPU-seconds (10-40 s of wall time on a cold page cache)."""
     directory = Path(directory).resolve()
     stamp = directory / "tiny_target.json"
     if stamp.exists():
