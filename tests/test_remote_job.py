@@ -83,11 +83,11 @@ def test_an_outage_longer_than_the_grace_period_ends_the_wait_but_not_the_job(bo
 
 def test_user_kill_stops_the_whole_process_group(box, tmp_path):
     pid_file = tmp_path / "grandchild.pid"
-    # The pid goes to a temp name first, then is renamed: open() creates the file before write() fills it, and a
-    # poll between the two read an empty file (seen once in the suite under load).
-    spawn = (f"import os, subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; "
-             f"time.sleep(60)']); open({str(pid_file)!r} + '.tmp', 'w').write(str(p.pid)); "
-             f"os.replace({str(pid_file)!r} + '.tmp', {str(pid_file)!r}); time.sleep(60)")
+    # Written whole or not at all (eagle3.fsutil): open() creates a file before write() fills it, and a poll between
+    # the two read an empty file (seen once in the suite under load).
+    spawn = (f"import subprocess, sys, time; from eagle3.fsutil import atomic_write_text; "
+             f"p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+             f"atomic_write_text({str(pid_file)!r}, str(p.pid)); time.sleep(60)")
     job = start(box, [sys.executable, "-c", spawn])
     deadline = time.monotonic() + 20
     while not pid_file.exists() and time.monotonic() < deadline:
