@@ -50,6 +50,13 @@ def listening(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
+def answers_health(client: httpx.Client, port: int) -> bool:
+    """The server on 127.0.0.1:`port` says it is healthy (nothing listening yet is a no)."""
+    with contextlib.suppress(httpx.TransportError):
+        return client.get(f"http://127.0.0.1:{port}/health").status_code == 200
+    return False
+
+
 @contextlib.contextmanager
 def stand_in_servers(tiny_target: Path, log_dir: Path):
     """A function that starts a stand-in server with extra flags and returns its /v1 URL; all stopped at exit."""
@@ -63,13 +70,12 @@ def stand_in_servers(tiny_target: Path, log_dir: Path):
                                 start_new_session=True)
         servers.append(proc)
 
-        def healthy() -> bool:
-            assert proc.poll() is None, log_path.read_text()
-            with contextlib.suppress(httpx.TransportError):
-                return httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
-            return False
+        with httpx.Client() as client:  # one for all polls: each httpx.get builds a TLS context (~30 CPU-ms)
+            def healthy() -> bool:
+                assert proc.poll() is None, log_path.read_text()
+                return answers_health(client, port)
 
-        wait_for(healthy, 120, "the stand-in server")
+            wait_for(healthy, 120, "the stand-in server")
         return f"http://127.0.0.1:{port}/v1"
 
     try:
@@ -319,12 +325,8 @@ def test_kill_9_of_the_stage_takes_the_server_down_too(make_config, tmp_path):
     cfg = launched_config(make_config, tmp_path, always="slow", **{"slow-s": 60})
     stage = run_stage(cfg, wait=False)
     try:
-        def serving() -> bool:  # healthy, so requests are in flight when the stage dies
-            with contextlib.suppress(httpx.TransportError):
-                return httpx.get(f"http://127.0.0.1:{cfg.server.port}/health").status_code == 200
-            return False
-
-        wait_for(serving, 120, "the server to serve")
+        with httpx.Client() as client:  # healthy, so requests are in flight when the stage dies
+            wait_for(lambda: answers_health(client, cfg.server.port), 120, "the server to serve")
         assert stand_in_processes(cfg.server.port)
         stage.kill()
         stage.wait()
