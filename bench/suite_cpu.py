@@ -59,7 +59,8 @@ def pytest_runtest_protocol(item, nextitem):
         return
     started, before = time.time(), _usage_s()
     yield
-    record = {"test": item.nodeid.split("@")[0], "cpu_s": _usage_s() - before, "wall_s": time.time() - started}
+    record = {"test": item.nodeid.split("@")[0], "cpu_s": _usage_s() - before, "wall_s": time.time() - started,
+              "started": started}
     with open(Path(os.environ[RECORDS_ENV]) / f"{WORKER}.jsonl", "a") as f:
         f.write(json.dumps(record) + "\n")
 
@@ -67,10 +68,11 @@ def pytest_runtest_protocol(item, nextitem):
 # -- the script ------------------------------------------------------------------------------------------------------
 
 
-def busy_cpu_s() -> float:
-    """CPU-seconds the whole machine has been busy since boot (/proc/stat, all but idle and iowait)."""
+def machine_cpu_s() -> tuple[float, float, float]:
+    """CPU-seconds the whole machine has been busy, idle, and idle waiting for I/O, since boot (/proc/stat)."""
     values = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-    return (sum(values) - values[3] - values[4]) / os.sysconf("SC_CLK_TCK")
+    idle, iowait = values[3], values[4]
+    return tuple(v / os.sysconf("SC_CLK_TCK") for v in (sum(values) - idle - iowait, idle, iowait))
 
 
 def main(pytest_args: list[str]) -> int:
@@ -80,10 +82,11 @@ def main(pytest_args: list[str]) -> int:
     records = Path(tempfile.mkdtemp(prefix="suite-cpu-"))
     env = {**os.environ, RECORDS_ENV: str(records),
            "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}  # -p bench.suite_cpu in each worker
-    busy, started = busy_cpu_s(), time.monotonic()
+    before, started, started_at = machine_cpu_s(), time.monotonic(), time.time()
     code = subprocess.call([sys.executable, "-m", "pytest", "-p", "bench.suite_cpu", *pytest_args], cwd=REPO, env=env)
-    busy, wall = busy_cpu_s() - busy, time.monotonic() - started
-    tests = [json.loads(line) for path in records.glob("*.jsonl") for line in path.read_text().splitlines()]
+    (busy, idle, iowait), wall = (now - then for now, then in zip(machine_cpu_s(), before)), time.monotonic() - started
+    tests = [{**json.loads(line), "worker": path.stem}
+             for path in records.glob("*.jsonl") for line in path.read_text().splitlines()]
     for cgroup in CPUACCT.glob("eagle3-suite-*"):
         try:
             cgroup.rmdir()
@@ -96,7 +99,15 @@ def main(pytest_args: list[str]) -> int:
         totals[1] += 1
     counted = sum(test["cpu_s"] for test in tests)
     print(f"\npytest exited {code}; wall {wall:.0f} s; the machine was busy {busy:.0f} CPU-s ({busy / wall:.2f} "
-          f"cores), {counted:.0f} of them counted to {len(tests)} tests")
+          f"cores), {counted:.0f} of them counted to {len(tests)} tests; idle {idle + iowait:.0f} CPU-s, "
+          f"{iowait:.0f} of them waiting for I/O")
+    workers: dict[str, list[dict]] = defaultdict(list)
+    for test in tests:
+        workers[test["worker"]].append(test)
+    print("Per worker, seconds after the start: its first test began, its last test ended; its tests' CPU-seconds")
+    for worker, its in sorted(workers.items()):
+        print(f"  {worker}: {min(t['started'] for t in its) - started_at:5.0f}  "
+              f"{max(t['started'] + t['wall_s'] for t in its) - started_at:5.0f}  {sum(t['cpu_s'] for t in its):6.0f}")
     print("\nCPU-seconds per test file:")
     for path, (cpu_s, count) in sorted(by_file.items(), key=lambda kv: -kv[1][0]):
         print(f"  {cpu_s:7.1f}  {100 * cpu_s / counted:4.1f} %  {count:4d} tests  {path}")
