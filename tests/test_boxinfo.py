@@ -223,7 +223,7 @@ def test_the_stand_in_refuses_what_it_does_not_know(tmp_path):
 # -- `box info` --------------------------------------------------------------------------------
 
 
-def test_box_info_reports_packages_cuda_boot_id_and_missing(tmp_path):
+def test_box_info_reports_packages_cuda_where_a_gpu_is_listed_boot_id_and_missing(tmp_path):
     boot_id = tmp_path / "boot_id"
     boot_id.write_text("0d6a3a4e-1111-2222-3333-444455556666\n")
     env = {**scenario(tmp_path, h200_state()), "EAGLE3_BOOT_ID_FILE": str(boot_id)}
@@ -237,6 +237,9 @@ def test_box_info_reports_packages_cuda_boot_id_and_missing(tmp_path):
                            "device_count": torch.cuda.device_count()}
     assert len(out["gpus"]) == 8
     assert out["missing"] == []  # every required package is installed in this venv, sglang is not required
+    # No GPU listed: torch is not asked (seconds of imports for a view of nothing).
+    out, _ = box_json("info", env=scenario(tmp_path, {"gpus": [], "processes": []}))
+    assert out["gpus"] == [] and out["cuda"] is None and out["packages"]["torch"] == torch.__version__
 
     out, _ = box_json("info", "--require", "sglang", "--require", "no-such-package-xyz", env=env)
     assert out["missing"] == ["sglang", "no-such-package-xyz"]

@@ -326,7 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Report, never judge: exit 0 whatever the box's state; the caller decides from the JSON.",
     )
     box_sub = p.add_subparsers(dest="box_command", required=True, metavar="SUBCOMMAND")
-    b = box_sub.add_parser("info", help="python, host, boot id, package versions, CUDA, GPUs, missing packages")
+    b = box_sub.add_parser("info", help="python, host, boot id, package versions, GPUs, torch's CUDA view (where a "
+                                        "GPU is listed), missing packages")
     b.add_argument("--require", action="append", metavar="PACKAGE",
                    help="also require this package, e.g. sglang (repeatable)")
     b.add_argument("--nvidia-smi", default=None, help="path of nvidia-smi (default: found on PATH)")

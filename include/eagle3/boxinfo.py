@@ -322,7 +322,8 @@ def package_version(name: str) -> str | None:
 
 
 def cuda_info() -> dict | None:
-    """torch's CUDA view, or None without torch. Imports torch (seconds), so only `box info` calls it."""
+    """torch's CUDA view, or None without torch. Imports torch (seconds), so only `box info` calls it, and only
+    where nvidia-smi lists a GPU."""
     try:
         import torch
     except ImportError:
@@ -340,20 +341,23 @@ def cuda_info() -> dict | None:
 
 def box_info(require: Iterable[str] = (), nvidia_smi: str | None = None) -> dict:
     """Python, host, boot id, package versions, CUDA and GPUs. `missing` lists the required packages
-    (REQUIRED_PACKAGES plus `require`, e.g. "sglang") that are not installed."""
+    (REQUIRED_PACKAGES plus `require`, e.g. "sglang") that are not installed. `cuda` is torch's view where
+    nvidia-smi lists a GPU, else None: without one there is nothing for torch to see, and asking costs
+    seconds of imports on every run's first task."""
     required = list(dict.fromkeys([*REQUIRED_PACKAGES, *require]))
     packages = {name: package_version(name) for name in dict.fromkeys([*REPORTED_PACKAGES, *required])}
     launcher = os.environ.get("EAGLE3_SERVER_LAUNCHER")
     if launcher and packages.get("sglang") is None:  # tests: a stand-in serves in SGLang's place (eagle3.server)
         packages["sglang"] = f"stand-in {launcher}"
+    gpus = gpu_report(nvidia_smi)["gpus"]
     return {
         "python": sys.version,
         "executable": sys.executable,
         "hostname": socket.gethostname(),
         "boot_id": boot_id_or_none(),
         "packages": packages,
-        "cuda": cuda_info() if packages["torch"] else None,
-        "gpus": gpu_report(nvidia_smi)["gpus"],
+        "cuda": cuda_info() if packages["torch"] and gpus else None,
+        "gpus": gpus,
         "missing": [name for name in required if packages[name] is None],
     }
 
