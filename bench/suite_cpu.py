@@ -9,7 +9,8 @@ test's figure is the counter's growth while it ran (what an earlier test left ru
 
     .venv/bin/python bench/suite_cpu.py [PYTEST ARGS...]      # the whole suite; or e.g. tests/test_dag.py
 
-Prints the machine's busy CPU-seconds and the wall time, then the test files and tests by CPU-seconds. Runs the
+Prints the wall time and the machine's busy, idle and I/O-wait CPU-seconds, when each worker's first test began and
+its last ended (before and after: pytest's collection and exit), then the test files and tests by CPU-seconds. Runs the
 suite as `make test` does (pyproject.toml's options), with this module loaded as a pytest plugin.
 """
 
