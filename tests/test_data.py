@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import os
 import re
 import threading
 
@@ -187,6 +188,84 @@ def test_bad_tool_records_say_why(tmp_path, record, reason):
         normalize_record(record)
     _, stats = read_conversations(write_jsonl(tmp_path / "d.jsonl", [OPENAI, record]), on_bad_record="skip")
     assert list(stats.bad) == [2] and stats.bad[2].startswith(reason)
+
+
+# -- hostile files: bad bytes, endless lines, things that are not files ----------------------------------------
+
+ANOTHER = {"messages": [user("q"), bot("a")]}
+
+
+def test_a_line_that_is_not_utf8_is_a_bad_record_with_its_file_and_line(tmp_path):
+    """Attack: a byte that is no UTF-8 gave a bare UnicodeDecodeError, with neither file nor line."""
+    path = tmp_path / "d.jsonl"
+    latin1 = b'{"messages": "caf\xe9"}'  # "cafe" with an accent, saved as Latin-1
+    path.write_bytes(b"\n".join([json.dumps(OPENAI).encode(), latin1, json.dumps(ANOTHER).encode()]) + b"\n")
+    with pytest.raises(DataError) as info:
+        read_conversations(path)
+    assert f"{path}: 1 bad record(s)" in str(info.value)
+    assert "line 2: not UTF-8 text (byte 0xe9 at byte 18 of the line)" in str(info.value)
+    conversations, stats = read_conversations(path, on_bad_record="skip")  # skipped and counted, the rest read
+    assert [c.line_no for c in conversations] == [1, 3] and list(stats.bad) == [2]
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("kind", ["FIFO", "device", "directory"])
+def test_data_that_is_not_a_regular_file_is_refused_naming_the_path_and_the_field(tmp_path, kind):
+    """Attack: data.path=/dev/zero read until the memory ran out; a FIFO would hang the stage for good (/dev/null
+    stands in for /dev/zero: the same kind of file, and harmless should the check ever go)."""
+    path = {"FIFO": tmp_path / "fifo", "device": "/dev/null", "directory": tmp_path}[kind]
+    if kind == "FIFO":
+        os.mkfifo(path)
+    outcome = []
+
+    def read():  # in a thread: if the FIFO were opened as a file, the open would wait for a writer forever
+        try:
+            read_conversations(path)
+        except DataError as err:
+            outcome.append(str(err))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(10)
+    assert not reader.is_alive(), f"reading {path} blocked"
+    article = {"FIFO": "a FIFO", "device": "a device", "directory": "a directory"}[kind]
+    assert outcome == [f"{path}: is {article}, not a regular file; data.path must name a JSONL file of "
+                       "conversations (one per line)"]
+
+
+def test_a_line_over_the_cap_is_a_bad_record_and_is_never_held_whole(tmp_path, monkeypatch):
+    """Attack: one 400 MB line was read whole (1.67 GB peak). Here the cap is 64 KiB and the line 8 MB: the line is
+    a bad record, the reader skips over it in blocks, and its peak memory stays far below the line's size."""
+    import tracemalloc
+
+    monkeypatch.setattr(data, "MAX_LINE_BYTES", 64 << 10)
+    huge = {"messages": [user("q"), bot("x" * (8 << 20))]}
+    path = write_jsonl(tmp_path / "d.jsonl", [OPENAI, huge, ANOTHER])
+    with pytest.raises(DataError, match=r"line 2: longer than 65,536 bytes, the most one conversation may take"):
+        read_conversations(path)
+    tracemalloc.start()
+    try:
+        conversations, stats = read_conversations(path, on_bad_record="skip")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert [c.line_no for c in conversations] == [1, 3] and list(stats.bad) == [2]
+    assert peak < (1 << 20), f"peak {peak:,} bytes while skipping an 8 MB line"
+
+
+def test_a_value_echoed_in_a_reason_is_shortened(tmp_path):
+    """Attack: a 3000-character role came back whole in the error (and in every log that shows it)."""
+    record = {"messages": [{"role": "r" * 3000, "content": "hi"}, bot("yo")]}
+    _, stats = read_conversations(write_jsonl(tmp_path / "d.jsonl", [record]), on_bad_record="skip")
+    reason = stats.bad[1]
+    assert reason.startswith(f"turn 0 has unknown role {'r' * data.SHOWN_CHARS!r}... (3000 chars) (known: ")
+    assert len(reason) < 250
+
+
+def test_json_nested_too_deeply_is_a_bad_record(tmp_path):
+    """Attack: 100,000 opening brackets end json's recursion: a traceback instead of the line's number."""
+    _, stats = read_conversations(write_jsonl(tmp_path / "d.jsonl", [OPENAI, "[" * 100_000]), on_bad_record="skip")
+    assert stats.bad == {2: "invalid JSON (nested too deeply)"}
 
 
 # -- ids -------------------------------------------------------------------------------------------------------

@@ -10,9 +10,11 @@ to that message form; its sample id is a hash of the normalised conversation, so
 the same id whatever file, line or form it came from. That id is what the hidden-state store, resume,
 sharding and the train/val split key on. Blank lines are ignored (as HF datasets does).
 
-Bad lines (invalid JSON, no assistant turn, unknown role, empty) are never dropped silently: by default
-they stop the stage with their line numbers; with data.on_bad_record = "skip" they are skipped and
-counted in the stats.
+Bad lines (invalid JSON, not UTF-8, longer than MAX_LINE_BYTES, no assistant turn, unknown role, empty) are
+never dropped silently: by default they stop the stage with their line numbers; with data.on_bad_record = "skip"
+they are skipped and counted in the stats. The file is read as bytes, one line at a time and never more than
+MAX_LINE_BYTES of a line, so a runaway line costs bounded memory; only a regular file is read (a FIFO would block
+the stage, /dev/zero would fill the memory). Values echoed in a reason are cut to SHOWN_CHARS characters.
 
 Token ids: the whole conversation rendered by the target's chat template and tokenised in one piece, so
 the stored ids equal `tokenizer.apply_chat_template(messages, tools=tools, tokenize=True)` token for token.
@@ -49,8 +51,11 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
+import os
 import signal
+import stat
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -74,6 +79,13 @@ TOKENIZING_VERSION = 2  # bump when the samples a conversation gives change (cac
 # Kept on a message beside role and content when present (OpenAI's names).
 ASSISTANT_EXTRAS = ("reasoning_content", "tool_calls")
 TOOL_EXTRAS = ("tool_call_id", "name")
+# One line of the data is one conversation. The longest real ones (a 1M-token context, with reasoning and tool
+# results) are a few MB of JSON; 64 MiB is many times that, and still bounds what one line can cost: its bytes,
+# its decoded text and its parsed objects, a few hundred MB at most. A longer line is a bad record, and is
+# skipped over without being held in memory.
+MAX_LINE_BYTES = 64 << 20
+SKIP_BLOCK_BYTES = 64 << 10  # how much of an over-long line is read at a time while skipping it
+SHOWN_CHARS = 80  # of a value from the data echoed in a reason (an unknown role, ...)
 
 
 class DataError(ValueError):
@@ -140,6 +152,14 @@ def _tool_calls(value: object, i: int) -> list[dict]:
     return value
 
 
+def shown(value: object, limit: int = SHOWN_CHARS) -> str:
+    """A value from the data as a reason may echo it: its repr, cut to `limit` characters with the length said."""
+    text = value if isinstance(value, str) else repr(value)
+    if len(text) <= limit:
+        return repr(value)
+    return f"{text[:limit]!r}... ({len(text)} chars)"
+
+
 def normalize_record(record: object) -> tuple[list[dict], list[dict] | None]:
     """Turn one parsed JSONL record into (messages, tools); raise ValueError with the reason."""
     if not isinstance(record, dict):
@@ -159,7 +179,7 @@ def normalize_record(record: object) -> tuple[list[dict], list[dict] | None]:
         raw_role = turn.get("role", turn.get("from"))
         role = ROLE_ALIASES.get(str(raw_role).lower()) if raw_role is not None else None
         if role is None:
-            raise ValueError(f"turn {i} has unknown role {raw_role!r} (known: {', '.join(sorted(ROLE_ALIASES))})")
+            raise ValueError(f"turn {i} has unknown role {shown(raw_role)} (known: {', '.join(sorted(ROLE_ALIASES))})")
         content = turn.get("content", turn.get("value"))
         tool_calls = _tool_calls(turn["tool_calls"], i) if role == "assistant" and turn.get("tool_calls") else None
         if content is None and tool_calls:
@@ -183,6 +203,45 @@ def normalize_record(record: object) -> tuple[list[dict], list[dict] | None]:
     return messages, tools or None
 
 
+def open_data_file(path: Path, missing_hint: str):
+    """`path` opened for reading bytes, if it is a regular file (a link to one is fine). Opened before it is
+    checked, and without blocking, so that a FIFO swapped in between cannot hang the stage."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise DataError(missing_hint.format(path=path)) from None
+    except OSError as err:
+        raise DataError(f"{path}: cannot open the conversations file ({err.strerror}); check data.path and the "
+                        "file's permissions") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else
+                "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else
+                "not a regular file")
+        what = "data.path must name" if "data.path" in missing_hint else "conversations are read from"
+        raise DataError(f"{path}: is {kind}, not a regular file; {what} a JSONL file of conversations (one per "
+                        "line)")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
+
+
+def read_lines(handle, max_bytes: int) -> Iterator[tuple[int, bytes | None]]:
+    """(line number, the line's bytes) for each line of a binary file; None for a line longer than `max_bytes`,
+    which is read through in blocks and never held whole."""
+    for line_no in itertools.count(1):
+        line = handle.readline(max_bytes + 1)
+        if not line:
+            return
+        if len(line) > max_bytes and not line.endswith(b"\n"):
+            del line
+            while (rest := handle.readline(SKIP_BLOCK_BYTES)) and not rest.endswith(b"\n"):
+                pass
+            yield line_no, None
+            continue
+        yield line_no, line
+
+
 def read_conversations(path: str | Path, on_bad_record: str = "error", max_samples: int | None = None,
                        missing_hint: str = "data.path: {path} does not exist"):
     """Read and validate a JSONL file. Returns (conversations in file order, ReadStats)."""
@@ -190,14 +249,22 @@ def read_conversations(path: str | Path, on_bad_record: str = "error", max_sampl
     stats = ReadStats()
     conversations: list[Conversation] = []
     seen: set[str] = set()
-    try:
-        handle = open(path, encoding="utf-8")
-    except FileNotFoundError:
-        raise DataError(missing_hint.format(path=path)) from None
-    with handle:
-        for line_no, line in enumerate(handle, start=1):
+    with open_data_file(path, missing_hint) as handle:
+        for line_no, raw in read_lines(handle, MAX_LINE_BYTES):
             if max_samples is not None and stats.conversations >= max_samples:
                 break
+            if raw is None:
+                stats.lines += 1
+                stats.bad[line_no] = (f"longer than {MAX_LINE_BYTES:,} bytes, the most one conversation may take "
+                                      "(eagle3.data.MAX_LINE_BYTES); split or shorten it")
+                continue
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                stats.lines += 1
+                stats.bad[line_no] = (f"not UTF-8 text (byte 0x{raw[err.start]:02x} at byte {err.start + 1} of the "
+                                      "line); save the file as UTF-8")
+                continue
             if not line.strip():
                 continue
             stats.lines += 1
@@ -205,6 +272,9 @@ def read_conversations(path: str | Path, on_bad_record: str = "error", max_sampl
                 messages, tools = normalize_record(json.loads(line))
             except json.JSONDecodeError as err:
                 stats.bad[line_no] = f"invalid JSON ({err.msg} at column {err.colno})"
+                continue
+            except RecursionError:  # a line of 100,000 nested brackets: json's recursion ends in no useful record
+                stats.bad[line_no] = "invalid JSON (nested too deeply)"
                 continue
             except ValueError as err:
                 stats.bad[line_no] = str(err)
