@@ -416,6 +416,37 @@ def test_a_reused_pid_is_not_signalled(jobs, stranger):
     assert is_running(stranger.pid)
 
 
+def test_a_live_stranger_leading_its_own_group_is_not_signalled(jobs, stranger):
+    """Attack: state.json names a live process that leads a group of its own (a shell, a daemon), with its true start
+    time, this boot's id and a fresh heartbeat: every check on the file's numbers passes, yet nothing marks it as
+    the job's supervisor. Neither kill nor a relaunch's clean-up signals it."""
+    hand_written_state(jobs, "foreign", stranger.pid)
+    proc, killed = kill_cli(jobs, "foreign")
+    assert killed["signalled"] is False and is_running(stranger.pid)
+    assert f"pid {stranger.pid} leads a live process group, but neither it nor any process of its group carries " \
+        f"this job's marks ({job.JOB_DIR_VAR}={os.path.realpath(jobs / 'foreign')}, {job.GROUP_MARK_VAR}=" \
+        in killed["refused"] and killed["refused"].endswith("it is not the job's supervisor")
+
+    hand_written_state(jobs, "foreign", stranger.pid, heartbeat_at=time.time() - 300)  # dead: start relaunches
+    started = start(jobs, "foreign", "print('relaunched')")
+    assert started["try"] == 2 and "it is not the job's supervisor" in started["refused"]
+    wait_for_effective(jobs, "foreign", "succeeded")
+    assert is_running(stranger.pid)
+
+
+def test_another_jobs_live_supervisor_named_in_a_tampered_state_is_not_signalled(jobs, tmp_path):
+    """Attack: state.json copies another live job's pid and start time. That group does carry a supervisor's mark,
+    but the other job's: its directory is not this one."""
+    go_on = tmp_path / "go-on"
+    other = start(jobs, "other", wait_for_file(go_on))
+    hand_written_state(jobs, "tampered", other["pid"])
+    proc, killed = kill_cli(jobs, "tampered")
+    assert killed["signalled"] is False and "it is not the job's supervisor" in killed["refused"]
+    assert poll(jobs, "other")["effective"] == "running" and is_running(other["child_pid"])
+    go_on.touch()
+    wait_for_effective(jobs, "other", "succeeded")
+
+
 def test_a_group_whose_leader_is_gone_is_signalled_only_if_it_carries_the_jobs_mark(jobs):
     """Attack: the recorded supervisor is gone and a stranger's group of that number lives on without its leader
     (the number was reused after the job had ended); its pid and start time match what state.json says."""

@@ -30,9 +30,13 @@ SIGKILLs whatever is left of the old process group, so that two copies never wri
 
 Why a signal needs more than a pgid: state.json is a file, and a file can be stale (the pid was reused since) or
 written by someone else. Every signal therefore goes through one check, group_ownership_problem: the recorded
-supervisor leads its own group (pgid == pid, never 0 or 1), in this boot, and either it still runs with the recorded
-start time, or it is gone and a process left in its group carries the mark (EAGLE3_JOB_GROUP=pid:start ticks) that
-the supervisor put into its stage's environment. A state that fails the check is not signalled at all. A state.json
+supervisor leads its own group (pgid == pid, never 0 or 1), in this boot, and the group carries the job's marks:
+start puts the job's directory (EAGLE3_JOB_DIR) into the supervisor's environment, and the supervisor puts its own
+mark (EAGLE3_JOB_GROUP=pid:start ticks) beside it into its stage's. Either the recorded supervisor still runs with
+the recorded start time and carries this job's directory (or a process of its group carries the mark), or it is
+gone and a process left in its group carries the mark. A live process that leads a group of its own but was not
+started by this job (a shell, another job's supervisor) is therefore never signalled on a file's word. A state that
+fails the check is not signalled at all. A state.json
 that no supervisor can have written (torn, not an object, keys missing or mistyped, pgid != pid) counts as a dead
 job: poll says so, naming the file, kill refuses, and the next start relaunches over it without signalling anything.
 
@@ -86,6 +90,7 @@ KEY_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 ENV_NAME_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
 GROUP_MARK_VAR = "EAGLE3_JOB_GROUP"  # in the stage's environment: "pid:start ticks" of its supervisor
+JOB_DIR_VAR = "EAGLE3_JOB_DIR"  # in the supervisor's and the stage's environment: the job's directory, resolved
 DEFAULT_HEARTBEAT_S = 10.0
 DEFAULT_STALE_AFTER_S = 120.0
 SUPERVISOR_REPORT_TIMEOUT_S = 10.0  # how long start waits for a new supervisor's first state.json
@@ -199,13 +204,33 @@ def supervisor_pids(directory: Path) -> list[int]:
     return pids
 
 
-def carries_mark(pid: int, mark: str) -> bool:
-    """Whether `pid` started with GROUP_MARK_VAR=mark in its environment (readable for our own processes only)."""
+def environment_of(pid: int) -> list[bytes]:
+    """The NAME=value entries `pid` started with (readable for our own processes only; none otherwise)."""
     try:
-        environment = Path(f"/proc/{pid}/environ").read_bytes()
+        return Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     except OSError:
+        return []
+
+
+def job_dir_entry(directory: Path) -> bytes:
+    return f"{JOB_DIR_VAR}={os.path.realpath(directory)}".encode()
+
+
+def carries_mark(pid: int, mark: str, directory: Path | None = None) -> bool:
+    """Whether `pid` started with GROUP_MARK_VAR=mark in its environment, and, given the job's `directory`, with no
+    other job's directory (a stage started before JOB_DIR_VAR existed has none; its mark alone decides)."""
+    environment = environment_of(pid)
+    if f"{GROUP_MARK_VAR}={mark}".encode() not in environment:
         return False
-    return f"{GROUP_MARK_VAR}={mark}".encode() in environment.split(b"\0")
+    if directory is None:
+        return True
+    dirs = [entry for entry in environment if entry.startswith(f"{JOB_DIR_VAR}=".encode())]
+    return not dirs or dirs == [job_dir_entry(directory)]
+
+
+def is_jobs_supervisor(pid: int, directory: Path) -> bool:
+    """Whether `pid` was started with this job's directory in its environment, as start launches a supervisor."""
+    return job_dir_entry(directory) in environment_of(pid)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -228,14 +253,16 @@ def group_fields_problem(state: dict) -> str | None:
     return None
 
 
-def group_ownership_problem(state: dict, marked: bool = True) -> str | None:
+def group_ownership_problem(state: dict, marked: bool = True, directory: Path | None = None) -> str | None:
     """None if the recorded process group is the job's own and may be signalled; else why not, as a sentence.
 
     `marked`: the group's processes carry GROUP_MARK_VAR (a job's stage does; a caller's own child, such as
-    eagle3.server's, does not). The group is the job's when the recorded supervisor leads it (pgid == pid > 1) in
-    this boot and
+    eagle3.server's, does not). `directory`: the job's, whose name its supervisor carries (JOB_DIR_VAR). The group
+    is the job's when the recorded supervisor leads it (pgid == pid > 1) in this boot and
       - the supervisor still exists and started at the recorded time (if it started at another time, the pid was
-        reused, which Linux does only once nothing is left in the job's group), or
+        reused, which Linux does only once nothing is left in the job's group), and, for a marked group, it carries
+        the job's directory or a process of its group carries its mark: a file can name any live group leader, and
+        only the marks show that this one is the job's supervisor, or
       - the supervisor is gone but its group is not: Linux hands out no pid while a process group of that number
         has members, so the group has been one and the same since its leader started; a member carrying the
         supervisor's mark shows that this leader was the job's supervisor, not a stranger that got the number
@@ -247,27 +274,34 @@ def group_ownership_problem(state: dict, marked: bool = True) -> str | None:
     if state.get("boot_id") != read_boot_id():
         return f"it was recorded in another boot ({state.get('boot_id')}): none of its processes can be left"
     leader = process_stat(pid)
+    mark = f"{pid}:{ticks}"
     if leader is not None:
         if leader[2] != ticks:
             return f"pid {pid} is another process now (started at tick {leader[2]}, not {ticks})"
-        return None
+        if not marked or (directory is not None and is_jobs_supervisor(pid, directory)):
+            return None
+        if any(carries_mark(member, mark, directory) for member in group_members(pid)):
+            return None  # (a supervisor started before JOB_DIR_VAR existed: its stage carries the mark)
+        marks = ([f"{JOB_DIR_VAR}={os.path.realpath(directory)}"] if directory is not None else []) + \
+            [f"{GROUP_MARK_VAR}={mark}"]
+        return (f"pid {pid} leads a live process group, but neither it nor any process of its group carries this "
+                f"job's marks ({', '.join(marks)}): it is not the job's supervisor")
     members = group_members(pid)
     older = [member for member in members if (pid_start_ticks(member) or ticks) < ticks]
     if older:
         return f"process {older[0]} of group {pid} started before the group's recorded leader: not the job's group"
-    mark = f"{pid}:{ticks}"
-    if marked and members and not any(carries_mark(member, mark) for member in members):
+    if marked and members and not any(carries_mark(member, mark, directory) for member in members):
         return (f"supervisor {pid} is gone, and no process left in group {pid} carries its mark "
                 f"{GROUP_MARK_VAR}={mark}: the group is not the job's")
     return None
 
 
-def signal_group(state: dict, signum: int, marked: bool = True) -> bool:
+def signal_group(state: dict, signum: int, marked: bool = True, directory: Path | None = None) -> bool:
     """Send `signum` to the job's process group. True: sent; False: the group has no process left.
 
     Raises SignalRefused when the group is not provably the job's (group_ownership_problem), and PermissionError
     when the kernel refuses."""
-    problem = group_ownership_problem(state, marked)
+    problem = group_ownership_problem(state, marked, directory)
     if problem:
         raise SignalRefused(f"process group {state.get('pgid')!r} was not signalled: {problem}")
     try:
@@ -283,9 +317,10 @@ def permission_refusal(state: dict, err: PermissionError) -> str:
             f"(kill -KILL -- -{state['pgid']}) and check with ps -g {state['pgid']}")
 
 
-def sigkill_group(state: dict, wait_s: float = LEFTOVER_WAIT_S, marked: bool = True) -> bool:
+def sigkill_group(state: dict, wait_s: float = LEFTOVER_WAIT_S, marked: bool = True,
+                  directory: Path | None = None) -> bool:
     """SIGKILL the job's process group and wait (up to wait_s) until it is gone. Raises as signal_group does."""
-    if not signal_group(state, signal.SIGKILL, marked):
+    if not signal_group(state, signal.SIGKILL, marked, directory):
         return False
     deadline = time.monotonic() + wait_s
     while group_members(state["pgid"]) and time.monotonic() < deadline:
@@ -293,18 +328,18 @@ def sigkill_group(state: dict, wait_s: float = LEFTOVER_WAIT_S, marked: bool = T
     return True
 
 
-def kill_leftovers(state: dict, wait_s: float = LEFTOVER_WAIT_S) -> str | None:
+def kill_leftovers(state: dict, wait_s: float = LEFTOVER_WAIT_S, directory: Path | None = None) -> str | None:
     """SIGKILL whatever is left of a job's process group and wait (up to wait_s) until it is gone. Returns None,
     or why nothing was signalled (the group is not provably the job's, or the kernel refused).
 
     `state` is a job's state, or a bare record {"pgid", "pid_start_ticks"[, "boot_id"]} of a caller's own child
     that leads its own group (eagle3.server's sglang server): then its pid is its pgid, and a record without a boot
-    id is of this boot."""
+    id is of this boot. `directory`: the job's (group_ownership_problem)."""
     marked = "pid" in state
     if not marked:
         state = {"pid": state.get("pgid"), "boot_id": state.get("boot_id", read_boot_id()), **state}
     try:
-        sigkill_group(state, wait_s, marked)
+        sigkill_group(state, wait_s, marked, directory)
     except SignalRefused as err:
         return str(err)
     except PermissionError as err:
@@ -566,20 +601,20 @@ def start_job(
             effective, _ = liveness(state, stale_after_s)
             if effective in ("running", "succeeded"):  # a succeeded job is not rerun: the caller decides what it means
                 return {**state, "attached": True, "refused": None}
-            refused = stop_last_try(state) if state is not None else None
+            refused = stop_last_try(state, directory) if state is not None else None
             try_number = (state["try"] if state else 0) + 1
         supervisor = launch_supervisor(directory, argv, heartbeat_s, try_number, env, stall)
         return {**wait_for_report(directory, supervisor, try_number), "attached": False, "refused": refused}
 
 
-def stop_last_try(state: dict) -> str | None:
+def stop_last_try(state: dict, directory: Path) -> str | None:
     """SIGKILL what an earlier try may have left (a hung supervisor and its stage) before a relaunch, so that two
     copies never write the same checkpoints. Returns why nothing was signalled, or None. Raises JobLaunchError
     when the group is the job's but the kernel will not let it be killed: better no new try than two."""
     if state["boot_id"] != read_boot_id():
         return None  # a try of an earlier boot left nothing behind
     try:
-        sigkill_group(state)
+        sigkill_group(state, directory=directory)
     except SignalRefused as err:
         return str(err)
     except PermissionError as err:
@@ -605,7 +640,10 @@ def launch_supervisor(
             stdout=subprocess.DEVNULL,  # not the SSH channel, or `ssh box job start` would wait for the job
             stderr=log_file,
             close_fds=True,  # in particular not the lock, which would stay held as long as the supervisor runs
-            env={**env, "PYTHONPATH": supervisor_python_path(env.get("PYTHONPATH"))},
+            # The job's directory marks the supervisor (and, inherited, its stage) as this job's: see
+            # group_ownership_problem.
+            env={**env, "PYTHONPATH": supervisor_python_path(env.get("PYTHONPATH")),
+                 JOB_DIR_VAR: os.path.realpath(directory)},
         )
 
 
@@ -706,8 +744,9 @@ def stop_running_job(directory: Path, grace_s: float) -> tuple[bool, str | None]
     if state["boot_id"] == read_boot_id():  # (processes of an earlier boot are gone: the kill is only recorded)
         try:
             if liveness(state, stale_after_s=math.inf)[0] == "running":  # a stale heartbeat: still kill it
-                signalled = terminate(state, grace_s)
-            signalled = sigkill_group(state) or signalled  # whatever ignored SIGTERM, or outlived the supervisor
+                signalled = terminate(state, grace_s, directory)
+            # whatever ignored SIGTERM, or outlived the supervisor
+            signalled = sigkill_group(state, directory=directory) or signalled
         except SignalRefused as err:
             refused = str(err)
         except PermissionError as err:
@@ -721,10 +760,10 @@ def stop_running_job(directory: Path, grace_s: float) -> tuple[bool, str | None]
     return signalled, refused
 
 
-def terminate(state: dict, grace_s: float) -> bool:
+def terminate(state: dict, grace_s: float, directory: Path | None = None) -> bool:
     """SIGTERM the whole group (the supervisor passes it on too) and wait until the supervisor has exited.
     Returns and raises as signal_group does."""
-    if not signal_group(state, signal.SIGTERM):
+    if not signal_group(state, signal.SIGTERM, directory=directory):
         return False
     deadline = time.monotonic() + grace_s
     while pid_start_ticks(state["pid"]) == state["pid_start_ticks"] and time.monotonic() < deadline:
