@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,8 +17,9 @@ from eagle3.data import conversation_id_of
 from eagle3.evaluate import run_evaluate
 from eagle3.export import run_export
 from eagle3.model import build_draft_model
-from eagle3.promote import Lineage, check_inputs, promote_held, weights_digest
+from eagle3.promote import Lineage, PromotionRefused, check_inputs, promote_held, weights_digest
 from eagle3.train import Trainer, checkpoint_dirs, is_validation, load_checkpoint, load_warm_start
+from tests.conftest import run_eagle3
 
 EVALUATE = {"num_prompts": 6, "max_new_tokens": 16, "draft_lengths": [3]}
 
@@ -92,22 +95,25 @@ def test_a_promotion_held_for_approval_switches_only_when_promoted_and_never_ove
     lineage = Lineage(first)
     held = run_evaluate(first, hold_promotion=True)["promotion"]
     assert (held["promoted"], held["pending_approval"]) == (False, True) and lineage.current() is None
-    promoted = promote_held(first)
-    assert promoted["promoted"] and promoted["reason"].endswith("; approved")
+    promoted = promote_held(first, "alice")
+    assert promoted["promoted"] and promoted["reason"].endswith("; approved") and promoted["approved_by"] == "alice"
     assert lineage.current().name == promoted["version"] and lineage.current().record["approved"] is True
+    assert lineage.current().record["approved_by"] == "alice"
     report = json.loads((first.run_dir / "evaluate" / "report.json").read_text())
     assert report["promotion"] == promoted
-    assert promote_held(first) == promoted  # a retried promote task
+    again = promote_held(first, "alice")  # a retried promote task
+    assert again == {**promoted, "already_current": True, "reason": promoted["reason"] + "; already current"}
+    assert json.loads((first.run_dir / "evaluate" / "report.json").read_text()) == report
 
     good = run_like(trained_config, make_config, "good")
     assert run_evaluate(good, hold_promotion=True)["promotion"]["pending_approval"]
     other = run_like(trained_config, make_config, "other", noise=0.5)  # measured and promoted while good waits
     assert run_evaluate(other)["promotion"]["promoted"]
-    late = promote_held(good)
+    late = promote_held(good, "alice")
     assert not late["promoted"] and "another run promoted a drafter since" in late["reason"]
     assert lineage.current().name.startswith("other-")
     with pytest.raises(ValueError, match="held no promotion for approval"):  # settled: nothing is pending any more
-        promote_held(good)
+        promote_held(good, "alice")
 
 
 def test_old_versions_beyond_keep_versions_are_removed(trained_config, make_config):
@@ -195,3 +201,139 @@ def test_a_warm_start_takes_each_draft_vocab_row_by_the_token_it_stands_for(trai
         expected = exported["lm_head.weight"][old_row[token]].float() if token in old_row else fresh[row]
         assert torch.equal(draft.lm_head.weight[row], expected), (row, token)
     assert torch.equal(draft.fc.weight, exported["fc.weight"].float())
+
+
+# -- promotion as an attack: no approval, other bytes than were measured, links, foreign versions --------------------
+# (No training needed: a promotion copies bytes, so a drafter of a few bytes and a hand-held proposal stand in.)
+
+
+def held_drafter(cfg, files: dict[str, bytes] | None = None) -> Path:
+    """RUN_DIR/drafter with `files`, measured and held for approval as `evaluate --hold-promotion` leaves it."""
+    from eagle3.promote import hold_for_approval
+
+    drafter = cfg.run_dir / "drafter"
+    for name, data in (files or {"config.json": b"{}", "model.safetensors": b"the measured weights"}).items():
+        (drafter / name).parent.mkdir(parents=True, exist_ok=True)
+        (drafter / name).write_bytes(data)
+    record = {"run": cfg.run_name, "run_dir": str(cfg.run_dir), "weights_sha256": weights_digest(drafter),
+              "accept_length": {"3": 2.5}, "promoted_at": "2026-12-01T00:00:00Z", "reason": "first"}
+    hold_for_approval(cfg, record, expected_current=None)
+    report = {"promotion": {"promoted": False, "pending_approval": True, "reason": "the lineage's first drafter"}}
+    (cfg.run_dir / "evaluate" / "report.json").write_text(json.dumps(report))
+    return drafter
+
+
+def test_lineage_promote_without_an_approver_is_refused_naming_the_flag(make_config):
+    """Attack: `lineage promote` switched the lineage's drafter with no approval recorded at all."""
+    cfg = make_config()
+    write_run_config(cfg)
+    held_drafter(cfg)
+    proc = run_eagle3("lineage", "promote", "--config", str(cfg.config_path), check=False)
+    assert proc.returncode == 2 and "the following arguments are required: --approved-by" in proc.stderr
+    assert Lineage(cfg).current() is None
+    with pytest.raises(ValueError, match=r"^--approved-by 'eve\\n': name the user who approved"):
+        promote_held(cfg, "eve\n")  # a control character: not a user name Airflow gives
+    assert Lineage(cfg).current() is None
+
+    proc = run_eagle3("lineage", "promote", "--config", str(cfg.config_path), "--approved-by", "alice")
+    assert json.loads(proc.stdout)["approved_by"] == "alice"
+    assert Lineage(cfg).current().record["approved_by"] == "alice"
+
+
+def test_a_drafter_changed_after_it_was_measured_is_not_promoted(make_config):
+    """Attack: the drafter's weights were swapped after evaluate measured them; promotion copied the drafter as it was
+    then, while promotion.json kept the measured digest. Refused, naming the drafter and both digests; nothing
+    switched, nothing left in versions/."""
+    cfg = make_config()
+    write_run_config(cfg)
+    drafter = held_drafter(cfg)
+    measured = weights_digest(drafter)
+    (drafter / "model.safetensors").write_bytes(b"other weights, never measured")
+    proc = run_eagle3("lineage", "promote", "--config", str(cfg.config_path), "--approved-by", "alice", check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert (f"error: {drafter}: its weights are not the ones that were measured: model.safetensors has sha256 "
+            f"{weights_digest(drafter)}, evaluate measured {measured}.") in proc.stderr
+    lineage = Lineage(cfg)
+    assert lineage.current() is None and list((lineage.dir / "versions").iterdir()) == []
+
+    # The weights put back, but another file of the drafter changed: every file's digest was held, not only the
+    # weights'.
+    (drafter / "model.safetensors").write_bytes(b"the measured weights")
+    (drafter / "config.json").write_text('{"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}')
+    with pytest.raises(PromotionRefused, match=rf"^{re.escape(str(drafter))}: config.json differ from what evaluate "
+                       "measured"):
+        promote_held(cfg, "alice")
+    assert lineage.current() is None
+
+
+def test_a_link_in_the_drafter_refuses_the_promotion_and_copies_nothing_it_points_at(make_config, tmp_path):
+    """Attack: a link in the drafter directory (here in an engine's subdirectory) had its target, any file this user
+    may read, copied into versions/ for everyone who deploys the lineage."""
+    secret = tmp_path / "secret"
+    secret.write_text("the box's private key")
+    cfg = make_config()
+    drafter = held_drafter(cfg, {"config.json": b"{}", "model.safetensors": b"weights", "vllm/config.json": b"{}"})
+    (drafter / "vllm" / "tokenizer.json").symlink_to(secret)  # after evaluate measured it
+    with pytest.raises(PromotionRefused, match=f"^{re.escape(str(drafter / 'vllm' / 'tokenizer.json'))}: a symbolic "
+                       "link, where only regular files and directories may be"):
+        promote_held(cfg, "alice")
+    lineage = Lineage(cfg)
+    assert lineage.current() is None and list((lineage.dir / "versions").iterdir()) == []
+
+    # Measured with the link in place: not even proposed.
+    with pytest.raises(PromotionRefused, match="a symbolic link"):
+        held_drafter(cfg, {"config.json": b"{}", "model.safetensors": b"weights"})
+
+    (drafter / "vllm" / "tokenizer.json").unlink()  # regular files in subdirectories are copied
+    promoted = promote_held(cfg, "alice")
+    assert (lineage.current().path / "vllm" / "config.json").read_bytes() == b"{}"
+    assert sorted(p.name for p in lineage.current().path.iterdir()) == \
+        ["config.json", "model.safetensors", "promotion.json", "vllm"]
+    assert promoted["version"] == lineage.current().name
+
+
+def test_keep_versions_removes_only_this_lineages_own_versions(make_config, tmp_path, caplog):
+    """Attack: whatever lay in versions/ was pruned (and a folder without promotion.json, or with a bad one, ended
+    pruning with a traceback). Only directories whose promotion.json is this lineage's record of that very version
+    go; the rest stay, each named in a warning."""
+    cfg = make_config()
+    lineage = Lineage(cfg)
+    versions = lineage.dir / "versions"
+    drafter = held_drafter(cfg)
+
+    def promote_dated(run_name: str, promoted_at: str, expected_current: str | None):
+        record = {"run": run_name, "weights_sha256": weights_digest(drafter), "promoted_at": promoted_at}
+        return lineage.promote(drafter, run_name, record, keep=1, expected_current=expected_current)
+
+    old = promote_dated("old", "2026-11-01T00:00:00Z", None)
+    elsewhere = tmp_path / "elsewhere"  # a directory of someone's, reached through a link in versions/
+    elsewhere.mkdir()
+    (elsewhere / "promotion.json").write_text(json.dumps({**old.record, "version": "linked"}))
+    (versions / "linked").symlink_to(elsewhere)
+    strangers = {"no-record": None, "bad-record": "{not json",
+                 "foreign": json.dumps({**old.record, "version": "foreign", "lineage": "0123456789abcdef"}),
+                 "misnamed": json.dumps(old.record)}  # (its record names version old-...)
+    for name, text in strangers.items():
+        (versions / name).mkdir()
+        if text is not None:
+            (versions / name / "promotion.json").write_text(text)
+
+    (drafter / "model.safetensors").write_bytes(b"newer weights")
+    caplog.set_level("WARNING", logger="eagle3.promote")
+    new = promote_dated("new", "2026-12-01T00:00:00Z", old.name)  # keep_versions 1: the old one goes
+    assert sorted(p.name for p in versions.iterdir()) == sorted([new.name, "linked", *strangers])
+    assert (elsewhere / "promotion.json").exists()
+    for name in ["linked", *strangers]:
+        assert f"{versions / name}: kept, not pruned" in caplog.text
+    assert "is of lineage '0123456789abcdef'" in caplog.text and f"describes version {old.name!r}" in caplog.text
+
+
+def test_a_current_link_that_leads_out_of_versions_is_refused(make_config, tmp_path):
+    """Attack: `current` pointed at a directory outside versions/, which train would warm-start from, evaluate
+    measure against and a deployment serve."""
+    cfg = make_config()
+    lineage = Lineage(cfg)
+    (lineage.dir / "current").symlink_to(tmp_path)
+    with pytest.raises(PromotionRefused, match=f"^{re.escape(str(lineage.dir / 'current'))}: leads to {tmp_path}, "
+                       "which is not a version directory"):
+        lineage.current()

@@ -175,7 +175,7 @@ def cmd_lineage_check(args) -> None:
 def cmd_lineage_promote(args) -> None:
     from eagle3.promote import promote_held
 
-    print(json.dumps(promote_held(load_config(args.config)), indent=2))
+    print(json.dumps(promote_held(load_config(args.config), args.approved_by), indent=2))
 
 
 def cmd_box_info(args) -> None:
@@ -316,9 +316,13 @@ def build_parser() -> argparse.ArgumentParser:
     c = lineage_sub.add_parser(
         "promote", help="after an approval: make the promotion `evaluate --hold-promotion` held; JSON",
         description="Switches the lineage's current drafter to this run's, as evaluate decided, unless another run "
-        "promoted one since (then nothing is switched, and the report says so). Rewrites the promotion in "
-        "RUN_DIR/evaluate/report.json. Safe to rerun.")
+        "promoted one since (then nothing is switched, and the report says so). Promotes only the bytes evaluate "
+        "measured: the copy in versions/ is checked against the proposal's digests before the switch. Rewrites the "
+        "promotion in RUN_DIR/evaluate/report.json; promotion.json records who approved. Safe to rerun (then it says "
+        "\"already current\").")
     c.add_argument("--config", required=True, help="RUN_DIR/config.json")
+    c.add_argument("--approved-by", required=True, metavar="USER",
+                   help="the user who approved the promotion, as the caller verified it (the DAG's approval task)")
     c.set_defaults(func=cmd_lineage_promote)
 
     p = sub.add_parser(

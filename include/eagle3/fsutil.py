@@ -9,9 +9,12 @@ stores can recognise and delete leftovers of a crash.
 
 from __future__ import annotations
 
+import errno
 import fcntl
+import hashlib
 import os
 import shutil
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -134,3 +137,111 @@ def try_exclusive_lock(path: Path):
         lock.close()
         return None
     return lock
+
+
+# -- trees of regular files, and removing what the project made ------------------------------------------------------
+#
+# A drafter directory is copied into a lineage's versions/, and run directories and stores are deleted, on the word of
+# files anyone with write access to the work directory can change. Links are never followed there: a link in a
+# drafter would copy its target (any file this user can read) into versions/, and a link in place of a directory to
+# delete would delete the link's target. Every step goes through file descriptors opened with O_NOFOLLOW, so a link
+# swapped in between a check and the act is refused too.
+
+NOFOLLOW_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # (NONBLOCK: a FIFO never blocks the open)
+
+
+class UnsafeTree(ValueError):
+    """A tree that holds a symbolic link or a special file where only regular files and directories may be; the
+    message names it."""
+
+
+def _open_nofollow(name: str | Path, dir_fd: int | None, shown: Path) -> tuple[int, os.stat_result]:
+    try:
+        fd = os.open(name, NOFOLLOW_FLAGS, dir_fd=dir_fd)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise UnsafeTree(f"{shown}: a symbolic link, where only regular files and directories may be") from None
+        raise
+    return fd, os.fstat(fd)
+
+
+def _walk_regular(directory_fd: int, shown: Path, prefix: str) -> Iterator[tuple[str, int | None]]:
+    """(relative path, fd) for each regular file below a directory, (relative path, None) for each subdirectory
+    before its contents; the caller closes the fds."""
+    for name in sorted(os.listdir(directory_fd)):
+        fd, st = _open_nofollow(name, directory_fd, shown / name)
+        if stat.S_ISREG(st.st_mode):
+            yield f"{prefix}{name}", fd
+        elif stat.S_ISDIR(st.st_mode):
+            try:
+                yield f"{prefix}{name}", None
+                yield from _walk_regular(fd, shown / name, f"{prefix}{name}/")
+            finally:
+                os.close(fd)
+        else:
+            os.close(fd)
+            raise UnsafeTree(f"{shown / name}: not a regular file (a FIFO, socket or device), where only regular files "
+                             "and directories may be")
+
+
+@contextmanager
+def _opened_dir(root: Path) -> Iterator[int]:
+    fd, st = _open_nofollow(root, None, root)
+    try:
+        if not stat.S_ISDIR(st.st_mode):
+            raise UnsafeTree(f"{root}: not a directory")
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _sha256_fd(fd: int) -> str:
+    h = hashlib.sha256()
+    while block := os.read(fd, 1 << 20):
+        h.update(block)
+    return h.hexdigest()
+
+
+def tree_digests(root: Path) -> dict[str, str]:
+    """{relative path: sha256} of every regular file under `root` (subdirectories included). Raises UnsafeTree,
+    naming it, for a symbolic link or a special file anywhere, `root` itself included."""
+    root = Path(root)
+    digests = {}
+    with _opened_dir(root) as root_fd:
+        for relative, fd in _walk_regular(root_fd, root, ""):
+            if fd is not None:
+                try:
+                    digests[relative] = _sha256_fd(fd)
+                finally:
+                    os.close(fd)
+    return digests
+
+
+def copy_regular_tree(src: Path, dst: Path) -> None:
+    """Copy the regular files and directories under `src` into the existing directory `dst`, each file fsynced.
+    Raises UnsafeTree, naming it, for a symbolic link or a special file anywhere in `src`, `src` included."""
+    src, dst = Path(src), Path(dst)
+    with _opened_dir(src) as src_fd:
+        for relative, fd in _walk_regular(src_fd, src, ""):
+            if fd is None:
+                (dst / relative).mkdir()
+                continue
+            try:
+                with open(dst / relative, "xb") as out:
+                    while block := os.read(fd, 1 << 20):
+                        out.write(block)
+                    out.flush()
+                    os.fsync(out.fileno())
+            finally:
+                os.close(fd)
+    for directory, _, _ in os.walk(dst):
+        fsync_dir(Path(directory))
+
+
+def remove_tree_in(parent: Path, name: str) -> None:
+    """Remove the directory `parent`/`name`, following no symbolic link: `parent` is opened without following a
+    link in its last component, and shutil.rmtree refuses `name` (or anything below it) if it is one."""
+    if "/" in name or name in ("", ".", ".."):
+        raise ValueError(f"{name!r}: not a name of an entry in {parent}")
+    with _opened_dir(Path(parent)) as parent_fd:
+        shutil.rmtree(name, dir_fd=parent_fd)

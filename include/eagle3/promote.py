@@ -8,14 +8,22 @@ Everything of a lineage lives in {workdir}/drafters/<lineage key>/:
   eval_set.json     the pinned evaluation prompts: chosen by the lineage's first evaluation from its held-out
                     split and kept, so that every later run measures the same thing; training leaves their
                     conversations out (Trainer), so no drafter of the lineage ever trains on them
-  versions/<name>/  promoted drafters (the export's files, and promotion.json: figures, run, previous version),
-                    named <run_name>-<first 8 hex of the weights' sha256>; the newest evaluate.keep_versions kept
+  versions/<name>/  promoted drafters (the export's files, and promotion.json: figures, run, previous version,
+                    lineage, who approved it), named <run_name>-<first 8 hex of the weights' sha256>; the newest
+                    evaluate.keep_versions kept
   current           a link to the promoted version, switched atomically (a new link renamed over the old)
 
 Evaluate measures the run's drafter and the current one on the pinned set in the same run, and promotes the
 new one only when its acceptance length at the first of evaluate.draft_lengths beats the current's by more
 than evaluate.promote_margin. A drafter with the current's exact bytes (a retried evaluate, or a rerun on
 unchanged inputs) is the current one: nothing to compare or switch.
+
+What is promoted is what was measured: the drafter's regular files are copied (a symbolic link or a special file
+anywhere in it refuses the promotion, naming it: a link would copy its target), and the copy's digests are checked
+against those evaluate recorded (the weights' sha256; with a held promotion, every file's) before `current` is
+switched. A promotion held for approval (`evaluate --hold-promotion`) is made by `lineage promote --approved-by
+USER`, and promotion.json records who approved it. Pruning beyond keep_versions removes only version directories
+whose promotion.json is this lineage's record of that very version; anything else in versions/ is kept, and logged.
 """
 
 from __future__ import annotations
@@ -24,19 +32,59 @@ import contextlib
 import fcntl
 import hashlib
 import json
-import shutil
+import logging
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagle3.fsutil import atomic_dir, atomic_symlink, atomic_write_text
+from eagle3.config import ConfigError
+from eagle3.fsutil import (
+    UnsafeTree,
+    atomic_dir,
+    atomic_symlink,
+    atomic_write_text,
+    copy_regular_tree,
+    remove_tree_in,
+    tree_digests,
+)
 from eagle3.identity import capture_key, file_digest, target_identity
+
+log = logging.getLogger(__name__)
 
 EVAL_SET = "eval_set.json"
 PROPOSAL = "proposal.json"  # RUN_DIR/evaluate/: a promotion evaluate decided on and held for approval
 CURRENT = "current"
 VERSIONS = "versions"
 RECORD = "promotion.json"
+WEIGHTS = "model.safetensors"
+SHA256_PATTERN = re.compile(r"[0-9a-f]{64}")
+# Who approved, as Airflow names the user: any printable text, but no control character (it is logged and shown).
+APPROVER_PATTERN = re.compile(r"[^\x00-\x1f\x7f]{1,256}")
+RECORD_MAX_BYTES = 1 << 20  # a promotion.json is a few hundred bytes; more is not one
+
+
+class PromotionRefused(ConfigError):
+    """A promotion that would not switch to the bytes that were measured, or a lineage file that cannot be trusted;
+    the message names the file or directory and the fix. (A ConfigError: the CLI exits 2, a retry cannot help.)"""
+
+
+def read_record(path: Path) -> dict:
+    """A version's promotion.json, checked: a JSON object with the weights' sha256 and the promotion time."""
+    fix = "restore it, or remove the version directory it belongs to"
+    try:
+        with open(path, "rb") as f:
+            data = f.read(RECORD_MAX_BYTES + 1)
+        record = json.loads(data.decode("utf-8")) if len(data) <= RECORD_MAX_BYTES else None
+    except FileNotFoundError:
+        raise PromotionRefused(f"{path}: missing, so the version it should describe is unknown; {fix}") from None
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise PromotionRefused(f"{path}: cannot be read as JSON ({err}); {fix}") from None
+    if not (isinstance(record, dict) and isinstance(record.get("weights_sha256"), str)
+            and SHA256_PATTERN.fullmatch(record["weights_sha256"]) and isinstance(record.get("promoted_at"), str)):
+        raise PromotionRefused(f"{path}: not a promotion record (a JSON object of at most {RECORD_MAX_BYTES} bytes "
+                               f"with weights_sha256 and promoted_at); {fix}")
+    return record
 
 
 def lineage_fields(cfg) -> dict:
@@ -60,7 +108,7 @@ class Version:
 
     @property
     def record(self) -> dict:
-        return json.loads((self.path / RECORD).read_text())
+        return read_record(self.path / RECORD)
 
 
 class Lineage:
@@ -101,29 +149,70 @@ class Lineage:
     # -- versions ------------------------------------------------------------------------------------------
 
     def current(self) -> Version | None:
+        """The promoted version `current` links to; None before the first. A link that leads anywhere but to a
+        directory in versions/ is refused: the current drafter is served, warm-started from and measured against."""
         link = self.dir / CURRENT
         if not link.is_symlink():
             return None
-        return Version(Path(link.readlink()).name, link.resolve())
+        target = link.resolve()
+        if target.parent != (self.dir / VERSIONS).resolve() or not target.is_dir():
+            raise PromotionRefused(f"{link}: leads to {target}, which is not a version directory in "
+                                   f"{self.dir / VERSIONS}; point it at one (ln -sfn {VERSIONS}/<name> {link}) or "
+                                   "remove it")
+        return Version(target.name, target)
 
     def promote(self, drafter_dir: Path, run_name: str, record: dict, keep: int,
-                expected_current: str | None) -> Version | None:
-        """Copy the drafter into versions/, switch `current` to it, drop the oldest versions beyond `keep`. None,
-        and nothing switched, if `current` is no longer `expected_current` (the version it was measured against)."""
-        name = f"{run_name}-{weights_digest(drafter_dir)[:8]}"
+                expected_current: str | None, expected_files: dict[str, str] | None = None) -> Version | None:
+        """Copy the drafter into versions/, check that the copy holds the weights the record's weights_sha256
+        names (and, given `expected_files`, exactly those files with those digests), switch `current` to it, drop
+        the oldest versions beyond `keep`. None, and nothing switched, if `current` is no longer `expected_current`
+        (the version it was measured against). Raises PromotionRefused, switching nothing, for a drafter that holds a
+        link or a special file, or whose bytes are not the ones measured."""
+        name = f"{run_name}-{record['weights_sha256'][:8]}"
         version = self.dir / VERSIONS / name
         with self.locked():
             now = self.current()
             if (now.name if now else None) != expected_current:
                 return None
-            if not version.exists():
+            if version.is_symlink() or version.exists():  # an earlier try's copy, made before it could switch
+                self._check_copy(version, drafter_dir, record["weights_sha256"], expected_files)
+            else:
                 with atomic_dir(version) as tmp:
-                    for f in sorted(Path(drafter_dir).iterdir()):
-                        shutil.copy2(f, tmp / f.name)
-                    (tmp / RECORD).write_text(json.dumps({**record, "version": name}, indent=2) + "\n")
+                    try:
+                        copy_regular_tree(drafter_dir, tmp)
+                    except UnsafeTree as err:
+                        raise PromotionRefused(
+                            f"{err}: a drafter directory may hold only regular files and directories (a link would "
+                            f"copy its target into {self.dir / VERSIONS}); nothing was promoted. Export the drafter "
+                            "again") from None
+                    self._check_copy(tmp, drafter_dir, record["weights_sha256"], expected_files)
+                    (tmp / RECORD).write_text(json.dumps({**record, "version": name, "lineage": self.key}, indent=2)
+                                              + "\n")
             atomic_symlink(self.dir / CURRENT, Path(VERSIONS) / name)
             self._prune(keep, name)
         return Version(name, version)
+
+    @staticmethod
+    def _check_copy(copy: Path, drafter_dir: Path, weights_sha256: str, expected_files: dict[str, str] | None) -> None:
+        """Refuse (PromotionRefused) a copy whose bytes are not the ones that were measured."""
+        try:
+            digests = {path: digest for path, digest in tree_digests(copy).items() if path != RECORD}
+        except UnsafeTree as err:
+            raise PromotionRefused(f"{err}: the version directory was changed by hand; remove {copy} and promote "
+                                   "again") from None
+        again = "Nothing was promoted: export and evaluate again, then approve what that measured"
+        if digests.get(WEIGHTS) != weights_sha256:
+            raise PromotionRefused(
+                f"{drafter_dir}: its weights are not the ones that were measured: {WEIGHTS} has sha256 "
+                f"{digests.get(WEIGHTS)}, evaluate measured {weights_sha256}. {again}")
+        if expected_files is not None:
+            expected = {path: digest for path, digest in expected_files.items() if path != RECORD}
+            changed = sorted(path for path in digests.keys() | expected.keys()
+                             if digests.get(path) != expected.get(path))
+            if changed:
+                raise PromotionRefused(
+                    f"{drafter_dir}: {', '.join(changed[:5])}{' ...' if len(changed) > 5 else ''} differ from what "
+                    f"evaluate measured (files added, removed or changed since). {again}")
 
     def also_made_from(self, version: Version, digest: str | None) -> None:
         """Record that inputs with `digest` trained `version`'s exact weights too (a run whose drafter was the current
@@ -136,12 +225,40 @@ class Lineage:
                 record["also_made_from"] = [*record.get("also_made_from", []), digest]
                 atomic_write_text(version.path / RECORD, json.dumps(record, indent=2) + "\n")
 
+    def version_problem(self, path: Path) -> str | None:
+        """Why `path` is not a version directory of this lineage that pruning may remove, or None."""
+        if path.is_symlink() or not path.is_dir():
+            return "not a directory (a symbolic link, or a file)"
+        try:
+            record = read_record(path / RECORD)
+        except PromotionRefused as err:
+            return str(err)
+        if record.get("version") != path.name:
+            return f"its {RECORD} describes version {record.get('version')!r}, not {path.name!r}"
+        if record.get("lineage", self.key) != self.key:  # (records from before the lineage was written have none)
+            return f"its {RECORD} is of lineage {record['lineage']!r}, not {self.key!r}"
+        return None
+
     def _prune(self, keep: int, current: str) -> None:
-        versions = sorted((p for p in (self.dir / VERSIONS).iterdir() if not p.name.startswith(".")),
-                          key=lambda p: json.loads((p / RECORD).read_text())["promoted_at"], reverse=True)
-        for old in versions[keep:]:
-            if old.name != current:
-                shutil.rmtree(old)
+        """Remove the oldest versions beyond `keep`, never `current`, and only directories that version_problem
+        finds nothing wrong with: whatever else is in versions/ stays, with a warning naming it."""
+        versions_dir = self.dir / VERSIONS
+        if self.dir.is_symlink() or versions_dir.is_symlink():
+            log.warning("%s: a symbolic link is on the way (the lineage or its versions/): nothing pruned",
+                        versions_dir)
+            return
+        dated = []
+        for path in sorted(versions_dir.iterdir()):
+            if path.name.startswith("."):  # (atomic_dir's temporary directories)
+                continue
+            problem = self.version_problem(path)
+            if problem:
+                log.warning("%s: kept, not pruned: %s", path, problem)
+                continue
+            dated.append((read_record(path / RECORD)["promoted_at"], path.name))
+        for _, name in sorted(dated, reverse=True)[keep:]:
+            if name != current:
+                remove_tree_in(versions_dir, name)
 
 
 def training_inputs(cfg) -> dict:
@@ -218,29 +335,57 @@ def decide(new: dict, current: dict | None, k: int, margin: float) -> tuple[bool
 # -- promotion held for approval -------------------------------------------------------------------------------
 
 def hold_for_approval(cfg, record: dict, expected_current: str | None) -> None:
-    """What `promote_held` needs later: the version's record, and the current version it was measured against."""
-    proposal = {"record": record, "expected_current": expected_current}
+    """What `promote_held` needs later: the version's record, the current version it was measured against, and the
+    digest of every file of the drafter (files_sha256), so that only those bytes are ever promoted."""
+    from eagle3.export import DRAFTER_DIR
+
+    drafter_dir = cfg.run_dir / DRAFTER_DIR
+    try:
+        files = tree_digests(drafter_dir)
+    except UnsafeTree as err:
+        raise PromotionRefused(f"{err}: a drafter directory may hold only regular files and directories; nothing "
+                               "was proposed. Export the drafter again") from None
+    if files.get(WEIGHTS) != record["weights_sha256"]:
+        raise PromotionRefused(f"{drafter_dir}: {WEIGHTS} changed while evaluate measured it (sha256 "
+                               f"{files.get(WEIGHTS)}, measured {record['weights_sha256']}); nothing was proposed. "
+                               "Evaluate again")
+    proposal = {"record": record, "expected_current": expected_current, "files_sha256": files}
     atomic_write_text(cfg.run_dir / "evaluate" / PROPOSAL, json.dumps(proposal, indent=2) + "\n")
 
 
-def promote_held(cfg) -> dict:
-    """`lineage promote`: make the switch evaluate decided on and held (`evaluate --hold-promotion`), once a person
-    approved it, and rewrite the report's promotion. Safe to retry: a try that died after the switch finds this
-    run's drafter current and only rewrites the report. If another run promoted a drafter meanwhile, nothing is
-    switched: this one was measured against a drafter that is no longer current."""
-    from eagle3.config import ConfigError
+def check_approver(approved_by: object) -> str:
+    if not isinstance(approved_by, str) or not APPROVER_PATTERN.fullmatch(approved_by) or not approved_by.strip():
+        raise ConfigError(f"--approved-by {str(approved_by)[:80]!r}: name the user who approved the promotion (1 to "
+                          "256 characters, no control characters)")
+    return approved_by
+
+
+def promote_held(cfg, approved_by: str) -> dict:
+    """`lineage promote --approved-by USER`: make the switch evaluate decided on and held (`evaluate
+    --hold-promotion`), once USER approved it (the caller verified that: the DAG's approval task), and rewrite the
+    report's promotion. Only the drafter's bytes evaluate measured are promoted (Lineage.promote checks the copy
+    against the proposal's digests); promotion.json records approved_by. Safe to retry: a try that died after the
+    switch finds this run's drafter current and only rewrites the report, and one after a finished promotion
+    reports it "already current". If another run promoted a drafter meanwhile, nothing is switched: this one was
+    measured against a drafter that is no longer current."""
     from eagle3.export import DRAFTER_DIR
 
+    approved_by = check_approver(approved_by)
     report_path = cfg.run_dir / "evaluate" / "report.json"
     report = json.loads(report_path.read_text())
     promotion = report["promotion"]
     if promotion.get("promoted"):
-        return promotion
+        current = Lineage(cfg).current()
+        if current is not None and current.name == promotion.get("version"):
+            return {**promotion, "already_current": True, "reason": f"{promotion['reason']}; already current"}
+        return {**promotion, "already_current": False,
+                "reason": f"{promotion['reason']}; since replaced: the current drafter is "
+                f"{current.name if current else 'none'}"}
     if not promotion.get("pending_approval"):
         raise ConfigError(f"{report_path}: evaluate held no promotion for approval ({promotion.get('reason')}); "
                           "nothing to promote")
     proposal = json.loads((cfg.run_dir / "evaluate" / PROPOSAL).read_text())
-    record = {**proposal["record"], "approved": True,
+    record = {**proposal["record"], "approved": True, "approved_by": approved_by,
               "promoted_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     lineage = Lineage(cfg)
     current = lineage.current()
@@ -248,14 +393,15 @@ def promote_held(cfg) -> dict:
         version = current  # switched by a try that died before it rewrote the report
     else:
         version = lineage.promote(cfg.run_dir / DRAFTER_DIR, cfg.run_name, record, cfg.evaluate.keep_versions,
-                                  expected_current=proposal["expected_current"])
+                                  expected_current=proposal["expected_current"],
+                                  expected_files=proposal.get("files_sha256"))  # (none: held before they were)
     if version is None:
         outcome = {**promotion, "pending_approval": False,
                    "reason": f"{promotion['reason']}; approved, but another run promoted a drafter since this one "
                    "was measured: evaluate again to compare with it"}
     else:
         outcome = {**promotion, "promoted": True, "pending_approval": False, "version": version.name,
-                   "reason": f"{promotion['reason']}; approved"}
+                   "approved_by": approved_by, "reason": f"{promotion['reason']}; approved"}
     report["promotion"] = outcome
     atomic_write_text(report_path, json.dumps(report, indent=2) + "\n")
     return outcome
