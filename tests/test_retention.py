@@ -1,5 +1,5 @@
 """Retention on the box: old run directories pruned (never a promoted drafter's, never a live one), unused stores
-collected only when asked."""
+collected only when asked, and nothing removed that is not the project's own or that lies behind a link."""
 
 from __future__ import annotations
 
@@ -10,29 +10,49 @@ from pathlib import Path
 
 import pytest
 
-from eagle3.retention import gc_stores, prune_runs
+from eagle3.identity import capture_key, link_shared
+from eagle3.retention import RetentionRefused, gc_stores, prune_runs
 from tests.conftest import run_eagle3
 
 
 def make_run(workdir: Path, name: str, age_s: float, store: str | None = None) -> Path:
+    """A run directory as `init` leaves it: config.json naming it (the two fields retention reads), and, given a
+    store's fields, its hidden_states linked to the shared store of those fields."""
     run_dir = workdir / "runs" / name
     run_dir.mkdir(parents=True)
-    (run_dir / "config.json").write_text("{}\n")
+    (run_dir / "config.json").write_text(json.dumps({"run_name": name, "workdir": str(workdir)}))
     then = time.time() - age_s
     os.utime(run_dir / "config.json", (then, then))
     if store:
-        (workdir / "stores" / store).mkdir(parents=True, exist_ok=True)
-        (run_dir / "hidden_states").symlink_to(Path("..", "..", "stores", store))
+        link_shared(run_dir / "hidden_states", workdir / "stores" / store_key(store), {"store": store}, "", "")
     return run_dir
+
+
+def store_key(label: str) -> str:
+    return capture_key({"store": label})
+
+
+def make_store(workdir: Path, label: str) -> str:
+    """A shared store no run links to (yet): its directory named by its key, key.json holding its fields."""
+    key = store_key(label)
+    (workdir / "stores" / key).mkdir(parents=True)
+    (workdir / "stores" / key / "key.json").write_text(json.dumps({"store": label}))
+    return key
+
+
+def promote(workdir: Path, version: str, run_dir: str) -> Path:
+    """A promoted version whose promotion.json names `run_dir` as its drafter's run directory."""
+    path = workdir / "drafters" / "lineage" / "versions" / version
+    path.mkdir(parents=True)
+    (path / "promotion.json").write_text(json.dumps({"run_dir": run_dir}))
+    return path
 
 
 def test_prune_keeps_the_newest_and_every_promoted_or_live_run(tmp_path):
     workdir = tmp_path / "work"
     runs = {name: make_run(workdir, name, age_s=age) for name, age in
             [("week-1", 4000), ("week-2", 3000), ("week-3", 2000), ("week-4", 1000), ("week-5", 0)]}
-    version = workdir / "drafters" / "lineage" / "versions" / "week-1-0123abcd"
-    version.mkdir(parents=True)
-    (version / "promotion.json").write_text(json.dumps({"run_dir": str(runs["week-1"])}))
+    promote(workdir, "week-1-0123abcd", str(runs["week-1"]))
     run_eagle3("job", "start", "--jobs-dir", str(runs["week-2"] / "jobs"), "--key", "train", "--", "sleep", "60")
     try:
         outcome = prune_runs(workdir, keep=2)
@@ -50,12 +70,144 @@ def test_prune_keeps_the_newest_and_every_promoted_or_live_run(tmp_path):
 
 def test_store_gc_removes_only_what_no_run_links_to(tmp_path):
     workdir = tmp_path / "work"
-    make_run(workdir, "kept", 0, store="aaaa")
-    make_run(workdir, "gone", 10, store="bbbb")
-    (workdir / "stores" / "orphan").mkdir()
-    assert gc_stores(workdir, dry_run=True)["stores"] == {"kept": ["aaaa", "bbbb"], "removed": ["orphan"]}
-    assert (workdir / "stores" / "orphan").exists()
+    make_run(workdir, "kept", 0, store="a")
+    make_run(workdir, "gone", 10, store="b")
+    orphan = make_store(workdir, "orphan")
+    a, b = store_key("a"), store_key("b")
+    assert gc_stores(workdir, dry_run=True)["stores"] == {"kept": sorted([a, b]), "removed": [orphan],
+                                                          "not_stores": {}}
+    assert (workdir / "stores" / orphan).exists()
     assert prune_runs(workdir, keep=1)["removed"] == ["gone"]  # first the run directories, then what they used
     result = json.loads(run_eagle3("store", "gc", "--workdir", str(workdir)).stdout)
-    assert result["stores"] == {"kept": ["aaaa"], "removed": ["bbbb", "orphan"]}
-    assert sorted(p.name for p in (workdir / "stores").iterdir()) == ["aaaa"]
+    assert result["stores"] == {"kept": [a], "removed": sorted([b, orphan]), "not_stores": {}}
+    assert sorted(p.name for p in (workdir / "stores").iterdir()) == [a]
+
+
+# -- attacks: a workdir the trigger chose, links, markers that are not the project's ----------------------------------
+
+
+def test_prune_removes_no_folder_that_merely_holds_a_config_json(tmp_path):
+    """Attack: `runs prune` in a work directory the trigger chose (here a home directory with a runs/ folder of
+    another tool's) removed every old folder that held any config.json."""
+    home = tmp_path / "home"
+    theirs = {"experiment": {"lr": 0.1}, "copied": {"run_name": "elsewhere", "workdir": "/data/work"},
+              "relative": {"run_name": "relative", "workdir": "home"}}
+    for name, config in theirs.items():
+        (home / "runs" / name).mkdir(parents=True)
+        (home / "runs" / name / "config.json").write_text(json.dumps(config))
+        os.utime(home / "runs" / name / "config.json", (0, 0))  # the oldest there are
+    (home / "runs" / "no-config").mkdir()
+    outside = tmp_path / "outside"  # a directory reached through a link, with a config.json naming the link
+    outside.mkdir()
+    (outside / "config.json").write_text(json.dumps({"run_name": "link", "workdir": str(home)}))
+    (home / "runs" / "link").symlink_to(outside)
+    make_run(home, "ours-old", 100)
+    make_run(home, "ours-new", 0)
+
+    outcome = prune_runs(home, keep=1)
+    assert outcome["removed"] == ["ours-old"] and outcome["runs"] == 2
+    assert outcome["not_run_dirs"] == {
+        "copied": "its config.json names another run directory (/data/work/runs/elsewhere)",
+        "experiment": "its config.json is not a run config (no absolute workdir and run_name)",
+        "link": "a symbolic link, not a run directory",
+        "no-config": "no config.json",
+        "relative": "its config.json is not a run config (no absolute workdir and run_name)",
+    }
+    assert sorted(p.name for p in (home / "runs").iterdir()) == sorted([*theirs, "no-config", "link", "ours-new"])
+    assert (outside / "config.json").exists()
+
+
+@pytest.mark.parametrize("root", ["workdir", "runs", "drafters"])
+def test_prune_refuses_a_symlinked_root_naming_it(tmp_path, root):
+    """Attack: with runs/ (or the work directory, or drafters/) a link, what prune removes is the link's target."""
+    real = tmp_path / "real"
+    make_run(real, "old", 100)
+    make_run(real, "new", 0)
+    (real / "drafters").mkdir()
+    workdir = tmp_path / "work"
+    if root == "workdir":
+        workdir.symlink_to(real)
+        link = workdir
+    else:
+        workdir.mkdir()
+        for name in ("runs", "drafters"):
+            (workdir / name).symlink_to(real / name) if name == root else (workdir / name).mkdir()
+        link = workdir / root
+    with pytest.raises(RetentionRefused, match=f"^{link}: a symbolic link \\(to {real}"):
+        prune_runs(workdir, keep=1)
+    assert sorted(p.name for p in (real / "runs").iterdir()) == ["new", "old"]
+
+
+def test_a_promoted_run_spelled_differently_in_its_promotion_json_is_kept(tmp_path):
+    """Attack (or just another spelling): promotion.json named the run directory with a trailing slash, a `//`, or
+    through a link to the work directory; the run it protects was pruned all the same."""
+    workdir = tmp_path / "work"
+    alias = tmp_path / "alias"
+    alias.symlink_to(workdir, target_is_directory=True)
+    spellings = {"slash": f"{workdir}/runs/slash/", "double": f"{workdir}//runs//double",
+                 "linked": f"{alias}/runs/linked"}
+    for age, (name, spelling) in enumerate(spellings.items(), start=1):
+        make_run(workdir, name, 100 * age)
+        promote(workdir, f"{name}-00000000", spelling)
+    make_run(workdir, "new", 0)
+    outcome = prune_runs(workdir, keep=1)
+    assert outcome["removed"] == []
+    assert outcome["kept_beyond_keep"] == {name: "its drafter is a promoted version" for name in spellings}
+
+
+def test_a_bad_promotion_json_refuses_the_prune_naming_it(tmp_path):
+    """Attack: a promotion.json that is not JSON (or names no run) ended prune in a traceback. Which run directory
+    it protects is unknown, so nothing is removed, and the file is named."""
+    workdir = tmp_path / "work"
+    make_run(workdir, "old", 100)
+    make_run(workdir, "new", 0)
+    version = promote(workdir, "old-0123abcd", "")
+    for text in ("{not json", json.dumps({"accept_length": {}}), json.dumps(["a list"])):
+        (version / "promotion.json").write_text(text)
+        proc = run_eagle3("runs", "prune", "--workdir", str(workdir), "--keep", "1", check=False)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr
+        assert proc.stderr.startswith(f"error: {version / 'promotion.json'}: ")
+        assert "it should name the run directory its drafter came from" in proc.stderr
+        assert (workdir / "runs" / "old").exists()
+
+
+@pytest.mark.parametrize("root", ["stores", "generated", "runs"])
+def test_store_gc_refuses_a_symlinked_root_naming_it(tmp_path, root):
+    """Attack: `store gc` through a symlinked stores/ removed every unlinked folder in the link's target."""
+    workdir = tmp_path / "work"
+    make_run(workdir, "run", 0)
+    target = tmp_path / "someones"
+    (target / "folder").mkdir(parents=True)
+    (workdir / root).rename(tmp_path / "moved") if root == "runs" else None
+    (workdir / root).symlink_to(tmp_path / "moved" if root == "runs" else target)
+    proc = run_eagle3("store", "gc", "--workdir", str(workdir), check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith(f"error: {workdir / root}: a symbolic link")
+    assert (target / "folder").exists()
+
+
+def test_store_gc_removes_only_marked_stores_and_nothing_behind_a_link(tmp_path):
+    """Attack: every folder in stores/ that no run linked to was removed, whatever it was: a folder of someone's,
+    one with a key.json of another key, and (through a link) a real store elsewhere."""
+    workdir = tmp_path / "work"
+    make_run(workdir, "run", 0, store="used")
+    unused = make_store(workdir, "unused")
+    stores = workdir / "stores"
+    (stores / "someones").mkdir()
+    (stores / "someones" / "data.txt").write_text("keep me")
+    (stores / "renamed").mkdir()
+    (stores / "renamed" / "key.json").write_text(json.dumps({"store": "x"}))  # its fields hash to another name
+    elsewhere = tmp_path / "elsewhere"
+    make_store(elsewhere, "far")
+    (stores / store_key("far")).symlink_to(elsewhere / "stores" / store_key("far"))
+
+    result = gc_stores(workdir)["stores"]
+    assert result["removed"] == [unused] and result["kept"] == [store_key("used")]
+    assert result["not_stores"] == {
+        "renamed": "its key.json does not hash to its name 'renamed'",
+        "someones": "no key.json",
+        store_key("far"): "a symbolic link, not a store",
+    }
+    assert (stores / "someones" / "data.txt").exists() and (elsewhere / "stores" / store_key("far")).exists()
+    assert sorted(p.name for p in stores.iterdir()) == sorted([store_key("used"), "someones", "renamed",
+                                                               store_key("far")])

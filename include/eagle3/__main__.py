@@ -290,7 +290,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=cmd_store_digest)
     g = store_sub.add_parser("gc", help="remove the shared stores and answers caches no run directory links to",
                              description="Never run by the DAG: a store is what makes the next rerun cheap. Prune "
-                             "run directories first (runs prune), then collect what none of the rest uses.")
+                             "run directories first (runs prune), then collect what none of the rest uses. Removes "
+                             "only directories with the project's key.json (its fields hash to the name), never "
+                             "through a link: a symlinked work directory, stores/, generated/ or runs/ is refused "
+                             "(exit 2), and entries that are not stores are listed, not removed.")
     g.add_argument("--workdir", required=True)
     g.add_argument("--dry-run", action="store_true", help="list what would go, remove nothing")
     g.set_defaults(func=cmd_store_gc)
@@ -298,7 +301,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("runs", help="the run directories of a work directory")
     runs_sub = p.add_subparsers(dest="runs_command", required=True, metavar="SUBCOMMAND")
     r = runs_sub.add_parser("prune", help="remove run directories beyond the newest --keep, except promoted "
-                            "drafters' and those with a live job")
+                            "drafters' and those with a live job",
+                            description="A run directory is one whose config.json names it (workdir and run_name, "
+                            "compared resolved); other entries of runs/ are listed, never removed. A symlinked work "
+                            "directory, runs/ or drafters/, and a promotion.json that names no run directory, are "
+                            "refused (exit 2), naming the path.")
     r.add_argument("--workdir", required=True)
     r.add_argument("--keep", type=int, required=True, help="how many of the newest run directories to keep")
     r.add_argument("--dry-run", action="store_true", help="list what would go, remove nothing")

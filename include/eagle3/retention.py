@@ -10,23 +10,110 @@ one with a live job; the DAG's `retention` task runs it with the settings file's
 stores and answers caches ({workdir}/generated/) that no remaining run directory links to: it is never run by
 the DAG, because a store is what makes the next rerun cheap; a person decides when to give it up.
 
+The work directory may be one a trigger chose, and anyone who can write there can put things in it: what is
+removed must carry the project's own marker, and nothing is removed through a symbolic link.
+  - A run directory is {workdir}/runs/<name>/ holding a config.json (a regular file) whose workdir and run_name
+    name that very directory, compared resolved: a folder that merely holds some config.json is not one.
+  - A store or answers cache is {workdir}/stores/<key>/ or {workdir}/generated/<key>/ holding a key.json (a
+    regular file) whose fields hash to <key> (eagle3.identity.capture_key), as every one the project makes does.
+  - The work directory and its runs/, stores/, generated/ and drafters/ must not be symbolic links (refused, with
+    the path named: what would be removed is the link's target); an entry that is a link is never removed, and
+    every entry that is not the project's is listed with the reason, never removed.
+  - Paths are compared resolved: a promotion.json naming its run directory with a trailing slash, `//`, or through
+    a link protects it all the same. A promotion.json that cannot be read refuses the prune, naming it: which run
+    directory it protects is then unknown.
+Removal itself opens the parent without following a link, and shutil.rmtree refuses a link in its way, so a link
+swapped in after the checks removes nothing either.
+
 Light (no torch): runs on the box from the DAG in a second.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
+import os
+import stat
 from pathlib import Path
 
+from eagle3.config import ConfigError
+from eagle3.fsutil import remove_tree_in
+from eagle3.identity import capture_key
 from eagle3.job import DEFAULT_STALE_AFTER_S, liveness, read_state
+
+MARKER_MAX_BYTES = 1 << 20  # a run's config.json, a store's key.json or a promotion.json: a few KB each
+
+
+class RetentionRefused(ConfigError):
+    """A work directory retention will not remove anything from; the message names the path and the fix."""
+
+
+def refuse_links(workdir: Path, *roots: str) -> None:
+    """Refuse a work directory, or a root under it, that is a symbolic link."""
+    for path in (workdir, *(workdir / root for root in roots)):
+        if path.is_symlink():
+            raise RetentionRefused(
+                f"{path}: a symbolic link (to {os.readlink(path)}); retention removes nothing through a link, for "
+                f"what it removed would be the link's target. Give --workdir as the real directory, and make "
+                f"{', '.join(f'{r}/' for r in roots)} real directories in it; nothing was removed")
+
+
+def read_marker(path: Path) -> tuple[object, str | None]:
+    """(parsed JSON, None) of a marker file, or (None, why it is no marker): it must be a regular file (not a link)
+    of at most MARKER_MAX_BYTES holding JSON."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None, f"no {path.name}"
+    except OSError as err:
+        return None, f"its {path.name} cannot be opened ({err.strerror}; a symbolic link?)"
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None, f"its {path.name} is not a regular file"
+        data = f.read(MARKER_MAX_BYTES + 1)
+    if len(data) > MARKER_MAX_BYTES:
+        return None, f"its {path.name} is over {MARKER_MAX_BYTES} bytes"
+    try:
+        return json.loads(data.decode("utf-8")), None
+    except (UnicodeDecodeError, ValueError):
+        return None, f"its {path.name} is not JSON"
+
+
+def run_dir_problem(run_dir: Path) -> str | None:
+    """Why `run_dir` (an entry of {workdir}/runs/) is not a run directory the project made, or None."""
+    if run_dir.is_symlink():
+        return "a symbolic link, not a run directory"
+    if not run_dir.is_dir():
+        return "not a directory"
+    config, problem = read_marker(run_dir / "config.json")
+    if problem:
+        return problem
+    if not (isinstance(config, dict) and isinstance(config.get("workdir"), str)
+            and isinstance(config.get("run_name"), str) and os.path.isabs(config["workdir"])):
+        return "its config.json is not a run config (no absolute workdir and run_name)"
+    named = Path(config["workdir"]) / "runs" / config["run_name"]
+    if named.resolve() != run_dir.resolve():
+        return f"its config.json names another run directory ({named})"
+    return None
 
 
 def promoted_run_dirs(workdir: Path) -> set[Path]:
-    """Run directories whose drafter is a kept version of some lineage."""
+    """Run directories (resolved) whose drafter is a kept version of some lineage. Refuses (RetentionRefused) a
+    promotion.json that names none: the run directory it protects is unknown."""
     dirs = set()
-    for record in Path(workdir).glob("drafters/*/versions/*/promotion.json"):
-        dirs.add(Path(json.loads(record.read_text())["run_dir"]))
+    for record_path in sorted(Path(workdir).glob("drafters/*/versions/*/promotion.json")):
+        record, problem = read_marker(record_path)
+        if problem is None and isinstance(record, dict):
+            if isinstance(record.get("run_dir"), str) and os.path.isabs(record["run_dir"]):
+                dirs.add(Path(record["run_dir"]).resolve())
+                continue
+            if isinstance(record.get("run"), str) and record["run"]:  # (a record that names only the run)
+                dirs.add((Path(workdir) / "runs" / record["run"]).resolve())
+                continue
+            problem = "it names no run directory (run_dir) or run"
+        raise RetentionRefused(
+            f"{record_path}: {problem or 'not a JSON object'}; it should name the run directory its drafter came "
+            "from, which must never be pruned. Restore it (or remove its version directory), then prune again; "
+            "nothing was removed")
     return dirs
 
 
@@ -42,44 +129,76 @@ def has_live_job(run_dir: Path) -> bool:
 
 
 def prune_runs(workdir: str | Path, keep: int, dry_run: bool = False) -> dict:
-    """Remove run directories beyond the newest `keep`, except promoted drafters' and those with a live job."""
+    """Remove run directories beyond the newest `keep`, except promoted drafters' and those with a live job.
+    "not_run_dirs" lists the entries of runs/ that are not the project's run directories, each with the reason:
+    never removed, never counted."""
     if keep < 1:
-        from eagle3.config import ConfigError
-
         raise ConfigError(f"--keep {keep}: keep at least the newest run directory (1)")
     workdir = Path(workdir)
-    runs = sorted((d for d in (workdir / "runs").glob("*") if (d / "config.json").is_file()),
-                  key=lambda d: (d / "config.json").stat().st_mtime, reverse=True)
+    refuse_links(workdir, "runs", "drafters")
+    runs_root = workdir / "runs"
+    runs, not_run_dirs = [], {}
+    for entry in sorted(runs_root.iterdir()) if runs_root.is_dir() else []:
+        problem = run_dir_problem(entry)
+        if problem:
+            not_run_dirs[entry.name] = problem
+        else:
+            runs.append(entry)
+    runs.sort(key=lambda d: (d / "config.json").stat().st_mtime, reverse=True)
     promoted = promoted_run_dirs(workdir)
     removed, kept_for = [], {}
     for run_dir in runs[keep:]:
-        if run_dir in promoted:
+        if run_dir.resolve() in promoted:
             kept_for[run_dir.name] = "its drafter is a promoted version"
         elif has_live_job(run_dir):
             kept_for[run_dir.name] = "a job of it is running"
         else:
             removed.append(run_dir.name)
             if not dry_run:
-                shutil.rmtree(run_dir)
+                remove_tree_in(runs_root, run_dir.name)
     return {"runs": len(runs), "keep": keep, "removed": sorted(removed), "kept_beyond_keep": kept_for,
-            "dry_run": dry_run}
+            "not_run_dirs": not_run_dirs, "dry_run": dry_run}
 
 
-def linked(workdir: Path, link_glob: str) -> set[str]:
-    return {link.resolve().name for link in workdir.glob(link_glob) if link.is_symlink()}
+def store_problem(directory: Path) -> str | None:
+    """Why `directory` (an entry of stores/ or generated/) is not a store or answers cache the project made."""
+    if directory.is_symlink():
+        return "a symbolic link, not a store"
+    if not directory.is_dir():
+        return "not a directory"
+    fields, problem = read_marker(directory / "key.json")
+    if problem:
+        return problem
+    if not isinstance(fields, dict) or capture_key(fields) != directory.name:
+        return f"its key.json does not hash to its name {directory.name!r}"
+    return None
+
+
+def linked(workdir: Path, link_glob: str) -> set[Path]:
+    """Where the links matching `link_glob` lead, resolved."""
+    return {link.resolve() for link in workdir.glob(link_glob) if link.is_symlink()}
 
 
 def gc_stores(workdir: str | Path, dry_run: bool = False) -> dict:
     """Remove the stores and answers caches that no run directory links to (RUN_DIR/hidden_states,
-    RUN_DIR/generate/parts)."""
+    RUN_DIR/generate/parts). Per kind: "kept" (linked to), "removed", and "not_stores": entries that are not the
+    project's stores, each with the reason, never removed."""
     workdir = Path(workdir)
+    refuse_links(workdir, "runs", "stores", "generated")
     result = {"dry_run": dry_run}
     for kind, root, link_glob in (("stores", workdir / "stores", "runs/*/hidden_states"),
                                   ("generated", workdir / "generated", "runs/*/generate/parts")):
         used = linked(workdir, link_glob)
-        unused = sorted(d.name for d in root.glob("*") if d.is_dir() and d.name not in used)
+        kept, unused, not_stores = [], [], {}
+        for entry in sorted(root.iterdir()) if root.is_dir() else []:
+            if entry.is_dir() and not entry.is_symlink() and entry.resolve() in used:
+                kept.append(entry.name)
+            elif problem := store_problem(entry):
+                not_stores[entry.name] = problem
+            else:
+                unused.append(entry.name)
         for name in unused:
             if not dry_run:
-                shutil.rmtree(root / name)
-        result[kind] = {"kept": sorted(used), "removed": unused}
+                remove_tree_in(root, name)
+        result[kind] = {"kept": kept, "removed": unused, "not_stores": not_stores}
     return result
