@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import time
@@ -279,6 +280,14 @@ def test_a_link_in_the_drafter_refuses_the_promotion_and_copies_nothing_it_point
         promote_held(cfg, "alice")
     lineage = Lineage(cfg)
     assert lineage.current() is None and list((lineage.dir / "versions").iterdir()) == []
+
+    (drafter / "vllm" / "tokenizer.json").unlink()
+    os.mkfifo(drafter / "vllm" / "tokenizer.json")  # a FIFO would hang the copy; a device would copy its contents
+    with pytest.raises(PromotionRefused, match=f"^{re.escape(str(drafter / 'vllm' / 'tokenizer.json'))}: not a "
+                       "regular file"):
+        promote_held(cfg, "alice")
+    (drafter / "vllm" / "tokenizer.json").unlink()
+    (drafter / "vllm" / "tokenizer.json").symlink_to(secret)
 
     # Measured with the link in place: not even proposed.
     with pytest.raises(PromotionRefused, match="a symbolic link"):

@@ -211,3 +211,22 @@ def test_store_gc_removes_only_marked_stores_and_nothing_behind_a_link(tmp_path)
     assert (stores / "someones" / "data.txt").exists() and (elsewhere / "stores" / store_key("far")).exists()
     assert sorted(p.name for p in stores.iterdir()) == sorted([store_key("used"), "someones", "renamed",
                                                                store_key("far")])
+
+
+def test_a_link_swapped_in_after_the_checks_removes_nothing(tmp_path):
+    """The last line of defence: removal opens the parent without following a link and rmtree refuses one, so a run
+    directory replaced by a link between the checks and the removal takes nothing of the link's target with it."""
+    from eagle3.fsutil import UnsafeTree, remove_tree_in
+
+    target = tmp_path / "target"
+    (target / "inside").mkdir(parents=True)
+    runs = tmp_path / "work" / "runs"
+    runs.mkdir(parents=True)
+    (runs / "swapped").symlink_to(target)
+    with pytest.raises(OSError, match="symbolic link"):
+        remove_tree_in(runs, "swapped")
+    (tmp_path / "runs-link").symlink_to(runs)
+    (runs / "real").mkdir()
+    with pytest.raises(UnsafeTree, match=f"^{tmp_path / 'runs-link'}: a symbolic link"):  # the parent itself
+        remove_tree_in(tmp_path / "runs-link", "real")
+    assert (target / "inside").is_dir() and (runs / "real").is_dir()
