@@ -167,21 +167,27 @@ def _open_nofollow(name: str | Path, dir_fd: int | None, shown: Path) -> tuple[i
 
 def _walk_regular(directory_fd: int, shown: Path, prefix: str) -> Iterator[tuple[str, int | None]]:
     """(relative path, fd) for each regular file below a directory, (relative path, None) for each subdirectory
-    before its contents; the caller closes the fds."""
+    before its contents; the caller closes the fds. Each entry is looked at (lstat) before it is opened, so that no
+    special file is ever opened (opening a device can act on it), and checked again once open."""
     for name in sorted(os.listdir(directory_fd)):
+        kind = stat.S_IFMT(os.stat(name, dir_fd=directory_fd, follow_symlinks=False).st_mode)
+        if kind == stat.S_IFLNK:
+            raise UnsafeTree(f"{shown / name}: a symbolic link, where only regular files and directories may be")
+        if kind not in (stat.S_IFREG, stat.S_IFDIR):
+            raise UnsafeTree(f"{shown / name}: not a regular file (a FIFO, socket or device), where only regular "
+                             "files and directories may be")
         fd, st = _open_nofollow(name, directory_fd, shown / name)
-        if stat.S_ISREG(st.st_mode):
-            yield f"{prefix}{name}", fd
-        elif stat.S_ISDIR(st.st_mode):
-            try:
-                yield f"{prefix}{name}", None
-                yield from _walk_regular(fd, shown / name, f"{prefix}{name}/")
-            finally:
-                os.close(fd)
-        else:
+        if stat.S_IFMT(st.st_mode) != kind:
             os.close(fd)
-            raise UnsafeTree(f"{shown / name}: not a regular file (a FIFO, socket or device), where only regular files "
-                             "and directories may be")
+            raise UnsafeTree(f"{shown / name}: replaced by another kind of file while it was read")
+        if kind == stat.S_IFREG:
+            yield f"{prefix}{name}", fd
+            continue
+        try:
+            yield f"{prefix}{name}", None
+            yield from _walk_regular(fd, shown / name, f"{prefix}{name}/")
+        finally:
+            os.close(fd)
 
 
 @contextmanager

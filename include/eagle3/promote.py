@@ -181,10 +181,8 @@ class Lineage:
                     try:
                         copy_regular_tree(drafter_dir, tmp)
                     except UnsafeTree as err:
-                        raise PromotionRefused(
-                            f"{err}: a drafter directory may hold only regular files and directories (a link would "
-                            f"copy its target into {self.dir / VERSIONS}); nothing was promoted. Export the drafter "
-                            "again") from None
+                        raise PromotionRefused(f"{err} (a link would copy its target into {self.dir / VERSIONS}); "
+                                               "nothing was promoted. Export the drafter again") from None
                     self._check_copy(tmp, drafter_dir, record["weights_sha256"], expected_files)
                     (tmp / RECORD).write_text(json.dumps({**record, "version": name, "lineage": self.key}, indent=2)
                                               + "\n")
@@ -198,7 +196,7 @@ class Lineage:
         try:
             digests = {path: digest for path, digest in tree_digests(copy).items() if path != RECORD}
         except UnsafeTree as err:
-            raise PromotionRefused(f"{err}: the version directory was changed by hand; remove {copy} and promote "
+            raise PromotionRefused(f"{err}; the version directory was changed by hand: remove {copy} and promote "
                                    "again") from None
         again = "Nothing was promoted: export and evaluate again, then approve what that measured"
         if digests.get(WEIGHTS) != weights_sha256:
@@ -343,8 +341,7 @@ def hold_for_approval(cfg, record: dict, expected_current: str | None) -> None:
     try:
         files = tree_digests(drafter_dir)
     except UnsafeTree as err:
-        raise PromotionRefused(f"{err}: a drafter directory may hold only regular files and directories; nothing "
-                               "was proposed. Export the drafter again") from None
+        raise PromotionRefused(f"{err}; nothing was proposed. Export the drafter again") from None
     if files.get(WEIGHTS) != record["weights_sha256"]:
         raise PromotionRefused(f"{drafter_dir}: {WEIGHTS} changed while evaluate measured it (sha256 "
                                f"{files.get(WEIGHTS)}, measured {record['weights_sha256']}); nothing was proposed. "
