@@ -10,6 +10,13 @@ The target is trained briefly on a synthetic conversational task with determinis
 (arithmetic, sorting, counting, reversing, repeating), so its next-token distributions are peaked and a
 drafter has something real to learn. Same arguments and seed give the same files; a DIR already built
 with the same arguments is reused.
+
+It is small but shaped so that serving engines load it as they load DeepSeek-V3 and Kimi-K2.5: MLA with the real
+latent width (kv_lora_rank 512 + a 64-wide rope head: vLLM's CPU MLA kernel runs only that 576-wide cache, and its
+non-MLA fallback rotates a DeepSeek q wrongly on CPU), and the router fields both engines read without a fallback
+(topk_method "noaux_tc", scoring_func "sigmoid", moe_layer_freq 1, as in DeepSeek-V3's and Kimi-K2.5's own
+config.json). Transformers computes the same either way (sigmoid + correction bias); without them vLLM creates no
+gate.e_score_correction_bias and fails to load the weights, and SGLang reads them with no default.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from eagle3.fsutil import atomic_dir
 
 log = logging.getLogger(__name__)
 
-BUILD_VERSION = 1  # bump when the generator or training changes what gets built
+BUILD_VERSION = 2  # bump when the generator or training changes what gets built
 # The CPU threads the build trains with, whatever the machine or OMP_NUM_THREADS say: a matmul's sums depend on how
 # its work is split, so the weights (and every figure the demo prints) would otherwise differ between a test run that
 # built the target single-threaded and a `make demo` on the same machine.
@@ -40,6 +47,9 @@ WORDS = (
     "desert cloud stone paper pencil window garden bridge castle rocket planet silver golden quiet happy"
 ).split()
 SYSTEM_PROMPT = "You are a careful assistant. Answer exactly."
+# What SGLang's and vLLM's DeepSeek-V3 code read from config.json with no fallback that transformers' config does
+# not write (the values DeepSeek-V3 and Kimi-K2.5 ship).
+SERVED_ROUTER = {"topk_method": "noaux_tc", "scoring_func": "sigmoid", "moe_layer_freq": 1}
 SHAREGPT_ROLES = {"system": "system", "user": "human", "assistant": "gpt"}
 
 
@@ -128,8 +138,8 @@ def model_config(spec: TinyTargetSpec, tokenizer):
         n_group=1,
         topk_group=1,
         q_lora_rank=h // 4,
-        kv_lora_rank=h // 4,
-        qk_rope_head_dim=16,
+        kv_lora_rank=512,  # DeepSeek-V3's and Kimi-K2.5's latent width: see the module docstring
+        qk_rope_head_dim=64,
         qk_nope_head_dim=32,
         v_head_dim=32,
         max_position_embeddings=4096,
@@ -137,6 +147,7 @@ def model_config(spec: TinyTargetSpec, tokenizer):
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
         pad_token_id=tokenizer.pad_token_id,
+        **SERVED_ROUTER,
     )
 
 
