@@ -14,6 +14,7 @@ def stand_in_processes(port: int | None = None) -> list[int]:
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         with contextlib.suppress(OSError):
             argv = cmdline.read_bytes().split(b"\0")
-            if STAND_IN.name.encode() in b" ".join(argv) and (port is None or str(port).encode() in argv):
+            on_port = port is None or str(port).encode() in argv or f"--port={port}".encode() in argv
+            if STAND_IN.name.encode() in b" ".join(argv) and on_port:
                 pids.append(int(cmdline.parent.name))
     return pids

@@ -174,7 +174,7 @@ def test_init_derives_a_drafter_shape_sglang_serves_for_a_kimi_shaped_target(tmp
     """hidden / heads would give head_dim 112 with 64 full K/V heads: neither what the published drafters use
     nor a head dim flashinfer runs. init records head_dim 128, 56 heads, 8 KV heads, the dense MLP width, and
     the export states exactly that shape in the config SGLang reads."""
-    from eagle3.export import sglang_config
+    from eagle3.export import drafter_config
     from eagle3.model import DraftConfig
     from tests.conftest import run_eagle3
 
@@ -187,11 +187,11 @@ def test_init_derives_a_drafter_shape_sglang_serves_for_a_kimi_shaped_target(tmp
     cfg = load_run_config(written)
     assert cfg.drafter.model_dump() == {"head_dim": 128, "num_attention_heads": 56, "num_key_value_heads": 8,
                                         "intermediate_size": 18432}
-    exported = sglang_config(DraftConfig.from_target(model, 32000, cfg.resolved_aux_layers(), cfg.drafter.model_dump()),
-                             KIMI_K25_CONFIG["architectures"][0], "bfloat16")
+    draft = DraftConfig.from_target(model, 32000, cfg.resolved_aux_layers(), cfg.drafter.model_dump())
+    exported = drafter_config(draft, KIMI_K25_CONFIG["architectures"][0], "bfloat16")
     assert (exported["head_dim"], exported["num_attention_heads"], exported["num_key_value_heads"],
             exported["hidden_size"], exported["intermediate_size"]) == (128, 56, 8, 7168, 18432)
-    assert exported["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 29, 57]  # SGLang adds the 1 itself
+    assert exported["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 30, 58]  # inputs of layers 2, 30, 58
 
 
 def test_a_head_dim_sglang_cannot_run_is_refused_by_name():
@@ -222,10 +222,60 @@ def test_server_extra_args_cannot_override_the_launch(flag, value):
     assert f"server.extra_args: {flag!r}" in message
 
 
+@pytest.mark.parametrize("flag", [
+    # Read in sglang 0.5.23's server arguments (issue 35): each unpickles request data, reaches other hosts, writes or
+    # reads elsewhere, loads code, rewrites the model, or puts a secret on the argv where ps shows it.
+    "enable-custom-logit-processor", "custom-weight-loader", "otlp-traces-endpoint", "kv-events-config",
+    "log-requests-target", "crash-dump-folder", "download-dir", "api-key", "admin-api-key", "chat-template",
+    "json-model-override-args",
+    "enable_custom_logit_processor",  # any spelling
+    "tool-server", "file-storage-path", "quantization-param-path", "model-loader-extra-config",  # by their words
+])
+def test_server_extra_args_refuse_flags_that_reach_past_the_run(flag):
+    message = error_of(with_changes(server={"extra_args": {flag: "x"}}))
+    assert f"server.extra_args: {flag!r}" in message and "not accepted from a run config" in message
+
+
+@pytest.mark.parametrize("flag", [
+    "worker-extension-cls", "logits-processors", "middleware", "tool-parser-plugin", "hf-overrides",
+    "kv-transfer-config", "api-key", "chat-template", "compilation-config",  # vllm 0.32: code, hosts, files, secrets
+    "speculative-config", "per-request-spec-decode-metrics",  # evaluate's and benchmark's own
+    "tensor-parallel-size", "gpu-memory-utilization", "uds", "headless",  # the run config's, the launcher's
+])
+def test_vllm_server_extra_args_are_checked_against_vllms_flags(flag):
+    message = error_of(with_changes(server={"engine": "vllm", "extra_args": {flag: "x"}}))
+    assert f"server.extra_args: {flag!r}" in message
+
+
+@pytest.mark.parametrize("value", ["--host=0.0.0.0", "-h", "line\nbreak", "x" * 2000])
+def test_server_extra_args_values_are_plain_values(value):
+    # A value starting with '-' could be read as a flag of its own after a flag whose value is optional (SGLang's
+    # --model-checksum): refused here, and never a token of its own on the argv (tests/test_engines.py).
+    message = error_of(with_changes(server={"extra_args": {"reasoning-parser": value}}))
+    assert "server.extra_args: the value of 'reasoning-parser'" in message and "plain value" in message
+    assert len(message) < 600  # a 2000-character value is not echoed whole
+
+
+@pytest.mark.parametrize("name", ["dist_init_addr", "nnodes", "node_rank", "host", "port", "api_key",
+                                  "enable_custom_logit_processor", "json_model_override_args", "download_dir"])
+def test_capture_engine_extra_args_refuse_what_the_servers_refuse(name):
+    message = error_of(with_changes(extract={"sglang": {"extra_args": {name: "x"}}}))
+    assert "extract.sglang.extra_args" in message and name in message
+
+
+def test_vllm_cannot_benchmark_a_tree():
+    message = error_of(with_changes(server={"engine": "vllm"},
+                                    benchmark={"enabled": True, "eagle_topk": 4, "num_draft_tokens": 8}))
+    assert "benchmark.eagle_topk: vLLM drafts EAGLE-3 chains only" in message
+
+
 def test_server_extra_args_still_take_real_tuning_flags():
     extra = {"attention-backend": "triton", "reasoning-parser": "kimi_k2", "disable_radix_cache": True,
-             "tokenizer-mode": "auto"}
+             "tokenizer-mode": "auto", "log-requests": True}
     assert parse_run_config(with_changes(server={"extra_args": extra})).server.extra_args == extra
+    vllm = {"max-model-len": 8192, "kv-cache-memory-bytes": 1 << 30, "enable-auto-tool-choice": True,
+            "tool-call-parser": "kimi_k2", "reasoning-parser": "kimi_k2", "max-num-seqs": 64}
+    assert parse_run_config(with_changes(server={"engine": "vllm", "extra_args": vllm})).server.extra_args == vllm
 
 
 def test_engine_extra_args_are_refused_in_every_spelling():

@@ -10,17 +10,20 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from eagle3.export import EXPORT_KEYS, load_exported_drafter, run_export, sglang_config
+from eagle3.export import EXPORT_KEYS, drafter_config, load_exported_drafter, run_export
 from eagle3.model import DraftConfig, build_draft_model
 from eagle3.train import load_checkpoint
 
 
-def test_sglang_config_converts_aux_ids_for_the_targets_family():
+def test_the_config_tells_each_engine_the_trained_layers_in_its_own_ids():
     draft = DraftConfig(7168, 18432, 64, 8, 112, 1e-6, 50000.0, 131072, 163840, 32000, (2, 29, 57))
-    config = sglang_config(draft, "KimiK25ForConditionalGeneration", "bfloat16")
+    config = drafter_config(draft, "KimiK25ForConditionalGeneration", "bfloat16")
+    # DeepSeek family: the input ids of layers 3, 30, 58 mean HF outputs 2, 29, 57 to SGLang and vLLM alike.
     assert config["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [3, 30, 58], "use_aux_hidden_state": True}
-    assert sglang_config(draft, "LlamaForCausalLM", "bfloat16")["eagle_config"]["eagle_aux_hidden_state_layer_ids"] \
-        == [2, 29, 57]
+    assert config["eagle_aux_hidden_state_layer_ids"] == [3, 30, 58]
+    llama = drafter_config(draft, "LlamaForCausalLM", "bfloat16")
+    assert llama["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 29, 57]  # SGLang adds the 1 itself
+    assert llama["eagle_aux_hidden_state_layer_ids"] == [3, 30, 58]  # vLLM reads this key first, as given
 
 
 def test_export_has_exactly_the_keys_sglang_loads_and_round_trips(trained_config, tiny_target):
@@ -43,7 +46,10 @@ def test_export_has_exactly_the_keys_sglang_loads_and_round_trips(trained_config
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["model_type"] == "llama"
     assert config["num_hidden_layers"] == 1 and config["tie_word_embeddings"] is False
     assert (config["vocab_size"], config["draft_vocab_size"]) == (849, 512)
-    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]  # inputs of layers 2, 4, 5
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    assert {engine: (reading["served"], reading["hf_layers"]) for engine, reading in report["engines"].items()} == {
+        "sglang": (True, [1, 3, 4]), "vllm": (True, [1, 3, 4])}
 
     # The export alone (plus the target's embedding) gives the checkpoint's drafter, up to bf16 rounding.
     loaded, draft_to_target = load_exported_drafter(drafter, tiny_target)

@@ -46,9 +46,25 @@ def cmd_init(args) -> None:
     from eagle3.identity import attach_store
 
     cfg = resolve_target_facts(parse_run_config(draft, source))
+    warn_of_served_config_gaps(cfg)
     path = write_run_config(cfg)
     attach_store(cfg)  # RUN_DIR/hidden_states -> {workdir}/stores/<capture key>, fixed now for every later try
     print(path)
+
+
+def warn_of_served_config_gaps(cfg) -> None:
+    """A target config.json that SGLang or vLLM would not load (or would route differently): say so at init, naming
+    the fields, rather than when a server fails to start hours later. A warning: training needs none of them."""
+    from eagle3.config import read_architecture, read_text_config
+    from eagle3.engines import served_config_gaps
+
+    gaps = served_config_gaps(read_text_config(cfg.target.model_path), read_architecture(cfg.target.model_path))
+    if gaps:
+        logging.getLogger("eagle3.init").warning(
+            "%s/config.json lacks what the serving engines read (SGLang, vLLM): %s. Serving the target (generate, "
+            "evaluate with backend server, benchmark) will fail or differ from transformers; add them as the model's "
+            "release has them (DeepSeek-V3 and Kimi-K2.5: topk_method \"noaux_tc\", scoring_func \"sigmoid\", "
+            "moe_layer_freq 1)", cfg.target.model_path, "; ".join(f"{name}: {why}" for name, why in gaps.items()))
 
 
 def cmd_config_schema(args) -> None:

@@ -1,18 +1,19 @@
-"""Serve the drafter in SGLang and measure what users get: tokens accepted per step and output tokens/s.
+"""Serve the drafter in the serving engine and measure what users get: tokens accepted per step and output tokens/s.
 
     python -m eagle3 benchmark --config RUN_DIR/config.json
 
-Two servers, one after the other, on the box (settings from the config's `server` section), both sent the same
-held-out prompts (as evaluate picks them) with greedy decoding at benchmark.concurrency:
+Two servers of the run's engine (server.engine: SGLang or vLLM, eagle3.engines), one after the other, on the box
+(settings from the config's `server` section), both sent the same held-out prompts (as evaluate picks them) with
+greedy decoding at benchmark.concurrency:
   baseline  the target alone
-  eagle3    the target with the exported drafter: --speculative-algorithm EAGLE3
-            --speculative-draft-model-path RUN_DIR/drafter --speculative-num-steps/-eagle-topk/-num-draft-tokens
-Requests go to SGLang's native POST /generate with the prompt's token ids, because its meta_info reports what
-speculation did per request: spec_verify_ct (verify steps), spec_num_correct_drafts and completion_tokens.
-Accept length is SGLang's scheduler metric (avg_spec_accept_length), the one definition evaluate uses too:
-tokens committed per verify step = (accepted drafts + one bonus token per step) / verify steps; the first token,
-which prefill produces, is no verify step's. Beside it, labelled, completion tokens / verify steps (meta_info's
-spec_accept_length, which counts that first token too). Output tokens/s = all completion tokens / wall time.
+  eagle3    the target with the exported drafter (SGLang: --speculative-algorithm EAGLE3 with
+            benchmark.num_steps/eagle_topk/num_draft_tokens; vLLM: an eagle3 speculative config, num_steps tokens)
+Prompts go as token ids, and each engine reports what speculation did per request (eagle3.engines). Accept length is
+the one definition evaluate uses too, SGLang's scheduler metric (avg_spec_accept_length): tokens committed per
+verify step = (drafts that reached the output + one token of the target's own per step) / verify steps; the first
+token, which prefill produces, is no verify step's. Beside it, labelled, completion tokens / verify steps (SGLang's
+meta_info spec_accept_length, which counts that first token too). Output tokens/s = all completion tokens / wall
+time.
 
 Writes RUN_DIR/benchmark/benchmark.json (both runs, per-request figures, the speedup) and benchmark.png; each
 server's log is beside them. The servers are stopped however the stage ends (see eagle3.server).
@@ -35,7 +36,8 @@ log = logging.getLogger(__name__)
 logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request would drown the progress lines
 
 
-async def send_prompts(base_url: str, prompts: list[list[int]], max_new_tokens: int, concurrency: int) -> dict:
+async def send_prompts(engine, base_url: str, prompts: list[list[int]], max_new_tokens: int,
+                       concurrency: int) -> dict:
     """Every prompt once, `concurrency` at a time; per-request and whole-run figures."""
     slots = asyncio.Semaphore(concurrency)
     results: list[dict | None] = [None] * len(prompts)
@@ -43,18 +45,13 @@ async def send_prompts(base_url: str, prompts: list[list[int]], max_new_tokens: 
     async def one(i: int, client: httpx.AsyncClient) -> None:
         async with slots:
             started = time.monotonic()
-            response = await client.post(f"{base_url}/generate", json={
-                "input_ids": prompts[i], "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens},
-            })
-            response.raise_for_status()
-            answer = response.json()
-            meta = answer["meta_info"]
+            completion = await engine.complete(client, base_url, prompts[i], max_new_tokens)
             results[i] = {
-                "completion_tokens": meta["completion_tokens"],
-                "verify_steps": meta.get("spec_verify_ct"),
-                "correct_drafts": meta.get("spec_num_correct_drafts"),
+                "completion_tokens": len(completion.output_ids),
+                "verify_steps": completion.verify_steps,
+                "accepted_drafts": completion.accepted,
                 "latency_s": round(time.monotonic() - started, 4),
-                "output_ids": answer.get("output_ids"),
+                "output_ids": completion.output_ids,
             }
 
     started = time.monotonic()
@@ -69,30 +66,22 @@ async def send_prompts(base_url: str, prompts: list[list[int]], max_new_tokens: 
         "mean_latency_s": round(statistics.fmean(r["latency_s"] for r in results), 4),
         "requests": results,
     }
-    steps = [r["verify_steps"] for r in results]
-    if all(s for s in steps):
+    steps = sum(r["verify_steps"] or 0 for r in results)
+    if steps:
         for r in results:
-            r["accept_length"] = round(committed_per_step(r), 4)
-        run["mean_accept_length"] = round(sum(committed_per_step(r) * r["verify_steps"] for r in results)
-                                          / sum(steps), 4)
-        run["completion_tokens_per_verify_step"] = round(tokens / sum(steps), 4)
+            if r["verify_steps"]:
+                r["accept_length"] = round(1 + r["accepted_drafts"] / r["verify_steps"], 4)
+        run["mean_accept_length"] = round(1 + sum(r["accepted_drafts"] or 0 for r in results) / steps, 4)
+        run["completion_tokens_per_verify_step"] = round(tokens / steps, 4)
     return run
-
-
-def committed_per_step(request: dict) -> float:
-    """SGLang's accept length of one request: (correct drafts + 1 bonus token per verify step) / verify steps.
-    A server whose meta_info lacks spec_num_correct_drafts: completion tokens less prefill's first token."""
-    steps = request["verify_steps"]
-    if request.get("correct_drafts") is not None:
-        return (request["correct_drafts"] + steps) / steps
-    return (request["completion_tokens"] - 1) / steps
 
 
 def run_benchmark(cfg) -> dict:
     from eagle3.data import SampleTokenizer
+    from eagle3.engines import Speculation, engine_for
     from eagle3.evaluate import held_out_prompts
     from eagle3.export import DRAFTER_DIR
-    from eagle3.server import sglang_server
+    from eagle3.server import serving
 
     bench = cfg.benchmark
     out = cfg.run_dir / "benchmark"
@@ -102,19 +91,15 @@ def run_benchmark(cfg) -> dict:
     prompts = held_out_prompts(cfg, SampleTokenizer.for_run(cfg), bench.num_prompts)
     if not prompts:
         raise ValueError("no held-out prompts: raise train.val_fraction or benchmark on more data")
-    speculative_flags = {
-        "speculative-algorithm": "EAGLE3",
-        "speculative-draft-model-path": str(drafter),
-        "speculative-num-steps": bench.num_steps,
-        "speculative-eagle-topk": bench.eagle_topk,
-        "speculative-num-draft-tokens": bench.num_draft_tokens,
-    }
+    engine = engine_for(cfg)
+    tree = {"num_steps": bench.num_steps, "eagle_topk": bench.eagle_topk, "num_draft_tokens": bench.num_draft_tokens}
+    speculation = Speculation(drafter, bench.num_steps)
     runs = {}
-    for name, flags in (("baseline", {}), ("eagle3", speculative_flags)):
-        with sglang_server(cfg, out / f"server-{name}.log", flags) as base_url:
-            log.info("benchmark: %s: %d prompts, up to %d new tokens, concurrency %d", name, len(prompts),
-                     bench.max_new_tokens, bench.concurrency)
-            runs[name] = asyncio.run(send_prompts(base_url, prompts, bench.max_new_tokens, bench.concurrency))
+    for name, spec in (("baseline", None), ("eagle3", speculation)):
+        with serving(cfg, out / f"server-{name}.log", spec, tree if spec else None) as base_url:
+            log.info("benchmark: %s on %s: %d prompts, up to %d new tokens, concurrency %d", name, engine.name,
+                     len(prompts), bench.max_new_tokens, bench.concurrency)
+            runs[name] = asyncio.run(send_prompts(engine, base_url, prompts, bench.max_new_tokens, bench.concurrency))
         log.info("benchmark: %s: %.1f output tokens/s%s", name, runs[name]["output_tokens_per_s"],
                  f", accept length {runs[name]['mean_accept_length']:.3f}" if "mean_accept_length" in runs[name]
                  else "")
@@ -122,10 +107,11 @@ def run_benchmark(cfg) -> dict:
     pairs = zip(runs["baseline"]["requests"], runs["eagle3"]["requests"])
     identical = sum(b["output_ids"] == e["output_ids"] for b, e in pairs)
     report = {
+        "engine": engine.name,
         "prompts": len(prompts),
         "max_new_tokens": bench.max_new_tokens,
         "concurrency": bench.concurrency,
-        "speculative_flags": speculative_flags,
+        "speculative": {"drafter": str(drafter), **tree},
         "speedup": round(runs["eagle3"]["output_tokens_per_s"] / runs["baseline"]["output_tokens_per_s"], 4),
         "mean_accept_length": runs["eagle3"].get("mean_accept_length"),
         "completion_tokens_per_verify_step": runs["eagle3"].get("completion_tokens_per_verify_step"),

@@ -135,55 +135,141 @@ class DataConfig(Section):
     )
 
 
-class ServerConfig(Section):
-    """An SGLang server a stage starts on the box (python -m sglang.launch_server) and always stops again."""
+# Words of engine flags a trigger may not pass through extra_args, whichever engine: flags that read or write files
+# elsewhere on the box, reach other hosts, load code, unpickle request data, rewrite the model's config or carry a
+# secret on the argv (where ps shows it). Matched per word of the flag's name ('-' and '_' split it), so a flag the
+# engines add later with such a word is refused too. The deployment may still set such a flag in the box's own
+# engine configuration; a trigger configures the pipeline, not the box.
+UNSAFE_FLAG_WORDS = frozenset((
+    "path", "paths", "dir", "folder", "file", "url", "endpoint", "host", "addr", "address", "ip", "port", "uds",
+    "location", "key", "keyfile", "certfile", "secret", "token", "password", "plugin", "loader", "custom",
+    "remote", "config", "override", "overrides", "target", "template", "lora", "disaggregation", "otlp", "events",
+    "dump", "download", "storage", "bootstrap", "server", "middleware", "cls", "processors", "processor",
+    "modules", "domains", "nnodes", "rank", "dist", "headless", "format",
+))
+# What may follow a flag in extra_args as its value: no leading '-' (an engine's parser could take it for a flag of
+# its own where the flag's value is optional), no control characters, bounded.
+FLAG_VALUE_PATTERN = r"^[^-\x00-\x1f][^\x00-\x1f]{0,1023}$"
 
+
+def check_engine_flags(field: str, extra: dict, reserved: dict[str, str], separator: str,
+                       full_flags: frozenset[str] = frozenset()) -> None:
+    """Refuse the extra_args `extra` of `field` whose names an engine would read as a `reserved` flag (name -> why)
+    or as an unsafe one (UNSAFE_FLAG_WORDS), or whose values are not plain values. `separator`: '-' for command-line
+    flags (argparse also takes any unambiguous prefix, so a name that begins a reserved flag is refused too, unless it
+    is one of the engine's `full_flags`: argparse takes an exact name over a prefix), '_' for keyword arguments."""
+    for name, value in extra.items():
+        if separator == "-" and not re.fullmatch(r"[a-z0-9][a-z0-9_-]*", name):
+            raise ValueError(f"{field}: {name[:80]!r} is not a flag name; write it without '--', e.g. "
+                             "'disable-radix-cache'")
+        if separator == "_" and not re.fullmatch(r"[a-z][a-z0-9_]*", name):
+            raise ValueError(f"{field}: {name[:80]!r} is not an argument name; write it with underscores, e.g. "
+                             f"{name.replace('-', '_').lower()[:80]!r}")
+        flag = name.replace("_", "-")
+        for reserved_flag, why in reserved.items():
+            if (_names_flag(flag, reserved_flag) and flag not in full_flags if separator == "-" else
+                    flag == reserved_flag or (reserved_flag.endswith("-") and flag.startswith(reserved_flag))):
+                raise ValueError(f"{field}: {name!r} {why}")
+        unsafe = sorted(set(flag.split("-")) & UNSAFE_FLAG_WORDS)
+        if unsafe:
+            raise ValueError(
+                f"{field}: {name!r} is not accepted from a run config (it names {', '.join(unsafe)}: flags that reach "
+                "files or hosts elsewhere, load code or carry secrets are the box's to set, not a trigger's); remove "
+                "it, or have the box's operator configure the engine"
+            )
+        if isinstance(value, str) and not re.fullmatch(FLAG_VALUE_PATTERN, value, flags=re.DOTALL):
+            raise ValueError(
+                f"{field}: the value of {name!r} ({value[:40]!r}{'...' if len(value) > 40 else ''}) starts with '-', "
+                "holds a control character or is over 1024 characters; give a plain value"
+            )
+
+
+class ServerConfig(Section):
+    """A serving engine a stage starts on the box and always stops again: SGLang (python -m sglang.launch_server) or
+    vLLM (its OpenAI-compatible server). generate (with launch_server), evaluate (backend "server") and benchmark
+    use it."""
+
+    engine: Literal["sglang", "vllm"] = Field(
+        "sglang", title="Serving engine",
+        description="sglang: the box's engine for large targets. vllm: vLLM's OpenAI-compatible server (its CPU "
+        "build serves small targets without a GPU).",
+    )
+    python: str | None = Field(
+        None, title="Engine's interpreter",
+        description="The Python that has the engine installed (SGLang and vLLM rarely share one environment). Empty: "
+        "box.python.",
+        pattern=ABS_PATH_PATTERN,
+    )
     port: int = Field(30000, ge=1024, le=65535, title="Port", description="On 127.0.0.1 of the box.")
     tp_size: int = Field(1, ge=1, le=64, title="Tensor parallel size", description="GPUs per server (Kimi-K2.5: 8).")
     mem_fraction_static: float | None = Field(
-        None, gt=0.0, lt=1.0, title="Static memory fraction", description="Of each GPU; empty: SGLang's default."
+        None, gt=0.0, lt=1.0, title="Static memory fraction",
+        description="Of each GPU (SGLang's --mem-fraction-static, vLLM's --gpu-memory-utilization); empty: the "
+        "engine's default.",
     )
     extra_args: dict[str, str | int | float | bool] = Field(
         default_factory=dict,
         title="Extra server arguments",
-        description='Any other launch_server flag, e.g. {"attention-backend": "triton", "reasoning-parser": '
-        '"kimi_k2"}; true: a bare flag.',
+        description='Any other flag of the engine\'s server, e.g. {"attention-backend": "triton", "reasoning-parser": '
+        '"kimi_k2"}; true: a bare flag. Each goes as one --name=value argument.',
     )
     startup_timeout_s: float = Field(
         1800, gt=0, le=DAY_S, title="Startup timeout (s)",
         description="Until /health answers; loading a 1T model takes a while."
     )
 
-    # launch_server flags extra_args must leave alone, and why. Spellings are compared with '_' as '-' and as
-    # argparse reads them: it takes any unambiguous prefix of a flag ('--hos' is '--host'), so a name that begins
-    # one of these is refused too.
-    FROM_CONFIG: ClassVar[tuple[str, ...]] = (
-        "model-path", "model", "tokenizer-path", "trust-remote-code", "dtype", "tp-size", "tensor-parallel-size",
-        "mem-fraction-static",
-    )
-    KEPT_LOCAL: ClassVar[tuple[str, ...]] = ("host", "port", "config", "dist-init-addr", "nccl-init-addr", "nnodes",
-                                              "node-rank")
-    SET_BY_STAGES: ClassVar[tuple[str, ...]] = ("speculative-",)  # the benchmark's drafter flags
+    # Flags extra_args must leave alone, per engine, and why. Spellings are compared with '_' as '-' and as argparse
+    # reads them: it takes any unambiguous prefix of a flag ('--hos' is '--host'), so a name that begins one of these
+    # is refused too. A name ending in '-' stands for a family of flags.
+    FROM_CONFIG_WHY: ClassVar[str] = ("comes from the run config (target.*, server.tp_size, "
+                                      "server.mem_fraction_static): set it there")
+    KEPT_LOCAL_WHY: ClassVar[str] = ("is the launcher's: the server listens on 127.0.0.1:server.port of one box, with "
+                                     "no config file of its own; remove it")
+    SET_BY_STAGES_WHY: ClassVar[str] = "is set by the stages (evaluate.*, benchmark.*): remove it"
+    RESERVED: ClassVar[dict[str, dict[str, str]]] = {
+        "sglang": {
+            **dict.fromkeys(("model-path", "model", "tokenizer-path", "trust-remote-code", "dtype", "tp-size",
+                             "tensor-parallel-size", "mem-fraction-static"), FROM_CONFIG_WHY),
+            **dict.fromkeys(("host", "port", "config", "dist-init-addr", "nccl-init-addr", "nnodes", "node-rank"),
+                            KEPT_LOCAL_WHY),
+            "speculative-": SET_BY_STAGES_WHY,
+            # Read in sglang 0.5.23's server_args: each unpickles request data, reaches other hosts, writes
+            # elsewhere, loads code or rewrites the model (most are caught by UNSAFE_FLAG_WORDS too).
+            **dict.fromkeys((
+                "enable-custom-logit-processor", "custom-weight-loader", "otlp-traces-endpoint", "kv-events-config",
+                "log-requests-target", "crash-dump-folder", "download-dir", "api-key", "admin-api-key",
+                "chat-template", "json-model-override-args", "load-format", "tool-server",
+            ), "is not accepted from a run config: it unpickles request data, reaches other hosts, writes or reads "
+               "elsewhere, loads code, rewrites the model or puts a secret on the argv; remove it"),
+        },
+        "vllm": {
+            **dict.fromkeys(("model", "tokenizer", "trust-remote-code", "dtype", "tensor-parallel-size", "tp",
+                             "gpu-memory-utilization"), FROM_CONFIG_WHY),
+            **dict.fromkeys(("host", "port", "uds", "config", "headless", "data-parallel-address",
+                             "data-parallel-rpc-port"), KEPT_LOCAL_WHY),
+            **dict.fromkeys(("speculative-", "per-request-spec-decode-metrics"), SET_BY_STAGES_WHY),
+            # Read in vllm 0.32's engine and server arguments, as above.
+            **dict.fromkeys((
+                "worker-extension-cls", "logits-processors", "middleware", "tool-parser-plugin",
+                "reasoning-parser-plugin", "hf-overrides", "kv-transfer-config", "kv-events-config",
+                "otlp-traces-endpoint", "download-dir", "api-key", "chat-template", "lora-modules",
+                "allowed-local-media-path", "allowed-media-domains", "load-format", "model-loader-extra-config",
+                "compilation-config", "log-config-file", "ssl-keyfile", "ssl-certfile",
+            ), "is not accepted from a run config: it reaches other hosts, writes or reads elsewhere, loads code, "
+               "rewrites the model or puts a secret on the argv; remove it"),
+        },
+    }
 
-    @field_validator("extra_args")
-    @classmethod
-    def _extra_args_leave_the_launch_alone(cls, extra: dict) -> dict:
-        for name in extra:
-            if not re.fullmatch(r"[a-z0-9][a-z0-9_-]*", name):
-                raise ValueError(
-                    f"{name!r} is not a launch_server flag name; write it without '--', e.g. 'disable-radix-cache'"
-                )
-            flag = name.replace("_", "-")
-            for names, why in (
-                (cls.FROM_CONFIG, "comes from the run config (target.*, server.tp_size, server.mem_fraction_static): "
-                 "set it there"),
-                (cls.KEPT_LOCAL, "is the launcher's: the server listens on 127.0.0.1:server.port of one box, with no "
-                 "config file of its own; remove it"),
-                (cls.SET_BY_STAGES, "is set by the benchmark stage (benchmark.*): remove it"),
-            ):
-                if any(_names_flag(flag, reserved) for reserved in names):
-                    raise ValueError(f"server.extra_args: {name!r} {why}")
-        return extra
+    # The engines' own flags whose names begin a reserved one's, and so are no abbreviation of it.
+    FULL_FLAGS: ClassVar[dict[str, frozenset[str]]] = {
+        "sglang": frozenset({"log-requests"}), "vllm": frozenset({"reasoning-parser"}),
+    }
+
+    @model_validator(mode="after")
+    def _extra_args_leave_the_launch_alone(self) -> ServerConfig:
+        check_engine_flags("server.extra_args", self.extra_args, self.RESERVED[self.engine], "-",
+                           self.FULL_FLAGS[self.engine])
+        return self
 
 
 def _names_flag(flag: str, reserved: str) -> bool:
@@ -335,6 +421,7 @@ class SglangEngineConfig(Section):
         "disable_overlap_schedule",
     )
     SPREAD_OVER_GPUS: ClassVar[tuple[str, ...]] = ("dp_size", "pp_size", "gpu_id_step")
+    KEPT_LOCAL: ClassVar[tuple[str, ...]] = ("host", "port", "dist_init_addr", "nccl_init_addr", "nnodes", "node_rank")
 
     @field_validator("extra_args")
     @classmethod
@@ -348,10 +435,13 @@ class SglangEngineConfig(Section):
             (cls.FOR_CAPTURE, "are set by the capture backend for capture to work: remove them"),
             (cls.SPREAD_OVER_GPUS, "would spread a shard over more GPUs than its group (and pp_size > 1 cannot "
              "capture aux states): use extract.num_shards for data parallelism"),
+            (cls.KEPT_LOCAL, "are the engine's own: one capture engine runs on one box, reached by no one else; "
+             "remove them"),
         ):
             clash = sorted(set(extra) & set(names))
             if clash:
                 raise ValueError(f"{clash} {why}")
+        check_engine_flags("extract.sglang.extra_args", extra, {}, "_")  # files, hosts, code, secrets; plain values
         return extra
 
 
@@ -565,6 +655,13 @@ class ExportConfig(Section):
 class EvaluateConfig(Section):
     """Measuring acceptance length (the evaluate stage)."""
 
+    backend: Literal["hf", "server"] = Field(
+        "hf", title="Measured on",
+        description="hf: speculative decoding on the target in transformers inside the stage (the reference; targets "
+        "that fit one device). server: the serving engine (server.engine) with the drafter loaded, what users get; "
+        "for targets transformers cannot hold (Kimi-K2.5). Either way the figure that gates promotion.",
+    )
+
     num_prompts: int = Field(
         64, ge=1, le=MAX_WIDTH, title="Held-out prompts", description="From the validation split, never trained on."
     )
@@ -596,10 +693,11 @@ class EvaluateConfig(Section):
 
 
 class BenchmarkConfig(Section):
-    """Serving the drafter with SGLang against the plain target (the benchmark stage)."""
+    """Serving the drafter with the serving engine (server.engine) against the plain target (the benchmark stage)."""
 
     enabled: bool = Field(
-        False, title="Benchmark in SGLang", description="Needs sglang on the box; off in the CPU demo."
+        False, title="Benchmark in the serving engine",
+        description="Needs the engine on the box (server.engine); off in the CPU demo."
     )
     num_prompts: int = Field(
         64, ge=1, le=MAX_WIDTH, title="Held-out prompts",
@@ -677,6 +775,11 @@ class RunConfig(Section):
                     "cannot capture (SGLang captures a layer's input, and no layer follows the last); use layers "
                     f"up to {layers - 2}, or the default {default_aux_layers(layers)}"
                 )
+        if self.benchmark.enabled and self.server.engine == "vllm" and self.benchmark.eagle_topk != 1:
+            raise ValueError(
+                f"benchmark.eagle_topk: vLLM drafts EAGLE-3 chains only; set it to 1 (and num_steps to the draft "
+                f"length), or serve with server.engine sglang (got {self.benchmark.eagle_topk})"
+            )
         vocab = self.target.vocab_size
         if vocab is not None and self.vocab.draft_vocab_size > vocab:
             raise ValueError(
@@ -836,7 +939,34 @@ def resolve_target_facts(cfg: RunConfig) -> RunConfig:
     except (TypeError, ValueError) as err:  # a size that is not a number
         raise ConfigError(f"{cfg.target.model_path}/config.json: a size the drafter's shape is derived from is not a "
                           f"whole number ({err}); fix the file, or set drafter.* explicitly") from None
-    return parse_run_config(data, f"{cfg.run_name} (with facts from {cfg.target.model_path})")
+    resolved = parse_run_config(data, f"{cfg.run_name} (with facts from {cfg.target.model_path})")
+    check_layers_served(resolved, read_architecture(cfg.target.model_path))
+    return resolved
+
+
+def read_architecture(model_path: str | Path) -> str:
+    """The target's architecture, as config.json names it first (Kimi-K2.5: the multimodal wrapper's)."""
+    config_file = Path(model_path) / "config.json"
+    architectures = json.loads(config_file.read_text(encoding="utf-8")).get("architectures")
+    if not isinstance(architectures, list) or not architectures or not isinstance(architectures[0], str):
+        raise ConfigError(f"{config_file}: has no \"architectures\" list; restore the model's own config.json")
+    return architectures[0]
+
+
+def check_layers_served(cfg: RunConfig, architecture: str) -> None:
+    """Refuse, before anything runs, aux layers that an engine this run drives cannot be told (eagle3.layer_ids):
+    the sglang capture backend, and the serving engine that evaluate or benchmark start with the drafter. The
+    export serves every engine that can be told them, and says which."""
+    from eagle3.layer_ids import LayerIdError, family, ids_for
+
+    try:
+        family(architecture)  # the export must know how engines read this target's ids, whoever serves it
+        if cfg.extract.backend == "sglang":
+            ids_for(cfg.resolved_aux_layers(), architecture, "sglang")
+        if cfg.evaluate.backend == "server" or cfg.benchmark.enabled:
+            ids_for(cfg.resolved_aux_layers(), architecture, cfg.server.engine)
+    except LayerIdError as err:
+        raise ConfigError(str(err)) from None
 
 
 def write_run_config(cfg: RunConfig) -> Path:

@@ -1,19 +1,25 @@
-"""Export the best checkpoint as a drafter SGLang loads with --speculative-algorithm EAGLE3.
+"""Export the best checkpoint as a drafter SGLang and vLLM load with their EAGLE-3 speculative decoding.
 
     python -m eagle3 export --config RUN_DIR/config.json
 
 Writes {run dir}/drafter/ (temp dir, fsync, rename):
   config.json         LlamaForCausalLMEagle3: one layer, vocab_size = the target's, draft_vocab_size, the
-                      drafter's shape, eagle_config.eagle_aux_hidden_state_layer_ids in the ids SGLang
-                      expects for the TARGET's family (eagle3.layer_ids), use_aux_hidden_state
-  model.safetensors   exactly EXPORT_KEYS + d2t (int64 offsets) + t2d (bool). No embed_tokens: SGLang
-                      takes the target's. SGLang ignores unknown keys silently, so tests pin this set.
-  export.json         which checkpoint, its validation figures
+                      drafter's shape, use_aux_hidden_state, and the aux layer ids where each engine reads them, in
+                      the ids its rule for the TARGET's family reads as the trained layers (eagle3.layer_ids):
+                      eagle_config.eagle_aux_hidden_state_layer_ids for SGLang, a top-level
+                      eagle_aux_hidden_state_layer_ids for vLLM (which reads that one first). For DeepSeek-family
+                      targets (Kimi-K2.5) both hold the same input-of-layer ids, which every engine reads alike.
+  model.safetensors   exactly EXPORT_KEYS + d2t (int64 offsets) + t2d (bool). No embed_tokens: the engines take
+                      the target's. SGLang ignores unknown keys silently, so tests pin this set.
+  export.json         which checkpoint, its validation figures, and per engine: the key it reads, the ids there and
+                      the HF layers they mean to it (checked by reading the written config.json back as it would)
 Serve it:
   python -m sglang.launch_server --model-path TARGET --speculative-algorithm EAGLE3 \\
       --speculative-draft-model-path RUN_DIR/drafter --speculative-num-steps 3 \\
       --speculative-eagle-topk 1 --speculative-num-draft-tokens 4
-(EAGLE, not EAGLE3, loads it too and silently gives accept length 1.)
+  python -m vllm.entrypoints.openai.api_server --model TARGET \\
+      --speculative-config '{"method": "eagle3", "model": "RUN_DIR/drafter", "num_speculative_tokens": 3}'
+(SGLang's EAGLE, not EAGLE3, loads it too and silently gives accept length 1.)
 """
 
 from __future__ import annotations
@@ -26,8 +32,9 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from eagle3.config import read_architecture
 from eagle3.fsutil import atomic_dir
-from eagle3.layer_ids import sglang_layer_ids
+from eagle3.layer_ids import LayerIdError, engines_served, family, hf_layers_read
 from eagle3.model import DraftConfig
 from eagle3.train import checkpoint_dirs, load_checkpoint
 
@@ -53,7 +60,15 @@ def best_checkpoint(run_dir: Path) -> tuple[Path, dict]:
     return max(candidates, key=lambda c: (c[1]["val_accept_length"], c[1]["step"]))
 
 
-def sglang_config(draft: DraftConfig, target_architecture: str, dtype: str) -> dict:
+def drafter_config(draft: DraftConfig, target_architecture: str, dtype: str) -> dict:
+    """The exported config.json: SGLang's LlamaForCausalLMEagle3, with each engine's aux layer ids where it reads
+    them. Refused when no engine can be told the trained layers."""
+    hf_ids = list(draft.aux_layer_ids)
+    served = engines_served(hf_ids, target_architecture)
+    if all(isinstance(ids, str) for ids in served.values()):
+        raise LayerIdError(f"no serving engine can be told the layers this drafter was trained on: {served}")
+    vllm_ids = served["vllm"] if not isinstance(served["vllm"], str) else [i + 1 for i in hf_ids]
+    sglang_ids = served["sglang"] if not isinstance(served["sglang"], str) else vllm_ids
     return {
         "architectures": ["LlamaForCausalLMEagle3"],
         "model_type": "llama",
@@ -71,11 +86,47 @@ def sglang_config(draft: DraftConfig, target_architecture: str, dtype: str) -> d
         "draft_vocab_size": draft.draft_vocab_size,
         "tie_word_embeddings": False,
         "torch_dtype": dtype,
+        "eagle_aux_hidden_state_layer_ids": vllm_ids,  # vLLM reads this one first
         "eagle_config": {
-            "eagle_aux_hidden_state_layer_ids": sglang_layer_ids(list(draft.aux_layer_ids), target_architecture),
+            "eagle_aux_hidden_state_layer_ids": sglang_ids,  # the only one SGLang reads
             "use_aux_hidden_state": True,
         },
     }
+
+
+# Where each engine looks for the aux layer ids in a drafter's config.json, first found wins (sglang 0.5.23
+# model_runner_components/spec_aux_hidden_state.py; vllm 0.32 v1/worker/gpu_model_runner.py
+# _get_eagle3_aux_layers_from_config). tests/engines_real/ runs those functions on an exported config.
+READ_FROM = {"sglang": ("eagle_config.eagle_aux_hidden_state_layer_ids",),
+             "vllm": ("eagle_aux_hidden_state_layer_ids", "eagle_config.eagle_aux_hidden_state_layer_ids")}
+
+
+def ids_read_by(config: dict, engine: str) -> tuple[str, list[int]] | None:
+    """(the key, the ids) `engine` reads from a drafter's config.json, or None where it finds none."""
+    for key in READ_FROM[engine]:
+        value = config
+        for part in key.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        if value:
+            return key, list(value)
+    return None
+
+
+def engines_of(config: dict, target_architecture: str, hf_ids: list[int]) -> dict:
+    """Per engine, from the written config.json read as that engine reads it: the key, the ids and the HF layers they
+    mean to it, and whether those are the trained ones (only then is the engine served)."""
+    engines = {}
+    for engine in READ_FROM:
+        found = ids_read_by(config, engine)
+        if found is None:
+            engines[engine] = {"served": False, "why": "no aux layer ids where it reads them"}
+            continue
+        key, ids = found
+        layers = hf_layers_read(ids, target_architecture, engine)
+        engines[engine] = {"served": layers == hf_ids, "reads": key, "ids": ids, "hf_layers": layers}
+        if layers != hf_ids:
+            engines[engine]["why"] = f"it would capture HF layers {layers}, not the trained {hf_ids}"
+    return engines
 
 
 def run_export(cfg) -> dict:
@@ -84,7 +135,7 @@ def run_export(cfg) -> dict:
     out = cfg.run_dir / DRAFTER_DIR
     checkpoint, meta = best_checkpoint(cfg.run_dir)
     draft = DraftConfig(**{**meta["draft_config"], "aux_layer_ids": tuple(meta["draft_config"]["aux_layer_ids"])})
-    architecture = json.loads((Path(cfg.target.model_path) / "config.json").read_text())["architectures"][0]
+    architecture = read_architecture(cfg.target.model_path)
     state = load_checkpoint(checkpoint)["model"]
     if set(state) != set(EXPORT_KEYS):
         differing = sorted(set(state) ^ set(EXPORT_KEYS))
@@ -94,19 +145,38 @@ def run_export(cfg) -> dict:
     mapping = cfg.run_dir / MAPPING_DIR
     tensors["d2t"] = torch.from_numpy(np.load(mapping / "d2t.npy", allow_pickle=False))
     tensors["t2d"] = torch.from_numpy(np.load(mapping / "t2d.npy", allow_pickle=False))
+    family(architecture)  # refuse a target whose engines' layer-id rules were never read, before writing anything
+    config = drafter_config(draft, architecture, cfg.export.dtype)
+    engines = engines_of(config, architecture, list(draft.aux_layer_ids))
     report = {"checkpoint": str(checkpoint), "step": meta["step"], "val_acc": meta["val_acc"],
-              "val_accept_length": meta["val_accept_length"], "dtype": cfg.export.dtype}
+              "val_accept_length": meta["val_accept_length"], "dtype": cfg.export.dtype, "engines": engines}
 
     if out.exists() and json.loads((out / "export.json").read_text()) == report:
         log.info("export: %s already holds step %d", out, meta["step"])
         return report
     with atomic_dir(out) as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        config = sglang_config(draft, architecture, cfg.export.dtype)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (tmp / "export.json").write_text(json.dumps(report, indent=2) + "\n")
     log.info("export: step %d (simulated accept length %.3f) -> %s", meta["step"], meta["val_accept_length"], out)
+    for engine, reading in engines.items():
+        if reading["served"]:
+            log.info("export: %s reads aux layer ids %s from %s: HF layers %s, as trained", engine, reading["ids"],
+                     reading["reads"], reading["hf_layers"])
+        else:
+            log.warning("export: not for %s: %s", engine, reading["why"])
     return report
+
+
+def aux_layers_of(drafter_dir: Path, config: dict, architecture: str) -> list[int]:
+    """The HF layers an exported drafter was trained on, as the first engine its export.json serves reads them from
+    its config.json (SGLang's reading for an export from before export.json said)."""
+    engines = json.loads((drafter_dir / "export.json").read_text()).get("engines") or {"sglang": {"served": True}}
+    engine = next(name for name, reading in engines.items() if reading["served"])
+    found = ids_read_by(config, engine)
+    if found is None:
+        raise LayerIdError(f"{drafter_dir}/config.json: no aux layer ids where {engine} reads them; export it again")
+    return hf_layers_read(found[1], architecture, engine)
 
 
 def load_exported_drafter(drafter_dir: str | Path, target_model_path: str | Path):
@@ -115,20 +185,18 @@ def load_exported_drafter(drafter_dir: str | Path, target_model_path: str | Path
     Returns (Eagle3Draft in fp32, draft-to-target id map)."""
     from safetensors.torch import load_file
 
-    from eagle3.layer_ids import hf_layer_ids_from_sglang
     from eagle3.model import EMBED_KEYS, Eagle3Draft, load_target_tensor
 
     drafter_dir = Path(drafter_dir)
     config = json.loads((drafter_dir / "config.json").read_text())
-    architecture = json.loads((Path(target_model_path) / "config.json").read_text())["architectures"][0]
+    architecture = read_architecture(target_model_path)
     draft = DraftConfig(
         hidden_size=config["hidden_size"], intermediate_size=config["intermediate_size"],
         num_attention_heads=config["num_attention_heads"], num_key_value_heads=config["num_key_value_heads"],
         head_dim=config["head_dim"], rms_norm_eps=config["rms_norm_eps"], rope_theta=config["rope_theta"],
         max_position_embeddings=config["max_position_embeddings"], target_vocab_size=config["vocab_size"],
         draft_vocab_size=config["draft_vocab_size"],
-        aux_layer_ids=tuple(hf_layer_ids_from_sglang(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"],
-                                                     architecture)),
+        aux_layer_ids=tuple(aux_layers_of(drafter_dir, config, architecture)),
     )
     model = Eagle3Draft(draft)
     weights = load_file(str(drafter_dir / "model.safetensors"))

@@ -5,8 +5,8 @@
 EAGLE-3 drafters learn to predict the target's own next tokens, so training on the target's answers beats
 training on someone else's. For each conversation of data.path (ShareGPT or OpenAI-messages JSONL), every
 assistant turn is regenerated in order, each conditioned on the regenerated turns before it, with
-POST {endpoint}/chat/completions (SGLang's OpenAI-compatible server; generate.launch_server starts one on the
-box for the stage and stops it afterwards, see eagle3.server).
+POST {endpoint}/chat/completions (an OpenAI-compatible server: SGLang's or vLLM's; generate.launch_server starts
+the run's engine, server.engine, on the box for the stage and stops it afterwards, see eagle3.server).
 
 Tool turns stay as they are; only assistant turns are asked again (with the record's `tools` in the request).
 A regenerated turn that calls other tools than the original did (other function names, or none) ends the
@@ -600,7 +600,7 @@ def run_generate(cfg) -> dict:
 
 def _generate(cfg, out: Path, conversations: list[Conversation], read_stats, writer: PartWriter, cache: str,
               started: float, api_key: str | None) -> dict:
-    from eagle3.server import sglang_server
+    from eagle3.server import serving
 
     gen = cfg.generate
     rows = read_rows(writer.dir)
@@ -615,7 +615,7 @@ def _generate(cfg, out: Path, conversations: list[Conversation], read_stats, wri
         if gen.backend == "hf":
             outcome = regenerate_with_hf(cfg, todo, writer, progress)
         elif gen.launch_server:
-            with sglang_server(cfg, out / "server.log") as server_url:
+            with serving(cfg, out / "server.log") as server_url:
                 outcome = asyncio.run(regenerate_all(cfg, server_url + "/v1", todo, writer, progress, api_key))
         else:
             asyncio.run(check_endpoint(gen.endpoint, api_key))

@@ -1,43 +1,42 @@
-"""An SGLang server that a stage starts on the box, waits for, and always stops again.
+"""A serving engine's server that a stage starts on the box, waits for, and always stops again.
 
-    with sglang_server(cfg, log_path, extra_flags) as base_url:   # http://127.0.0.1:PORT
-        ...  # talk to it
+    with serving(cfg, log_path, Speculation(drafter_dir, draft_length=3)) as base_url:   # http://127.0.0.1:PORT
+        ...  # talk to it (eagle3.engines: SGLang or vLLM, server.engine)
 
-The command line comes from the run config's `server` section (model path, tp size, port, memory fraction,
-extra flags) plus what the stage adds (the benchmark's --speculative-* flags). The server's output goes to a
-log file in the run directory; when it fails to come up, its last lines are in the error.
+The command line is the engine's (eagle3.engines): the run config's `server` section (model path, tp size, port,
+memory fraction, extra flags) plus the drafter a stage loads. The server's output goes to a log file in the run
+directory; when it fails to come up, its last lines are in the error.
 
 No orphan, however the stage ends:
 - normal exit or an exception: the with-block stops the server (SIGTERM to its process group, then SIGKILL);
 - SIGTERM to the stage (a job kill): it becomes SystemExit, so the same with-block runs;
-- SIGKILL of the stage: the kernel sends the server SIGTERM (PR_SET_PDEATHSIG); SGLang then stops its own
-  scheduler processes;
+- SIGKILL of the stage: the kernel sends the server SIGTERM (PR_SET_PDEATHSIG); the engine then stops its own
+  worker processes;
 - whatever survived even that (a process of the server's group) is killed when a stage starts the server
   again: the server's pid, group and start time are recorded in server.json beside the log.
 The server runs in its own session, so one killpg reaches every process it started.
 
 EAGLE3_SERVER_LAUNCHER names a Python file to run instead of `-m sglang.launch_server`, with the same flags:
-tests put a stand-in there, since SGLang cannot run on a CPU machine.
+tests put a stand-in there, since SGLang cannot run on a CPU machine (vLLM's CPU build runs for real).
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import importlib.util
 import json
 import logging
 import os
+import shlex
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 
-from eagle3.config import ConfigError
+from eagle3.engines import Speculation, engine_for
 from eagle3.fsutil import atomic_write_text
 from eagle3.job import group_members, kill_leftovers, pid_start_ticks, read_boot_id, read_log_tail
 from eagle3.progress import beat
@@ -51,38 +50,6 @@ PR_SET_PDEATHSIG = 1
 
 class ServerError(RuntimeError):
     """The server did not come up (it exited, or /health never answered); the message holds its last log lines."""
-
-
-def launch_argv(cfg, extra_flags: dict[str, str | int | float | bool]) -> list[str]:
-    """`python -m sglang.launch_server` with the run config's server settings, then the stage's own flags."""
-    server = cfg.server
-    flags: dict[str, str | int | float | bool | None] = {
-        "model-path": cfg.target.model_path,
-        "tokenizer-path": cfg.target.tokenizer_path,
-        "host": HOST,
-        "port": server.port,
-        "tp-size": server.tp_size,
-        "dtype": cfg.target.dtype,
-        "mem-fraction-static": server.mem_fraction_static,
-        "trust-remote-code": cfg.target.trust_remote_code,
-        **server.extra_args,
-        **extra_flags,
-    }
-    launcher = os.environ.get("EAGLE3_SERVER_LAUNCHER")
-    if launcher:
-        argv = [sys.executable, launcher]
-    elif importlib.util.find_spec("sglang") is None:
-        raise ConfigError(
-            f"sglang is not installed for {sys.executable}: install it on the box (pip install -r "
-            "requirements-box.txt), or turn off generate.launch_server / benchmark.enabled"
-        )
-    else:
-        argv = [sys.executable, "-m", "sglang.launch_server"]
-    for name, value in flags.items():
-        if value is None or value is False:
-            continue
-        argv += [f"--{name}"] if value is True else [f"--{name}", str(value)]
-    return argv
 
 
 _libc = ctypes.CDLL(None, use_errno=True)  # loaded here: between fork and exec, do as little as possible
@@ -159,14 +126,15 @@ def stop(process: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:
 
 
 @contextlib.contextmanager
-def sglang_server(cfg, log_path: Path, extra_flags: dict | None = None) -> Iterator[str]:
-    """Start the server, wait for /health, yield its base URL; stop it on the way out, whatever happened."""
-    argv = launch_argv(cfg, extra_flags or {})
+def serving(cfg, log_path: Path, speculation: Speculation | None = None, tree: dict | None = None) -> Iterator[str]:
+    """Start the run's engine (with the drafter of `speculation`, if any; `tree`: benchmark's SGLang tree shape),
+    wait for /health, yield its base URL; stop it on the way out, whatever happened."""
+    argv = engine_for(cfg).launch_argv(cfg, speculation, tree)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     record_path = log_path.with_suffix(".json")
     stop_leftover(record_path)
     base_url = f"http://{HOST}:{cfg.server.port}"
-    log.info("server: starting %s (log: %s)", " ".join(argv), log_path)
+    log.info("server: starting %s (log: %s)", shlex.join(argv), log_path)
     with sigterm_as_exit(), open(log_path, "ab") as log_file:
         process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
                                    start_new_session=True, preexec_fn=_die_with_parent)
