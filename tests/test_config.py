@@ -194,6 +194,46 @@ def test_init_derives_a_drafter_shape_sglang_serves_for_a_kimi_shaped_target(tmp
     assert exported["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 30, 58]  # inputs of layers 2, 30, 58
 
 
+def test_init_names_what_a_target_config_lacks_for_the_serving_engines(tmp_path):
+    """A config.json written by transformers' DeepseekV3Config lacks the router fields SGLang and vLLM read with no
+    default (vLLM then fails to load the weights, SGLang does not start): init says so, naming them, before any
+    server is started hours later; the real Kimi-K2.5 config carries them and gets no warning."""
+    from tests.conftest import run_eagle3
+
+    for name, extra in (("lacking", {}), ("complete", {"topk_method": "noaux_tc", "scoring_func": "sigmoid",
+                                                       "moe_layer_freq": 1, "n_group": 1, "topk_group": 1,
+                                                       "norm_topk_prob": True, "routed_scaling_factor": 2.827})):
+        model = tmp_path / name
+        model.mkdir()
+        config = {**KIMI_K25_CONFIG, "text_config": {**KIMI_K25_CONFIG["text_config"], **extra}}
+        (model / "config.json").write_text(json.dumps(config))
+        draft = with_changes(run_name=name, workdir=str(tmp_path / "work"), target={"model_path": str(model)})
+        (tmp_path / f"{name}.json").write_text(json.dumps(draft))
+        init = run_eagle3("init", "--config", str(tmp_path / f"{name}.json"))
+        warned = [line for line in init.stderr.splitlines() if "lacks what the serving engines read" in line]
+        if name == "lacking":
+            assert len(warned) == 1 and all(f in warned[0] for f in ("topk_method", "scoring_func", "moe_layer_freq"))
+        else:
+            assert not warned
+
+
+def test_init_refuses_layers_an_engine_of_the_run_cannot_be_told(tmp_path):
+    from tests.conftest import run_eagle3
+
+    model = tmp_path / "kimi-k2.5"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(KIMI_K25_CONFIG))
+    draft = with_changes(workdir=str(tmp_path / "work"), target={"model_path": str(model)},
+                         extract={"aux_layers": [0, 29, 57]}, benchmark={"enabled": True})
+    (tmp_path / "draft.json").write_text(json.dumps(draft))
+    init = run_eagle3("init", "--config", str(tmp_path / "draft.json"), check=False)
+    assert init.returncode == 2 and "extract.aux_layers: [0, 29, 57] cannot be told to sglang" in init.stderr
+    # vLLM can be told HF layer 0 (the input ids [1, 30, 58]): the same run served by vLLM is fine.
+    draft["server"] = {"engine": "vllm"}
+    (tmp_path / "draft.json").write_text(json.dumps(draft))
+    assert run_eagle3("init", "--config", str(tmp_path / "draft.json"), check=False).returncode == 0
+
+
 def test_a_head_dim_sglang_cannot_run_is_refused_by_name():
     assert "drafter.head_dim: 112 is not one SGLang's attention backends all run" in error_of(
         with_changes(drafter={"head_dim": 112}))

@@ -73,3 +73,34 @@ def test_vllm_serving_the_exported_drafter_measures_what_evaluate_measures(train
     assert report["speculative"]["3"]["mean_accept_length"] > 1.2  # a drafter that drafts, not an idle one
     log = (served.run_dir / "evaluate" / "server-k3.log").read_text()
     assert "Using auxiliary layers from speculative config: (2, 4, 5)" in log  # HF outputs 1, 3, 4: inputs 2, 4, 5
+
+
+@pytest.mark.slow
+def test_generate_through_vllms_chat_server_answers_as_the_target_does_in_transformers(make_config, tmp_path):
+    """generate.launch_server with server.engine vllm: the stage starts vLLM's OpenAI server, regenerates the answers
+    through /v1/chat/completions (the chat template applied by vLLM), and stops it. Greedy, so the answers are the
+    ones the target gives in transformers (generate.backend hf), word for word."""
+    from eagle3.generate import run_generate
+
+    settings = {"enabled": True, "max_tokens": 32, "concurrency": 4, "progress_interval_s": 0.5}
+    by_hf = make_config(run_name="hf", data={"max_samples": 12}, generate={**settings, "backend": "hf"})
+    run_generate(by_hf)
+    by_vllm = make_config(run_name="vllm", data={"max_samples": 12},
+                          generate={**settings, "backend": "server", "launch_server": True},
+                          server={"engine": "vllm", "python": str(VLLM_PYTHON), "port": free_port(),
+                                  "startup_timeout_s": 600,
+                                  "extra_args": {"kv-cache-memory-bytes": 256 << 20, "max-model-len": 1024}})
+    config_file = tmp_path / "vllm.json"
+    config_file.write_text(dump_run_config(by_vllm))
+    stage = subprocess.run([sys.executable, "-m", "eagle3", "generate", "--config", str(config_file)],
+                           capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert stage.returncode == 0, stage.stderr[-4000:]
+    assert "server: healthy" in stage.stderr and "server: stopped" in stage.stderr
+
+    def answers(cfg) -> list[list[str]]:
+        lines = (cfg.run_dir / "generate" / "conversations.jsonl").read_text().splitlines()
+        rows = [json.loads(line) for line in lines]
+        return [[m["content"] for m in row["messages"] if m["role"] == "assistant"] for row in rows]
+
+    assert json.loads(stage.stdout)["regenerated"] == 12
+    assert answers(by_vllm) == answers(by_hf) and len(answers(by_hf)) == 12
