@@ -5,7 +5,7 @@ Written as the attacks a USER-role user can make: mark the approval task success
 (an Approve by someone else, or one from another run or for another proposal), approve their own run, or answer
 although not an approver (possible in SimpleAuthManager's all-admins mode); and put markdown into a value that
 reaches the approval's body. The box is this machine; the promote command itself is recorded, not run (the box side
-of `--approved-by` is another change's).
+of `--approved-by` is another change's). The approval's resume event is given as the API server builds it.
 """
 
 from __future__ import annotations
@@ -72,13 +72,11 @@ def proposed(plan) -> dict:
     return plan
 
 
-def answered(monkeypatch, chosen: str, user: str | None):
-    """The approval task's own human-in-the-loop record, as the API server wrote it when `user` answered."""
-    detail = SimpleNamespace(response_received=True, chosen_options=[chosen],
-                             responded_by_user=user and SimpleNamespace(id=user, name=user),
-                             responded_at=datetime(2026, 12, 4, 9, 0, tzinfo=UTC))
-    monkeypatch.setattr(approval_module, "hitl_detail", lambda ti: detail)
-    return {"chosen_options": [chosen], "params_input": {}, "responded_at": detail.responded_at,
+def answered(chosen: str, user: str | None) -> dict:
+    """The approval task's resume event, as the API server builds it from the human-in-the-loop record when `user`
+    answered (HITLDetail.as_resume_event_payload)."""
+    return {"chosen_options": [chosen], "params_input": {}, "timedout": False,
+            "responded_at": datetime(2026, 12, 4, 9, 0, tzinfo=UTC),
             "responded_by_user": user and {"id": user, "name": user}}
 
 
@@ -90,8 +88,8 @@ def approval_task(plan: dict) -> PromotionApproval:
 CONTEXT_TI = {**CONTEXT, "task_instance": SimpleNamespace(id="0199-ti"), "ti": SimpleNamespace(id="0199-ti")}
 
 
-def approve(monkeypatch, plan: dict, user: str) -> dict:
-    return approval_task(plan).execute_complete(CONTEXT_TI, answered(monkeypatch, "Approve", user))
+def approve(plan: dict, user: str) -> dict:
+    return approval_task(plan).execute_complete(CONTEXT_TI, answered("Approve", user))
 
 
 # -- who is asked, and what they read ---------------------------------------------------------------------------
@@ -134,9 +132,8 @@ def test_a_workdir_with_a_backtick_stays_a_path_in_the_body(tmp_path, trust_sett
 # -- who may approve ---------------------------------------------------------------------------------------------
 
 
-def test_an_approve_by_an_approver_who_did_not_trigger_the_run_is_sealed_for_promote(proposed, monkeypatch,
-                                                                                     promote_calls):
-    record = approve(monkeypatch, proposed, "bob")
+def test_an_approve_by_an_approver_who_did_not_trigger_the_run_is_sealed_for_promote(proposed, promote_calls):
+    record = approve(proposed, "bob")
     assert record["approved_by"] == "bob" and "seal" in record
     outcome = tasks.promote_held(proposed, record, dag_run=RUN, deployment=Deployment(approvers=APPROVERS))
     assert outcome["promoted"]
@@ -145,34 +142,33 @@ def test_an_approve_by_an_approver_who_did_not_trigger_the_run_is_sealed_for_pro
                          "--approved-by=bob"]
 
 
-def test_the_user_who_triggered_the_run_cannot_approve_it(proposed, monkeypatch):
+def test_the_user_who_triggered_the_run_cannot_approve_it(proposed):
     with pytest.raises(AirflowFailException, match=r"answered Approve by 'trigger-user', who triggered this run: a "
                                                    r"promotion needs the Approve of another approver \(\['bob'\]\)"):
-        approve(monkeypatch, proposed, "trigger-user")
+        approve(proposed, "trigger-user")
 
 
-def test_an_answer_by_someone_not_among_the_approvers_promotes_nothing(proposed, monkeypatch):
+def test_an_answer_by_someone_not_among_the_approvers_promotes_nothing(proposed):
     """SimpleAuthManager's all-admins mode lets any user answer: the task checks the approvers itself."""
     with pytest.raises(AirflowFailException, match=r"answered Approve by 'mallory', who is not one of this "
                                                    r"deployment's approvers \['bob', 'trigger-user'\]"):
-        approve(monkeypatch, proposed, "mallory")
+        approve(proposed, "mallory")
 
 
-def test_the_record_the_api_server_wrote_outweighs_the_resume_event(proposed, monkeypatch):
-    event = answered(monkeypatch, "Reject", "bob")
-    with pytest.raises(Tampered, match=r"resumed with Approve, but its human-in-the-loop record holds \['Reject'\]"):
-        approval_task(proposed).execute_complete(CONTEXT_TI, {**event, "chosen_options": ["Approve"]})
+def test_an_approve_nobody_gave_is_no_approval(proposed):
+    with pytest.raises(Tampered, match="resumed with Approve, but with no user who answered it"):
+        approval_task(proposed).execute_complete(CONTEXT_TI, answered("Approve", None))
 
 
-def test_a_rejection_returns_no_approval(proposed, monkeypatch):
-    answer = approval_task(proposed).execute_complete(CONTEXT_TI, answered(monkeypatch, "Reject", "bob"))
+def test_a_rejection_returns_no_approval(proposed):
+    answer = approval_task(proposed).execute_complete(CONTEXT_TI, answered("Reject", "bob"))
     assert "seal" not in answer
 
 
 # -- what promote accepts as an approval -----------------------------------------------------------------------
 
 
-def test_promote_refuses_without_a_sealed_approval(proposed, monkeypatch, promote_calls):
+def test_promote_refuses_without_a_sealed_approval(proposed, promote_calls):
     """The approval task marked successful by hand leaves no record; a hand-written XCom has no valid seal."""
     deployment = Deployment(approvers=APPROVERS)
     forged = {"chosen_options": ["Approve"], "approved_by": "bob", "approver_id": "bob", "responded_at": None,
@@ -181,7 +177,7 @@ def test_promote_refuses_without_a_sealed_approval(proposed, monkeypatch, promot
                           ({**forged, "seal": "0" * 64}, "does not match its seal")):
         with pytest.raises(Tampered, match=why):
             tasks.promote_held(proposed, approval, dag_run=RUN, deployment=deployment)
-    record = approve(monkeypatch, proposed, "bob")
+    record = approve(proposed, "bob")
     with pytest.raises(Tampered, match="does not match its seal"):  # the approver edited in XCom
         tasks.promote_held(proposed, {**record, "approved_by": "trigger-user", "approver_id": "trigger-user"},
                            dag_run=RUN, deployment=deployment)
@@ -191,26 +187,26 @@ def test_promote_refuses_without_a_sealed_approval(proposed, monkeypatch, promot
     assert promote_calls == []
 
 
-def test_an_approval_holds_for_the_proposal_it_approved_only(proposed, monkeypatch, promote_calls):
-    record = approve(monkeypatch, proposed, "bob")
+def test_an_approval_holds_for_the_proposal_it_approved_only(proposed, promote_calls):
+    record = approve(proposed, "bob")
     write_proposal(proposed["run_dir"], accept_length={"3": 1.2})  # evaluate ran again: another drafter
     with pytest.raises(Tampered, match="approved another proposal than the one"):
         tasks.promote_held(proposed, record, dag_run=RUN, deployment=Deployment(approvers=APPROVERS))
     assert promote_calls == []
 
 
-def test_an_approver_removed_from_the_settings_since_cannot_promote(proposed, monkeypatch, promote_calls):
-    record = approve(monkeypatch, proposed, "bob")
+def test_an_approver_removed_from_the_settings_since_cannot_promote(proposed, promote_calls):
+    record = approve(proposed, "bob")
     with pytest.raises(AirflowFailException, match=r"'bob', who is not one of this deployment's approvers"):
         tasks.promote_held(proposed, record, dag_run=RUN,
                            deployment=Deployment(approvers=["carol"], approve_promotion=True))
     assert promote_calls == []
 
 
-def test_a_retry_after_the_switch_still_matches_its_approval(proposed, monkeypatch, promote_calls):
+def test_a_retry_after_the_switch_still_matches_its_approval(proposed, promote_calls):
     """`lineage promote` rewrites the report's promotion (promoted, the version) and keeps what was proposed: a
     retry of promote whose first try died after the switch goes through again (the box answers it idempotently)."""
-    record = approve(monkeypatch, proposed, "bob")
+    record = approve(proposed, "bob")
     write_proposal(proposed["run_dir"], promoted=True, pending_approval=False, version="r-1a2b3c4d",
                    reason=PROPOSAL["reason"] + "; approved")
     tasks.promote_held(proposed, record, dag_run=RUN, deployment=Deployment(approvers=APPROVERS))

@@ -6,14 +6,17 @@ and what the promote task accepts as an approval.
   them; SimpleAuthManager's all-admins mode lets everyone answer, so the checks below do not rely on it).
 - The body (both drafters' figures) is made from the run's report on the box through the verified plan, never from
   another task's XCom, and escaped (eagle3_airflow.run_note), so a hostile value cannot render as an instruction.
-- Who answered: the approval task, once resumed, reads its own human-in-the-loop detail through the Task SDK
-  (GET /execution/hitlDetails/{its task instance id}); the API server wrote responded_by there from the
-  authenticated user. That is the most trustworthy source a task has: the Execution API lets a task read only its own
-  detail (scope ti:self), so the promote task cannot read the approval's, and the approval's XCom is editable by the
-  USER role. So the approval checks the answer itself (Approve, by one of the approvers, not by the user who
-  triggered the run) and hands the promote task a sealed record (eagle3_airflow.seal) of who approved which
-  proposal; promote checks the seal, the approver against the settings as they are then, the triggering user, and
-  that the proposal on the box is the one approved (a re-evaluated drafter needs a new approval).
+- Who answered: the approval task, resumed, takes it from its resume event. The API server builds that event from
+  the human-in-the-loop detail row when the authenticated user answers (HITLDetail.as_resume_event_payload:
+  responded_by is that user) and stores it as the task instance's next_kwargs, which no public API writes. That is
+  the most trustworthy source a running task has in Airflow 3.3: the Execution API's route for a task's own detail
+  (GET /execution/hitlDetails/{ti id}, scope ti:self) is relayed by the triggerer only; a task's supervisor answers
+  the Task SDK's get_hitl_detail_content_detail with "Unhandled request". The promote task could not read the
+  approval's detail at all (ti:self), and the approval's XCom is the USER role's to edit. So the approval checks the
+  answer itself (Approve, by one of the approvers, not by the user who triggered the run) and hands the promote
+  task a sealed record (eagle3_airflow.seal) of who approved which proposal; promote checks the seal, the approver
+  against the settings as they are then, the triggering user, and that the proposal on the box is the one approved
+  (a re-evaluated drafter needs a new approval).
 
 A task marked successful by hand leaves no sealed record, and promote refuses to promote without one.
 """
@@ -66,13 +69,6 @@ def check_approver(user_id: str, user_name: str, approvers: list, triggering_use
                                    + ASK_AGAIN)
 
 
-def hitl_detail(task_instance):
-    """This task instance's own human-in-the-loop detail, from the API server through the Task SDK."""
-    from airflow.sdk.execution_time.hitl import get_hitl_detail_content_detail
-
-    return get_hitl_detail_content_detail(ti_id=task_instance.id)
-
-
 class PromotionApproval(ApprovalOperator):
     """Asks the settings' approvers to approve the promotion evaluate proposed; see the module docstring.
 
@@ -105,21 +101,21 @@ class PromotionApproval(ApprovalOperator):
         answer = super().execute_complete(context=context, event=event)  # on Reject: downstream skipped
         if list(answer["chosen_options"]) != [self.APPROVE]:
             return answer
-        detail = hitl_detail(context["task_instance"])
-        user = detail.responded_by_user
-        if not detail.response_received or list(detail.chosen_options or []) != [self.APPROVE] or user is None:
-            raise Tampered(f"approve_promotion resumed with Approve, but its human-in-the-loop record holds "
-                           f"{list(detail.chosen_options or [])} by {getattr(user, 'name', None)!r}: no promotion. "
+        user = event.get("responded_by_user")  # the API server's: the authenticated user who answered
+        if not isinstance(user, dict) or not user.get("id") or not user.get("name"):
+            raise Tampered("approve_promotion resumed with Approve, but with no user who answered it: no promotion. "
                            + ASK_AGAIN)
-        check_approver(user.id, user.name, self.approvers, getattr(dag_run, "triggering_user_name", None))
+        user_id, user_name = str(user["id"]), str(user["name"])
+        check_approver(user_id, user_name, self.approvers, getattr(dag_run, "triggering_user_name", None))
         promotion = proposed_promotion(plan)
         if promotion is None:
             raise AirflowFailException(f"{plan.run_dir}: the promotion approved is no longer held on the box "
                                        "(evaluate ran again?). " + ASK_AGAIN)
-        record = {"chosen_options": [self.APPROVE], "approved_by": user.name, "approver_id": user.id,
-                  "responded_at": detail.responded_at.isoformat() if detail.responded_at else None,
+        responded_at = event.get("responded_at")
+        record = {"chosen_options": [self.APPROVE], "approved_by": user_name, "approver_id": user_id,
+                  "responded_at": responded_at.isoformat() if hasattr(responded_at, "isoformat") else None,
                   "proposal_sha256": proposal_digest(promotion)}
-        log.info("approved by %s (id %s), one of the approvers; proposal %s", user.name, user.id,
+        log.info("approved by %s (id %s), one of the approvers; proposal %s", user_name, user_id,
                  record["proposal_sha256"][:16])
         return {**record, "seal": seal("approval", record, RunRef.of(dag_run), task_key())}
 
