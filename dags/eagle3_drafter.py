@@ -64,8 +64,8 @@ with DAG(
 
     @task(retries=0, multiple_outputs=True)
     def validate(params=None, dag_run=None) -> dict:
-        """Refuse unknown keys and bad values (fields named, fixes given) before anything runs."""
-        return tasks.validate_run(dict(params), dict(dag_run.conf or {}), set(PARAMS), dag_run.run_id, SETTINGS)
+        """Refuse unknown keys and bad values (fields named, fixes given) before anything runs; seal the plan."""
+        return tasks.validate_run(dict(params), dict(dag_run.conf or {}), set(PARAMS), dag_run, SETTINGS)
 
     run = validate()
     plan = run["plan"]
@@ -76,11 +76,7 @@ with DAG(
     gpus_idle = GpuIdleSensor(task_id="gpus_idle", plan=plan, timeout=SENSOR_TIMEOUT)
     disk_space = DiskSpaceSensor(task_id="disk_space", plan=plan, timeout=SENSOR_TIMEOUT)
 
-    @task
-    def shards(plan: dict) -> list[int]:
-        """One extract task per shard (Airflow maps only over a task's whole return value)."""
-        return list(range(plan["num_shards"]))
-
+    shards = task(tasks.shard_list, task_id="shards")
     generate = RemoteJobOperator(task_id="generate", stage="generate", plan=plan, pool=POOL, only_if="generate")
     extract = RemoteJobOperator.partial(
         task_id="extract", stage="extract", plan=plan, pool=POOL,
@@ -100,18 +96,19 @@ with DAG(
     benchmark = RemoteJobOperator(task_id="benchmark", stage="benchmark", plan=plan, pool=POOL, only_if="benchmark")
     approval = []
     if SETTINGS.approve_promotion:
-        from airflow.providers.standard.operators.hitl import ApprovalOperator
+        from eagle3_airflow.approval import PromotionApproval
 
         proposed = task.short_circuit(tasks.promotion_proposed, task_id="promotion_proposed",
                                       trigger_rule="none_failed",  # after a skipped benchmark too
                                       ignore_downstream_trigger_rules=False)(plan)
-        approve = ApprovalOperator(
-            task_id="approve_promotion", subject="Promote the drafter of run {{ run_id }}?",
-            body="{{ ti.xcom_pull(task_ids='promotion_proposed') }}",
-            defaults="Reject", response_timeout=timedelta(hours=SETTINGS.approval_timeout_h))  # no answer: rejected
-        approval = [proposed, approve, task(tasks.promote_held, task_id="promote")(plan)]
+        # Asked of the settings' approvers; its body is read from the box, not from another task's XCom.
+        approve = PromotionApproval(
+            task_id="approve_promotion", subject="Promote the drafter of run {{ run_id }}?", plan=plan,
+            approvers=SETTINGS.approvers, defaults="Reject",
+            response_timeout=timedelta(hours=SETTINGS.approval_timeout_h))  # no answer: rejected
+        approval = [proposed, approve, task(tasks.promote_held, task_id="promote")(plan, approve.output)]
     summary = task(tasks.report, task_id="report", trigger_rule="none_failed")(plan)
-    promoted = task(tasks.announce_promotion, task_id="promoted", outlets=[DRAFTER])(plan, summary, DRAFTER.name)
+    promoted = task(tasks.announce_promotion, task_id="promoted", outlets=[DRAFTER])(plan, DRAFTER.name)
     retention = task(tasks.prune_runs, task_id="retention", trigger_rule="none_failed")(plan, SETTINGS.keep_runs)
 
     chain(run, box_reachable, code_synced, config_written, gpus_idle, disk_space, generate, extract, gpus_released,

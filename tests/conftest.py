@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -33,6 +34,11 @@ if "AIRFLOW_HOME" not in os.environ:
 # Results are compared within the suite only (every run of it uses the same setting); the tiny target's bytes do not
 # depend on it (eagle3.tiny_target pins its own thread count).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# The key run plans are sealed with (eagle3_airflow/seal.py), for tests that call tasks in this process: the Task
+# SDK reads Variables from AIRFLOW_VAR_* first. (airflow_env() leaves AIRFLOW* variables out of the DAG runs' `airflow`
+# processes: there the validate task makes and stores a key of its own, as in a fresh deployment.)
+os.environ.setdefault("AIRFLOW_VAR_EAGLE3_PLAN_SECRET", "tests-plan-secret-" + os.urandom(8).hex())
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_TARGET = REPO / ".cache" / "tiny-target"
@@ -220,9 +226,37 @@ VLLM = {"gpu_uuid": "GPU-0a1b", "pid": 4242, "process_name": "python3 -m vllm.en
         "used_memory": 70000}
 
 
+# The DAG run the tests' plans are sealed for, as a task's context hands it over (the Task SDK's DagRun has these).
+RUN = SimpleNamespace(dag_id="eagle3_drafter", run_id="manual__2026-12-04T08:00:00+00:00", conf={},
+                      triggering_user_name="trigger-user")
+CONTEXT = {"dag_run": RUN}
+
+
+def sealed(plan, dag_run=RUN) -> dict:
+    """A plan (a RunPlan or its dict, with or without an old seal) sealed as validate seals it, for `dag_run`."""
+    from eagle3_airflow.plan import RunPlan
+    from eagle3_airflow.seal import task_key
+
+    if isinstance(plan, dict):
+        plan = RunPlan.from_trusted({key: value for key, value in plan.items() if key != "seal"})
+    return plan.sealed(dag_run, task_key())
+
+
 @pytest.fixture
-def plan(tmp_path, make_config) -> dict:
-    """A run plan for a run on the tiny target with the package synced to a workdir on this machine."""
+def trust_settings(tmp_path, monkeypatch) -> Path:
+    """Settings (EAGLE3_DAG_SETTINGS) under which the tests' plans verify: this test's tmp_path as the allowed
+    workdir root, this machine and the loopback sshd's box as the allowed boxes, two units as stoppable services."""
+    path = tmp_path / "dag-settings.json"
+    path.write_text(json.dumps({"allowed_workdirs": [str(tmp_path)], "allowed_boxes": ["local", "gpu_box"],
+                                "allowed_services": ["vllm.service", "other.service"]}))
+    monkeypatch.setenv("EAGLE3_DAG_SETTINGS", str(path))
+    return path
+
+
+@pytest.fixture
+def plan(tmp_path, make_config, trust_settings) -> dict:
+    """A run plan for a run on the tiny target with the package synced to a workdir on this machine, sealed for RUN
+    as the validate task seals it."""
     from eagle3.config import write_run_config
     from eagle3_airflow.codesync import ensure_code
     from eagle3_airflow.plan import RunPlan
@@ -231,9 +265,9 @@ def plan(tmp_path, make_config) -> dict:
     cfg = make_config(workdir=tmp_path / "work")
     write_run_config(cfg)
     ensure_code(LocalBox(), sys.executable, cfg.workdir)
-    return RunPlan(run_name=cfg.run_name, workdir=cfg.workdir, run_dir=str(cfg.run_dir), conn_ids=["local"],
-                   python=sys.executable, num_shards=1, generate=False, benchmark=False, require_gpus=True,
-                   gpu_max_used_mib=1024).to_xcom()
+    return sealed(RunPlan(run_name=cfg.run_name, workdir=cfg.workdir, run_dir=str(cfg.run_dir), conn_ids=["local"],
+                          python=sys.executable, num_shards=1, generate=False, benchmark=False, require_gpus=True,
+                          gpu_max_used_mib=1024))
 
 
 @pytest.fixture
@@ -253,7 +287,7 @@ def poke(sensor_class, plan: dict, capsys, **kwargs) -> tuple[bool, str]:
     """Poke once; return the answer and what the sensor logged (Airflow's task logger writes to stdout here)."""
     sensor = sensor_class(task_id="sensor", plan=plan, **kwargs)
     capsys.readouterr()
-    result = sensor.poke({})
+    result = sensor.poke(CONTEXT)
     return result, capsys.readouterr().out
 
 

@@ -70,8 +70,11 @@ def conf_for(tiny_target: Path, workdir: Path, run_name: str = BASELINE_RUN_NAME
 
 
 def settings_env(directory: Path, **values) -> dict[str, str]:
-    """Write a deployment settings file (EAGLE3_DAG_SETTINGS) into `directory`; return the env that names it."""
+    """Write a deployment settings file (EAGLE3_DAG_SETTINGS) into `directory`; return the env that names it.
+    Unless `values` say otherwise, runs may use any workdir under pytest's temp root for this session (two levels
+    above a test's temp dir: every test's, and the baseline's, workdir lies under it)."""
     path = Path(directory) / "dag-settings.json"
+    values.setdefault("allowed_workdirs", [str(Path(directory).resolve().parents[1])])
     path.write_text(json.dumps(values))
     return {"EAGLE3_DAG_SETTINGS": str(path)}
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from eagle3.capture.hf import HfCapture
 from eagle3.data import TokenizedSample
+from tests.conftest import CONTEXT, sealed
 
 
 def test_hf_capture_equals_transformers_output_hidden_states(make_config, tiny_target, tiny_tokenizer):
@@ -37,7 +40,7 @@ def test_hf_capture_equals_transformers_output_hidden_states(make_config, tiny_t
         assert (logits.argmax(-1) == ref.logits[0].argmax(-1)).float().mean() > 0.95
 
 
-def test_shards_sharing_a_box_take_gpus_of_their_own():
+def test_shards_sharing_a_box_take_gpus_of_their_own(monkeypatch, tmp_path):
     """Shards are dealt round-robin to the boxes, and each takes its own GPU group there (no GPU here: the
     arithmetic and the refusal are what can be checked)."""
     from eagle3.capture import check_gpu_group
@@ -48,9 +51,13 @@ def test_shards_sharing_a_box_take_gpus_of_their_own():
 
     plan = RunPlan(run_name="r", workdir="/w", run_dir="/w/runs/r", conn_ids=["box_a", "box_b"], python="python",
                    num_shards=5, generate=False, benchmark=False, require_gpus=True, gpu_max_used_mib=1024)
+    settings = tmp_path / "dag-settings.json"  # under which the plan verifies
+    settings.write_text(json.dumps({"allowed_workdirs": ["/w"], "allowed_boxes": ["local", "box_a", "box_b"]}))
+    monkeypatch.setenv("EAGLE3_DAG_SETTINGS", str(settings))
     placed = [(plan.conn_for_shard(s), plan.gpu_group_for_shard(s)) for s in range(5)]
     assert placed == [("box_a", 0), ("box_b", 0), ("box_a", 1), ("box_b", 1), ("box_a", 2)]
-    operator = RemoteJobOperator(task_id="extract", stage="extract", plan=plan.to_xcom(), shard=4)
+    operator = RemoteJobOperator(task_id="extract", stage="extract", plan=sealed(plan), shard=4)
+    operator.verify_plan(CONTEXT)  # what the task does first
     assert operator._stage_argv()[-6:] == ["--shard", "4", "--num-shards", "5", "--gpu-group", "2"]
 
     check_gpu_group(3, 2, 8)  # GPUs 6..7 of 8

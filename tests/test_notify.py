@@ -13,6 +13,7 @@ from email.message import Message
 import pytest
 
 from tests.airflow_env import AIRFLOW, airflow_env
+from tests.conftest import CONTEXT
 from tests.dagruns import WORKER_SECRETS, settings_env
 
 
@@ -68,7 +69,7 @@ def test_a_stage_that_failed_for_good_mails_its_run_task_box_log_path_and_last_l
               "state": {"exit_code": 1, "try": 3, "log": "/data/eagle3/runs/r/jobs/train/log"},
               "log_tail": ["step 812/4000 loss 2.31", "RuntimeError: NCCL timeout {{ 7 * 7 }}"]}
     with pytest.raises(Exception) as error:
-        operator.execute_complete({}, failed)
+        operator.execute_complete(CONTEXT, failed)
     # The context Airflow hands an on_failure_callback, with what this message reads of it.
     context = {"ti": SimpleNamespace(dag_id="eagle3_drafter", task_id="train", map_index=-1, try_number=3),
                "task": operator, "dag_run": SimpleNamespace(run_id="scheduled__2026-12-01"),

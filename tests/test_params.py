@@ -15,6 +15,7 @@ from airflow.sdk.exceptions import AirflowFailException, ParamValidationError
 from eagle3_airflow.deployment import Deployment
 from eagle3_airflow.params import ParamsError, build_params, params_to_configs, unflatten
 from eagle3_airflow.tasks import validate_run
+from tests.conftest import RUN
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -89,19 +90,19 @@ def test_good_values_validate_and_become_a_run_config():
 def test_unknown_conf_keys_are_rejected_by_the_first_task_with_a_hint():
     params = dict(form().validate())
     with pytest.raises(AirflowFailException, match=r"'epochs' \(did you mean 'train.epochs'\?\)"):
-        validate_run(params, {"epochs": 2}, set(build_params()), "manual__1")
+        validate_run(params, {"epochs": 2}, set(build_params()), RUN)
 
 
 def test_cross_field_errors_name_the_field():
     params = dict(form(**{"target.num_hidden_layers": 8, "extract.aux_layers": [1, 3, 9]}).validate())
     with pytest.raises(AirflowFailException, match=r"extract.aux_layers: layer 9 out of range for a 8-layer target"):
-        validate_run(params, {}, set(build_params()), "manual__1")
+        validate_run(params, {}, set(build_params()), RUN)
 
 
 def test_paths_with_shell_syntax_are_valid_data_not_commands():
     """$(...) and backticks are legal in a POSIX path; they travel as data (argv elements, a JSON file)."""
     path = "/data/$(touch /tmp/pwned)/`id`/x.jsonl"
-    run = validate_run(dict(form(**{"data.path": path}).validate()), {}, set(build_params()), "manual__1")
+    run = validate_run(dict(form(**{"data.path": path}).validate()), {}, set(build_params()), RUN, trusted())
     assert run["config"]["data"]["path"] == path
 
 
@@ -128,20 +129,25 @@ def test_an_emptied_run_name_is_allowed_and_names_the_run_after_the_run_id():
 # -- the deployment decides which boxes, services, hosts and variables a run may use -----------------------
 
 
+def trusted(**settings) -> Deployment:
+    """Settings under which GOOD's workdir is allowed (a trigger may use no workdir the settings do not allow)."""
+    return Deployment(**{"allowed_workdirs": ["/data"], **settings})
+
+
 def validate_under(deployment, **overrides) -> dict:
-    return validate_run(dict(form(**overrides).validate()), {}, set(build_params()), "manual__1", deployment)
+    return validate_run(dict(form(**overrides).validate()), {}, set(build_params()), RUN, deployment)
 
 
 def test_a_trigger_cannot_send_the_run_to_another_stored_connection():
     """Any Airflow connection id is a valid name (a database bastion's, say); only the deployment's boxes pass."""
-    deployment = Deployment(allowed_boxes=["gpu-box-1", "gpu-box-2"], params={"box.conn_ids": ["gpu-box-1"]})
+    deployment = trusted(allowed_boxes=["gpu-box-1", "gpu-box-2"], params={"box.conn_ids": ["gpu-box-1"]})
     assert validate_under(deployment, **{"box.conn_ids": ["gpu-box-2"]})["plan"]["conn_ids"] == ["gpu-box-2"]
     with pytest.raises(AirflowFailException, match=r"box.conn_ids: \['db_bastion'\] not allowed here; this "
                        r"deployment allows \['gpu-box-1', 'gpu-box-2'\]"):
         validate_under(deployment, **{"box.conn_ids": ["gpu-box-1", "db_bastion"]})
     # With no list in the settings file, only the default box is allowed.
     with pytest.raises(AirflowFailException, match=r"allows \['local'\]"):
-        validate_under(Deployment(), **{"box.conn_ids": ["db_bastion"]})
+        validate_under(trusted(), **{"box.conn_ids": ["db_bastion"]})
 
 
 def test_the_form_offers_only_the_deployments_boxes_and_services():
@@ -158,7 +164,7 @@ def test_the_form_offers_only_the_deployments_boxes_and_services():
 
 
 def test_a_trigger_cannot_stop_a_service_the_deployment_did_not_list():
-    deployment = Deployment(allowed_services=["vllm.service"])
+    deployment = trusted(allowed_services=["vllm.service"])
     assert validate_under(deployment, **{"box.stop_services": ["vllm.service"]})["plan"]["stop_services"] == [
         "vllm.service"]
     with pytest.raises(AirflowFailException, match=r"box.stop_services: \['sshd.service'\] not allowed here"):
@@ -168,10 +174,10 @@ def test_a_trigger_cannot_stop_a_service_the_deployment_did_not_list():
 def test_generate_talks_only_to_the_deployments_endpoint_hosts():
     """The endpoint receives every conversation (and the API key): a trigger cannot point it at its own host."""
     on = {"generate.enabled": True}
-    assert validate_under(Deployment(), **on, **{"generate.endpoint": "http://localhost:30000/v1"})
-    with pytest.raises(AirflowFailException, match=r"generate.endpoint: host 'collector.example' not allowed here"):
-        validate_under(Deployment(), **on, **{"generate.endpoint": "https://collector.example/v1"})
-    allowed = Deployment(allowed_endpoint_hosts=["sglang.internal"])
+    assert validate_under(trusted(), **on, **{"generate.endpoint": "http://localhost:30000/v1"})
+    with pytest.raises(AirflowFailException, match=r"generate.endpoint: collector.example:443 not allowed here"):
+        validate_under(trusted(), **on, **{"generate.endpoint": "https://collector.example/v1"})
+    allowed = trusted(allowed_endpoint_hosts=["sglang.internal"])
     assert validate_under(allowed, **on, **{"generate.endpoint": "http://sglang.internal:30000/v1"})
 
 
@@ -180,8 +186,8 @@ def test_an_api_key_variable_must_be_one_the_deployment_passes():
     sent to the endpoint as a bearer token."""
     with pytest.raises(AirflowFailException, match=r"generate.api_key_env: 'AIRFLOW__CORE__FERNET_KEY' is not a "
                        r"variable this deployment passes"):
-        validate_under(Deployment(), **{"generate.api_key_env": "AIRFLOW__CORE__FERNET_KEY"})
-    run = validate_under(Deployment(box_env=["SGLANG_API_KEY"]), **{"generate.api_key_env": "SGLANG_API_KEY"})
+        validate_under(trusted(), **{"generate.api_key_env": "AIRFLOW__CORE__FERNET_KEY"})
+    run = validate_under(trusted(box_env=["SGLANG_API_KEY"]), **{"generate.api_key_env": "SGLANG_API_KEY"})
     assert run["plan"]["box_env"] == ["SGLANG_API_KEY"]
 
 

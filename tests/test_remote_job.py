@@ -15,6 +15,7 @@ import pytest
 from eagle3_airflow.codesync import ensure_code
 from eagle3_airflow.jobs import RemoteJobTrigger, job_argv
 from eagle3_airflow.transport import SSHBox
+from tests.conftest import CONTEXT, sealed
 
 pytestmark = pytest.mark.slow
 
@@ -109,7 +110,8 @@ def running(pid: int) -> bool:
         return False
 
 
-def test_the_workers_job_start_rides_out_an_outage_and_starts_the_job_once(box, fresh_sshd, tmp_path, capsys):
+def test_the_workers_job_start_rides_out_an_outage_and_starts_the_job_once(box, fresh_sshd, tmp_path, capsys,
+                                                                           trust_settings):
     """`job start` from the worker while sshd is down for 4 s: retried with backoff, not a failed try."""
     import threading
     from types import SimpleNamespace
@@ -122,11 +124,12 @@ def test_the_workers_job_start_rides_out_an_outage_and_starts_the_job_once(box, 
             return [sys.executable, "-c", "import time; time.sleep(1)"]
 
     work = tmp_path / "work"
-    plan = RunPlan(run_name="r", workdir=str(work), run_dir=str(work / "runs" / "r"), conn_ids=["gpu_box"],
-                   python=sys.executable, num_shards=1, generate=False, benchmark=False, require_gpus=False,
-                   gpu_max_used_mib=1024, ssh_grace_s=60).to_xcom()
+    plan = sealed(RunPlan(run_name="r", workdir=str(work), run_dir=str(work / "runs" / "r"), conn_ids=["gpu_box"],
+                          python=sys.executable, num_shards=1, generate=False, benchmark=False, require_gpus=False,
+                          gpu_max_used_mib=1024, ssh_grace_s=60))
     operator = SleepingStage(task_id="train", stage="train", plan=plan)
-    context = {"ti": SimpleNamespace(task_id="train", map_index=-1)}
+    context = {**CONTEXT, "ti": SimpleNamespace(task_id="train", map_index=-1)}
+    operator.verify_plan(context)  # what execute() does first
 
     fresh_sshd.stop()
     back = threading.Timer(4, fresh_sshd.start)

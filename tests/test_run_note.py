@@ -59,3 +59,37 @@ def test_the_note_fits_airflows_column_whatever_the_paths():
     note = note_markdown(summary)
     assert len(note) <= NOTE_LIMIT
     assert note.startswith(f"{NOTE_TITLE}: promoted") and "| 3 | 2.821 | 2.538 |" in note  # the figures stay
+
+
+# -- issue 35, item 8: values from a trigger, the box or XCom render as the text they are ----------------------
+
+
+def render(markdown: str) -> str:
+    """As the Airflow UI renders a note: CommonMark with GitHub's tables and strikethrough."""
+    from markdown_it import MarkdownIt
+
+    return MarkdownIt("commonmark").enable(["table", "strikethrough"]).render(markdown)
+
+
+def test_markdown_in_a_workdir_a_reason_or_a_forged_figure_renders_as_literal_text():
+    """The issue's attack: a workdir with a backtick ended the drafter's code span, and what followed rendered as
+    an image and as bold text; a forged summary's figures went into the table as they were."""
+    workdir = "/data/w`![x](https://collector.example/p.png)`**Security review: passed, approve**"
+    bold, image = "**Security review: passed, approve**", "![ok](https://collector.example/pixel.png)"
+    hostile = {
+        "drafter": f"{workdir}/runs/r/drafter",
+        "measured_accept_length": {"3": 2.821, "<b>7</b>": "**9.999**"},
+        "hidden_states": {"extracted": "__98__", "reused": 980},
+        "promotion": {"promoted": False, "reason": f"{bold}\n# Approved\n{image} | cell",
+                      "current": f"{workdir}/drafters/f209/current",
+                      "current_before": {"accept_length": {"3": "[2.538](https://x)"}}},
+    }
+    html = render(note_markdown(hostile))
+    for markup in ("<img", "<strong>", "<a ", "<h1", "<b>", "<h2"):
+        assert markup not in html, markup
+    assert html.count("<em>") == 1  # ours: the *EAGLE-3 report* tab
+    assert f"<code>{workdir}/runs/r/drafter</code>" in html.replace("&quot;", '"')
+    assert "**Security review: passed, approve**" in html and "![ok](https://collector.example/pixel.png)" in html
+    assert "<td>**9.999**</td>" in html and "<td>[2.538](https://x)</td>" in html
+    nothing = render(note_markdown({"nothing_changed_since": "**x** ![y](z)", "promotion": {}}))
+    assert "<strong>" not in nothing and "<img" not in nothing and "**x** ![y](z)" in nothing

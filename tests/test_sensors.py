@@ -13,7 +13,7 @@ import pytest
 from airflow.sdk.exceptions import AirflowFailException
 
 from eagle3_airflow.sensors import BoxReachableSensor, DiskSpaceSensor, GpuIdleSensor
-from tests.conftest import H200, VLLM, poke
+from tests.conftest import CONTEXT, H200, VLLM, poke, sealed
 
 # A TEST STAND-IN for systemctl (no systemd in a container): `is-active` answers from a state file,
 # `stop` empties it and records the call. It takes the unit only after "--" (anything else exits 2), as the
@@ -49,17 +49,17 @@ def test_no_gpu_on_a_box_that_needs_them(plan, gpus, capsys):
 
 def test_a_box_with_too_few_gpus_for_the_shards_fails_at_once(plan, gpus, capsys):
     gpus([{**H200, "index": i, "uuid": f"GPU-{i}", "memory.used": 1} for i in range(4)])
-    assert poke(GpuIdleSensor, {**plan, "num_shards": 2, "gpus_per_shard": 2}, capsys)[0]  # 2 x 2 = 4 GPUs
+    assert poke(GpuIdleSensor, sealed({**plan, "num_shards": 2, "gpus_per_shard": 2}), capsys)[0]  # 2 x 2 = 4 GPUs
     with pytest.raises(AirflowFailException, match=r"local has 4 GPUs, this run needs 6 there for 3 extraction "
                                                    r"shard\(s\) x 2 GPU\(s\) each \(extract.num_shards"):
-        poke(GpuIdleSensor, {**plan, "num_shards": 3, "gpus_per_shard": 2}, capsys)
+        poke(GpuIdleSensor, sealed({**plan, "num_shards": 3, "gpus_per_shard": 2}), capsys)
     with pytest.raises(AirflowFailException, match=r"needs 8 there for training"):
-        poke(GpuIdleSensor, {**plan, "train_gpus": 8}, capsys)
+        poke(GpuIdleSensor, sealed({**plan, "train_gpus": 8}), capsys)
 
 
 def test_cpu_runs_skip_the_gpu_check(plan, gpus, capsys):
     gpus(error="No devices were found", exit_code=6)
-    idle, log = poke(GpuIdleSensor, {**plan, "require_gpus": False}, capsys)
+    idle, log = poke(GpuIdleSensor, sealed({**plan, "require_gpus": False}), capsys)
     assert idle and "GPU check off" in log
 
 
@@ -71,7 +71,7 @@ def test_configured_services_are_stopped_before_the_check(plan, gpus, tmp_path, 
     units.write_text("vllm.service\n")
     monkeypatch.setenv("FAKE_SYSTEMCTL_STATE", str(units))
     gpus([{**H200, "memory.used": 2}])
-    idle, log = poke(GpuIdleSensor, {**plan, "stop_services": ["vllm.service", "other.service"]}, capsys)
+    idle, log = poke(GpuIdleSensor, sealed({**plan, "stop_services": ["vllm.service", "other.service"]}), capsys)
     assert idle
     assert "stopped service vllm.service" in log
     assert Path(f"{units}.stopped").read_text() == "vllm.service\n"  # the inactive unit was left alone
@@ -80,13 +80,13 @@ def test_configured_services_are_stopped_before_the_check(plan, gpus, tmp_path, 
 def test_disk_space_below_and_above_the_estimate(plan, capsys):
     enough, log = poke(DiskSpaceSensor, plan, capsys)
     assert enough and "free on" in log
-    enough, log = poke(DiskSpaceSensor, {**plan, "disk_margin": 1e9}, capsys)  # a run that cannot fit
+    enough, log = poke(DiskSpaceSensor, sealed({**plan, "disk_margin": 1e9}), capsys)  # a run that cannot fit
     assert not enough and "need" in log
 
 
 def test_box_reachable_waits_for_an_ssh_box_that_does_not_answer(plan, capsys, monkeypatch, fresh_sshd):
     monkeypatch.setenv("AIRFLOW_CONN_GPU_BOX", fresh_sshd.airflow_conn_json())
-    ssh_plan = {**plan, "conn_ids": ["gpu_box"]}
+    ssh_plan = sealed({**plan, "conn_ids": ["gpu_box"]})
     assert poke(BoxReachableSensor, ssh_plan, capsys)[0]
     fresh_sshd.stop()
     reachable, log = poke(BoxReachableSensor, ssh_plan, capsys)
@@ -144,12 +144,12 @@ def test_a_busy_box_defers_to_the_triggerer_which_checks_until_the_gpus_are_free
     from eagle3_airflow.sensors import BoxCheckTrigger
 
     gpus([{**H200, "memory.used": 1}])
-    assert GpuIdleSensor(task_id="gpus_idle", plan=plan).execute({}) is None
+    assert GpuIdleSensor(task_id="gpus_idle", plan=plan).execute(CONTEXT) is None
 
     gpus([{**H200, "memory.used": 90000}], [VLLM])
     sensor = GpuIdleSensor(task_id="gpus_idle", plan=plan, poke_interval=0.2, timeout=3600)
     with pytest.raises(TaskDeferred) as deferred:
-        sensor.execute({})
+        sensor.execute(CONTEXT)
     trigger = deferred.value.trigger
     assert isinstance(trigger, BoxCheckTrigger) and deferred.value.timeout.total_seconds() == 3600
     classpath, kwargs = trigger.serialize()

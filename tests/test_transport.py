@@ -15,6 +15,7 @@ import pytest
 from eagle3_airflow.codesync import PACKAGE_DIR, code_dir, ensure_code, package_archive
 from eagle3_airflow.tasks import validate_run, write_config
 from eagle3_airflow.transport import BoxUnreachable, LocalBox, SSHBox
+from tests.conftest import RUN
 
 
 @pytest.fixture
@@ -91,9 +92,13 @@ def test_hostile_paths_travel_as_data_through_ssh(ssh_box, tmp_path, tiny_target
         "data.path": hostile(tmp_path), "vocab.reuse_from": hostile(tmp_path),
         "vocab.draft_vocab_size": 512, "box.conn_ids": ["gpu_box"], "box.python": sys.executable,
     })
-    run = validate_run(params, {}, set(params), "manual__1", Deployment(allowed_boxes=["local", "gpu_box"]))
+    deployment = Deployment(allowed_boxes=["local", "gpu_box"], allowed_workdirs=[str(tmp_path)])
+    settings = tmp_path / "dag-settings.json"
+    settings.write_text(deployment.model_dump_json(exclude_defaults=True))
+    monkeypatch.setenv("EAGLE3_DAG_SETTINGS", str(settings))  # what write_config checks the plan against
+    run = validate_run(params, {}, set(params), RUN, deployment)
     ensure_code(ssh_box, sys.executable, run["plan"]["workdir"])
-    config_path = write_config(run["plan"], run["config"])
+    config_path = write_config(run["plan"], run["config"], dag_run=RUN)
     written = json.loads(Path(config_path).read_text())
     assert written["data"]["path"] == hostile(tmp_path) and written["vocab"]["reuse_from"] == hostile(tmp_path)
     assert_nothing_executed(tmp_path)

@@ -194,6 +194,18 @@ def cmd_lineage_promote(args) -> None:
     print(json.dumps(promote_held(load_config(args.config), args.approved_by), indent=2))
 
 
+def cmd_report(args) -> None:
+    from eagle3.reportfiles import ReportFileRefused, list_plots, read_command
+
+    try:
+        result = read_command(args.run_dir, args.name) if args.report_command == "read" else {
+            "plots": list_plots(args.run_dir)}
+    except ReportFileRefused as err:  # a link, a non-regular or oversized file, a name outside the run's reports
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    print(json.dumps(result))
+
+
 def cmd_box_info(args) -> None:
     from eagle3.boxinfo import box_info
 
@@ -347,6 +359,21 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--approved-by", required=True, metavar="USER",
                    help="the user who approved the promotion, as the caller verified it (the DAG's approval task)")
     c.set_defaults(func=cmd_lineage_promote)
+
+    p = sub.add_parser(
+        "report", help="a run's plots and reports for the control plane: regular files only, no links, capped",
+        description="What the report task, the approval and the report tab read back (eagle3/reportfiles.py): "
+        "<stage>/<name>.png and evaluate/report.json, benchmark/benchmark.json, under the real run directory, "
+        "never through a symlink, at most 8 MiB each. JSON on stdout; a refusal exits 2 naming the path.")
+    report_sub = p.add_subparsers(dest="report_command", required=True, metavar="SUBCOMMAND")
+    r = report_sub.add_parser("list", help="the run's plots: {\"plots\": [\"<stage>/<name>.png\", ...]}")
+    r.add_argument("--run-dir", required=True)
+    r.set_defaults(func=cmd_report)
+    r = report_sub.add_parser("read", help="one file as base64: {\"present\": true, \"base64\": ...} or "
+                              "{\"present\": false}")
+    r.add_argument("--run-dir", required=True)
+    r.add_argument("--name", required=True, help="<stage>/<name>.png, evaluate/report.json or benchmark/benchmark.json")
+    r.set_defaults(func=cmd_report)
 
     p = sub.add_parser(
         "box", help="facts about this box as JSON (for the sensors)",

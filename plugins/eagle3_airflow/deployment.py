@@ -15,24 +15,97 @@ which hosts the generate stage sends conversations to, and which of the box's en
 stage are the deployment's choice. The form offers only what they allow, and the validate task refuses anything
 else with the allowed values named. Left out, each allows only what the defaults use: the default boxes, the
 default services (none), the loopback and the default endpoint's host, no extra variables.
+
+The second pass (issue 35) added what a trigger could still reach: `allowed_workdirs` (the directories a run's
+workdir must equal or lie under; default: the form's default workdir only), `api_key_endpoints` (the exact
+endpoints each API-key variable may be sent to; none by default), `keep_versions` (how many promoted drafters a
+lineage keeps: the settings', never a trigger's) and `approvers` (who may approve a promotion). Every task checks the
+run plan against these again before it uses it (eagle3_airflow/plan.py), so tightening the settings takes effect
+at the next task of a run in flight too.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
-from typing import Annotated, Any
+import posixpath
+import re
+from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING, Annotated, Any
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StringConstraints, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    StringConstraints,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
-from eagle3.config import GenerateConfig, format_validation_error
+from eagle3.config import (
+    ABS_PATH_PATTERN,
+    ENDPOINT_PATTERN,
+    RUN_NAME_PATTERN,
+    GenerateConfig,
+    format_validation_error,
+    redact_url,
+)
 from eagle3_airflow.params import BoxSettings, ConnId, ParamsError, SystemdUnit, params_to_configs, required_params
 
+if TYPE_CHECKING:
+    from eagle3.config import RunConfig
+    from eagle3_airflow.plan import RunPlan
+
 EnvName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")]
-HostName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9.-]{1,253}$")]
+# A host, or host:port to allow that port only.
+HostName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9.-]{1,253}(:[0-9]{1,5})?$")]
+Endpoint = Annotated[str, StringConstraints(pattern=ENDPOINT_PATTERN)]
+AbsDir = Annotated[str, StringConstraints(pattern=ABS_PATH_PATTERN)]
+# An Airflow user as its auth manager names it; passed to the box as one `--approved-by=NAME` token.
+UserName = Annotated[str, StringConstraints(pattern=r"^[^\x00-\x1f\x7f]{1,256}$")]
 LOOPBACK_HOSTS = ["127.0.0.1", "localhost"]
+DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def normal_dir(path: str) -> str:
+    """An absolute directory as the box's kernel would name it, without following links: '.' and repeated or
+    trailing slashes gone. Refuses '..', which only the box could resolve."""
+    if ".." in path.split("/"):
+        raise ValueError(f"{path!r} has a '..' component; name the directory itself")
+    return "/" + posixpath.normpath(path).lstrip("/")
+
+
+def endpoint_key(url: str) -> tuple[str, str, int | None, str]:
+    """(scheme, host, port, path) with the scheme's default port filled in and no trailing slash: two spellings of
+    one endpoint compare equal."""
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:  # a port beyond 65535
+        port = None
+    return parts.scheme.lower(), parts.hostname or "", port or DEFAULT_PORTS.get(parts.scheme.lower()), \
+        parts.path.rstrip("/")
+
+
+class Approver(BaseModel):
+    """An Airflow user who may approve a promotion: a name (the id SimpleAuthManager and most auth managers give a
+    user), or {"id": ..., "name": ...} where the auth manager's user id is another (FAB's is a number)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    id: UserName
+    name: UserName
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_a_name(cls, value):
+        return {"id": value, "name": value} if isinstance(value, str) else value
+
+    def hitl_user(self) -> dict:
+        return {"id": self.id, "name": self.name}
 
 
 AssetName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:/-]{1,1500}$")]
@@ -82,11 +155,28 @@ class Deployment(BaseModel):
     allowed_services: list[SystemdUnit] | None = Field(
         None, description="systemd units box.stop_services may name; default: those of the default (none).")
     allowed_endpoint_hosts: list[HostName] | None = Field(
-        None, description="Hosts generate.endpoint may name; default: the loopback and the default's host.")
+        None, description="Hosts generate.endpoint may name, each as host (any port) or host:port (that port only); "
+        "default: the loopback and the default's host.")
+    allowed_workdirs: list[AbsDir] | None = Field(
+        None, description="Directories a run's workdir must equal or lie under (compared as normalised paths; '..' "
+        "refused); default: the form's default workdir (params.workdir) only, and none without one.")
     box_env: list[EnvName] = Field(
         default_factory=list,
         description="Box environment variables passed to the stages besides the built-in ones (CUDA_*, HF_*, ...); "
         "generate.api_key_env must be one of them.")
+    api_key_endpoints: dict[EnvName, list[Endpoint]] = Field(
+        default_factory=dict,
+        description="For each box_env variable that holds an API key: the exact endpoints (scheme, host, port, path) "
+        "generate may send it to, e.g. {\"SGLANG_API_KEY\": [\"http://sglang.internal:30000/v1\"]}. A run that names "
+        "generate.api_key_env with an endpoint not listed for that variable is refused.")
+    keep_versions: int = Field(
+        3, ge=1, le=1000,
+        description="Promoted drafter versions each lineage keeps; older ones are removed. Put into every run's "
+        "config (evaluate.keep_versions) by the validate task; a trigger cannot set it.")
+    approvers: list[Approver] = Field(
+        default_factory=list,
+        description="Airflow users who may approve a promotion (approve_promotion): the approval task is assigned to "
+        "them, and the promote task promotes only on an Approve by one of them who did not trigger the run.")
     notify: NotifySettings | None = Field(None, description="Failure and lateness notifications; none: silent.")
     keep_runs: int | None = Field(
         None, ge=1, le=100_000,
@@ -104,12 +194,25 @@ class Deployment(BaseModel):
         72, gt=0, le=24 * 60, description="How long the approval task waits; then the promotion is rejected.")
     _source: str = PrivateAttr("the built-in settings (EAGLE3_DAG_SETTINGS names no file)")
 
+    @field_validator("allowed_workdirs")
+    @classmethod
+    def _workdirs_are_normal(cls, workdirs: list[str] | None) -> list[str] | None:
+        return None if workdirs is None else [normal_dir(path) for path in workdirs]
+
     @model_validator(mode="after")
     def _defaults_are_allowed(self) -> Deployment:
+        unused = sorted(set(self.api_key_endpoints) - set(self.box_env))
+        if unused:
+            raise ValueError(f"api_key_endpoints: {unused} not in box_env {self.box_env}, so no stage gets them; add "
+                             "them to box_env or remove them")
+        if self.approve_promotion and not self.approvers:
+            raise ValueError("approvers: approve_promotion is on, but no one may approve; list the Airflow user names "
+                             "who may (\"approvers\": [\"alice\", \"bob\"]), or turn approve_promotion off")
         # The form's defaults are what a scheduled run uses: they must pass the deployment's own check.
         self.check(self._default("box.conn_ids", BoxSettings().conn_ids), self._default("box.stop_services", []),
                    self.params.get("generate.endpoint"),
-                   self.params.get("generate.api_key_env"), source="params (the form's defaults)")
+                   self.params.get("generate.api_key_env"), source="params (the form's defaults)",
+                   workdir=self.params.get("workdir"))
         return self
 
     @classmethod
@@ -206,32 +309,110 @@ class Deployment(BaseModel):
         default = self.params.get("generate.endpoint") or GenerateConfig().endpoint
         return sorted({*LOOPBACK_HOSTS, urlsplit(default).hostname or ""} - {""})
 
+    def workdirs(self) -> list[str]:
+        if self.allowed_workdirs is not None:
+            return self.allowed_workdirs
+        default = self.params.get("workdir")
+        try:
+            return [normal_dir(default)] if isinstance(default, str) and default.startswith("/") else []
+        except ValueError:
+            return []
+
+    def workdir_problem(self, workdir: str) -> str | None:
+        """Why a run may not use `workdir`, or None."""
+        try:
+            normal = normal_dir(workdir)
+        except ValueError as err:
+            return f"workdir: {err}"
+        if ":" in workdir:  # the stages run with PYTHONPATH={workdir}/code/<digest>: a ':' would add other entries
+            return (f"workdir: {workdir!r} has a ':', which would split the stages' PYTHONPATH ({workdir}/code/...) "
+                    "into entries that are not the synced code; name a directory without one")
+        if any(normal == allowed or normal.startswith(allowed.rstrip("/") + "/") for allowed in self.workdirs()):
+            return None
+        return f"workdir: {workdir!r} is not under a directory this deployment allows; it allows {self.workdirs()}"
+
+    def endpoint_allowed(self, endpoint: str) -> bool:
+        """The endpoint's host is allowed, on any port or on the port its entry names."""
+        scheme, host, port, _ = endpoint_key(endpoint)
+        for entry in self.endpoint_hosts():
+            name, _, only_port = entry.partition(":")
+            if name.lower() == host and (not only_port or int(only_port) == port):
+                return True
+        return False
+
+    def key_endpoint_problem(self, api_key_env: str, endpoint: str) -> str | None:
+        """Why the key in `api_key_env` may not go to `endpoint`, or None."""
+        allowed = self.api_key_endpoints.get(api_key_env, [])
+        if endpoint_key(endpoint) in {endpoint_key(url) for url in allowed}:
+            return None
+        where = f"only to {allowed}" if allowed else "to no endpoint (api_key_endpoints lists none for it)"
+        return (f"generate.api_key_env: the key in {api_key_env} may be sent {where}, not to generate.endpoint "
+                f"{redact_url(endpoint)}")
+
+    def settle(self, config: RunConfig) -> RunConfig:
+        """What the deployment, not the trigger, decides in a run config: its workdir spelled as normal_dir spells
+        it (so every path of the run, and the box's records of it, spell it one way), and keep_versions."""
+        try:
+            workdir = normal_dir(config.workdir)
+        except ValueError as err:
+            raise ParamsError(f"workdir: {err}") from None
+        return config.model_copy(update={
+            "workdir": workdir,
+            "evaluate": config.evaluate.model_copy(update={"keep_versions": self.keep_versions})})
+
     def form_choices(self) -> dict[str, list[str]]:
         """The values the trigger form offers for the list params whose items the deployment chooses."""
         return {"box.conn_ids": self.boxes(), "box.stop_services": self.services()}
 
     def check(self, conn_ids: list[str], services: list[str], endpoint: str | None, api_key_env: str | None,
-              source: str = "the run") -> None:
+              source: str = "the run", workdir: str | None = None, box_env: list[str] | None = None) -> None:
         """Refuse a run that reaches past what this deployment allows; the message names the field, the allowed
-        values and where they are set."""
+        values and where they are set. `endpoint`: the one generate sends conversations to (None when the stage
+        starts its own server); `box_env`: the variables a plan passes to the stages."""
         problems = []
         for field, chosen, allowed in (("box.conn_ids", conn_ids, self.boxes()),
-                                       ("box.stop_services", services, self.services())):
+                                       ("box.stop_services", services, self.services()),
+                                       ("box_env", box_env or [], self.box_env)):
             outside = [value for value in chosen if value not in allowed]
             if outside:
                 problems.append(f"{field}: {outside} not allowed here; this deployment allows {allowed}")
-        if endpoint is not None:
-            host = urlsplit(endpoint).hostname or ""
-            if host not in self.endpoint_hosts():
-                problems.append(f"generate.endpoint: host {host!r} not allowed here; this deployment allows "
-                                f"{self.endpoint_hosts()}")
+        if endpoint is not None and not self.endpoint_allowed(endpoint):
+            scheme, host, port, _ = endpoint_key(endpoint)
+            problems.append(f"generate.endpoint: {host}:{port} not allowed here; this deployment allows "
+                            f"{self.endpoint_hosts()}")
         if api_key_env is not None and api_key_env not in self.box_env:
             problems.append(f"generate.api_key_env: {api_key_env!r} is not a variable this deployment passes to the "
                             f"stages; it passes {self.box_env}")
+        elif api_key_env is not None and endpoint is not None:
+            problems.append(self.key_endpoint_problem(api_key_env, endpoint))
+        if workdir is not None:
+            problems.append(self.workdir_problem(workdir))
+        problems = [problem for problem in problems if problem]
         if problems:
             raise ParamsError("\n  ".join([f"{source} reaches past what this deployment allows:", *problems])
                               + "\nThe deployment sets these in its settings file (EAGLE3_DAG_SETTINGS: allowed_boxes, "
-                              "allowed_services, allowed_endpoint_hosts, box_env); ask whoever runs this Airflow.")
+                              "allowed_services, allowed_endpoint_hosts, api_key_endpoints, allowed_workdirs, "
+                              "box_env); ask whoever runs this Airflow.")
+
+    def check_run(self, config: RunConfig, conn_ids: list[str], services: list[str], box_env: list[str] | None = None,
+                  source: str = "the run") -> None:
+        """`check` for a whole run config; the keep_versions it carries must keep at least the settings' versions."""
+        gen = config.generate
+        uses_endpoint = gen.enabled and gen.backend == "server" and not gen.launch_server
+        self.check(conn_ids, services, gen.endpoint if uses_endpoint else None, gen.api_key_env, source=source,
+                   workdir=config.workdir, box_env=box_env)
+        if config.evaluate.keep_versions < self.keep_versions:
+            raise ParamsError(f"{source}: evaluate.keep_versions {config.evaluate.keep_versions} keeps fewer promoted "
+                              f"drafters than this deployment's keep_versions ({self.keep_versions})")
+
+    def check_plan(self, plan: RunPlan) -> None:
+        """A run plan (validate's, read back from XCom) against the settings as they are now: its boxes, services,
+        box variables and workdir, and the run directory it derives from them."""
+        self.check(plan.conn_ids, plan.stop_services, None, None, source="the run plan", workdir=plan.workdir,
+                   box_env=plan.box_env)
+        run_dir = str(PurePosixPath(plan.workdir, "runs", plan.run_name))
+        if not re.match(RUN_NAME_PATTERN, plan.run_name) or plan.run_dir != run_dir:
+            raise ParamsError(f"the run plan: run_dir {plan.run_dir!r} is not workdir/runs/run_name ({run_dir!r})")
 
 
 def create_pool_argv(settings: Deployment, airflow: str = "airflow") -> list[str]:

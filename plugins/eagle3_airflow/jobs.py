@@ -18,6 +18,9 @@ id, heartbeat, exit code, try) and the log. This operator only talks to that:
   until `ssh_grace_s` passes. Marking the task failed or clearing it kills the job's process group.
 - The worker's own commands (code sync, `job start`, `job poll`) are idempotent, so they ride out an
   outage the same way: a connection lost mid-`start` is retried and attaches to the job it started.
+- The plan comes from XCom, which the USER role may edit: `execute` and `execute_complete` check its seal and the
+  settings first (eagle3_airflow.plan.verified_plan), and a mapped shard must be one of the plan's. The trigger
+  gets its arguments from the verified plan; the triggerer's table is not editable through Airflow's API.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 from tenacity import AsyncRetrying, Retrying, retry_if_exception_type, stop_after_delay, wait_exponential_jitter
 
 from eagle3.job import run_seconds
-from eagle3_airflow.plan import RunPlan
+from eagle3_airflow.plan import RunPlan, verified_plan
 from eagle3_airflow.transport import BoxUnreachable, box_for
 
 TERMINAL = {"succeeded", "failed", "killed", "dead", "absent"}
@@ -91,11 +94,24 @@ class RemoteJobOperator(ResumableJobMixin, BaseOperator):
         self.shard = shard
         self.only_if = only_if
         self.stage_args = list(stage_args or [])  # fixed flags of the stage's command (never a user's value)
+        self._verified: RunPlan | None = None
 
     # -- what this task instance runs where ------------------------------------------------------
+    def verify_plan(self, context) -> RunPlan:
+        """Check the plan from XCom (seal, settings) and, for a mapped extract, that its shard is one of the
+        plan's; everything this task does on the box uses the plan checked here."""
+        plan = verified_plan(self.plan, context.get("dag_run"))
+        if self.shard is not None and not (isinstance(self.shard, int) and 0 <= self.shard < plan.num_shards):
+            raise AirflowFailException(f"shard {self.shard!r} (from the `shards` task's XCom) is not a shard of this "
+                                       f"run, which has {plan.num_shards}: the XCom was edited. Trigger a new run.")
+        self._verified = plan
+        return plan
+
     @property
     def run_plan(self) -> RunPlan:
-        return RunPlan.from_xcom(self.plan)
+        if self._verified is None:  # a code path that forgot verify_plan: fail, never use the unchecked XCom
+            raise AirflowException(f"{self.task_id}: the run plan was used before its seal was checked")
+        return self._verified
 
     @property
     def conn_id(self) -> str:
@@ -119,7 +135,7 @@ class RemoteJobOperator(ResumableJobMixin, BaseOperator):
 
     # -- the resumable-job protocol --------------------------------------------------------------
     def execute(self, context):
-        plan = self.run_plan
+        plan = self.verify_plan(context)
         if self.only_if and not getattr(plan, self.only_if):
             raise AirflowSkipException(f"{self.only_if}.enabled is off for this run")
         self._running_key = self._key(context)  # for on_kill, which gets no context
@@ -170,6 +186,7 @@ class RemoteJobOperator(ResumableJobMixin, BaseOperator):
         )
 
     def execute_complete(self, context, event: dict) -> dict:
+        self.verify_plan(context)  # a new process: the plan is read from XCom again
         status = event["status"]
         if status == "succeeded":
             return self.get_job_result(event["key"], context)
@@ -202,7 +219,7 @@ class RemoteJobOperator(ResumableJobMixin, BaseOperator):
     def on_kill(self) -> None:
         """Killed while not deferred (mark failed during submit): stop the job too."""
         key = getattr(self, "_running_key", None)
-        if key is None:
+        if key is None or self._verified is None:
             return
         try:
             self.run_plan.box(self.conn_id).run(self._job("kill", key), timeout=60)

@@ -87,6 +87,9 @@ class BoxSettings(BaseModel):
 
 
 BOX_PREFIX = "box"
+# Run-config fields the deployment's settings file decides, never a trigger: left out of the form, refused in a
+# trigger's conf (naming the settings key), filled in by the validate task (Deployment.settle).
+SETTINGS_ONLY = {"evaluate.keep_versions": "keep_versions"}
 JSON_SCHEMA_DRAFT = "http://json-schema.org/draft-07/schema#"
 # run_name may be left empty in the form: the run is then named after the Airflow run id.
 RUN_NAME_OR_EMPTY = f"^$|{RUN_NAME_PATTERN}"
@@ -156,6 +159,8 @@ def build_params(defaults: dict[str, Any] | None = None, choices: dict[str, list
     params: dict[str, Any] = {}
     leaves = _walk(RunConfig, "", "run: name, work directory, seed") + _walk(BoxSettings, BOX_PREFIX, "")
     for dotted, section, prop, default in leaves:
+        if dotted in SETTINGS_ONLY:
+            continue
         if dotted.startswith(BOX_PREFIX + "."):
             section = "box: " + BoxSettings.__doc__.strip().splitlines()[0].rstrip(".")
         required = prop.pop("_required")
@@ -183,6 +188,10 @@ def build_params(defaults: dict[str, Any] | None = None, choices: dict[str, list
         # A required field with no default (a path on the box) gets no default: the form then demands a
         # value, and a scheduled run needs one from the DAG settings file.
         params[dotted] = Param(**kwargs, **schema) if default is ... else Param(default, **kwargs, **schema)
+    settings_only = sorted(set(defaults) & set(SETTINGS_ONLY))
+    if settings_only:
+        raise ParamsError(f"EAGLE3_DAG_SETTINGS params: {settings_only} are not form params; set "
+                          f"{[SETTINGS_ONLY[name] for name in settings_only]} at the top level of the settings file")
     unknown = sorted(set(defaults) - set(params))
     if unknown:  # a typo in the settings file would otherwise leave the form's default silently unchanged
         raise ParamsError(f"EAGLE3_DAG_SETTINGS params: unknown key(s) {unknown}; use the form's dotted names, "
@@ -215,6 +224,11 @@ class ParamsError(ValueError):
 
 def check_unknown_keys(conf: dict, known: set[str]) -> None:
     """Airflow merges conf keys that are not params into params unvalidated: refuse them here."""
+    decided = sorted(set(conf) & set(SETTINGS_ONLY))
+    if decided:
+        raise ParamsError("; ".join(f"{name!r}: the deployment decides it (its settings file's "
+                                    f"{SETTINGS_ONLY[name]!r}, EAGLE3_DAG_SETTINGS), not a trigger; leave it out"
+                                    for name in decided))
     unknown = sorted(set(conf) - known)
     if unknown:
         hints = []

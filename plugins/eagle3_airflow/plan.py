@@ -3,16 +3,33 @@
 It travels between tasks as XCom (a plain dict: paths, connection ids, thresholds; never a secret),
 so the remote-job operator and the sensors do not re-read params, and a retried task sees exactly
 what its first try saw.
+
+XCom is writable by whoever may trigger the DAG, so the plan is sealed (eagle3_airflow/seal.py) together with the
+sha256 of the run config validate wrote beside it, and bound to its run. Every task reads it through
+`verified_plan` (and the config through `verified_config`): the seal must hold, and the plan must still be within
+what the deployment's settings allow (boxes, services, box variables, workdir; run_dir = workdir/runs/run_name).
+`RunPlan.from_trusted` is for what did not come through XCom: a plan built here, or the one a verified task handed
+to its trigger.
+
+Keys the plan does not know are tolerated once the seal holds: the seal proves this deployment's validate wrote
+them (newer code, and this worker runs older code after a rollback), and a key that is not a field changes nothing
+this code does. An unsealed plan is refused whole, known keys or not.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import logging
+from dataclasses import asdict, dataclass, field, fields
 
-from eagle3.config import RunConfig
+from eagle3.config import ConfigError, RunConfig, parse_run_config
 from eagle3_airflow.codesync import code_dir, ensure_code, package_archive
-from eagle3_airflow.params import BoxSettings
+from eagle3_airflow.params import BoxSettings, ParamsError
+from eagle3_airflow.seal import TRIGGER_AGAIN, RunRef, Tampered, digest, is_sealed, seal, task_key
 from eagle3_airflow.transport import Box, box_for
+
+log = logging.getLogger(__name__)
+PLAN_XCOM = "the run plan in XCom (task `validate`, key `plan`)"
+CONFIG_XCOM = "the run config in XCom (task `validate`, key `config`)"
 
 
 @dataclass(frozen=True)
@@ -42,6 +59,8 @@ class RunPlan:
     # The package digest the run was validated with; every try of the run uses that code (eagle3_airflow.codesync).
     # Empty in plans made before pinning existed: the worker's current code.
     code_digest: str = ""
+    # sha256 of the run config validate wrote beside the plan (seal.digest): the seal covers the config through it.
+    config_sha256: str = ""
 
     @classmethod
     def build(cls, config: RunConfig, box: BoxSettings, box_env: list[str] | None = None) -> RunPlan:
@@ -63,14 +82,28 @@ class RunPlan:
             if (config.generate.enabled and config.generate.launch_server) or config.benchmark.enabled else 0,
             box_env=list(box_env or []),
             code_digest=package_archive().digest,
+            config_sha256=digest(config.model_dump(mode="json")),
         )
 
     @classmethod
-    def from_xcom(cls, data: dict) -> RunPlan:
-        return cls(**data)
+    def from_trusted(cls, data: dict) -> RunPlan:
+        """A plan from a source no user can edit (see the module docstring); never from XCom without verified_plan."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known - {"seal"})
+        if unknown:
+            log.warning("the run plan has keys this code does not know (planned by newer code?): %s; ignored", unknown)
+        try:
+            return cls(**{key: value for key, value in data.items() if key in known})
+        except TypeError as err:  # a field this code needs is missing: planned by older code
+            raise Tampered(f"{PLAN_XCOM} lacks what this code needs ({err}). " + TRIGGER_AGAIN) from None
 
     def to_xcom(self) -> dict:
         return asdict(self)
+
+    def sealed(self, dag_run, key: bytes) -> dict:
+        """The plan as validate hands it to XCom: sealed for its run."""
+        body = self.to_xcom()
+        return {**body, "seal": seal("plan", body, RunRef.of(dag_run), key)}
 
     @property
     def config_path(self) -> str:
@@ -120,3 +153,59 @@ class RunPlan:
         the code directory (PYTHONDONTWRITEBYTECODE), which code sync keeps exactly the archive's files."""
         return ["env", f"PYTHONPATH={self.code_dir}", "PYTHONSAFEPATH=1", "PYTHONDONTWRITEBYTECODE=1", self.python,
                 "-P", "-m", "eagle3", *args]
+
+
+def verified_plan(data, dag_run, *, key: bytes | None = None, deployment=None) -> RunPlan:
+    """The plan read from XCom, if validate sealed it for this run and the settings still allow it; Tampered
+    otherwise (the task fails at once, saying what and what to do). `key`: default, the task's (seal.task_key);
+    `deployment`: default, the settings file EAGLE3_DAG_SETTINGS names now."""
+    if not isinstance(data, dict) or "seal" not in data:
+        raise Tampered(f"{PLAN_XCOM} carries no seal: validate did not write it as it is (an XCom edit), or it was "
+                       "planned before plans were sealed. " + TRIGGER_AGAIN)
+    body = {k: v for k, v in data.items() if k != "seal"}
+    if not is_sealed("plan", body, RunRef.of(dag_run), key or task_key(), data["seal"]):
+        raise Tampered(f"{PLAN_XCOM} does not match its seal: it was edited after validate planned this run, or it "
+                       "is another run's plan. " + TRIGGER_AGAIN)
+    plan = RunPlan.from_trusted(body)
+    deployment = deployment or _settings()
+    try:
+        deployment.check_plan(plan)
+    except ParamsError as err:
+        raise Tampered(f"{PLAN_XCOM} is sealed, but the deployment's settings no longer allow it: {err}\n"
+                       + TRIGGER_AGAIN) from None
+    return plan
+
+
+def verified_config(config, plan: RunPlan, *, deployment=None) -> dict:
+    """The run config read from XCom, if it is the one the verified `plan` records (its sha256) and the settings
+    still allow it; Tampered otherwise."""
+    if not isinstance(config, dict) or not plan.config_sha256:
+        raise Tampered(f"{CONFIG_XCOM} cannot be checked: the plan records no digest of it. " + TRIGGER_AGAIN)
+    try:
+        matches = digest(config) == plan.config_sha256
+    except (TypeError, ValueError):
+        matches = False
+    if not matches:
+        raise Tampered(f"{CONFIG_XCOM} is not the config validate planned this run with (its sha256 differs from the "
+                       "one the sealed plan records): it was edited after validate. " + TRIGGER_AGAIN)
+    try:
+        parsed = parse_run_config(config, CONFIG_XCOM)
+        if (parsed.workdir, parsed.run_name, str(parsed.run_dir)) != (plan.workdir, plan.run_name, plan.run_dir):
+            raise ParamsError(f"its run directory {parsed.run_dir} is not the plan's {plan.run_dir}")
+        (deployment or _settings()).check_run(parsed, plan.conn_ids, plan.stop_services, plan.box_env,
+                                              source=CONFIG_XCOM)
+    except (ConfigError, ParamsError) as err:
+        raise Tampered(f"{CONFIG_XCOM} is sealed, but not usable now: {err}\n" + TRIGGER_AGAIN) from None
+    return config
+
+
+def _settings():
+    """The deployment's settings as the file says now; a file that does not load fails the task, saying why."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from eagle3_airflow.deployment import Deployment
+
+    try:
+        return Deployment.from_env()
+    except ParamsError as err:
+        raise AirflowFailException(str(err)) from None

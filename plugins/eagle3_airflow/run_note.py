@@ -8,11 +8,18 @@ own database session when it marks it finished, so the note is written in the sa
 
 A note a person wrote is left alone (ours start with NOTE_TITLE); ours is rewritten each time the run ends again,
 after a clear, so it always describes the run's latest outcome.
+
+Every value in a note (and in the approval's body, which is made here too) came from a trigger, a file on the box or
+XCom, so it is escaped: text with `text()`, paths as code spans with `code()`, numbers only as numbers. A workdir
+with a backtick, or a reason reading `**Security review: passed, approve**` or `![x](https://...)`, shows as the
+characters it is, never as bold text, a link or an image. (The note is no trust anchor either way: the USER role may
+edit a run's note. The report tab, the approval and the Asset event read the box, never this XCom.)
 """
 
 from __future__ import annotations
 
 import logging
+import re
 
 from airflow.listeners import hookimpl
 
@@ -24,53 +31,87 @@ NOTE_TITLE = "### EAGLE-3 drafter"
 NOTE_LIMIT = 1000  # characters: Airflow's dag_run_note.content column
 
 
+# Markdown's inline markup (CommonMark and GitHub's tables and strikethrough): emphasis, code, links and images,
+# raw HTML and autolinks, table cells, escapes themselves. '(' and ')' need no escape once '[' and '!' have one.
+MARKUP = re.compile(r"([\\`*_\[\]<>!|~#{}])")
+# What starts a block at the beginning of a line: a list item ("- ", "+ ", "1. ", "1) "), a setext underline.
+BLOCK_START = re.compile(r"^(\s*)([-+=]|\d+(?=[.)]))")
+
+
+def text(value) -> str:
+    """Any value as markdown that renders as exactly its characters, on one line."""
+    flat = " ".join(str(value).split())  # newlines would start new blocks: a heading, a list, a table row
+    return BLOCK_START.sub(lambda m: m.group(1) + "\\" + m.group(2) if not m.group(2)[0].isdigit()
+                          else m.group(1) + m.group(2) + "\\", MARKUP.sub(r"\\\1", flat))
+
+
+def code(value) -> str:
+    """A value (a path) as a code span: literal whatever it holds, backticks included, on one line."""
+    flat = " ".join(str(value).split())
+    fence = "`" * (max((len(run) for run in re.findall(r"`+", flat)), default=0) + 1)
+    pad = " " if flat.startswith("`") or flat.endswith("`") else ""
+    return f"{fence}{pad}{flat}{pad}{fence}"
+
+
+def number(value, spec: str = ".3f") -> str:
+    """A figure; anything that is not a number (a forged XCom) is shown as escaped text instead."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return format(value, spec)
+    return text(value)
+
+
 def note_markdown(summary: dict, failed_tasks: list[str] | None = None, headline: str | None = None) -> str:
     """The report task's summary (eagle3_airflow.tasks.report) as a short markdown note; `failed_tasks` when a
-    task after the report failed the run."""
-    promotion = summary.get("promotion") or {}
-    lines = [f"{NOTE_TITLE}: {headline or verdict(summary)}", ""]
+    task after the report failed the run. Every value is escaped (see the module docstring)."""
+    promotion = _mapping(summary.get("promotion"))
+    lines = [f"{NOTE_TITLE}: {text(headline or verdict(summary))}", ""]
     if failed_tasks:
-        lines += [f"the run failed after its report: {', '.join(failed_tasks)}", ""]
+        lines += [f"the run failed after its report: {text(', '.join(failed_tasks))}", ""]
     if promotion.get("reason"):
-        lines += [promotion["reason"], ""]
-    ours = summary.get("measured_accept_length") or {}
-    theirs = ((promotion.get("current_before") or {}).get("accept_length")) or {}
+        lines += [text(promotion["reason"]), ""]
+    ours = _mapping(summary.get("measured_accept_length"))
+    theirs = _mapping(_mapping(promotion.get("current_before")).get("accept_length"))
     if ours:
         lines += ["| k | acceptance length | current drafter |", "|---|---|---|"]
-        lines += [f"| {k} | {value:.3f} | {figure(theirs.get(k))} |" for k, value in ours.items()]
+        lines += [f"| {text(k)} | {number(value)} | {figure(theirs.get(k))} |" for k, value in ours.items()]
         lines.append("")
     facts = []
     if summary.get("simulated_accept_length") is not None:
-        facts.append(f"teacher-forced simulated: {summary['simulated_accept_length']:.3f}")
-    states = summary.get("hidden_states")
+        facts.append(f"teacher-forced simulated: {number(summary['simulated_accept_length'])}")
+    states = _mapping(summary.get("hidden_states"))
     if states:
-        facts.append(f"hidden states: {states['extracted']} extracted, {states['reused']} reused")
+        facts.append(f"hidden states: {number(states.get('extracted'), 'd')} extracted, "
+                     f"{number(states.get('reused'), 'd')} reused")
     if facts:
         lines += [" · ".join(facts), ""]
     if summary.get("drafter"):
-        lines.append(f"drafter: `{summary['drafter']}`")
+        lines.append(f"drafter: {code(summary['drafter'])}")
     if promotion.get("current"):
-        lines.append(f"lineage's current: `{promotion['current']}`")
+        lines.append(f"lineage's current: {code(promotion['current'])}")
     lines.append("plots and report: the run's *EAGLE-3 report* tab")
     return _fit(lines)
 
 
 def failure_markdown(failed_tasks: list[str]) -> str:
     return _fit([f"{NOTE_TITLE}: run failed", "",
-                 f"failed: {', '.join(failed_tasks) or 'none (the run was marked failed)'}", "",
+                 f"failed: {text(', '.join(failed_tasks) or 'none (the run was marked failed)')}", "",
                  "Clear a failed task to resume: the stage picks up where it stopped."])
 
 
 def verdict(summary: dict) -> str:
-    """The outcome in three words or so: the note's headline and the report tab's."""
+    """The outcome in three words or so: the note's headline and the report tab's (plain text: each escapes it)."""
     if summary.get("nothing_changed_since"):
         return f"nothing changed since run {summary['nothing_changed_since']}"
-    return "promoted" if (summary.get("promotion") or {}).get("promoted") else "not promoted"
+    return "promoted" if _mapping(summary.get("promotion")).get("promoted") is True else "not promoted"
 
 
 def figure(value) -> str:
     """An acceptance length as both views print it; '-' where there is none (no current drafter yet)."""
-    return "-" if value is None else f"{value:.3f}"
+    return "-" if value is None else number(value)
+
+
+def _mapping(value) -> dict:
+    return value if isinstance(value, dict) else {}
 
 
 def _fit(lines: list[str]) -> str:

@@ -21,7 +21,7 @@ from airflow.sdk import BaseSensorOperator
 from airflow.sdk.exceptions import AirflowFailException
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
-from eagle3_airflow.plan import RunPlan
+from eagle3_airflow.plan import RunPlan, verified_plan
 from eagle3_airflow.transport import BoxUnreachable, CommandResult
 
 # (conn_id, argv, timeout) -> the command's result on that box: the worker's blocking transport wrapped, or the
@@ -119,12 +119,8 @@ class _BoxSensor(BaseSensorOperator):
         self.plan = plan
         self.deferrable = deferrable
 
-    @property
-    def run_plan(self) -> RunPlan:
-        return RunPlan.from_xcom(self.plan)
-
     def poke(self, context) -> bool:
-        plan = self.run_plan
+        plan = verified_plan(self.plan, context.get("dag_run"))  # XCom, which the USER role may edit: checked first
 
         async def run(conn_id: str, argv: list[str], timeout: float) -> CommandResult:
             return plan.box(conn_id).run(argv, timeout=timeout)
@@ -196,7 +192,7 @@ class BoxCheckTrigger(BaseTrigger):
             "check": self.check, "plan": self.plan, "poke_interval_s": self.poke_interval_s}
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
-        plan = RunPlan.from_xcom(self.plan)
+        plan = RunPlan.from_trusted(self.plan)  # the plan the sensor verified before it deferred
         boxes = {}
 
         async def run(conn_id: str, argv: list[str], timeout: float) -> CommandResult:

@@ -1,7 +1,10 @@
-"""The DAG's small tasks (validate, sync code, write config, report) as plain functions.
+"""The DAG's small tasks (validate, sync code, write config, report, promotion) as plain functions.
 
 The DAG file wraps them with @task; keeping them here keeps the DAG file to wiring and lets tests
-call them directly.
+call them directly. Each takes the run plan (and config) as validate sealed them into XCom and checks them
+first (eagle3_airflow.plan.verified_plan): `dag_run`, which Airflow passes from the task's context, names the run
+the seal must belong to. What a task reads back from the run (reports, plots) comes from the box through
+eagle3_airflow.results, never from another task's XCom.
 """
 
 from __future__ import annotations
@@ -13,7 +16,9 @@ from airflow.sdk.exceptions import AirflowFailException
 
 from eagle3_airflow.deployment import Deployment
 from eagle3_airflow.params import ParamsError, check_unknown_keys, params_to_configs
-from eagle3_airflow.plan import RunPlan
+from eagle3_airflow.plan import RunPlan, verified_config, verified_plan
+from eagle3_airflow.results import REPORT, RunFileRefused, read_json, run_summary
+from eagle3_airflow.seal import task_key
 from eagle3_airflow.transport import RemoteCommandError
 
 log = logging.getLogger(__name__)
@@ -21,27 +26,33 @@ log = logging.getLogger(__name__)
 REQUIRED_BOX_PACKAGES = ["torch", "transformers", "tokenizers", "safetensors", "numpy", "pydantic"]
 
 
-def validate_run(params: dict, conf: dict, known: set[str], run_id: str, deployment: Deployment | None = None) -> dict:
+def validate_run(params: dict, conf: dict, known: set[str], dag_run, deployment: Deployment | None = None) -> dict:
     """Params -> run plan + run config. Bad input, or a run that reaches past what the deployment allows (another
-    box, service, endpoint host or box variable), fails the task at once (no retries): nothing has started."""
+    box, service, endpoint, workdir or box variable), fails the task at once (no retries): nothing has started.
+    The plan is sealed for this run (eagle3_airflow.seal) with the config's digest in it."""
     deployment = deployment or Deployment()
     try:
         check_unknown_keys(conf, known)
-        config, box = params_to_configs({k: v for k, v in params.items() if k in known}, run_id)
-        gen = config.generate
-        uses_endpoint = gen.enabled and gen.backend == "server" and not gen.launch_server
-        deployment.check(box.conn_ids, box.stop_services, gen.endpoint if uses_endpoint else None, gen.api_key_env)
+        config, box = params_to_configs({k: v for k, v in params.items() if k in known}, dag_run.run_id)
+        config = deployment.settle(config)  # the normalised workdir, the settings' keep_versions
+        deployment.check_run(config, box.conn_ids, box.stop_services)
     except ParamsError as err:
         raise AirflowFailException(str(err)) from None
     plan = RunPlan.build(config, box, deployment.box_env)
     log.info("run %s in %s on %s; %d extraction shard(s)", plan.run_name, plan.run_dir, ", ".join(plan.conn_ids),
              plan.num_shards)
-    return {"plan": plan.to_xcom(), "config": config.model_dump(mode="json")}
+    return {"plan": plan.sealed(dag_run, task_key(create=True)), "config": config.model_dump(mode="json")}
 
 
-def sync_code(plan_dict: dict, config: dict) -> dict:
+def shard_list(plan_dict: dict, dag_run=None) -> list[int]:
+    """One extract task per shard (Airflow maps only over a task's whole return value)."""
+    return list(range(verified_plan(plan_dict, dag_run).num_shards))
+
+
+def sync_code(plan_dict: dict, config: dict, dag_run=None) -> dict:
     """Upload the eagle3 package to every box and record what each box has; fail early if a package is missing."""
-    plan = RunPlan.from_xcom(plan_dict)
+    plan = verified_plan(plan_dict, dag_run)
+    config = verified_config(config, plan)
     needs_sglang = (config["extract"]["backend"] == "sglang" or config["benchmark"]["enabled"]
                     or (config["generate"]["enabled"] and config["generate"]["launch_server"]))
     require = ["--require", "sglang"] if needs_sglang else []
@@ -68,9 +79,10 @@ def sync_code(plan_dict: dict, config: dict) -> dict:
     return facts
 
 
-def write_config(plan_dict: dict, config: dict) -> str:
+def write_config(plan_dict: dict, config: dict, dag_run=None) -> str:
     """Write config.json into the run directory on the box (once; the box fills in and checks target facts)."""
-    plan = RunPlan.from_xcom(plan_dict)
+    plan = verified_plan(plan_dict, dag_run)
+    config = verified_config(config, plan)
     result = plan.box().run(plan.eagle3("init", "--config", "-"), input=json.dumps(config).encode(), timeout=300)
     if result.returncode == 2:  # a configuration the box refuses: retrying cannot help
         raise AirflowFailException(result.stderr.strip().removeprefix("error: "))
@@ -84,10 +96,10 @@ def check_inputs(plan: RunPlan) -> dict:
     return result.json("python -m eagle3 lineage check")
 
 
-def inputs_changed(plan_dict: dict) -> bool:
+def inputs_changed(plan_dict: dict, dag_run=None) -> bool:
     """After vocab: False (training, export and evaluation are skipped) when the run's samples, vocab mapping and
     settings equal those the lineage's current drafter was trained from (eagle3.promote.check_inputs)."""
-    check = check_inputs(RunPlan.from_xcom(plan_dict))
+    check = check_inputs(verified_plan(plan_dict, dag_run))
     if check["changed"]:
         log.info("inputs: new since the current drafter (%s); training", check.get("current") or "none yet")
         return True
@@ -96,12 +108,20 @@ def inputs_changed(plan_dict: dict) -> bool:
     return False
 
 
-def report(plan_dict: dict) -> dict:
+def _read(what):
+    """A file of the run the box refused, or one that is not what it should be, fails the task without a retry."""
+    try:
+        return what()
+    except RunFileRefused as err:
+        raise AirflowFailException(str(err)) from None
+
+
+def report(plan_dict: dict, dag_run=None) -> dict:
     """Collect the run's results from the box: figures, and where the drafter, report and plots are."""
-    plan = RunPlan.from_xcom(plan_dict)
-    box = plan.box()
-    report_path = f"{plan.run_dir}/evaluate/report.json"
-    if box.run(["test", "-e", report_path]).returncode != 0:  # evaluate was skipped: say why
+    plan = verified_plan(plan_dict, dag_run)
+    summary = _read(lambda: run_summary(plan))
+    if summary is None:  # evaluate was skipped: say why
+        report_path = f"{plan.run_dir}/{REPORT}"
         check = check_inputs(plan)
         if check["changed"]:
             raise AirflowFailException(f"{report_path} is missing, though the inputs changed: evaluate did not run")
@@ -111,99 +131,95 @@ def report(plan_dict: dict) -> dict:
         log.info("nothing changed since run %s; the lineage's drafter stays %s (measured acceptance %s)",
                  check["unchanged_since"], check["current_drafter"], check["current_accept_length"])
         return summary
-    evaluation = box.run(["cat", report_path]).json(f"reading {report_path}")
-    plots = sorted(box.run(["find", plan.run_dir, "-name", "*.png"]).check("listing plots").stdout.split())
-    summary = {
-        "run_dir": plan.run_dir,
-        "drafter": f"{plan.run_dir}/drafter",
-        "report": report_path,
-        "plots": plots,
-        "val_acc_per_position": [round(a, 3) for a in evaluation["val_acc_per_position"]],
-        "simulated_accept_length": evaluation["simulated_accept_length_teacher_forced"],
-        "measured_accept_length": {k: v["mean_accept_length"] for k, v in evaluation["speculative"].items()},
-        # samples extracted by this run, and reused from the store runs with the same capture share
-        "hidden_states": evaluation.get("hidden_states"),
-        # measured against the lineage's current drafter on its pinned prompts; promoted or not, and why
-        "promotion": evaluation.get("promotion"),
-    }
     if (summary["promotion"] or {}).get("pending_approval"):  # promote_held runs before the report when approved
         summary["promotion"]["reason"] += "; held for approval, not approved (rejected, or timed out)"
-    if plan.benchmark:
-        benchmark_path = f"{plan.run_dir}/benchmark/benchmark.json"
-        benchmark = box.run(["cat", benchmark_path]).json(f"reading {benchmark_path}")
-        summary["sglang_benchmark"] = {
-            "report": benchmark_path,
-            "accept_length": benchmark["mean_accept_length"],
-            "output_tokens_per_s": {name: benchmark[name]["output_tokens_per_s"] for name in ("baseline", "eagle3")},
-            "speedup": benchmark["speedup"],
-        }
     for key, value in summary.items():
         log.info("%-24s %s", key, value)
     return summary
 
 
-def promotion_proposed(plan_dict: dict) -> str | bool:
-    """With the deployment's approve_promotion: did evaluate propose a promotion? The proposal as markdown (the
-    approval's body: both drafters' figures), or False, which skips the approval (nothing to approve)."""
-    from eagle3_airflow.run_note import note_markdown
-
-    plan = RunPlan.from_xcom(plan_dict)
-    report_path = f"{plan.run_dir}/evaluate/report.json"
-    read = plan.box().run(["cat", report_path])
-    if read.returncode != 0:  # evaluate was skipped: nothing changed
-        return False
-    promotion = read.json(f"reading {report_path}")["promotion"]
-    if not promotion.get("pending_approval"):
-        log.info("no promotion to approve: %s", promotion.get("reason"))
-        return False
-    summary = {"drafter": f"{plan.run_dir}/drafter", "promotion": promotion,
-               "measured_accept_length": promotion["accept_length"]}
-    return note_markdown(summary, headline="proposed for promotion")
+def proposed_promotion(plan: RunPlan) -> dict | None:
+    """The promotion evaluate held for approval, from the run's report on the box; None if there is none."""
+    evaluation = _read(lambda: read_json(plan, REPORT))
+    if evaluation is None:  # evaluate was skipped: nothing changed
+        return None
+    promotion = evaluation.get("promotion")
+    if not isinstance(promotion, dict) or promotion.get("pending_approval") is not True:
+        log.info("no promotion to approve: %s", (promotion or {}).get("reason") if isinstance(promotion, dict)
+                 else "the report has none")
+        return None
+    return promotion
 
 
-def promote_held(plan_dict: dict) -> dict:
-    """Approved: make the switch evaluate held (`python -m eagle3 lineage promote`, safe to retry)."""
-    plan = RunPlan.from_xcom(plan_dict)
-    outcome = plan.box().run(plan.eagle3("lineage", "promote", "--config", plan.config_path),
-                             timeout=3600).json("python -m eagle3 lineage promote")
-    log.info("%s: %s", "promoted" if outcome["promoted"] else "not promoted", outcome["reason"])
+def promotion_proposed(plan_dict: dict, dag_run=None) -> bool:
+    """With the deployment's approve_promotion: did evaluate propose a promotion? False skips the approval (nothing
+    to approve). The approval task reads the proposal from the box itself (eagle3_airflow.approval)."""
+    return proposed_promotion(verified_plan(plan_dict, dag_run)) is not None
+
+
+def promote_held(plan_dict: dict, approval, dag_run=None, deployment: Deployment | None = None) -> dict:
+    """Approved: make the switch evaluate held (`python -m eagle3 lineage promote --approved-by USER`, safe to
+    retry), only on an Approve the approval task sealed for this run and this proposal, by one of the settings'
+    approvers who did not trigger the run."""
+    from eagle3_airflow.approval import verified_approval
+
+    plan = verified_plan(plan_dict, dag_run)
+    evaluation = _read(lambda: read_json(plan, REPORT)) or {}
+    promotion = evaluation.get("promotion") if isinstance(evaluation.get("promotion"), dict) else {}
+    # Held for approval; or promoted already, by a try of this task that died before it returned (lineage promote
+    # rewrote the report, keeping what was proposed, so the approval's seal still matches).
+    if promotion.get("pending_approval") is not True and promotion.get("promoted") is not True:
+        raise AirflowFailException(f"{plan.run_dir}/{REPORT} holds no promotion for approval: nothing to promote")
+    approver = verified_approval(approval, plan, promotion, dag_run, deployment or Deployment.from_env())
+    argv = plan.eagle3("lineage", "promote", "--config", plan.config_path, f"--approved-by={approver}")
+    outcome = plan.box().run(argv, timeout=3600).json("python -m eagle3 lineage promote")
+    log.info("%s: %s (approved by %s)", "promoted" if outcome["promoted"] else "not promoted", outcome["reason"],
+             approver)
     return outcome
 
 
-def announce_promotion(plan_dict: dict, summary: dict, asset_name: str, outlet_events=None) -> dict:
+def announce_promotion(plan_dict: dict, asset_name: str, outlet_events=None, dag_run=None) -> dict:
     """An event on the drafter Asset when the run's drafter was promoted, for a deployment DAG scheduled on it;
-    skipped (no event) when it was not, with the reason."""
+    skipped (no event) when it was not, with the reason. The event's extra comes from the run's report on the box
+    and the verified plan, never from the report task's XCom."""
     from airflow.sdk import Asset
     from airflow.sdk.exceptions import AirflowSkipException
 
-    promotion = summary.get("promotion") or {}
-    if not promotion.get("promoted"):
+    plan = verified_plan(plan_dict, dag_run)
+    evaluation = _read(lambda: read_json(plan, REPORT))
+    if evaluation is None:
+        raise AirflowSkipException("not promoted: evaluate did not run (nothing changed since the current drafter)")
+    promotion = evaluation.get("promotion") if isinstance(evaluation.get("promotion"), dict) else {}
+    if promotion.get("promoted") is not True:
         raise AirflowSkipException(f"not promoted: {promotion.get('reason', 'no promotion in the report')}")
-    plan = RunPlan.from_xcom(plan_dict)
-    extra = {
-        "run_dir": plan.run_dir,
-        "lineage": promotion["lineage"],
-        "version": promotion["version"],
-        "drafter": promotion["current"],  # the lineage's `current` link: what to serve
-        "accept_length": promotion["accept_length"],
-        "previous": promotion["current_before"],
-        "eval_set_prompts": promotion["eval_set_prompts"],
-        "store": (summary.get("hidden_states") or {}).get("store"),
-        "code_digest": plan.code_digest,
-    }
+    states = evaluation.get("hidden_states") if isinstance(evaluation.get("hidden_states"), dict) else {}
+    try:
+        extra = {
+            "run_dir": plan.run_dir,
+            "lineage": promotion["lineage"],
+            "version": promotion["version"],
+            "drafter": promotion["current"],  # the lineage's `current` link: what to serve
+            "accept_length": promotion["accept_length"],
+            "previous": promotion["current_before"],
+            "eval_set_prompts": promotion["eval_set_prompts"],
+            "store": states.get("store"),
+            "code_digest": plan.code_digest,
+        }
+    except KeyError as err:
+        raise AirflowFailException(f"{plan.run_dir}/{REPORT}: its promotion lacks {err}; run evaluate again") from None
     outlet_events[Asset(asset_name)].extra = extra
     log.info("promoted %s: event on asset %s with %s", promotion["version"], asset_name, extra)
     return extra
 
 
-def prune_runs(plan_dict: dict, keep_runs: int | None) -> dict:
+def prune_runs(plan_dict: dict, keep_runs: int | None, dag_run=None) -> dict:
     """The settings' retention: run directories beyond the newest keep_runs go (eagle3.retention); skipped
-    without keep_runs."""
+    without keep_runs. In the verified plan's workdir, which the settings allow (allowed_workdirs)."""
     from airflow.sdk.exceptions import AirflowSkipException
 
     if keep_runs is None:
         raise AirflowSkipException("keep_runs is not set in the settings file: every run directory is kept")
-    plan = RunPlan.from_xcom(plan_dict)
+    plan = verified_plan(plan_dict, dag_run)
     outcome = plan.box().run(plan.eagle3("runs", "prune", "--workdir", plan.workdir, "--keep", str(keep_runs)),
                              timeout=3600).json("python -m eagle3 runs prune")
     log.info("retention: %d run directories, kept the newest %d; removed %s; kept beyond that: %s", outcome["runs"],

@@ -49,6 +49,7 @@ RUN_TIMEOUT_S = 600  # a run inside the suite on a slow VM: up to 6 minutes meas
 RUN_POLL_S = 3.0
 PROMPTS_ASSET = "eagle3_prompts"
 CONVERSATIONS, GROWN = 30, 33  # the prompt set, and the same grown by 10 % for the third run
+REVIEWER = "reviewer"  # the settings' one approver; the admin triggers the runs
 
 
 def form_defaults(data: Path, tiny_target: Path, workdir: Path) -> dict:
@@ -156,7 +157,10 @@ class Standalone:
 
     @property
     def password(self) -> str:
-        return json.loads((self.home / "simple_auth_manager_passwords.json.generated").read_text())["admin"]
+        return self.password_of("admin")
+
+    def password_of(self, user: str) -> str:
+        return json.loads((self.home / "simple_auth_manager_passwords.json.generated").read_text())[user]
 
     def _request(self, path: str, body: dict | None = None, token: str | None = None) -> bytes:
         headers = {"Content-Type": "application/json"}
@@ -234,7 +238,7 @@ def standalone(chromium, artifacts, tiny_target, tmp_path):
     settings = tmp_path / "dag-settings.json"
     settings.write_text(json.dumps({"params": form_defaults(tmp_path / "prompts.jsonl", tiny_target, workdir),
                                     "schedule_assets": [PROMPTS_ASSET], "approve_promotion": True,
-                                    "retry_delay_s": 1}))
+                                    "approvers": [REVIEWER], "retry_delay_s": 1}))
     port = free_port()
     env = airflow_env(
         home,
@@ -244,6 +248,9 @@ def standalone(chromium, artifacts, tiny_target, tmp_path):
         # The settings file is fixed for the test, so the DAG file needs parsing once: every 30 s (the default)
         # the dag-processor forked a parse of it, for nothing, through the test's eight minutes under load.
         AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL="3600",
+        # The admin triggers; the reviewer (role user), the settings' approver, approves: nobody approves a run of
+        # their own (eagle3_airflow/approval.py).
+        AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS=f"admin:admin,{REVIEWER}:user",
         EAGLE3_DAG_SETTINGS=str(settings),
     )
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # it spawns `airflow ...`
@@ -334,6 +341,7 @@ def test_trigger_form_run_and_clear_in_a_real_browser(standalone, chromium, arti
         browser = playwright.chromium.launch(executable_path=str(chromium), args=["--disable-gpu"])
         page = browser.new_context(viewport={"width": 1400, "height": 1000}, reduced_motion="reduce").new_page()
         page.set_default_timeout(60_000)
+        reviewer_page = None  # the approver's own browser session, opened when there is something to approve
 
         def shot(name: str) -> None:
             path = artifacts / f"{len(shots) + 1:02d}-{name}.png"
@@ -445,12 +453,23 @@ def test_trigger_form_run_and_clear_in_a_real_browser(standalone, chromium, arti
                 if answered_try:
                     print(f"approve_promotion asked again (try {approval['try_number']}): Airflow's stale exit "
                           f"event lost the answer to try {answered_try}")
-                page.goto(f"{url}/dags/{DAG_ID}/runs/{run_id}/tasks/approve_promotion/required_actions")
-                expect(page.get_by_text(f"Promote the drafter of run {run_id}?")).to_be_visible()
-                expect(page.get_by_text("EAGLE-3 drafter: proposed for promotion")).to_be_visible()
-                shot("approval-required")
-                page.get_by_role("button", name="Approve", exact=True).click()
-                expect(page.get_by_text("approve_promotion response successful")).to_be_visible()
+                if reviewer_page is None:  # the approver signs in in a browser session of their own
+                    reviewer_page = browser.new_context(viewport={"width": 1400, "height": 1000},
+                                                        reduced_motion="reduce").new_page()
+                    reviewer_page.set_default_timeout(60_000)
+                    reviewer_page.goto(f"{url}/dags/{DAG_ID}")
+                    reviewer_page.get_by_label("Username").fill(REVIEWER)
+                    reviewer_page.get_by_label("Password").fill(standalone.password_of(REVIEWER))
+                    reviewer_page.get_by_role("button", name="Sign in").click()
+                    expect(reviewer_page).to_have_url(re.compile(rf"/dags/{DAG_ID}$"))
+                reviewer_page.goto(f"{url}/dags/{DAG_ID}/runs/{run_id}/tasks/approve_promotion/required_actions")
+                expect(reviewer_page.get_by_text(f"Promote the drafter of run {run_id}?")).to_be_visible()
+                expect(reviewer_page.get_by_text("EAGLE-3 drafter: proposed for promotion")).to_be_visible()
+                shots.append(artifacts / f"{len(shots) + 1:02d}-approval-required-as-{REVIEWER}.png")
+                reviewer_page.screenshot(path=shots[-1])
+                reviewer_page.get_by_role("button", name="Approve", exact=True).click()
+                expect(reviewer_page.get_by_text("approve_promotion response successful")).to_be_visible()
+                reviewer_page.goto("about:blank")  # an open page of the UI keeps a core busy
                 answered_try = approval["try_number"]
             wait_away_from_the_ui(run_id, lambda run: run["state"] in ("success", "failed"), f"the run {run_id} to end")
             page.goto(f"{url}/dags/{DAG_ID}")

@@ -1,0 +1,140 @@
+"""The promotion's approval: Airflow's human-in-the-loop ApprovalOperator, asked of the settings' approvers only,
+and what the promote task accepts as an approval.
+
+- Assigned users: the settings' `approvers` become the operator's `assigned_users`, which Airflow's API server
+  enforces when someone answers (BaseAuthManager.is_authorized_hitl_task: the answering user's id must be one of
+  them; SimpleAuthManager's all-admins mode lets everyone answer, so the checks below do not rely on it).
+- The body (both drafters' figures) is made from the run's report on the box through the verified plan, never from
+  another task's XCom, and escaped (eagle3_airflow.run_note), so a hostile value cannot render as an instruction.
+- Who answered: the approval task, resumed, takes it from its resume event. The API server builds that event from
+  the human-in-the-loop detail row when the authenticated user answers (HITLDetail.as_resume_event_payload:
+  responded_by is that user) and stores it as the task instance's next_kwargs, which no public API writes. That is
+  the most trustworthy source a running task has in Airflow 3.3: the Execution API's route for a task's own detail
+  (GET /execution/hitlDetails/{ti id}, scope ti:self) is relayed by the triggerer only; a task's supervisor answers
+  the Task SDK's get_hitl_detail_content_detail with "Unhandled request". The promote task could not read the
+  approval's detail at all (ti:self), and the approval's XCom is the USER role's to edit. So the approval checks the
+  answer itself (Approve, by one of the approvers, not by the user who triggered the run) and hands the promote
+  task a sealed record (eagle3_airflow.seal) of who approved which proposal; promote checks the seal, the approver
+  against the settings as they are then, the triggering user, and that the proposal on the box is the one approved
+  (a re-evaluated drafter needs a new approval).
+
+A task marked successful by hand leaves no sealed record, and promote refuses to promote without one.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from airflow.providers.standard.operators.hitl import ApprovalOperator
+from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
+
+from eagle3_airflow.plan import RunPlan, verified_plan
+from eagle3_airflow.seal import RunRef, Tampered, digest, is_sealed, seal, task_key
+
+log = logging.getLogger(__name__)
+
+APPROVAL_XCOM = "the approval in XCom (task `approve_promotion`, its return value)"
+ASK_AGAIN = "Clear the approve_promotion task to ask the approvers again."
+# What a person saw and approved, as evaluate held it: `lineage promote` rewrites the report's promotion (promoted,
+# version, reason) but keeps these, so a retried promote still matches its approval.
+PROPOSAL_KEYS = ("lineage", "accept_length", "current_before", "eval_set_prompts", "eval_set_pinned_by",
+                 "weights_sha256")
+
+
+def proposal_digest(promotion: dict) -> str:
+    return digest({key: promotion.get(key) for key in PROPOSAL_KEYS})
+
+
+def approval_body(plan: RunPlan, promotion: dict) -> str:
+    """The approval's markdown: both drafters' figures and why evaluate proposes the switch, every value escaped."""
+    from eagle3_airflow.run_note import note_markdown
+
+    summary = {"drafter": f"{plan.run_dir}/drafter", "promotion": promotion,
+               "measured_accept_length": promotion.get("accept_length")}
+    return note_markdown(summary, headline="proposed for promotion")
+
+
+def check_approver(user_id: str, user_name: str, approvers: list, triggering_user: str | None) -> None:
+    """Refuse an Approve that does not come from one of `approvers` (Approver models) or that comes from the user
+    who triggered the run."""
+    names = [approver.name for approver in approvers]
+    if user_id not in {approver.id for approver in approvers}:
+        raise AirflowFailException(f"approve_promotion was answered Approve by {user_name!r}, who is not one of this "
+                                   f"deployment's approvers {names} (settings key approvers): no promotion. "
+                                   + ASK_AGAIN)
+    if triggering_user is not None and user_name == triggering_user:
+        others = [name for name in names if name != user_name]
+        raise AirflowFailException(f"approve_promotion was answered Approve by {user_name!r}, who triggered this run: "
+                                   f"a promotion needs the Approve of another approver ({others or 'none listed'}). "
+                                   + ASK_AGAIN)
+
+
+class PromotionApproval(ApprovalOperator):
+    """Asks the settings' approvers to approve the promotion evaluate proposed; see the module docstring.
+
+    :param plan: the run plan dict from the validate task (an XComArg).
+    :param approvers: the settings' approvers (eagle3_airflow.deployment.Approver).
+    """
+
+    template_fields = ("subject", "plan")  # the body is made in execute, from the box; never a template
+
+    def __init__(self, *, plan, approvers: list, **kwargs):
+        super().__init__(assigned_users=[approver.hitl_user() for approver in approvers], **kwargs)
+        self.plan = plan
+        self.approvers = list(approvers)
+
+    def execute(self, context):
+        from eagle3_airflow.tasks import proposed_promotion
+
+        plan = verified_plan(self.plan, context["dag_run"])
+        promotion = proposed_promotion(plan)
+        if promotion is None:
+            raise AirflowSkipException(f"{plan.run_dir}: evaluate holds no promotion for approval")
+        self.body = approval_body(plan, promotion)
+        return super().execute(context)
+
+    def execute_complete(self, context, event):
+        from eagle3_airflow.tasks import proposed_promotion
+
+        dag_run = context["dag_run"]
+        plan = verified_plan(self.plan, dag_run)
+        answer = super().execute_complete(context=context, event=event)  # on Reject: downstream skipped
+        if list(answer["chosen_options"]) != [self.APPROVE]:
+            return answer
+        user = event.get("responded_by_user")  # the API server's: the authenticated user who answered
+        if not isinstance(user, dict) or not user.get("id") or not user.get("name"):
+            raise Tampered("approve_promotion resumed with Approve, but with no user who answered it: no promotion. "
+                           + ASK_AGAIN)
+        user_id, user_name = str(user["id"]), str(user["name"])
+        check_approver(user_id, user_name, self.approvers, getattr(dag_run, "triggering_user_name", None))
+        promotion = proposed_promotion(plan)
+        if promotion is None:
+            raise AirflowFailException(f"{plan.run_dir}: the promotion approved is no longer held on the box "
+                                       "(evaluate ran again?). " + ASK_AGAIN)
+        responded_at = event.get("responded_at")
+        record = {"chosen_options": [self.APPROVE], "approved_by": user_name, "approver_id": user_id,
+                  "responded_at": responded_at.isoformat() if hasattr(responded_at, "isoformat") else None,
+                  "proposal_sha256": proposal_digest(promotion)}
+        log.info("approved by %s (id %s), one of the approvers; proposal %s", user_name, user_id,
+                 record["proposal_sha256"][:16])
+        return {**record, "seal": seal("approval", record, RunRef.of(dag_run), task_key())}
+
+
+def verified_approval(approval, plan: RunPlan, promotion: dict, dag_run, deployment) -> str:
+    """The approver's name, if `approval` (the approval task's XCom) is a sealed Approve of this run's `promotion`
+    by one of the settings' approvers who did not trigger the run; otherwise the promote task fails, saying why."""
+    if not isinstance(approval, dict) or "seal" not in approval:
+        raise Tampered(f"{APPROVAL_XCOM} is no sealed approval (was the task marked successful by hand, or its XCom "
+                       "edited?): no promotion. " + ASK_AGAIN)
+    body = {key: value for key, value in approval.items() if key != "seal"}
+    if not is_sealed("approval", body, RunRef.of(dag_run), task_key(), approval["seal"]):
+        raise Tampered(f"{APPROVAL_XCOM} does not match its seal: it was edited, or it is another run's: no promotion. "
+                       + ASK_AGAIN)
+    if body.get("chosen_options") != [ApprovalOperator.APPROVE]:
+        raise Tampered(f"{APPROVAL_XCOM} is no Approve: no promotion. " + ASK_AGAIN)
+    check_approver(str(body.get("approver_id")), str(body.get("approved_by")), deployment.approvers,
+                   getattr(dag_run, "triggering_user_name", None))
+    if body.get("proposal_sha256") != proposal_digest(promotion):
+        raise Tampered(f"{APPROVAL_XCOM} approved another proposal than the one {plan.run_dir} holds now (evaluate ran "
+                       "again since): no promotion. " + ASK_AGAIN)
+    return str(body["approved_by"])

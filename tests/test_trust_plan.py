@@ -1,0 +1,147 @@
+"""Issue 35, item 1: the run plan and the run config are taken from XCom only as validate sealed them.
+
+Written as the attack: a USER-role user PATCHes the `plan` (or `config`) XCom of a running run after validate.
+Each task that reads them (here called directly, as the DAG's @task wrappers call them) fails before it touches a
+box, with a message that names what was edited and says to trigger a new run; a retry of the same plan, a cleared
+validate, and a plan from newer code still work.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from types import SimpleNamespace
+
+import pytest
+from airflow.sdk.exceptions import AirflowFailException
+
+from eagle3_airflow import plan as plan_module
+from eagle3_airflow import tasks
+from eagle3_airflow.jobs import RemoteJobOperator
+from eagle3_airflow.seal import Tampered
+from eagle3_airflow.sensors import GpuIdleSensor
+from tests.conftest import CONTEXT, RUN, sealed
+
+EDITED = "does not match its seal: it was edited after validate planned this run"
+TRIGGER_AGAIN = "Trigger a new run"
+
+
+@pytest.fixture
+def no_box(monkeypatch):
+    """Fails the test if anything asks for a box: a refused plan must stop before any command."""
+    def box_for(conn_id):
+        raise AssertionError(f"a box command was about to run on {conn_id!r}")
+
+    monkeypatch.setattr(plan_module, "box_for", box_for)
+
+
+@pytest.fixture
+def run(trust_settings, tmp_path) -> dict:
+    """What validate hands to XCom for a run on this machine: the sealed plan and the config."""
+    from eagle3_airflow.deployment import Deployment
+    from eagle3_airflow.params import build_params
+
+    params = {name: param.value for name, param in build_params().items() if param.has_value}
+    params.update({"workdir": str(tmp_path / "work"), "target.model_path": "/models/kimi",
+                   "data.path": "/data/conversations.jsonl", "box.python": sys.executable})
+    return tasks.validate_run(params, {}, set(params), RUN, Deployment.from_env())
+
+
+def test_a_plan_edited_to_use_another_connection_fails_sync_code_before_any_login(run, no_box):
+    """The issue's attack: conn_ids edited to a connection the settings do not allow (`prod-db`)."""
+    edited = {**run["plan"], "conn_ids": ["prod-db"]}
+    with pytest.raises(Tampered, match=rf"the run plan in XCom \(task `validate`, key `plan`\) {EDITED}") as refused:
+        tasks.sync_code(edited, run["config"], dag_run=RUN)
+    assert TRIGGER_AGAIN in str(refused.value)
+
+
+def test_an_edited_plan_never_reaches_systemctl_through_the_gpu_sensor(run, no_box):
+    """... and the GPU sensor would have run `systemctl stop -- sshd.service` there."""
+    edited = {**run["plan"], "conn_ids": ["prod-db"], "stop_services": ["sshd.service"]}
+    with pytest.raises(Tampered, match=EDITED):
+        GpuIdleSensor(task_id="gpus_idle", plan=edited).poke(CONTEXT)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("python", "/tmp/evil/python"), ("run_dir", "/"), ("workdir", "/"), ("code_digest", "0123456789abcdef"),
+    ("box_env", ["AIRFLOW__CORE__FERNET_KEY"]), ("num_shards", 64), ("config_sha256", "0" * 64)])
+def test_any_edited_field_fails_every_kind_of_task(run, no_box, field, value):
+    edited = {**run["plan"], field: value}
+    for call in (lambda: tasks.write_config(edited, run["config"], dag_run=RUN),
+                 lambda: tasks.inputs_changed(edited, dag_run=RUN),
+                 lambda: tasks.report(edited, dag_run=RUN),
+                 lambda: tasks.promotion_proposed(edited, dag_run=RUN),
+                 lambda: tasks.prune_runs(edited, 3, dag_run=RUN),
+                 lambda: tasks.shard_list(edited, dag_run=RUN),
+                 lambda: RemoteJobOperator(task_id="train", stage="train", plan=edited).execute(CONTEXT)):
+        with pytest.raises(Tampered, match=EDITED):
+            call()
+
+
+def test_an_edited_config_fails_write_config_naming_the_config(run, no_box):
+    """The config XCom is what `write_config` writes to the box as the run's config: a changed data path, endpoint
+    or keep_versions would reach every stage."""
+    for edit in ({"data": {**run["config"]["data"], "path": "/home/alice/.ssh/id_ed25519"}},
+                 {"evaluate": {**run["config"]["evaluate"], "keep_versions": 1}}):
+        with pytest.raises(Tampered, match=r"the run config in XCom \(task `validate`, key `config`\) is not the "
+                                           r"config validate planned this run with") as refused:
+            tasks.write_config(run["plan"], {**run["config"], **edit}, dag_run=RUN)
+        assert TRIGGER_AGAIN in str(refused.value)
+        with pytest.raises(Tampered, match="key `config`"):
+            tasks.sync_code(run["plan"], {**run["config"], **edit}, dag_run=RUN)
+
+
+def test_a_plan_without_its_seal_or_another_runs_sealed_plan_is_refused(run, no_box):
+    unsealed = {key: value for key, value in run["plan"].items() if key != "seal"}
+    with pytest.raises(Tampered, match="carries no seal"):
+        tasks.inputs_changed(unsealed, dag_run=RUN)
+    other_run = SimpleNamespace(dag_id=RUN.dag_id, run_id="manual__2026-12-01T00:00:00+00:00")
+    with pytest.raises(Tampered, match="or it is another run's plan"):
+        tasks.inputs_changed(sealed(run["plan"], other_run), dag_run=RUN)  # replayed from another run
+    with pytest.raises(Tampered, match="no DAG run"):
+        tasks.inputs_changed(run["plan"], dag_run=None)
+
+
+def test_a_retry_a_cleared_validate_and_a_newer_codes_plan_verify(run, monkeypatch):
+    """A retry reads the same sealed plan: it verifies again. Clearing validate seals the plan again for the same
+    run. A key this code does not know, in a plan sealed by newer code (a rollback), is ignored; the same key added
+    by an XCom edit breaks the seal."""
+    verified = plan_module.verified_plan(run["plan"], RUN)
+    assert plan_module.verified_plan(json.loads(json.dumps(run["plan"])), RUN) == verified  # XCom's JSON round trip
+    assert plan_module.verified_config(run["config"], verified) == run["config"]
+    assert plan_module.verified_plan(sealed(verified), RUN) == verified  # validate cleared and run again
+    newer = sealed({**run["plan"], "gpu_numa_policy": "interleave"})
+    assert plan_module.verified_plan(newer, RUN) == verified
+    with pytest.raises(Tampered, match=EDITED):
+        plan_module.verified_plan({**run["plan"], "gpu_numa_policy": "interleave"}, RUN)
+
+
+def test_settings_tightened_since_validate_stop_the_run_at_its_next_task(run, trust_settings, no_box):
+    """The plan is checked against the settings as they are when each task runs: a box taken out of
+    allowed_boxes is not used by a run in flight either."""
+    settings = json.loads(trust_settings.read_text())
+    trust_settings.write_text(json.dumps({**settings, "allowed_boxes": ["gpu_box"],
+                                          "params": {"box.conn_ids": ["gpu_box"]}}))
+    with pytest.raises(Tampered, match=r"sealed, but the deployment's settings no longer allow it:(?s:.*)"
+                                       r"box.conn_ids: \['local'\] not allowed here"):
+        tasks.inputs_changed(run["plan"], dag_run=RUN)
+
+
+def test_without_the_sealing_key_nothing_verifies(run, monkeypatch, no_box):
+    monkeypatch.delenv("AIRFLOW_VAR_EAGLE3_PLAN_SECRET")
+    with pytest.raises(Tampered, match="the Airflow Variable eagle3_plan_secret, which run plans are sealed with, "
+                                       "is missing"):
+        tasks.inputs_changed(run["plan"], dag_run=RUN)
+
+
+def test_a_mapped_shard_the_plan_does_not_have_is_refused(run, no_box):
+    """The `shards` XCom decides how many extract tasks there are and which shard each runs."""
+    with pytest.raises(AirflowFailException, match=r"shard 7 \(from the `shards` task's XCom\) is not a shard of "
+                                                   r"this run, which has 1"):
+        RemoteJobOperator(task_id="extract", stage="extract", plan=run["plan"], shard=7).execute(CONTEXT)
+
+
+def test_retention_prunes_only_in_the_verified_plans_workdir(run, no_box):
+    """`runs prune` runs in plan.workdir: an edit that points it at another directory is refused first."""
+    with pytest.raises(Tampered, match=EDITED):
+        tasks.prune_runs({**run["plan"], "workdir": "/srv/other-team"}, 3, dag_run=RUN)

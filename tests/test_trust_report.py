@@ -1,0 +1,195 @@
+"""Issue 35, item 3: the report tab, the report task and the approval read only the run's own report files.
+
+Written as the attacks: someone who can write into a shared workdir plants links, pipes and huge files in a run
+directory; someone who can edit XCom names paths outside the run. The box side (eagle3/reportfiles.py, run here
+through the local transport as `python -m eagle3 report`) hands out only regular files of the expected names under
+the real run directory, never through a link, at most 8 MiB; the Airflow side (report task, report tab) never reads
+anything else and never echoes a refused file's content.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from airflow.sdk.exceptions import AirflowFailException
+from fastapi import HTTPException
+
+from eagle3.reportfiles import MAX_FILE_BYTES, ReportFileRefused, list_plots, read_file
+from eagle3_airflow import tasks
+from eagle3_airflow.plan import RunPlan
+from tests.conftest import RUN
+
+SECRET = "SECRET-TOKEN-do-not-serve-4b1f"
+PNG = b"\x89PNG\r\n\x1a\n" + b"\0" * 64
+
+REPORT = {
+    "val_acc_per_position": [0.61, 0.42],
+    "simulated_accept_length_teacher_forced": 2.05,
+    "speculative": {"3": {"mean_accept_length": 1.87}},
+    "hidden_states": {"store": "/w/stores/ab", "samples": 48, "extracted": 48, "reused": 0},
+    "promotion": {"promoted": True, "reason": "the lineage's first drafter (k=3: 1.870)", "lineage": "f209",
+                  "version": "r-1a2b3c4d", "current": "/w/drafters/f209/current", "accept_length": {"3": 1.87},
+                  "current_before": None, "eval_set_prompts": 2},
+}
+
+
+@pytest.fixture
+def run_dir(plan) -> Path:
+    """The plan fixture's run directory, with a real plot and a real report in it."""
+    run_dir = Path(plan["run_dir"])
+    (run_dir / "evaluate").mkdir(parents=True, exist_ok=True)
+    (run_dir / "evaluate" / "report.json").write_text(json.dumps(REPORT))
+    (run_dir / "train").mkdir(exist_ok=True)
+    (run_dir / "train" / "loss.png").write_bytes(PNG)
+    return run_dir
+
+
+@pytest.fixture
+def secret(tmp_path) -> Path:
+    path = tmp_path / "elsewhere" / "id_ed25519"
+    path.parent.mkdir()
+    path.write_text(f"-----BEGIN OPENSSH PRIVATE KEY----- {SECRET}\n")
+    return path
+
+
+def box_plan(plan: dict) -> RunPlan:
+    return RunPlan.from_trusted(plan)
+
+
+# -- the box side ------------------------------------------------------------------------------------------------
+
+
+def test_a_plot_that_links_to_a_secret_is_neither_listed_nor_read(run_dir, secret):
+    (run_dir / "evaluate" / "acceptance.png").symlink_to(secret)
+    assert list_plots(str(run_dir)) == ["train/loss.png"]
+    with pytest.raises(ReportFileRefused, match=r"evaluate/acceptance.png: refused .*never a symlink"):
+        read_file(str(run_dir), "evaluate/acceptance.png")
+
+
+def test_a_linked_stage_directory_or_run_directory_is_not_followed(run_dir, secret, tmp_path):
+    (run_dir / "benchmark").symlink_to(secret.parent)  # benchmark/ -> a directory of someone else's
+    (secret.parent / "benchmark.json").write_text(json.dumps({"stolen": SECRET}))
+    (secret.parent / "x.png").write_bytes(PNG)
+    with pytest.raises(ReportFileRefused, match=r"/benchmark: refused"):
+        read_file(str(run_dir), "benchmark/benchmark.json")
+    assert list_plots(str(run_dir)) == ["train/loss.png"]
+    linked_run = tmp_path / "work" / "runs" / "linked"
+    linked_run.symlink_to(run_dir)  # a run directory is never a link: the stages make a real one
+    with pytest.raises(ReportFileRefused, match=r"runs/linked: not a real directory"):
+        read_file(str(linked_run), "evaluate/report.json")
+
+
+@pytest.mark.parametrize("name", ["../../../../etc/passwd", "evaluate/../../../../etc/passwd", "/etc/passwd",
+                                  "evaluate/report.json/..", "jobs/train/log", "evaluate/proposal.json",
+                                  "config.json", "a/b/c.png"])
+def test_only_the_reports_and_stage_plots_are_read_by_name(run_dir, name):
+    with pytest.raises(ReportFileRefused, match="not a file the report reads"):
+        read_file(str(run_dir), name)
+
+
+def test_a_run_directory_that_climbs_out_is_refused(run_dir):
+    with pytest.raises(ReportFileRefused, match="absolute path without '..'"):
+        read_file(f"{run_dir}/../../../../etc", "evaluate/report.json")
+
+
+def test_a_huge_plot_is_refused_by_its_size_without_being_read(run_dir):
+    """A 100 MB "plot" grew the API server by 270 MiB (base64 over SSH, decoded, served). Now the box leaves it out
+    of the list and refuses it by fstat size, before reading a byte (the file is sparse: reading it would take
+    seconds, refusing it takes none)."""
+    huge = run_dir / "evaluate" / "acceptance.png"
+    with open(huge, "wb") as f:
+        f.truncate(100 << 20)
+    assert "evaluate/acceptance.png" not in list_plots(str(run_dir))
+    with pytest.raises(ReportFileRefused, match=rf"104857600 bytes, more than the {MAX_FILE_BYTES}"):
+        read_file(str(run_dir), "evaluate/acceptance.png")
+    with open(huge, "r+b") as f:  # at the cap it is served
+        f.truncate(MAX_FILE_BYTES)
+    assert len(read_file(str(run_dir), "evaluate/acceptance.png")) == MAX_FILE_BYTES
+
+
+def test_a_pipe_in_place_of_a_plot_neither_blocks_nor_is_read(run_dir):
+    os.mkfifo(run_dir / "evaluate" / "acceptance.png")
+    assert list_plots(str(run_dir)) == ["train/loss.png"]
+    with pytest.raises(ReportFileRefused, match="not a regular file"):
+        read_file(str(run_dir), "evaluate/acceptance.png")
+
+
+# -- the Airflow side, through `python -m eagle3 report` on the box ----------------------------------------------
+
+
+def test_the_report_task_reads_figures_and_plots_from_the_box_only(run_dir, plan, secret):
+    (run_dir / "evaluate" / "acceptance.png").symlink_to(secret)
+    summary = tasks.report(plan, dag_run=RUN)
+    assert summary["plots"] == [f"{run_dir}/train/loss.png"]  # the link is not a plot of the run
+    assert summary["measured_accept_length"] == {"3": 1.87} and summary["promotion"]["version"] == "r-1a2b3c4d"
+
+
+def test_a_linked_report_puts_nothing_of_its_target_into_the_task_error(run_dir, plan, secret):
+    """A symlinked report.json used to fail the report task with the file's last 2000 characters in its error."""
+    report = run_dir / "evaluate" / "report.json"
+    report.unlink()
+    report.symlink_to(secret)
+    with pytest.raises(AirflowFailException) as refused:
+        tasks.report(plan, dag_run=RUN)
+    assert f"{run_dir}/evaluate/report.json: refused" in str(refused.value) and SECRET not in str(refused.value)
+    # A regular report that is not JSON (someone wrote a secret into it): named, its content not echoed.
+    report.unlink()
+    report.write_text(f"not json {SECRET}")
+    with pytest.raises(AirflowFailException, match=r"evaluate/report.json on local is not valid JSON") as refused:
+        tasks.report(plan, dag_run=RUN)
+    assert SECRET not in str(refused.value)
+
+
+def test_the_approval_reads_the_proposal_through_the_same_refusals(run_dir, plan, secret):
+    report = run_dir / "evaluate" / "report.json"
+    report.unlink()
+    report.symlink_to(secret)
+    with pytest.raises(AirflowFailException, match="refused") as refused:
+        tasks.promotion_proposed(plan, dag_run=RUN)
+    assert SECRET not in str(refused.value)
+
+
+# -- the report tab --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def report_tab(plan, monkeypatch):
+    """The report view's routes with the run's plan found (its XCom lookup is the DB's; plan_of_run is tested
+    below on its own)."""
+    from eagle3_airflow import report_view
+
+    monkeypatch.setattr(report_view, "_plan", lambda session, dag_id, run_id: box_plan(plan))
+    return report_view
+
+
+def test_the_report_tab_serves_the_runs_plots_and_nothing_a_link_points_at(report_tab, run_dir, secret):
+    (run_dir / "evaluate" / "acceptance.png").symlink_to(secret)
+    page = report_tab.report_page("eagle3_drafter", RUN.run_id, None)
+    assert "1.870" in page and "promoted" in page and page.count("<img") == 1  # the figures: the box's report
+    assert report_tab.plot("eagle3_drafter", RUN.run_id, 0, None).body == PNG
+    with pytest.raises(HTTPException) as missing:
+        report_tab.plot("eagle3_drafter", RUN.run_id, 1, None)
+    assert missing.value.status_code == 404
+    response = report_tab.plot("eagle3_drafter", RUN.run_id, 0, None)
+    assert response.headers["x-content-type-options"] == "nosniff"  # never sniffed into an HTML page
+    (run_dir / "evaluate" / "report.json").unlink()
+    (run_dir / "evaluate" / "report.json").symlink_to(secret)
+    with pytest.raises(HTTPException) as refused:
+        report_tab.report_json("eagle3_drafter", RUN.run_id, None)
+    assert refused.value.status_code == 403 and SECRET not in refused.value.detail
+
+
+def test_the_report_tab_reads_nothing_for_a_plan_edited_in_xcom(plan, monkeypatch):
+    """An XCom edit that points the plan at another box or directory (a USER-role PATCH): the tab answers 409
+    with the reason and reads nothing."""
+    from eagle3_airflow import report_view
+
+    monkeypatch.setattr(report_view, "run_summary", lambda plan: pytest.fail("read the box of an unverified plan"))
+    edited = {**plan, "run_dir": "/etc", "conn_ids": ["prod-db"]}
+    with pytest.raises(HTTPException) as refused:
+        report_view.plan_of_run(edited, RUN)
+    assert refused.value.status_code == 409 and "does not match its seal" in refused.value.detail
+    assert report_view.plan_of_run(plan, RUN).run_dir == plan["run_dir"]  # the sealed one verifies
