@@ -248,7 +248,8 @@ def trust_settings(tmp_path, monkeypatch) -> Path:
     workdir root, this machine and the loopback sshd's box as the allowed boxes, two units as stoppable services."""
     path = tmp_path / "dag-settings.json"
     path.write_text(json.dumps({"allowed_workdirs": [str(tmp_path)], "allowed_boxes": ["local", "gpu_box"],
-                                "allowed_services": ["vllm.service", "other.service"]}))
+                                "allowed_services": ["vllm.service", "other.service"],
+                                "allowed_pythons": [sys.executable]}))
     monkeypatch.setenv("EAGLE3_DAG_SETTINGS", str(path))
     return path
 

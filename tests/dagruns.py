@@ -72,9 +72,11 @@ def conf_for(tiny_target: Path, workdir: Path, run_name: str = BASELINE_RUN_NAME
 def settings_env(directory: Path, **values) -> dict[str, str]:
     """Write a deployment settings file (EAGLE3_DAG_SETTINGS) into `directory`; return the env that names it.
     Unless `values` say otherwise, runs may use any workdir under pytest's temp root for this session (two levels
-    above a test's temp dir: every test's, and the baseline's, workdir lies under it)."""
+    above a test's temp dir: every test's, and the baseline's, workdir lies under it), and this interpreter as the
+    box's python."""
     path = Path(directory) / "dag-settings.json"
     values.setdefault("allowed_workdirs", [str(Path(directory).resolve().parents[1])])
+    values.setdefault("allowed_pythons", [sys.executable])  # conf_for's box.python
     path.write_text(json.dumps(values))
     return {"EAGLE3_DAG_SETTINGS": str(path)}
 

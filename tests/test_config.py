@@ -407,3 +407,9 @@ def test_a_target_config_that_is_not_json_is_named(tmp_path):
     (tmp_path / "config.json").write_text("{'hidden_size': 7168,")
     with pytest.raises(ConfigError, match=f"{tmp_path}/config.json: not valid JSON"):
         resolve_target_facts(parse_run_config(with_changes(target={"model_path": str(tmp_path)})))
+
+
+def test_a_workdir_with_a_colon_is_refused_on_the_box_too():
+    """Stages run with PYTHONPATH={workdir}/code/<digest>: '/data/x:/tmp/mine' would put /data/x/code/... and
+    /tmp/mine/code/... on the path, and /tmp/mine's eagle3 could be imported. The validate task refuses it first."""
+    assert "workdir: '/data/x:/tmp/mine' has a ':'" in error_of(with_changes(workdir="/data/x:/tmp/mine"))

@@ -80,7 +80,7 @@ def test_generate_and_benchmark_run_in_the_dag(tiny_target, airflow_home, settin
     assert benchmark["speedup"] > 0 and (run_dir / "benchmark" / "benchmark.png").exists()
     assert benchmark["identical_outputs"] == "1/1"  # greedy speculation is lossless
     print(f"stand-in benchmark: accept length {benchmark['mean_accept_length']}, speedup {benchmark['speedup']}")
-    assert "sglang_benchmark" in proc.stdout + proc.stderr  # the report task's summary carries the benchmark
+    assert "'engine': 'sglang'" in proc.stdout + proc.stderr  # the report task's summary carries the benchmark
     # This run's servers only (its port): the other xdist worker may be running stand-ins of its own right now.
     assert not stand_in_processes(conf["server.port"]), "a stand-in server outlived its stage"
 

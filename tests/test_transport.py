@@ -92,7 +92,8 @@ def test_hostile_paths_travel_as_data_through_ssh(ssh_box, tmp_path, tiny_target
         "data.path": hostile(tmp_path), "vocab.reuse_from": hostile(tmp_path),
         "vocab.draft_vocab_size": 512, "box.conn_ids": ["gpu_box"], "box.python": sys.executable,
     })
-    deployment = Deployment(allowed_boxes=["local", "gpu_box"], allowed_workdirs=[str(tmp_path)])
+    deployment = Deployment(allowed_boxes=["local", "gpu_box"], allowed_workdirs=[str(tmp_path)],
+                            allowed_pythons=[sys.executable])
     settings = tmp_path / "dag-settings.json"
     settings.write_text(deployment.model_dump_json(exclude_defaults=True))
     monkeypatch.setenv("EAGLE3_DAG_SETTINGS", str(settings))  # what write_config checks the plan against

@@ -131,3 +131,23 @@ def test_approve_promotion_without_approvers_is_an_import_error_naming_the_key(t
     settings.write_text(json.dumps({"approve_promotion": True, "approvers": ["bob", {"id": "7", "name": "carol"}]}))
     assert [a.hitl_user() for a in Deployment.from_env().approvers] == [{"id": "bob", "name": "bob"},
                                                                        {"id": "7", "name": "carol"}]
+
+
+# -- the interpreters a run may start on the box ----------------------------------------------------------------
+
+
+def test_a_trigger_names_only_the_interpreters_the_settings_allow():
+    """box.python runs every stage and server.python the serving engine: a trigger naming any executable on the box
+    would run it with the stage's arguments."""
+    deployment = Deployment(params={"workdir": "/data/eagle3", "box.python": "/opt/eagle3/bin/python"})
+    assert trigger(deployment)["plan"]["python"] == "/opt/eagle3/bin/python"  # the form's default is allowed
+    with pytest.raises(AirflowFailException, match=r"box.python: \['/bin/sh'\] not allowed here; this deployment "
+                                                   r"allows \['/opt/eagle3/bin/python'\]"):
+        trigger(deployment, **{"box.python": "/bin/sh"})
+    with pytest.raises(AirflowFailException, match=r"server.python: \['/home/alice/venv/bin/python'\] not allowed"):
+        trigger(deployment, **{"server.python": "/home/alice/venv/bin/python"})
+    vllm = Deployment(params={"workdir": "/data/eagle3"}, allowed_pythons=["python3", "/opt/vllm/bin/python"])
+    assert trigger(vllm, **{"server.engine": "vllm", "server.python": "/opt/vllm/bin/python"})["config"]["server"][
+        "python"] == "/opt/vllm/bin/python"
+    with pytest.raises(ValidationError, match="allowed_pythons"):
+        Deployment(allowed_pythons=["python3; rm -rf /"])

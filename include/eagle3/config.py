@@ -788,6 +788,15 @@ class RunConfig(Section):
             )
         return self
 
+    @field_validator("workdir")
+    @classmethod
+    def _workdir_is_one_path_entry(cls, workdir: str) -> str:
+        if ":" in workdir:  # stages run with PYTHONPATH={workdir}/code/<digest>: a ':' would add other entries
+            raise ValueError(f"workdir: {workdir[:120]!r} has a ':', which would split the stages' PYTHONPATH "
+                             "({workdir}/code/...) into entries that are not the synced code; name a directory "
+                             "without one")
+        return workdir
+
     # -- derived paths: all outputs live under run_dir, so a copy of the config with another
     #    workdir/run_name is a new, independent run.
     @property

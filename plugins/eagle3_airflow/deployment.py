@@ -60,6 +60,7 @@ if TYPE_CHECKING:
     from eagle3_airflow.plan import RunPlan
 
 EnvName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")]
+Interpreter = Annotated[str, StringConstraints(pattern=r"^(/[^\x00-\x1f:]{1,4095}|[A-Za-z0-9._+-]{1,255})$")]
 # A host, or host:port to allow that port only.
 HostName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9.-]{1,253}(:[0-9]{1,5})?$")]
 Endpoint = Annotated[str, StringConstraints(pattern=ENDPOINT_PATTERN)]
@@ -160,6 +161,10 @@ class Deployment(BaseModel):
     allowed_workdirs: list[AbsDir] | None = Field(
         None, description="Directories a run's workdir must equal or lie under (compared as normalised paths; '..' "
         "refused); default: the form's default workdir (params.workdir) only, and none without one.")
+    allowed_pythons: list[Interpreter] | None = Field(
+        None, description="Interpreters box.python and server.python may name on the box (absolute paths, or a "
+        "command found on the box's PATH); default: the form's default box.python only. A trigger that could name "
+        "any executable would run it with the stage's arguments.")
     box_env: list[EnvName] = Field(
         default_factory=list,
         description="Box environment variables passed to the stages besides the built-in ones (CUDA_*, HF_*, ...); "
@@ -309,6 +314,11 @@ class Deployment(BaseModel):
         default = self.params.get("generate.endpoint") or GenerateConfig().endpoint
         return sorted({*LOOPBACK_HOSTS, urlsplit(default).hostname or ""} - {""})
 
+    def pythons(self) -> list[str]:
+        if self.allowed_pythons is not None:
+            return self.allowed_pythons
+        return [self.params.get("box.python") or BoxSettings().python]
+
     def workdirs(self) -> list[str]:
         if self.allowed_workdirs is not None:
             return self.allowed_workdirs
@@ -365,14 +375,18 @@ class Deployment(BaseModel):
         return {"box.conn_ids": self.boxes(), "box.stop_services": self.services()}
 
     def check(self, conn_ids: list[str], services: list[str], endpoint: str | None, api_key_env: str | None,
-              source: str = "the run", workdir: str | None = None, box_env: list[str] | None = None) -> None:
+              source: str = "the run", workdir: str | None = None, box_env: list[str] | None = None,
+              pythons: dict[str, str | None] | None = None) -> None:
         """Refuse a run that reaches past what this deployment allows; the message names the field, the allowed
         values and where they are set. `endpoint`: the one generate sends conversations to (None when the stage
-        starts its own server); `box_env`: the variables a plan passes to the stages."""
+        starts its own server); `box_env`: the variables a plan passes to the stages; `pythons`: field -> the
+        interpreter it names (box.python, server.python)."""
         problems = []
         for field, chosen, allowed in (("box.conn_ids", conn_ids, self.boxes()),
                                        ("box.stop_services", services, self.services()),
-                                       ("box_env", box_env or [], self.box_env)):
+                                       ("box_env", box_env or [], self.box_env),
+                                       *((field, [python], self.pythons())
+                                         for field, python in (pythons or {}).items() if python)):
             outside = [value for value in chosen if value not in allowed]
             if outside:
                 problems.append(f"{field}: {outside} not allowed here; this deployment allows {allowed}")
@@ -392,15 +406,17 @@ class Deployment(BaseModel):
             raise ParamsError("\n  ".join([f"{source} reaches past what this deployment allows:", *problems])
                               + "\nThe deployment sets these in its settings file (EAGLE3_DAG_SETTINGS: allowed_boxes, "
                               "allowed_services, allowed_endpoint_hosts, api_key_endpoints, allowed_workdirs, "
-                              "box_env); ask whoever runs this Airflow.")
+                              "allowed_pythons, box_env); ask whoever runs this Airflow.")
 
     def check_run(self, config: RunConfig, conn_ids: list[str], services: list[str], box_env: list[str] | None = None,
-                  source: str = "the run") -> None:
-        """`check` for a whole run config; the keep_versions it carries must keep at least the settings' versions."""
+                  source: str = "the run", python: str | None = None) -> None:
+        """`check` for a whole run config (and `python`, the plan's box.python); the keep_versions it carries must
+        keep at least the settings' versions."""
         gen = config.generate
         uses_endpoint = gen.enabled and gen.backend == "server" and not gen.launch_server
         self.check(conn_ids, services, gen.endpoint if uses_endpoint else None, gen.api_key_env, source=source,
-                   workdir=config.workdir, box_env=box_env)
+                   workdir=config.workdir, box_env=box_env,
+                   pythons={"box.python": python, "server.python": config.server.python})
         if config.evaluate.keep_versions < self.keep_versions:
             raise ParamsError(f"{source}: evaluate.keep_versions {config.evaluate.keep_versions} keeps fewer promoted "
                               f"drafters than this deployment's keep_versions ({self.keep_versions})")
@@ -409,7 +425,7 @@ class Deployment(BaseModel):
         """A run plan (validate's, read back from XCom) against the settings as they are now: its boxes, services,
         box variables and workdir, and the run directory it derives from them."""
         self.check(plan.conn_ids, plan.stop_services, None, None, source="the run plan", workdir=plan.workdir,
-                   box_env=plan.box_env)
+                   box_env=plan.box_env, pythons={"box.python": plan.python})
         run_dir = str(PurePosixPath(plan.workdir, "runs", plan.run_name))
         if not re.match(RUN_NAME_PATTERN, plan.run_name) or plan.run_dir != run_dir:
             raise ParamsError(f"the run plan: run_dir {plan.run_dir!r} is not workdir/runs/run_name ({run_dir!r})")

@@ -193,7 +193,7 @@ def verified_config(config, plan: RunPlan, *, deployment=None) -> dict:
         if (parsed.workdir, parsed.run_name, str(parsed.run_dir)) != (plan.workdir, plan.run_name, plan.run_dir):
             raise ParamsError(f"its run directory {parsed.run_dir} is not the plan's {plan.run_dir}")
         (deployment or _settings()).check_run(parsed, plan.conn_ids, plan.stop_services, plan.box_env,
-                                              source=CONFIG_XCOM)
+                                              source=CONFIG_XCOM, python=plan.python)
     except (ConfigError, ParamsError) as err:
         raise Tampered(f"{CONFIG_XCOM} is sealed, but not usable now: {err}\n" + TRIGGER_AGAIN) from None
     return config

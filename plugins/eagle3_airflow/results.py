@@ -81,7 +81,8 @@ def summarize(plan: RunPlan, evaluation: dict, plots: list[str], benchmark: dict
             "promotion": evaluation.get("promotion"),
         }
         if benchmark is not None:
-            summary["sglang_benchmark"] = {
+            summary["benchmark"] = {
+                "engine": benchmark.get("engine", "sglang"),  # (benchmarks before vLLM were SGLang's)
                 "report": f"{plan.run_dir}/{BENCHMARK}",
                 "accept_length": benchmark["mean_accept_length"],
                 "output_tokens_per_s": {name: benchmark[name]["output_tokens_per_s"]

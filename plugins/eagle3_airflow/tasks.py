@@ -35,7 +35,7 @@ def validate_run(params: dict, conf: dict, known: set[str], dag_run, deployment:
         check_unknown_keys(conf, known)
         config, box = params_to_configs({k: v for k, v in params.items() if k in known}, dag_run.run_id)
         config = deployment.settle(config)  # the normalised workdir, the settings' keep_versions
-        deployment.check_run(config, box.conn_ids, box.stop_services)
+        deployment.check_run(config, box.conn_ids, box.stop_services, python=box.python)
     except ParamsError as err:
         raise AirflowFailException(str(err)) from None
     plan = RunPlan.build(config, box, deployment.box_env)
@@ -53,8 +53,12 @@ def sync_code(plan_dict: dict, config: dict, dag_run=None) -> dict:
     """Upload the eagle3 package to every box and record what each box has; fail early if a package is missing."""
     plan = verified_plan(plan_dict, dag_run)
     config = verified_config(config, plan)
-    needs_sglang = (config["extract"]["backend"] == "sglang" or config["benchmark"]["enabled"]
-                    or (config["generate"]["enabled"] and config["generate"]["launch_server"]))
+    serves = (config["benchmark"]["enabled"] or config["evaluate"]["backend"] == "server"
+              or (config["generate"]["enabled"] and config["generate"]["launch_server"]))
+    # SGLang in box.python: the sglang capture backend, and a serving engine sglang without an interpreter of its own
+    # (server.python; that one, or a vLLM, shows whether it starts when its stage starts it).
+    needs_sglang = config["extract"]["backend"] == "sglang" or (
+        serves and config["server"]["engine"] == "sglang" and not config["server"]["python"])
     require = ["--require", "sglang"] if needs_sglang else []
     facts = {}
     for conn_id in plan.conn_ids:
