@@ -49,7 +49,8 @@ def test_engine_arguments_for_capture(make_config):
                                                                 "extra_args": {"cuda_graph_max_bs": 16}}})
     aux = engine_kwargs(cfg, "DeepseekV3ForCausalLM", "aux")
     assert aux["enable_return_aux_hidden_states"] is True and aux["speculative_algorithm"] == "EAGLE3"
-    assert aux["return_aux_hidden_state_layer_ids"] == [1, 3, 4]  # HF [1, 3, 4], deepseek family, starts at 1
+    # HF [1, 3, 4] are the inputs of layers 2, 4, 5: a DeepSeek model takes ids not starting at 1 as inputs
+    assert aux["return_aux_hidden_state_layer_ids"] == [2, 4, 5]
     assert aux["tp_size"] == 8 and aux["attention_backend"] == "triton" and aux["cuda_graph_max_bs"] == 16
     assert aux["disable_radix_cache"] is True and aux["chunked_prefill_size"] == -1
     assert aux["mem_fraction_static"] == pytest.approx(0.8)  # one engine at a time: all of it

@@ -29,6 +29,13 @@ VLLM_PYTHON = REPO / ".cache" / "vllm-env" / "bin" / "python"
 EVALUATE = {"num_prompts": 32, "draft_lengths": [3, 7], "promote": False}
 
 
+def vllm_server() -> dict:
+    """The server section for vLLM's CPU build: a KV cache of 256 MiB (the default reserves most of the machine's
+    memory), contexts up to 1024 tokens, a port of its own."""
+    return {"engine": "vllm", "python": str(VLLM_PYTHON), "port": free_port(), "startup_timeout_s": 600,
+            "extra_args": {"kv-cache-memory-bytes": 256 << 20, "max-model-len": 1024}}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -46,9 +53,7 @@ def test_vllm_serving_the_exported_drafter_measures_what_evaluate_measures(train
 
     served = make_config(run_name="train", train={**TRAIN_SETTINGS, "val_fraction": 0.3},
                          evaluate={**EVALUATE, "backend": "server"}, **sections,
-                         server={"engine": "vllm", "python": str(VLLM_PYTHON), "port": free_port(),
-                                 "startup_timeout_s": 600,
-                                 "extra_args": {"kv-cache-memory-bytes": 256 << 20, "max-model-len": 1024}})
+                         server=vllm_server())
     config_file = tmp_path / "served.json"
     config_file.write_text(dump_run_config(served))
     stage = subprocess.run([sys.executable, "-m", "eagle3", "evaluate", "--config", str(config_file)],
@@ -87,9 +92,7 @@ def test_generate_through_vllms_chat_server_answers_as_the_target_does_in_transf
     run_generate(by_hf)
     by_vllm = make_config(run_name="vllm", data={"max_samples": 12},
                           generate={**settings, "backend": "server", "launch_server": True},
-                          server={"engine": "vllm", "python": str(VLLM_PYTHON), "port": free_port(),
-                                  "startup_timeout_s": 600,
-                                  "extra_args": {"kv-cache-memory-bytes": 256 << 20, "max-model-len": 1024}})
+                          server=vllm_server())
     config_file = tmp_path / "vllm.json"
     config_file.write_text(dump_run_config(by_vllm))
     stage = subprocess.run([sys.executable, "-m", "eagle3", "generate", "--config", str(config_file)],

@@ -24,6 +24,7 @@ from tests.dagruns import (
     conf_for,
     copy_through_vocab,
     job_state,
+    settings_env,
     sha256,
     start_dag_run,
     wait_for,
@@ -42,7 +43,7 @@ def box_python(tmp_path: Path, box_tmp: Path) -> Path:
     return wrapper
 
 
-def test_worker_kill_then_box_reboot_mid_train(tiny_target, airflow_home, settings, baseline_run, tmp_path):
+def test_worker_kill_then_box_reboot_mid_train(tiny_target, airflow_home, baseline_run, tmp_path):
     """1. Worker kill: once training has written its first checkpoint, SIGKILL the whole Airflow side (`airflow
     dags test` and its in-line triggerer: no on_kill, no cleanup). The job lives on; it is then frozen (SIGSTOP:
     a slow box) so that it is certainly still running when a new DAG run for the same logical date reaches the
@@ -61,7 +62,10 @@ def test_worker_kill_then_box_reboot_mid_train(tiny_target, airflow_home, settin
     run_dir = copy_through_vocab(baseline_run, workdir)
     box_tmp = tmp_path / "box-tmp"
     box_tmp.mkdir()
-    conf = conf_for(tiny_target, workdir, **{"box.python": str(box_python(tmp_path, box_tmp))})
+    python = str(box_python(tmp_path, box_tmp))
+    conf = conf_for(tiny_target, workdir, **{"box.python": python})
+    settings = settings_env(tmp_path, retry_delay_s=1, retries=2, allowed_boxes=["local", "gpu_box"],
+                            allowed_pythons=[python])  # the dagruns settings, with the drill's box python
     train_state = run_dir / "jobs" / "train" / "state.json"
     boot_id = tmp_path / "boot_id"
     boot_id.write_text("boot-before-the-crash\n")
