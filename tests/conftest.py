@@ -77,19 +77,19 @@ def tiny_target() -> Path:
 
 # The longest tests (each a whole DAG run, or the browser's), longest first as `--durations` measured them on 2
 # cores. The first three need different shared fixtures, one for each of the three workers: the browser's run,
-# the baseline run (built in the reboot drill's setup) and the extract drill, which needs neither; the SSH run,
-# which needs the baseline, comes fourth, by when the baseline is made. The trained drafter (`trained_run`, about a
-# minute) is made by test_evaluate.py's first test while other long tests run, not later, when test_export.py and
-# test_train.py would wait for it on another worker.
+# the baseline run (built in the reboot drill's setup) and the extract drill, which needs neither. The vLLM engine
+# test (four vLLM starts, about 4.5 minutes; 2026-12-04) goes next, to whichever worker the short reboot drill frees:
+# it makes the trained drafter (`trained_run`, about a minute) that test_evaluate.py, test_export.py and
+# test_train.py read, early, while other long tests run. The SSH run, which needs the baseline, follows.
 LONGEST_FIRST = (
     "tests/ui/test_web_ui.py",
     "tests/faults/test_fault_reboot.py",
     "tests/faults/test_fault_extract_kill.py",
+    "tests/test_engine_vllm.py",
     "tests/faults/test_fault_ssh_outage.py",
     "tests/test_dag_generate.py",
     "tests/faults/test_fault_train_kill.py",
     "tests/test_evaluate.py",
-    "tests/test_engine_vllm.py",  # three vLLM starts, and one more for generate; needs the trained drafter
 )
 
 
