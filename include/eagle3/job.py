@@ -119,6 +119,7 @@ STAGE_ENV_PREFIXES = (
     "HF_", "TRANSFORMERS_",  # the model and data caches, offline mode, the hub's settings
     "NCCL_", "TORCH_", "PYTORCH_", "TORCHINDUCTOR_", "TRITON_",  # multi-GPU transport, allocator and compiler caches
     "SGLANG_", "SGL_", "FLASHINFER_",  # the inference server the extract and generate stages start, and its kernels
+    "VLLM_",  # the other engine a stage may start (server.engine vllm: VLLM_MLA_DISABLE on a CPU box, ...)
     "EAGLE3_",  # this project's own hooks (EAGLE3_SERVER_LAUNCHER, EAGLE3_BOOT_ID_FILE, ...)
 )
 
