@@ -186,7 +186,7 @@ def test_init_derives_a_drafter_shape_sglang_serves_for_a_kimi_shaped_target(tmp
     written = run_eagle3("init", "--config", str(tmp_path / "draft.json")).stdout.strip()
     cfg = load_run_config(written)
     assert cfg.drafter.model_dump() == {"head_dim": 128, "num_attention_heads": 56, "num_key_value_heads": 8,
-                                        "intermediate_size": 18432}
+                                        "intermediate_size": 18432, "rope_theta": 50000.0, "rope_scaling": "target"}
     draft = DraftConfig.from_target(model, 32000, cfg.resolved_aux_layers(), cfg.drafter.model_dump())
     exported = drafter_config(draft, KIMI_K25_CONFIG["architectures"][0], "bfloat16")
     assert (exported["head_dim"], exported["num_attention_heads"], exported["num_key_value_heads"],
@@ -413,3 +413,62 @@ def test_a_workdir_with_a_colon_is_refused_on_the_box_too():
     """Stages run with PYTHONPATH={workdir}/code/<digest>: '/data/x:/tmp/mine' would put /data/x/code/... and
     /tmp/mine/code/... on the path, and /tmp/mine's eagle3 could be imported. The validate task refuses it first."""
     assert "workdir: '/data/x:/tmp/mine' has a ':'" in error_of(with_changes(workdir="/data/x:/tmp/mine"))
+
+
+def kimi_init(tmp_path, name: str, text_config: dict | None = None, **sections):
+    """`eagle3 init` of a run on a Kimi-shaped target (config.json only) with `text_config` entries and sections."""
+    from tests.conftest import run_eagle3
+
+    model = tmp_path / f"model-{name}"
+    model.mkdir()
+    config = {**KIMI_K25_CONFIG, "text_config": {**KIMI_K25_CONFIG["text_config"], **(text_config or {})}}
+    (model / "config.json").write_text(json.dumps(config))
+    draft = with_changes(run_name=name, workdir=str(tmp_path / "work"), target={"model_path": str(model)}, **sections)
+    (tmp_path / f"{name}.json").write_text(json.dumps(draft))
+    return model, run_eagle3("init", "--config", str(tmp_path / f"{name}.json"), check=False)
+
+
+KIMI_K2_ROPE = {"rope_scaling": {"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
+                                 "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+                "max_position_embeddings": 131072}
+
+
+def test_the_drafter_carries_the_targets_rope_scaling_and_refuses_one_it_cannot(tmp_path):
+    from eagle3.model import DraftConfig
+
+    model, init = kimi_init(tmp_path, "yarn", KIMI_K2_ROPE)
+    assert init.returncode == 0, init.stderr
+    cfg = load_run_config(init.stdout.strip())
+    assert (cfg.drafter.rope_theta, cfg.drafter.rope_scaling) == (50000.0, "target")
+    draft = DraftConfig.from_target(model, 32000, cfg.resolved_aux_layers(), cfg.drafter.model_dump())
+    assert draft.rope_scaling == {"type": "yarn", **{k: v for k, v in KIMI_K2_ROPE["rope_scaling"].items()
+                                                      if k != "type"}}
+    llama3 = {"rope_scaling": {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                               "original_max_position_embeddings": 8192}}
+    _, refused = kimi_init(tmp_path, "llama3", llama3)
+    assert refused.returncode == 2 and "drafter.rope_scaling:" in refused.stderr and "'llama3'" in refused.stderr
+    _, knowingly = kimi_init(tmp_path, "plain", llama3, drafter={"rope_scaling": "none"})
+    assert knowingly.returncode == 0 and "drafter.rope_scaling is none: the target scales its RoPE" in knowingly.stderr
+
+
+def test_the_drafters_heads_must_split_across_every_serving_tp_size(tmp_path):
+    """Kimi-K2.5 is served at tp 8 and 16; the derived 56 heads split across 8 but not 16 (SGLang asserts it when it
+    loads the drafter): refused at init with the fix, not when the box loads it."""
+    _, tp16 = kimi_init(tmp_path, "tp16", serve={"tp_sizes": [8, 16]})
+    assert tp16.returncode == 2
+    assert "drafter.num_attention_heads: 56 heads do not split across tp 16" in tp16.stderr and "e.g. 64" in tp16.stderr
+    _, fixed = kimi_init(tmp_path, "tp16-64", serve={"tp_sizes": [8, 16]}, drafter={"num_attention_heads": 64})
+    assert fixed.returncode == 0, fixed.stderr
+    assert "num_key_value_heads" in error_of(with_changes(serve={"tp_sizes": [3]}, drafter={
+        "num_attention_heads": 6, "num_key_value_heads": 2}))
+
+
+def test_a_shallow_targets_default_aux_layers_are_three_distinct_layers():
+    from eagle3.config import default_aux_layers
+
+    assert default_aux_layers(6) == [1, 2, 4]  # was [1, 2, 2]: one layer captured twice, and fc fed it twice
+    assert default_aux_layers(5) == [1, 2, 3]
+    assert default_aux_layers(8) == [1, 3, 4] and default_aux_layers(61) == [1, 29, 57]  # unchanged where distinct
+    for layers in range(5, 80):
+        ids = default_aux_layers(layers)
+        assert len(set(ids)) == 3 and ids == sorted(ids) and ids[-1] <= layers - 2

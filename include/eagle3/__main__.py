@@ -47,9 +47,24 @@ def cmd_init(args) -> None:
 
     cfg = resolve_target_facts(parse_run_config(draft, source))
     warn_of_served_config_gaps(cfg)
+    warn_of_rope_not_carried(cfg)
     path = write_run_config(cfg)
     attach_store(cfg)  # RUN_DIR/hidden_states -> {workdir}/stores/<capture key>, fixed now for every later try
     print(path)
+
+
+def warn_of_rope_not_carried(cfg) -> None:
+    """drafter.rope_scaling "none" on a target that scales its RoPE: say what is not carried (a choice, not an error:
+    a drafter that only ever drafts at short context may do without)."""
+    from eagle3.config import read_text_config
+    from eagle3.rope import target_rope
+
+    scaling = target_rope(read_text_config(cfg.target.model_path))[1]
+    if scaling and cfg.drafter.rope_scaling == "none":
+        logging.getLogger("eagle3.init").warning(
+            "drafter.rope_scaling is none: the target scales its RoPE (%s), the drafter will not; it is trained and "
+            "served with plain theta %s, so at long contexts its positions mean other rotations than the target's",
+            scaling, cfg.drafter.rope_theta)
 
 
 def warn_of_served_config_gaps(cfg) -> None:

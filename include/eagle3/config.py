@@ -548,6 +548,16 @@ class DrafterConfig(Section):
         None, ge=1, le=MAX_WIDTH, title="MLP width",
         description="Default the target's dense intermediate_size (DeepSeek-V3: 18432)."
     )
+    rope_theta: float | None = Field(
+        None, gt=0, le=1e12, title="RoPE theta",
+        description="Default the target's rope_theta (Kimi-K2.5: 50000).",
+    )
+    rope_scaling: Literal["target", "none"] = Field(
+        "target", title="RoPE scaling",
+        description="target: train and export the drafter with the target's RoPE scaling (Kimi-K2.5's YaRN), as the "
+        "engines will apply it from the drafter's config.json. none: plain theta, knowingly (init warns when the "
+        "target scales its RoPE).",
+    )
 
     @field_validator("head_dim")
     @classmethod
@@ -571,8 +581,11 @@ class DrafterConfig(Section):
         head_dim = self.head_dim or (128 if hidden >= 1024 else 64)
         heads = self.num_attention_heads or max(1, hidden // head_dim)
         kv = self.num_key_value_heads or next(d for d in range(min(8, heads), 0, -1) if heads % d == 0)
+        from eagle3.rope import target_rope
+
         return {"head_dim": head_dim, "num_attention_heads": heads, "num_key_value_heads": kv,
-                "intermediate_size": self.intermediate_size or int(target["intermediate_size"])}
+                "intermediate_size": self.intermediate_size or int(target["intermediate_size"]),
+                "rope_theta": self.rope_theta or target_rope(target)[0], "rope_scaling": self.rope_scaling}
 
 
 class TrainConfig(Section):
@@ -731,6 +744,16 @@ class BenchmarkConfig(Section):
         return self
 
 
+class ServeConfig(Section):
+    """Where the drafter will be served: nothing runs with these; init checks the drafter's shape against them."""
+
+    tp_sizes: list[Annotated[int, Field(ge=1, le=1024)]] = Field(
+        default_factory=lambda: [1], min_length=1, title="Serving tensor-parallel sizes",
+        description="The TP sizes the target and drafter will be served at (Kimi-K2.5: [8, 16]). The drafter's "
+        "attention heads must split evenly across each, and its KV heads split or replicate evenly.",
+    )
+
+
 class RunConfig(Section):
     """Everything one run needs; one DAG run = one run directory."""
 
@@ -758,6 +781,7 @@ class RunConfig(Section):
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
     benchmark: BenchmarkConfig = Field(default_factory=BenchmarkConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
+    serve: ServeConfig = Field(default_factory=ServeConfig)
 
     @model_validator(mode="after")
     def _check_against_target_facts(self) -> RunConfig:
@@ -780,6 +804,7 @@ class RunConfig(Section):
                 f"benchmark.eagle_topk: vLLM drafts EAGLE-3 chains only; set it to 1 (and num_steps to the draft "
                 f"length), or serve with server.engine sglang (got {self.benchmark.eagle_topk})"
             )
+        self._check_served_tp()
         vocab = self.target.vocab_size
         if vocab is not None and self.vocab.draft_vocab_size > vocab:
             raise ValueError(
@@ -796,6 +821,24 @@ class RunConfig(Section):
                              "({workdir}/code/...) into entries that are not the synced code; name a directory "
                              "without one")
         return workdir
+
+    def _check_served_tp(self) -> None:
+        """Every serving TP size splits the drafter's attention heads evenly, and its KV heads evenly or replicates
+        them evenly (tp a multiple of them): what SGLang's and vLLM's tensor-parallel attention need."""
+        heads, kv = self.drafter.num_attention_heads, self.drafter.num_key_value_heads
+        for tp in self.serve.tp_sizes:
+            if heads is not None and heads % tp:
+                fits = next((h for h in range(heads, 4097) if h % tp == 0 and (kv is None or h % kv == 0)), None)
+                raise ValueError(
+                    f"drafter.num_attention_heads: {heads} heads do not split across tp {tp} (serve.tp_sizes "
+                    f"{self.serve.tp_sizes}); set drafter.num_attention_heads to a multiple of {tp}"
+                    + (f", e.g. {fits} (with head_dim {self.drafter.head_dim}: the attention is then "
+                       f"{fits * self.drafter.head_dim} wide, the hidden size stays)" if fits and self.drafter.head_dim
+                       else ""))
+            if kv is not None and kv % tp and tp % kv:
+                raise ValueError(f"drafter.num_key_value_heads: {kv} KV heads neither split across nor replicate "
+                                 f"evenly over tp {tp} (serve.tp_sizes {self.serve.tp_sizes}); pick a divisor or a "
+                                 f"multiple of {tp}")
 
     # -- derived paths: all outputs live under run_dir, so a copy of the config with another
     #    workdir/run_name is a new, independent run.
@@ -835,12 +878,17 @@ class RunConfig(Section):
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
-    """EAGLE-3's low/mid/high capture layers in HF ids: [1, L//2-1, L-4] (61 layers -> [1, 29, 57])."""
+    """EAGLE-3's low/mid/high capture layers in HF ids: [1, L//2-1, L-4] (61 layers -> [1, 29, 57]), which SGLang
+    and vLLM default to as well. Below 8 layers those collide ([1, 2, 2] at 6): then three distinct layers spread the
+    same way, from layer 1 to layer L-2 (the last one is no aux layer: SGLang captures a layer's input)."""
     if num_layers < 5:
         raise ConfigError(
             f"a {num_layers}-layer target is too shallow for the default aux layers; set extract.aux_layers"
         )
-    return [1, num_layers // 2 - 1, num_layers - 4]
+    layers = [1, num_layers // 2 - 1, num_layers - 4]
+    if len(set(layers)) < 3:
+        layers = [1, (num_layers - 1) // 2, num_layers - 2]
+    return layers
 
 
 # -- errors a person can act on --------------------------------------------------------------
@@ -950,7 +998,20 @@ def resolve_target_facts(cfg: RunConfig) -> RunConfig:
                           f"whole number ({err}); fix the file, or set drafter.* explicitly") from None
     resolved = parse_run_config(data, f"{cfg.run_name} (with facts from {cfg.target.model_path})")
     check_layers_served(resolved, read_architecture(cfg.target.model_path))
+    check_rope_carried(resolved, read_text_config(cfg.target.model_path))
     return resolved
+
+
+def check_rope_carried(cfg: RunConfig, text_config: dict) -> None:
+    """Refuse a target RoPE scaling the drafter cannot carry exactly as the engines apply it (eagle3.rope), before
+    training a drafter that the serving engine would rotate otherwise."""
+    from eagle3.rope import target_rope, unsupported
+
+    scaling = target_rope(text_config)[1]
+    why = unsupported(scaling) if cfg.drafter.rope_scaling == "target" else None
+    if why:
+        raise ConfigError(f"drafter.rope_scaling: {cfg.target.model_path}/config.json: {why}; set drafter.rope_scaling "
+                          "to \"none\" to train and serve the drafter with plain RoPE (theta only), knowingly")
 
 
 def read_architecture(model_path: str | Path) -> str:
@@ -978,6 +1039,12 @@ def check_layers_served(cfg: RunConfig, architecture: str) -> None:
         raise ConfigError(str(err)) from None
 
 
+def _target_scales_rope(cfg: RunConfig) -> bool:
+    from eagle3.rope import target_rope
+
+    return target_rope(read_text_config(cfg.target.model_path))[1] is not None
+
+
 def write_run_config(cfg: RunConfig) -> Path:
     """Write config.json into the run directory, once.
 
@@ -988,10 +1055,15 @@ def write_run_config(cfg: RunConfig) -> Path:
     if path.exists():
         # Compared as validated models, so a config written by an older version (lacking a newer key whose
         # default applies) still counts as the same; one written before the drafter's shape was recorded
-        # trains the shape it derives the same way.
+        # trains the shape it derives the same way, and one written before its RoPE was recorded too, where the
+        # target scales no RoPE (before, the drafter never carried a scaling).
         written = load_run_config(path)
         if written == cfg or (written.drafter == DrafterConfig() and written.model_copy(
                 update={"drafter": cfg.drafter}) == cfg):
+            return path
+        rope = {"rope_theta": cfg.drafter.rope_theta, "rope_scaling": cfg.drafter.rope_scaling}
+        if written.drafter.rope_theta is None and written.model_copy(update={
+                "drafter": written.drafter.model_copy(update=rope)}) == cfg and not _target_scales_rope(cfg):
             return path
         raise ConfigError(
             f"{path} already exists with different values; its outputs were made with those. "

@@ -36,6 +36,7 @@ from eagle3.config import read_architecture
 from eagle3.fsutil import atomic_dir
 from eagle3.layer_ids import LayerIdError, engines_served, family, hf_layers_read
 from eagle3.model import DraftConfig
+from eagle3.rope import exported_scaling, target_rope
 from eagle3.train import checkpoint_dirs, load_checkpoint
 
 log = logging.getLogger(__name__)
@@ -81,6 +82,7 @@ def drafter_config(draft: DraftConfig, target_architecture: str, dtype: str) -> 
         "hidden_act": "silu",
         "rms_norm_eps": draft.rms_norm_eps,
         "rope_theta": draft.rope_theta,
+        **({"rope_scaling": exported_scaling(draft.rope_scaling)} if draft.rope_scaling else {}),
         "max_position_embeddings": draft.max_position_embeddings,
         "vocab_size": draft.target_vocab_size,
         "draft_vocab_size": draft.draft_vocab_size,
@@ -195,6 +197,7 @@ def load_exported_drafter(drafter_dir: str | Path, target_model_path: str | Path
         num_attention_heads=config["num_attention_heads"], num_key_value_heads=config["num_key_value_heads"],
         head_dim=config["head_dim"], rms_norm_eps=config["rms_norm_eps"], rope_theta=config["rope_theta"],
         max_position_embeddings=config["max_position_embeddings"], target_vocab_size=config["vocab_size"],
+        rope_scaling=target_rope(config)[1],  # as the engines read it from this config.json
         draft_vocab_size=config["draft_vocab_size"],
         aux_layer_ids=tuple(aux_layers_of(drafter_dir, config, architecture)),
     )

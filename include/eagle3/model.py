@@ -1,7 +1,8 @@
 """The EAGLE-3 draft model: what SGLang runs as LlamaForCausalLMEagle3, in plain PyTorch.
 
-Read bottom-up, like nanoGPT: RMSNorm, rotary embedding, the attention that knows training-time test
-(TTT), the SwiGLU MLP, the one decoder layer, the config, then the model.
+Read bottom-up, like nanoGPT: RMSNorm, the attention that knows training-time test (TTT; its rotary
+embedding, with the target's scaling, is eagle3.rope), the SwiGLU MLP, the one decoder layer, the config, then the
+model.
 
 Data flow of one draft step (names are the export's weight keys, see eagle3/export.py):
     hidden   = fc(aux states low|mid|high)         [T, 3H] -> [T, H]   (step 0; later steps: previous output)
@@ -27,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eagle3.rope import Rotary, apply_rope, target_rope
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -41,26 +44,11 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat((-b, a), dim=-1)
-
-
-def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, theta: float):
-    """Llama rotary embedding (rotate-half layout, as SGLang's llama uses). q, k: [B, heads, T, d]."""
-    d = q.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, device=q.device, dtype=torch.float32) / d))
-    angles = positions.float()[:, None, :, None] * inv_freq  # [B, 1, T, d/2]
-    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
-    rotated = [(x.float() * cos + rotate_half(x.float()) * sin).to(x.dtype) for x in (q, k)]
-    return rotated[0], rotated[1]
-
-
 class TTTAttention(nn.Module):
     def __init__(self, cfg: DraftConfig):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.theta = cfg.rope_theta
+        self.rotary = Rotary(cfg.rope_theta, cfg.rope_scaling)
         self.q_proj = nn.Linear(2 * cfg.hidden_size, self.heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(2 * cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(2 * cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
@@ -71,7 +59,7 @@ class TTTAttention(nn.Module):
         q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        q, k = rope(q, k, positions, self.theta)
+        q, k = apply_rope(q, k, positions, self.rotary)
         repeat = self.heads // self.kv_heads
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
         kv_cache.append((k, v))
@@ -129,19 +117,21 @@ class DraftConfig:
     target_vocab_size: int
     draft_vocab_size: int
     aux_layer_ids: tuple[int, ...]
+    rope_scaling: dict | None = None  # the target's, carried (eagle3.rope); None: plain rope_theta
 
     @classmethod
     def from_target(cls, model_path: str | Path, draft_vocab_size: int, aux_layer_ids,
                     geometry: dict | None = None) -> DraftConfig:
         """The drafter's shape: hidden size, norms, RoPE and vocab from the target's config.json (Kimi-style
-        `text_config` read too); heads, head_dim and MLP width from `geometry` (the run config's drafter
-        section), or derived as eagle3.config.DrafterConfig derives them. Not the target's own head shapes:
-        DeepSeek-V3's 128 heads would give head_dim 56, which SGLang's attention backends cannot run."""
+        `text_config` read too); heads, head_dim, MLP width and RoPE choices from `geometry` (the run config's
+        drafter section), or derived as eagle3.config.DrafterConfig derives them. Not the target's own head shapes:
+        DeepSeek-V3's 128 heads would give head_dim 56, which SGLang's attention backends cannot run. RoPE: the
+        target's theta and scaling (eagle3.rope), unless the drafter section sets its own theta or no scaling."""
         from eagle3.config import DrafterConfig, read_text_config
 
         hf = read_text_config(model_path)
         geometry = geometry or DrafterConfig().derived(hf)
-        rope_params = hf.get("rope_parameters") or {}
+        theta, scaling = target_rope(hf)
         return cls(
             hidden_size=hf["hidden_size"],
             intermediate_size=geometry["intermediate_size"],
@@ -149,11 +139,12 @@ class DraftConfig:
             num_key_value_heads=geometry["num_key_value_heads"],
             head_dim=geometry["head_dim"],
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope_params.get("rope_theta", hf.get("rope_theta", 10000.0))),
+            rope_theta=float(geometry.get("rope_theta") or theta),
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
             target_vocab_size=hf["vocab_size"],
             draft_vocab_size=draft_vocab_size,
             aux_layer_ids=tuple(aux_layer_ids),
+            rope_scaling=scaling if geometry.get("rope_scaling", "target") == "target" else None,
         )
 
     def to_json(self) -> dict:

@@ -91,7 +91,9 @@ def lineage_fields(cfg) -> dict:
     return {
         "format": 1,
         "target": target_identity(cfg.target.model_path, cfg.tokenizer_dir),
-        "drafter": cfg.drafter.model_dump(mode="json"),
+        # The shape: what decides whether one drafter can take another's place. Its RoPE travels in its config.json
+        # (eagle3.export), so drafters with other RoPE still replace one another (and lineages keep their keys).
+        "drafter": cfg.drafter.model_dump(mode="json", exclude={"rope_theta", "rope_scaling"}),
         "draft_vocab_size": cfg.vocab.draft_vocab_size,
         "aux_layers": cfg.resolved_aux_layers(),
     }
