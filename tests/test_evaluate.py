@@ -73,3 +73,68 @@ def evaluate_figures(cycles, first_cycles, new_tokens):
     from eagle3.evaluate import acceptance_figures
 
     return acceptance_figures(cycles, first_cycles, new_tokens, k=3)
+
+
+def multi_turn(first: str, *later: str) -> dict:
+    messages = [{"role": "user", "content": first}, {"role": "assistant", "content": f"About {first}"}]
+    for text in later:
+        messages += [{"role": "user", "content": text}, {"role": "assistant", "content": f"About {text}"}]
+    return {"messages": messages}
+
+
+def questions(part: str, count: int, start: int = 0) -> list[str]:
+    """`count` questions whose split key (val_fraction 0.5) falls in `part`."""
+    from eagle3.split import part_of_key, prompt_key
+
+    found, n = [], start
+    while len(found) < count:
+        n += 1
+        if part_of_key(prompt_key(q := f"What is {n} + {n + 1}?"), 0.5) == part:
+            found.append(q)
+    return found
+
+
+def test_held_out_prompts_mix_first_and_later_turns_deterministically(make_config, tmp_path):
+    """evaluate's prompts end at the first user turn or, up to half of them, at a later one (the conversation
+    before it as context, the generation prompt after it), from evaluation-part conversations only, in an order the
+    file's order does not change. A later turn that asks what opens a training conversation is not taken: that
+    question's answer was trained."""
+    from eagle3.data import SampleTokenizer, read_conversations
+    from eagle3.evaluate import held_out
+    from eagle3.split import EVALUATION, TRAINING, run_split
+    from tests.test_split import write_jsonl
+
+    opening, asked_later, trained = questions("evaluation", 6), questions("evaluation", 12, 1000), \
+        questions("training", 3, 2000)
+    rows = [multi_turn(q, asked_later[2 * i], asked_later[2 * i + 1]) for i, q in enumerate(opening)]
+    rows += [multi_turn(q) for q in trained]
+    rows.append(multi_turn(questions("evaluation", 1, 3000)[0], trained[0].upper()))  # asked later, trained first
+    data = tmp_path / "turns.jsonl"
+    write_jsonl(data, rows)
+    cfg = make_config(data={"path": str(data), "max_samples": None}, train={"val_fraction": 0.5})
+    tokenizing = SampleTokenizer.for_run(cfg)
+    conversations = {c.sample_id: c for c in read_conversations(data)[0]}
+    split = run_split(cfg)
+
+    held = held_out(cfg, tokenizing, limit=8)
+    assert [h.kind for h in held] == ["first"] * 4 + ["later"] * 4
+    for h in held:
+        messages = conversations[h.conversation_id].messages
+        assert split.part_of_conversation(h.conversation_id) == EVALUATION
+        assert messages[h.turn]["role"] == "assistant" and messages[h.turn - 1]["role"] == "user"
+        assert h.prompt == tokenizing.prompt_ids(messages[: h.turn])
+        assert (h.turn == 1) == (h.kind == "first")
+    assert all(h.turn == 3 for h in held if h.kind == "later")  # second user turns before any third
+
+    everything = held_out(cfg, tokenizing, limit=100)  # more than there are: the later turns fill in
+    assert [h.kind for h in everything].count("first") == 7 and [h.kind for h in everything].count("later") == 12
+    asker = next(c.sample_id for c in conversations.values() if c.messages[-2]["content"] == trained[0].upper())
+    taken = {(h.conversation_id, h.turn) for h in everything}
+    assert (asker, 1) in taken and (asker, 3) not in taken
+    assert split.part_of_conversation(next(c for c in conversations.values()
+                                           if c.messages[0]["content"] == trained[0]).sample_id) == TRAINING
+
+    write_jsonl(data, rows[::-1])  # the file's order does not choose the prompts
+    again = held_out(cfg, SampleTokenizer.for_run(cfg), limit=8)
+    assert [(h.conversation_id, h.turn, h.prompt) for h in again] == \
+        [(h.conversation_id, h.turn, h.prompt) for h in held]

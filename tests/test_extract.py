@@ -130,7 +130,7 @@ def test_multi_turn_thinking_conversations_are_trained_turn_by_turn_not_skipped(
     """A template that drops earlier reasoning: each earlier turn becomes a sample of its own, rendered as the
     target served it (with its reasoning), in the same shard and on the same side of the train/val split."""
     from eagle3.data import conversation_id_of
-    from eagle3.train import is_validation
+    from eagle3.split import run_split
 
     thinking = tmp_path / "thinking-target"
     thinking.mkdir()
@@ -154,7 +154,7 @@ def test_multi_turn_thinking_conversations_are_trained_turn_by_turn_not_skipped(
     assert len(conversation_ids) == 2 and any("." in s for s in store.sample_ids)
     per_turn = [s for s in store.sample_ids if "." in s]
     siblings = [s for s in store.sample_ids if conversation_id_of(s) == conversation_id_of(per_turn[0])]
-    assert len(siblings) == 2 and len({is_validation(s, 0.5) for s in siblings}) == 1
+    assert len(siblings) == 2 and len({run_split(cfg).part(s) for s in siblings}) == 1
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(thinking)

@@ -19,7 +19,8 @@ from eagle3.evaluate import run_evaluate
 from eagle3.export import run_export
 from eagle3.model import build_draft_model
 from eagle3.promote import Lineage, PromotionRefused, check_inputs, promote_held, weights_digest
-from eagle3.train import Trainer, checkpoint_dirs, is_validation, load_checkpoint, load_warm_start
+from eagle3.split import SPLIT_RULE
+from eagle3.train import Trainer, checkpoint_dirs, load_checkpoint, load_warm_start
 from tests.conftest import run_eagle3
 
 EVALUATE = {"num_prompts": 6, "max_new_tokens": 16, "draft_lengths": [3]}
@@ -52,6 +53,8 @@ def test_the_better_drafter_is_promoted_on_the_pinned_set_and_a_worse_one_is_not
     assert lineage.current().name.startswith("weak-")
     pinned = lineage.eval_set()
     assert pinned["pinned_by"] == "weak" and len(pinned["prompts"]) == 6
+    # The tiny target's data at val_fraction 0.02 has 2 later turns held out for evaluation: first turns fill in.
+    assert pinned["kinds"] == ["first"] * 4 + ["later"] * 2 and pinned["split"] == SPLIT_RULE
 
     again = run_evaluate(weak)["promotion"]  # a retried evaluate: the same weights are the current ones already
     assert not again["promoted"] and "is the current one already" in again["reason"]
@@ -127,16 +130,28 @@ def test_old_versions_beyond_keep_versions_are_removed(trained_config, make_conf
     assert lineage.current().name.startswith("new-") and (lineage.current().path / "model.safetensors").exists()
 
 
-def test_training_leaves_the_pinned_evaluation_prompts_out(trained_config, make_config):
-    """Pinned from a wide validation split, then trained with a narrow one: the pinned prompts stay untrained."""
+def test_training_and_validation_leave_the_pinned_evaluation_prompts_out(trained_config, make_config):
+    """Pinned from a wide split (first and later user turns), then trained with a narrow one: the pinned conversations,
+    and every conversation that opens with a pinned prompt, neither train nor pick the checkpoint."""
+    from eagle3.data import read_conversations
+    from eagle3.split import part_of_key, run_split
+
     run_export(trained_config)
     wide = run_like(trained_config, make_config, "wide-split", num_prompts=12)
     wide = wide.model_copy(update={"train": wide.train.model_copy(update={"val_fraction": 0.5})})
-    run_evaluate(wide)
-    pinned = set(Lineage(wide).eval_set()["conversation_ids"])
-    assert any(not is_validation(sid, trained_config.train.val_fraction) for sid in pinned)  # else nothing to test
-    trained_ids = {conversation_id_of(sid) for sid, _ in Trainer(trained_config).train_ids}
-    assert trained_ids and not trained_ids & pinned
+    report = run_evaluate(wide)
+    pinned = Lineage(wide).eval_set()
+    assert pinned["format"] == 2 and report["prompts"] == len(pinned["prompts"]) == 12
+    assert report["prompt_turns"] == {"first": pinned["kinds"].count("first"), "later": 6}
+    keys = run_split(trained_config).keys
+    narrow = trained_config.train.val_fraction
+    assert any(part_of_key(keys[sid], narrow) == "training" for sid in pinned["conversation_ids"])  # else no test
+    conversations, _ = read_conversations(trained_config.conversations_path)
+    opening = {c.sample_id for c in conversations if keys[c.sample_id] in pinned["split_keys"]}
+    assert set(pinned["conversation_ids"]) <= opening
+    trainer = Trainer(trained_config)
+    for ids in (trainer.train_ids, trainer.val_ids):
+        assert ids and not {conversation_id_of(sid) for sid, _ in ids} & opening
 
 
 def promote_by_hand(cfg, drafter_dir, run_name: str, expected_current: str | None):

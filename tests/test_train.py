@@ -11,7 +11,7 @@ import torch
 
 import eagle3.train as train
 from eagle3.train import load_checkpoint, make_teachers, simulated_accept_length
-from tests.conftest import run_eagle3
+from tests.conftest import TRAIN_SETTINGS, run_eagle3
 
 
 def perfect_target(input_ids: torch.Tensor, vocab: int):
@@ -185,3 +185,38 @@ def test_the_trainer_reads_an_fp8_store_as_it_reads_a_bf16_one(trained_config):
     assert max(abs(a - b) for a, b in zip(fp8_val["val_acc"], bf16_val["val_acc"])) < 0.02, (fp8_val, bf16_val)
     loss, *_ = fp8.train_step(val_ids[:4])
     assert math.isfinite(loss)
+
+
+def test_no_first_prompt_is_trained_on_that_validation_or_evaluation_holds(make_config, tmp_path):
+    """Conversations that open with one question (spelled and answered differently, some with a system prompt or a
+    later turn) are trained on, validated on or held out for evaluation together: the trainer's validation, which
+    picks the best checkpoint, and evaluate's prompts hold no first prompt that training saw, and no evaluated
+    conversation validates."""
+    from eagle3.data import SampleTokenizer, conversation_id_of, read_conversations
+    from eagle3.evaluate import held_out
+    from eagle3.extract import run_extract
+    from eagle3.split import normalise_prompt
+    from eagle3.vocab import run_vocab
+    from tests.test_split import shared_first_prompts, write_jsonl
+
+    rows, _ = shared_first_prompts()
+    data = tmp_path / "shared.jsonl"
+    write_jsonl(data, rows)
+    cfg = make_config(data={"path": str(data), "max_samples": None}, train={**TRAIN_SETTINGS, "val_fraction": 0.5},
+                      evaluate={"num_prompts": 64})
+    run_extract(cfg)
+    run_vocab(cfg)
+    conversations, _ = read_conversations(data)
+    first_prompt = {c.sample_id: normalise_prompt(next(m["content"] for m in c.messages if m["role"] == "user"))
+                    for c in conversations}
+    trainer = train.Trainer(cfg)
+
+    def opened(ids) -> set[str]:
+        return {first_prompt[conversation_id_of(s)] for s in ids}
+
+    trained, validated = opened(s for s, _ in trainer.train_ids), opened(s for s, _ in trainer.val_ids)
+    assert trained and validated and not trained & validated
+    evaluated = held_out(cfg, SampleTokenizer.for_run(cfg))
+    assert evaluated
+    assert not trained & opened(h.conversation_id for h in evaluated)
+    assert not validated & opened(h.conversation_id for h in evaluated)

@@ -89,3 +89,21 @@ def test_loaded_mapping_equals_written(extracted):
     run_vocab(extracted)
     mapping, meta = load_mapping(extracted.run_dir / "vocab_mapping")
     assert len(mapping.draft_ids) == meta["draft_vocab_size"] == 128
+
+
+def test_the_draft_vocab_is_counted_on_training_samples_only(make_config):
+    """Tokens of validation and evaluation answers are not counted: the draft vocabulary learns nothing from the
+    conversations that pick the checkpoint or that evaluate measures."""
+    from eagle3.split import TRAINING, run_split
+    from eagle3.store import open_run_store
+    from eagle3.vocab import count_tokens
+
+    cfg = make_config(run_name="held-out", vocab={"draft_vocab_size": 128}, train={"val_fraction": 0.3})
+    run_extract(cfg)
+    meta = run_vocab(cfg)
+    store = open_run_store(cfg)
+    parts = run_split(cfg).parts(store.sample_ids)
+    assert 0 < meta["training_samples"] == len(parts[TRAINING]) < len(store.sample_ids)
+    training, everything = (count_tokens(store, cfg.target.vocab_size, ids) for ids in (parts[TRAINING], None))
+    assert meta["loss_tokens"] == training.total < everything.total
+    assert meta["source_tokens_digest"] == training.digest

@@ -121,10 +121,10 @@ STAGES = {
     ),
     "vocab": (
         "eagle3.vocab", "run_vocab",
-        "build the draft/target vocab mapping from the store (or reuse one after a coverage check)",
-        "The mapping is data-dependent: the draft vocab is the target ids the store's assistant tokens use "
-        "most. vocab.reuse_from reuses another run's mapping only if it covers at least vocab.min_coverage "
-        "of this store's loss-masked tokens.",
+        "build the draft/target vocab mapping from the run's training samples (or reuse one after a coverage check)",
+        "The mapping is data-dependent: the draft vocab is the target ids the assistant tokens of the run's training "
+        "samples use most (held-out samples are not counted). vocab.reuse_from reuses another run's mapping only if "
+        "it covers at least vocab.min_coverage of those loss-masked tokens.",
     ),
     "train": (
         "eagle3.train", "run_train",
@@ -359,8 +359,8 @@ def build_parser() -> argparse.ArgumentParser:
     c = lineage_sub.add_parser(
         "check", help="after vocab: has anything the drafter is made from changed since the current drafter? JSON",
         description="Compares this run's training inputs (its samples of the store, the vocab mapping, the train, "
-        "drafter and export settings, the seed, the pinned evaluation set) with those of the lineage's current "
-        "drafter. The DAG skips training when nothing changed.")
+        "drafter and export settings, the seed, the split rule and the pinned evaluation set) with those of the "
+        "lineage's current drafter. The DAG skips training when nothing changed.")
     c.add_argument("--config", required=True, help="RUN_DIR/config.json")
     c.set_defaults(func=cmd_lineage_check)
     c = lineage_sub.add_parser(

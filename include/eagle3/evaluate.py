@@ -2,10 +2,10 @@
 
     python -m eagle3 evaluate --config RUN_DIR/config.json
 
-For each draft length k in evaluate.draft_lengths, on held-out prompts (the validation split of the data, by
-sample-id hash, first user turn): greedy chain drafting of k tokens with the EXPORTED drafter (RUN_DIR/drafter),
-verification by the target, accept the longest agreeing prefix plus the target's own next token. Where
-(evaluate.backend):
+For each draft length k in evaluate.draft_lengths, on held-out prompts (the evaluation part of the run's split by
+first user prompt, eagle3.split; first and later user turns: held_out): greedy chain drafting of k tokens with the
+EXPORTED drafter (RUN_DIR/drafter), verification by the target, accept the longest agreeing prefix plus the target's
+own next token. Where (evaluate.backend):
   hf      in this process, the target in transformers, the drafter loaded as SGLang would (the export plus the
           target's embedding): the reference, for targets that fit one device
   server  in the serving engine (server.engine: SGLang on a GPU box, vLLM wherever it runs), started once without
@@ -37,6 +37,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -101,30 +102,70 @@ def plain_greedy(target, prompt: list[int], max_new: int, eos: set[int]) -> list
     return seq[len(prompt) :]
 
 
-def held_out(cfg, tokenizing, limit: int | None = None) -> list[tuple[str, list[int]]]:
-    """(conversation id, prompt) for the first user turns (chat template applied, generation prompt added) of the
-    validation split: prompts training never saw. `tokenizing` is the run's eagle3.data.SampleTokenizer."""
-    from eagle3.data import read_conversations
-    from eagle3.train import is_validation
+LATER_TURN_SHARE = 0.5  # of evaluate.num_prompts, at most: prompts that end at a later user turn
 
-    # The conversations training split by sample id (the regenerated ones, with generate on).
+
+@dataclass(frozen=True)
+class HeldOutPrompt:
+    conversation_id: str
+    turn: int  # the assistant message it prompts: the prompt is the conversation's messages before it
+    kind: str  # "first" (the first user turn) or "later"
+    keys: tuple[str, ...]  # split keys (eagle3.split) a drafter must never have trained on for it to be held out
+    prompt: list[int]  # token ids: those messages through the chat template, generation prompt added
+
+
+def held_out(cfg, tokenizing, limit: int | None = None) -> list[HeldOutPrompt]:
+    """Prompts training never saw, from the conversations of the evaluation part of the run's split (eagle3.split:
+    no conversation that opens with their first prompt trains or validates): up to `limit` (evaluate.num_prompts),
+    each the conversation up to a user turn that an assistant turn answers, rendered with the generation prompt.
+    At most LATER_TURN_SHARE of them end at a later user turn (the conversation before it as context, as the server
+    is sent it), the rest at the first; when one kind runs short the other fills in. A later turn whose user message,
+    normalised, opens a training or validation conversation is left out: that text's continuation was trained, if
+    without this context. Deterministic, and independent of the file's order: first turns by (split key,
+    conversation id), later ones by (which user turn, split key, conversation id). `tokenizing` is the run's
+    eagle3.data.SampleTokenizer."""
+    from eagle3.data import read_conversations
+    from eagle3.split import EVALUATION, prompt_key, run_split
+
+    # The conversations training split on (the regenerated ones, with generate on).
     conversations, _ = read_conversations(cfg.conversations_path, "skip", None, cfg.conversations_missing_hint)
-    prompts = []
+    split = run_split(cfg, conversations)
+    seen_outside = {key for cid, key in split.keys.items() if split.part_of_conversation(cid) != EVALUATION}
+    firsts, laters = [], []
     for conversation in conversations:
-        if not is_validation(conversation.sample_id, cfg.train.val_fraction):
+        if split.part_of_conversation(conversation.sample_id) != EVALUATION:
             continue
-        first_answer = next(i for i, m in enumerate(conversation.messages) if m["role"] == "assistant")
-        if first_answer == 0:  # nothing prompts it
-            continue
-        prompts.append((conversation.sample_id,
-                        tokenizing.prompt_ids(conversation.messages[:first_answer], conversation.tools)))
-        if len(prompts) == (limit or cfg.evaluate.num_prompts):
-            break
-    return prompts
+        key, messages, answered = split.keys[conversation.sample_id], conversation.messages, 0
+        for i in range(1, len(messages)):
+            if messages[i]["role"] != "assistant" or messages[i - 1]["role"] != "user":
+                continue  # (an answer to a tool result, or an assistant turn right after another)
+            if answered == 0:  # the first user turn that is answered: what opens the conversation
+                firsts.append(((key, conversation.sample_id), conversation, i, (key,)))
+            elif (turn_key := prompt_key(messages[i - 1]["content"])) not in seen_outside:
+                laters.append(((answered, key, conversation.sample_id), conversation, i, (key, turn_key)))
+            answered += 1
+    wanted = limit or cfg.evaluate.num_prompts
+    later = min(len(laters), int(wanted * LATER_TURN_SHARE))
+    first = min(len(firsts), wanted - later)
+    later = min(len(laters), wanted - first)
+    chosen = [("first", c) for c in sorted(firsts, key=lambda c: c[0])[:first]] + \
+             [("later", c) for c in sorted(laters, key=lambda c: c[0])[:later]]
+    return [HeldOutPrompt(conversation.sample_id, turn, kind, keys,
+                          tokenizing.prompt_ids(conversation.messages[:turn], conversation.tools))
+            for kind, (_, conversation, turn, keys) in chosen]
 
 
 def held_out_prompts(cfg, tokenizing, limit: int | None = None) -> list[list[int]]:
-    return [prompt for _, prompt in held_out(cfg, tokenizing, limit)]
+    return [held.prompt for held in held_out(cfg, tokenizing, limit)]
+
+
+def eval_set_record(chosen: list[HeldOutPrompt]) -> dict:
+    """The evaluation set a lineage pins (eagle3.promote.EVAL_SET_FIELDS) from held_out's prompts."""
+    from eagle3.split import SPLIT_RULE
+
+    return {"format": 2, "split": SPLIT_RULE, "conversation_ids": [h.conversation_id for h in chosen],
+            "turns": [h.turn for h in chosen], "kinds": [h.kind for h in chosen],
+            "split_keys": sorted({key for h in chosen for key in h.keys}), "prompts": [h.prompt for h in chosen]}
 
 
 def target_greedy_accuracy(cfg, lm_head: torch.Tensor, max_tokens: int = 100_000) -> float | None:
@@ -132,13 +173,14 @@ def target_greedy_accuracy(cfg, lm_head: torch.Tensor, max_tokens: int = 100_000
     greedily: what explains an acceptance length. Drafts are accepted only where they equal the target's own
     next token, so data the target would not have written (generate off) caps what a drafter learns from it;
     with generate on it is near 1. `lm_head`: the target's [vocab, hidden] output weights, on any device."""
+    from eagle3.split import TRAINING, run_split
     from eagle3.store import open_run_store
-    from eagle3.train import is_validation
 
     store = open_run_store(cfg)
+    split = run_split(cfg)
     lm_head = lm_head.float()
     hits = total = 0
-    for sample_id in sorted(s for s in store.sample_ids if is_validation(s, cfg.train.val_fraction)):
+    for sample_id in sorted(s for s in store.sample_ids if split.part(s) != TRAINING):
         if total >= max_tokens:
             break
         sample = store[sample_id]
@@ -187,10 +229,12 @@ def run_evaluate(cfg, hold_promotion: bool = False) -> dict:
         raise ValueError("no held-out prompts: raise train.val_fraction or evaluate on more data")
     # Every run of the lineage measures the prompts its first evaluation pinned, so that figures compare.
     lineage = Lineage(cfg)
-    pinned = lineage.pin_eval_set(*map(list, zip(*candidates)), cfg.run_name)
+    pinned = lineage.pin_eval_set(eval_set_record(candidates), cfg.run_name)
     prompts = pinned["prompts"]
-    log.info("evaluate: %d prompts of lineage %s's evaluation set (pinned by run %s)", len(prompts), lineage.key,
-             pinned["pinned_by"])
+    kinds = pinned.get("kinds", ["first"] * len(prompts))  # (a set pinned before issue 37: first turns only)
+    turns = {"first": kinds.count("first"), "later": kinds.count("later")}
+    log.info("evaluate: %d prompts (%d first user turns, %d later ones) of lineage %s's evaluation set (pinned by "
+             "run %s)", len(prompts), turns["first"], turns["later"], lineage.key, pinned["pinned_by"])
     measurer = (HfMeasurer if cfg.evaluate.backend == "hf" else EngineMeasurer)(cfg, prompts)
 
     with torch.no_grad():
@@ -203,6 +247,7 @@ def run_evaluate(cfg, hold_promotion: bool = False) -> dict:
     report = {
         "backend": measurer.name,
         "prompts": len(prompts),
+        "prompt_turns": turns,
         "max_new_tokens": cfg.evaluate.max_new_tokens,
         "generated_tokens": sum(len(b) for b in baseline),
         "speculative": results,

@@ -5,9 +5,13 @@ vocabulary size, aux layers): drafters of one lineage are interchangeable in a d
 Everything of a lineage lives in {workdir}/drafters/<lineage key>/:
 
   key.json          what the key covers
-  eval_set.json     the pinned evaluation prompts: chosen by the lineage's first evaluation from its held-out
-                    split and kept, so that every later run measures the same thing; training leaves their
-                    conversations out (Trainer), so no drafter of the lineage ever trains on them
+  eval_set.json     the pinned evaluation prompts: chosen by the lineage's first evaluation from the evaluation
+                    part of its split (first and later user turns: eagle3.evaluate.held_out) and kept, so that
+                    every later run measures the same thing. Their conversations, and every conversation that
+                    opens with one of the set's split keys, are in the evaluation part of every later run's split
+                    (eagle3.split), so no drafter of the lineage trains on them or picks a checkpoint with them.
+                    A set pinned before issue 37 (first turns, by conversation id) is kept as it is, so its
+                    figures still compare; its keys are derived from the runs' conversations (note_split_keys)
   versions/<name>/  promoted drafters (the export's files, and promotion.json: figures, run, previous version,
                     lineage, who approved it), named <run_name>-<first 8 hex of the weights' sha256>; the newest
                     evaluate.keep_versions kept
@@ -53,6 +57,10 @@ from eagle3.identity import capture_key, file_digest, target_identity
 log = logging.getLogger(__name__)
 
 EVAL_SET = "eval_set.json"
+# A pinned evaluation set since issue 37: per prompt its conversation, the message it answers (the prompt is the
+# conversation up to it, with the generation prompt) and its kind ("first" or "later" user turn); the split keys
+# (eagle3.split) every drafter of the lineage is kept from; the split rule; and the prompts' token ids.
+EVAL_SET_FIELDS = ("format", "split", "conversation_ids", "turns", "kinds", "split_keys", "prompts")
 PROPOSAL = "proposal.json"  # RUN_DIR/evaluate/: a promotion evaluate decided on and held for approval
 CURRENT = "current"
 VERSIONS = "versions"
@@ -132,21 +140,36 @@ class Lineage:
     # -- the pinned evaluation set ------------------------------------------------------------------------
 
     def eval_set(self) -> dict | None:
-        """{"conversation_ids": [...], "prompts": [[token ids], ...], "pinned_by": run} or None before the first."""
+        """The pinned set (EVAL_SET_FIELDS and pinned_by, pinned_at), or None before the first. A set pinned before
+        issue 37 has conversation_ids and prompts only (first turns), and derived_split_keys once a run found its
+        conversations' keys (note_split_keys)."""
         try:
             return json.loads((self.dir / EVAL_SET).read_text())
         except FileNotFoundError:
             return None
 
-    def pin_eval_set(self, conversation_ids: list[str], prompts: list[list[int]], run_name: str) -> dict:
-        """The pinned set: the one already there, or these prompts, pinned now."""
+    def pin_eval_set(self, chosen: dict, run_name: str) -> dict:
+        """The pinned set: the one already there (whatever its format: its figures are the lineage's), or `chosen`
+        (eagle3.evaluate.eval_set_record: EVAL_SET_FIELDS), pinned now."""
         with self.locked():
             pinned = self.eval_set()
             if pinned is None:
-                pinned = {"conversation_ids": conversation_ids, "prompts": prompts, "pinned_by": run_name,
+                pinned = {**{key: chosen[key] for key in EVAL_SET_FIELDS}, "pinned_by": run_name,
                           "pinned_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
                 atomic_write_text(self.dir / EVAL_SET, json.dumps(pinned) + "\n")
             return pinned
+
+    def note_split_keys(self, found: dict[str, str], run_name: str) -> dict[str, str]:
+        """Record the split keys of a set pinned before issue 37 ({conversation id: key}, as a run's conversations
+        give them: eagle3.split.pinned_set), merged with those recorded before; returns them all. Its prompts stay as
+        they are: only what training leaves out grows."""
+        with self.locked():
+            pinned = self.eval_set()
+            derived = {**pinned.get("derived_split_keys", {}), **found}
+            if derived != pinned.get("derived_split_keys"):
+                pinned = {**pinned, "derived_split_keys": derived, "split_keys_derived_by": run_name}
+                atomic_write_text(self.dir / EVAL_SET, json.dumps(pinned) + "\n")
+            return derived
 
     # -- versions ------------------------------------------------------------------------------------------
 
@@ -263,16 +286,19 @@ class Lineage:
 
 def training_inputs(cfg) -> dict:
     """Everything the drafter is made from, but the code: the run's samples (by id, in its shared store), the
-    vocab mapping, the training, drafter and export settings, the seed, the pinned evaluation set. Two runs with
+    vocab mapping, the training, drafter and export settings, the seed, the split rule and the pinned evaluation set
+    (what it keeps out of training). Two runs with
     equal inputs train the same drafter (training is deterministic). A new version of the pipeline is not a
     new input: an unrelated fix must not retrain a drafter for hours; a user who wants one retrained clears its
     train task (or changes the seed)."""
     from eagle3.runlayout import run_samples_path
+    from eagle3.split import SPLIT_RULE
 
     samples = hashlib.sha256()
     for shard in range(cfg.extract.num_shards):
         samples.update(run_samples_path(cfg.run_dir, shard).read_bytes())
     pinned = Lineage(cfg).eval_set()
+    kept_out = sorted(pinned.get("split_keys", pinned.get("derived_split_keys", {}).values())) if pinned else []
     return {
         "store": cfg.store_dir.resolve().name,
         "samples": samples.hexdigest(),
@@ -282,7 +308,10 @@ def training_inputs(cfg) -> dict:
         "drafter": cfg.drafter.model_dump(mode="json"),
         "export": cfg.export.model_dump(mode="json"),
         "seed": cfg.seed,
-        "eval_set": hashlib.sha256(json.dumps(pinned["conversation_ids"]).encode()).hexdigest() if pinned else None,
+        # The split decides which samples train: its rule, and what the pinned set keeps out of training.
+        "split": SPLIT_RULE,
+        "eval_set": hashlib.sha256(json.dumps([pinned["conversation_ids"], kept_out]).encode()).hexdigest()
+        if pinned else None,
     }
 
 
@@ -313,12 +342,6 @@ def check_inputs(cfg) -> dict:
         "current_accept_length": record.get("accept_length") if unchanged else None,
         "current_drafter": str(lineage.dir / CURRENT) if current else None,
     }
-
-
-def pinned_conversation_ids(cfg) -> set[str]:
-    """The conversations of the lineage's pinned evaluation set: never trained on."""
-    pinned = Lineage(cfg).eval_set()
-    return set(pinned["conversation_ids"]) if pinned else set()
 
 
 def decide(new: dict, current: dict | None, k: int, margin: float) -> tuple[bool, str]:

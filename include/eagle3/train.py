@@ -9,7 +9,7 @@ gloo on CPU. Under an outside torchrun it just joins.
 Reads the hidden-state store and the vocab mapping; writes {run dir}/train/:
   checkpoints/step-NNNNNN/   state.pt (torch.save, loads with weights_only=True) + meta.json; written to a
                              temp dir, fsynced, renamed. The last `train.keep_last` are kept, plus the best
-                             (by simulated acceptance length on the validation split).
+                             (by simulated acceptance length on the validation split: eagle3.split).
   metrics.jsonl              one line per progress interval and per validation
   tensorboard/               the same as TensorBoard events (tensorboard --logdir RUN_DIR/train/tensorboard)
   loss.png, accuracy.png     at the end
@@ -139,14 +139,6 @@ class TTTObjective(nn.Module):
 
 
 # -- data ---------------------------------------------------------------------------------------
-
-
-def is_validation(sample_id: str, val_fraction: float) -> bool:
-    """Held-out split by the hash of the sample's conversation: stable whatever the order or sharding of the
-    data, and the per-turn samples of one conversation stay on one side."""
-    from eagle3.data import conversation_id_of
-
-    return (int(conversation_id_of(sample_id), 16) % 10_000) < val_fraction * 10_000
 
 
 def plan_epoch(ids_and_lengths: list[tuple[str, int]], batch_tokens: int | None, seed: int,
@@ -299,8 +291,7 @@ def die_with_parent() -> None:
 
 class Trainer:
     def __init__(self, cfg):
-        from eagle3.data import conversation_id_of
-        from eagle3.promote import pinned_conversation_ids
+        from eagle3.split import EVALUATION, TRAINING, VALIDATION, run_split
         from eagle3.store import open_run_store
         from eagle3.vocab import MAPPING_DIR, load_mapping
 
@@ -330,14 +321,16 @@ class Trainer:
         self.ddp = (nn.parallel.DistributedDataParallel(self.objective) if self.distributed else self.objective)
 
         lengths = {sid: loc.end - loc.start for sid, loc in self.store.locations.items()}
-        # The lineage's pinned evaluation prompts are never trained on, whatever this run's split says.
-        pinned = pinned_conversation_ids(cfg)
-        self.train_ids = sorted((s, n) for s, n in lengths.items()
-                                if not is_validation(s, cfg.train.val_fraction) and conversation_id_of(s) not in pinned)
-        if self.rank == 0 and (left_out := sum(not is_validation(s, cfg.train.val_fraction) for s in lengths)
-                               - len(self.train_ids)):
-            log.info("train: %d samples of the lineage's pinned evaluation set left out of training", left_out)
-        self.val_ids = sorted((s, n) for s, n in lengths.items() if is_validation(s, cfg.train.val_fraction))
+        # The split by first user prompt (eagle3.split): training, validation (the best checkpoint) and evaluation
+        # are disjoint, and the lineage's pinned evaluation set is in evaluation, whatever this run's split says.
+        split = run_split(cfg)
+        parts = split.parts(lengths)
+        self.train_ids = [(s, lengths[s]) for s in parts[TRAINING]]
+        self.val_ids = [(s, lengths[s]) for s in parts[VALIDATION]]
+        if self.rank == 0:
+            log.info("train: %d training samples, %d validation; %d held out for evaluation (%d of them by the "
+                     "lineage's pinned evaluation set)", len(self.train_ids), len(self.val_ids),
+                     len(parts[EVALUATION]), split.pinned_out(parts[EVALUATION]))
         # Packing depends on the shuffle, so each epoch has its own number of steps (the same on every rank:
         # a tail of fewer than `world` batches is dropped).
         self.epoch_steps = [len(self.plan(epoch)) // self.world for epoch in range(cfg.train.epochs)]

@@ -3,9 +3,11 @@
     python -m eagle3 vocab --config RUN_DIR/config.json
 
 The drafter's lm_head covers only `vocab.draft_vocab_size` tokens: the ones the target's assistant
-turns use most, counted over THIS run's store (loss-masked positions). The mapping is therefore
+turns use most, counted over THIS run's training samples (loss-masked positions; the training part of the
+split, eagle3.split: tokens of held-out answers are not counted, so the draft vocabulary learns nothing from
+the prompts it is evaluated on). The mapping is therefore
 data-dependent: one built for other data covers this data less well, which is why reusing one is
-allowed only after its coverage of this store is measured.
+allowed only after its coverage of this run's training samples is measured.
 
 On disk ({run dir}/vocab_mapping/, written as a whole: temp dir, fsync, rename):
   d2t.npy    int64 [draft_vocab]   offsets: target id of draft id i = i + d2t[i]   (SGLang's convention)
@@ -63,11 +65,12 @@ class VocabMapping:
         return float(counts[self.draft_ids].sum() / total) if total else 0.0
 
 
-def count_tokens(store, target_vocab: int) -> TokenCounts:
-    """Count target ids at loss-masked positions over the whole store (reads ids and masks only)."""
+def count_tokens(store, target_vocab: int, sample_ids=None) -> TokenCounts:
+    """Count target ids at loss-masked positions over `sample_ids` (default: the whole store); reads ids and
+    masks only."""
     counts = np.zeros(target_vocab, dtype=np.int64)
     digest = hashlib.sha256()
-    for sample_id in sorted(store.sample_ids):
+    for sample_id in sorted(store.sample_ids if sample_ids is None else sample_ids):
         sample = store[sample_id]
         ids = sample["input_ids"].numpy()
         mask = sample["loss_mask"].numpy()
@@ -126,21 +129,27 @@ def write_mapping(directory: Path, mapping: VocabMapping, target_vocab: int, met
 
 
 def run_vocab(cfg) -> dict:
-    """Build the run's mapping, or reuse `vocab.reuse_from` if it covers this store well enough."""
+    """Build the run's mapping from its training samples, or reuse `vocab.reuse_from` if it covers them well
+    enough."""
+    from eagle3.split import TRAINING, run_split
     from eagle3.store import open_run_store
 
     out_dir = cfg.run_dir / MAPPING_DIR
     target_vocab, draft_vocab = cfg.target.vocab_size, cfg.vocab.draft_vocab_size
     fingerprint = tokenizer_fingerprint(cfg.tokenizer_dir)
-    counts = count_tokens(open_run_store(cfg), target_vocab)
+    store = open_run_store(cfg)
+    training = run_split(cfg).parts(store.sample_ids)[TRAINING]
+    counts = count_tokens(store, target_vocab, training)
     if counts.total == 0:
-        raise VocabError(f"{cfg.store_dir}: no loss-masked tokens; run extract first")
+        raise VocabError(f"{cfg.store_dir}: no loss-masked tokens in the run's {len(training)} training samples (of "
+                         f"{len(store.sample_ids)}); run extract first, or lower train.val_fraction")
 
     if out_dir.exists():  # a retried task: done, if it was made from the same tokens
         _, meta = load_mapping(out_dir)
         if meta["source_tokens_digest"] != counts.digest:
             raise VocabError(
-                f"{out_dir} was built from other data than the store now holds; delete it to build it again"
+                f"{out_dir} was built from other samples than the run's training samples now are (the store, or the "
+                "lineage's pinned evaluation set, changed since); delete it to build it again"
             )
         log.info("vocab: %s already built from this store; nothing to do", out_dir)
         return meta
@@ -150,6 +159,7 @@ def run_vocab(cfg) -> dict:
         "target_vocab_size": target_vocab,
         "draft_vocab_size": draft_vocab,
         "tokenizer_fingerprint": fingerprint,
+        "training_samples": len(training),
         "loss_tokens": counts.total,
         "distinct_tokens_seen": int((counts.counts > 0).sum()),
         "source_tokens_digest": counts.digest,
