@@ -629,7 +629,8 @@ class TrainConfig(Section):
     )
     val_fraction: float = Field(
         0.02, ge=0, lt=1, title="Held-out fraction",
-        description="Samples kept out of training (by id): validation, best checkpoint, evaluate's prompts.",
+        description="Held out of training, by first user prompt: the lower half gives evaluate's and benchmark's "
+        "prompts, the upper half validates and picks the best checkpoint.",
     )
     save_every_steps: int = Field(
         1000, ge=1, le=MAX_COUNT, title="Checkpoint every N steps",
@@ -676,7 +677,9 @@ class EvaluateConfig(Section):
     )
 
     num_prompts: int = Field(
-        64, ge=1, le=MAX_WIDTH, title="Held-out prompts", description="From the validation split, never trained on."
+        64, ge=1, le=MAX_WIDTH, title="Held-out prompts",
+        description="From the evaluation part of the split (by first user prompt), never trained on: first user "
+        "turns, up to half later turns."
     )
     draft_lengths: list[DraftLength] = Field(
         default_factory=lambda: [3, 7], min_length=1, title="Draft lengths k",
@@ -714,7 +717,7 @@ class BenchmarkConfig(Section):
     )
     num_prompts: int = Field(
         64, ge=1, le=MAX_WIDTH, title="Held-out prompts",
-        description="The same for both servers, from the validation split."
+        description="The same for both servers, from the evaluation part of the split."
     )
     max_new_tokens: int = Field(
         512, ge=1, le=MAX_WIDTH, title="Max new tokens per prompt",
