@@ -13,6 +13,8 @@ from eagle3.generate import Regeneration, Reply
 from eagle3.turns import markup_pattern
 from tests.test_data import (
     CALL,
+    KIMI_AGENT_CONVERSATION,
+    KIMI_AGENT_GENERATED,
     KIMI_K25_LIKE,
     KIMI_SPECIALS,
     TOOLS,
@@ -121,6 +123,24 @@ def test_an_indented_generation_prompt_is_laid_over_the_turn_ignoring_its_layout
         3: f"{DS_CALL}<｜end▁of▁sentence｜>",
     })
     assert (stats.trained_turns, stats.turns_dropped) == (3, {})
+
+
+def test_kimi_k25_whose_generation_prompt_opens_the_think_block(tiny_tokenizer, tiny_target):
+    """Kimi-K2.5 in thinking mode serves <|im_assistant|>assistant<|im_middle|><think> (public renderers of it say
+    so), its rendered turns start <think></think> when blanked: the generated text begins inside the block."""
+    from eagle3.data import end_of_turn_tokens
+
+    opening = "{% if add_generation_prompt %}<|im_assistant|>assistant<|im_middle|>"
+    template = KIMI_K25_LIKE.replace(opening, opening + "<think>")
+    assert template != KIMI_K25_LIKE
+    tokenizer = with_template(tiny_tokenizer, template, [*KIMI_SPECIALS, "<think>", "</think>"])
+    conv = conversation(KIMI_AGENT_CONVERSATION, TOOLS)
+    stats = TokenizeStats()
+    samples = list(SampleTokenizer(tokenizer, 4096, "assistant_turn", end_of_turn_tokens(tokenizer, tiny_target))
+                   .iter([conv], stats))
+    assert_served_then_generated(tokenizer, samples, conv,
+                                 {i: text.removeprefix("<think>") for i, text in KIMI_AGENT_GENERATED.items()})
+    assert (stats.trained_turns, stats.turns_dropped) == (5, {})
 
 
 # The tiny target's ChatML, except that an assistant turn is rendered under the role name "bot": the generation
