@@ -11,6 +11,7 @@ Kimi-like) that drop earlier reasoning: every assistant turn is trained exactly 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import json
 import os
@@ -368,15 +369,47 @@ def test_content_that_is_the_end_token(tiny_tokenizer, tiny_target):
     assert sample.loss_mask == expected_mask(tiny_tokenizer, messages, {1: "<|im_end|>"})
 
 
-def test_truncation_keeps_the_prefix_and_says_so(tiny_tokenizer):
+def runs_of(mask: list[int]) -> list[tuple[int, int]]:
+    """The [start, end) token ranges of a mask's contiguous trained runs."""
+    runs, start = [], None
+    for k, masked in enumerate([*mask, 0]):
+        if masked and start is None:
+            start = k
+        elif not masked and start is not None:
+            runs.append((start, k))
+            start = None
+    return runs
+
+
+def test_max_length_keeps_every_turn_and_cuts_the_context_from_the_left(tiny_tokenizer):
+    """Issue 37: a turn past data.max_length lost its training (the sample kept its first max_length tokens).
+    The whole conversation keeps its start and the turns that end within max_length; each later turn gets a
+    sample of its own, the turn whole and its context cut from the left; a turn longer than the window keeps its
+    start after half a window of context. Every cut is counted; no turn is dropped."""
     conv = Conversation("0" * 16, tuple(OPENAI["messages"]), 1)
     [full] = SampleTokenizer(tiny_tokenizer, 4096).samples(conv)
-    [cut] = SampleTokenizer(tiny_tokenizer, 20).samples(conv)
-    assert cut.truncated and cut.input_ids == full.input_ids[:20] and cut.loss_mask == full.loss_mask[:20]
-    # Cut before any trained token: skipped with the reason, not yielded as a sample that trains nothing.
+    (a2, b2), (a4, b4) = runs_of(full.loss_mask)  # turn 2's trained tokens, then turn 4's
+    length = len(full.input_ids)
+    assert b4 == length and b2 < a4
+
+    limit = b2 + 2  # turn 2 fits, turn 4 does not
     stats = TokenizeStats()
-    assert list(SampleTokenizer(tiny_tokenizer, 5).iter([conv], stats)) == []
-    assert stats.skipped == {conv.sample_id: "line 1: no trained token within max_length"}
+    whole, last = SampleTokenizer(tiny_tokenizer, limit).iter([conv], stats)
+    assert (whole.sample_id, whole.truncated) == (conv.sample_id, True)
+    assert whole.input_ids == full.input_ids[:limit] and runs_of(whole.loss_mask) == [(a2, b2)]
+    assert (last.sample_id, last.truncated) == (f"{conv.sample_id}.4", True)
+    assert last.input_ids == full.input_ids[-limit:] and runs_of(last.loss_mask) == [(a4 - (length - limit), limit)]
+    assert (stats.trained_turns, stats.turns_dropped, stats.skipped) == (2, {}, {})
+    assert (stats.context_cut_samples, stats.context_cut_tokens, stats.turn_cut_samples) == (1, length - limit, 0)
+
+    limit = 5  # shorter than either turn: each keeps its start, after limit // 2 tokens of context
+    stats = TokenizeStats()
+    first, second = SampleTokenizer(tiny_tokenizer, limit).iter([conv], stats)
+    assert [s.sample_id for s in (first, second)] == [f"{conv.sample_id}.2", f"{conv.sample_id}.4"]
+    assert first.input_ids == full.input_ids[a2 - 2 : a2 + 3] and runs_of(first.loss_mask) == [(2, 5)]
+    assert second.input_ids == full.input_ids[a4 - 2 : a4 + 3] and runs_of(second.loss_mask) == [(2, 5)]
+    assert (stats.trained_turns, stats.turns_dropped) == (2, {})
+    assert (stats.turn_cut_samples, stats.turn_cut_tokens) == (2, (b2 - a2 - 3) + (b4 - a4 - 3))
 
 
 def test_a_template_that_rewrites_content(tiny_tokenizer):
@@ -390,7 +423,8 @@ def test_a_template_that_rewrites_content(tiny_tokenizer):
         SampleTokenizer(tokenizer, 100, "content").samples(conv)
     stats = TokenizeStats()
     assert list(SampleTokenizer(tokenizer, 100, "content").iter([conv], stats)) == []
-    assert stats.skipped[conv.sample_id].startswith("line 3: turn 1")
+    assert stats.skipped[f"{conv.sample_id}.1"].startswith("line 3: turn 1")
+    assert stats.turns_dropped == {"not_verbatim": 1} and stats.assistant_turns == 1
     # assistant_turn trains what the template rendered as generated, whatever it did to the content.
     [sample] = SampleTokenizer(tokenizer, 100, "assistant_turn", ("<|im_end|>",)).samples(conv)
     assert sample.input_ids == template_ids(tokenizer, messages) and masked_runs(tokenizer, sample) == ["YO<|im_end|>"]
@@ -411,9 +445,15 @@ def test_reasoning_content_is_read_and_trained_when_the_template_renders_it(tiny
     assert masked_runs(tokenizer, sample) == ["Add two and three.", "5."]
     [sample] = SampleTokenizer(tokenizer, 4096, "assistant_turn", ("<|im_end|>",)).samples(thinking)
     assert masked_runs(tokenizer, sample) == ["<think>Add two and three.</think>5.<|im_end|>"]
-    # A template that drops the reasoning cannot be trained on as asked: said, not silently half-masked.
-    with pytest.raises(ValueError, match="the chat template does not render its reasoning_content verbatim"):
-        SampleTokenizer(tiny_tokenizer, 4096, "content").samples(thinking)
+    # A template that never writes reasoning, and whose generation prompt leaves no place for it: the turn is not
+    # trained without its reasoning (as "5.<|im_end|>"), under either mask; it is dropped and counted.
+    for policy in ("content", "assistant_turn"):
+        with pytest.raises(ValueError, match=r"turn 1 \(assistant\): the chat template never renders its "
+                                             "reasoning_content, and leaves no place after the generation prompt"):
+            SampleTokenizer(tiny_tokenizer, 4096, policy).samples(thinking)
+    stats = TokenizeStats()
+    assert list(SampleTokenizer(tiny_tokenizer, 4096).iter([thinking], stats)) == []
+    assert stats.turns_dropped == {"reasoning_not_rendered": 1} and stats.reasoning_not_rendered == 1
 
 
 # -- thinking templates that drop earlier reasoning --------------------------------------------------------------
@@ -536,35 +576,87 @@ KIMI_K25_LIKE = KIMI_LIKE.replace(
 KIMI_K25_AS_GENERATED = KIMI_LIKE.replace("{% if m.role == 'user' %}{% set ns.last = loop.index0 %}{% endif %}", "")
 
 
-def test_kimi_k25_turns_are_trained_as_generated_with_a_generation_template(tiny_tokenizer, tiny_target):
-    """Without data.generation_chat_template the tool chain cannot be placed (skipped, with the reason) and a
-    final answer's reasoning is counted as not rendered. With it, every turn is a sample: its prompt as the
-    target's template serves it, then the turn with its reasoning, through <|im_end|>."""
+CALL_SECTION = ("<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+                '{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>')
+# Multi-turn thinking with a tool chain, as Kimi-K2.5 serves it: a greeting, a tool call, the answer after the tool's
+# result, a follow-up question with a second tool chain, its answer.
+KIMI_AGENT_CONVERSATION = [
+    {"role": "system", "content": "You are Kimi."},
+    user("Hi."), bot("Hello!", reasoning_content="Greet back."),
+    user("Weather in Paris?"), bot("", reasoning_content="Need the tool.", tool_calls=[CALL]),
+    {"role": "tool", "tool_call_id": CALL["id"], "name": "get_weather", "content": "18C, sunny"},
+    bot("It is 18C.", reasoning_content="The tool says 18C."),
+    user("And tomorrow?"), bot("Let me check.", reasoning_content="Ask again.", tool_calls=[CALL]),
+    {"role": "tool", "tool_call_id": CALL["id"], "name": "get_weather", "content": "rain"},
+    bot("Rain tomorrow.", reasoning_content="The tool says rain."),
+]
+# What the target generated for each assistant turn: its reasoning in the template's <think> block, its content,
+# its tool calls in the template's markup, its end-of-turn token.
+KIMI_AGENT_GENERATED = {
+    2: "<think>Greet back.</think>Hello!<|im_end|>",
+    4: f"<think>Need the tool.</think>{CALL_SECTION}<|im_end|>",
+    6: "<think>The tool says 18C.</think>It is 18C.<|im_end|>",
+    8: f"<think>Ask again.</think>Let me check.{CALL_SECTION}<|im_end|>",
+    10: "<think>The tool says rain.</think>Rain tomorrow.<|im_end|>",
+}
+
+
+def assert_served_then_generated(tokenizer, samples, conv, generated: dict[int, str], tools=TOOLS, **template_kwargs):
+    """Each sample is one turn: the ids the template serves for it (the conversation before it with the generation
+    prompt), then exactly the generated text's ids, those and only those trained."""
+    messages = list(conv.messages)
+    assert sorted(s.sample_id for s in samples) == sorted(f"{conv.sample_id}.{i}" for i in generated)
+    for sample in samples:
+        i = int(sample.sample_id.split(".")[1])
+        served = template_ids(tokenizer, messages[:i], tools, add_generation_prompt=True, **template_kwargs)
+        answer = tokenizer(generated[i], add_special_tokens=False)["input_ids"]
+        assert sample.input_ids == served + answer, f"turn {i}"
+        assert sample.loss_mask == [0] * len(served) + [1] * len(answer), f"turn {i}"
+
+
+def test_kimi_k25_trains_every_turn_with_its_reasoning_without_a_generation_template(tiny_tokenizer, tiny_target):
+    """Issue 37: with Kimi-K2.5's blanking template and no data.generation_chat_template, every tool-calling
+    conversation was skipped ("another prefix") and each final answer trained as <think></think>answer: a run
+    trained on none of the reasoning, with one warning line, and exited 0. Now every assistant turn is trained with
+    its own reasoning and tool calls, after exactly the prompt the template serves for it; nothing is dropped."""
+    tokenizer = with_template(tiny_tokenizer, KIMI_K25_LIKE, KIMI_SPECIALS)
+    conv = conversation(KIMI_AGENT_CONVERSATION, TOOLS)
+    assert "Greet back." not in tokenizer.apply_chat_template(list(conv.messages[:3]), tokenize=False)  # it blanks
+    stats = TokenizeStats()
+    samples = list(SampleTokenizer(tokenizer, 4096, "assistant_turn", end_of_turn_tokens(tokenizer, tiny_target))
+                   .iter([conv], stats))
+    assert_served_then_generated(tokenizer, samples, conv, KIMI_AGENT_GENERATED)
+    # The answer's prompt is what K2.5 serves: its own tool chain with its reasoning, earlier turns blanked.
+    answer = next(s for s in samples if s.sample_id.endswith(".10"))
+    assert "<think>Ask again.</think>" in tokenizer.decode(answer.input_ids)
+    assert "Greet back." not in tokenizer.decode(answer.input_ids)
+    reasoning = sum(len(tokenizer(m["reasoning_content"], add_special_tokens=False)["input_ids"])
+                    for m in conv.messages if m.get("reasoning_content"))
+    assert (stats.assistant_turns, stats.trained_turns, stats.turns_dropped, stats.skipped) == (5, 5, {}, {})
+    assert stats.reasoning_tokens == reasoning > 0 and stats.derived_turns == 3  # the final answers
+    assert stats.trained_tokens == sum(map(sum, (s.loss_mask for s in samples)))
+
+    # data.loss_mask "content": the reasoning and the content of each turn, placed the same way.
+    content = {s.sample_id: masked_runs(tokenizer, s)
+               for s in SampleTokenizer(tokenizer, 4096, "content").samples(conv)}
+    assert content == {f"{conv.sample_id}.{i}": [m["reasoning_content"], *([m["content"]] if m["content"] else [])]
+                       for i, m in enumerate(conv.messages) if m["role"] == "assistant"}
+
+
+def test_kimi_k25_turns_with_a_generation_template_are_trained_the_same(tiny_tokenizer, tiny_target):
+    """data.generation_chat_template stays the explicit override: the target's template for the prompts, the given
+    one for the turns. Here it gives what the derivation gives."""
     tokenizer = with_template(tiny_tokenizer, KIMI_K25_LIKE, KIMI_SPECIALS)
     end = end_of_turn_tokens(tokenizer, tiny_target)
-    chain = conversation([user("Weather in Paris?"), bot("", reasoning_content="Need the tool.", tool_calls=[CALL]),
-                          {"role": "tool", "tool_call_id": CALL["id"], "content": "18C"},
-                          bot("It is 18C.", reasoning_content="The tool says 18C.")])
-    single = conversation([user("What is 2 + 3?"), bot("5.", reasoning_content="Add them.")])
-
-    stats = TokenizeStats()
-    plain = SampleTokenizer(tokenizer, 4096, "assistant_turn", end)
-    assert [s.sample_id for s in plain.iter([chain, single], stats)] == [single.sample_id]
-    assert "another prefix" in stats.skipped[chain.sample_id] and stats.reasoning_not_rendered == 1
-
+    conv = conversation(KIMI_AGENT_CONVERSATION, TOOLS)
     as_generated = SampleTokenizer(tokenizer, 4096, "assistant_turn", end, generation_template=KIMI_K25_AS_GENERATED)
-    first, final = as_generated.samples(chain)
-    assert (first.sample_id, final.sample_id) == (f"{chain.sample_id}.1", chain.sample_id)
-    call = ("<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
-            '{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>')
-    assert masked_runs(tokenizer, first) == [f"<think>Need the tool.</think>{call}<|im_end|>"]
-    assert masked_runs(tokenizer, final) == ["<think>The tool says 18C.</think>It is 18C.<|im_end|>"]
-    # The final answer's prompt is what the target was served: the tool chain as the target's template shows
-    # it before the answer exists (its reasoning still there), plus the generation prompt.
-    prompt = tokenizer.apply_chat_template(list(chain.messages[:3]), tokenize=False, add_generation_prompt=True)
-    assert "Need the tool." in prompt and tokenizer.decode(final.input_ids).startswith(prompt)
-    [only] = as_generated.samples(single)
-    assert masked_runs(tokenizer, only) == ["<think>Add them.</think>5.<|im_end|>"]
+    samples = as_generated.samples(conv)
+    assert samples[-1].sample_id == conv.sample_id  # the last turn's sample carries the conversation's id
+    last = len(conv.messages) - 1
+    renamed = [dataclasses.replace(s, sample_id=f"{conv.sample_id}.{last}") if s.sample_id == conv.sample_id else s
+               for s in samples]
+    assert_served_then_generated(tokenizer, renamed, conv, KIMI_AGENT_GENERATED)
+    single = conversation([user("What is 2 + 3?"), bot("5.", reasoning_content="Add them.")])
     [content] = SampleTokenizer(tokenizer, 4096, "content", end, generation_template=KIMI_K25_AS_GENERATED) \
         .samples(single)
     assert masked_runs(tokenizer, content) == ["Add them.", "5."]

@@ -102,7 +102,10 @@ class DataConfig(Section):
         pattern=ABS_PATH_PATTERN,
     )
     max_length: int = Field(
-        4096, ge=16, le=1_048_576, title="Max tokens per sample", description="Longer samples are truncated."
+        4096, ge=16, le=1_048_576, title="Max tokens per sample",
+        description="A longer conversation keeps its start and the turns that end within it; each later turn gets "
+        "a sample of its own, its context cut from the left (a turn longer than this is cut at its end). Counted in "
+        "the extract stats.",
     )
     max_samples: int | None = Field(
         None, ge=1, le=MAX_COUNT, title="Max samples",
@@ -123,8 +126,9 @@ class DataConfig(Section):
         None,
         title="Template for the turns as generated",
         description="A jinja chat template file on the box that renders every assistant turn with its reasoning "
-        "(e.g. Kimi-K2.5's own, with its history branch emptied). Set it for a target whose template blanks "
-        "reasoning even in the turn just written: each turn is then its own sample, prompt by the target's template.",
+        "(e.g. Kimi-K2.5's own, with its history branch emptied). Without it each turn is derived from the target's "
+        "template; set it where that fails (extract refuses the run and says so): each turn is then its own sample, "
+        "its prompt by the target's template, the turn by this one.",
         pattern=ABS_PATH_PATTERN,
     )
     loss_mask: Literal["assistant_turn", "content"] = Field(
@@ -132,6 +136,12 @@ class DataConfig(Section):
         title="Trained tokens",
         description="assistant_turn (SpecForge's): all the target generated in a turn, reasoning, tool calls and "
         "the end-of-turn token included. content: only the content and reasoning text.",
+    )
+    max_untrained_fraction: float = Field(
+        0.01, ge=0, le=1, title="Untrained turns allowed",
+        description="Extract refuses the run (exit 2) when more than this fraction of the assistant turns, or of "
+        "their tokens, cannot be trained as the target generated them (the chat template renders them otherwise: "
+        "set data.generation_chat_template). 0: none may be lost; 1: never refuse. Counted in the extract stats.",
     )
 
 

@@ -16,29 +16,30 @@ they are skipped and counted in the stats. The file is read as bytes, one line a
 MAX_LINE_BYTES of a line, so a runaway line costs bounded memory; only a regular file is read (a FIFO would block
 the stage, /dev/zero would fill the memory). Values echoed in a reason are cut to SHOWN_CHARS characters.
 
-Token ids: the whole conversation rendered by the target's chat template and tokenised in one piece, so
-the stored ids equal `tokenizer.apply_chat_template(messages, tools=tools, tokenize=True)` token for token.
+Assistant turns may also carry "finish_reason": "length" (generate marks a turn cut at generate.max_tokens so):
+the target never wrote its end-of-turn token, and none is trained for it. The mark is part of the sample id.
 
-What is trained (the loss mask) is found without searching for message contents in the rendered text:
-for assistant turn i, the template renders the conversation up to turn i with the generation prompt
-(`before`, what the target was given) and through turn i (`through`); the characters between the two are
-what the target generated: reasoning, content, tool calls and its end-of-turn token. data.loss_mask:
+Samples (eagle3.turns places the turns): every assistant turn something prompted is trained exactly once, as
+the target generated it after the prompt it was served. Turns the whole conversation's rendering shows so are
+trained there: its ids are the template's, token for token (`apply_chat_template(messages, tools=tools,
+tokenize=True)`). Every other turn (a thinking template re-renders earlier turns without their reasoning, or
+renders the turn otherwise than it is served) is a sample of its own, "<conversation id>.<turn index>": the
+conversation rendered through it, where that shows it as generated after its served prompt (Qwen3's earlier
+turns); else, derived, the served prompt's ids (the conversation before it with the generation prompt, tokenised
+as the server does) followed by the generated text's (Kimi-K2.5's, DeepSeek-V3.1's). data.loss_mask:
   assistant_turn  (default, SpecForge's) that generated text through the end-of-turn token: end-of-turn
                   and `</think>`-style tokens enter the draft vocab and can be drafted
-  content         only the characters of the content and reasoning_content (the mask before there was a
-                  choice; tool calls and end-of-turn tokens are then not trained)
+  content         only the characters of the content and reasoning_content (tool calls and end-of-turn
+                  tokens are then not trained)
 Template separators after the end-of-turn token (the newline after `<|im_end|>`) are never trained: the
 target never generates them (SpecForge's qwen entry trains that newline too; its other entries do not).
+A turn that cannot be placed is dropped and counted per reason (TokenizeStats); extract refuses a run that
+drops more than data.max_untrained_fraction of its turns or of their tokens (untrained_refusal).
 
-Thinking models: templates such as Qwen3's and Kimi-K2.5's drop the reasoning of earlier assistant turns,
-so the whole conversation's rendering is not what the target saw when it produced those turns. Policy:
-every assistant turn is trained exactly once, in the rendering the target served it in. Turns the whole
-rendering shows as generated (`through` is a prefix of it) are trained there; every other turn gets a
-sample of its own, the conversation rendered through that turn (earlier turns as the template shows
-them then, untrained context), with sample id "<conversation id>.<turn index>". Tool results are never
-trained; neither is an assistant turn with nothing before it (nothing prompted it). A template that never
-renders a turn as generated (Kimi-K2.5's blanks the final answer's reasoning too) needs
-data.generation_chat_template: see renderings_as_generated.
+data.max_length: a longer whole conversation keeps its start and the turns that end within it; each other
+turn gets a sample of its own, holding the turn whole with as much context before it as fits (the context cut
+from the left: a sample the server never sees, but the turn is trained); a turn longer than max_length keeps
+its start after half a window of context. Every cut is counted (TokenizeStats.context_cut_*, turn_cut_*).
 
 Chat templates are code from the target's files or the run config, run in jinja's sandbox (transformers').
 A template the sandbox refuses, that fails, or that does not finish rendering a two-message conversation
@@ -54,17 +55,31 @@ import hashlib
 import itertools
 import json
 import os
+import re
 import signal
 import stat
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-import jinja2
-
 from eagle3.config import ConfigError
+from eagle3.turns import (
+    NO_TRAINED_TOKEN,
+    REASONING_NOT_RENDERED,
+    TEMPLATE_REFUSED,
+    Plan,
+    Rendering,
+    TemplateFailed,
+    TemplateRefused,
+    TurnNotPlaced,
+    markup_pattern,
+    plan_renderings,
+    render,
+    renderings_as_generated,
+)
 
 ROLE_ALIASES = {
     "system": "system",
@@ -75,9 +90,9 @@ ROLE_ALIASES = {
     "tool": "tool",
 }
 LossMaskPolicy = Literal["assistant_turn", "content"]
-TOKENIZING_VERSION = 2  # bump when the samples a conversation gives change (cached token counts key on it)
+TOKENIZING_VERSION = 3  # bump when the samples a conversation gives change (cached token counts key on it)
 # Kept on a message beside role and content when present (OpenAI's names).
-ASSISTANT_EXTRAS = ("reasoning_content", "tool_calls")
+ASSISTANT_EXTRAS = ("reasoning_content", "tool_calls", "finish_reason")
 TOOL_EXTRAS = ("tool_call_id", "name")
 # One line of the data is one conversation. The longest real ones (a 1M-token context, with reasoning and tool
 # results) are a few MB of JSON; 64 MiB is many times that, and still bounds what one line can cost: its bytes,
@@ -125,7 +140,7 @@ def sample_id_of(messages: list[dict], tools=None) -> str:
     as it always did; tool calls, tool-call ids and a tools list are part of the content when present."""
     def canonical(m: dict) -> list:
         row = [m["role"], m["content"], *([m["reasoning_content"]] if "reasoning_content" in m else [])]
-        extras = {k: m[k] for k in ("tool_calls", *TOOL_EXTRAS) if k in m}
+        extras = {k: m[k] for k in ("tool_calls", "finish_reason", *TOOL_EXTRAS) if k in m}
         return row + [extras] if extras else row
 
     rows = [canonical(m) for m in messages] + ([["tools", list(tools)]] if tools else [])
@@ -195,6 +210,8 @@ def normalize_record(record: object) -> tuple[list[dict], list[dict] | None]:
                 message["reasoning_content"] = reasoning
             if tool_calls:
                 message["tool_calls"] = tool_calls
+            if turn.get("finish_reason") == "length":  # cut at generate.max_tokens: it never ended
+                message["finish_reason"] = "length"
         if role == "tool":
             message |= {k: turn[k] for k in TOOL_EXTRAS if isinstance(turn.get(k), str)}
         messages.append(message)
@@ -297,168 +314,7 @@ def read_conversations(path: str | Path, on_bad_record: str = "error", max_sampl
     return conversations, stats
 
 
-# -- rendering: which characters of the template's text the target generated ---------------------------------
-
-
-class TemplateFailed(Exception):
-    """A chat template failed while rendering: jinja's sandbox refused it, or it broke (an undefined name, a
-    recursion without end, a range past the sandbox's limit, arithmetic on the wrong types). Not a ValueError:
-    SampleTokenizer.iter skips the conversation for those, and a broken template is no one conversation's
-    fault. SampleTokenizer turns it into a ChatTemplateError naming the template's file."""
-
-    def __init__(self, error: BaseException, generation_template: bool):
-        super().__init__(one_line(error))
-        self.generation_template = generation_template  # data.generation_chat_template, not the target's
-
-
-class TemplateRefused(ValueError):
-    """The template's own raise_exception(): its verdict on one conversation (e.g. "roles must alternate"), so
-    a ValueError, which SampleTokenizer.iter records as that conversation's reason to be skipped."""
-
-
-def one_line(error: BaseException) -> str:
-    """A jinja error for a message: its type, where a syntax error is, and its text on one line."""
-    where = f" at line {error.lineno} of the template" if isinstance(error, jinja2.TemplateSyntaxError) else ""
-    text = " ".join(str(error).split()).rstrip(".")
-    return f"{type(error).__name__}{where}: {text[:300]}" if text else f"{type(error).__name__}{where}"
-
-
-def render(tokenizer, messages, tools=None, add_generation_prompt: bool = False, template_kwargs=None,
-           chat_template: str | None = None) -> str:
-    """The chat template's text (the tokenizer's own, or `chat_template` given as a template string)."""
-    try:
-        return tokenizer.apply_chat_template(list(messages), tools=list(tools) if tools else None, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt, chat_template=chat_template,
-                                             **(template_kwargs or {}))
-    except jinja2.TemplateError as err:
-        if type(err) is jinja2.TemplateError:  # the template's own raise_exception(): it refuses this conversation
-            reason = " ".join(str(err).split())
-            raise TemplateRefused(f"the chat template refuses this conversation: {reason}") from None
-        raise TemplateFailed(err, chat_template is not None) from None
-    except (RecursionError, ArithmeticError, TypeError) as err:  # OverflowError (range) is an ArithmeticError
-        raise TemplateFailed(err, chat_template is not None) from None
-
-
-@dataclass(frozen=True)
-class Rendering:
-    """One sample's text and the character spans in it that are trained."""
-
-    sample_id: str
-    text: str
-    spans: tuple[tuple[int, int], ...]
-    reasoning_not_rendered: int = 0  # turns of its conversation whose reasoning the template leaves out
-
-
-def end_of_turn(text: str, start: int, end: int, end_tokens: tuple[str, ...]) -> int:
-    """Where the generated text of a turn that the template renders as text[start:end] ends: just after its
-    first end-of-turn token; or, when it renders none inside, after one that directly follows (Kimi's
-    template closes a turn only once another message follows it); else `end`. What follows that token is
-    the template's separator (the newline after <|im_end|>), which the target never generates."""
-    found = [i + len(token) for token in end_tokens if (i := text.find(token, start, end)) >= 0]
-    if found:
-        return min(found)
-    return next((end + len(token) for token in end_tokens if text.startswith(token, end)), end)
-
-
-PLACEHOLDER = "\u27e6eagle3:{}\u27e7"  # marks a field in a rendering; no template or text has it
-
-
-def content_spans(tokenizer, messages, i: int, tools, host: str, start: int, template_kwargs=None,
-                  chat_template: str | None = None):
-    """data.loss_mask "content": where the reasoning and content of assistant turn i stand in `host` (whose
-    turn i's generated text begins at `start`). The turn is rendered once more with a unique placeholder in
-    place of each field; the template's own text between them must then equal `host`'s, and each field must
-    stand verbatim where its placeholder stood. No search: a content that also occurs in the reasoning, a
-    tool call or the end-of-turn token is still placed right."""
-    message = messages[i]
-    fields = [key for key in ("reasoning_content", "content") if message.get(key)]
-    marked = render(tokenizer, [*messages[:i], {**message, **{k: PLACEHOLDER.format(k) for k in fields}}], tools,
-                    template_kwargs=template_kwargs, chat_template=chat_template)
-    spans, at, cursor = [], start, start  # at: position in host; cursor: in the marked rendering
-    for key in sorted(fields, key=lambda k: marked.find(PLACEHOLDER.format(k), start)):
-        where = marked.find(PLACEHOLDER.format(key), cursor)
-        literal = marked[cursor:where]
-        if where < 0 or not host.startswith(literal, at) or not host.startswith(message[key], at + len(literal)):
-            raise ValueError(f"turn {i} (assistant): the chat template does not render its {key} verbatim (it "
-                             "rewrites or drops it), so the content-only mask cannot be placed; use data.loss_mask "
-                             "'assistant_turn'")
-        at += len(literal)
-        spans.append((at, at + len(message[key])))
-        at, cursor = at + len(message[key]), where + len(PLACEHOLDER.format(key))
-    return spans
-
-
-def plan_renderings(tokenizer, conversation: Conversation, loss_mask: LossMaskPolicy = "assistant_turn",
-                    end_tokens: tuple[str, ...] = (), template_kwargs=None) -> list[Rendering]:
-    """The samples of one conversation (see the module docstring): the whole conversation with the turns it
-    shows as generated, then one rendering for each other assistant turn."""
-    messages, tools = conversation.messages, conversation.tools
-
-    def text(upto: int, add_generation_prompt: bool = False) -> str:
-        return render(tokenizer, messages[:upto], tools, add_generation_prompt, template_kwargs)
-
-    whole = text(len(messages))
-    in_whole: list[tuple[int, int]] = []
-    own: list[Rendering] = []
-    reasoning_not_rendered = 0
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant" or i == 0:
-            continue
-        before, through = text(i, add_generation_prompt=True), text(i + 1)
-        if not through.startswith(before):
-            raise ValueError(
-                f"turn {i} (assistant): the chat template renders this turn with another prefix than the "
-                "generation prompt it is served with, so what the target generated cannot be placed"
-            )
-        host = whole if whole.startswith(through) else through  # where the turn is shown as generated
-        start, end = len(before), end_of_turn(host, len(before), len(through), end_tokens)
-        reasoning_not_rendered += bool(message.get("reasoning_content")) and \
-            message["reasoning_content"] not in host[start:end]
-        spans = [(start, end)] if loss_mask == "assistant_turn" else \
-            content_spans(tokenizer, messages, i, tools, host, start, template_kwargs)
-        if host is whole:
-            in_whole += spans
-        else:
-            own.append(Rendering(f"{conversation.sample_id}.{i}", through, tuple(spans)))
-    renderings = ([Rendering(conversation.sample_id, whole, tuple(in_whole))] if in_whole else []) + own
-    if renderings and reasoning_not_rendered:
-        renderings[0] = dataclasses.replace(renderings[0], reasoning_not_rendered=reasoning_not_rendered)
-    return renderings
-
-
-def renderings_as_generated(tokenizer, conversation: Conversation, loss_mask: LossMaskPolicy,
-                            end_tokens: tuple[str, ...], template_kwargs, generation_template: str) -> list[Rendering]:
-    """data.generation_chat_template: for targets whose template never renders a turn's reasoning as it was
-    generated (Kimi-K2.5's blanks it up to the last final answer, that answer included, and so also re-renders
-    a tool chain once its answer follows). Each assistant turn is a sample of its own: its prompt as the
-    target's template renders it (what the target was served), then the turn as the generation template
-    renders it (what the target wrote), through the end-of-turn token. The last turn's sample carries the
-    conversation's id, earlier ones "<id>.<turn>"."""
-    messages, tools = conversation.messages, conversation.tools
-    last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
-    renderings = []
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant" or i == 0:
-            continue
-        prompt = render(tokenizer, messages[:i], tools, True, template_kwargs)
-        before = render(tokenizer, messages[:i], tools, True, template_kwargs, generation_template)
-        through = render(tokenizer, messages[: i + 1], tools, False, template_kwargs, generation_template)
-        if not through.startswith(before):
-            raise ValueError(f"turn {i} (assistant): data.generation_chat_template renders this turn with another "
-                             "prefix than its generation prompt; it must render every turn as generated (append-only)")
-        end = end_of_turn(through, len(before), len(through), end_tokens)
-        text = prompt + through[len(before) : end]
-        shift = len(prompt) - len(before)
-        spans = [(len(prompt), len(text))] if loss_mask == "assistant_turn" else [
-            (a + shift, b + shift)
-            for a, b in content_spans(tokenizer, messages, i, tools, through, len(before), template_kwargs,
-                                      generation_template)]
-        renderings.append(Rendering(conversation.sample_id if i == last else f"{conversation.sample_id}.{i}", text,
-                                    tuple(spans)))
-    return renderings
-
-
-# -- tokenising: the whole text in one piece, the spans mapped onto its tokens ---------------------------------
+# -- tokenising: a rendering's text, the spans mapped onto its tokens --------------------------------------------
 
 
 def encode(tokenizer, text: str) -> list[int]:
@@ -488,14 +344,30 @@ def token_boundaries(tokenizer, text: str, ids: list[int], cuts: list[int]) -> d
     return counts
 
 
-def tokenize_rendering(tokenizer, rendering: Rendering, max_length: int) -> TokenizedSample:
-    ids = encode(tokenizer, rendering.text)
-    at = token_boundaries(tokenizer, rendering.text, ids, [c for span in rendering.spans for c in span])
-    mask = [0] * len(ids)
-    for start, end in rendering.spans:
-        mask[at[start] : at[end]] = [1] * (at[end] - at[start])
-    truncated = len(ids) > max_length
-    return TokenizedSample(rendering.sample_id, ids[:max_length], mask[:max_length], truncated)
+def encode_rendering(tokenizer, rendering: Rendering) -> tuple[list[int], dict[int, int]]:
+    """The rendering's ids, and the number of tokens before each character position its spans start or end at.
+    The whole text in one piece (the ids apply_chat_template gives); a derived turn's in two: the served prompt
+    as the server tokenises it, then the generated text."""
+    cuts = [c for span in rendering.spans for c in span]
+    split = rendering.prompt_end
+    if split is None:
+        ids = encode(tokenizer, rendering.text)
+        return ids, token_boundaries(tokenizer, rendering.text, ids, cuts)
+    prompt, generated = encode(tokenizer, rendering.text[:split]), encode(tokenizer, rendering.text[split:])
+    at = token_boundaries(tokenizer, rendering.text[split:], generated, [c - split for c in cuts])
+    return prompt + generated, {c + split: n + len(prompt) for c, n in at.items()}
+
+
+def window_of_turn(length: int, first: int, last: int, max_length: int) -> int:
+    """Where the max_length-token window of a turn's own sample starts, the turn's trained tokens being
+    [first, last) of `length`: the turn whole with as much context before it as fits (the context cut from the
+    left), the sample's end kept when it fits too; a turn longer than the window keeps its start, after half a
+    window of context."""
+    if length - max_length <= first:
+        return max(0, length - max_length)
+    if last - first <= max_length:
+        return last - max_length
+    return max(0, first - max_length // 2)
 
 
 def end_of_turn_tokens(tokenizer, model_dir: str | Path | None = None) -> tuple[str, ...]:
@@ -514,16 +386,105 @@ def end_of_turn_tokens(tokenizer, model_dir: str | Path | None = None) -> tuple[
 
 @dataclass
 class TokenizeStats:
-    """What tokenising a set of conversations gave, for the extract stats."""
+    """What tokenising a set of conversations gave, for the extract stats (as_dict)."""
 
     conversations: int = 0
     samples: int = 0
-    turn_samples: int = 0  # samples of an assistant turn the whole rendering does not show as generated
-    # Turns with reasoning_content that the template renders without it even as the turn just generated: the
-    # drafter then never sees the reasoning the target produced (a template option may keep it, see
-    # data.chat_template_kwargs; or data.generation_chat_template).
-    reasoning_not_rendered: int = 0
-    skipped: dict[str, str] = field(default_factory=dict)  # sample or conversation id -> reason
+    turn_samples: int = 0  # samples of one assistant turn the whole rendering does not show as generated
+    # Assistant turns something prompted (a turn with nothing before it is never trained), and the tokens of
+    # their own text (reasoning, content, tool calls' names and arguments): the measure of what is lost.
+    assistant_turns: int = 0
+    turn_tokens: int = 0
+    trained_turns: int = 0
+    derived_turns: int = 0  # of those, derived: the template does not render them as generated (eagle3.turns)
+    trained_tokens: int = 0  # under the loss mask
+    reasoning_tokens: int = 0  # of the trained turns' reasoning_content, trained with them
+    turns_dropped: Counter = field(default_factory=Counter)  # reason (eagle3.turns) -> turns not trained
+    tokens_dropped: Counter = field(default_factory=Counter)  # reason -> those turns' own text's tokens
+    cut_at_max_tokens: int = 0  # turns generate cut at generate.max_tokens: trained without an end of turn
+    context_cut_samples: int = 0  # samples of one turn whose context data.max_length cut from the left
+    context_cut_tokens: int = 0
+    turn_cut_samples: int = 0  # samples whose trained turn is longer than data.max_length: its end cut
+    turn_cut_tokens: int = 0
+    skipped: dict[str, str] = field(default_factory=dict)  # sample or conversation id -> why it is not trained
+
+    @property
+    def reasoning_not_rendered(self) -> int:
+        """Turns dropped because the template never writes their reasoning (and leaves no place for it)."""
+        return self.turns_dropped[REASONING_NOT_RENDERED]
+
+    def drop(self, sample_id: str, reason: str, why: str, tokens: int) -> None:
+        self.turns_dropped[reason] += 1
+        self.tokens_dropped[reason] += tokens
+        if len(self.skipped) < MAX_SKIPPED_SHOWN:
+            self.skipped[sample_id] = why
+
+    def as_dict(self) -> dict:
+        """The turn counts as the extract stats write them."""
+        dropped_turns, dropped_tokens = sum(self.turns_dropped.values()), sum(self.tokens_dropped.values())
+        return {
+            "assistant_turns": self.assistant_turns,
+            "turns_trained": self.trained_turns,
+            "turns_derived": self.derived_turns,
+            "turns_dropped": dict(sorted(self.turns_dropped.items())),
+            "turn_tokens": self.turn_tokens,
+            "turn_tokens_dropped": dict(sorted(self.tokens_dropped.items())),
+            "untrained_fraction": {"turns": round(dropped_turns / max(self.assistant_turns, 1), 6),
+                                   "tokens": round(dropped_tokens / max(self.turn_tokens, 1), 6)},
+            "trained_tokens": self.trained_tokens,
+            "reasoning_tokens_trained": self.reasoning_tokens,
+            "turns_cut_at_max_tokens": self.cut_at_max_tokens,
+            "context_cut": {"samples": self.context_cut_samples, "tokens": self.context_cut_tokens},
+            "turn_cut": {"samples": self.turn_cut_samples, "tokens": self.turn_cut_tokens},
+        }
+
+
+MAX_SKIPPED_SHOWN = 1000  # ids with their reasons kept in TokenizeStats.skipped (the counts are always whole)
+
+
+def prompted_turns(conversation: Conversation) -> list[int]:
+    """The assistant turns that something prompted: the ones a sample may train."""
+    return [i for i, m in enumerate(conversation.messages) if m["role"] == "assistant" and i > 0]
+
+
+def untrained_refusal(stats: TokenizeStats, max_fraction: float, template: str, total_turns: int | None = None,
+                      where: str = "") -> DataError | None:
+    """The error that refuses a run when more than `max_fraction` of its assistant turns, or of their tokens,
+    cannot be trained as generated (data.max_untrained_fraction); None when within it. With `total_turns` (the
+    assistant turns of all the data, some not tokenised yet), decided on turns alone as soon as it is certain."""
+    dropped_turns, dropped_tokens = sum(stats.turns_dropped.values()), sum(stats.tokens_dropped.values())
+    turns = stats.assistant_turns if total_turns is None else total_turns
+    over_turns = dropped_turns > max_fraction * turns
+    over_tokens = total_turns is None and dropped_tokens > max_fraction * stats.turn_tokens
+    if not (over_turns or over_tokens):
+        return None
+    reasons = ", ".join(f"{reason}: {n} turns / {stats.tokens_dropped[reason]:,} tokens"
+                        for reason, n in sorted(stats.turns_dropped.items()))
+    share = f"({dropped_turns / max(turns, 1):.1%})"
+    if total_turns is None:
+        counts = f"{dropped_turns} of {turns} assistant turns {share} and {dropped_tokens:,} of their " \
+                 f"{stats.turn_tokens:,} tokens ({dropped_tokens / max(stats.turn_tokens, 1):.1%})"
+    else:
+        counts = f"{dropped_turns} of the {turns} assistant turns {share} already"
+    first = next(iter(stats.skipped.values()), "")
+    return DataError(
+        f"{where}{counts} cannot be trained as the target generated them, more than "
+        f"data.max_untrained_fraction ({max_fraction:g}) allows ({reasons}; first: {first}). The chat template is "
+        f"{template}. Fix: set data.generation_chat_template to a template that renders every assistant turn as "
+        "generated (for a template that blanks reasoning: the same one with its history branch emptied), or pass "
+        "the template's option that keeps reasoning in data.chat_template_kwargs; or raise "
+        "data.max_untrained_fraction to train without those turns."
+    )
+
+
+def turn_text_tokens(tokenizer, message: dict) -> tuple[int, int]:
+    """The tokens of an assistant turn's own text (reasoning, content, tool calls' names and arguments), and of
+    its reasoning alone: what counts toward data.max_untrained_fraction, however the template renders it."""
+    reasoning = len(encode(tokenizer, message["reasoning_content"])) if message.get("reasoning_content") else 0
+    calls = "".join(c["function"]["name"] + str(c["function"].get("arguments", ""))
+                    for c in message.get("tool_calls") or ())
+    rest = "".join(part for part in (message.get("content"), calls) if part)
+    return reasoning + (len(encode(tokenizer, rest)) if rest else 0), reasoning
 
 
 # The probe every template renders at load: the simplest conversation there is, so that a template that fails
@@ -611,6 +572,7 @@ class SampleTokenizer:
     generation_template: str | None = None  # data.generation_chat_template's text
     template_origin: TemplateOrigin = TOKENIZER_TEMPLATE
     generation_template_origin: TemplateOrigin = GENERATION_TEMPLATE
+    _pattern: re.Pattern | None = field(default=None, init=False, repr=False)  # eagle3.turns.markup_pattern
 
     @classmethod
     def for_run(cls, cfg) -> SampleTokenizer:
@@ -671,22 +633,80 @@ class SampleTokenizer:
                 raise ChatTemplateError(f"{origin.where}: took longer than {limit:g} s to render a two-message "
                                         f"conversation (a loop or a recursion without end?). {origin.fix}")
 
+    @property
+    def template_where(self) -> str:
+        """The template files that decide the samples, for a message that names them."""
+        if self.generation_template is None:
+            return self.template_origin.where
+        return f"{self.template_origin.where} (prompts) with {self.generation_template_origin.where} (turns)"
+
     def _refused(self, err: TemplateFailed, what: str) -> ChatTemplateError:
         origin = self.generation_template_origin if err.generation_template else self.template_origin
         return ChatTemplateError(f"{origin.where}: fails in jinja's sandbox rendering {what} ({err}). {origin.fix}")
 
-    def renderings(self, conversation: Conversation) -> list[Rendering]:
+    def plan(self, conversation: Conversation) -> Plan:
+        """The conversation's renderings, and the assistant turns that cannot be placed (eagle3.turns)."""
         try:
             if self.generation_template is not None:
                 return renderings_as_generated(self.tokenizer, conversation, self.loss_mask, self.end_tokens,
                                                self.template_kwargs, self.generation_template)
-            return plan_renderings(self.tokenizer, conversation, self.loss_mask, self.end_tokens, self.template_kwargs)
+            if self._pattern is None:
+                self._pattern = markup_pattern(self.tokenizer)
+            return plan_renderings(self.tokenizer, conversation, self.loss_mask, self.end_tokens,
+                                   self.template_kwargs, self._pattern)
         except TemplateFailed as err:
             raise self._refused(err, f"the conversation on line {conversation.line_no} of the data") from None
 
+    def renderings(self, conversation: Conversation) -> list[Rendering]:
+        """The conversation's renderings; a turn that cannot be placed raises its TurnNotPlaced (iter counts it)."""
+        plan = self.plan(conversation)
+        if plan.dropped:
+            raise next(iter(plan.dropped.values()))
+        return plan.renderings
+
     def samples(self, conversation: Conversation) -> list[TokenizedSample]:
-        """The conversation's samples (one, or more for a thinking model's multi-turn conversation)."""
-        return [tokenize_rendering(self.tokenizer, r, self.max_length) for r in self.renderings(conversation)]
+        """The conversation's samples (one, or more for a thinking model's multi-turn conversation, or for turns
+        past max_length), each at most max_length tokens. A turn that cannot be placed raises (iter counts it)."""
+        return [sample for rendering in self.renderings(conversation) for sample in self.fit(rendering)]
+
+    def fit(self, rendering: Rendering, stats: TokenizeStats | None = None) -> list[TokenizedSample]:
+        """The rendering's samples within max_length tokens, every turn it trains kept. The whole conversation
+        keeps its start and the turns that end within max_length; each other turn becomes a sample of its own
+        ("<conversation id>.<turn>", its context cut from the left: window_of_turn). Cuts are counted in
+        `stats`."""
+        stats = stats if stats is not None else TokenizeStats()
+        ids, at = encode_rendering(self.tokenizer, rendering)
+        limit = self.max_length
+        mask = [0] * len(ids)
+        for start, end in rendering.spans:
+            mask[at[start] : at[end]] = [1] * (at[end] - at[start])
+        if len(ids) <= limit:
+            return [TokenizedSample(rendering.sample_id, ids, mask, False)]
+        if len(rendering.turns) == 1 and not rendering.turns[0].in_whole:  # a turn's own sample
+            trained = [k for k, m in enumerate(mask) if m]
+            if not trained:
+                return [TokenizedSample(rendering.sample_id, ids[:limit], mask[:limit], True)]
+            start = window_of_turn(len(ids), trained[0], trained[-1] + 1, limit)
+            cut_turn = sum(mask[start + limit :])
+            stats.context_cut_samples += start > 0
+            stats.context_cut_tokens += start
+            stats.turn_cut_samples += cut_turn > 0
+            stats.turn_cut_tokens += cut_turn
+            return [TokenizedSample(rendering.sample_id, ids[start : start + limit], mask[start : start + limit], True)]
+        conversation_id = conversation_id_of(rendering.sample_id)
+        fits = [turn for turn in rendering.turns if all(at[end] <= limit for _, end in turn.spans)]
+        samples = []
+        if fits:
+            kept = [0] * limit
+            for start, end in (span for turn in fits for span in turn.spans):
+                kept[at[start] : at[end]] = [1] * (at[end] - at[start])
+            samples.append(TokenizedSample(rendering.sample_id, ids[:limit], kept, True))
+        for turn in rendering.turns:
+            if turn not in fits:
+                own = Rendering(f"{conversation_id}.{turn.index}", turn.text, turn.spans,
+                                (dataclasses.replace(turn, in_whole=False),), turn.prompt_end)
+                samples += self.fit(own, stats)
+        return samples
 
     def prompt_ids(self, messages, tools=None) -> list[int]:
         """The ids the target is served for the next assistant turn after `messages`."""
@@ -699,28 +719,58 @@ class SampleTokenizer:
             raise DataError(f"{self.template_origin.where}: {err} (the one whose last message begins {last!r}); "
                             "fix or drop that conversation in the data") from None
 
-    def iter(self, conversations, stats: TokenizeStats | None = None) -> Iterator[TokenizedSample]:
-        """Tokenise lazily, a conversation's samples together. A conversation the template cannot be placed
-        in or refuses (its raise_exception), and a sample left with no trained token (truncation cut them all),
-        are recorded in `stats.skipped` (id -> reason) rather than yielded. A template that fails otherwise
-        stops it (ChatTemplateError)."""
+    def iter(self, conversations, stats: TokenizeStats | None = None,
+             check: Callable[[TokenizeStats], None] | None = None) -> Iterator[TokenizedSample]:
+        """Tokenise lazily, a conversation's samples together, counting every assistant turn in `stats`: trained,
+        or dropped with its reason (a turn the template cannot be placed in, a conversation the template refuses,
+        a sample left with no trained token) and recorded in `stats.skipped` (id -> reason) rather than yielded.
+        `check(stats)` runs after each conversation (extract's refusal). A template that fails otherwise stops
+        it (ChatTemplateError)."""
         stats = stats if stats is not None else TokenizeStats()
         for conversation in conversations:
             stats.conversations += 1
-            try:
-                renderings = self.renderings(conversation)
-            except ChatTemplateError:
-                raise  # the template is broken, not this conversation: stop the stage
-            except ValueError as err:
-                stats.skipped[conversation.sample_id] = f"line {conversation.line_no}: {err}"
+            yield from self._conversation_samples(conversation, stats)
+            if check is not None:
+                check(stats)
+
+    def _conversation_samples(self, conversation: Conversation, stats: TokenizeStats) -> list[TokenizedSample]:
+        messages, line = conversation.messages, f"line {conversation.line_no}"
+        try:
+            plan = self.plan(conversation)
+        except ChatTemplateError:
+            raise  # the template is broken, not this conversation: stop the stage
+        except ValueError as err:  # the template refuses the conversation (its raise_exception())
+            plan = Plan([], {i: TurnNotPlaced(TEMPLATE_REFUSED, str(err)) for i in prompted_turns(conversation)})
+        placed = [t for r in plan.renderings for t in r.turns]
+        # A turn with no text to train under data.loss_mask "content" (tool calls only) is no turn lost.
+        empty = {t.index for t in placed if not any(end > start for start, end in t.spans)}
+        sizes = {i: turn_text_tokens(self.tokenizer, messages[i]) for i in prompted_turns(conversation)
+                 if i not in empty}
+        stats.assistant_turns += len(sizes)
+        stats.turn_tokens += sum(total for total, _ in sizes.values())
+        stats.cut_at_max_tokens += sum(messages[i].get("finish_reason") == "length" for i in sizes)
+        for i, err in plan.dropped.items():
+            stats.drop(conversation.sample_id if err.reason == TEMPLATE_REFUSED else f"{conversation.sample_id}.{i}",
+                       err.reason, f"{line}: {err}", sizes[i][0])
+        samples, lost = [], set()
+        for rendering in plan.renderings:
+            if all(t.index in empty for t in rendering.turns):
                 continue
-            if not renderings:
-                stats.skipped[conversation.sample_id] = f"line {conversation.line_no}: no assistant turn to train"
-            stats.reasoning_not_rendered += sum(r.reasoning_not_rendered for r in renderings)
-            for sample in (tokenize_rendering(self.tokenizer, r, self.max_length) for r in renderings):
+            for sample in self.fit(rendering, stats):
                 if not any(sample.loss_mask):
-                    stats.skipped[sample.sample_id] = f"line {conversation.line_no}: no trained token within max_length"
+                    turns = [int(sample.sample_id.split(".")[1])] if "." in sample.sample_id else \
+                        [t.index for t in rendering.turns if t.index not in empty]
+                    for i in turns:
+                        lost.add(i)
+                        stats.drop(sample.sample_id, NO_TRAINED_TOKEN, f"{line}: no trained token within max_length",
+                                   sizes[i][0])
                     continue
+                samples.append(sample)
                 stats.samples += 1
                 stats.turn_samples += sample.sample_id != conversation.sample_id
-                yield sample
+                stats.trained_tokens += sum(sample.loss_mask)
+        trained = [t for t in placed if t.index in sizes and t.index not in lost]
+        stats.trained_turns += len(trained)
+        stats.derived_turns += sum(t.derived for t in trained)
+        stats.reasoning_tokens += sum(sizes[t.index][1] for t in trained)
+        return samples

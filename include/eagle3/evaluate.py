@@ -37,6 +37,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -463,11 +464,30 @@ def extraction_summary(cfg) -> dict:
 
     shards = [json.loads(path.read_text()) for shard in range(cfg.extract.num_shards)
               if (path := run_stats_path(cfg.run_dir, shard)).exists()]
+    def total(key: str, part: str | None = None) -> int:  # stats written before a key existed count 0
+        return sum((s.get(key) or {}).get(part, 0) if part else s.get(key, 0) for s in shards)
+
+    def per_reason(key: str) -> dict[str, int]:
+        return dict(sum((Counter(s.get(key) or {}) for s in shards), Counter()))
+
+    turns, tokens = total("assistant_turns"), total("turn_tokens")
+    dropped_turns, dropped_tokens = per_reason("turns_dropped"), per_reason("turn_tokens_dropped")
     return {
         "store": str(cfg.store_dir.resolve()),
         "samples": sum(s["samples_stored"] for s in shards),
         "extracted": sum(s["samples_extracted"] for s in shards),
         "reused": sum(s["samples_stored_before"] for s in shards),
+        # Assistant turns trained as the target generated them, and the ones dropped, per reason (eagle3.turns).
+        "turns": {"assistant": turns, "trained": total("turns_trained"), "derived": total("turns_derived"),
+                  "dropped": dropped_turns},
+        "turn_tokens": {"assistant": tokens, "dropped": dropped_tokens},
+        "untrained_fraction": {"turns": round(sum(dropped_turns.values()) / max(turns, 1), 6),
+                               "tokens": round(sum(dropped_tokens.values()) / max(tokens, 1), 6)},
+        "trained_tokens": total("trained_tokens"),
+        "reasoning_tokens_trained": total("reasoning_tokens_trained"),
+        "turns_cut_at_max_tokens": total("turns_cut_at_max_tokens"),
+        "context_cut": {"samples": total("context_cut", "samples"), "tokens": total("context_cut", "tokens")},
+        "turn_cut": {"samples": total("turn_cut", "samples"), "tokens": total("turn_cut", "tokens")},
     }
 
 

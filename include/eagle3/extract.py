@@ -31,8 +31,10 @@ from eagle3.data import (
     TokenizedSample,
     TokenizeStats,
     conversation_id_of,
+    prompted_turns,
     read_conversations,
     shard_of,
+    untrained_refusal,
 )
 from eagle3.fsutil import atomic_write_text
 from eagle3.identity import attach_store
@@ -144,12 +146,21 @@ def run_extract(cfg, shard: int = 0, num_shards: int | None = None, gpu_group: i
     )
     tokenizing = SampleTokenizer.for_run(cfg)
     stats_of_pass = TokenizeStats()
+    shard_turns = sum(len(prompted_turns(c)) for c in mine)
+
+    def refuse_untrained(stats: TokenizeStats, total_turns: int | None = shard_turns) -> None:
+        """Stop as soon as more of the shard's assistant turns cannot be trained as generated than
+        data.max_untrained_fraction allows (on turns while tokenising; on turns and tokens at the end)."""
+        refusal = untrained_refusal(stats, cfg.data.max_untrained_fraction, tokenizing.template_where, total_turns,
+                                    f"extract shard {shard}/{num_shards}: ")
+        if refusal is not None:
+            raise refusal
 
     run_sample_ids: set[str] = set()  # this run's samples in the shard, stored now or before (by any run)
 
     def pending_batches(stats: TokenizeStats, seen: set[str] | None = None) -> Iterator[list[TokenizedSample]]:
         """The shard's planned batches that hold a sample not stored yet (tokenised as they are read)."""
-        for batch in plan_batches(tokenizing.iter(mine, stats), cfg.extract.batch_tokens):
+        for batch in plan_batches(tokenizing.iter(mine, stats, refuse_untrained), cfg.extract.batch_tokens):
             if seen is not None:
                 seen.update(s.sample_id for s in batch)
             if not all(writer.is_done(s.sample_id) for s in batch):
@@ -185,6 +196,7 @@ def run_extract(cfg, shard: int = 0, num_shards: int | None = None, gpu_group: i
             truncated += sum(s.truncated for s in todo)
             progress.update(len(todo), batch_tokens, _state_bytes(meta, batch_tokens))
         progress.total = stats_of_pass.samples  # every conversation is tokenised now: the exact count
+        refuse_untrained(stats_of_pass, None)  # the exact fractions, turns and tokens; the shard stays unfinished
         completed = True
     finally:
         background.close()  # also after an error: batches already computed are complete, keep them
@@ -198,11 +210,17 @@ def run_extract(cfg, shard: int = 0, num_shards: int | None = None, gpu_group: i
         if backend is not None:
             backend.close()
     progress.emit()
-    if stats_of_pass.reasoning_not_rendered:
-        log.warning("extract shard %d: %d assistant turn(s) have reasoning_content the chat template does not render "
-                    "even as the turn just generated: the drafter never sees that reasoning. Pass the template's "
-                    "option that keeps it (data.chat_template_kwargs), or a template that renders turns as "
-                    "generated (data.generation_chat_template)", shard, stats_of_pass.reasoning_not_rendered)
+    turns = stats_of_pass.as_dict()
+    if turns["turns_dropped"]:
+        log.warning("extract shard %d: %d of %d assistant turns not trained as generated (%s; within "
+                    "data.max_untrained_fraction %g); first: %s", shard, sum(turns["turns_dropped"].values()),
+                    turns["assistant_turns"], ", ".join(f"{k}: {n}" for k, n in turns["turns_dropped"].items()),
+                    cfg.data.max_untrained_fraction, next(iter(stats_of_pass.skipped.values()), ""))
+    if stats_of_pass.context_cut_samples or stats_of_pass.turn_cut_samples:
+        log.warning("extract shard %d: data.max_length (%d) cut the context of %d sample(s) from the left (%d tokens) "
+                    "and the end of %d turn(s) longer than it (%d trained tokens lost); raise data.max_length to keep "
+                    "them", shard, cfg.data.max_length, stats_of_pass.context_cut_samples,
+                    stats_of_pass.context_cut_tokens, stats_of_pass.turn_cut_samples, stats_of_pass.turn_cut_tokens)
 
     seconds = time.monotonic() - started
     stats = {
@@ -211,7 +229,9 @@ def run_extract(cfg, shard: int = 0, num_shards: int | None = None, gpu_group: i
         "conversations_in_shard": len(mine),
         "samples_in_shard": stats_of_pass.samples,
         "turn_samples": stats_of_pass.turn_samples,  # thinking models' earlier turns, each a sample of its own
-        "reasoning_not_rendered": stats_of_pass.reasoning_not_rendered,
+        "reasoning_not_rendered": stats_of_pass.reasoning_not_rendered,  # turns dropped: no place for their reasoning
+        # Assistant turns trained and dropped (per reason), their tokens, cuts by max_tokens and max_length.
+        **turns,
         "store": store.name,  # {workdir}/stores/<this>, shared by every run with the same capture key
         "samples_stored_before": done_before,  # reused: in the store already (this run's earlier try, or another run)
         "samples_extracted": progress.done_here,
@@ -220,7 +240,7 @@ def run_extract(cfg, shard: int = 0, num_shards: int | None = None, gpu_group: i
         "tokens": tokens,
         "bytes": writer.bytes_written,
         "rejected_nonfinite": len(writer.rejected),
-        "skipped": len(stats_of_pass.skipped),
+        "skipped": sum(stats_of_pass.turns_dropped.values()),  # assistant turns not trained (turns_dropped)
         "skipped_reasons": dict(list(stats_of_pass.skipped.items())[:20]),
         "truncated": truncated,
         "bad_records": len(read_stats.bad),

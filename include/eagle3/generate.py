@@ -33,7 +33,9 @@ sent as a Bearer token and appears nowhere else. The stage only ever calls {endp
 
 Output in RUN_DIR/generate/:
   parts/part-NNNNN.jsonl  finished rows in batches, each file written atomically (temp, fsync, rename):
-                          {"source_id", "line_no", "status": "ok"|"failed", "messages" | "error", ...}.
+                          {"source_id", "line_no", "status": "ok"|"failed", "messages" | "error", ...}; an
+                          assistant turn cut at generate.max_tokens carries "finish_reason": "length" (extract
+                          trains no end-of-turn token for it), the row "truncated": true.
                           A rerun skips every conversation with an "ok" row: a kill -9 loses at most the
                           rows not yet in a part (they are redone), and duplicates none. `parts` links to
                           {workdir}/generated/<key>/, shared by every run with the same target and generation
@@ -348,7 +350,10 @@ class Regeneration:
         while self.index < len(self.turns) and self.turns[self.index]["role"] != "assistant":
             self.history.append(dict(self.turns[self.index]))
             self.index += 1
-        return list(self.history) if self.index < len(self.turns) else None
+        if self.index >= len(self.turns):
+            return None
+        # The cut mark is this stage's own note for extract: servers know no such message field.
+        return [{k: v for k, v in m.items() if k != "finish_reason"} for m in self.history]
 
     def answer(self, reply: Reply) -> None:
         if not reply.content.strip() and not reply.tool_calls:
@@ -365,6 +370,8 @@ class Regeneration:
                          for old, new in zip(old_calls, new_calls)]
         if new_calls:
             message["tool_calls"] = new_calls
+        if reply.finish_reason == "length":  # cut at generate.max_tokens: extract trains no end of turn for it
+            message["finish_reason"] = "length"
         self.history.append(message)
         self.index += 1
         self.tokens += reply.completion_tokens

@@ -8,7 +8,8 @@ everything that changes a stored byte:
 - the target itself: config.json, and its weight files (a sampled digest, below), the tokenizer files and
   the chat template;
 - how conversations become token ids and masks: data.max_length, data.loss_mask, data.chat_template_kwargs,
-  data.generation_chat_template (the file's bytes);
+  data.generation_chat_template (the file's bytes), and eagle3.data.TOKENIZING_VERSION (the code's own way: a
+  sample id that now gives other ids or another mask must not find the old sample stored);
 - how states are taken and stored: extract.backend (SGLang's kernels and transformers' differ in the last
   bits), target.dtype, the resolved aux layers, extract.state_dtype, and extract.num_shards (a sample's shard is
   its id mod num_shards, so another shard count is another layout). Not SGLang's tp size or attention backend:
@@ -101,8 +102,11 @@ def capture_fields(cfg) -> dict:
     if template and not Path(template).is_file():
         raise ConfigError(f"data.generation_chat_template: {template} does not exist on the box; copy the template "
                           "there or leave the field empty")
+    from eagle3.data import TOKENIZING_VERSION
+
     return {
         "format": KEY_FORMAT,
+        "samples_of": TOKENIZING_VERSION,
         "target": target_identity(cfg.target.model_path, cfg.tokenizer_dir),
         "target_dtype": cfg.target.dtype,
         "max_length": cfg.data.max_length,
@@ -140,8 +144,11 @@ def generation_fields(cfg) -> dict:
     """What decides a regenerated answer besides its conversation: the target, the server that answers and how
     it is asked. Sampling is part of it (a cached answer drawn at temperature 0.7 stands for one), the seed not."""
     gen = cfg.generate
+    from eagle3.data import TOKENIZING_VERSION
+
     return {
         "format": KEY_FORMAT,
+        "samples_of": TOKENIZING_VERSION,
         "target": target_identity(cfg.target.model_path, cfg.tokenizer_dir),
         "backend": gen.backend,
         # an endpoint the stage does not start serves whatever model it serves: its address and name stand for it
