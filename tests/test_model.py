@@ -1,5 +1,6 @@
 """The draft model: SGLang's weight names and shapes, the target's frozen embedding read by key from any
-checkpoint layout, and the training-time-test attention pattern."""
+checkpoint layout, the training-time-test attention pattern, and the TTT attention kernel
+(eagle3/ttt_attention.py) against the dense O(T^2) attention it replaced, in values, gradients and memory."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ import json
 import pytest
 import torch
 from safetensors.torch import save_file
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
+import eagle3.ttt_attention as ttt_attention_mod
 from eagle3.model import EMBED_KEYS, DraftConfig, Eagle3Draft, build_draft_model, load_target_tensor
 
 SGLANG_KEYS = {
@@ -103,3 +107,97 @@ def test_later_steps_see_step_zero_causally_and_their_own_position_only():
     _, h1_b = model.step(ids, changed, positions, cache_b)
     _, h2_b = model.step(ids, h1, positions, cache_b)  # same step-1 input, other step-0 context
     assert not torch.allclose(h2[0, 1], h2_b[0, 1])
+
+
+# -- the TTT attention kernel (eagle3/ttt_attention.py) against the dense reference ---------------
+
+
+def ttt_inputs(steps: int, dtype=torch.float32, device="cpu", t: int = 150, batch: int = 2):
+    """q and `steps` steps of keys/values, [B, 3 heads, T, d 16]; q and keys doubled so that the softmax is far
+    from uniform."""
+    generator = torch.Generator().manual_seed(steps)
+    shape = (batch, 3, t, 16)
+    tensors = [torch.randn(shape, generator=generator) * (2 if i <= steps else 1) for i in range(2 * steps + 1)]
+    tensors = [x.to(device=device, dtype=dtype).requires_grad_() for x in tensors]
+    return tensors[0], tensors[1 : steps + 1], tensors[steps + 1 :]
+
+
+@pytest.mark.parametrize("core", [ttt_attention_mod.FusedCPU, ttt_attention_mod.Blocked], ids=lambda c: c.name)
+@pytest.mark.parametrize("steps", [1, 2, 4, 7])
+def test_ttt_attention_equals_the_dense_reference_in_output_and_gradients(core, steps):
+    """Step `steps - 1` of TTT: the merged kernel's output and the gradients of q and of every step's keys and
+    values equal the dense [T, T] reference's, fp32: outputs within 1e-5, gradients (up to 7 here) within 5e-5, as
+    fp32 rounding alone puts the dense code 3e-6 and the kernel up to 1.4e-5 off an fp64 run. The length is not a
+    multiple of the Blocked core's block."""
+    got_inputs, want_inputs = ttt_inputs(steps), ttt_inputs(steps)
+    scale = 0.25
+    got = ttt_attention_mod.ttt_attention(got_inputs[0], got_inputs[1], got_inputs[2], scale, core=core)
+    want = ttt_attention_mod.dense_ttt_attention(want_inputs[0], want_inputs[1], want_inputs[2], scale)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    grad_out = torch.randn(got.shape, generator=torch.Generator().manual_seed(99))
+    got.backward(grad_out)
+    want.backward(grad_out)
+    flat = lambda inputs: [inputs[0], *inputs[1], *inputs[2]]  # noqa: E731
+    for name, a, b in zip(["q"] + [f"k{j}" for j in range(steps)] + [f"v{j}" for j in range(steps)],
+                          flat(got_inputs), flat(want_inputs)):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=5e-5, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_the_cpu_training_path_is_the_fused_kernel():
+    q = torch.randn(1, 2, 8, 16)
+    assert ttt_attention_mod.causal_core(q, q, q) is ttt_attention_mod.FusedCPU
+
+
+def test_the_cuda_kernel_calls_fit_torchs_flash_attention_operators():
+    """No GPU in the suite: the CUDA core's forward and backward calls run on meta tensors, which check the
+    arguments against this torch's operator schemas and give the shapes and dtypes a GPU would."""
+    q, keys, values = ttt_inputs(3, dtype=torch.bfloat16, device="meta", t=64)
+    out = ttt_attention_mod.ttt_attention(q, keys, values, 0.25, core=ttt_attention_mod.FusedCUDA)
+    assert out.shape == q.shape and out.dtype == torch.bfloat16
+    out.backward(torch.ones_like(out))
+    for x in (q, *keys, *values):
+        assert x.grad.shape == x.shape and x.grad.dtype == torch.bfloat16
+
+
+class LargestTensor(TorchDispatchMode):
+    """The most elements of any tensor an operator returns, forward and backward."""
+
+    largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for x in tree_flatten(out)[0]:
+            if isinstance(x, torch.Tensor):
+                self.largest = max(self.largest, x.numel())
+        return out
+
+
+@pytest.mark.parametrize("attention", ["ttt_attention", "dense_ttt_attention"])
+def test_no_ttt_step_makes_a_sequence_by_sequence_tensor_forward_or_backward(attention):
+    """The memory the issue is about: the drafter unrolled for 3 TTT steps over 1024 positions, forward and
+    backward, never makes a tensor of even T x T / 8 elements (its largest are the MLP's, T x 64; the dense
+    reference makes heads x T x T, the control)."""
+    torch.manual_seed(0)
+    model = Eagle3Draft(SMALL)
+    model.midlayer.self_attn.attention = getattr(ttt_attention_mod, attention)
+    t = 1024
+    ids, hidden = torch.randint(0, 100, (1, t)), torch.randn(1, t, 32)
+    with LargestTensor() as mode:
+        outs = run_steps(model, ids, hidden, 3)
+        sum(out.square().sum() for out in outs).backward()
+    if attention == "ttt_attention":
+        assert mode.largest < t * t / 8, mode.largest
+    else:
+        assert mode.largest >= SMALL.num_attention_heads * t * t
+
+
+def test_the_model_steps_equal_the_dense_reference():
+    """Eagle3Draft with the kernel and with the dense reference: the same hidden states over 7 TTT steps."""
+    torch.manual_seed(0)
+    model = Eagle3Draft(SMALL).eval()
+    ids, hidden = torch.randint(0, 100, (2, 40)), torch.randn(2, 40, 32)
+    got = run_steps(model, ids, hidden, 7)
+    model.midlayer.self_attn.attention = ttt_attention_mod.dense_ttt_attention
+    want = run_steps(model, ids, hidden, 7)
+    for step, (a, b) in enumerate(zip(got, want)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m, step=step: f"step {step}: {m}")

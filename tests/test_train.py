@@ -220,3 +220,39 @@ def test_no_first_prompt_is_trained_on_that_validation_or_evaluation_holds(make_
     assert evaluated
     assert not trained & opened(h.conversation_id for h in evaluated)
     assert not validated & opened(h.conversation_id for h in evaluated)
+
+
+def test_the_ttt_objective_with_the_linear_memory_kernel_equals_the_dense_attentions():
+    """SpecForge's objective, 7 TTT steps, a padded batch of 2: with eagle3/ttt_attention.py's kernel the loss of
+    each TTT position is the dense [T, T] attention's within 1e-5 (fp32), and so are the gradients of every
+    trained weight (to 1e-5 of the largest)."""
+    from eagle3.model import DraftConfig, Eagle3Draft
+    from eagle3.ttt_attention import dense_ttt_attention
+
+    cfg = DraftConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=8, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=256,
+                      target_vocab_size=60, draft_vocab_size=30, aux_layer_ids=(1, 2, 3))
+    torch.manual_seed(0)
+    draft = Eagle3Draft(cfg)
+    ids, aux, last = torch.randint(0, 60, (2, 97)), torch.randn(2, 97, 96), torch.randn(2, 97, 32)
+    draft_ids = torch.arange(0, 60, 2)
+    t2d = torch.zeros(60, dtype=torch.bool)
+    t2d[draft_ids] = True
+    teachers = make_teachers(ids, torch.ones_like(ids), last, torch.randn(60, 32), draft_ids, t2d,
+                             lengths=torch.tensor([97, 70]), first_draft=True)
+    objective = train.TTTObjective(draft, ttt_length=7)
+
+    def loss_and_grads():
+        draft.zero_grad(set_to_none=True)
+        loss, plosses, accs = objective(aux, teachers, draft_ids)
+        loss.backward()
+        return plosses.detach(), {n: p.grad.clone() for n, p in draft.named_parameters() if p.requires_grad}
+
+    plosses, grads = loss_and_grads()
+    draft.midlayer.self_attn.attention = dense_ttt_attention
+    dense_plosses, dense_grads = loss_and_grads()
+    assert (plosses - dense_plosses).abs().max() <= 1e-5, (plosses, dense_plosses)
+    for name, grad in grads.items():
+        scale = dense_grads[name].abs().max()
+        torch.testing.assert_close(grad, dense_grads[name], rtol=0, atol=1e-5 * scale,
+                                   msg=lambda m, n=name: f"{n}: {m}")

@@ -14,7 +14,8 @@ The token embedding is the target's, loaded by key from its safetensors and froz
 
 TTT attention, step i: queries of step i see step 0's keys/values causally, plus, at their own position
 only, the keys/values of steps 1..i (what the drafter produced there in the steps before). The caller
-keeps the per-step keys/values in a list (`kv_cache`) across steps.
+keeps the per-step keys/values in a list (`kv_cache`) across steps; the kernel (eagle3/ttt_attention.py) never
+builds [T, T] scores, in forward or backward.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eagle3.rope import Rotary, apply_rope, target_rope
+from eagle3.ttt_attention import ttt_attention
 
 
 class RMSNorm(nn.Module):
@@ -53,6 +55,8 @@ class TTTAttention(nn.Module):
         self.k_proj = nn.Linear(2 * cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(2 * cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
+        # eagle3/ttt_attention.py: O(T) memory; its dense_ttt_attention (O(T^2)) is the reference tests compare with
+        self.attention = ttt_attention
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: list) -> torch.Tensor:
         b, t, _ = x.shape
@@ -64,15 +68,8 @@ class TTTAttention(nn.Module):
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
         kv_cache.append((k, v))
 
-        k0, v0 = kv_cache[0]
-        scale = 1.0 / math.sqrt(self.head_dim)
-        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
-        scores = [(q @ k0.transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))]  # [B, h, T, T]
-        scores += [((q * kj).sum(-1, keepdim=True) * scale) for kj, _ in kv_cache[1:]]  # [B, h, T, 1] each
-        weights = torch.cat(scores, dim=-1).float().softmax(-1).to(q.dtype)
-        out = weights[..., :t] @ v0
-        for j, (_, vj) in enumerate(kv_cache[1:], start=t):
-            out = out + weights[..., j : j + 1] * vj
+        keys, values = zip(*kv_cache)
+        out = self.attention(q, keys, values, 1.0 / math.sqrt(self.head_dim))
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
 
 
