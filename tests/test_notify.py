@@ -8,11 +8,12 @@ import html
 import json
 import socket
 import subprocess
+import sys
 from email.message import Message
 
 import pytest
 
-from tests.airflow_env import AIRFLOW, airflow_env
+from tests.airflow_env import AIRFLOW, REPO, airflow_env, migrated_airflow_home
 from tests.conftest import CONTEXT
 from tests.dagruns import WORKER_SECRETS, settings_env
 
@@ -111,21 +112,25 @@ def test_a_failed_run_mails_the_failed_task_and_the_run_and_no_secret(smtp_serve
         assert secret not in bodies, name
 
 
-def test_a_deadline_warns_of_a_late_run_only_when_the_settings_ask_for_it(smtp_server):
-    """notify.late_after_h becomes the DAG's DeadlineAlert (queued-at + interval); its callback, run as the
-    triggerer runs it, mails that the run is late."""
-    import asyncio
+def test_a_deadline_warns_of_a_late_run_naming_it_only_when_the_settings_ask_for_it(smtp_server, tmp_path):
+    """notify.late_after_h becomes the DAG's DeadlineAlert (queued-at + interval). Missed, Airflow's own
+    Deadline.handle_miss builds the callback's context and queues it, and Airflow's CallbackTrigger runs it as the
+    triggerer does (tests/deadline_miss.py): the mail names the run (Airflow 3.3 passes its id as `dag_run_id`)."""
     from datetime import timedelta
 
     from eagle3_airflow.deployment import Deployment
-    from eagle3_airflow.notify import late_run
 
-    inbox, _ = smtp_server
+    inbox, connection = smtp_server
     assert Deployment().deadline() is None and Deployment(notify=NOTIFY).deadline() is None
     alert = Deployment(notify={**NOTIFY, "late_after_h": 30}).deadline()
     assert alert.interval == timedelta(hours=30) and alert.callback.path == "eagle3_airflow.notify.late_run"
-    asyncio.run(late_run(**alert.callback.kwargs, context={"dag_run": {"dag_id": "eagle3_drafter",
-                                                                       "run_id": "manual__1"}}))
+    callback = json.dumps({"path": alert.callback.path, "kwargs": alert.callback.kwargs})
+    env = airflow_env(migrated_airflow_home(tmp_path / "home"), AIRFLOW_CONN_SMTP_TEST=connection,
+                      PYTHONPATH=f"{REPO / 'include'}:{REPO / 'plugins'}:{REPO}")
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "deadline_miss.py"), callback], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.splitlines()[-1])[-1] == {"state": "success", "body": None}, proc.stdout
     (message,) = inbox.messages
-    assert message["Subject"] == "[eagle3] eagle3_drafter: run manual__1 is late"
+    assert message["Subject"] == "[eagle3] eagle3_drafter: run manual__2026-12-04T10:00:00+00:00 is late"
     assert "not done 1 day, 6:00:00 after it was queued" in inbox.bodies()[0]

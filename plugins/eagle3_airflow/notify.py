@@ -136,11 +136,16 @@ def _connection_sender(smtp_conn_id: str | None) -> str:
 
 async def late_run(smtp_conn_id: str | None, to: list[str], from_email: str | None, callables: list[str],
                    late_after_h: float, context: dict | None = None, **_: Any) -> None:
-    """The DeadlineAlert's callback (it runs in the triggerer): the run is still not done."""
+    """The DeadlineAlert's callback (it runs in the triggerer): the run is still not done.
+
+    Airflow 3.3's Deadline.handle_miss hands it {"dag_run": <the run as the REST API returns it>, "deadline": ...}:
+    a dict, whose run id is `dag_run_id` (DAGRunResponse's name for it), not `run_id`."""
     context = context or {}
     dag_run = context.get("dag_run") or {}
-    run_id = dag_run.get("run_id") if isinstance(dag_run, dict) else getattr(dag_run, "run_id", None)
-    dag_id = dag_run.get("dag_id") if isinstance(dag_run, dict) else getattr(dag_run, "dag_id", None)
+    if isinstance(dag_run, dict):
+        run_id, dag_id = dag_run.get("dag_run_id") or dag_run.get("run_id"), dag_run.get("dag_id")
+    else:  # (a DagRun, should a later Airflow pass the full context)
+        run_id, dag_id = getattr(dag_run, "run_id", None), getattr(dag_run, "dag_id", None)
     subject = f"[eagle3] {dag_id or 'eagle3_drafter'}: run {run_id} is late"
     body = (f"Run {dag_id} / {run_id} is not done {timedelta(hours=late_after_h)} after it was queued "
             "(notify.late_after_h in the DAG settings). It may be waiting for a box, GPUs or disk, or a stage is slow.")
