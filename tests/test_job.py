@@ -172,6 +172,32 @@ def test_kill_ends_the_whole_process_group(jobs, tmp_path):
     assert absent["effective"] == "absent" and absent["state"] is None
 
 
+# A stage that ignores SIGTERM: only SIGKILL ends it.
+STUBBORN = ("import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+            "print('ignoring SIGTERM', flush=True)\ntime.sleep(60)\n")
+
+
+def test_a_detached_kill_answers_at_once_and_a_start_meanwhile_waits_for_it_then_relaunches(jobs):
+    """`job kill --detach` (the trigger's on_kill, which the triggerer cuts at 30 s) answers once the SIGTERM is
+    sent, though the stage ignores it; the rest of the kill goes on in a detached process that holds the job's
+    lock, so a `job start` that comes meanwhile waits, then finds the job killed and starts a new try, never
+    attaching to the one being killed; nothing of that try survives."""
+    first = start(jobs, "stubborn", STUBBORN)
+    wait_until(lambda: "ignoring SIGTERM" in job.poll_job(jobs, "stubborn")["log"], "the stage to ignore SIGTERM")
+    began = time.monotonic()
+    killing = eagle3_job("kill", "--jobs-dir", str(jobs), "--key", "stubborn", "--grace-s", "4", "--detach")
+    assert time.monotonic() - began < 3.5  # the grace period (4 s) goes on after the answer
+    assert killing["detached"] is True and killing["signalled"] is True
+    assert killing["effective"] == "running"  # not recorded yet: the detached process does it
+
+    second = start(jobs, "stubborn", "print('try 2')")  # waits for the lock
+    assert time.monotonic() - began >= 4 and second["attached"] is False and second["try"] == 2
+    assert not is_running(first["pid"]) and job.group_members(first["pgid"]) == []
+    assert second["refused"] is None  # try 1's group was gone: nothing left to stop
+    done = wait_for_effective(jobs, "stubborn", "succeeded", log_offset=None)
+    assert done["log"].splitlines()[1:] == ["try 2", done["log"].splitlines()[-1]]
+
+
 # A stage that resumes: the first try works forever, a rerun finds its "checkpoint" and finishes.
 RESUMING = (
     "import os, time\n"

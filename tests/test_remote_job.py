@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import signal
 import sys
 import time
 
@@ -96,7 +98,10 @@ def test_user_kill_stops_the_whole_process_group(box, tmp_path):
     grandchild = int(pid_file.read_text())
     asyncio.run(trigger_for(box).on_kill())
     ssh_box, eagle3, jobs_dir = box
-    poll = json.loads(ssh_box.run(job_argv(eagle3, jobs_dir, "poll", "stage")).stdout)
+    deadline = time.monotonic() + 30  # the kill goes on on the box after on_kill returned (job kill --detach)
+    while (poll := json.loads(ssh_box.run(job_argv(eagle3, jobs_dir, "poll", "stage")).stdout))["effective"] != \
+            "killed" and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert poll["effective"] == "killed"
     for pid in (job["pid"], grandchild):
         assert not running(pid), f"pid {pid} survived the kill"
@@ -190,3 +195,33 @@ def test_each_try_streams_its_own_log_lines_and_all_of_them(tmp_path, caplog):
     assert [line for line in streamed if not line.startswith("====")] == [f"try-2 line {i}" for i in range(3)]
     assert "try 2 started" in streamed[0] and "try 2 succeeded" in streamed[-1]
     assert len(streamed) == 5
+
+
+def test_the_triggers_kill_ends_well_inside_the_triggerers_on_kill_timeout(tmp_path):
+    """The triggerer cancels a trigger's on_kill after [triggerer] on_kill_timeout (30 s by default) and says
+    nothing more. Against a stage that ignores SIGTERM (whose whole kill takes the 20 s grace period and more), the
+    trigger's on_kill still returns within seconds: the box finishes the kill on its own and records it."""
+    from airflow.configuration import conf
+
+    from eagle3 import job
+    from eagle3_airflow.jobs import ON_KILL_BUDGET_S
+    from eagle3_airflow.transport import LocalBox
+
+    assert ON_KILL_BUDGET_S <= conf.getint("triggerer", "on_kill_timeout") - 5
+    eagle3, jobs_dir = [sys.executable, "-m", "eagle3"], str(tmp_path / "jobs")
+    stubborn = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('ignoring', flush=True)\n" \
+        "time.sleep(60)\n"
+    started = json.loads(LocalBox().run(job_argv(eagle3, jobs_dir, "start", "stage", "--heartbeat-s", "0.5", "--",
+                                                 sys.executable, "-c", stubborn)).check("job start").stdout)
+    deadline = time.monotonic() + 20
+    while "ignoring" not in job.poll_job(jobs_dir, "stage")["log"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    began = time.monotonic()
+    asyncio.run(RemoteJobTrigger(conn_id="local", eagle3_argv=eagle3, jobs_dir=jobs_dir, key="stage").on_kill())
+    assert time.monotonic() - began < 10
+    # (The box's own SIGKILL would come after the grace period; this test does not wait for it.)
+    os.killpg(started["pgid"], signal.SIGKILL)
+    deadline = time.monotonic() + 20
+    while job.poll_job(jobs_dir, "stage")["effective"] != "killed" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert job.poll_job(jobs_dir, "stage")["effective"] == "killed"  # recorded by the box's detached kill

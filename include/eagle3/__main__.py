@@ -262,7 +262,7 @@ def cmd_job(args) -> None:
         offset = None if args.from_try_start else args.log_offset
         result = job.poll_job(args.jobs_dir, args.key, offset, args.max_log_bytes, args.stale_after_s)
     else:
-        result = job.kill_job(args.jobs_dir, args.key, args.grace_s)
+        result = job.kill_job(args.jobs_dir, args.key, args.grace_s, args.detach)
         print(json.dumps(result))
         # Refused, and nothing records the job as over (state.json unreadable, or the kernel said no): the job may
         # run on, and whoever asked for the kill must hear it.
@@ -453,6 +453,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "the log holds every try")
     poll.add_argument("--max-log-bytes", type=int, default=65536)
     kill.add_argument("--grace-s", type=float, default=20.0, help="time between SIGTERM and SIGKILL")
+    kill.add_argument("--detach", action="store_true",
+                      help="answer as soon as the SIGTERM is sent (\"detached\": true); a detached process holding the "
+                      "job's lock SIGKILLs what is left after --grace-s and records the kill")
     return parser
 
 

@@ -13,6 +13,8 @@ instead of starting a second copy. So the stage never runs under the SSH command
   poll       reads state.json, decides whether the job is really alive, and returns the log from an offset on,
              so that the caller streams the log across polls (and across Airflow tries).
   kill       SIGTERMs the job's process group, SIGKILLs whatever is left after a grace period, records "killed".
+             With --detach it answers once the SIGTERM is sent, and a detached process that holds the job's lock
+             does the rest (a caller on a deadline: the triggerer gives a trigger's on_kill 30 s).
 
 Why a supervisor rather than `nohup stage &`: someone has to be there when the stage ends to record its exit code
 (the shell that launched it is long gone), and its process group is the one handle on everything the stage spawns
@@ -275,6 +277,10 @@ def group_ownership_problem(state: dict, marked: bool = True, directory: Path | 
     if state.get("boot_id") != read_boot_id():
         return f"it was recorded in another boot ({state.get('boot_id')}): none of its processes can be left"
     leader = process_stat(pid)
+    if leader is not None and leader[0] == "Z":
+        # Exited, not yet reaped (a SIGKILLed supervisor whose parent, init, has not got round to it): gone, as far
+        # as signals go; its environment can no longer be read, so the checks below would take it for a stranger.
+        leader = None
     mark = f"{pid}:{ticks}"
     if leader is not None:
         if leader[2] != ticks:
@@ -715,61 +721,101 @@ def poll_job(
     }
 
 
-def kill_job(jobs_dir: str | Path, key: str, grace_s: float = CHILD_GRACE_S) -> dict:
+def kill_job(jobs_dir: str | Path, key: str, grace_s: float = CHILD_GRACE_S, detach: bool = False) -> dict:
     """Stop the job (SIGTERM, then SIGKILL after grace_s) and record "killed". A finished or absent job is left as
     it is. Returns poll_job's answer, without log text (log_tail still holds the end of the log), plus "signalled"
-    (whether the job's process group got a signal) and "refused" (why it got none, or None).
+    (whether the job's process group got a signal), "refused" (why it got none, or None) and "detached".
+
+    detach: return as soon as the SIGTERM is sent; a detached process (its own session, no output) waits out the
+    grace period, SIGKILLs what is left and records the kill. It inherits the job's lock and holds it to the end, so
+    a start that comes meanwhile waits and then relaunches, never attaching to the try being killed. For callers on
+    a deadline: the triggerer gives a trigger's on_kill 30 s ([triggerer] on_kill_timeout), and a stage that ignores
+    SIGTERM makes the whole kill take grace_s plus the wait for its processes to vanish.
 
     A state.json that cannot be trusted is never acted on: a corrupt one is left as it is, and a group that is not
     provably the job's is not signalled (the job's own group is gone then, so the kill is recorded)."""
     directory = job_dir(jobs_dir, key)
-    signalled, refused = False, None
+    signalled, refused, detached = False, None, False
     if (directory / "state.json").exists():  # (no state: nothing to kill, and no directory to create for the lock)
         with locked(directory):  # held throughout, so that no start relaunches the job while it is being killed
-            signalled, refused = stop_running_job(directory, grace_s)
-    return {**poll_job(jobs_dir, key, max_log_bytes=0), "signalled": signalled, "refused": refused}
+            signalled, refused, detached = stop_running_job(directory, grace_s, detach)
+    return {**poll_job(jobs_dir, key, max_log_bytes=0), "signalled": signalled, "refused": refused,
+            "detached": detached}
 
 
-def stop_running_job(directory: Path, grace_s: float) -> tuple[bool, str | None]:
-    """kill_job's work, under the lock: (signalled, refused)."""
+def stop_running_job(directory: Path, grace_s: float, detach: bool = False) -> tuple[bool, str | None, bool]:
+    """kill_job's work, under the lock: (signalled, refused, detached: the rest goes on in a detached process)."""
     try:
         state = read_state(directory)
     except CorruptState as err:
         alive = supervisor_pids(directory)
         who = f"its supervisor (pid {alive[0]}) still runs and" if alive else "if the job still runs, its supervisor"
         return False, (f"{err}; nothing was signalled on its word: {who} rewrites the file within a heartbeat; "
-                       "kill the job again then")
+                       "kill the job again then"), False
     if state is None or state["status"] != "running":
-        return False, None
+        return False, None, False
     signalled, refused = False, None
     if state["boot_id"] == read_boot_id():  # (processes of an earlier boot are gone: the kill is only recorded)
         try:
             if liveness(state, stale_after_s=math.inf)[0] == "running":  # a stale heartbeat: still kill it
-                signalled = terminate(state, grace_s, directory)
+                signalled = signal_group(state, signal.SIGTERM, directory=directory)
+                if signalled and detach and in_detached_child():
+                    try:  # the child: the lock's file description is shared with the parent, and stays held here
+                        finish_kill(state, directory, grace_s)
+                    finally:
+                        os._exit(0)
+                if signalled and detach:
+                    return True, None, True  # the parent: answer now
+                if signalled:
+                    wait_for_supervisor_exit(state, grace_s)
             # whatever ignored SIGTERM, or outlived the supervisor
             signalled = sigkill_group(state, directory=directory) or signalled
         except SignalRefused as err:
             refused = str(err)
         except PermissionError as err:
-            return signalled, permission_refusal(state, err)  # the job may well run on: record nothing
+            return signalled, permission_refusal(state, err), False  # the job may well run on: record nothing
+    record_kill(directory, state)
+    return signalled, refused, False
+
+
+def finish_kill(state: dict, directory: Path, grace_s: float) -> None:
+    """After the SIGTERM: the grace period, SIGKILL for whatever is left, the record. (kill_job's detached part.)"""
+    wait_for_supervisor_exit(state, grace_s)
+    try:
+        sigkill_group(state, directory=directory)
+    except (SignalRefused, PermissionError):
+        pass  # the group is gone, or no longer provably the job's: nothing of it is signalled
+    record_kill(directory, state)
+
+
+def record_kill(directory: Path, state: dict) -> None:
     try:
         latest = read_state(directory) or state  # the supervisor's last word, if it had the time to record the kill
     except CorruptState:
         latest = state
     if latest["status"] == "running":  # the supervisor was SIGKILLed or gone before it could record it
         write_state(directory, {**latest, "status": "killed", "ended_at": utc_now()})
-    return signalled, refused
 
 
-def terminate(state: dict, grace_s: float, directory: Path | None = None) -> bool:
-    """SIGTERM the whole group (the supervisor passes it on too) and wait until the supervisor has exited.
-    Returns and raises as signal_group does."""
-    if not signal_group(state, signal.SIGTERM, directory=directory):
+def in_detached_child() -> bool:
+    """Fork; True in the child, which leaves the caller's session and output (an SSH channel stays open until every
+    holder of its stdout has closed it), False in the parent."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if os.fork() != 0:
         return False
+    os.setsid()
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
+    return True
+
+
+def wait_for_supervisor_exit(state: dict, grace_s: float) -> None:
+    """After the SIGTERM (which the supervisor passes on to its stage): until the supervisor has exited, or grace_s."""
     deadline = time.monotonic() + grace_s
     while pid_start_ticks(state["pid"]) == state["pid_start_ticks"] and time.monotonic() < deadline:
         time.sleep(0.05)
-    return True
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -56,6 +56,9 @@ def job_argv(eagle3_argv: list[str], jobs_dir: str, command: str, key: str, *arg
 # enough not to hammer an sshd that is starting up.
 OUTAGE_BACKOFF_MAX_S = 30.0
 OUTAGE_ERRORS = (BoxUnreachable, TimeoutError)  # TimeoutError: asyncssh's, when a dropped link hangs a command
+# A trigger's on_kill, SSH connection included, ends within this: well inside the triggerer's on_kill_timeout (30 s
+# by default), which cancels it silently.
+ON_KILL_BUDGET_S = 20.0
 
 
 def outage_retry(conn_id: str, grace_s: float, log) -> dict:
@@ -222,7 +225,7 @@ class RemoteJobOperator(ResumableJobMixin, BaseOperator):
         if key is None or self._verified is None:
             return
         try:
-            self.run_plan.box(self.conn_id).run(self._job("kill", key), timeout=60)
+            self.run_plan.box(self.conn_id).run(self._job("kill", key, "--detach"), timeout=ON_KILL_BUDGET_S)
         except Exception as err:  # best effort: the task is being killed anyway
             self.log.warning("could not kill job %s: %s", key, err)
 
@@ -292,10 +295,27 @@ class RemoteJobTrigger(BaseTrigger):
             await box.aclose()
 
     async def on_kill(self) -> None:
-        """The user marked the task failed or cleared it: stop the job's whole process group."""
+        """The user marked the task failed or cleared it: stop the job's whole process group.
+
+        The triggerer cancels on_kill after `[triggerer] on_kill_timeout` (30 s by default), and a whole kill takes
+        the stage's grace period and more. So the box is asked only to send the SIGTERM (`job kill --detach`); a
+        process on the box that holds the job's lock SIGKILLs what is left after the grace period and records the
+        kill, and a new try's `job start` waits for it. The connection and the command together get
+        ON_KILL_BUDGET_S."""
         box = box_for(self.conn_id)
+
+        async def kill() -> str:
+            try:
+                return (await box.arun(self._argv("kill", "--detach"), timeout=ON_KILL_BUDGET_S)).stdout
+            finally:
+                await box.aclose()
+
         try:
-            result = await box.arun(self._argv("kill"), timeout=90)
-            self.log.info("killed job %s: %s", self.key, result.stdout.strip()[:500])
-        finally:
-            await box.aclose()
+            answer = await asyncio.wait_for(kill(), ON_KILL_BUDGET_S)
+        except OUTAGE_ERRORS as err:  # (TimeoutError: asyncio.wait_for's too)
+            self.log.warning("could not kill job %s within %g s on box %s (%s): it may still run, and the task's next "
+                             "try re-attaches to it; kill it with `python -m eagle3 job kill --jobs-dir %s --key %s` "
+                             "on the box", self.key, ON_KILL_BUDGET_S, self.conn_id, str(err) or "timed out",
+                             self.jobs_dir, self.key)
+            return
+        self.log.info("killing job %s: %s", self.key, answer.strip()[:500])
