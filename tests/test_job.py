@@ -345,6 +345,27 @@ def test_the_log_streams_by_offset_without_overlap_or_half_lines(jobs, tmp_path)
     assert "".join(pieces) == log_path.read_text()
 
 
+def test_a_stream_goes_on_from_its_cursor_and_another_stream_or_try_starts_at_the_try(jobs):
+    """poll --stream: the box records how far a stream has copied the log (the offset it asks from), and a poll of
+    that stream without an offset reads on from there; another stream (another Airflow try) and a new job try start
+    at the try's first line; a stream's name is checked like a key."""
+    start(jobs, "cursor", "for i in range(4): print(f'line {i}')\nraise SystemExit(1)")
+    done = wait_for_effective(jobs, "cursor", "failed", log_offset=None)
+    first = job.poll_job(jobs, "cursor", None, stream="ti-a")
+    assert first["log"] == done["log"]  # no cursor yet: from the try's first line
+    after_line_1 = first["log_offset"] - len("".join(first["log"].splitlines(keepends=True)[3:]).encode())
+    job.poll_job(jobs, "cursor", after_line_1, stream="ti-a")  # ti-a has copied up to "line 1"
+    assert job.poll_job(jobs, "cursor", None, stream="ti-a")["log"].splitlines()[:2] == ["line 2", "line 3"]
+    assert job.poll_job(jobs, "cursor", None, stream="ti-b")["log"] == done["log"]
+
+    assert start(jobs, "cursor", "print('second try')")["try"] == 2
+    again = wait_for_effective(jobs, "cursor", "succeeded", log_offset=None)
+    assert job.poll_job(jobs, "cursor", None, stream="ti-a")["log"] == again["log"]  # try 2's lines only
+    assert "second try" in again["log"] and "line 0" not in again["log"]
+    with pytest.raises(job.JobError, match="--stream '../x' is invalid"):
+        job.poll_job(jobs, "cursor", None, stream="../x")
+
+
 def test_job_help_hides_supervise_and_the_module_stays_light():
     assert "supervise" not in run_eagle3("job", "--help").stdout
     check = "import sys, eagle3.job; assert not {'torch', 'airflow'} & set(sys.modules), sys.modules.keys()"

@@ -4,6 +4,7 @@ only after the grace period, and a user's kill (mark failed / clear) stops the j
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -48,11 +49,15 @@ async def first_event(trigger: RemoteJobTrigger):
         return event.payload
 
 
-def test_trigger_round_trips_through_serialize():
-    trigger = RemoteJobTrigger(conn_id="c", eagle3_argv=["python"], jobs_dir="/w/jobs", key="train", log_offset=7)
+def test_trigger_round_trips_through_serialize_and_a_newer_codes_arguments_are_ignored():
+    """A trigger row outlives the code that wrote it: after a rollback, older code rebuilds a trigger that newer
+    code serialized, with arguments it does not know."""
+    trigger = RemoteJobTrigger(conn_id="c", eagle3_argv=["python"], jobs_dir="/w/jobs", key="train", log_offset=7,
+                               stream="ti-1")
     classpath, kwargs = trigger.serialize()
     assert classpath == "eagle3_airflow.jobs.RemoteJobTrigger"
     assert RemoteJobTrigger(**kwargs).serialize() == (classpath, kwargs)
+    assert RemoteJobTrigger(**kwargs, log_cursor_v2=True).serialize() == (classpath, kwargs)
 
 
 def test_ssh_outage_during_a_job_is_ridden_out_and_the_job_is_not_restarted(box, fresh_sshd):
@@ -196,6 +201,49 @@ def test_each_try_streams_its_own_log_lines_and_all_of_them(tmp_path, caplog):
     assert "try 2 started" in streamed[0] and "try 2 succeeded" in streamed[-1]
     assert len(streamed) == 5
 
+
+def test_a_trigger_rebuilt_after_a_triggerer_restart_streams_only_the_new_lines(tmp_path, caplog):
+    """The triggerer keeps a trigger's serialized arguments, not how far it got: after a restart it builds the
+    trigger again from the arguments of the deferral. That trigger streams the lines the first one had not, and
+    none of those it had (the box keeps the stream's place: job poll --stream)."""
+    from eagle3_airflow.transport import LocalBox
+
+    eagle3, jobs_dir, go_on = [sys.executable, "-m", "eagle3"], str(tmp_path / "jobs"), tmp_path / "go-on"
+    script = ("import os, sys, time\nfor i in range(3):\n    print(f'before {i}', flush=True)\n"
+              "while not os.path.exists(sys.argv[1]):\n    time.sleep(0.05)\n"
+              "for i in range(3):\n    print(f'after {i}', flush=True)\n")
+    LocalBox().run(job_argv(eagle3, jobs_dir, "start", "stage", "--heartbeat-s", "0.5", "--", sys.executable, "-c",
+                            script, str(go_on))).check("job start")
+    _, deferred = RemoteJobTrigger(conn_id="local", eagle3_argv=eagle3, jobs_dir=jobs_dir, key="stage",
+                                   poll_interval_s=0.2, stream="ti-0193a1b2").serialize()  # as the deferral stored it
+
+    def streamed() -> list[str]:
+        return [r.getMessage().removeprefix("[stage] ") for r in caplog.records
+                if r.getMessage().startswith("[stage] ")]
+
+    def rebuilt() -> RemoteJobTrigger:
+        trigger = RemoteJobTrigger(**deferred)
+        trigger._log = logging.getLogger("test.trigger")  # (the triggerer's structlog logger writes past caplog)
+        return trigger
+
+    async def until_restart() -> None:
+        polling = asyncio.create_task(first_event(rebuilt()))
+        while "before 2" not in streamed():
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(1)  # a few more polls, none with new lines
+        polling.cancel()  # the triggerer stops
+        with contextlib.suppress(asyncio.CancelledError):
+            await polling
+
+    with caplog.at_level("INFO", logger="test.trigger"):
+        asyncio.run(until_restart())
+        assert streamed()[1:] == ["before 0", "before 1", "before 2"]  # (after the try's "started" line)
+        caplog.clear()
+        go_on.touch()
+        event = asyncio.run(first_event(rebuilt()))
+    assert event["status"] == "succeeded"
+    assert streamed()[:3] == ["after 0", "after 1", "after 2"] and "try 1 succeeded" in streamed()[3]
+    assert len(streamed()) == 4
 
 def test_the_triggers_kill_ends_well_inside_the_triggerers_on_kill_timeout(tmp_path):
     """The triggerer cancels a trigger's on_kill after [triggerer] on_kill_timeout (30 s by default) and says

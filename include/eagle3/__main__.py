@@ -259,8 +259,11 @@ def cmd_job(args) -> None:
             print(f"error: {err}", file=sys.stderr)
             raise SystemExit(1) from None
     elif args.job_command == "poll":
-        offset = None if args.from_try_start else args.log_offset
-        result = job.poll_job(args.jobs_dir, args.key, offset, args.max_log_bytes, args.stale_after_s)
+        if args.from_try_start or (args.stream and args.log_offset is None):
+            offset = None  # the try's first line, or the stream's cursor
+        else:
+            offset = args.log_offset or 0
+        result = job.poll_job(args.jobs_dir, args.key, offset, args.max_log_bytes, args.stale_after_s, args.stream)
     else:
         result = job.kill_job(args.jobs_dir, args.key, args.grace_s, args.detach)
         print(json.dumps(result))
@@ -447,7 +450,12 @@ def build_parser() -> argparse.ArgumentParser:
                        "only an allowlist (PATH, HOME, LANG, CUDA_*, HF_*, NCCL_*, TORCH_*, EAGLE3_*, ...), and "
                        "spec.json records the names, never the values")
     start.add_argument("argv", nargs=argparse.REMAINDER, help="-- then the command and its arguments")
-    poll.add_argument("--log-offset", type=int, default=0, help="byte offset to read the log from (last log_offset)")
+    poll.add_argument("--log-offset", type=int, default=None,
+                      help="byte offset to read the log from (last log_offset); default 0, or with --stream its cursor")
+    poll.add_argument("--stream", default=None, metavar="NAME",
+                      help="keep this caller's place in the log on the box (cursor.json): --log-offset is recorded "
+                      "as how far NAME has copied the log, and without --log-offset the poll reads on from there (a "
+                      "caller that lost its place, such as a trigger rebuilt after a triggerer restart)")
     poll.add_argument("--from-try-start", action="store_true",
                       help="read the log from the first line of the recorded try (its log_start), not --log-offset: "
                       "the log holds every try")

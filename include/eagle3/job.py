@@ -11,7 +11,8 @@ instead of starting a second copy. So the stage never runs under the SSH command
              group with output appended to `log`, rewrites `state.json` every heartbeat_s, and records how the
              child ended. On SIGTERM it passes the signal on, gives the child 20 s, then SIGKILLs it.
   poll       reads state.json, decides whether the job is really alive, and returns the log from an offset on,
-             so that the caller streams the log across polls (and across Airflow tries).
+             so that the caller streams the log across polls (and across Airflow tries); with --stream the box keeps
+             the caller's place in the log (cursor.json), which a caller that lost its own resumes from.
   kill       SIGTERMs the job's process group, SIGKILLs whatever is left after a grace period, records "killed".
              With --detach it answers once the SIGTERM is sent, and a detached process that holds the job's lock
              does the rest (a caller on a deadline: the triggerer gives a trigger's on_kill 30 s).
@@ -64,6 +65,8 @@ may well carry things other users of the box should not read.
               job polled forever
   log         the stage's stdout+stderr, appended across tries; each try starts with a "==== ... ====" line, at
               byte log_start of its state, so that a caller can show one try's lines (poll --from-try-start)
+  cursor.json how far one stream has copied the log ({"stream", "try", "offset"}; poll --stream): a trigger
+              rebuilt after a triggerer restart goes on from there
   lock        the flock file
 """
 
@@ -685,13 +688,23 @@ def poll_job(
     log_offset: int | None = 0,
     max_log_bytes: int = 65536,
     stale_after_s: float = DEFAULT_STALE_AFTER_S,
+    stream: str | None = None,
 ) -> dict:
     """The job's effective status and the log from log_offset on (None: from the recorded try's first line, its
     log_start). log_size says how much log there is, so that a caller can read on to its end once the job is over.
-    Never changes anything."""
+    Changes nothing, unless `stream` is given.
+
+    stream: the name of one place the caller copies the log into (an Airflow try's task log), whose progress the box
+    keeps in the stream's cursor (cursor.json), so that a caller that lost its own (a triggerer restarted, and the
+    trigger rebuilt from its arguments) goes on where it stopped instead of repeating the try from its start. A
+    log_offset given is recorded there first (everything before it has been copied: the caller asks from where its
+    last answer ended); log_offset None reads from the stream's cursor, if it is for the recorded try, else from the
+    try's first line. At worst the lines of one answer are copied twice: an answer the caller never acknowledged."""
     directory = job_dir(jobs_dir, key)
     if (log_offset is not None and log_offset < 0) or max_log_bytes < 0:
         raise JobError("--log-offset and --max-log-bytes must not be negative")
+    if stream is not None and not KEY_PATTERN.fullmatch(stream):
+        raise JobError(f"--stream {stream!r} is invalid: it must match {KEY_PATTERN.pattern}")
     try:
         state = read_state(directory)
         effective, reason = liveness(state, stale_after_s)
@@ -699,8 +712,14 @@ def poll_job(
         # "dead", as a crashed job: nothing shows that the job runs, and a caller that sees a dead job starts it
         # again, which relaunches it over the file. (A status of its own would be one more for every caller.)
         state, effective, reason = None, "dead", f"{err}; the next job start relaunches the job over it"
-    if log_offset is None:  # (a state from before log_start was recorded: the whole log)
-        log_offset = state.get("log_start", 0) if state else 0
+    try_start = state.get("log_start", 0) if state else 0  # (a state from before log_start: the whole log)
+    if stream is not None and state is not None:
+        if log_offset is None:
+            log_offset = stream_cursor(directory, stream, state["try"], try_start)
+        else:
+            write_stream_cursor(directory, stream, state["try"], log_offset)
+    if log_offset is None:
+        log_offset = try_start
     # The state is read before the log: once it says finished, the log read next is complete.
     try:
         log_size = (directory / "log").stat().st_size
@@ -719,6 +738,26 @@ def poll_job(
         "log_size": log_size,
         "log_tail": read_log_tail(directory / "log") if effective in ("failed", "dead", "killed") else [],
     }
+
+
+CURSOR_FILE = "cursor.json"  # {"stream", "try", "offset"}: how far one stream has copied the log (poll --stream)
+
+
+def stream_cursor(directory: Path, stream: str, try_number: int, try_start: int) -> int:
+    """Where `stream` stopped copying the log of try `try_number`; the try's first line if it never did."""
+    try:
+        cursor = json.loads((directory / CURSOR_FILE).read_text())
+    except (OSError, ValueError):
+        return try_start
+    if not isinstance(cursor, dict) or (cursor.get("stream"), cursor.get("try")) != (stream, try_number):
+        return try_start  # another stream's (an earlier Airflow try), or an earlier job try's
+    offset = cursor.get("offset")
+    return offset if is_count(offset) and offset >= try_start else try_start
+
+
+def write_stream_cursor(directory: Path, stream: str, try_number: int, offset: int) -> None:
+    cursor = {"stream": stream, "try": try_number, "offset": offset}
+    atomic_write_text(directory / CURSOR_FILE, json.dumps(cursor) + "\n", private=True)
 
 
 def kill_job(jobs_dir: str | Path, key: str, grace_s: float = CHILD_GRACE_S, detach: bool = False) -> dict:

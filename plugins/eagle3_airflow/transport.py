@@ -91,7 +91,7 @@ class LocalBox(Box):
         )
         try:
             stdout, stderr = await asyncio.wait_for(proc.communicate(), timeout)
-        except TimeoutError:
+        except (TimeoutError, asyncio.CancelledError):  # (cancelled: the triggerer stops the trigger) no orphan left
             proc.kill()
             await proc.wait()
             raise
