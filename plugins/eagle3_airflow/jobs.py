@@ -16,6 +16,11 @@ id, heartbeat, exit code, try) and the log. This operator only talks to that:
 - Deferrable: after the start, the trigger polls from the triggerer (no worker slot held for an
   11-hour train), streams new log lines into the task log, and rides out SSH outages with backoff
   until `ssh_grace_s` passes. Marking the task failed or clearing it kills the job's process group.
+- The worker's part (code sync, `job start`, the polls around the deferral) has an `execution_timeout` of its
+  own, WORKER_PHASE_TIMEOUT unless default_args or the task set one. Airflow 3.3's task runner times each worker
+  run of a task (execute, then execute_complete) on its own and does not count the time deferred, nor does its
+  execution API cap the deferral's timeout at it; the wait in the triggerer is bounded by `stage_timeout_h`. A
+  worker phase that times out fails the try without killing the job: the next try re-attaches to it.
 - The worker's own commands (code sync, `job start`, `job poll`) are idempotent, so they ride out an
   outage the same way: a connection lost mid-`start` is retried and attaches to the job it started.
 - The plan comes from XCom, which the USER role may edit: `execute` and `execute_complete` check its seal and the
@@ -31,7 +36,12 @@ from datetime import timedelta
 from typing import Any
 
 from airflow.sdk import BaseOperator, ResumableJobMixin
-from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowSkipException
+from airflow.sdk.exceptions import (
+    AirflowException,
+    AirflowFailException,
+    AirflowSkipException,
+    AirflowTaskTimeout,
+)
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 from tenacity import AsyncRetrying, Retrying, retry_if_exception_type, stop_after_delay, wait_exponential_jitter
 
@@ -75,6 +85,11 @@ def outage_retry(conn_id: str, grace_s: float, log) -> dict:
             "reraise": True}
 
 
+# What the worker does around a stage takes seconds; riding out an SSH outage takes up to ssh_grace_s (15 min by
+# default) per command. Longer, the worker is stuck: the try fails, and the next one re-attaches to the job.
+WORKER_PHASE_TIMEOUT = timedelta(minutes=30)
+
+
 def log_stream(ti) -> str:
     """The name under which the box keeps a trigger's place in the job log (`job poll --stream`): one per Airflow
     try, whose task log the trigger writes. Airflow 3 gives every try its own task instance id."""
@@ -98,6 +113,11 @@ class RemoteJobOperator(ResumableJobMixin, BaseOperator):
 
     def __init__(self, *, stage: str, plan: Any, shard: int | None = None, only_if: str | None = None,
                  stage_args: list[str] | None = None, **kwargs):
+        # The worker's part only (sync, `job start`, the polls around the deferral): in Airflow 3.3 the task runner
+        # times each worker run of a task on its own, and the wait in the triggerer is not one (the deferral's own
+        # timeout, stage_timeout_h, governs it). default_args or the task may set another.
+        if "execution_timeout" not in (kwargs.get("default_args") or {}):  # (the DAG's and task group's, merged)
+            kwargs.setdefault("execution_timeout", WORKER_PHASE_TIMEOUT)
         super().__init__(**kwargs)
         self.stage = stage
         self.plan = plan
@@ -149,9 +169,16 @@ class RemoteJobOperator(ResumableJobMixin, BaseOperator):
         if self.only_if and not getattr(plan, self.only_if):
             raise AirflowSkipException(f"{self.only_if}.enabled is off for this run")
         self._running_key = self._key(context)  # for on_kill, which gets no context
-        # A rebooted or reimaged box may have lost the code dir; syncing is a no-op when it is there.
-        self._riding_out_outages(lambda: plan.ensure_code(self.conn_id))  # the run's pinned code
-        return self.execute_resumable(context)
+        try:
+            # A rebooted or reimaged box may have lost the code dir; syncing is a no-op when it is there.
+            self._riding_out_outages(lambda: plan.ensure_code(self.conn_id))  # the run's pinned code
+            return self.execute_resumable(context)
+        except AirflowTaskTimeout:
+            self._timed_out = True  # (the task runner calls on_kill next): see on_kill
+            self.log.error("the worker's part of %s (code sync, job start, polls) took longer than its "
+                           "execution_timeout %s; the job, if it started, is left running and the next try "
+                           "re-attaches to it", self.stage, self.execution_timeout)
+            raise
 
     def _riding_out_outages(self, command):
         """Run an idempotent box command through an outage, as the trigger polls (outage_retry)."""
@@ -231,6 +258,8 @@ class RemoteJobOperator(ResumableJobMixin, BaseOperator):
         key = getattr(self, "_running_key", None)
         if key is None or self._verified is None:
             return
+        if getattr(self, "_timed_out", False):
+            return  # the worker was slow (an outage, a hung command), not the job wrong: the next try re-attaches
         try:
             self.run_plan.box(self.conn_id).run(self._job("kill", key, "--detach"), timeout=ON_KILL_BUDGET_S)
         except Exception as err:  # best effort: the task is being killed anyway

@@ -1,0 +1,66 @@
+"""The remote-job operator's worker phase, in the task SDK's own runner: bounded by an execution_timeout of its own,
+which neither cuts the deferred wait nor kills the job when the worker is what was slow."""
+
+from __future__ import annotations
+
+import sys
+from datetime import timedelta
+from types import SimpleNamespace
+
+import pytest
+from airflow.sdk import DAG
+from airflow.sdk.exceptions import AirflowTaskTimeout, TaskDeferred
+
+from eagle3_airflow.jobs import WORKER_PHASE_TIMEOUT, RemoteJobOperator
+from eagle3_airflow.plan import RunPlan
+from tests.conftest import CONTEXT, sealed
+
+
+def test_the_worker_phase_has_an_execution_timeout_and_the_deferred_wait_the_stage_timeout(plan):
+    """30 minutes for sync, job start and the polls, unless default_args or the task say otherwise. The wait in
+    the triggerer is the deferral's: its timeout is stage_timeout_h (Airflow 3.3 does not cap it at the
+    execution_timeout), so an 11-hour train is not cut at 30 minutes."""
+    assert RemoteJobOperator(task_id="train", stage="train", plan=plan).execution_timeout == timedelta(minutes=30)
+    assert WORKER_PHASE_TIMEOUT == timedelta(minutes=30)
+    with DAG("d", default_args={"execution_timeout": timedelta(hours=2)}):
+        assert RemoteJobOperator(task_id="t", stage="train", plan=plan).execution_timeout == timedelta(hours=2)
+    assert RemoteJobOperator(task_id="t", stage="train", plan=plan,
+                             execution_timeout=None).execution_timeout is None
+
+    operator = RemoteJobOperator(task_id="train", stage="train", plan=plan)
+    context = {**CONTEXT, "ti": SimpleNamespace(task_id="train", map_index=-1, try_number=1, id="0193a1b2")}
+    verified = operator.verify_plan(context)
+    with pytest.raises(TaskDeferred) as deferred:
+        operator.poll_until_complete("train", context)
+    assert deferred.value.timeout == timedelta(hours=verified.stage_timeout_h) > WORKER_PHASE_TIMEOUT
+    assert deferred.value.trigger.stream == "ti-0193a1b2"  # the box keeps this try's place in the log
+
+
+def test_a_worker_phase_that_times_out_fails_the_try_but_leaves_the_job_running(tmp_path, trust_settings,
+                                                                                 monkeypatch):
+    """Airflow's task runner interrupts execute at the execution_timeout and calls on_kill. A slow worker (an SSH
+    outage being ridden out, a hung command) says nothing against the job: on_kill leaves it for the next try to
+    re-attach to."""
+    from airflow.sdk.execution_time.task_runner import _run_execute_callable
+
+    work = tmp_path / "work"
+    plan = sealed(RunPlan(run_name="r", workdir=str(work), run_dir=str(work / "runs" / "r"), conn_ids=["local"],
+                          python=sys.executable, num_shards=1, generate=False, benchmark=False, require_gpus=False,
+                          gpu_max_used_mib=1024))
+    box_commands = []
+
+    class Box:
+        def run(self, argv, **_):
+            box_commands.append(argv)
+            if "ensure" in argv:
+                import time
+
+                time.sleep(30)  # the sync that never ends
+
+    monkeypatch.setattr(RunPlan, "box", lambda self, conn_id=None: Box())
+    monkeypatch.setattr(RunPlan, "ensure_code", lambda self, conn_id=None: Box().run(["ensure"]))
+    operator = RemoteJobOperator(task_id="train", stage="train", plan=plan, execution_timeout=timedelta(seconds=1))
+    context = {**CONTEXT, "ti": SimpleNamespace(task_id="train", map_index=-1, try_number=1, id="0193a1b2")}
+    with pytest.raises(AirflowTaskTimeout):
+        _run_execute_callable(context, operator.execute, operator)
+    assert box_commands == [["ensure"]]  # no `job kill` after it
