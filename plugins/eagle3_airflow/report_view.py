@@ -25,9 +25,6 @@ import html
 import json
 from typing import Annotated
 
-from airflow.api_fastapi.auth.managers.models.resource_details import DagAccessEntity
-from airflow.api_fastapi.common.db.common import SessionDep
-from airflow.api_fastapi.core_api.security import requires_access_dag
 from airflow.sdk.exceptions import AirflowFailException
 from fastapi import Depends, FastAPI, HTTPException, Response
 from fastapi.responses import HTMLResponse
@@ -35,6 +32,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from eagle3_airflow import DAG_ID
+from eagle3_airflow.airflow_internals import DagAccessEntity, SessionDep, requires_access_dag
 from eagle3_airflow.plan import RunPlan, verified_plan
 from eagle3_airflow.results import REPORT, RunFileRefused, list_plots, read_file, run_summary
 from eagle3_airflow.run_note import figure, verdict
@@ -49,7 +47,7 @@ FILE_HEADERS = {"X-Content-Type-Options": "nosniff", "Content-Security-Policy": 
 
 
 def _run(session: Session, dag_id: str, run_id: str):
-    from airflow.models.dagrun import DagRun
+    from eagle3_airflow.airflow_internals import DagRun
 
     if dag_id != DAG_ID:
         raise HTTPException(404, f"only runs of {DAG_ID} have an EAGLE-3 report")
@@ -61,7 +59,7 @@ def _run(session: Session, dag_id: str, run_id: str):
 
 def _plan(session: Session, dag_id: str, run_id: str) -> RunPlan:
     """The run's plan, verified; 404 before validate succeeded, 409 when it does not verify (with the reason)."""
-    from airflow.models.xcom import XComModel
+    from eagle3_airflow.airflow_internals import XComModel
 
     dag_run = _run(session, dag_id, run_id)
     row = session.scalars(select(XComModel).where(XComModel.dag_run_id == dag_run.id, XComModel.task_id == "validate",

@@ -123,10 +123,11 @@ def _fit(lines: list[str]) -> str:
 
 def publish(dag_run) -> None:
     """Write the note of a finished run of this project's DAG, in the session that holds the run."""
-    from airflow.models.xcom import XComModel
-    from airflow.utils.state import TaskInstanceState
+    from airflow.sdk import TaskInstanceState
     from sqlalchemy import select
     from sqlalchemy.orm import object_session
+
+    from eagle3_airflow.airflow_internals import XComModel
 
     if dag_run.dag_id != DAG_ID:
         return

@@ -95,7 +95,7 @@ def task_key(create: bool = False) -> bytes:
 
 def server_key() -> bytes | None:
     """The same key, read by the API server (the report tab), which is no task: through Airflow's models."""
-    from airflow.models.variable import Variable
+    from eagle3_airflow.airflow_internals import Variable
 
     value = Variable.get(SECRET_VARIABLE, default_var=None)
     return value.encode() if value else None
