@@ -102,18 +102,39 @@ def test_a_plan_without_its_seal_or_another_runs_sealed_plan_is_refused(run, no_
         tasks.inputs_changed(run["plan"], dag_run=None)
 
 
-def test_a_retry_a_cleared_validate_and_a_newer_codes_plan_verify(run, monkeypatch):
+def sealed_as_is(body: dict) -> dict:
+    """`body` sealed for RUN exactly as it is, as validate of other code would seal it (conftest's `sealed` goes
+    through this code's RunPlan, which would drop a key it does not know and refuse one missing)."""
+    from eagle3_airflow.seal import RunRef, seal, task_key
+
+    return {**body, "seal": seal("plan", body, RunRef.of(RUN), task_key())}
+
+
+def test_a_retry_a_cleared_validate_and_a_newer_codes_plan_verify(run, caplog):
     """A retry reads the same sealed plan: it verifies again. Clearing validate seals the plan again for the same
-    run. A key this code does not know, in a plan sealed by newer code (a rollback), is ignored; the same key added
-    by an XCom edit breaks the seal."""
+    run. A key this code does not know, in a plan sealed by newer code (the DAG code rolled back during a run), is
+    logged and ignored; the same key added by an XCom edit breaks the seal, which covers the whole dict."""
     verified = plan_module.verified_plan(run["plan"], RUN)
     assert plan_module.verified_plan(json.loads(json.dumps(run["plan"])), RUN) == verified  # XCom's JSON round trip
     assert plan_module.verified_config(run["config"], verified) == run["config"]
     assert plan_module.verified_plan(sealed(verified), RUN) == verified  # validate cleared and run again
-    newer = sealed({**run["plan"], "gpu_numa_policy": "interleave"})
-    assert plan_module.verified_plan(newer, RUN) == verified
+    body = {key: value for key, value in run["plan"].items() if key != "seal"}
+    newer = sealed_as_is({**body, "gpu_numa_policy": "interleave"})
+    with caplog.at_level("WARNING", logger="eagle3_airflow.plan"):
+        assert plan_module.verified_plan(newer, RUN) == verified
+    assert "keys this code does not know (planned by newer code?): ['gpu_numa_policy']; ignored" in caplog.text
+    with pytest.raises(Tampered, match=EDITED):
+        plan_module.verified_plan({**newer, "gpu_numa_policy": "first-touch"}, RUN)
     with pytest.raises(Tampered, match=EDITED):
         plan_module.verified_plan({**run["plan"], "gpu_numa_policy": "interleave"}, RUN)
+
+
+def test_a_plan_of_older_code_that_lacks_a_field_fails_naming_it(run):
+    """Sealed, but planned by code that had no `num_shards` yet: refused, naming what is missing, before any use."""
+    body = {key: value for key, value in run["plan"].items() if key not in ("seal", "num_shards", "conn_ids")}
+    with pytest.raises(Tampered, match=r"lacks conn_ids, num_shards, which this code needs \(planned by older "
+                                       r"code\?\)\. Nothing was run on the box"):
+        plan_module.verified_plan(sealed_as_is(body), RUN)
 
 
 def test_settings_tightened_since_validate_stop_the_run_at_its_next_task(run, trust_settings, no_box):

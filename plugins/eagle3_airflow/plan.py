@@ -19,7 +19,7 @@ this code does. An unsealed plan is refused whole, known keys or not.
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 
 from eagle3.config import ConfigError, RunConfig, parse_run_config
 from eagle3_airflow.codesync import code_dir, ensure_code, package_archive
@@ -92,10 +92,12 @@ class RunPlan:
         unknown = sorted(set(data) - known - {"seal"})
         if unknown:
             log.warning("the run plan has keys this code does not know (planned by newer code?): %s; ignored", unknown)
-        try:
-            return cls(**{key: value for key, value in data.items() if key in known})
-        except TypeError as err:  # a field this code needs is missing: planned by older code
-            raise Tampered(f"{PLAN_XCOM} lacks what this code needs ({err}). " + TRIGGER_AGAIN) from None
+        required = [f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING]
+        missing = [name for name in required if name not in data]
+        if missing:
+            raise Tampered(f"{PLAN_XCOM} lacks {', '.join(missing)}, which this code needs (planned by older code?). "
+                           + TRIGGER_AGAIN)
+        return cls(**{key: value for key, value in data.items() if key in known})
 
     def to_xcom(self) -> dict:
         return asdict(self)
