@@ -366,6 +366,50 @@ def test_a_stream_goes_on_from_its_cursor_and_another_stream_or_try_starts_at_th
         job.poll_job(jobs, "cursor", None, stream="../x")
 
 
+def test_a_redo_runs_a_finished_job_again_from_scratch_once_with_its_outputs_set_aside(tmp_path):
+    """start --redo NAME: a succeeded job runs again, as try 1, with its earlier tries' files in redone/<time>/ and
+    the outputs named by --set-aside renamed aside whole (a stage resumes from what it finds: it must find nothing
+    of the old run); a retry with the same NAME attaches to the new try; nothing outside the run directory, nor its
+    jobs or config, can be set aside; no redo beside a live try."""
+    run_dir = tmp_path / "run"
+    jobs, out = run_dir / "jobs", run_dir / "train"
+    write = f"import os, sys\nos.makedirs({str(out)!r}, exist_ok=True)\n" \
+            f"open(os.path.join({str(out)!r}, 'step'), 'a').write(sys.argv[1])\nprint('wrote', sys.argv[1])\n"
+
+    def start_redo(marker: str, *redo: str) -> dict:
+        return eagle3_job("start", "--jobs-dir", str(jobs), "--key", "train", "--heartbeat-s", "0.5", *redo, "--",
+                          PY, "-c", write, marker)
+
+    start_redo("old")
+    wait_for_effective(jobs, "train", "succeeded")
+    assert start_redo("again")["attached"] is True  # no redo: a finished job is done
+    redone = start_redo("new", "--redo", "run-abc", "--set-aside", str(out))
+    assert redone["attached"] is False and redone["try"] == 1
+    done = wait_for_effective(jobs, "train", "succeeded", log_offset=None)
+    assert (out / "step").read_text() == "new" and "wrote new" in done["log"] and "wrote old" not in done["log"]
+    (aside,) = run_dir.glob("train.before-redo-*")
+    assert (aside / "step").read_text() == "old"
+    (archive,) = (jobs / "train" / "redone").iterdir()
+    assert "wrote old" in (archive / "log").read_text() and json.loads((archive / "state.json").read_text())["try"] == 1
+    assert start_redo("retry", "--redo", "run-abc", "--set-aside", str(out))["attached"] is True  # once per NAME
+    assert (out / "step").read_text() == "new"
+
+    for hostile in (str(tmp_path / "elsewhere"), str(run_dir / "jobs"), str(run_dir / "config.json"),
+                    str(run_dir / "train" / ".." / ".." / "x")):
+        refused = run_eagle3("job", "start", "--jobs-dir", str(jobs), "--key", "train", "--redo", "run-b",
+                             "--set-aside", hostile, "--", PY, "-c", "pass", check=False)
+        assert refused.returncode == 2 and f"--set-aside {hostile!r} is not an output this job may move" in \
+            refused.stderr
+    assert (run_dir / "jobs").is_dir() and len(list(run_dir.glob("train.before-redo-*"))) == 1
+
+    live = start(jobs, "live", "import time; time.sleep(30)")
+    refused = run_eagle3("job", "start", "--jobs-dir", str(jobs), "--key", "live", "--redo", "run-c", "--", PY,
+                         "-c", "pass", check=False)
+    assert refused.returncode == 1 and f"job live is running (try 1, pid {live['pid']}): a redo does not start " \
+        "beside a live try" in refused.stderr
+    job.kill_job(jobs, "live", grace_s=1)
+
+
 def test_job_help_hides_supervise_and_the_module_stays_light():
     assert "supervise" not in run_eagle3("job", "--help").stdout
     check = "import sys, eagle3.job; assert not {'torch', 'airflow'} & set(sys.modules), sys.modules.keys()"

@@ -254,7 +254,7 @@ def cmd_job(args) -> None:
             stall = job.StallLimits(args.first_progress_timeout_s or args.stall_timeout_s, args.stall_timeout_s) \
                 if args.stall_timeout_s else None
             result = job.start_job(args.jobs_dir, args.key, argv, args.heartbeat_s, args.stale_after_s,
-                                   args.pass_env, stall)
+                                   args.pass_env, stall, args.redo, args.set_aside)
         except job.JobLaunchError as err:  # not a usage error: a retry may well succeed
             print(f"error: {err}", file=sys.stderr)
             raise SystemExit(1) from None
@@ -449,6 +449,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also pass this environment variable to the command (repeatable); beyond these it gets "
                        "only an allowlist (PATH, HOME, LANG, CUDA_*, HF_*, NCCL_*, TORCH_*, EAGLE3_*, ...), and "
                        "spec.json records the names, never the values")
+    start.add_argument("--redo", default=None, metavar="NAME",
+                       help="run the job again from scratch once for this request NAME, even if it succeeded: its "
+                       "earlier tries go to redone/<time>/ in the job's directory and each --set-aside output is "
+                       "renamed NAME.before-redo-<time>; a later start with the same NAME attaches or resumes as usual")
+    start.add_argument("--set-aside", action="append", default=[], metavar="PATH",
+                       help="with --redo: an output of the stage (an entry of the run directory) to rename aside")
     start.add_argument("argv", nargs=argparse.REMAINDER, help="-- then the command and its arguments")
     poll.add_argument("--log-offset", type=int, default=None,
                       help="byte offset to read the log from (last log_offset); default 0, or with --stream its cursor")

@@ -56,7 +56,9 @@ environment and hands it on; spec.json records only the names.
 
 Files in {jobs_dir}/{key}/; both directories are private (0700) and so are the files (0600): the log and the argv
 may well carry things other users of the box should not read.
-  spec.json   what to run: argv, cwd, env_names (names only, never values), heartbeat_s and the try number
+  spec.json   what to run: argv, cwd, env_names (names only, never values), heartbeat_s, the try number and the
+              redo it belongs to (start --redo NAME: the job's earlier tries went to redone/<time>/, and the
+              outputs named with --set-aside to NAME.before-redo-<time> beside them; once per NAME)
   state.json  the supervisor's report: key, try, status, pid, pgid, pid_start_ticks, boot_id, host, argv,
               started_at, heartbeat_at, exit_code, ended_at, log, log_start (and child_pid)
   progress.json  the stage's newest progress beat (eagle3.progress.beat: time, line, allowance); with
@@ -576,20 +578,32 @@ def start_job(
     stale_after_s: float = DEFAULT_STALE_AFTER_S,
     pass_env: Iterable[str] = (),
     stall: StallLimits | None = None,
+    redo: str | None = None,
+    set_aside: Iterable[str] = (),
 ) -> dict:
     """Make sure the job runs: attach to a live (or succeeded) try, or launch a new one. Returns its state plus
     "attached" (True: nothing was launched) and "refused" (why nothing of the last try was signalled before the
     relaunch, or None). pass_env: names of environment variables the stage gets beyond the allowlist. stall: when
-    to kill a stage that stopped making progress (None: never)."""
+    to kill a stage that stopped making progress (None: never).
+
+    redo: a name for one request to run the job again from scratch, however its last try ended (see redo_job); the
+    job's earlier tries and the `set_aside` outputs are moved aside once per name, and a start with the same name
+    later (a retry) attaches, resumes or relaunches as usual."""
     directory = job_dir(jobs_dir, key)
     if not argv:
         raise JobError("job start needs the command to run after `--`")
+    if redo is not None and not KEY_PATTERN.fullmatch(redo):
+        raise JobError(f"--redo {redo!r} is invalid: it must match {KEY_PATTERN.pattern}")
+    outputs = [output_to_set_aside(directory, path) for path in set_aside]
     if not 0 < heartbeat_s <= stale_after_s / 2:
         raise JobError(f"--heartbeat-s {heartbeat_s:g} must be positive and at most half of --stale-after-s "
                        f"{stale_after_s:g}, or a healthy job would look dead")
     env = stage_environment(pass_env)
     make_private_dirs(directory)
     with locked(directory):
+        recorded_redo = spec_field(directory, "redo")
+        if redo is not None and redo != recorded_redo:
+            redo_job(directory, redo, outputs, stale_after_s)
         try:
             state = read_state(directory)
         except CorruptState as corrupt:
@@ -613,8 +627,58 @@ def start_job(
                 return {**state, "attached": True, "refused": None}
             refused = stop_last_try(state, directory) if state is not None else None
             try_number = (state["try"] if state else 0) + 1
-        supervisor = launch_supervisor(directory, argv, heartbeat_s, try_number, env, stall)
+        supervisor = launch_supervisor(directory, argv, heartbeat_s, try_number, env, stall,
+                                       redo if redo is not None else recorded_redo)
         return {**wait_for_report(directory, supervisor, try_number), "attached": False, "refused": refused}
+
+
+def spec_field(directory: Path, name: str):
+    """A field of the job's spec.json (what its last try was launched with), or None."""
+    try:
+        spec = json.loads((directory / "spec.json").read_bytes())
+    except (OSError, ValueError):
+        return None
+    return spec.get(name) if isinstance(spec, dict) else None
+
+
+def output_to_set_aside(directory: Path, path: str) -> Path:
+    """A stage's output that a redo moves aside: only a top-level entry of the run directory the jobs directory is
+    in (its name plain: no '/', no '..'), never the jobs directory or config.json."""
+    run_dir, name = directory.parent.parent, Path(path).name
+    if Path(path).parent.absolute() != run_dir or not KEY_PATTERN.fullmatch(name) or name in ("jobs", "config.json"):
+        raise JobError(f"--set-aside {path!r} is not an output this job may move: it must be an entry of the run "
+                       f"directory {run_dir} (not jobs/ or config.json)")
+    return run_dir / name
+
+
+def redo_job(directory: Path, redo: str, outputs: list[Path], stale_after_s: float) -> None:
+    """Make the next try start from scratch, under the job's lock: refuse while a try runs; stop what is left of the
+    last one; rename each output to NAME.before-redo-<time> (kept whole beside the new one, never mixed with it:
+    a stage resumes from what it finds, so it must find nothing); move the job's files (state, spec, log,
+    cursor) into redone/<time>/. The new try is try 1, and its spec records `redo`."""
+    try:
+        state = read_state(directory)
+    except CorruptState:
+        state = None  # (a torn file: start relaunches over it, as it would without a redo)
+    if state is not None and liveness(state, stale_after_s)[0] == "running":
+        raise JobLaunchError(f"job {directory.name} is running (try {state['try']}, pid {state['pid']}): a redo does "
+                             "not start beside a live try. Wait for it to end, or kill it (mark the task failed, or "
+                             f"`python -m eagle3 job kill --jobs-dir {directory.parent} --key {directory.name}`), then "
+                             "start again")
+    if state is not None:
+        stop_last_try(state, directory)
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    for output in outputs:
+        if output.exists() or output.is_symlink():
+            os.rename(output, output.with_name(f"{output.name}.before-redo-{stamp}"))
+    archive = directory / "redone" / stamp
+    names = [name for name in ("state.json", "spec.json", "log", "progress.json", CURSOR_FILE)
+             if (directory / name).exists()]
+    if names:
+        archive.mkdir(mode=0o700, parents=True, exist_ok=True)
+        for name in ("state.json", "progress.json", CURSOR_FILE, "log", "spec.json"):  # spec last: it names the redo
+            if name in names:
+                os.rename(directory / name, archive / name)
 
 
 def stop_last_try(state: dict, directory: Path) -> str | None:
@@ -635,11 +699,11 @@ def stop_last_try(state: dict, directory: Path) -> str | None:
 
 def launch_supervisor(
     directory: Path, argv: list[str], heartbeat_s: float, try_number: int, env: dict[str, str],
-    stall: StallLimits | None = None,
+    stall: StallLimits | None = None, redo: str | None = None,
 ) -> subprocess.Popen:
     """Start the supervisor with `env` (stage_environment's), which it hands on to the stage."""
     spec = {"argv": list(argv), "cwd": os.getcwd(), "env_names": sorted(env), "heartbeat_s": heartbeat_s,
-            "try": try_number, "stall": dataclasses.asdict(stall) if stall else None}
+            "try": try_number, "stall": dataclasses.asdict(stall) if stall else None, "redo": redo}
     atomic_write_text(directory / "spec.json", json.dumps(spec, indent=2) + "\n", private=True)
     # The supervisor's own stderr (a traceback, should it ever crash) goes to the log.
     with open(directory / "log", "ab", opener=private_opener) as log_file:
