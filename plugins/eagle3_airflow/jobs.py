@@ -31,6 +31,7 @@ id, heartbeat, exit code, try) and the log. This operator only talks to that:
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from collections.abc import AsyncIterator
 from datetime import timedelta
 from typing import Any
@@ -46,7 +47,7 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 from tenacity import AsyncRetrying, Retrying, retry_if_exception_type, stop_after_delay, wait_exponential_jitter
 
 from eagle3.job import run_seconds
-from eagle3_airflow.plan import RunPlan, verified_plan
+from eagle3_airflow.plan import REDO_OUTPUTS, RunPlan, verified_plan
 from eagle3_airflow.transport import BoxUnreachable, box_for
 
 TERMINAL = {"succeeded", "failed", "killed", "dead", "absent"}
@@ -192,13 +193,27 @@ class RemoteJobOperator(ResumableJobMixin, BaseOperator):
         stall = ["--stall-timeout-s", f"{plan.stall_timeout_s:g}",
                  "--first-progress-timeout-s", f"{plan.first_progress_timeout_s or plan.stall_timeout_s:g}"]
         argv = self._job("start", key, "--heartbeat-s", f"{heartbeat_s:g}", "--stale-after-s",
-                         f"{plan.stale_after_s:g}", *stall, *passed_env, "--", *self._stage_argv())
+                         f"{plan.stale_after_s:g}", *stall, *passed_env, *self._redo(context), "--",
+                         *self._stage_argv())
         box = self.run_plan.box(self.conn_id)
         state = self._riding_out_outages(lambda: box.run(argv, timeout=120)).json(f"starting job {key}")
         verb = "attached to" if state.get("attached") else "started"
         self.log.info("%s %s job %s on %s: try %s, pid %s (log: %s)", verb, self.stage, key, self.conn_id,
                       state.get("try"), state.get("pid"), state.get("log"))
         return key
+
+    def _redo(self, context) -> list[str]:
+        """`job start`'s redo flags when this run redoes this stage (box.redo_from): once per DAG run, its earlier
+        tries and outputs set aside; every try of this run passes the same name, so a retry resumes the redo."""
+        plan = self.run_plan
+        if not plan.redoes(self.stage):
+            return []
+        dag_run = context["dag_run"]
+        name = "run-" + hashlib.sha256(f"{dag_run.dag_id}/{dag_run.run_id}".encode()).hexdigest()[:16]
+        outputs = [arg for output in REDO_OUTPUTS[self.stage] for arg in ("--set-aside", f"{plan.run_dir}/{output}")]
+        self.log.info("box.redo_from %s: %s runs again from scratch (redo %s; its earlier outputs are renamed "
+                      "aside)", plan.redo_from, self.stage, name)
+        return ["--redo", name, *outputs]
 
     def get_job_status(self, external_id, context) -> str:
         return self._poll(str(external_id))["effective"]

@@ -13,7 +13,7 @@ thresholds) live in `BoxSettings` and become params the same way, under `box.`.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
@@ -83,6 +83,13 @@ class BoxSettings(BaseModel):
     stage_timeout_h: float = Field(
         168.0, gt=0, le=24 * 90, title="Stage time limit (h)",
         description="How long a task waits for its stage at most (the deferral's timeout), however it progresses.",
+    )
+    redo_from: Literal["", "vocab", "train", "export", "evaluate", "benchmark"] = Field(
+        "", title="Redo from stage",
+        description="Run this stage and every later one again from scratch, even where an earlier Airflow run of "
+        "this run_name finished them (a clear only re-attaches to a finished stage): their outputs (vocab_mapping/, "
+        "train/, drafter/, evaluate/, benchmark/) are renamed aside to NAME.before-redo-<time>, never mixed with the "
+        "new ones, and 'nothing changed' does not skip them. Empty: finished stages are kept.",
     )
 
 

@@ -28,6 +28,13 @@ from eagle3_airflow.seal import TRIGGER_AGAIN, RunRef, Tampered, digest, is_seal
 from eagle3_airflow.transport import Box, box_for
 
 log = logging.getLogger(__name__)
+# The remote stages a run may redo (box.redo_from), in pipeline order: redoing one redoes every later one, so that no
+# output is left from before the redo beside one made after it. (generate and extract write shared stores, keyed by
+# what decides them: a redo there would be another key, or deleting the store.)
+# What each writes in the run directory, which a redo renames aside (job start --set-aside).
+REDO_OUTPUTS = {"vocab": ["vocab_mapping"], "train": ["train"], "export": ["drafter"], "evaluate": ["evaluate"],
+                "benchmark": ["benchmark"]}
+REDO_ORDER = tuple(REDO_OUTPUTS)
 PLAN_XCOM = "the run plan in XCom (task `validate`, key `plan`)"
 CONFIG_XCOM = "the run config in XCom (task `validate`, key `config`)"
 
@@ -61,6 +68,8 @@ class RunPlan:
     code_digest: str = ""
     # sha256 of the run config validate wrote beside the plan (seal.digest): the seal covers the config through it.
     config_sha256: str = ""
+    # box.redo_from: this remote stage and every later one run again from scratch (RemoteJobOperator, job start --redo)
+    redo_from: str = ""
 
     @classmethod
     def build(cls, config: RunConfig, box: BoxSettings, box_env: list[str] | None = None) -> RunPlan:
@@ -83,6 +92,7 @@ class RunPlan:
             box_env=list(box_env or []),
             code_digest=package_archive().digest,
             config_sha256=digest(config.model_dump(mode="json")),
+            redo_from=box.redo_from,
         )
 
     @classmethod
@@ -123,6 +133,11 @@ class RunPlan:
     def ensure_code(self, conn_id: str | None = None) -> str:
         """Sync this run's code to a box (the first by default); returns its directory there."""
         return ensure_code(self.box(conn_id), self.python, self.workdir, self.code_digest or None)
+
+    def redoes(self, stage: str) -> bool:
+        """Whether this run runs `stage` again from scratch (box.redo_from names it or an earlier stage)."""
+        return bool(self.redo_from) and stage in REDO_ORDER and \
+            REDO_ORDER.index(stage) >= REDO_ORDER.index(self.redo_from)
 
     def conn_for_shard(self, shard: int) -> str:
         return self.conn_ids[shard % len(self.conn_ids)]

@@ -103,7 +103,11 @@ def check_inputs(plan: RunPlan) -> dict:
 def inputs_changed(plan_dict: dict, dag_run=None) -> bool:
     """After vocab: False (training, export and evaluation are skipped) when the run's samples, vocab mapping and
     settings equal those the lineage's current drafter was trained from (eagle3.promote.check_inputs)."""
-    check = check_inputs(verified_plan(plan_dict, dag_run))
+    plan = verified_plan(plan_dict, dag_run)
+    if plan.redo_from:  # asked for by name: run whatever changed (eagle3_airflow.jobs, RemoteJobOperator._redo)
+        log.info("box.redo_from %s: training, export and evaluation run, changed inputs or not", plan.redo_from)
+        return True
+    check = check_inputs(plan)
     if check["changed"]:
         log.info("inputs: new since the current drafter (%s); training", check.get("current") or "none yet")
         return True
