@@ -91,6 +91,13 @@ def outage_retry(conn_id: str, grace_s: float, log) -> dict:
 WORKER_PHASE_TIMEOUT = timedelta(minutes=30)
 
 
+def predates(result, option: str) -> bool:
+    """Whether a `job` command failed because the box's code for this run (pinned when the run was validated, so
+    possibly older than this plugin) does not know `option`: argparse's usage error."""
+    usage_error = result.returncode == USER_ERROR_EXIT and "unrecognized arguments" in result.stderr
+    return usage_error and option in result.stderr
+
+
 def log_stream(ti) -> str:
     """The name under which the box keeps a trigger's place in the job log (`job poll --stream`): one per Airflow
     try, whose task log the trigger writes. Airflow 3 gives every try its own task instance id."""
@@ -276,7 +283,9 @@ class RemoteJobOperator(ResumableJobMixin, BaseOperator):
         if getattr(self, "_timed_out", False):
             return  # the worker was slow (an outage, a hung command), not the job wrong: the next try re-attaches
         try:
-            self.run_plan.box(self.conn_id).run(self._job("kill", key, "--detach"), timeout=ON_KILL_BUDGET_S)
+            box = self.run_plan.box(self.conn_id)
+            if predates(box.run(self._job("kill", key, "--detach"), timeout=ON_KILL_BUDGET_S), "--detach"):
+                box.run(self._job("kill", key), timeout=ON_KILL_BUDGET_S)
         except Exception as err:  # best effort: the task is being killed anyway
             self.log.warning("could not kill job %s: %s", key, err)
 
@@ -338,7 +347,7 @@ class RemoteJobTrigger(BaseTrigger):
                 except OUTAGE_ERRORS as err:
                     yield TriggerEvent({"status": "unreachable", "key": self.key, "reason": str(err)})
                     return
-                if self.stream and result.returncode == USER_ERROR_EXIT and "--stream" in result.stderr:
+                if self.stream and predates(result, "--stream"):
                     # The run's pinned code on the box predates log cursors: stream as before (a triggerer restart
                     # then repeats the try's log).
                     self.log.warning("the box's code for this run knows no `job poll --stream`; the log is streamed "
@@ -381,7 +390,10 @@ class RemoteJobTrigger(BaseTrigger):
 
         async def kill() -> str:
             try:
-                return (await box.arun(self._argv("kill", "--detach"), timeout=ON_KILL_BUDGET_S)).stdout
+                result = await box.arun(self._argv("kill", "--detach"), timeout=ON_KILL_BUDGET_S)
+                if predates(result, "--detach"):  # the run's code on the box: a plain kill, in what time is left
+                    result = await box.arun(self._argv("kill"), timeout=ON_KILL_BUDGET_S)
+                return result.stdout
             finally:
                 await box.aclose()
 
