@@ -152,44 +152,71 @@ def test_the_approval_reads_the_proposal_through_the_same_refusals(run_dir, plan
     assert SECRET not in str(refused.value)
 
 
-# -- the report tab --------------------------------------------------------------------------------------------
+# -- the report tab: what the report task published, no box ------------------------------------------------------
 
 
 @pytest.fixture
-def report_tab(plan, monkeypatch):
-    """The report view's routes with the run's plan found (its XCom lookup is the DB's; plan_of_run is tested
-    below on its own)."""
+def reports(tmp_path, monkeypatch) -> Path:
+    """The default reports store, $AIRFLOW_HOME/eagle3-reports, in this test's own AIRFLOW_HOME."""
+    monkeypatch.setenv("AIRFLOW_HOME", str(tmp_path / "airflow-home"))
+    return tmp_path / "airflow-home" / "eagle3-reports"
+
+
+def test_the_report_tab_serves_what_the_report_task_published_with_the_box_gone(run_dir, plan, secret, reports):
+    """Issue 36: the API server has no box key; the tab used to SSH to the box and 500 on any real one. Now the
+    report task publishes the run's report and plots, and the tab serves only that publication."""
     from eagle3_airflow import report_view
 
-    monkeypatch.setattr(report_view, "_plan", lambda session, dag_id, run_id: box_plan(plan))
-    return report_view
+    (run_dir / "evaluate" / "acceptance.png").symlink_to(secret)  # a planted link: not a plot of the run
+    tasks.report(plan, dag_run=RUN)
+    folder = reports / "eagle3_drafter" / "manual__2026-12-04T08%3A00%3A00%2B00%3A00"
+    assert json.loads((folder / "report.json").read_text()) == REPORT
+    assert (folder / "plots" / "000.png").read_bytes() == PNG and len(list((folder / "plots").iterdir())) == 1
+    assert not [path for path in reports.rglob("*") if path.is_file() and SECRET.encode() in path.read_bytes()]
+    assert not list(folder.glob(".*.tmp"))  # written under temporary names, renamed into place
 
-
-def test_the_report_tab_serves_the_runs_plots_and_nothing_a_link_points_at(report_tab, run_dir, secret):
-    (run_dir / "evaluate" / "acceptance.png").symlink_to(secret)
-    page = report_tab.report_page("eagle3_drafter", RUN.run_id, None)
-    assert "1.870" in page and "promoted" in page and page.count("<img") == 1  # the figures: the box's report
-    assert report_tab.plot("eagle3_drafter", RUN.run_id, 0, None).body == PNG
+    os.rename(run_dir, run_dir.with_name("gone"))  # the box lost the run (or is down): the tab does not care
+    page = report_view.report_page("eagle3_drafter", RUN.run_id, None)
+    assert "1.870" in page and "promoted" in page and page.count("<img") == 1 and "train/loss.png" in page
+    response = report_view.plot("eagle3_drafter", RUN.run_id, 0, None)
+    assert response.body == PNG and response.headers["x-content-type-options"] == "nosniff"
     with pytest.raises(HTTPException) as missing:
-        report_tab.plot("eagle3_drafter", RUN.run_id, 1, None)
+        report_view.plot("eagle3_drafter", RUN.run_id, 1, None)
     assert missing.value.status_code == 404
-    response = report_tab.plot("eagle3_drafter", RUN.run_id, 0, None)
-    assert response.headers["x-content-type-options"] == "nosniff"  # never sniffed into an HTML page
-    (run_dir / "evaluate" / "report.json").unlink()
-    (run_dir / "evaluate" / "report.json").symlink_to(secret)
-    with pytest.raises(HTTPException) as refused:
-        report_tab.report_json("eagle3_drafter", RUN.run_id, None)
-    assert refused.value.status_code == 403 and SECRET not in refused.value.detail
+    assert json.loads(report_view.report_json("eagle3_drafter", RUN.run_id, None).body) == REPORT
 
 
-def test_the_report_tab_reads_nothing_for_a_plan_edited_in_xcom(plan, monkeypatch):
-    """An XCom edit that points the plan at another box or directory (a USER-role PATCH): the tab answers 409
-    with the reason and reads nothing."""
+def test_the_report_tab_of_a_run_that_published_nothing_says_so(reports):
     from eagle3_airflow import report_view
 
-    monkeypatch.setattr(report_view, "run_summary", lambda plan: pytest.fail("read the box of an unverified plan"))
-    edited = {**plan, "run_dir": "/etc", "conn_ids": ["prod-db"]}
+    page = report_view.report_page("eagle3_drafter", "manual__never", None)
+    assert "id='unpublished'" in page and "report task has not run yet" in page
+    with pytest.raises(HTTPException) as missing:
+        report_view.report_json("eagle3_drafter", "manual__never", None)
+    assert missing.value.status_code == 404
+
+
+@pytest.mark.parametrize("run_id", ["..", "../../etc", "a/../../b", "."])
+def test_a_run_id_names_one_folder_of_the_store_and_nothing_outside_it(reports, run_id):
+    """Run ids become one percent-encoded path component, dots included: no id reaches out of its DAG's folder."""
+    from eagle3_airflow.deployment import Deployment
+    from eagle3_airflow.published import run_folder
+
+    folder = run_folder(Deployment(), "eagle3_drafter", run_id)
+    assert folder.parent == Deployment().reports_root() / "eagle3_drafter" and "/" not in folder.name
+    assert ".." not in folder.name and folder.name != "."
+
+
+def test_the_tab_serves_only_files_the_publication_names(run_dir, plan, reports, secret):
+    """A file dropped into a run's published folder (or a summary.json naming another path) is not served."""
+    from eagle3_airflow import report_view
+    from eagle3_airflow.published import SUMMARY
+
+    tasks.report(plan, dag_run=RUN)
+    folder = reports / "eagle3_drafter" / "manual__2026-12-04T08%3A00%3A00%2B00%3A00"
+    manifest = json.loads((folder / SUMMARY).read_text())
+    manifest["plots"] = [{"file": "../../../../elsewhere/id_ed25519", "name": "x"}]
+    (folder / SUMMARY).write_text(json.dumps(manifest))
     with pytest.raises(HTTPException) as refused:
-        report_view.plan_of_run(edited, RUN)
-    assert refused.value.status_code == 409 and "does not match its seal" in refused.value.detail
-    assert report_view.plan_of_run(plan, RUN).run_dir == plan["run_dir"]  # the sealed one verifies
+        report_view.plot("eagle3_drafter", RUN.run_id, 0, None)
+    assert refused.value.status_code == 404

@@ -14,7 +14,7 @@ an Airflow upgrade that moves or changes one fails that test, not a page or a li
 
 from __future__ import annotations
 
-# The report tab checks the caller's rights on the DAG's runs and XComs as Airflow's own REST routes do, so that
+# The report tab checks the caller's right to read the DAG's runs as Airflow's own REST routes do, so that
 # the auth manager (simple, or FAB roles) decides who sees a report: Airflow's FastAPI security dependencies, for
 # which a plugin's fastapi_apps have no public counterpart.
 from airflow.api_fastapi.auth.managers.models.resource_details import DagAccessEntity
@@ -25,15 +25,17 @@ from airflow.api_fastapi.common.db.common import SessionDep
 # (DagAccessEntity's companion: the dependency that checks it.)
 from airflow.api_fastapi.core_api.security import requires_access_dag
 
-# A run, read from the metadata DB by the report tab (a request, not a task); the listener gets one from Airflow.
+# Whether a run exists, asked of the metadata DB by the report tab (a request, not a task); the listener gets its
+# run from Airflow.
 from airflow.models.dagrun import DagRun
 
-# The sealing key (an Airflow Variable) read by the API server, which is no task: airflow.sdk.Variable reaches the
-# metadata DB only through a task's supervisor.
+# The sealing key (an Airflow Variable) read outside a task (eagle3_airflow.seal.server_key, for the API server):
+# airflow.sdk.Variable reaches the metadata DB only through a task's supervisor. (The report tab reads published
+# files now and no longer calls server_key: when it goes, this import goes with it.)
 from airflow.models.variable import Variable
 
-# A run's XCom rows, read by the report tab and by the listener that writes a finished run's note (in the
-# scheduler, within the run's session): the Task SDK's XCom access needs a running task instance.
+# The report task's XCom, read by the listener that writes a finished run's note (in the scheduler, within the
+# run's session): the Task SDK's XCom access needs a running task instance.
 from airflow.models.xcom import XComModel
 
 __all__ = ["DagAccessEntity", "DagRun", "SessionDep", "Variable", "XComModel", "requires_access_dag"]

@@ -112,6 +112,8 @@ class Approver(BaseModel):
 AssetName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:/-]{1,1500}$")]
 MailAddress = Annotated[str, StringConstraints(pattern=r"^[^@\s<>,;]+@[^@\s<>,;]+$")]
 DottedCallable = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")]
+# An absolute directory, or scheme://bucket/prefix (no credentials in it: they belong in reports_conn_id).
+ReportsUrl = Annotated[str, StringConstraints(max_length=4096, pattern=r"^(/[^\x00-\x1f]*|[a-z][a-z0-9+.-]*://[^\s@]+)$")]
 
 
 class NotifySettings(BaseModel):
@@ -197,6 +199,15 @@ class Deployment(BaseModel):
         "human-in-the-loop ApprovalOperator, under Required Actions) waits, and the switch happens on Approve.")
     approval_timeout_h: float = Field(
         72, gt=0, le=24 * 60, description="How long the approval task waits; then the promotion is rejected.")
+    reports_url: ReportsUrl | None = Field(
+        None,
+        description="Where the report task publishes each run's report and plots, and the report tab reads them "
+        "(Airflow object storage): an absolute local directory, or a URL such as s3://bucket/prefix with "
+        "reports_conn_id. Default: $AIRFLOW_HOME/eagle3-reports, which the workers and the API server must share "
+        "(one machine, or a shared volume).")
+    reports_conn_id: ConnId | None = Field(
+        None, description="The Airflow connection reports_url's store is opened with (its provider installed); none: "
+        "the local filesystem, or the store's own environment credentials.")
     _source: str = PrivateAttr("the built-in settings (EAGLE3_DAG_SETTINGS names no file)")
 
     @field_validator("allowed_workdirs")
@@ -369,6 +380,13 @@ class Deployment(BaseModel):
         return config.model_copy(update={
             "workdir": workdir,
             "evaluate": config.evaluate.model_copy(update={"keep_versions": self.keep_versions})})
+
+    def reports_root(self):
+        """The object-storage folder runs' reports are published under (eagle3_airflow.published)."""
+        from airflow.sdk import ObjectStoragePath  # fsspec and friends: only when a report is published or read
+
+        url = self.reports_url or str(Path(os.environ.get("AIRFLOW_HOME", "~/airflow")).expanduser() / "eagle3-reports")
+        return ObjectStoragePath(url, conn_id=self.reports_conn_id)
 
     def form_choices(self) -> dict[str, list[str]]:
         """The values the trigger form offers for the list params whose items the deployment chooses."""

@@ -124,9 +124,19 @@ def _read(what):
         raise AirflowFailException(str(err)) from None
 
 
-def report(plan_dict: dict, dag_run=None) -> dict:
-    """Collect the run's results from the box: figures, and where the drafter, report and plots are."""
+def report(plan_dict: dict, dag_run=None, deployment: Deployment | None = None) -> dict:
+    """Collect the run's results from the box (figures, and where the drafter, report and plots are) and publish them
+    with its report files to the settings' reports store, where the report tab reads them (eagle3_airflow.published)."""
+    from eagle3_airflow.published import publish, run_folder
+
     plan = verified_plan(plan_dict, dag_run)
+    summary = _summary(plan)
+    deployment = deployment or Deployment.from_env()
+    _read(lambda: publish(plan, summary, run_folder(deployment, dag_run.dag_id, dag_run.run_id), log))
+    return summary
+
+
+def _summary(plan: RunPlan) -> dict:
     summary = _read(lambda: run_summary(plan))
     if summary is None:  # evaluate was skipped: say why
         report_path = f"{plan.run_dir}/{REPORT}"

@@ -531,7 +531,8 @@ def test_trigger_form_run_and_clear_in_a_real_browser(standalone, chromium, arti
             expect(page.get_by_text("EAGLE-3 drafter: promoted")).to_be_visible()
             shot("run-succeeded-after-clear-with-note")
 
-            # 9. The run's EAGLE-3 report tab: the plugin's page in the UI's frame, its plots read from the box.
+            # 9. The run's EAGLE-3 report tab: the plugin's page in the UI's frame, its plots as the report task
+            # published them to the reports store (no SSH from the API server).
             page.get_by_role("link", name="EAGLE-3 report", exact=True).click()
             report = page.frame_locator("iframe")
             expect(report.locator("#verdict")).to_have_text("promoted")

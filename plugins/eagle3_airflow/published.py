@@ -1,0 +1,123 @@
+"""A run's report, published through Airflow object storage, where the report tab reads it: the API server never
+logs in to a box.
+
+The report task (on a worker, which holds the box's key) reads the run's report files from its box through
+eagle3_airflow.results (only the run's own regular files of the expected names, at most 8 MiB each) and publishes
+them with the run's summary under the settings' `reports_url`:
+
+    {reports_url}/{dag_id}/{run_id}/report.json        evaluate's report
+                                    benchmark.json     the benchmark's, when the run benchmarked
+                                    plots/000.png ...  each stage's plots
+                                    summary.json       written last: what the tab shows, and which files are whole
+
+`reports_url` is an ObjectStoragePath: a local directory by default ($AIRFLOW_HOME/eagle3-reports, which every
+Airflow process of a deployment must share: a volume), or s3://, gs://, ... with `reports_conn_id` (the store's
+provider installed in the image). Each file is written under a temporary name and renamed into place, and
+summary.json names only files already in place, so a reader never takes a half-written publication for a whole
+one; a report task cleared and run again replaces the publication file by file, its summary last.
+
+dag_id and run_id become one path component each, percent-encoded, dots included: no id can name '..' or a
+folder of another run.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from typing import TYPE_CHECKING
+from urllib.parse import quote
+
+from eagle3_airflow.results import BENCHMARK, REPORT, list_plots, read_file
+
+if TYPE_CHECKING:
+    from airflow.sdk import ObjectStoragePath
+
+    from eagle3_airflow.deployment import Deployment
+    from eagle3_airflow.plan import RunPlan
+
+SUMMARY = "summary.json"
+PUBLISHED_REPORT = "report.json"
+PUBLISHED_BENCHMARK = "benchmark.json"
+FORMAT = 1  # of summary.json; a reader refuses another
+# The only names a publication has: a summary.json that names another path (edited in the store) names nothing.
+PUBLISHED_NAME = re.compile(r"^(report\.json|benchmark\.json|plots/[0-9]{3,6}\.png)$")
+
+
+class NotPublished(Exception):
+    """The run has no (whole) publication: its report task has not run yet, or ran before reports were published."""
+
+
+def component(value: str) -> str:
+    """An id as one path component that names nothing but itself: percent-encoded, '.' too (no '..')."""
+    return quote(value, safe="-_~").replace(".", "%2E") or "%00"
+
+
+def run_folder(settings: Deployment, dag_id: str, run_id: str) -> ObjectStoragePath:
+    """Where the run's publication lives in the settings' store."""
+    return settings.reports_root() / component(dag_id) / component(run_id)
+
+
+def _put(path: ObjectStoragePath, data: bytes) -> None:
+    """Write under a temporary name, then rename: a reader sees the old file or the new one, never a part."""
+    temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    temporary.write_bytes(data)
+    temporary.rename(path)
+
+
+def publish(plan: RunPlan, summary: dict, folder: ObjectStoragePath, log=None) -> dict:
+    """Copy the run's report, benchmark and plots from its box into `folder`, then its summary; return summary.json's
+    content. Files the summary does not name (no report: nothing changed) are not read."""
+    folder.mkdir(parents=True, exist_ok=True)
+    files = {}
+    if summary.get("report"):
+        for name, published in ((REPORT, PUBLISHED_REPORT), *(((BENCHMARK, PUBLISHED_BENCHMARK),)
+                                                              if summary.get("benchmark") else ())):
+            data = read_file(plan, name)
+            if data is not None:
+                _put(folder / published, data)
+                files[published] = name
+    plots = []
+    for index, name in enumerate(list_plots(plan) if summary.get("report") else []):
+        data = read_file(plan, name)
+        if data is None:  # removed since it was listed (a retention run): leave it out
+            continue
+        published = f"plots/{index:03d}.png"
+        (folder / "plots").mkdir(parents=True, exist_ok=True)
+        _put(folder / published, data)
+        plots.append({"file": published, "name": name})
+    manifest = {"format": FORMAT, "summary": summary, "files": files, "plots": plots}
+    _put(folder / SUMMARY, json.dumps(manifest, indent=1).encode())
+    if log is not None:
+        log.info("published the report: %s (%d plots, %s)", folder, len(plots), ", ".join(files) or "no report files")
+    return manifest
+
+
+def read_manifest(folder: ObjectStoragePath) -> dict:
+    """summary.json of a publication; NotPublished when there is none (or it is not ours)."""
+    path = folder / SUMMARY
+    try:
+        manifest = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        raise NotPublished(f"nothing published in {folder}: the run's report task has not run yet") from None
+    except ValueError:
+        raise NotPublished(f"{path} is not JSON: run the report task again (clear it)") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(manifest.get("summary"),
+                                                                                             dict):
+        raise NotPublished(f"{path} is not a publication this version reads: run the report task again (clear it)")
+    return manifest
+
+
+def read_published(folder: ObjectStoragePath, manifest: dict, file: str) -> bytes | None:
+    """A file the manifest names, of a publication's names (never another), or None when it names none such or it is
+    gone."""
+    if not PUBLISHED_NAME.match(file):
+        return None
+    named = set(manifest.get("files") or {}) | {plot.get("file") for plot in manifest.get("plots") or []
+                                                  if isinstance(plot, dict)}
+    if file not in named:
+        return None
+    try:
+        return (folder / file).read_bytes()
+    except FileNotFoundError:
+        return None
