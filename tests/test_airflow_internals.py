@@ -58,8 +58,6 @@ def test_each_fenced_name_has_what_the_project_uses():
     for column in ("dag_run_id", "task_id", "map_index", "key"):
         assert hasattr(fenced.XComModel, column), f"XComModel.{column}"
     assert len(parameters(fenced.XComModel.deserialize_value)) == 1
-    # seal.server_key: Variable.get(name, default_var=None)
-    assert parameters(fenced.Variable.get)[:2] == ["key", "default_var"]
     # report_view: `session: SessionDep` in a route, and the check that the caller may read the DAG's runs
     session_type, dependency = typing.get_args(fenced.SessionDep)[:2]
     assert session_type is Session and isinstance(dependency, Depends)

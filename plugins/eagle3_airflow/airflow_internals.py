@@ -29,13 +29,8 @@ from airflow.api_fastapi.core_api.security import requires_access_dag
 # run from Airflow.
 from airflow.models.dagrun import DagRun
 
-# The sealing key (an Airflow Variable) read outside a task (eagle3_airflow.seal.server_key, for the API server):
-# airflow.sdk.Variable reaches the metadata DB only through a task's supervisor. (The report tab reads published
-# files now and no longer calls server_key: when it goes, this import goes with it.)
-from airflow.models.variable import Variable
-
 # The report task's XCom, read by the listener that writes a finished run's note (in the scheduler, within the
 # run's session): the Task SDK's XCom access needs a running task instance.
 from airflow.models.xcom import XComModel
 
-__all__ = ["DagAccessEntity", "DagRun", "SessionDep", "Variable", "XComModel", "requires_access_dag"]
+__all__ = ["DagAccessEntity", "DagRun", "SessionDep", "XComModel", "requires_access_dag"]

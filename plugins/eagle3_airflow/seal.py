@@ -91,11 +91,3 @@ def task_key(create: bool = False) -> bytes:
         raise Tampered(f"the Airflow Variable {SECRET_VARIABLE}, which run plans are sealed with, is missing (deleted "
                        "since this run was validated?), so the plan cannot be checked. " + TRIGGER_AGAIN)
     return value.encode()
-
-
-def server_key() -> bytes | None:
-    """The same key, read by the API server (the report tab), which is no task: through Airflow's models."""
-    from eagle3_airflow.airflow_internals import Variable
-
-    value = Variable.get(SECRET_VARIABLE, default_var=None)
-    return value.encode() if value else None
