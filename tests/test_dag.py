@@ -123,6 +123,13 @@ def test_local_run_produces_an_sglang_drafter_and_a_report(baseline_run):
     report = json.loads((baseline_run / "evaluate" / "report.json").read_text())
     assert report["speculative"]["3"]["mean_accept_length"] >= 1.0
     assert list(baseline_run.glob("**/*.png")), "no plots"
+    # The report task published the report and the plots where the report tab reads them (the API server needs no
+    # SSH to the box): the settings' default store, $AIRFLOW_HOME/eagle3-reports.
+    (published,) = (baseline_run.parent.parent / "airflow-home" / "eagle3-reports" / "eagle3_drafter").iterdir()
+    assert json.loads((published / "report.json").read_text()) == report
+    assert len(list((published / "plots").glob("*.png"))) == len(list(baseline_run.glob("*/*.png"))) >= 3
+    assert json.loads((published / "summary.json").read_text())["summary"]["measured_accept_length"]["3"] == \
+        report["speculative"]["3"]["mean_accept_length"]
     for key in ("extract.0", "extract.1", "vocab", "train", "export", "evaluate"):
         state = job_state(baseline_run, key)
         assert (state["status"], state["try"]) == ("succeeded", 1), key
