@@ -95,11 +95,12 @@ def _env_file(directory: Path, **overrides: str | None) -> Path:
     return path
 
 
-def _compose_config(env_file: Path, cwd: Path) -> subprocess.CompletedProcess:
+def _compose_config(env_file: Path, cwd: Path, *more_files: Path) -> subprocess.CompletedProcess:
     # A clean environment: variables exported in the caller's shell would take precedence over the env file.
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(cwd)}
+    files = [arg for path in (COMPOSE_FILE, *more_files) for arg in ("-f", str(path))]
     return subprocess.run(
-        [_docker_compose(), "-f", str(COMPOSE_FILE), "--env-file", str(env_file), "config"],
+        [_docker_compose(), *files, "--env-file", str(env_file), "config"],
         capture_output=True, text=True, env=env, cwd=cwd, timeout=120,
     )
 
@@ -226,6 +227,18 @@ def test_no_code_is_mounted_and_logs_are_shared(rendered):
     # The `local` box's work directory: written by the worker, read by both triggerers.
     for name in ["airflow-worker", *TRIGGERERS]:
         assert _mounts(services[name])["/opt/airflow/eagle3-work"][0] == "local-box-work", name
+
+
+def test_the_dev_override_mounts_the_code_read_only(tmp_path):
+    """deploy/docker-compose.dev.yaml, named with a second -f, is the only way code gets mounted."""
+    proc = _compose_config(_env_file(tmp_path), tmp_path, REPO / "deploy" / "docker-compose.dev.yaml")
+    assert proc.returncode == 0, proc.stderr
+    services = yaml.safe_load(proc.stdout)["services"]
+    for name in [*AIRFLOW_SERVICES, "airflow-init"]:
+        mounts = _mounts(services[name])
+        for folder in CODE_DIRS:
+            assert mounts[f"/opt/airflow/{folder}"] == (str(REPO / folder), True), (name, folder)
+        assert mounts["/opt/airflow/logs"][0] == "airflow-logs", name
 
 
 def test_two_triggerers(rendered):
