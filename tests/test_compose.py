@@ -498,3 +498,54 @@ def test_init_narrows_a_widened_trigger_role_back_to_the_file(capsys):
 def test_a_user_named_without_a_password_stops_init_naming_the_variable():
     with pytest.raises(SystemExit, match="AIRFLOW_APPROVER_USER='bob' is set but AIRFLOW_APPROVER_PASSWORD is empty"):
         _fab_roles().wanted_users({"AIRFLOW_APPROVER_USER": "bob", "AIRFLOW_APPROVER_PASSWORD": ""})
+
+
+FAB_CHECK = """
+import json
+from airflow.api_fastapi.auth.managers.models.resource_details import DagAccessEntity as E, DagDetails
+from airflow.providers.fab.auth_manager.cli_commands.utils import get_application_builder
+from airflow.providers.fab.auth_manager.fab_auth_manager import FabAuthManager
+
+CASES = {"trigger": ("POST", E.RUN), "read runs": ("GET", E.RUN), "read logs": ("GET", E.TASK_LOGS),
+         "read xcom": ("GET", E.XCOM), "edit xcom": ("PUT", E.XCOM), "add xcom": ("POST", E.XCOM),
+         "delete xcom": ("DELETE", E.XCOM), "answer approval": ("PUT", E.HITL_DETAIL),
+         "read approval": ("GET", E.HITL_DETAIL), "clear tasks": ("PUT", E.TASK_INSTANCE), "read dag": ("GET", None)}
+found = {}
+with get_application_builder() as appbuilder:
+    for name in ("tina", "alex"):
+        user = appbuilder.sm.find_user(username=name)
+        for dag in ("eagle3_drafter", "other_dag"):
+            found[f"{name} {dag}"] = sorted(
+                case for case, (method, entity) in CASES.items()
+                if FabAuthManager().is_authorized_dag(method=method, user=user, access_entity=entity,
+                                                      details=DagDetails(id=dag)))
+print(json.dumps(found))
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("airflow.providers.fab") is None,
+                    reason="apache-airflow-providers-fab is not installed here (the image installs it: "
+                           "requirements-image.txt); add its pin to requirements.txt to run this check")
+def test_the_roles_through_fabs_own_authorization(tmp_path):
+    """airflow-init's steps on a fresh DB, then the questions the API server asks FAB for each endpoint."""
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")},
+           "AIRFLOW_HOME": str(tmp_path), "AIRFLOW__CORE__AUTH_MANAGER": FAB,
+           "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{tmp_path}/airflow.db",
+           "AIRFLOW__CORE__LOAD_EXAMPLES": "false", "AIRFLOW__CORE__DAGS_FOLDER": str(tmp_path / "dags"),
+           "AIRFLOW__API__SECRET_KEY": "test", "AIRFLOW_ADMIN_USER": "admin", "AIRFLOW_ADMIN_PASSWORD": "a",
+           "AIRFLOW_TRIGGER_USER": "tina", "AIRFLOW_TRIGGER_PASSWORD": "t", "AIRFLOW_APPROVER_USER": "alex",
+           "AIRFLOW_APPROVER_PASSWORD": "x"}
+    python = os.sys.executable
+    for argv in ([python, "-m", "airflow", "db", "migrate"], [python, "-m", "airflow", "sync-perm"],
+                 [python, str(REPO / "deploy" / "fab_roles.py")]):
+        proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, (argv, proc.stdout[-2000:], proc.stderr[-4000:])
+    proc = subprocess.run([python, "-c", FAB_CHECK], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    reads = ["read approval", "read dag", "read logs", "read runs", "read xcom"]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {
+        "tina eagle3_drafter": sorted([*reads, "trigger"]),  # no XCom edit, no approval answer, no clearing
+        "tina other_dag": reads,
+        "alex eagle3_drafter": sorted([*reads, "answer approval"]),
+        "alex other_dag": reads,
+    }
