@@ -1,19 +1,36 @@
-# Control-plane image for docker-compose.yaml: the official Airflow image (which already has the Celery, Postgres
-# and Redis providers the compose file relies on) plus this project's pins. DAGs, plugins and include/ are
-# mounted, not copied, so code changes need no rebuild; requirements.txt changes do (`docker-compose build`).
+# The eagle3-airflow image: the official Airflow image (which already has the Celery, Postgres and Redis
+# providers the compose file relies on), the control plane's pins, and the code. One image for every Airflow
+# component, in docker-compose.yaml or under the KubernetesExecutor: nothing is mounted, and paths come from the
+# environment (PYTHONPATH, EAGLE3_DAG_SETTINGS), with defaults set here.
 FROM apache/airflow:3.3.2
 
 # The image's default user; pip installs into its user site as the Airflow docs require (never as root).
 USER airflow
 
-# .dockerignore sends only requirements.txt as build context (no .env, keys, .venv or caches).
-COPY requirements.txt /requirements.txt
+# .dockerignore sends only what is copied here as build context (no .env, keys, tests, .venv or caches).
+COPY requirements.txt requirements-image.txt /
 
-# requirements.txt is the CPU stack this repo tests with (torch, transformers, pytest): heavier than a control
-# plane needs, but it lets the worker run the `local` box and keeps one set of pins. torch first, from the CPU
-# wheel index: PyPI's Linux wheel would pull several GB of CUDA libraries nothing here uses. The pin is read
-# from requirements.txt, so there is one place to bump it; the second install then finds torch satisfied.
-# apache-airflow==3.3.2 is pinned there too, which keeps pip from moving the image's own Airflow.
-RUN pip install --no-cache-dir --index-url https://download.pytorch.org/whl/cpu \
-        "$(grep -E '^torch==' /requirements.txt)" \
-    && pip install --no-cache-dir -r /requirements.txt
+# requirements-image.txt: the control plane (Airflow and its providers, pydantic, tenacity, httpx), pinned by
+# requirements.txt. apache-airflow==3.3.2 is pinned there too, which keeps pip from moving the image's own Airflow.
+RUN pip install --no-cache-dir -r /requirements-image.txt
+
+# EAGLE3_LOCAL_BOX=1: the stages themselves on the worker (the `local` box, a CPU demo), so their stack too.
+# torch first, from the CPU wheel index: PyPI's Linux wheel would pull several GB of CUDA libraries. The pins are
+# read from requirements.txt, so there is one place to bump them.
+ARG EAGLE3_LOCAL_BOX=""
+RUN if [ -n "$EAGLE3_LOCAL_BOX" ]; then \
+        pip install --no-cache-dir --index-url https://download.pytorch.org/whl/cpu \
+            "$(grep -E '^torch==' /requirements.txt)" \
+        && pip install --no-cache-dir -c /requirements.txt \
+            transformers tokenizers safetensors numpy matplotlib tensorboard; \
+    fi
+
+# The code, read-only to the airflow user (owned by root): the DAG, the plugin, the box-side package (which the
+# DAG imports as `eagle3` and syncs to the box) and the compose stack's settings and role files.
+COPY dags/ /opt/airflow/dags/
+COPY plugins/ /opt/airflow/plugins/
+COPY include/ /opt/airflow/include/
+COPY deploy/ /opt/airflow/deploy/
+
+ENV PYTHONPATH=/opt/airflow/include \
+    EAGLE3_DAG_SETTINGS=/opt/airflow/deploy/dag-settings.json

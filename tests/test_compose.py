@@ -1,4 +1,4 @@
-"""docker-compose.yaml, Dockerfile, .env.example and .dockerignore, checked without a docker engine.
+"""docker-compose.yaml, Dockerfile, .env.example, .dockerignore and deploy/, checked without a docker engine.
 
 `docker-compose config` (Debian's docker-compose 1.29; .ci/run installs it) interpolates a .env made from
 .env.example, resolves anchors and paths and validates the file; the tests read what it prints. The parsing
@@ -8,6 +8,7 @@ also accepts Compose v2's output (lists instead of strings, long volume syntax),
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -19,10 +20,18 @@ from pathlib import Path
 import pytest
 import yaml
 
+from eagle3_airflow.deployment import Deployment
+from eagle3_airflow.params import ParamsError, build_params
+
 REPO = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = REPO / "docker-compose.yaml"
 KEY_TARGET = "/opt/airflow/secrets/gpu_box_key"
 JWT_SECRET = "test-jwt-secret-shared-by-all"
+DB_PASSWORD = "test-db-password-from-env"
+SETTINGS_DIR = "/opt/airflow/deploy"  # where the Dockerfile copies deploy/
+CODE_DIRS = ("dags", "plugins", "include", "deploy")
+FAB = "airflow.providers.fab.auth_manager.fab_auth_manager.FabAuthManager"
+TEST_TOOLS = {"pytest", "pytest-timeout", "pytest-xdist", "playwright", "ruff", "aiosmtpd", "psutil", "filelock"}
 # One worker runs the module: `docker-compose config` (module-scoped `rendered`) runs once.
 pytestmark = pytest.mark.xdist_group("test_compose")
 
@@ -30,11 +39,13 @@ AIRFLOW_SERVICES = {
     "airflow-apiserver": ["api-server"],
     "airflow-scheduler": ["scheduler"],
     "airflow-dag-processor": ["dag-processor"],
-    "airflow-triggerer": ["triggerer"],
+    "airflow-triggerer-1": ["triggerer"],
+    "airflow-triggerer-2": ["triggerer"],
     "airflow-worker": ["celery", "worker"],
 }
+TRIGGERERS = ("airflow-triggerer-1", "airflow-triggerer-2")
 HEALTHCHECKS = {
-    "postgres": ["CMD", "pg_isready", "-U", "airflow"],
+    "postgres": ["CMD", "pg_isready", "-U", "airflow", "-d", "airflow"],  # .env.example's POSTGRES_USER, _DB
     "redis": ["CMD", "redis-cli", "ping"],
     "airflow-apiserver": ["CMD-SHELL", "curl --fail --silent http://localhost:8080/api/v2/version && "
                                        "curl --fail --silent http://localhost:8080/execution/health"],
@@ -42,14 +53,16 @@ HEALTHCHECKS = {
     "airflow-dag-processor": [
         "CMD-SHELL", 'airflow jobs check --job-type DagProcessorJob --hostname "${HOSTNAME}"'
     ],
-    "airflow-triggerer": ["CMD-SHELL", 'airflow jobs check --job-type TriggererJob --hostname "${HOSTNAME}"'],
+    # Each triggerer asks for its own job: ${HOSTNAME} is the container id, which the job records.
+    **{name: ["CMD-SHELL", 'airflow jobs check --job-type TriggererJob --hostname "${HOSTNAME}"']
+       for name in TRIGGERERS},
     "airflow-worker": [
         "CMD-SHELL",
         'celery --app airflow.providers.celery.executors.celery_executor.app inspect ping -d "celery@${HOSTNAME}"',
     ],
 }
 # The services that open SSH sessions to the box: tasks run on the worker, deferred jobs poll from the triggerer.
-KEY_MOUNTED_IN = {"airflow-worker", "airflow-triggerer"}
+KEY_MOUNTED_IN = {"airflow-worker", *TRIGGERERS}
 
 
 def _docker_compose() -> str:
@@ -65,7 +78,9 @@ def _env_file(directory: Path, **overrides: str | None) -> Path:
     """.env.example with dummy secrets and a real key file; overrides replace a variable (None drops it)."""
     key = directory / "gpu_box_key"
     key.write_text("not a real key\n")
-    values = {"AIRFLOW_JWT_SECRET": JWT_SECRET, "AIRFLOW_FERNET_KEY": "test-fernet-key", "GPU_BOX_SSH_KEY": str(key)}
+    values = {"AIRFLOW_JWT_SECRET": JWT_SECRET, "AIRFLOW_FERNET_KEY": "test-fernet-key", "GPU_BOX_SSH_KEY": str(key),
+              "AIRFLOW_API_SECRET_KEY": "test-api-secret-key", "POSTGRES_PASSWORD": DB_PASSWORD,
+              "AIRFLOW_ADMIN_PASSWORD": "test-admin-password"}
     values.update(overrides)
     lines = []
     for line in (REPO / ".env.example").read_text().splitlines():
@@ -80,11 +95,12 @@ def _env_file(directory: Path, **overrides: str | None) -> Path:
     return path
 
 
-def _compose_config(env_file: Path, cwd: Path) -> subprocess.CompletedProcess:
+def _compose_config(env_file: Path, cwd: Path, *more_files: Path) -> subprocess.CompletedProcess:
     # A clean environment: variables exported in the caller's shell would take precedence over the env file.
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(cwd)}
+    files = [arg for path in (COMPOSE_FILE, *more_files) for arg in ("-f", str(path))]
     return subprocess.run(
-        [_docker_compose(), "-f", str(COMPOSE_FILE), "--env-file", str(env_file), "config"],
+        [_docker_compose(), *files, "--env-file", str(env_file), "config"],
         capture_output=True, text=True, env=env, cwd=cwd, timeout=120,
     )
 
@@ -136,7 +152,9 @@ def test_services_and_commands(rendered):
     script = _argv(init["command"])[-1]
     assert "airflow db migrate" in script
     assert "python -m eagle3_airflow.deployment create-pool" in script  # the DAG's pool, counting deferred tasks
-    assert "SIMPLE_AUTH_MANAGER_PASSWORDS_FILE" in script
+    # FAB's roles and resources first, then ours and the users from .env (tests below check the roles).
+    assert script.index("airflow sync-perm") < script.index(f"python {SETTINGS_DIR}/fab_roles.py")
+    assert "SIMPLE_AUTH_MANAGER" not in script
     assert "restart" not in init and "healthcheck" not in init
 
 
@@ -162,30 +180,76 @@ def test_shared_airflow_environment(rendered):
     for name in [*AIRFLOW_SERVICES, "airflow-init"]:
         env = services[name]["environment"]
         assert env["AIRFLOW__API_AUTH__JWT_SECRET"] == JWT_SECRET, name
+        assert env["AIRFLOW__API__SECRET_KEY"] == "test-api-secret-key", name
         assert env["AIRFLOW__CORE__EXECUTOR"] == "CeleryExecutor", name
         assert env["AIRFLOW__CORE__FERNET_KEY"] == "test-fernet-key", name
-        assert env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"].startswith("postgresql+psycopg2://"), name
-        assert env["AIRFLOW__CELERY__RESULT_BACKEND"].startswith("db+postgresql://"), name
         assert env["AIRFLOW__CELERY__BROKER_URL"] == "redis://:@redis:6379/0", name
         assert env["AIRFLOW__CORE__EXECUTION_API_SERVER_URL"] == "http://airflow-apiserver:8080/execution/", name
         assert env["AIRFLOW__CORE__LOAD_EXAMPLES"] == "false", name
         assert env["AIRFLOW__SCHEDULER__ENABLE_HEALTH_CHECK"] == "true", name
-        assert env["PYTHONPATH"] == "/opt/airflow/include", name
-        assert env["AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS"] == "admin:admin", name
-        assert env["EAGLE3_DAG_SETTINGS"] in ("", None), name
+        # Users and roles: not the SimpleAuthManager, where every user may edit XCom and answer approvals.
+        assert env["AIRFLOW__CORE__AUTH_MANAGER"] == FAB, name
+        assert not any("SIMPLE_AUTH_MANAGER" in variable for variable in env), name
+        # The settings file baked into the image (Dockerfile: deploy/ -> /opt/airflow/deploy), which allows gpu_box.
+        assert env["EAGLE3_DAG_SETTINGS"] == f"{SETTINGS_DIR}/dag-settings.json", name
+    for name in AIRFLOW_SERVICES:
+        assert services[name]["environment"]["PYTHONPATH"] == "/opt/airflow/include", name
 
 
-def test_code_mounts_and_auth_volume(rendered):
+def test_database_credentials_come_from_the_env_file(rendered):
+    """postgres creates the role with .env's POSTGRES_*; every Airflow container connects with the same ones."""
+    services = rendered["services"]
+    assert services["postgres"]["environment"] == {"POSTGRES_USER": "airflow", "POSTGRES_PASSWORD": DB_PASSWORD,
+                                                   "POSTGRES_DB": "airflow"}
+    for name in [*AIRFLOW_SERVICES, "airflow-init"]:
+        env = services[name]["environment"]
+        assert env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"] == \
+            f"postgresql+psycopg2://airflow:{DB_PASSWORD}@postgres/airflow", name
+        assert env["AIRFLOW__CELERY__RESULT_BACKEND"] == f"db+postgresql://airflow:{DB_PASSWORD}@postgres/airflow", name
+    # No password written into the files themselves: the literal airflow:airflow of the official file, or any.
+    for path in (COMPOSE_FILE, REPO / ".env.example"):
+        text = path.read_text()
+        assert ":airflow@" not in text and "airflow:airflow" not in text, path
+        assert re.search(r"^(POSTGRES|AIRFLOW_\w*)_PASSWORD=\S", text, re.MULTILINE) is None, path
+    assert "POSTGRES_PASSWORD: ${POSTGRES_PASSWORD}" in COMPOSE_FILE.read_text()
+
+
+def test_no_code_is_mounted_and_logs_are_shared(rendered):
+    """The code is in the image (test_dockerfile_copies_the_code_and_no_test_tools), so the same image serves a
+    KubernetesExecutor deployment: no service mounts the repository or a code folder."""
     services = rendered["services"]
     for name in [*AIRFLOW_SERVICES, "airflow-init"]:
         mounts = _mounts(services[name])
-        for folder in ("dags", "plugins", "include"):
-            assert mounts[f"/opt/airflow/{folder}"][0] == str(REPO / folder), (name, folder)
+        for target, (source, _) in mounts.items():
+            assert not any(target.startswith(f"/opt/airflow/{folder}") for folder in CODE_DIRS), (name, target)
+            assert not source.startswith(str(REPO)), (name, source)
         assert mounts["/opt/airflow/logs"][0] == "airflow-logs", name
-    # The passwords file airflow-init writes must be the one the api-server reads.
-    passwords = services["airflow-apiserver"]["environment"]["AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE"]
-    auth_dir = str(Path(passwords).parent)
-    assert _mounts(services["airflow-apiserver"])[auth_dir] == _mounts(services["airflow-init"])[auth_dir]
+    # The `local` box's work directory: written by the worker, read by both triggerers.
+    for name in ["airflow-worker", *TRIGGERERS]:
+        assert _mounts(services[name])["/opt/airflow/eagle3-work"][0] == "local-box-work", name
+
+
+def test_the_dev_override_mounts_the_code_read_only(tmp_path):
+    """deploy/docker-compose.dev.yaml, named with a second -f, is the only way code gets mounted."""
+    proc = _compose_config(_env_file(tmp_path), tmp_path, REPO / "deploy" / "docker-compose.dev.yaml")
+    assert proc.returncode == 0, proc.stderr
+    services = yaml.safe_load(proc.stdout)["services"]
+    for name in [*AIRFLOW_SERVICES, "airflow-init"]:
+        mounts = _mounts(services[name])
+        for folder in CODE_DIRS:
+            assert mounts[f"/opt/airflow/{folder}"] == (str(REPO / folder), True), (name, folder)
+        assert mounts["/opt/airflow/logs"][0] == "airflow-logs", name
+
+
+def test_two_triggerers(rendered):
+    """Two triggerers: one going away hands its triggers to the other; each is checked on its own."""
+    services = rendered["services"]
+    assert [name for name, spec in services.items() if _argv(spec.get("command", "")) == ["triggerer"]] == \
+        list(TRIGGERERS)
+    for name in TRIGGERERS:
+        assert services[name]["restart"] == "always"
+        # The same settings, box connection and secrets as the scheduler that hands them their triggers.
+        assert services[name]["environment"] == services["airflow-scheduler"]["environment"], name
 
 
 def test_gpu_box_connection_and_key(rendered):
@@ -206,7 +270,8 @@ def test_gpu_box_connection_and_key(rendered):
 
 
 @pytest.mark.parametrize("variable", ["AIRFLOW_JWT_SECRET", "AIRFLOW_FERNET_KEY", "AIRFLOW_CONN_GPU_BOX",
-                                      "GPU_BOX_SSH_KEY"])
+                                      "GPU_BOX_SSH_KEY", "AIRFLOW_API_SECRET_KEY", "POSTGRES_USER",
+                                      "POSTGRES_PASSWORD", "POSTGRES_DB", "AIRFLOW_ADMIN_PASSWORD"])
 @pytest.mark.parametrize("how", ["missing", "empty"])
 def test_required_variables(tmp_path, variable, how):
     proc = _compose_config(_env_file(tmp_path, **{variable: None if how == "missing" else ""}), tmp_path)
@@ -230,19 +295,257 @@ def test_env_example_documents_every_variable():
             above = line
 
 
-def test_dockerfile_and_build_context():
+def _requirements(path: Path) -> dict[str, str | None]:
+    """name -> pinned version (None: unpinned) of a requirements file; options (-c, -r) left out."""
+    found = {}
+    for line in path.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line and not line.startswith("-"):
+            name, _, version = line.partition("==")
+            found[name.strip().lower()] = version.strip() or None
+    return found
+
+
+def test_dockerfile_copies_the_code_and_no_test_tools():
     dockerfile = (REPO / "Dockerfile").read_text()
     instructions = [line for line in dockerfile.splitlines() if line.strip() and not line.startswith("#")]
     airflow_pin = re.search(r"^apache-airflow==(\S+)$", (REPO / "requirements.txt").read_text(), re.MULTILINE)
     assert instructions[0] == "FROM apache/airflow:3.3.2"
     assert airflow_pin and airflow_pin.group(1) == "3.3.2", "the image tag and requirements.txt's Airflow pin differ"
-    assert re.search(r"^COPY requirements\.txt (\S+)$", dockerfile, re.MULTILINE)
-    assert re.search(r"pip install --no-cache-dir -r /requirements\.txt", dockerfile)
     assert "USER root" not in dockerfile
+    # The code and the settings, into the folders the compose environment names (and a Kubernetes pod would).
+    copies = dict(re.findall(r"^COPY (\S+) (\S+)$", dockerfile, re.MULTILINE))
+    for folder in CODE_DIRS:
+        assert copies[f"{folder}/"] == f"/opt/airflow/{folder}/", folder
+    assert re.search(r"^ENV PYTHONPATH=/opt/airflow/include\b", dockerfile, re.MULTILINE)
+    assert f"EAGLE3_DAG_SETTINGS={SETTINGS_DIR}/dag-settings.json" in dockerfile
+    # A slim image: it installs requirements-image.txt, which names no test tool and pins what it names, through
+    # requirements.txt (-c) or itself; requirements.txt, which has the test tools, is only a constraint.
+    assert re.search(r"pip install --no-cache-dir -r /requirements-image\.txt", dockerfile)
+    assert not re.search(r"-r /requirements\.txt", dockerfile)
+    image = (REPO / "requirements-image.txt").read_text()
+    assert re.search(r"^-c requirements\.txt$", image, re.MULTILINE)
+    wanted, pins = _requirements(REPO / "requirements-image.txt"), _requirements(REPO / "requirements.txt")
+    assert not set(wanted) & TEST_TOOLS, set(wanted) & TEST_TOOLS
+    assert TEST_TOOLS <= set(pins), "TEST_TOOLS names a package requirements.txt does not have"
+    assert "torch" not in wanted  # only with EAGLE3_LOCAL_BOX (the `local` box's CPU stack)
+    assert {"apache-airflow", "apache-airflow-providers-ssh", "apache-airflow-providers-fab"} <= set(wanted)
+    for name, version in wanted.items():
+        assert version or pins.get(name), f"{name} is pinned neither in requirements-image.txt nor requirements.txt"
+        assert not (version and pins.get(name)), f"{name} is pinned twice"
+    local_box = re.search(r"-c /requirements\.txt \\\s+([a-z ]+);", dockerfile).group(1).split()
+    assert all(pins.get(name) for name in local_box), local_box
 
-    # The build context is an allowlist: only what the Dockerfile copies gets in (never .env or secrets/).
+    # The build context is an allowlist: only what the Dockerfile copies gets in (never .env, secrets/, tests/).
     patterns = [line.strip() for line in (REPO / ".dockerignore").read_text().splitlines()
                 if line.strip() and not line.startswith("#")]
-    copied = set(re.findall(r"^COPY (\S+) ", dockerfile, re.MULTILINE))
+    copied = set(re.findall(r"^COPY (\S+) ", dockerfile, re.MULTILINE)) | {"requirements-image.txt"}
     assert patterns[0] == "*"
-    assert {p[1:] for p in patterns if p.startswith("!")} == copied
+    assert {p[1:] for p in patterns if p.startswith("!")} == {c.rstrip("/") for c in copied}
+
+
+# -- the DAG's settings in the stack ---------------------------------------------------------------------------
+
+
+def _settings(name: str) -> Deployment:
+    return Deployment.model_validate(json.loads((REPO / "deploy" / name).read_text()))
+
+
+def test_the_stacks_settings_allow_gpu_box_and_make_it_the_default():
+    """The quickstart triggers with gpu_box: the built-in settings allow only `local`, so the stack has its own."""
+    settings = _settings("dag-settings.json")
+    assert settings.boxes() == ["gpu_box"]
+    assert settings.params["box.conn_ids"] == ["gpu_box"]
+    params = build_params(settings.params, settings.form_choices())
+    assert params["box.conn_ids"].value == ["gpu_box"]  # the form's default
+    settings.check(["gpu_box"], [], None, None, workdir=settings.params["workdir"])
+    # The worker itself is a box only when the deployment says so.
+    with pytest.raises(ParamsError, match=r"box.conn_ids: \['local'\] not allowed here; this deployment allows "
+                                          r"\['gpu_box'\]"):
+        settings.check(["local"], [], None, None, workdir=settings.params["workdir"])
+
+
+def test_the_local_box_settings_allow_it_besides_gpu_box():
+    settings = _settings("dag-settings-local-box.json")
+    assert settings.boxes() == ["gpu_box", "local"]
+    assert settings.params["box.conn_ids"] == ["gpu_box"]
+    # Its work directory is the volume the worker and the triggerers share (docker-compose.yaml).
+    settings.check(["local"], [], None, None, workdir="/opt/airflow/eagle3-work")
+    # .env.example names it where the image has it.
+    assert f"EAGLE3_DAG_SETTINGS={SETTINGS_DIR}/dag-settings-local-box.json" in (REPO / ".env.example").read_text()
+
+
+def test_the_dag_parses_under_each_settings_file(airflow_home):
+    """What the stack's dag-processor sees with either file: the DAG, no import error, the form's default box."""
+    from tests.airflow_env import airflow_env
+
+    files = [str(REPO / "deploy" / name) for name in ("dag-settings.json", "dag-settings-local-box.json")]
+    script = f"""
+import json, os
+from airflow.dag_processing.dagbag import DagBag
+found = {{}}
+for settings in {files!r}:
+    os.environ["EAGLE3_DAG_SETTINGS"] = settings
+    bag = DagBag(dag_folder={str(REPO / "dags" / "eagle3_drafter.py")!r})
+    dag = bag.dags.get("eagle3_drafter")
+    found[settings] = {{"errors": list(map(str, bag.import_errors.values())),
+                       "box": dag and dag.params["box.conn_ids"]}}
+print(json.dumps(found))
+"""
+    proc = subprocess.run([os.sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env=airflow_env(airflow_home))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert found == {path: {"errors": [], "box": ["gpu_box"]} for path in files}
+
+
+# -- FAB roles (deploy/fab_roles.py) -----------------------------------------------------------------------------
+
+
+def _fab_roles():
+    spec = importlib.util.spec_from_file_location("fab_roles", REPO / "deploy" / "fab_roles.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# FAB's names (airflow.providers.fab.www.security.permissions): what answers an approval or a required action
+# (HITL Detail, also checked against can_edit on the DAG), edits XCom, or clears and marks task instances.
+ANSWERS_APPROVALS = ("can_edit", "HITL Detail")
+EDITS_XCOM = {("can_create", "XComs"), ("can_edit", "XComs"), ("can_delete", "XComs")}
+EDITS_TASKS = {("can_edit", "Task Instances"), ("can_delete", "Task Instances"), ("can_create", "Task Instances")}
+
+
+def test_trigger_only_users_may_trigger_but_not_edit_xcom_or_answer_approvals():
+    roles = _fab_roles()
+    assert roles.BASE_ROLE == "Viewer"  # FAB's Viewer reads XCom and approvals, never edits them
+    trigger = set(roles.ROLES["Eagle3Trigger"])
+    assert {("can_create", "DAG Runs"), ("can_edit", "DAG:eagle3_drafter")} <= trigger
+    assert ANSWERS_APPROVALS not in trigger
+    assert not trigger & (EDITS_XCOM | EDITS_TASKS)
+    assert ("can_edit", "DAGs") not in trigger  # every DAG, not this one
+
+    approver = set(roles.ROLES["Eagle3Approver"])
+    assert {ANSWERS_APPROVALS, ("can_edit", "DAG:eagle3_drafter")} <= approver
+    assert ("can_create", "DAG Runs") not in approver
+    assert not approver & (EDITS_XCOM | EDITS_TASKS)
+
+
+class _Named:
+    def __init__(self, name):
+        self.name = name
+
+
+class _Perm:
+    def __init__(self, action, resource):
+        self.action, self.resource = _Named(action), _Named(resource)
+
+
+class _Role:
+    def __init__(self, name, perms=()):
+        self.name, self.permissions = name, [_Perm(*p) for p in perms]
+
+
+class _FakeSecurityManager:
+    """The calls fab_roles makes on FAB's security manager, over in-memory roles and users."""
+
+    def __init__(self, roles):
+        self.roles, self.users = {role.name: role for role in roles}, {}
+
+    def find_role(self, name):
+        return self.roles.get(name)
+
+    def add_role(self, name):
+        return self.roles.setdefault(name, _Role(name))
+
+    def create_permission(self, action, resource):
+        return _Perm(action, resource)
+
+    def add_permission_to_role(self, role, perm):
+        role.permissions.append(perm)
+
+    def remove_permission_from_role(self, role, perm):
+        role.permissions.remove(perm)
+
+    def find_user(self, username):
+        return self.users.get(username)
+
+    def add_user(self, username, first_name, last_name, email, role, password):
+        self.users[username] = (role.name, password)
+        return True
+
+
+def _perms(role):
+    return {(p.action.name, p.resource.name) for p in role.permissions}
+
+
+def test_init_narrows_a_widened_trigger_role_back_to_the_file(capsys):
+    """Someone gave the trigger role XCom edits and approvals in the UI: the next `up` takes them away again."""
+    roles = _fab_roles()
+    viewer = [("can_read", "DAGs"), ("can_read", "XComs"), ("can_read", "HITL Detail"), ("can_read", "Task Logs")]
+    widened = _Role("Eagle3Trigger", [*viewer, ("can_edit", "XComs"), ANSWERS_APPROVALS, ("can_create", "DAG Runs")])
+    sm = _FakeSecurityManager([_Role("Viewer", viewer), _Role("Admin"), widened])
+    roles.sync(sm, {"AIRFLOW_ADMIN_USER": "admin", "AIRFLOW_ADMIN_PASSWORD": "pw",
+                    "AIRFLOW_TRIGGER_USER": "alice", "AIRFLOW_TRIGGER_PASSWORD": "pw2"})
+    assert _perms(sm.roles["Eagle3Trigger"]) == set(viewer) | set(roles.ROLES["Eagle3Trigger"])
+    assert _perms(sm.roles["Eagle3Approver"]) == set(viewer) | set(roles.ROLES["Eagle3Approver"])
+    assert sm.users == {"admin": ("Admin", "pw"), "alice": ("Eagle3Trigger", "pw2")}
+    # An existing user keeps its password: init never resets one someone changed.
+    roles.sync(sm, {"AIRFLOW_ADMIN_USER": "admin", "AIRFLOW_ADMIN_PASSWORD": "other"})
+    assert sm.users["admin"] == ("Admin", "pw")
+
+
+def test_a_user_named_without_a_password_stops_init_naming_the_variable():
+    with pytest.raises(SystemExit, match="AIRFLOW_APPROVER_USER='bob' is set but AIRFLOW_APPROVER_PASSWORD is empty"):
+        _fab_roles().wanted_users({"AIRFLOW_APPROVER_USER": "bob", "AIRFLOW_APPROVER_PASSWORD": ""})
+
+
+FAB_CHECK = """
+import json
+from airflow.api_fastapi.auth.managers.models.resource_details import DagAccessEntity as E, DagDetails
+from airflow.providers.fab.auth_manager.cli_commands.utils import get_application_builder
+from airflow.providers.fab.auth_manager.fab_auth_manager import FabAuthManager
+
+CASES = {"trigger": ("POST", E.RUN), "read runs": ("GET", E.RUN), "read logs": ("GET", E.TASK_LOGS),
+         "read xcom": ("GET", E.XCOM), "edit xcom": ("PUT", E.XCOM), "add xcom": ("POST", E.XCOM),
+         "delete xcom": ("DELETE", E.XCOM), "answer approval": ("PUT", E.HITL_DETAIL),
+         "read approval": ("GET", E.HITL_DETAIL), "clear tasks": ("PUT", E.TASK_INSTANCE), "read dag": ("GET", None)}
+found = {}
+with get_application_builder() as appbuilder:
+    for name in ("tina", "alex"):
+        user = appbuilder.sm.find_user(username=name)
+        for dag in ("eagle3_drafter", "other_dag"):
+            found[f"{name} {dag}"] = sorted(
+                case for case, (method, entity) in CASES.items()
+                if FabAuthManager().is_authorized_dag(method=method, user=user, access_entity=entity,
+                                                      details=DagDetails(id=dag)))
+print(json.dumps(found))
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("airflow.providers.fab") is None,
+                    reason="apache-airflow-providers-fab is not installed here (the image installs it: "
+                           "requirements-image.txt); add its pin to requirements.txt to run this check")
+def test_the_roles_through_fabs_own_authorization(tmp_path):
+    """airflow-init's steps on a fresh DB, then the questions the API server asks FAB for each endpoint."""
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")},
+           "AIRFLOW_HOME": str(tmp_path), "AIRFLOW__CORE__AUTH_MANAGER": FAB,
+           "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{tmp_path}/airflow.db",
+           "AIRFLOW__CORE__LOAD_EXAMPLES": "false", "AIRFLOW__CORE__DAGS_FOLDER": str(tmp_path / "dags"),
+           "AIRFLOW__API__SECRET_KEY": "test", "AIRFLOW_ADMIN_USER": "admin", "AIRFLOW_ADMIN_PASSWORD": "a",
+           "AIRFLOW_TRIGGER_USER": "tina", "AIRFLOW_TRIGGER_PASSWORD": "t", "AIRFLOW_APPROVER_USER": "alex",
+           "AIRFLOW_APPROVER_PASSWORD": "x"}
+    python = os.sys.executable
+    for argv in ([python, "-m", "airflow", "db", "migrate"], [python, "-m", "airflow", "sync-perm"],
+                 [python, str(REPO / "deploy" / "fab_roles.py")]):
+        proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, (argv, proc.stdout[-2000:], proc.stderr[-4000:])
+    proc = subprocess.run([python, "-c", FAB_CHECK], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    reads = ["read approval", "read dag", "read logs", "read runs", "read xcom"]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {
+        "tina eagle3_drafter": sorted([*reads, "trigger"]),  # no XCom edit, no approval answer, no clearing
+        "tina other_dag": reads,
+        "alex eagle3_drafter": sorted([*reads, "answer approval"]),
+        "alex other_dag": reads,
+    }
