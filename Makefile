@@ -6,9 +6,10 @@ INSTALLED := $(VENV)/.installed
 TINY_TARGET := .cache/tiny-target
 SGLANG_ENV := .cache/sglang-env
 VLLM_ENV := .cache/vllm-env
+FAB_ENV := .cache/fab-env
 SITE_PACKAGES = $$($(1) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 
-.PHONY: install system-packages sglang-env vllm-env tiny-target demo test lint bench airflow docs clean
+.PHONY: install system-packages sglang-env vllm-env fab-env tiny-target demo test lint bench airflow docs clean
 
 $(INSTALLED): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -48,6 +49,17 @@ $(VLLM_ENV)/.installed: requirements-vllm-env.txt
 
 vllm-env: $(VLLM_ENV)/.installed
 
+# FAB's auth manager for the compose stack's roles test (requirements-fab-env.txt says why it has an environment of
+# its own). About 50 MB; rebuilt when the file changes.
+$(FAB_ENV)/.installed: requirements-fab-env.txt $(INSTALLED)
+	rm -rf $(FAB_ENV)
+	$(PYTHON) -m venv $(FAB_ENV)
+	echo "$(call SITE_PACKAGES,$(CURDIR)/$(PY))" > "$(call SITE_PACKAGES,$(FAB_ENV)/bin/python)/zz-control-plane.pth"
+	$(FAB_ENV)/bin/pip install -q --no-deps -r requirements-fab-env.txt
+	touch $@
+
+fab-env: $(FAB_ENV)/.installed
+
 # The tiny DeepSeek-V3-shaped target of the tests and the demo (reused once built; the first build trains it for
 # about 230 CPU-seconds).
 tiny-target: $(INSTALLED)
@@ -57,7 +69,7 @@ tiny-target: $(INSTALLED)
 # while pip fills .venv, and the tiny target trains while pip unpacks the sglang env, each leaving a core idle,
 # instead of at the start of the suite, where the long tests would wait for it.
 test:
-	$(MAKE) --jobs=4 --output-sync=target system-packages sglang-env vllm-env tiny-target lint
+	$(MAKE) --jobs=4 --output-sync=target system-packages sglang-env vllm-env fab-env tiny-target lint
 	$(PY) -m pytest
 
 lint: $(INSTALLED)

@@ -31,6 +31,7 @@ DB_PASSWORD = "test-db-password-from-env"
 SETTINGS_DIR = "/opt/airflow/deploy"  # where the Dockerfile copies deploy/
 CODE_DIRS = ("dags", "plugins", "include", "deploy")
 FAB = "airflow.providers.fab.auth_manager.fab_auth_manager.FabAuthManager"
+FAB_ENV_PYTHON = REPO / ".cache" / "fab-env" / "bin" / "python"
 TEST_TOOLS = {"pytest", "pytest-timeout", "pytest-xdist", "playwright", "ruff", "aiosmtpd", "psutil", "filelock"}
 # One worker runs the module: `docker-compose config` (module-scoped `rendered`) runs once.
 pytestmark = pytest.mark.xdist_group("test_compose")
@@ -224,6 +225,9 @@ def test_no_code_is_mounted_and_logs_are_shared(rendered):
             assert not any(target.startswith(f"/opt/airflow/{folder}") for folder in CODE_DIRS), (name, target)
             assert not source.startswith(str(REPO)), (name, source)
         assert mounts["/opt/airflow/logs"][0] == "airflow-logs", name
+    # Runs' published reports: written by the worker's report task, served by the api-server's report tab.
+    for name in ["airflow-worker", "airflow-apiserver"]:
+        assert _mounts(services[name])["/opt/airflow/eagle3-reports"][0] == "eagle3-reports", name
     # The `local` box's work directory: written by the worker, read by both triggerers.
     for name in ["airflow-worker", *TRIGGERERS]:
         assert _mounts(services[name])["/opt/airflow/eagle3-work"][0] == "local-box-work", name
@@ -523,11 +527,11 @@ print(json.dumps(found))
 """
 
 
-@pytest.mark.skipif(importlib.util.find_spec("airflow.providers.fab") is None,
-                    reason="apache-airflow-providers-fab is not installed here (the image installs it: "
-                           "requirements-image.txt); add its pin to requirements.txt to run this check")
 def test_the_roles_through_fabs_own_authorization(tmp_path):
-    """airflow-init's steps on a fresh DB, then the questions the API server asks FAB for each endpoint."""
+    """airflow-init's steps on a fresh DB, then the questions the API server asks FAB for each endpoint. In
+    .cache/fab-env (`make fab-env`, built by `make test`): FAB beside the control plane's packages."""
+    if not FAB_ENV_PYTHON.exists():
+        pytest.fail(f"{FAB_ENV_PYTHON} is missing: `make fab-env` builds it (requirements-fab-env.txt)")
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")},
            "AIRFLOW_HOME": str(tmp_path), "AIRFLOW__CORE__AUTH_MANAGER": FAB,
            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{tmp_path}/airflow.db",
@@ -535,7 +539,7 @@ def test_the_roles_through_fabs_own_authorization(tmp_path):
            "AIRFLOW__API__SECRET_KEY": "test", "AIRFLOW_ADMIN_USER": "admin", "AIRFLOW_ADMIN_PASSWORD": "a",
            "AIRFLOW_TRIGGER_USER": "tina", "AIRFLOW_TRIGGER_PASSWORD": "t", "AIRFLOW_APPROVER_USER": "alex",
            "AIRFLOW_APPROVER_PASSWORD": "x"}
-    python = os.sys.executable
+    python = str(FAB_ENV_PYTHON)
     for argv in ([python, "-m", "airflow", "db", "migrate"], [python, "-m", "airflow", "sync-perm"],
                  [python, str(REPO / "deploy" / "fab_roles.py")]):
         proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
