@@ -67,6 +67,6 @@ def test_redo_skips_no_stage_as_nothing_changed_and_names_only_known_stages(plan
                                                              "current_drafter": "v1", "current_accept_length": 2.5})
     assert tasks.inputs_changed(plan, dag_run=CONTEXT["dag_run"]) is False
     assert tasks.inputs_changed(sealed({**plan, "redo_from": "evaluate"}), dag_run=CONTEXT["dag_run"]) is True
-    assert BoxSettings.model_fields["redo_from"].annotation.__args__ == ("", *REDO_ORDER)
+    assert BoxSettings.model_fields["redo_from"].annotation.__args__ == ("none", *REDO_ORDER)
     with pytest.raises(ValueError, match="redo_from"):
         BoxSettings(redo_from="extract")

@@ -84,12 +84,13 @@ class BoxSettings(BaseModel):
         168.0, gt=0, le=24 * 90, title="Stage time limit (h)",
         description="How long a task waits for its stage at most (the deferral's timeout), however it progresses.",
     )
-    redo_from: Literal["", "vocab", "train", "export", "evaluate", "benchmark"] = Field(
-        "", title="Redo from stage",
+    # "none", not "": the web form's select takes an empty string for no value at all, and refuses the run.
+    redo_from: Literal["none", "vocab", "train", "export", "evaluate", "benchmark"] = Field(
+        "none", title="Redo from stage",
         description="Run this stage and every later one again from scratch, even where an earlier Airflow run of "
         "this run_name finished them (a clear only re-attaches to a finished stage): their outputs (vocab_mapping/, "
         "train/, drafter/, evaluate/, benchmark/) are renamed aside to NAME.before-redo-<time>, never mixed with the "
-        "new ones, and 'nothing changed' does not skip them. Empty: finished stages are kept.",
+        "new ones, and 'nothing changed' does not skip them. none: finished stages are kept.",
     )
 
 

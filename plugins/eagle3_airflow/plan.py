@@ -92,7 +92,7 @@ class RunPlan:
             box_env=list(box_env or []),
             code_digest=package_archive().digest,
             config_sha256=digest(config.model_dump(mode="json")),
-            redo_from=box.redo_from,
+            redo_from="" if box.redo_from == "none" else box.redo_from,
         )
 
     @classmethod
