@@ -30,6 +30,7 @@ from eagle3_airflow import tasks
 from eagle3_airflow.deployment import Deployment
 from eagle3_airflow.jobs import RemoteJobOperator
 from eagle3_airflow.params import build_params
+from eagle3_airflow.pools import box_params
 from eagle3_airflow.sensors import BoxReachableSensor, DiskSpaceSensor, GpuIdleSensor
 
 # The deployment's settings without editing code (eagle3_airflow/deployment.py): schedule, form defaults, and
@@ -40,9 +41,10 @@ DRAFTER = Asset(DEPLOYMENT.drafter_asset)  # updated when a run promotes its dra
 
 # One DAG per box of the settings' box_pools, each in its box's pool (eagle3_airflow/pools.py): several boxes run
 # several runs at once. Without box_pools, the one DAG eagle3_drafter, whose runs may use any allowed box.
+FORM = build_params(DEPLOYMENT.params, DEPLOYMENT.form_choices())
 for BOX in DEPLOYMENT.resources():
     SETTINGS = DEPLOYMENT.for_box(BOX)
-    PARAMS = build_params(SETTINGS.params, SETTINGS.form_choices())
+    PARAMS = box_params(FORM, BOX.conn_id)  # the form, its box.conn_ids that box alone
     SETTINGS.check_schedulable(PARAMS)  # a schedule whose defaults cannot make a run is an import error, not silence
 
     with DAG(

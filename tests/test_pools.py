@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from eagle3_airflow.deployment import Deployment, create_pool_argvs
 from eagle3_airflow.params import build_params
-from eagle3_airflow.pools import is_drafter_dag
+from eagle3_airflow.pools import box_params, is_drafter_dag
 from eagle3_airflow.tasks import validate_run
 from tests.airflow_env import AIRFLOW, REPO, airflow_env
 from tests.conftest import RUN
@@ -58,6 +58,18 @@ def test_box_pools_outside_the_allowed_boxes_or_shards_wider_than_the_box_are_re
         Deployment.model_validate({"allowed_boxes": ["box-a"], "box_pools": {"box-c": {"gpus": 1}}})
     with pytest.raises(ValidationError, match="shard_gpus 4 > gpus 2"):
         Deployment.model_validate({"box_pools": {"box-a": {"gpus": 2, "shard_gpus": 4}}})
+
+
+def test_the_form_shared_by_the_box_dags_offers_each_its_own_box_as_its_settings_would():
+    deployment = Deployment.model_validate(TWO_BOXES)
+    form = build_params(deployment.params, deployment.form_choices())
+    for resource in deployment.resources():
+        settings = deployment.for_box(resource)
+        built = build_params(settings.params, settings.form_choices())
+        shared = box_params(form, resource.conn_id)
+        assert {name: (p.value, p.schema) for name, p in shared.items()} == {
+            name: (p.value, p.schema) for name, p in built.items()}
+        assert shared["box.conn_ids"].value == [resource.conn_id]
 
 
 # -- what a trigger of one box's DAG may do -----------------------------------------------------------------------
