@@ -119,6 +119,7 @@ for BOX in DEPLOYMENT.resources():
             approve = PromotionApproval(
                 task_id="approve_promotion", subject="Promote the drafter of run {{ run_id }}?", plan=plan,
                 approvers=SETTINGS.approvers, defaults="Reject",
+                notifiers=SETTINGS.approval_notifiers(),  # the settings' notify channels hear it waits
                 response_timeout=timedelta(hours=SETTINGS.approval_timeout_h))  # no answer: rejected
             approval = [proposed, approve, task(tasks.promote_held, task_id="promote")(plan, approve.output)]
         summary = task(tasks.report, task_id="report", trigger_rule="none_failed")(plan)

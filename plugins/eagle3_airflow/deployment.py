@@ -324,6 +324,15 @@ class Deployment(BaseModel):
 
         return [FailureNotifier(scope="task", **self.notify.kwargs())]
 
+    def approval_notifiers(self) -> list:
+        """The promotion approval's notifiers: the notify channels hear that an approval is waiting."""
+        if self.notify is None:
+            return []
+        from eagle3_airflow.approval import ApprovalAsked
+
+        return [ApprovalAsked(approvers=self.approvers, response_timeout_h=self.approval_timeout_h,
+                              **self.notify.kwargs())]
+
     def deadline(self):
         """A DeadlineAlert that warns when a run is not done `notify.late_after_h` after it was queued, or None."""
         if self.notify is None or self.notify.late_after_h is None:
