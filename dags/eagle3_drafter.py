@@ -26,96 +26,112 @@ from datetime import datetime, timedelta
 
 from airflow.sdk import DAG, Asset, chain, task
 
-from eagle3_airflow import DAG_ID, tasks
+from eagle3_airflow import tasks
 from eagle3_airflow.deployment import Deployment
 from eagle3_airflow.jobs import RemoteJobOperator
 from eagle3_airflow.params import build_params
+from eagle3_airflow.pools import box_params
 from eagle3_airflow.sensors import BoxReachableSensor, DiskSpaceSensor, GpuIdleSensor
 
 # The deployment's settings without editing code (eagle3_airflow/deployment.py): schedule, form defaults, and
 # which boxes, services, endpoint hosts and box variables a trigger may use. A JSON file named by EAGLE3_DAG_SETTINGS.
-SETTINGS = Deployment.from_env()
-PARAMS = build_params(SETTINGS.params, SETTINGS.form_choices())
-SETTINGS.check_schedulable(PARAMS)  # a schedule whose defaults cannot make a run is an import error, not silence
-POOL = SETTINGS.pool  # bounds how many remote stages run at once, deferred ones counted (create-pool makes it)
-SENSOR_TIMEOUT = timedelta(hours=SETTINGS.sensor_timeout_h)
-DRAFTER = Asset(SETTINGS.drafter_asset)  # updated when a run promotes its drafter: deployments schedule on it
+DEPLOYMENT = Deployment.from_env()
+SENSOR_TIMEOUT = timedelta(hours=DEPLOYMENT.sensor_timeout_h)
+DRAFTER = Asset(DEPLOYMENT.drafter_asset)  # updated when a run promotes its drafter: deployments schedule on it
 
-with DAG(
-    dag_id=DAG_ID,
-    description="Train an EAGLE-3 drafter for a target model on a remote GPU box",
-    schedule=SETTINGS.dag_schedule(),  # time, the data's or target's Asset updated, or either
-    start_date=datetime(2026, 1, 1),
-    catchup=False,
-    max_active_runs=1,  # one box, one run: two runs would fight over its GPUs
-    default_args={
-        "retries": SETTINGS.retries,
-        "retry_delay": timedelta(seconds=SETTINGS.retry_delay_s),
-        "retry_exponential_backoff": SETTINGS.retry_exponential_backoff,
-        "max_retry_delay": timedelta(minutes=30),
-        # None without the settings' notify: an empty list still makes Airflow schedule callback runs
-        "on_failure_callback": SETTINGS.task_failure_callbacks() or None,  # notify: a task failed for good
-    },
-    on_failure_callback=SETTINGS.run_failure_callbacks() or None,  # ... and the run failed
-    deadline=SETTINGS.deadline(),  # ... and a run is late (notify.late_after_h)
-    doc_md=__doc__,
-    tags=["eagle3", "llm", "speculative-decoding"],
-) as dag:
+# One DAG per box of the settings' box_pools, each in its box's pool (eagle3_airflow/pools.py): several boxes run
+# several runs at once. Without box_pools, the one DAG eagle3_drafter, whose runs may use any allowed box.
+FORM = build_params(DEPLOYMENT.params, DEPLOYMENT.form_choices())
+for BOX in DEPLOYMENT.resources():
+    SETTINGS = DEPLOYMENT.for_box(BOX)
+    PARAMS = box_params(FORM, BOX.conn_id)  # the form, its box.conn_ids that box alone
+    SETTINGS.check_schedulable(PARAMS)  # a schedule whose defaults cannot make a run is an import error, not silence
 
-    @task(retries=0, multiple_outputs=True)
-    def validate(params=None, dag_run=None) -> dict:
-        """Refuse unknown keys and bad values (fields named, fixes given) before anything runs; seal the plan."""
-        return tasks.validate_run(dict(params), dict(dag_run.conf or {}), set(PARAMS), dag_run, SETTINGS)
+    with DAG(
+        dag_id=BOX.dag_id,
+        description="Train an EAGLE-3 drafter for a target model on a remote GPU box"
+        + (f" ({BOX.conn_id})" if BOX.conn_id else ""),
+        schedule=SETTINGS.dag_schedule(),  # time, the data's or target's Asset updated, or either
+        start_date=datetime(2026, 1, 1),
+        catchup=False,
+        max_active_runs=1,  # one box, one run: gpus_idle would see another run's stages as foreign processes
+        default_args={
+            "retries": SETTINGS.retries,
+            "retry_delay": timedelta(seconds=SETTINGS.retry_delay_s),
+            "retry_exponential_backoff": SETTINGS.retry_exponential_backoff,
+            "max_retry_delay": timedelta(minutes=30),
+            # None without the settings' notify: an empty list still makes Airflow schedule callback runs
+            "on_failure_callback": SETTINGS.task_failure_callbacks() or None,  # notify: a task failed for good
+        },
+        on_failure_callback=SETTINGS.run_failure_callbacks() or None,  # ... and the run failed
+        deadline=SETTINGS.deadline(),  # ... and a run is late (notify.late_after_h)
+        doc_md=__doc__,
+        tags=["eagle3", "llm", "speculative-decoding"],
+    ) as dag:
 
-    run = validate()
-    plan = run["plan"]
+        @task(retries=0, multiple_outputs=True)
+        def validate(params=None, dag_run=None, settings=SETTINGS, known=frozenset(PARAMS)) -> dict:
+            """Refuse unknown keys and bad values (fields named, fixes given) before anything runs; seal the plan."""
+            return tasks.validate_run(dict(params), dict(dag_run.conf or {}), set(known), dag_run, settings)
 
-    box_reachable = BoxReachableSensor(task_id="box_reachable", plan=plan, poke_interval=30, timeout=SENSOR_TIMEOUT)
-    code_synced = task(tasks.sync_code, task_id="sync_code")(plan, run["config"])
-    config_written = task(tasks.write_config, task_id="write_config")(plan, run["config"])
-    gpus_idle = GpuIdleSensor(task_id="gpus_idle", plan=plan, timeout=SENSOR_TIMEOUT)
-    disk_space = DiskSpaceSensor(task_id="disk_space", plan=plan, timeout=SENSOR_TIMEOUT)
+        run = validate()
+        plan = run["plan"]
 
-    shards = task(tasks.shard_list, task_id="shards")
-    generate = RemoteJobOperator(task_id="generate", stage="generate", plan=plan, pool=POOL, only_if="generate")
-    extract = RemoteJobOperator.partial(
-        task_id="extract", stage="extract", plan=plan, pool=POOL,
-        trigger_rule="none_failed",  # runs after generate, or on the data as given when generate was skipped
-    ).expand(shard=shards(plan))
-    gpus_released = GpuIdleSensor(task_id="gpus_released", plan=plan, poke_interval=30, timeout=SENSOR_TIMEOUT)
-    vocab = RemoteJobOperator(task_id="vocab", stage="vocab", plan=plan, pool=POOL)
-    # Nothing new since the lineage's current drafter (same samples, vocab, settings): train, export, evaluate and
-    # benchmark are skipped; report (none_failed) still runs and says so.
-    inputs_changed = task.short_circuit(tasks.inputs_changed, task_id="inputs_changed",
-                                        ignore_downstream_trigger_rules=False)(plan)
-    train = RemoteJobOperator(task_id="train", stage="train", plan=plan, pool=POOL)
-    export = RemoteJobOperator(task_id="export", stage="export", plan=plan, pool=POOL)
-    # With the settings' approve_promotion, evaluate only proposes; a person approves before `current` is switched.
-    hold = ["--hold-promotion"] if SETTINGS.approve_promotion else []
-    evaluate = RemoteJobOperator(task_id="evaluate", stage="evaluate", plan=plan, pool=POOL, stage_args=hold)
-    benchmark = RemoteJobOperator(task_id="benchmark", stage="benchmark", plan=plan, pool=POOL, only_if="benchmark")
-    approval = []
-    if SETTINGS.approve_promotion:
-        from eagle3_airflow.approval import PromotionApproval
+        # What holds the box's GPUs holds them in its pool (pool, pool_slots); the rest holds none.
+        box_reachable = BoxReachableSensor(task_id="box_reachable", plan=plan, poke_interval=30,
+                                           timeout=SENSOR_TIMEOUT)
+        code_synced = task(tasks.sync_code, task_id="sync_code")(plan, run["config"])
+        config_written = task(tasks.write_config, task_id="write_config")(plan, run["config"])
+        gpus_idle = GpuIdleSensor(task_id="gpus_idle", plan=plan, timeout=SENSOR_TIMEOUT,
+                                  **BOX.task_kwargs("gpus_idle"))
+        disk_space = DiskSpaceSensor(task_id="disk_space", plan=plan, timeout=SENSOR_TIMEOUT)
 
-        proposed = task.short_circuit(tasks.promotion_proposed, task_id="promotion_proposed",
-                                      trigger_rule="none_failed",  # after a skipped benchmark too
-                                      ignore_downstream_trigger_rules=False)(plan)
-        # Asked of the settings' approvers; its body is read from the box, not from another task's XCom.
-        approve = PromotionApproval(
-            task_id="approve_promotion", subject="Promote the drafter of run {{ run_id }}?", plan=plan,
-            approvers=SETTINGS.approvers, defaults="Reject",
-            response_timeout=timedelta(hours=SETTINGS.approval_timeout_h))  # no answer: rejected
-        approval = [proposed, approve, task(tasks.promote_held, task_id="promote")(plan, approve.output)]
-    summary = task(tasks.report, task_id="report", trigger_rule="none_failed")(plan)
-    promoted = task(tasks.announce_promotion, task_id="promoted", outlets=[DRAFTER])(plan, DRAFTER.name)
-    retention = task(tasks.prune_runs, task_id="retention", trigger_rule="none_failed")(plan, SETTINGS.keep_runs)
+        shards = task(tasks.shard_list, task_id="shards")
+        generate = RemoteJobOperator(task_id="generate", stage="generate", plan=plan, only_if="generate",
+                                     **BOX.task_kwargs("generate"))
+        extract = RemoteJobOperator.partial(
+            task_id="extract", stage="extract", plan=plan, **BOX.task_kwargs("extract"),
+            trigger_rule="none_failed",  # runs after generate, or on the data as given when generate was skipped
+        ).expand(shard=shards(plan))
+        gpus_released = GpuIdleSensor(task_id="gpus_released", plan=plan, poke_interval=30, timeout=SENSOR_TIMEOUT,
+                                      **BOX.task_kwargs("gpus_released"))
+        vocab = RemoteJobOperator(task_id="vocab", stage="vocab", plan=plan)  # CPU only
+        # Nothing new since the lineage's current drafter (same samples, vocab, settings): train, export, evaluate
+        # and benchmark are skipped; report (none_failed) still runs and says so.
+        inputs_changed = task.short_circuit(tasks.inputs_changed, task_id="inputs_changed",
+                                            ignore_downstream_trigger_rules=False)(plan)
+        train = RemoteJobOperator(task_id="train", stage="train", plan=plan, **BOX.task_kwargs("train"))
+        export = RemoteJobOperator(task_id="export", stage="export", plan=plan)  # CPU only
+        # With the settings' approve_promotion, evaluate only proposes; a person approves before `current` switches.
+        hold = ["--hold-promotion"] if SETTINGS.approve_promotion else []
+        evaluate = RemoteJobOperator(task_id="evaluate", stage="evaluate", plan=plan, stage_args=hold,
+                                     **BOX.task_kwargs("evaluate"))
+        benchmark = RemoteJobOperator(task_id="benchmark", stage="benchmark", plan=plan, only_if="benchmark",
+                                      **BOX.task_kwargs("benchmark"))
+        approval = []
+        if SETTINGS.approve_promotion:
+            from eagle3_airflow.approval import PromotionApproval
 
-    chain(run, box_reachable, code_synced, config_written, gpus_idle, disk_space, generate, extract, gpus_released,
-          vocab, inputs_changed, train, export, evaluate, benchmark, *approval, summary, promoted, retention)
+            proposed = task.short_circuit(tasks.promotion_proposed, task_id="promotion_proposed",
+                                          trigger_rule="none_failed",  # after a skipped benchmark too
+                                          ignore_downstream_trigger_rules=False)(plan)
+            # Asked of the settings' approvers; its body is read from the box, not from another task's XCom.
+            approve = PromotionApproval(
+                task_id="approve_promotion", subject="Promote the drafter of run {{ run_id }}?", plan=plan,
+                approvers=SETTINGS.approvers, defaults="Reject",
+                notifiers=SETTINGS.approval_notifiers(),  # the settings' notify channels hear it waits
+                response_timeout=timedelta(hours=SETTINGS.approval_timeout_h))  # no answer: rejected
+            approval = [proposed, approve, task(tasks.promote_held, task_id="promote")(plan, approve.output)]
+        summary = task(tasks.report, task_id="report", trigger_rule="none_failed")(plan)
+        promoted = task(tasks.announce_promotion, task_id="promoted", outlets=[DRAFTER])(plan, DRAFTER.name)
+        retention = task(tasks.prune_runs, task_id="retention", trigger_rule="none_failed")(plan, SETTINGS.keep_runs)
 
-# The form's params go on the DAG after its tasks exist. Passed to DAG(...), Airflow would copy all ~60 of them
-# into every task, then re-validate every copy when it serializes the DAG: about 0.5 s of the dag-processor's
-# time per parse, for nothing, since tasks read DAG params at run time anyway (dag params, then task params,
-# then the run's conf).
-dag.params.update(PARAMS)
+        chain(run, box_reachable, code_synced, config_written, gpus_idle, disk_space, generate, extract,
+              gpus_released, vocab, inputs_changed, train, export, evaluate, benchmark, *approval, summary, promoted,
+              retention)
+
+    # The form's params go on the DAG after its tasks exist. Passed to DAG(...), Airflow would copy all ~60 of them
+    # into every task, then re-validate every copy when it serializes the DAG: about 0.5 s of the dag-processor's
+    # time per parse, for nothing, since tasks read DAG params at run time anyway (dag params, then task params,
+    # then the run's conf).
+    dag.params.update(PARAMS)

@@ -211,3 +211,30 @@ def test_a_retry_after_the_switch_still_matches_its_approval(proposed, promote_c
                    reason=PROPOSAL["reason"] + "; approved")
     tasks.promote_held(proposed, record, dag_run=RUN, deployment=Deployment(approvers=APPROVERS))
     assert len(promote_calls) == 1
+
+
+# -- someone is told ---------------------------------------------------------------------------------------------
+
+def test_a_waiting_approval_tells_the_settings_channels_who_may_answer_where_and_the_figures_as_text(proposed,
+                                                                                                      monkeypatch):
+    """The issue: a pending approval told nobody. The settings' notify channels hear it, and a template in a value
+    from the box is sent as the characters it is, never evaluated."""
+    write_proposal(proposed["run_dir"], reason="better {{ 6 * 7 }}")
+    heard = []  # a notify channel (`notify.callables`, module:function) that records what it is sent
+    monkeypatch.setitem(sys.modules, "eagle3_test_channel",
+                        SimpleNamespace(heard=lambda *message: heard.append(message)))
+    monkeypatch.setattr("airflow.providers.standard.operators.hitl.upsert_hitl_detail", lambda **request: None)
+    deployment = Deployment(approve_promotion=True, approvers=["bob", "carol"], approval_timeout_h=24,
+                            notify={"callables": ["eagle3_test_channel:heard"]})
+    assert Deployment(approve_promotion=True, approvers=["bob"]).approval_notifiers() == []  # no notify: silent
+    task = PromotionApproval(task_id="approve_promotion", subject="Promote?", plan=proposed,
+                             approvers=deployment.approvers, defaults="Reject",
+                             notifiers=deployment.approval_notifiers())
+    with pytest.raises(TaskAwaitingInput):
+        task.execute({**CONTEXT_TI, "task": task})
+    ((subject, body),) = heard
+    assert RUN.run_id in subject and RUN.dag_id in subject
+    assert "bob, carol" in body and "24 h" in body
+    assert f"/dags/{RUN.dag_id}/runs/{RUN.run_id}/tasks/approve_promotion/required_actions" in body
+    assert "| 3 | 1.870 | 1.700 |" in body  # the figures, as the approval's body shows them
+    assert r"better \{\{ 6 \* 7 \}\}" in body and "42" not in body  # escaped as in the body, never rendered

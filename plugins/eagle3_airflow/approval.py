@@ -19,6 +19,9 @@ and what the promote task accepts as an approval.
   (a re-evaluated drafter needs a new approval).
 
 A task marked successful by hand leaves no sealed record, and promote refuses to promote without one.
+
+Someone is told: with the settings' `notify`, the approval's `notifiers` (ApprovalAsked) send the settings' channels
+a message when the approval starts waiting: which run, who may approve, by when, where to answer, and the body.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 import logging
 
 from airflow.providers.standard.operators.hitl import ApprovalOperator
+from airflow.sdk import BaseNotifier
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
 from eagle3_airflow.plan import RunPlan, verified_plan
@@ -67,6 +71,37 @@ def check_approver(user_id: str, user_name: str, approvers: list, triggering_use
         raise AirflowFailException(f"approve_promotion was answered Approve by {user_name!r}, who triggered this run: "
                                    f"a promotion needs the Approve of another approver ({others or 'none listed'}). "
                                    + ASK_AGAIN)
+
+
+class ApprovalAsked(BaseNotifier):
+    """Tells the settings' notify channels that a promotion awaits an approver (the approval's `notifiers`)."""
+
+    template_fields = ()
+
+    def __init__(self, *, approvers: list, response_timeout_h: float, smtp_conn_id: str | None, to: list[str],
+                 from_email: str | None, callables: list[str]):
+        super().__init__()
+        self.approvers = [approver.name for approver in approvers]
+        self.response_timeout_h = response_timeout_h
+        self.smtp_conn_id, self.to, self.from_email = smtp_conn_id, list(to), from_email
+        self.callables = list(callables)
+
+    def render_template_fields(self, context, jinja_env=None) -> None:
+        """Nothing here is a template: the body holds values from the box (eagle3_airflow/notify.py says why)."""
+
+    def notify(self, context) -> None:
+        from eagle3_airflow.notify import send
+
+        dag_run, task = context["dag_run"], context["task"]
+        subject = f"eagle3: approve the promotion of run {dag_run.run_id}? ({dag_run.dag_id})"
+        body = "\n".join([
+            f"Run {dag_run.run_id} of DAG {dag_run.dag_id} proposes its drafter for promotion.",
+            f"Who may approve: {', '.join(self.approvers)} (not the user who triggered the run).",
+            f"Unanswered for {self.response_timeout_h:g} h, it is rejected.",
+            f"Answer in the Airflow UI: /dags/{dag_run.dag_id}/runs/{dag_run.run_id}/tasks/{task.task_id}"
+            "/required_actions (Browse > Required Actions).",
+            "", task.body or ""])
+        send(subject, body, context, self.smtp_conn_id, self.to, self.from_email, self.callables)
 
 
 class PromotionApproval(ApprovalOperator):

@@ -53,7 +53,9 @@ from eagle3.config import (
     format_validation_error,
     redact_url,
 )
+from eagle3_airflow import DAG_ID
 from eagle3_airflow.params import BoxSettings, ConnId, ParamsError, SystemdUnit, params_to_configs, required_params
+from eagle3_airflow.pools import BoxPool, BoxResource
 
 if TYPE_CHECKING:
     from eagle3.config import RunConfig
@@ -148,7 +150,13 @@ class Deployment(BaseModel):
     params: dict[str, Any] = Field(default_factory=dict, description="Trigger-form defaults, by dotted name.")
     pool: str = Field("eagle3_box", pattern=r"^[A-Za-z0-9_.-]{1,256}$",
                       description="Airflow pool every remote stage runs in; counts deferred tasks.")
-    pool_slots: int = Field(8, ge=1, le=4096, description="How many of them may run at once (one per GPU group).")
+    pool_slots: int = Field(8, ge=1, le=4096, description="The GPUs of the box(es) the pool stands for: its slots "
+                            "(eagle3_airflow/pools.py says what each task holds).")
+    box_pools: dict[ConnId, BoxPool] = Field(
+        default_factory=dict,
+        description="One DAG and one pool per box, e.g. {\"gpu-box-1\": {\"gpus\": 8}}: each box's runs go on "
+        "at once, each holding its own box's GPUs (eagle3_airflow/pools.py). Empty: one DAG whose runs may use any "
+        "allowed box, in `pool`.")
     sensor_timeout_h: float = Field(12, gt=0, le=24 * 14, description="How long a box sensor waits.")
     retries: int = Field(3, ge=0, le=100)
     retry_delay_s: float = Field(60, ge=0, le=24 * 3600)
@@ -209,6 +217,7 @@ class Deployment(BaseModel):
         None, description="The Airflow connection reports_url's store is opened with (its provider installed); none: "
         "the local filesystem, or the store's own environment credentials.")
     _source: str = PrivateAttr("the built-in settings (EAGLE3_DAG_SETTINGS names no file)")
+    _resource: BoxResource | None = PrivateAttr(None)  # set on the settings of one generated DAG (for_box)
 
     @field_validator("allowed_workdirs")
     @classmethod
@@ -221,11 +230,21 @@ class Deployment(BaseModel):
         if unused:
             raise ValueError(f"api_key_endpoints: {unused} not in box_env {self.box_env}, so no stage gets them; add "
                              "them to box_env or remove them")
+        outside = [conn_id for conn_id in self.box_pools if conn_id not in self.boxes()]
+        if outside:
+            raise ValueError(f"box_pools: {outside} not in the allowed boxes {self.boxes()}; add them to allowed_boxes "
+                             "or remove them from box_pools")
+        narrow = [f"{conn_id}: shard_gpus {box.shard_gpus} > gpus {box.gpus}" for conn_id, box in self.box_pools.items()
+                  if box.shard_gpus > box.gpus]
+        if narrow:
+            raise ValueError(f"box_pools: a shard cannot hold more GPUs than its box has ({'; '.join(narrow)})")
         if self.approve_promotion and not self.approvers:
             raise ValueError("approvers: approve_promotion is on, but no one may approve; list the Airflow user names "
                              "who may (\"approvers\": [\"alice\", \"bob\"]), or turn approve_promotion off")
         # The form's defaults are what a scheduled run uses: they must pass the deployment's own check.
-        self.check(self._default("box.conn_ids", BoxSettings().conn_ids), self._default("box.stop_services", []),
+        # (with box_pools, each box's DAG makes that box its runs' default)
+        self.check(self._default("box.conn_ids", list(self.box_pools)[:1] or BoxSettings().conn_ids),
+                   self._default("box.stop_services", []),
                    self.params.get("generate.endpoint"),
                    self.params.get("generate.api_key_env"), source="params (the form's defaults)",
                    workdir=self.params.get("workdir"))
@@ -244,6 +263,28 @@ class Deployment(BaseModel):
         except (OSError, ValueError) as err:
             raise ParamsError(f"EAGLE3_DAG_SETTINGS: cannot read {path}: {err}") from None
         settings._source = f"the settings file {path} (EAGLE3_DAG_SETTINGS)"
+        return settings
+
+    # -- boxes as resources (eagle3_airflow/pools.py) ------------------------------------------------
+    def resources(self) -> list[BoxResource]:
+        """One per DAG the drafter DAG file makes: one per box of box_pools, or the one DAG over `pool`."""
+        if not self.box_pools:
+            return [BoxResource(dag_id=DAG_ID, conn_id=None, pool=self.pool, gpus=self.pool_slots, shard_gpus=1)]
+        one = len(self.box_pools) == 1
+        return [BoxResource(dag_id=DAG_ID if one else f"{DAG_ID}__{conn_id}", conn_id=conn_id,
+                            pool=box.pool or f"eagle3_box_{conn_id}", gpus=box.gpus, shard_gpus=box.shard_gpus)
+                for conn_id, box in self.box_pools.items()]
+
+    def for_box(self, resource: BoxResource) -> Deployment:
+        """The settings of the DAG that holds `resource`: with a box of its own, its runs may use that box only,
+        and the form offers it alone."""
+        if resource.conn_id is None:
+            settings = self.model_copy()
+        else:
+            settings = self.model_copy(update={"allowed_boxes": [resource.conn_id],
+                                               "params": {**self.params, "box.conn_ids": [resource.conn_id]}})
+        settings._source = self._source
+        settings._resource = resource
         return settings
 
     def dag_schedule(self):
@@ -294,6 +335,15 @@ class Deployment(BaseModel):
 
         return [FailureNotifier(scope="task", **self.notify.kwargs())]
 
+    def approval_notifiers(self) -> list:
+        """The promotion approval's notifiers: the notify channels hear that an approval is waiting."""
+        if self.notify is None:
+            return []
+        from eagle3_airflow.approval import ApprovalAsked
+
+        return [ApprovalAsked(approvers=self.approvers, response_timeout_h=self.approval_timeout_h,
+                              **self.notify.kwargs())]
+
     def deadline(self):
         """A DeadlineAlert that warns when a run is not done `notify.late_after_h` after it was queued, or None."""
         if self.notify is None or self.notify.late_after_h is None:
@@ -313,8 +363,9 @@ class Deployment(BaseModel):
         return list(self.params.get(dotted) or model_default)
 
     def boxes(self) -> list[str]:
-        return self.allowed_boxes if self.allowed_boxes is not None else self._default("box.conn_ids",
-                                                                                       BoxSettings().conn_ids)
+        if self.allowed_boxes is not None:
+            return self.allowed_boxes
+        return list(self.box_pools) if self.box_pools else self._default("box.conn_ids", BoxSettings().conn_ids)
 
     def services(self) -> list[str]:
         return self.allowed_services if self.allowed_services is not None else self._default("box.stop_services", [])
@@ -435,6 +486,11 @@ class Deployment(BaseModel):
         self.check(conn_ids, services, gen.endpoint if uses_endpoint else None, gen.api_key_env, source=source,
                    workdir=config.workdir, box_env=box_env,
                    pythons={"box.python": python, "server.python": config.server.python})
+        overuse = self._resource.overuse(config) if self._resource else []
+        if overuse:
+            raise ParamsError("\n  ".join([f"{source} uses more GPUs than the DAG {self._resource.dag_id} holds in the "
+                                           f"pool {self._resource.pool}:", *overuse])
+                              + "\nChange the run, or ask whoever runs this Airflow to change box_pools.")
         if config.evaluate.keep_versions < self.keep_versions:
             raise ParamsError(f"{source}: evaluate.keep_versions {config.evaluate.keep_versions} keeps fewer promoted "
                               f"drafters than this deployment's keep_versions ({self.keep_versions})")
@@ -449,11 +505,14 @@ class Deployment(BaseModel):
             raise ParamsError(f"the run plan: run_dir {plan.run_dir!r} is not workdir/runs/run_name ({run_dir!r})")
 
 
-def create_pool_argv(settings: Deployment, airflow: str = "airflow") -> list[str]:
-    """`airflow pools set` for the settings' pool. include_deferred: the remote stages defer within seconds of
-    starting and wait in the triggerer for hours; a pool that does not count deferred tasks bounds nothing."""
-    return [airflow, "pools", "set", settings.pool, str(settings.pool_slots),
-            "eagle3 remote stages and box sensors (deferred ones count)", "--include-deferred"]
+def create_pool_argvs(settings: Deployment, airflow: str = "airflow") -> list[list[str]]:
+    """`airflow pools set` for each box's pool, its slots the box's GPUs. include_deferred: the remote stages defer
+    within seconds of starting and wait in the triggerer for hours; a pool that does not count deferred tasks bounds
+    nothing."""
+    return [[airflow, "pools", "set", resource.pool, str(resource.gpus),
+             f"the GPUs of {'box ' + resource.conn_id if resource.conn_id else 'the eagle3 box'}: eagle3 stages hold "
+             "those they use (deferred ones count)", "--include-deferred"]
+            for resource in settings.resources()]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -463,15 +522,16 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(
         prog="python -m eagle3_airflow.deployment",
-        description="Create or update the Airflow pool of the settings file EAGLE3_DAG_SETTINGS names (default "
+        description="Create or update the Airflow pools (one per box of box_pools) of the settings file "
+                    "EAGLE3_DAG_SETTINGS names (default "
                     "settings without one), counting deferred tasks. make demo, make airflow and the compose file's "
                     "airflow-init run it.")
     parser.add_argument("command", choices=["create-pool"])
     parser.add_argument("--airflow", default=shutil.which("airflow") or "airflow", help="the airflow executable")
     args = parser.parse_args(argv)
-    command = create_pool_argv(Deployment.from_env(), args.airflow)
-    print("+", " ".join(command), flush=True)
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+    for command in create_pool_argvs(Deployment.from_env(), args.airflow):
+        print("+", " ".join(command), flush=True)
+        subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,109 @@
+"""A box is a resource: each box's Airflow pool, whose slots are its GPUs, and the GPUs each task holds there.
+
+The settings file's `box_pools` names the boxes and their GPU counts:
+
+    "box_pools": {"gpu-box-1": {"gpus": 8}, "gpu-box-2": {"gpus": 8, "shard_gpus": 8}}
+
+and the DAG file makes one DAG per box (`eagle3_drafter__gpu-box-1`, ...; with one box, `eagle3_drafter`), each
+running its runs on that box alone, in that box's pool (`eagle3_box_gpu-box-1`, or the entry's `pool`). Two boxes
+run two runs at once; two DAGs, or any other DAG, that use one box share its pool. Without `box_pools` (old settings
+files) there is one DAG, `eagle3_drafter`, whose runs may use any allowed box, in the pool `pool` of `pool_slots`
+GPUs.
+
+What a task holds, in GPUs (Airflow fixes a task's pool_slots when the DAG is parsed, not per run):
+- generate, train, evaluate, benchmark: the whole box. Each may use every GPU of it (train's ranks, the serving
+  engine's tensor parallelism), and gpus_idle refuses a box where another run's processes hold GPUs anyway, so
+  sharing one box between two runs' GPU stages would only make one of them fail.
+- extract: each shard its GPU group, `shard_gpus` (1: the hf backend; extract.sglang.tp_size for sglang), so a run's
+  shards fill the box and no more.
+- gpus_idle and gpus_released: the whole box. They assert the box's GPUs are free; holding the pool while they do
+  means no task of another run takes the box between their check and the stage that follows.
+- vocab, export, disk_space, box_reachable and the light tasks: none (the default pool). They use the box's CPUs
+  and disk, not its GPUs.
+A run that would use more than its DAG holds (train.gpus past the box's GPU count, an sglang shard wider than
+shard_gpus, a server wider than the box) is refused by validate with the setting to change.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+from eagle3_airflow import DAG_ID
+
+if TYPE_CHECKING:
+    from eagle3.config import RunConfig
+
+PoolName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]{1,256}$")]
+WHOLE_BOX = ("generate", "train", "evaluate", "benchmark", "gpus_idle", "gpus_released")  # tasks holding every GPU
+
+
+class BoxPool(BaseModel):
+    """One box of `box_pools`: its GPUs, and the pool they are counted in."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    gpus: int = Field(ge=1, le=1024, description="The box's GPUs: its pool's slots.")
+    shard_gpus: int = Field(1, ge=1, le=1024, description="GPUs each extract shard holds (its GPU group): 1 for the "
+                            "hf backend, extract.sglang.tp_size for sglang.")
+    pool: PoolName | None = Field(None, description="The Airflow pool's name; default eagle3_box_<connection id>.")
+
+
+class BoxResource(BaseModel):
+    """What one generated DAG holds: its id, the box its runs use (None: any allowed box, the old single DAG), the
+    pool, and the GPUs each task holds in it."""
+
+    model_config = ConfigDict(frozen=True)
+
+    dag_id: str
+    conn_id: str | None
+    pool: str
+    gpus: int
+    shard_gpus: int
+
+    def slots(self, task_id: str) -> int:
+        return self.gpus if task_id in WHOLE_BOX else self.shard_gpus
+
+    def task_kwargs(self, task_id: str) -> dict:
+        """pool and pool_slots for a task that holds GPUs of the box (see the module docstring)."""
+        return {"pool": self.pool, "pool_slots": self.slots(task_id)}
+
+    def overuse(self, config: RunConfig) -> list[str]:
+        """Why a run would use more GPUs than this DAG's tasks hold in the pool; empty when it fits."""
+        if self.conn_id is None:  # the old single DAG: its runs may span boxes, the pool bounds what it can
+            return []
+        where = f"box_pools.{self.conn_id} in the settings file"
+        problems = []
+        train = max(config.train.gpus) + 1 if config.train.gpus else config.train.ranks
+        if train > self.gpus:
+            problems.append(f"train: uses {train} GPUs (train.gpus / train.nproc_per_node) but box {self.conn_id} "
+                            f"has {self.gpus} ({where}.gpus)")
+        shard = config.extract.sglang.tp_size if config.extract.backend == "sglang" else 1
+        if shard > self.shard_gpus:
+            problems.append(f"extract: each shard uses {shard} GPUs (extract.sglang.tp_size) but holds "
+                            f"{self.shard_gpus} in the pool ({where}.shard_gpus): set it to {shard}")
+        serves = (config.generate.enabled and config.generate.launch_server) or config.benchmark.enabled \
+            or config.evaluate.backend == "server"
+        if serves and config.server.tp_size > self.gpus:
+            problems.append(f"server.tp_size: {config.server.tp_size} GPUs but box {self.conn_id} has {self.gpus} "
+                            f"({where}.gpus)")
+        return problems
+
+
+def box_params(params: dict, conn_id: str | None) -> dict:
+    """The form's Params for one box's DAG: `params` (built once for all of them: about 20 ms of the parse each)
+    with box.conn_ids offering and defaulting to that box alone."""
+    if conn_id is None:
+        return params
+    from airflow.sdk import Param
+
+    boxes = params["box.conn_ids"]
+    schema = {**boxes.schema, "items": {**boxes.schema.get("items", {}), "enum": [conn_id]}}
+    schema.pop("maxItems", None)
+    return {**params, "box.conn_ids": Param([conn_id], description=boxes.description, **schema)}
+
+
+def is_drafter_dag(dag_id: str) -> bool:
+    """One of the DAGs the drafter DAG file makes: `eagle3_drafter`, or `eagle3_drafter__<box>` per box."""
+    return dag_id == DAG_ID or dag_id.startswith(DAG_ID + "__")

@@ -1,0 +1,147 @@
+"""Issue 36 item 3: a box is a resource. One pool per box, whose slots are its GPUs; one DAG per box, so two boxes
+run two runs at once; each task holds the GPUs it uses in its own box's pool; a run cannot use more than its DAG
+holds, nor another box."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from airflow.sdk.exceptions import AirflowFailException, ParamValidationError
+from pydantic import ValidationError
+
+from eagle3_airflow.deployment import Deployment, create_pool_argvs
+from eagle3_airflow.params import build_params
+from eagle3_airflow.pools import box_params, is_drafter_dag
+from eagle3_airflow.tasks import validate_run
+from tests.airflow_env import AIRFLOW, REPO, airflow_env
+from tests.conftest import RUN
+from tests.test_trust_settings import GOOD, trigger
+
+TWO_BOXES = {"box_pools": {"box-a": {"gpus": 4}, "box-b": {"gpus": 8, "shard_gpus": 2}},
+             "params": {"workdir": "/data/eagle3"}}
+
+
+def box_settings(conn_id: str, settings: dict = TWO_BOXES) -> Deployment:
+    deployment = Deployment.model_validate(settings)
+    (resource,) = [r for r in deployment.resources() if r.conn_id == conn_id]
+    return deployment.for_box(resource)
+
+
+# -- the settings -----------------------------------------------------------------------------------------------
+
+
+def test_each_box_gets_a_dag_and_a_pool_whose_slots_are_its_gpus():
+    deployment = Deployment.model_validate(TWO_BOXES)
+    assert [(r.dag_id, r.pool, r.gpus) for r in deployment.resources()] == [
+        ("eagle3_drafter__box-a", "eagle3_box_box-a", 4), ("eagle3_drafter__box-b", "eagle3_box_box-b", 8)]
+    assert deployment.boxes() == ["box-a", "box-b"]  # box_pools alone allows its boxes
+    argvs = create_pool_argvs(deployment, "airflow")
+    assert [argv[3:5] for argv in argvs] == [["eagle3_box_box-a", "4"], ["eagle3_box_box-b", "8"]]
+    assert all(argv[-1] == "--include-deferred" for argv in argvs)
+    assert all(is_drafter_dag(r.dag_id) for r in deployment.resources()) and not is_drafter_dag("eagle3_drafterx")
+
+
+def test_old_settings_files_keep_one_dag_named_eagle3_drafter_in_their_pool():
+    for settings, pool, gpus in (({}, "eagle3_box", 8), ({"pool": "gpu_box", "pool_slots": 3}, "gpu_box", 3)):
+        (resource,) = Deployment.model_validate(settings).resources()
+        assert (resource.dag_id, resource.conn_id, resource.pool, resource.gpus) == ("eagle3_drafter", None, pool,
+                                                                                     gpus)
+    (one,) = Deployment.model_validate({"box_pools": {"gpu-1": {"gpus": 8, "pool": "p1"}}}).resources()
+    assert (one.dag_id, one.pool) == ("eagle3_drafter", "p1")  # one box: the usual id
+
+
+def test_box_pools_outside_the_allowed_boxes_or_shards_wider_than_the_box_are_refused():
+    with pytest.raises(ValidationError, match=r"box_pools: \['box-c'\] not in the allowed boxes \['box-a'\]"):
+        Deployment.model_validate({"allowed_boxes": ["box-a"], "box_pools": {"box-c": {"gpus": 1}}})
+    with pytest.raises(ValidationError, match="shard_gpus 4 > gpus 2"):
+        Deployment.model_validate({"box_pools": {"box-a": {"gpus": 2, "shard_gpus": 4}}})
+
+
+def test_the_form_shared_by_the_box_dags_offers_each_its_own_box_as_its_settings_would():
+    deployment = Deployment.model_validate(TWO_BOXES)
+    form = build_params(deployment.params, deployment.form_choices())
+    for resource in deployment.resources():
+        settings = deployment.for_box(resource)
+        built = build_params(settings.params, settings.form_choices())
+        shared = box_params(form, resource.conn_id)
+        assert {name: (p.value, p.schema) for name, p in shared.items()} == {
+            name: (p.value, p.schema) for name, p in built.items()}
+        assert shared["box.conn_ids"].value == [resource.conn_id]
+
+
+# -- what a trigger of one box's DAG may do -----------------------------------------------------------------------
+
+
+def test_a_run_of_one_boxs_dag_cannot_name_another_box():
+    deployment = box_settings("box-a")
+    assert deployment.form_choices()["box.conn_ids"] == ["box-a"]
+    trigger(deployment)  # its own box: fine
+    with pytest.raises(ParamValidationError):  # the form offers box-a alone
+        trigger(deployment, **{"box.conn_ids": ["box-b"]})
+    # and past the form (params as a trigger could send them), validate refuses it
+    params = {name: param.value for name, param in build_params(deployment.params, deployment.form_choices()).items()}
+    params.update(GOOD, **{"box.conn_ids": ["box-b"]})
+    with pytest.raises(AirflowFailException, match=r"box.conn_ids: \['box-b'\] not allowed here; this deployment "
+                                                   r"allows \['box-a'\]"):
+        validate_run(params, {}, set(build_params()), RUN, deployment)
+
+
+def test_a_run_that_uses_more_gpus_than_its_dag_holds_is_refused_naming_the_setting():
+    with pytest.raises(Exception, match=r"(?s)train: uses 8 GPUs .* box box-a has 4 \(box_pools.box-a in the "
+                                        r"settings file.gpus\)"):
+        trigger(box_settings("box-a"), **{"train.gpus": list(range(8))})
+    trigger(box_settings("box-b"), **{"train.gpus": list(range(8))})  # box-b has 8
+    with pytest.raises(Exception, match=r"extract: each shard uses 4 GPUs .* holds 2 .*set it to 4"):
+        trigger(box_settings("box-b"), **{"extract.backend": "sglang", "extract.sglang.tp_size": 4})
+
+
+# -- the DAGs as the dag-processor makes them ---------------------------------------------------------------------
+
+
+PARSE = """
+import json, sys
+from airflow.dag_processing.dagbag import DagBag
+from airflow.serialization.serialized_objects import DagSerialization
+bag = DagBag(dag_folder=sys.argv[1])
+out = {"errors": {k: str(v) for k, v in bag.import_errors.items()}, "dags": {}}
+for dag_id, dag in bag.dags.items():
+    dag = DagSerialization.from_dict(DagSerialization.to_dict(dag))  # what the scheduler reads
+    out["dags"][dag_id] = {"max_active_runs": dag.max_active_runs,
+                           "boxes": dag.params.get_param("box.conn_ids").value,
+                           "tasks": {t.task_id: [t.pool, t.pool_slots] for t in dag.tasks}}
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_two_boxes_make_two_dags_each_task_in_its_boxs_pool_with_its_gpus(airflow_home, tmp_path):
+    """Two DAGs of max_active_runs 1 each: two runs at once, one per box, never sharing a pool. What each task holds
+    is read back from the serialized DAG, as the scheduler sees it."""
+    settings = tmp_path / "dag-settings.json"
+    settings.write_text(json.dumps(TWO_BOXES))
+    env = airflow_env(airflow_home, EAGLE3_DAG_SETTINGS=str(settings))
+    proc = subprocess.run([sys.executable, "-c", PARSE, str(REPO / "dags" / "eagle3_drafter.py")], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["errors"] == {}
+    assert sorted(result["dags"]) == ["eagle3_drafter__box-a", "eagle3_drafter__box-b"]
+    for conn_id, gpus, shard in (("box-a", 4, 1), ("box-b", 8, 2)):
+        dag = result["dags"][f"eagle3_drafter__{conn_id}"]
+        assert dag["max_active_runs"] == 1 and dag["boxes"] == [conn_id]
+        pool = f"eagle3_box_{conn_id}"
+        held = {task_id: slots for task_id, (name, slots) in dag["tasks"].items() if name == pool}
+        assert held == {"gpus_idle": gpus, "generate": gpus, "extract": shard, "gpus_released": gpus, "train": gpus,
+                        "evaluate": gpus, "benchmark": gpus}
+        assert {name for task_id, (name, _) in dag["tasks"].items() if task_id not in held} == {"default_pool"}
+    # create-pool makes both pools, each counting deferred tasks
+    subprocess.run([sys.executable, "-m", "eagle3_airflow.deployment", "create-pool", "--airflow", AIRFLOW],
+                   env=env, check=True, capture_output=True, timeout=120)
+    for pool, gpus in (("eagle3_box_box-a", 4), ("eagle3_box_box-b", 8)):
+        shown = subprocess.run([AIRFLOW, "pools", "get", pool, "-o", "json"], env=env, check=True,
+                               capture_output=True, text=True, timeout=120)
+        (row,) = json.loads(shown.stdout)
+        assert int(row["slots"]) == gpus and str(row["include_deferred"]).lower() == "true"
