@@ -23,8 +23,6 @@ import re
 
 from airflow.listeners import hookimpl
 
-from eagle3_airflow import DAG_ID
-
 log = logging.getLogger(__name__)
 
 NOTE_TITLE = "### EAGLE-3 drafter"
@@ -128,8 +126,9 @@ def publish(dag_run) -> None:
     from sqlalchemy.orm import object_session
 
     from eagle3_airflow.airflow_internals import XComModel
+    from eagle3_airflow.pools import is_drafter_dag
 
-    if dag_run.dag_id != DAG_ID:
+    if not is_drafter_dag(dag_run.dag_id):  # eagle3_drafter, or a box's eagle3_drafter__<box>
         return
     session = object_session(dag_run)
     if session is None:  # `airflow dags test` passes a detached run: only a scheduler's run gets a note
