@@ -190,6 +190,7 @@ def drilled_run(stack, tiny_target):
     record["run"] = stack.api(f"/dags/{DAG_ID}/dagRuns/{run_id}")
     record["tis"] = task_instances(stack, run_id)
     record["job_final"] = job_state(run_dir, "train")
+    record["log_of_cleared_try"] = task_log(stack, run_id, "train", record["train_try"])
     record["seconds"] = time.monotonic() - started
     print(f"the drilled run took {record['seconds']:.0f} s: {record['run']['state']}")
     return record
@@ -226,9 +227,19 @@ def test_the_task_log_goes_on_without_replaying_after_a_triggerer_restart(drille
 def test_a_train_cleared_while_deferred_has_its_job_killed_then_runs_again_and_the_run_succeeds(drilled_run):
     before, final, tis = drilled_run["job_before"], drilled_run["job_final"], drilled_run["tis"]
     assert tis["train"]["try_number"] > drilled_run["train_try"] and tis["train"]["state"] == "success"
+    # The triggerer cancelled the cleared try's trigger and its on_kill ran `job kill` on the box.
+    log = drilled_run["log_of_cleared_try"]
+    assert "Trigger cancelled by user action, invoking on_kill" in log and "eagle3 job kill" in log, log[-3000:]
     # The frozen job was killed (its process group is gone), and the next try is a new job that succeeded.
     assert not psutil.pid_exists(before["pid"]) or psutil.Process(before["pid"]).status() == psutil.STATUS_ZOMBIE
     assert final["try"] == before["try"] + 1 and final["pid"] != before["pid"] and final["status"] == "succeeded"
+
+
+@pytest.mark.xfail(strict=False, reason="the cleared task's next try starts at once, while the old trigger's on_kill "
+                                        "still kills the job: it re-attaches to the dying job, fails when the kill "
+                                        "lands, and a retry starts the job again (attempts 2 and 3 here)")
+def test_a_cleared_train_runs_again_in_one_try_without_spending_a_retry(drilled_run):
+    assert drilled_run["tis"]["train"]["try_number"] == drilled_run["train_try"] + 1, drilled_run["tis"]["train"]
 
 
 @pytest.mark.xfail(strict=False, reason="issue 36: the deadline callback reads dag_run['run_id']; Airflow 3.3 passes "
@@ -240,5 +251,6 @@ def test_a_late_run_is_mailed_naming_the_run(drilled_run, inbox):
 
 def test_a_second_celery_worker_on_another_address_runs_tasks(drilled_run):
     hosts = {task: ti["hostname"] for task, ti in drilled_run["tis"].items() if ti["state"] == "success"}
+    print(f"the hosts the tasks last ran on: {hosts}")
     assert WORKER_2_HOSTNAME in hosts.values(), hosts
     assert set(hosts.values()) - {WORKER_2_HOSTNAME}, f"every task ran on {WORKER_2_HOSTNAME}: {hosts}"
