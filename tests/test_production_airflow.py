@@ -5,8 +5,8 @@ namespace), the box being the loopback sshd. Everything goes through the REST AP
 One run on the tiny target carries the drills, in the order a bad day brings them (one run: each costs minutes on
 2 cores):
 
-1. Trigger it; once `train` is deferred and its job's log streams into the task log, freeze the job (SIGSTOP: a
-   slow box, so it cannot finish under the drills).
+1. Trigger it; once `train`'s job runs, freeze it (SIGSTOP: a slow box, so that it cannot finish under the drills),
+   and wait until the task is deferred and the job's log streams into the task log.
 2. SIGKILL the triggerer, start another: the new triggerer takes the trigger over and re-attaches to the job on the
    box (same pid, same try), and the task log goes on without replaying what it showed.
 3. Clear `train` while it is deferred: the trigger's on_kill kills the job's process group, the task runs again
@@ -148,20 +148,35 @@ def drilled_run(stack, tiny_target):
     run_id = run["dag_run_id"]
     record: dict = {"run_id": run_id, "run_dir": run_dir}
 
+    # 1. Freeze the train job as soon as it runs (its log has its header): training takes seconds, the drills more.
+    state_file = run_dir / "jobs" / "train" / "state.json"
+
+    def job_running() -> bool:
+        if not state_file.exists():
+            return False
+        state = json.loads(state_file.read_text())
+        return state["status"] == "running" and Path(state["log"]).exists() and Path(state["log"]).stat().st_size > 0
+
+    asked = time.monotonic()
+    deadline = asked + RUN_TIMEOUT_S
+    while not job_running():  # the file every 0.1 s, the REST API every RUN_POLL_S
+        if time.monotonic() - asked > RUN_POLL_S:
+            asked = time.monotonic()
+            assert not _ended(stack, run_id), f"the run ended before train ran: {task_instances(stack, run_id)}"
+        assert time.monotonic() < deadline, f"train's job did not start in {RUN_TIMEOUT_S} s"
+        time.sleep(0.1)
+    record["job_before"] = job_state(run_dir, "train")
+    os.killpg(record["job_before"]["pgid"], signal.SIGSTOP)  # a slow box: the job cannot finish under the drills
+
     def train_streaming() -> bool:
         """train deferred (its trigger in the triggerer) and the job's log reaching the task log."""
-        state = run_dir / "jobs" / "train" / "state.json"
-        if not state.exists() or json.loads(state.read_text())["status"] != "running":
-            return stack.api(f"/dags/{DAG_ID}/dagRuns/{run_id}")["state"] != "running" and _ended(stack, run_id)
         ti = task_instances(stack, run_id)["train"]
         return ti["state"] == "deferred" and bool(job_lines(task_log(stack, run_id, "train", ti["try_number"])))
 
-    poll(stack, train_streaming, "train to be deferred with its job's log streaming", every_s=1)
+    poll(stack, train_streaming, "train to be deferred with its job's log streaming", timeout=180, every_s=1)
     ti = task_instances(stack, run_id)["train"]
     assert ti["state"] == "deferred", (ti, stack.api(f"/dags/{DAG_ID}/dagRuns/{run_id}"))
     record["train_try"] = ti["try_number"]
-    record["job_before"] = job_state(run_dir, "train")
-    os.killpg(record["job_before"]["pgid"], signal.SIGSTOP)  # a slow box: the job cannot finish under the drills
     record["streamed_before_kill"] = job_lines(task_log(stack, run_id, "train", ti["try_number"]))
 
     # 2. The triggerer dies (SIGKILL: no cleanup); another one starts.
