@@ -227,6 +227,10 @@ def test_a_run_triggered_through_the_rest_api_succeeds_on_the_ssh_box(drilled_ru
 def test_a_triggerer_killed_mid_stage_is_replaced_and_the_job_is_reattached_not_restarted(drilled_run):
     before, after = drilled_run["job_before"], drilled_run["job_after_restart"]
     assert (after["pid"], after["try"], after["status"]) == (before["pid"], before["try"], "running"), (before, after)
+    # The new triggerer ran the trigger (a second start in the try's log) and it polled the job on the box.
+    log = drilled_run["log_after_restart"]
+    starts = [match.end() for match in re.finditer(r"/train/-1/\d+ \(ID \d+\) starting", log)]
+    assert len(starts) >= 2 and "eagle3 job poll" in log[starts[1]:], log[-3000:]
 
 
 @pytest.mark.xfail(strict=False, reason="issue 36 item 5: the trigger restarts its log from the try's start after a "
