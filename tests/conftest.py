@@ -86,6 +86,7 @@ LONGEST_FIRST = (
     "tests/faults/test_fault_reboot.py",
     "tests/faults/test_fault_extract_kill.py",
     "tests/test_engine_vllm.py",
+    "tests/test_production_airflow.py",
     "tests/faults/test_fault_ssh_outage.py",
     "tests/test_dag_generate.py",
     "tests/faults/test_fault_train_kill.py",

@@ -1,0 +1,345 @@
+"""Airflow as a team deploys it, for tests: CeleryExecutor with a Redis broker and a PostgreSQL metadata database,
+each Airflow component a process of its own (api-server, scheduler, dag-processor, triggerer, Celery workers), all
+from the Debian and PyPI packages this machine has (scripts/system-packages.sh, requirements.txt), started and
+stopped by the tests.
+
+The stack listens on an address of its own: the host side of a veth pair whose other side lies in a network
+namespace. A second Celery worker runs in that namespace, a machine of its own as far as the network and its
+hostname (a UTS namespace) go, and reaches the broker, the database, the API server and the box through that
+address, as a worker on another host would. The filesystem is shared (task logs, the box's workdir), as a
+deployment's shared log volume and the box's disk are.
+
+PostgreSQL refuses to run as root; as root (this machine, CI) it runs as the `postgres` user Debian's package
+creates. Its data lives in a temp dir with fsync off: a test database, thrown away with the stack.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import psutil
+
+from tests.airflow_env import AIRFLOW, airflow_env
+from tests.sshd import LoopbackSshd, free_port
+
+DAG_ID = "eagle3_drafter"
+STARTUP_TIMEOUT_S = 300
+WORKER_2_HOSTNAME = "celery-worker-2"
+
+
+def _postgres_bin() -> Path:
+    found = sorted(Path("/usr/lib/postgresql").glob("*/bin/postgres"), key=lambda p: int(p.parts[-3]))
+    if not found:
+        raise FileNotFoundError("PostgreSQL is missing (/usr/lib/postgresql/*/bin/postgres): the production-topology "
+                                "tests run its metadata database. Install it with `make system-packages` (Debian's "
+                                "postgresql)")
+    return found[-1].parent
+
+
+def _require(command: str, package: str) -> str:
+    path = shutil.which(command)
+    if path is None:
+        raise FileNotFoundError(f"{command} is missing: the production-topology tests run it. Install it with "
+                                f"`make system-packages` (Debian's {package})")
+    return path
+
+
+def _as_postgres() -> list[str]:
+    """The prefix that runs a command as an unprivileged user when we are root (initdb and postgres refuse root)."""
+    return ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+
+
+def _wait(ready, what: str, timeout: float, procs: dict[str, subprocess.Popen], logs: Path, every_s: float = 0.5):
+    """Poll ready() until true; fail naming the component that exited, or the timeout, with the logs' tails."""
+    deadline, last = time.monotonic() + timeout, None
+    while True:
+        for name, proc in procs.items():
+            if proc.poll() is not None:
+                raise AssertionError(f"{name} exited ({proc.returncode}) while waiting for {what}\n"
+                                     f"{tail(logs / f'{name}.log')}")
+        try:
+            if ready():
+                return
+        except (OSError, ValueError, KeyError, urllib.error.URLError) as err:
+            last = err
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what} (last error: {last})\n"
+                                 + "\n".join(tail(log, 15) for log in sorted(logs.glob("*.log"))))
+        time.sleep(every_s)
+
+
+def tail(log: Path, lines: int = 40) -> str:
+    text = log.read_text(errors="replace") if log.exists() else ""
+    kept = [line for line in text.splitlines() if "[http.access]" not in line and "GET /api/v2" not in line]
+    return f"--- last {lines} lines of {log} ---\n" + "\n".join(kept[-lines:])
+
+
+class Namespace:
+    """A network namespace joined to this one by a veth pair: `host_ip` here, `ns_ip` there (a /30 of its own)."""
+
+    def __init__(self) -> None:
+        _require("ip", "iproute2")
+        tag = f"{os.getpid() % 100000}{secrets.token_hex(1)}"
+        self.name = f"eagle3-w2-{tag}"
+        self.host_if, self.ns_if = f"e3h{tag}"[:15], f"e3n{tag}"[:15]
+        # A /30 of 10.213.0.0/16 picked at random: two sessions on one machine rarely pick the same
+        block = secrets.randbelow(16384) * 4
+        net = f"10.213.{block // 256}"
+        self.host_ip, self.ns_ip = f"{net}.{block % 256 + 1}", f"{net}.{block % 256 + 2}"
+        self._up = False
+
+    def _ip(self, *args: str) -> None:
+        proc = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+        if proc.returncode != 0:
+            raise RuntimeError(f"`ip {' '.join(args)}` failed ({proc.returncode}): {proc.stderr.strip()}. The "
+                               "production-topology tests need root (or CAP_NET_ADMIN) for a network namespace")
+
+    def create(self) -> Namespace:
+        self._ip("netns", "add", self.name)
+        self._up = True
+        self._ip("link", "add", self.host_if, "type", "veth", "peer", "name", self.ns_if)
+        self._ip("link", "set", self.ns_if, "netns", self.name)
+        self._ip("addr", "add", f"{self.host_ip}/30", "dev", self.host_if)
+        self._ip("link", "set", self.host_if, "up")
+        self._ip("-n", self.name, "addr", "add", f"{self.ns_ip}/30", "dev", self.ns_if)
+        self._ip("-n", self.name, "link", "set", self.ns_if, "up")
+        self._ip("-n", self.name, "link", "set", "lo", "up")
+        return self
+
+    def argv(self, hostname: str, argv: list[str]) -> list[str]:
+        """`argv` inside the namespace, under a hostname of its own."""
+        return ["ip", "netns", "exec", self.name, "unshare", "--uts", "sh", "-c",
+                f'hostname {hostname} && exec "$@"', "sh", *argv]
+
+    def delete(self) -> None:
+        if self._up:
+            subprocess.run(["ip", "link", "del", self.host_if], capture_output=True, timeout=30)
+            subprocess.run(["ip", "netns", "del", self.name], capture_output=True, timeout=30)
+            self._up = False
+
+
+class StackSshd(LoopbackSshd):
+    """The loopback sshd's box, listening on the stack's address, where the second worker reaches it too."""
+
+    def __init__(self, workdir: Path, host: str) -> None:
+        self.host = host
+        super().__init__(workdir)
+
+
+def _stop(procs: list[subprocess.Popen], wait_s: float = 20) -> None:
+    """Stop process groups started with start_new_session: SIGTERM to all at once, SIGKILL to what is left after
+    wait_s (one at a time, a Celery worker's warm shutdown alone took 20 s)."""
+    running = [proc for proc in procs if proc.poll() is None]
+    for proc in running:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + wait_s
+    for proc in running:
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=30)
+
+
+class CeleryStack:
+    """PostgreSQL, Redis and the Airflow components on `ip`, the Celery worker 2 in `ns`, with this repo's DAG.
+
+    `env`: what every Airflow process gets (the box's SSH connection and `extra_env` included); `procs`: name ->
+    Popen; `logs`: the directory of every component's log; `url`: the API server."""
+
+    def __init__(self, root: Path, ns: Namespace, extra_env: dict[str, str]) -> None:
+        self.root, self.ns, self.ip = root, ns, ns.host_ip
+        self.logs = root / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.home = root / "airflow"
+        self.home.mkdir(exist_ok=True)
+        self.procs: dict[str, subprocess.Popen] = {}
+        ports: set[int] = set()
+        while len(ports) < 3:
+            ports.add(free_port(self.ip))
+        self.pg_port, self.redis_port, self.api_port = sorted(ports)
+        self.url = f"http://{self.ip}:{self.api_port}"
+        db = f"airflow@{self.ip}:{self.pg_port}/postgres"
+        self.env = airflow_env(
+            self.home,
+            AIRFLOW__CORE__EXECUTOR="CeleryExecutor",
+            AIRFLOW__DATABASE__SQL_ALCHEMY_CONN=f"postgresql+psycopg2://{db}",
+            AIRFLOW__CELERY__BROKER_URL=f"redis://{self.ip}:{self.redis_port}/0",
+            AIRFLOW__CELERY__RESULT_BACKEND=f"db+postgresql+psycopg2://{db}",
+            AIRFLOW__CORE__FERNET_KEY=base64.urlsafe_b64encode(secrets.token_bytes(32)).decode(),
+            AIRFLOW__API_AUTH__JWT_SECRET=secrets.token_hex(32),  # one secret: every component signs and checks
+            AIRFLOW__CORE__EXECUTION_API_SERVER_URL=f"{self.url}/execution/",
+            AIRFLOW__API__BASE_URL=self.url,
+            AIRFLOW__API__WORKERS="1",
+            AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION="False",
+            AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS="admin:admin",
+            # The DAG file is parsed once: the settings are fixed for the stack (as in tests/ui/test_web_ui.py).
+            AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL="3600",
+            # A killed triggerer's triggers go to another after this long without a heartbeat (default 30 s).
+            AIRFLOW__TRIGGERER__TRIGGERER_HEALTH_CHECK_THRESHOLD="10",
+            AIRFLOW__CELERY__WORKER_CONCURRENCY="2",
+            PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+            **extra_env,
+        )
+        self._token: str | None = None
+
+    # -- processes -------------------------------------------------------------------------------------
+    def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+        with open(self.logs / f"{name}.log", "ab") as out:
+            proc = subprocess.Popen(argv, env=env or self.env, stdout=out, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True, cwd=self.root)
+        self.procs[name] = proc
+        return proc
+
+    def start(self) -> CeleryStack:
+        started = time.monotonic()
+        self._start_postgres()
+        self._start_redis()
+        migrate = subprocess.run([AIRFLOW, "db", "migrate"], env=self.env, capture_output=True, text=True,
+                                 timeout=STARTUP_TIMEOUT_S)
+        (self.logs / "db-migrate.log").write_text(migrate.stdout + migrate.stderr)
+        assert migrate.returncode == 0, f"airflow db migrate failed:\n{tail(self.logs / 'db-migrate.log')}"
+        self.spawn("api-server", [AIRFLOW, "api-server", "--host", self.ip, "--port", str(self.api_port)])
+        self.spawn("scheduler", [AIRFLOW, "scheduler", "--skip-serve-logs"])
+        self.spawn("dag-processor", [AIRFLOW, "dag-processor"])
+        self.start_triggerer("triggerer")
+        self.spawn("worker-1", [AIRFLOW, "celery", "worker", "--celery-hostname", "worker-1@%h", "--skip-serve-logs",
+                                "--without-gossip", "--without-mingle"])
+        self.spawn("worker-2", self.ns.argv(WORKER_2_HOSTNAME, [
+            AIRFLOW, "celery", "worker", "--celery-hostname", "worker-2@%h", "--skip-serve-logs", "--without-gossip",
+            "--without-mingle"]))
+        self._wait_ready()
+        print(f"Celery stack on {self.url}: ready in {time.monotonic() - started:.1f} s")
+        return self
+
+    def start_triggerer(self, name: str) -> subprocess.Popen:
+        return self.spawn(name, [AIRFLOW, "triggerer", "--skip-serve-logs"])
+
+    def _start_postgres(self) -> None:
+        bin_dir = _postgres_bin()
+        # Its own dir under /tmp (pytest's temp dirs are root's, closed to the postgres user)
+        self.pg_dir = Path(tempfile.mkdtemp(prefix="eagle3-pg-"))
+        if os.geteuid() == 0:
+            shutil.chown(self.pg_dir, "postgres", "postgres")
+        data = self.pg_dir / "data"
+        initdb = subprocess.run([*_as_postgres(), str(bin_dir / "initdb"), "-D", str(data), "-U", "airflow",
+                                 "--auth=trust", "-E", "UTF8", "--no-sync"], capture_output=True, text=True,
+                                timeout=120)
+        (self.logs / "initdb.log").write_text(initdb.stdout + initdb.stderr)
+        assert initdb.returncode == 0, f"initdb failed:\n{tail(self.logs / 'initdb.log')}"
+        with open(data / "pg_hba.conf", "a") as hba:  # both ends of the veth (trust: a throwaway test database)
+            hba.write(f"host all all {self.ns.host_ip}/32 trust\nhost all all {self.ns.ns_ip}/32 trust\n")
+        self.spawn("postgres", [*_as_postgres(), str(bin_dir / "postgres"), "-D", str(data), "-p", str(self.pg_port),
+                                "-k", str(self.pg_dir), "-c", f"listen_addresses={self.ip}", "-c", "fsync=off",
+                                "-c", "synchronous_commit=off", "-c", "full_page_writes=off",
+                                "-c", "max_connections=200"])
+        pg_isready = str(bin_dir / "pg_isready")
+        _wait(lambda: subprocess.run([pg_isready, "-h", self.ip, "-p", str(self.pg_port)],
+                                     capture_output=True).returncode == 0,
+              "PostgreSQL to accept connections", 60, self.procs, self.logs, every_s=0.2)
+
+    def _start_redis(self) -> None:
+        redis = _require("redis-server", "redis-server")
+        # No persistence: a broker for one test module.
+        self.spawn("redis", [redis, "--bind", self.ip, "--port", str(self.redis_port), "--save", "",
+                             "--appendonly", "no", "--protected-mode", "no", "--dir", str(self.root)])
+
+        def answers() -> bool:
+            import socket
+
+            with socket.create_connection((self.ip, self.redis_port), timeout=2) as conn:
+                conn.sendall(b"PING\r\n")
+                return conn.recv(16).startswith(b"+PONG")
+
+        _wait(answers, "Redis to answer", 30, self.procs, self.logs, every_s=0.2)
+
+    def _wait_ready(self) -> None:
+        def healthy() -> bool:
+            with urllib.request.urlopen(self.url + "/api/v2/monitor/health", timeout=5) as resp:
+                health = json.loads(resp.read())
+            return all(health.get(part, {}).get("status") == "healthy"
+                       for part in ("metadatabase", "scheduler", "triggerer", "dag_processor"))
+
+        _wait(healthy, "every component to report healthy", STARTUP_TIMEOUT_S, self.procs, self.logs, every_s=1)
+
+        def dag_parsed() -> bool:
+            try:
+                return self.api(f"/dags/{DAG_ID}")["dag_id"] == DAG_ID
+            except urllib.error.HTTPError as err:
+                if err.code != 404:
+                    raise
+                errors = self.api("/importErrors").get("import_errors", [])
+                if errors:
+                    raise AssertionError(f"the DAG file does not import: {errors}") from None
+                return False
+
+        _wait(dag_parsed, f"the dag-processor to serialize {DAG_ID}", STARTUP_TIMEOUT_S, self.procs, self.logs, 1)
+        # The Execution API builds its routes on its first request (tests/ui/test_web_ui.py says why to pay here).
+        urllib.request.urlopen(self.url + "/execution/health", timeout=STARTUP_TIMEOUT_S).close()
+        for worker in ("worker-1", "worker-2"):
+            _wait(lambda worker=worker: " ready." in (self.logs / f"{worker}.log").read_text(errors="replace"),
+                  f"Celery {worker} to be ready", STARTUP_TIMEOUT_S, self.procs, self.logs, 1)
+        subprocess.run([sys.executable, "-m", "eagle3_airflow.deployment", "create-pool", "--airflow", AIRFLOW],
+                       env=self.env, check=True, capture_output=True, timeout=120)
+
+    def close(self) -> None:
+        _stop(list(self.procs.values()))
+        # What the stack started outside its process groups: the box's jobs (their own sessions), named by root
+        for proc in psutil.process_iter(["cmdline"]):
+            try:
+                if proc.pid != os.getpid() and any(str(self.root) in part for part in proc.info["cmdline"] or []):
+                    proc.kill()
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                pass
+        if hasattr(self, "pg_dir"):
+            shutil.rmtree(self.pg_dir, ignore_errors=True)
+
+    def keep_logs(self, where: Path) -> Path:
+        where.mkdir(parents=True, exist_ok=True)
+        for log in self.logs.glob("*.log"):
+            shutil.copy2(log, where / log.name)
+        task_logs = self.home / "logs"
+        if task_logs.is_dir():
+            shutil.copytree(task_logs, where / "task-logs", dirs_exist_ok=True)
+        return where
+
+    # -- the REST API, as the admin ----------------------------------------------------------------------
+    def _request(self, method: str, path: str, body: dict | None = None, token: str | None = None) -> bytes:
+        headers = {"Content-Type": "application/json"}
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        data = json.dumps(body).encode() if body is not None else None
+        request = urllib.request.Request(self.url + path, data, headers, method=method)
+        with urllib.request.urlopen(request, timeout=30) as resp:
+            return resp.read()
+
+    @property
+    def token(self) -> str:
+        if self._token is None:
+            password = json.loads((self.home / "simple_auth_manager_passwords.json.generated").read_text())["admin"]
+            self._token = json.loads(self._request("POST", "/auth/token", {"username": "admin",
+                                                                            "password": password}))["access_token"]
+        return self._token
+
+    def api(self, path: str, body: dict | None = None, method: str | None = None) -> dict:
+        return json.loads(self._request(method or ("POST" if body is not None else "GET"), "/api/v2" + path, body,
+                                        self.token))
