@@ -64,3 +64,23 @@ def test_a_worker_phase_that_times_out_fails_the_try_but_leaves_the_job_running(
     with pytest.raises(AirflowTaskTimeout):
         _run_execute_callable(context, operator.execute, operator)
     assert box_commands == [["ensure"]]  # no `job kill` after it
+
+
+def test_a_job_killed_under_a_try_that_re_attached_to_it_is_started_again_in_that_try(plan, monkeypatch):
+    """Clearing a deferred task: the old try's trigger sends `job kill` from its on_kill while Airflow already runs
+    the next try, whose `job start` may find the job still alive and re-attach to it (the production lane saw it
+    spend a retry on every clear). That kill was meant for the earlier try: the stage is started again in this
+    try. A job this try started itself and someone killed still fails the try (a retry resumes it)."""
+    from airflow.sdk.exceptions import AirflowException
+
+    operator = RemoteJobOperator(task_id="train", stage="train", plan=plan)
+    context = {**CONTEXT, "ti": SimpleNamespace(task_id="train", map_index=-1, try_number=2, id="0193a1b3")}
+    restarted = []
+    monkeypatch.setattr(operator, "execute_resumable", lambda ctx: restarted.append(ctx) or "deferred again")
+    killed = {"status": "killed", "key": "train", "reason": "the job was killed", "state": {"try": 1}, "log_tail": []}
+
+    assert operator.execute_complete(context, {**killed, "started_try": None}) == "deferred again"
+    assert restarted == [context]
+    with pytest.raises(AirflowException, match="train job train killed") as failed:
+        operator.execute_complete(context, {**killed, "state": {"try": 2}, "started_try": 2})
+    assert restarted == [context] and "A retry (or clearing the task) resumes the stage" in str(failed.value)

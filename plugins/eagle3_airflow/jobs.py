@@ -133,6 +133,9 @@ class RemoteJobOperator(ResumableJobMixin, BaseOperator):
         self.only_if = only_if
         self.stage_args = list(stage_args or [])  # fixed flags of the stage's command (never a user's value)
         self._verified: RunPlan | None = None
+        # The job try this Airflow try started itself (None: it re-attached to one it found running): see
+        # execute_complete's "killed".
+        self._started_try: int | None = None
 
     # -- what this task instance runs where ------------------------------------------------------
     def verify_plan(self, context) -> RunPlan:
@@ -205,6 +208,7 @@ class RemoteJobOperator(ResumableJobMixin, BaseOperator):
         box = self.run_plan.box(self.conn_id)
         state = self._riding_out_outages(lambda: box.run(argv, timeout=120)).json(f"starting job {key}")
         verb = "attached to" if state.get("attached") else "started"
+        self._started_try = None if state.get("attached") else state.get("try")
         self.log.info("%s %s job %s on %s: try %s, pid %s (log: %s)", verb, self.stage, key, self.conn_id,
                       state.get("try"), state.get("pid"), state.get("log"))
         return key
@@ -237,7 +241,7 @@ class RemoteJobOperator(ResumableJobMixin, BaseOperator):
             trigger=RemoteJobTrigger(
                 conn_id=self.conn_id, eagle3_argv=plan.eagle3(), jobs_dir=plan.jobs_dir, key=str(external_id),
                 poll_interval_s=plan.poll_interval_s, ssh_grace_s=plan.ssh_grace_s,
-                stale_after_s=plan.stale_after_s, stream=log_stream(context["ti"]),
+                stale_after_s=plan.stale_after_s, stream=log_stream(context["ti"]), started_try=self._started_try,
             ),
             method_name="execute_complete",
             # However it progresses, a stage this long is not waited for (a retry re-attaches, or resumes it).
@@ -256,6 +260,17 @@ class RemoteJobOperator(ResumableJobMixin, BaseOperator):
                 "a retry (or clearing this task) re-attaches to it."
             )
         state = event.get("state") or {}
+        if status == "killed" and event.get("started_try") is None:
+            # Killed while this try waited on a job it had re-attached to, not one it started: the kill was meant
+            # for an earlier try. Clearing a deferred task does this: the old try's trigger sends `job kill` from
+            # its on_kill while Airflow already runs the next try, whose `job start` may find the job still alive
+            # and attach to it. What the clear asks for is the stage run again, so it is started again now, in this
+            # try (a retry would do the same, spending one); a job this try started and someone killed fails it.
+            self.log.warning("%s job %s (try %s), which this try re-attached to, was killed meanwhile (a clear of the "
+                             "previous try stops its job); starting it again", self.stage, event["key"],
+                             state.get("try"))
+            self._running_key = self._key(context)
+            return self.execute_resumable(context)
         tail = "\n".join(event.get("log_tail") or [])
         message = (f"{self.stage} job {event['key']} {status} (exit code {state.get('exit_code')}; {event['reason']}) "
                    f"on {self.conn_id}, try {state.get('try')} (job log on the box: {state.get('log')}). "
@@ -301,12 +316,13 @@ class RemoteJobTrigger(BaseTrigger):
 
     def __init__(self, *, conn_id: str, eagle3_argv: list[str], jobs_dir: str, key: str, log_offset: int | None = None,
                  poll_interval_s: float = 10.0, ssh_grace_s: float = 900.0, stale_after_s: float = 120.0,
-                 stream: str | None = None, **unknown: Any):
+                 stream: str | None = None, started_try: int | None = None, **unknown: Any):
         super().__init__()
         if unknown:  # a trigger row written by newer code, run by this code after a rollback: nothing here uses them
             self.log.warning("RemoteJobTrigger arguments this code does not know (serialized by newer code?): %s; "
                              "ignored", sorted(unknown))
         self.stream = stream  # the Airflow try whose task log this trigger writes: the box keeps its place (poll_job)
+        self.started_try = started_try  # the job try the deferring Airflow try started; None: one it re-attached to
         self.conn_id = conn_id
         self.eagle3_argv = list(eagle3_argv)
         self.jobs_dir = jobs_dir
@@ -321,7 +337,7 @@ class RemoteJobTrigger(BaseTrigger):
             "conn_id": self.conn_id, "eagle3_argv": self.eagle3_argv, "jobs_dir": self.jobs_dir, "key": self.key,
             "log_offset": self.log_offset,
             "poll_interval_s": self.poll_interval_s, "ssh_grace_s": self.ssh_grace_s,
-            "stale_after_s": self.stale_after_s, "stream": self.stream,
+            "stale_after_s": self.stale_after_s, "stream": self.stream, "started_try": self.started_try,
         }
 
     def _argv(self, command: str, *args: str) -> list[str]:
@@ -365,6 +381,7 @@ class RemoteJobTrigger(BaseTrigger):
                     yield TriggerEvent({
                         "status": poll["effective"], "key": self.key, "reason": poll.get("reason", ""),
                         "state": poll.get("state"), "log_tail": poll.get("log_tail", []),
+                        "started_try": self.started_try,
                     })
                     return
                 await asyncio.sleep(self.poll_interval_s)
