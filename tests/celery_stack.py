@@ -34,7 +34,9 @@ import psutil
 from tests.airflow_env import AIRFLOW, airflow_env
 from tests.sshd import LoopbackSshd, free_port
 
-DAG_ID = "eagle3_drafter"
+# Two boxes in the settings' box_pools (the loopback sshd under two connection ids): a DAG and a pool for each.
+BOXES = ("gpu_box", "gpu_box_2")
+DAG_ID, DAG_ID_2 = (f"eagle3_drafter__{box}" for box in BOXES)
 STARTUP_TIMEOUT_S = 300
 WORKER_2_HOSTNAME = "celery-worker-2"
 
@@ -283,7 +285,7 @@ class CeleryStack:
 
         def dag_parsed() -> bool:
             try:
-                return self.api(f"/dags/{DAG_ID}")["dag_id"] == DAG_ID
+                return all(self.api(f"/dags/{dag_id}")["dag_id"] == dag_id for dag_id in (DAG_ID, DAG_ID_2))
             except urllib.error.HTTPError as err:
                 if err.code != 404:
                     raise

@@ -13,7 +13,9 @@ One run on the tiny target carries the drills, in the order a bad day brings the
    and starts the job's next try, which resumes training; the run succeeds.
 
 Besides: every run is late (notify.late_after_h is 4 s), and the DeadlineAlert's mail names the run; the second
-worker ran some of the run's tasks.
+worker ran some of the run's tasks; the run's report tab shows the SSH box's plots in chromium; and the settings list
+two boxes in box_pools (the loopback sshd under two connection ids), so a second run, undrilled, goes at the same time
+on the second box's DAG, each run's GPU tasks in its own box's pool.
 
 The tests below each assert one of these on the record the module's run leaves; the stack's and the tasks' logs go
 to test-artifacts/production/ when one fails.
@@ -33,7 +35,7 @@ import psutil
 import pytest
 
 from tests.airflow_env import REPO
-from tests.celery_stack import DAG_ID, WORKER_2_HOSTNAME, CeleryStack, Namespace, StackSshd
+from tests.celery_stack import BOXES, DAG_ID, DAG_ID_2, WORKER_2_HOSTNAME, CeleryStack, Namespace, StackSshd
 from tests.dagruns import conf_for, job_state, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("production_airflow")]
@@ -45,12 +47,12 @@ ARTIFACTS = REPO / "test-artifacts" / "production"
 LATE_AFTER_H = 0.001  # 3.6 s: every run of the module is late
 
 
-def run_conf(tiny_target: Path, workdir: Path) -> dict:
+def run_conf(tiny_target: Path, workdir: Path, box: str = "gpu_box", run_name: str = RUN_NAME) -> dict:
     """The UI test's smallest run (tests/ui/test_web_ui.py form_defaults) on the SSH box."""
-    return conf_for(tiny_target, workdir, run_name=RUN_NAME, **{
+    return conf_for(tiny_target, workdir, run_name=run_name, **{
         "data.max_samples": 30, "extract.num_shards": 1, "train.val_fraction": 0.2, "train.epochs": 1,
         "evaluate.num_prompts": 1, "evaluate.max_new_tokens": 8,
-        "box.conn_ids": ["gpu_box"],
+        "box.conn_ids": [box],
         # The job is frozen through the drills (about a minute): it must not look dead meanwhile.
         "box.stale_after_s": 600,
     })
@@ -85,10 +87,12 @@ def stack(tmp_path_factory, request, inbox):
         sshd = StackSshd(root / "sshd", ns.host_ip).start()
         settings = root / "dag-settings.json"
         settings.write_text(json.dumps({
-            "allowed_boxes": ["gpu_box"], "allowed_workdirs": [str(root)], "allowed_pythons": [sys.executable],
+            "allowed_boxes": list(BOXES), "allowed_workdirs": [str(root)], "allowed_pythons": [sys.executable],
+            "box_pools": {box: {"gpus": 8} for box in BOXES},  # a DAG and a pool of 8 slots each
             "params": {"box.conn_ids": ["gpu_box"]}, "retry_delay_s": 1, "retries": 2,
             "notify": {"to": ["oncall@example.com"], "smtp_conn_id": "smtp_test", "late_after_h": LATE_AFTER_H}}))
-        stack = CeleryStack(root, ns, {**sshd.airflow_env("gpu_box"), "AIRFLOW_CONN_SMTP_TEST": inbox.connection,
+        boxes = {key: value for box in BOXES for key, value in sshd.airflow_env(box).items()}
+        stack = CeleryStack(root, ns, {**boxes, "AIRFLOW_CONN_SMTP_TEST": inbox.connection,
                                        "EAGLE3_DAG_SETTINGS": str(settings)})
         try:
             stack.start()
@@ -106,9 +110,9 @@ def stack(tmp_path_factory, request, inbox):
         ns.delete()
 
 
-def task_instances(stack: CeleryStack, run_id: str) -> dict[str, dict]:
+def task_instances(stack: CeleryStack, run_id: str, dag_id: str = DAG_ID) -> dict[str, dict]:
     """task id (with [map index] for a mapped one) -> its task instance, as the REST API gives it."""
-    tis = stack.api(f"/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances")["task_instances"]
+    tis = stack.api(f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances")["task_instances"]
     return {ti["task_id"] if ti["map_index"] == -1 else f"{ti['task_id']}[{ti['map_index']}]": ti for ti in tis}
 
 
@@ -147,6 +151,10 @@ def drilled_run(stack, tiny_target):
     run = stack.api(f"/dags/{DAG_ID}/dagRuns", {"logical_date": None, "conf": run_conf(tiny_target, workdir)})
     run_id = run["dag_run_id"]
     record: dict = {"run_id": run_id, "run_dir": run_dir}
+    # The second box's DAG runs at the same time, undrilled, in a work directory of its own.
+    record["run_2_id"] = stack.api(f"/dags/{DAG_ID_2}/dagRuns", {
+        "logical_date": None, "conf": run_conf(tiny_target, stack.root / "box-2", "gpu_box_2", "prod-run-2")},
+    )["dag_run_id"]
 
     # 1. Freeze the train job as soon as it runs (its log has its header): training takes seconds, the drills more.
     state_file = run_dir / "jobs" / "train" / "state.json"
@@ -210,13 +218,16 @@ def drilled_run(stack, tiny_target):
     record["tis"] = task_instances(stack, run_id)
     record["job_final"] = job_state(run_dir, "train")
     record["log_of_cleared_try"] = task_log(stack, run_id, "train", record["train_try"])
+    poll(stack, lambda: _ended(stack, record["run_2_id"], DAG_ID_2), f"the run {record['run_2_id']} to end")
+    record["run_2"] = stack.api(f"/dags/{DAG_ID_2}/dagRuns/{record['run_2_id']}")
+    record["tis_2"] = task_instances(stack, record["run_2_id"], DAG_ID_2)
     record["seconds"] = time.monotonic() - started
     print(f"the drilled run took {record['seconds']:.0f} s: {record['run']['state']}")
     return record
 
 
-def _ended(stack: CeleryStack, run_id: str) -> bool:
-    return stack.api(f"/dags/{DAG_ID}/dagRuns/{run_id}")["state"] in ("success", "failed")
+def _ended(stack: CeleryStack, run_id: str, dag_id: str = DAG_ID) -> bool:
+    return stack.api(f"/dags/{dag_id}/dagRuns/{run_id}")["state"] in ("success", "failed")
 
 
 def test_a_run_triggered_through_the_rest_api_succeeds_on_the_ssh_box(drilled_run, stack):
@@ -304,3 +315,19 @@ def test_the_report_tab_shows_the_ssh_boxs_plots_in_a_real_browser(drilled_run, 
             raise
         finally:
             browser.close()
+
+
+def test_two_boxes_run_two_runs_at_once_each_holding_its_own_pool(drilled_run):
+    """Issue 36: a box is a resource. With two boxes in box_pools, each has a DAG and a pool whose slots are its
+    GPUs; the two runs overlap in time, and every task that holds GPUs holds them in its own box's pool."""
+    runs = {DAG_ID: (drilled_run["run"], drilled_run["tis"]), DAG_ID_2: (drilled_run["run_2"], drilled_run["tis_2"])}
+    for (run, tis), box in zip(runs.values(), BOXES):
+        assert run["state"] == "success", ({task: ti["state"] for task, ti in tis.items()}, run)
+        assert (tis["train"]["pool"], tis["train"]["pool_slots"]) == (f"eagle3_box_{box}", 8), tis["train"]
+        assert (tis["extract[0]"]["pool"], tis["extract[0]"]["pool_slots"]) == (f"eagle3_box_{box}", 1)
+        assert tis["validate"]["pool"] == "default_pool"
+    (first, first_tis), (second, second_tis) = runs.values()
+    print(f"run 1 {first['start_date']} .. {first['end_date']}; run 2 {second['start_date']} .. {second['end_date']}")
+    assert first["start_date"] < second["end_date"] and second["start_date"] < first["end_date"]
+    # The GPU stages themselves overlapped: run 2's train ran while run 1 was still going.
+    assert first["start_date"] < second_tis["train"]["end_date"] < first["end_date"]
