@@ -28,7 +28,7 @@ import uuid
 from typing import TYPE_CHECKING
 from urllib.parse import quote
 
-from eagle3_airflow.results import BENCHMARK, REPORT, list_plots, read_file
+from eagle3_airflow.results import BENCHMARK, REPORT, read_file
 
 if TYPE_CHECKING:
     from airflow.sdk import ObjectStoragePath
@@ -66,8 +66,8 @@ def _put(path: ObjectStoragePath, data: bytes) -> None:
 
 
 def publish(plan: RunPlan, summary: dict, folder: ObjectStoragePath, log=None) -> dict:
-    """Copy the run's report, benchmark and plots from its box into `folder`, then its summary; return summary.json's
-    content. Files the summary does not name (no report: nothing changed) are not read."""
+    """Copy the run's report, benchmark and plots (those `summary` lists) from its box into `folder`, then its summary;
+    return summary.json's content. Files the summary does not name (no report: nothing changed) are not read."""
     folder.mkdir(parents=True, exist_ok=True)
     files = {}
     if summary.get("report"):
@@ -78,7 +78,9 @@ def publish(plan: RunPlan, summary: dict, folder: ObjectStoragePath, log=None) -
                 _put(folder / published, data)
                 files[published] = name
     plots = []
-    for index, name in enumerate(list_plots(plan) if summary.get("report") else []):
+    # The plots the summary listed on the box a moment ago (results.summarize: run_dir/<stage>/<name>.png).
+    names = [path.removeprefix(f"{plan.run_dir}/") for path in summary.get("plots") or []]
+    for index, name in enumerate(names):
         data = read_file(plan, name)
         if data is None:  # removed since it was listed (a retention run): leave it out
             continue
