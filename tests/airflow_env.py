@@ -73,3 +73,44 @@ def dags_test(home: Path, conf: dict, *, logical_date: str | None = None, timeou
             "--conf", json.dumps(conf), *(["--mark-success-pattern", mark_success] if mark_success else [])]
     return subprocess.run(argv, env={**airflow_env(home), **(env or {})}, capture_output=True, text=True,
                           timeout=timeout, **popen)
+
+
+# -- a running Airflow's API server, as the UI test and the production lane wait on it ----------------------------
+
+HEALTH_PARTS = ("metadatabase", "scheduler", "triggerer", "dag_processor")
+
+
+def all_healthy(url: str) -> bool:
+    """The API server's health endpoint reports every component healthy."""
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/api/v2/monitor/health", timeout=5) as resp:
+        health = json.loads(resp.read())
+    return all(health.get(part, {}).get("status") == "healthy" for part in HEALTH_PARTS)
+
+
+def dags_serialized(api, dag_ids, tail=lambda: "") -> bool:
+    """Every DAG of `dag_ids` is serialized (api: GET a REST path -> JSON); an import error fails at once."""
+    import urllib.error
+
+    try:
+        return all(api(f"/dags/{dag_id}")["dag_id"] == dag_id for dag_id in dag_ids)
+    except urllib.error.HTTPError as err:
+        if err.code != 404:
+            raise
+        errors = api("/importErrors").get("import_errors", [])
+        if errors:
+            raise AssertionError(f"the DAG file does not import: {errors}\n{tail()}") from None
+        return False
+
+
+def expect_report_plots(report, count: int = 3) -> None:
+    """The run's EAGLE-3 report tab (a Playwright frame) shows `count` plots, each loaded (the demo's: training loss
+    and accuracy, acceptance per position)."""
+    from playwright.sync_api import expect
+
+    plots = report.locator("img")
+    expect(plots).to_have_count(count)
+    for index in range(count):
+        expect(plots.nth(index)).to_have_js_property("complete", True)
+        assert plots.nth(index).evaluate("img => img.naturalWidth") > 100, f"plot {index} did not load"

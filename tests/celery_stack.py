@@ -31,7 +31,7 @@ from pathlib import Path
 
 import psutil
 
-from tests.airflow_env import AIRFLOW, airflow_env
+from tests.airflow_env import AIRFLOW, airflow_env, all_healthy, dags_serialized
 from tests.sshd import LoopbackSshd, free_port
 
 # Two boxes in the settings' box_pools (the loopback sshd under two connection ids): a DAG and a pool for each.
@@ -275,26 +275,10 @@ class CeleryStack:
         _wait(answers, "Redis to answer", 30, self.procs, self.logs, every_s=0.2)
 
     def _wait_ready(self) -> None:
-        def healthy() -> bool:
-            with urllib.request.urlopen(self.url + "/api/v2/monitor/health", timeout=5) as resp:
-                health = json.loads(resp.read())
-            return all(health.get(part, {}).get("status") == "healthy"
-                       for part in ("metadatabase", "scheduler", "triggerer", "dag_processor"))
-
-        _wait(healthy, "every component to report healthy", STARTUP_TIMEOUT_S, self.procs, self.logs, every_s=1)
-
-        def dag_parsed() -> bool:
-            try:
-                return all(self.api(f"/dags/{dag_id}")["dag_id"] == dag_id for dag_id in (DAG_ID, DAG_ID_2))
-            except urllib.error.HTTPError as err:
-                if err.code != 404:
-                    raise
-                errors = self.api("/importErrors").get("import_errors", [])
-                if errors:
-                    raise AssertionError(f"the DAG file does not import: {errors}") from None
-                return False
-
-        _wait(dag_parsed, f"the dag-processor to serialize {DAG_ID}", STARTUP_TIMEOUT_S, self.procs, self.logs, 1)
+        _wait(lambda: all_healthy(self.url), "every component to report healthy", STARTUP_TIMEOUT_S, self.procs,
+              self.logs, every_s=1)
+        _wait(lambda: dags_serialized(self.api, (DAG_ID, DAG_ID_2)), f"the dag-processor to serialize {DAG_ID}",
+              STARTUP_TIMEOUT_S, self.procs, self.logs, 1)
         # The Execution API builds its routes on its first request (tests/ui/test_web_ui.py says why to pay here).
         urllib.request.urlopen(self.url + "/execution/health", timeout=STARTUP_TIMEOUT_S).close()
         for worker in ("worker-1", "worker-2"):

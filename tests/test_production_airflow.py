@@ -34,7 +34,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.airflow_env import REPO
+from tests.airflow_env import REPO, expect_report_plots
 from tests.celery_stack import BOXES, DAG_ID, DAG_ID_2, WORKER_2_HOSTNAME, CeleryStack, Namespace, StackSshd
 from tests.dagruns import conf_for, job_state, wait_for
 
@@ -304,11 +304,7 @@ def test_the_report_tab_shows_the_ssh_boxs_plots_in_a_real_browser(drilled_run, 
             page.get_by_role("link", name="EAGLE-3 report", exact=True).click()
             report = page.frame_locator("iframe")
             expect(report.locator("#acceptance")).to_contain_text("acceptance length")
-            plots = report.locator("img")
-            expect(plots).to_have_count(3)  # training loss and accuracy, acceptance per position
-            for index in range(3):
-                expect(plots.nth(index)).to_have_js_property("complete", True)
-                assert plots.nth(index).evaluate("img => img.naturalWidth") > 100, f"plot {index} did not load"
+            expect_report_plots(report)
             page.screenshot(path=ARTIFACTS / "report-tab-ssh-box.png")
         except Exception:
             page.screenshot(path=ARTIFACTS / "report-tab-failure.png")

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.airflow_env import REPO, airflow_env
+from tests.airflow_env import REPO, airflow_env, all_healthy, dags_serialized, expect_report_plots
 from tests.dagruns import conf_for
 from tests.sshd import free_port
 
@@ -263,26 +263,10 @@ def standalone(chromium, artifacts, tiny_target, tmp_path):
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
 
-        def healthy() -> bool:
-            with urllib.request.urlopen(server.url + "/api/v2/monitor/health", timeout=5) as resp:
-                health = json.loads(resp.read())
-            return all(health.get(part, {}).get("status") == "healthy"
-                       for part in ("metadatabase", "scheduler", "triggerer", "dag_processor"))
-
-        server.wait_until(healthy, "the api server's health endpoint to report every component healthy", deadline)
-
-        def dag_parsed() -> bool:
-            try:
-                return server.api(f"/dags/{DAG_ID}")["dag_id"] == DAG_ID
-            except urllib.error.HTTPError as err:
-                if err.code != 404:
-                    raise
-                errors = server.api("/importErrors").get("import_errors", [])
-                if errors:
-                    raise AssertionError(f"the DAG file does not import: {errors}\n{server.tail()}") from None
-                return False
-
-        server.wait_until(dag_parsed, f"the dag-processor to serialize {DAG_ID}", deadline)
+        server.wait_until(lambda: all_healthy(server.url),
+                          "the api server's health endpoint to report every component healthy", deadline)
+        server.wait_until(lambda: dags_serialized(server.api, [DAG_ID], server.tail),
+                          f"the dag-processor to serialize {DAG_ID}", deadline)
         # The Execution API builds its versioned routes (Cadwyn) on its first request, holding the api server's
         # one worker for about 10 CPU-seconds. The first task's start call paid for it: inside the suite the whole
         # api server stood still for 40 s, the call's five tries at 5 s each timed out and `validate` failed. Pay
@@ -537,11 +521,7 @@ def test_trigger_form_run_and_clear_in_a_real_browser(standalone, chromium, arti
             report = page.frame_locator("iframe")
             expect(report.locator("#verdict")).to_have_text("promoted")
             expect(report.locator("#acceptance")).to_contain_text("acceptance length")
-            plots = report.locator("img")
-            expect(plots).to_have_count(3)  # training loss and accuracy, acceptance per position
-            for index in range(3):
-                expect(plots.nth(index)).to_have_js_property("complete", True)
-                assert plots.nth(index).evaluate("img => img.naturalWidth") > 100, f"plot {index} did not load"
+            expect_report_plots(report)
             shot("report-tab")
         except Exception as err:
             try:
