@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -114,3 +115,22 @@ def expect_report_plots(report, count: int = 3) -> None:
     for index in range(count):
         expect(plots.nth(index)).to_have_js_property("complete", True)
         assert plots.nth(index).evaluate("img => img.naturalWidth") > 100, f"plot {index} did not load"
+
+
+def poll_until(ready, what: str, deadline: float, stopped, tail, every_s: float = 0.5) -> None:
+    """Call ready() every `every_s` until it is true. Fail when stopped() names a process that exited (it returns
+    None while all run) or `deadline` (a time.monotonic() value) passes, with tail() (the logs) in the message."""
+    import urllib.error
+
+    timeout_s, last = deadline - time.monotonic(), None
+    while True:
+        if (why := stopped()) is not None:
+            raise AssertionError(f"{why} while waiting for {what}\n{tail()}")
+        try:
+            if ready():
+                return
+        except (OSError, ValueError, KeyError, urllib.error.URLError) as err:
+            last = err
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what} (last error: {last})\n{tail()}")
+        time.sleep(every_s)

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import psutil
 
-from tests.airflow_env import AIRFLOW, airflow_env, all_healthy, dags_serialized
+from tests.airflow_env import AIRFLOW, airflow_env, all_healthy, dags_serialized, poll_until
 from tests.sshd import LoopbackSshd, free_port
 
 # Two boxes in the settings' box_pools (the loopback sshd under two connection ids): a DAG and a pool for each.
@@ -65,21 +65,12 @@ def _as_postgres() -> list[str]:
 
 def _wait(ready, what: str, timeout: float, procs: dict[str, subprocess.Popen], logs: Path, every_s: float = 0.5):
     """Poll ready() until true; fail naming the component that exited, or the timeout, with the logs' tails."""
-    deadline, last = time.monotonic() + timeout, None
-    while True:
-        for name, proc in procs.items():
-            if proc.poll() is not None:
-                raise AssertionError(f"{name} exited ({proc.returncode}) while waiting for {what}\n"
-                                     f"{tail(logs / f'{name}.log')}")
-        try:
-            if ready():
-                return
-        except (OSError, ValueError, KeyError, urllib.error.URLError) as err:
-            last = err
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what} (last error: {last})\n"
-                                 + "\n".join(tail(log, 15) for log in sorted(logs.glob("*.log"))))
-        time.sleep(every_s)
+    def stopped() -> str | None:
+        return next((f"{name} exited ({proc.returncode})" for name, proc in procs.items() if proc.poll() is not None),
+                    None)
+
+    poll_until(ready, what, time.monotonic() + timeout, stopped,
+               lambda: "\n".join(tail(log, 15) for log in sorted(logs.glob("*.log"))), every_s)
 
 
 def tail(log: Path, lines: int = 40) -> str:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.airflow_env import REPO, airflow_env, all_healthy, dags_serialized, expect_report_plots
+from tests.airflow_env import REPO, airflow_env, all_healthy, dags_serialized, expect_report_plots, poll_until
 from tests.dagruns import conf_for
 from tests.sshd import free_port
 
@@ -188,20 +188,8 @@ class Standalone:
     def wait_until(self, ready, what: str, deadline: float, every_s: float = 0.5) -> None:
         """Poll `ready()` every `every_s` until it is true, failing if standalone exits or `deadline` (a
         time.monotonic() value) passes."""
-        timeout_s, last = deadline - time.monotonic(), None
-        while True:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"airflow standalone exited ({self.proc.returncode}) while waiting for "
-                                     f"{what}\n{self.tail()}")
-            try:
-                if ready():
-                    return
-            except (OSError, ValueError, KeyError, urllib.error.URLError) as err:
-                last = err
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what} (last error: "
-                                     f"{last})\n{self.tail()}")
-            time.sleep(every_s)
+        poll_until(ready, what, deadline, lambda: None if self.proc.poll() is None else
+                   f"airflow standalone exited ({self.proc.returncode})", self.tail, every_s)
 
 
 @pytest.fixture
