@@ -5,8 +5,9 @@ namespace), the box being the loopback sshd. Everything goes through the REST AP
 One run on the tiny target carries the drills, in the order a bad day brings them (one run: each costs minutes on
 2 cores):
 
-1. Trigger it; once `train`'s job runs, freeze it (SIGSTOP: a slow box, so that it cannot finish under the drills),
-   and wait until the task is deferred and the job's log streams into the task log.
+1. Trigger it; `train`'s first job stops itself as it starts (the run's box.python, freezing_python: a slow box, so
+   that it cannot finish under the drills), and the drill waits until the task is deferred and the job's log streams
+   into the task log.
 2. SIGKILL the triggerer, start another: the new triggerer takes the trigger over and re-attaches to the job on the
    box (same pid, same try), and the task log goes on without replaying what it showed.
 3. Clear `train` while it is deferred: the trigger's on_kill kills the job's process group, the task runs again
@@ -47,12 +48,25 @@ ARTIFACTS = REPO / "test-artifacts" / "production"
 LATE_AFTER_H = 0.001  # 3.6 s: every run of the module is late
 
 
-def run_conf(tiny_target: Path, workdir: Path, box: str = "gpu_box", run_name: str = RUN_NAME) -> dict:
+def freezing_python(root: Path) -> Path:
+    """A box.python that is this interpreter, except that the first `eagle3 train` it runs stops itself (SIGSTOP)
+    before it starts: the drill's frozen job, for certain. Freezing the job once it was seen running raced it: on a
+    fast machine the tiny target's training ended between two looks (CI, 2026-12-04: "the run ended before train
+    ran"). The job's supervisor has logged its start by then; mkdir makes "first" atomic."""
+    wrapper = root / "freezing-python"
+    wrapper.write_text(f'#!/bin/sh\nif [ "$4" = train ] && mkdir {root / "train-frozen-once"} 2>/dev/null; then\n'
+                       f'  kill -STOP $$\nfi\nexec {sys.executable} "$@"\n')  # argv: python -P -m eagle3 <stage> ...
+    wrapper.chmod(0o755)
+    return wrapper
+
+
+def run_conf(tiny_target: Path, workdir: Path, box: str = "gpu_box", run_name: str = RUN_NAME,
+             python: str = sys.executable) -> dict:
     """The UI test's smallest run (tests/ui/test_web_ui.py form_defaults) on the SSH box."""
     return conf_for(tiny_target, workdir, run_name=run_name, **{
         "data.max_samples": 30, "extract.num_shards": 1, "train.val_fraction": 0.2, "train.epochs": 1,
         "evaluate.num_prompts": 1, "evaluate.max_new_tokens": 8,
-        "box.conn_ids": [box],
+        "box.conn_ids": [box], "box.python": python,
         # The job is frozen through the drills (about a minute): it must not look dead meanwhile.
         "box.stale_after_s": 600,
     })
@@ -87,7 +101,8 @@ def stack(tmp_path_factory, request, inbox):
         sshd = StackSshd(root / "sshd", ns.host_ip).start()
         settings = root / "dag-settings.json"
         settings.write_text(json.dumps({
-            "allowed_boxes": list(BOXES), "allowed_workdirs": [str(root)], "allowed_pythons": [sys.executable],
+            "allowed_boxes": list(BOXES), "allowed_workdirs": [str(root)],
+            "allowed_pythons": [sys.executable, str(freezing_python(root))],
             "box_pools": {box: {"gpus": 8} for box in BOXES},  # a DAG and a pool of 8 slots each
             "params": {"box.conn_ids": ["gpu_box"]}, "retry_delay_s": 1, "retries": 2,
             "notify": {"to": ["oncall@example.com"], "smtp_conn_id": "smtp_test", "late_after_h": LATE_AFTER_H}}))
@@ -148,7 +163,8 @@ def drilled_run(stack, tiny_target):
     workdir = stack.root / "box"
     run_dir = workdir / "runs" / RUN_NAME
     started = time.monotonic()
-    run = stack.api(f"/dags/{DAG_ID}/dagRuns", {"logical_date": None, "conf": run_conf(tiny_target, workdir)})
+    conf = run_conf(tiny_target, workdir, python=str(freezing_python(stack.root)))
+    run = stack.api(f"/dags/{DAG_ID}/dagRuns", {"logical_date": None, "conf": conf})
     run_id = run["dag_run_id"]
     record: dict = {"run_id": run_id, "run_dir": run_dir}
     # The second box's DAG runs at the same time, undrilled, in a work directory of its own.
@@ -156,7 +172,8 @@ def drilled_run(stack, tiny_target):
         "logical_date": None, "conf": run_conf(tiny_target, stack.root / "box-2", "gpu_box_2", "prod-run-2")},
     )["dag_run_id"]
 
-    # 1. Freeze the train job as soon as it runs (its log has its header): training takes seconds, the drills more.
+    # 1. train's job stopped itself as it started (freezing_python); once its log has its header, the drill freezes
+    # its whole process group, the supervisor too: a slow box.
     state_file = run_dir / "jobs" / "train" / "state.json"
 
     def job_running() -> bool:
@@ -174,7 +191,7 @@ def drilled_run(stack, tiny_target):
         assert time.monotonic() < deadline, f"train's job did not start in {RUN_TIMEOUT_S} s"
         time.sleep(0.1)
     record["job_before"] = job_state(run_dir, "train")
-    os.killpg(record["job_before"]["pgid"], signal.SIGSTOP)  # a slow box: the job cannot finish under the drills
+    os.killpg(record["job_before"]["pgid"], signal.SIGSTOP)
 
     def train_streaming() -> bool:
         """train deferred (its trigger in the triggerer) and the job's log reaching the task log."""
