@@ -10,11 +10,14 @@ preflight: validate -> box reachable -> code synced -> config written -> GPUs id
 then generate (regenerate the answers with the target; skipped unless generate.enabled) -> extract (one
 mapped task per shard) -> GPUs released -> vocab -> inputs changed? (else: nothing changed since the lineage's
 current drafter, so training is skipped) -> train -> export -> evaluate -> benchmark (SGLang with
-the drafter against the plain target; skipped unless benchmark.enabled) -> [with the settings'
-approve_promotion: promotion proposed? -> approve_promotion (a person, under Required Actions) -> promote]
--> report -> promoted (an event on the drafter Asset when this run's drafter was promoted over the lineage's
-current one; skipped otherwise)
+the drafter against the plain target; skipped unless benchmark.enabled) -> report -> promoted (an event on
+the drafter Asset when this run's drafter was promoted over the lineage's current one; skipped otherwise)
 -> retention (old run directories removed, with the settings' keep_runs).
+
+With the settings' approve_promotion, evaluate only proposes, and `promoted` is `propose_promotion`: an event on
+the proposals Asset, which starts the DAG eagle3_promotion. There a person approves (approve_promotion, under
+Required Actions), then promote switches the lineage's drafter and promoted puts the drafter Asset's event. The
+box trains the next run meanwhile.
 
 **Resume = clear the failed task.** Every stage is a detached job on the box that a retry or a clear
 re-attaches to while it runs, and restarts (the stage resumes where it stopped) when it died.
@@ -24,13 +27,14 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
-from airflow.sdk import DAG, Asset, chain, task
+from airflow.sdk import DAG, Asset, chain, task, task_group
 
 from eagle3_airflow import tasks
 from eagle3_airflow.deployment import Deployment
 from eagle3_airflow.jobs import RemoteJobOperator
 from eagle3_airflow.params import build_params
 from eagle3_airflow.pools import box_params
+from eagle3_airflow.promotion import PROMOTION_DAG_ID, PROPOSE_TASK, proposals_asset_name
 from eagle3_airflow.sensors import BoxReachableSensor, DiskSpaceSensor, GpuIdleSensor
 
 # The deployment's settings without editing code (eagle3_airflow/deployment.py): schedule, form defaults, and
@@ -38,6 +42,7 @@ from eagle3_airflow.sensors import BoxReachableSensor, DiskSpaceSensor, GpuIdleS
 DEPLOYMENT = Deployment.from_env()
 SENSOR_TIMEOUT = timedelta(hours=DEPLOYMENT.sensor_timeout_h)
 DRAFTER = Asset(DEPLOYMENT.drafter_asset)  # updated when a run promotes its drafter: deployments schedule on it
+PROPOSALS = Asset(proposals_asset_name(DEPLOYMENT.drafter_asset))  # approve_promotion: what the promotion DAG asks
 
 # One DAG per box of the settings' box_pools, each in its box's pool (eagle3_airflow/pools.py): several boxes run
 # several runs at once. Without box_pools, the one DAG eagle3_drafter, whose runs may use any allowed box.
@@ -108,30 +113,57 @@ for BOX in DEPLOYMENT.resources():
                                      **BOX.task_kwargs("evaluate"))
         benchmark = RemoteJobOperator(task_id="benchmark", stage="benchmark", plan=plan, only_if="benchmark",
                                       **BOX.task_kwargs("benchmark"))
-        approval = []
-        if SETTINGS.approve_promotion:
-            from eagle3_airflow.approval import PromotionApproval
-
-            proposed = task.short_circuit(tasks.promotion_proposed, task_id="promotion_proposed",
-                                          trigger_rule="none_failed",  # after a skipped benchmark too
-                                          ignore_downstream_trigger_rules=False)(plan)
-            # Asked of the settings' approvers; its body is read from the box, not from another task's XCom.
-            approve = PromotionApproval(
-                task_id="approve_promotion", subject="Promote the drafter of run {{ run_id }}?", plan=plan,
-                approvers=SETTINGS.approvers, defaults="Reject",
-                notifiers=SETTINGS.approval_notifiers(),  # the settings' notify channels hear it waits
-                response_timeout=timedelta(hours=SETTINGS.approval_timeout_h))  # no answer: rejected
-            approval = [proposed, approve, task(tasks.promote_held, task_id="promote")(plan, approve.output)]
         summary = task(tasks.report, task_id="report", trigger_rule="none_failed")(plan)
-        promoted = task(tasks.announce_promotion, task_id="promoted", outlets=[DRAFTER])(plan, DRAFTER.name)
-        retention = task(tasks.prune_runs, task_id="retention", trigger_rule="none_failed")(plan, SETTINGS.keep_runs)
+        if SETTINGS.approve_promotion:  # evaluate only proposed: the promotion DAG below asks a person
+            announce = task(tasks.propose_promotion, task_id=PROPOSE_TASK, outlets=[PROPOSALS])(plan, PROPOSALS.name)
+        else:
+            announce = task(tasks.announce_promotion, task_id="promoted", outlets=[DRAFTER])(plan, DRAFTER.name)
+        # A run whose proposal still awaits approval is kept (a proposal goes unanswered for approval_timeout_h).
+        proposals_kept_h = SETTINGS.approval_timeout_h if SETTINGS.approve_promotion else 0
+        retention = task(tasks.prune_runs, task_id="retention", trigger_rule="none_failed")(
+            plan, SETTINGS.keep_runs, proposals_kept_h)
 
         chain(run, box_reachable, code_synced, config_written, gpus_idle, disk_space, generate, extract,
-              gpus_released, vocab, inputs_changed, train, export, evaluate, benchmark, *approval, summary, promoted,
-              retention)
+              gpus_released, vocab, inputs_changed, train, export, evaluate, benchmark, summary, announce, retention)
 
     # The form's params go on the DAG after its tasks exist. Passed to DAG(...), Airflow would copy all ~60 of them
     # into every task, then re-validate every copy when it serializes the DAG: about 0.5 s of the dag-processor's
     # time per parse, for nothing, since tasks read DAG params at run time anyway (dag params, then task params,
     # then the run's conf).
     dag.params.update(PARAMS)
+
+
+if DEPLOYMENT.approve_promotion:
+    from eagle3_airflow import promotion
+    from eagle3_airflow.approval import PromotionApproval
+
+    with DAG(
+        dag_id=PROMOTION_DAG_ID,
+        description="Approve and promote the drafters training runs propose (the settings' approve_promotion)",
+        schedule=[PROPOSALS],  # a training run's propose_promotion
+        start_date=datetime(2026, 1, 1),
+        catchup=False,
+        default_args={"retries": DEPLOYMENT.retries, "retry_delay": timedelta(seconds=DEPLOYMENT.retry_delay_s),
+                      "on_failure_callback": DEPLOYMENT.task_failure_callbacks() or None},
+        doc_md=promotion.__doc__,
+        tags=["eagle3", "llm", "speculative-decoding"],
+    ):
+
+        @task(retries=0)
+        def proposals(triggering_asset_events=None) -> list[dict]:
+            """The triggering events that are proposals sealed by a drafter DAG's propose task; the rest refused."""
+            return promotion.proposals_from_events(triggering_asset_events, PROPOSALS.name)
+
+        @task_group(group_id="proposal")
+        def decide(proposal):
+            """One proposal: a person approves (assigned to the settings' approvers, who are told), then the switch."""
+            approve = PromotionApproval(
+                task_id="approve_promotion", proposal=proposal, approvers=DEPLOYMENT.approvers, defaults="Reject",
+                notifiers=DEPLOYMENT.approval_notifiers(),  # the settings' notify channels hear it waits
+                response_timeout=timedelta(hours=DEPLOYMENT.approval_timeout_h))  # no answer: rejected
+            promote = task(tasks.promote_held, task_id="promote")(proposal, approve.output)
+            promoted = task(tasks.announce_approved_promotion, task_id="promoted", outlets=[DRAFTER])(
+                proposal, DRAFTER.name)
+            chain(approve, promote, promoted)
+
+        decide.expand(proposal=proposals())

@@ -1,13 +1,14 @@
 """The compose stack's FAB roles and first users; airflow-init runs `python /opt/airflow/deploy/fab_roles.py`.
 
 Two roles on top of FAB's Viewer (read DAGs, runs, task instances and their logs; read, never edit, XCom and
-approvals), both limited to the eagle3_drafter DAG for what they may change:
+approvals), each limited to one DAG for what it may change:
 
-- Eagle3Trigger may trigger it. FAB checks a new run as "can_create on DAG Runs" plus "can_edit on the DAG".
-  It gets no can_edit on HITL Detail (answering an approval or a required action), no create/edit/delete on XComs,
-  and no edit on Task Instances (clearing or marking tasks).
-- Eagle3Approver may answer its approvals (can_edit on HITL Detail, which FAB also checks against can_edit on the
-  DAG) and sees the Required Actions menu; it may not trigger.
+- Eagle3Trigger may trigger eagle3_drafter. FAB checks a new run as "can_create on DAG Runs" plus "can_edit on the
+  DAG". It gets no can_edit on HITL Detail (answering an approval or a required action), no create/edit/delete on
+  XComs, and no edit on Task Instances (clearing or marking tasks).
+- Eagle3Approver may answer the approvals of eagle3_promotion, the DAG that asks them (can_edit on HITL Detail,
+  which FAB also checks against can_edit on the DAG), and sees the Required Actions menu; it may not trigger, and
+  it changes nothing of eagle3_drafter.
 
 FAB's own User and Op roles would not do: both may answer every DAG's approvals and clear tasks, Op may edit XCom.
 
@@ -23,7 +24,9 @@ import os
 import sys
 
 DAG_ID = "eagle3_drafter"
+PROMOTION_DAG_ID = "eagle3_promotion"  # eagle3_airflow.promotion: where the settings' approve_promotion asks
 DAG_RESOURCE = f"DAG:{DAG_ID}"  # FAB's per-DAG resource (airflow.providers.fab.www.security.permissions)
+PROMOTION_DAG_RESOURCE = f"DAG:{PROMOTION_DAG_ID}"
 BASE_ROLE = "Viewer"
 
 # (action, resource) pairs on top of the base role's, FAB's names.
@@ -35,7 +38,7 @@ ROLES: dict[str, list[tuple[str, str]]] = {
     "Eagle3Approver": [
         ("can_edit", "HITL Detail"),
         ("can_access_menu", "HITL Detail"),
-        ("can_edit", DAG_RESOURCE),
+        ("can_edit", PROMOTION_DAG_RESOURCE),
     ],
 }
 

@@ -430,8 +430,8 @@ def test_trigger_only_users_may_trigger_but_not_edit_xcom_or_answer_approvals():
     assert ("can_edit", "DAGs") not in trigger  # every DAG, not this one
 
     approver = set(roles.ROLES["Eagle3Approver"])
-    assert {ANSWERS_APPROVALS, ("can_edit", "DAG:eagle3_drafter")} <= approver
-    assert ("can_create", "DAG Runs") not in approver
+    assert {ANSWERS_APPROVALS, ("can_edit", "DAG:eagle3_promotion")} <= approver  # the DAG that asks
+    assert ("can_create", "DAG Runs") not in approver and ("can_edit", "DAG:eagle3_drafter") not in approver
     assert not approver & (EDITS_XCOM | EDITS_TASKS)
 
 
@@ -518,7 +518,7 @@ found = {}
 with get_application_builder() as appbuilder:
     for name in ("tina", "alex"):
         user = appbuilder.sm.find_user(username=name)
-        for dag in ("eagle3_drafter", "other_dag"):
+        for dag in ("eagle3_drafter", "eagle3_promotion", "other_dag"):
             found[f"{name} {dag}"] = sorted(
                 case for case, (method, entity) in CASES.items()
                 if FabAuthManager().is_authorized_dag(method=method, user=user, access_entity=entity,
@@ -549,7 +549,9 @@ def test_the_roles_through_fabs_own_authorization(tmp_path):
     reads = ["read approval", "read dag", "read logs", "read runs", "read xcom"]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == {
         "tina eagle3_drafter": sorted([*reads, "trigger"]),  # no XCom edit, no approval answer, no clearing
+        "tina eagle3_promotion": reads,
         "tina other_dag": reads,
-        "alex eagle3_drafter": sorted([*reads, "answer approval"]),
+        "alex eagle3_drafter": reads,
+        "alex eagle3_promotion": sorted([*reads, "answer approval"]),  # nothing else: no trigger, no clearing
         "alex other_dag": reads,
     }

@@ -68,6 +68,29 @@ def test_prune_keeps_the_newest_and_every_promoted_or_live_run(tmp_path):
         prune_runs(workdir, keep=0)
 
 
+def propose(run_dir: Path, age_s: float) -> None:
+    """evaluate --hold-promotion's report, `age_s` old: a promotion the promotion DAG asks a person about."""
+    report = run_dir / "evaluate" / "report.json"
+    report.parent.mkdir()
+    report.write_text(json.dumps({"promotion": {"promoted": False, "pending_approval": True}}))
+    then = time.time() - age_s
+    os.utime(report, (then, then))
+
+
+def test_a_run_whose_proposal_may_still_be_approved_is_kept_until_the_approval_times_out(tmp_path):
+    """approve_promotion: the training run ends before a person approves (in the promotion DAG), and a later run's
+    retention must not remove the drafter awaiting approval; once the approval has timed out, it goes as any."""
+    workdir = tmp_path / "work"
+    runs = {name: make_run(workdir, name, age_s=age) for name, age in [("waiting", 3000), ("newest", 0)]}
+    propose(runs["waiting"], age_s=2 * 3600)
+    kept = json.loads(run_eagle3("runs", "prune", "--workdir", str(workdir), "--keep", "1",
+                                 "--keep-proposals-h", "72").stdout)
+    assert (kept["removed"], kept["kept_beyond_keep"]) == ([], {"waiting": "its drafter awaits approval"})
+    timed_out = json.loads(run_eagle3("runs", "prune", "--workdir", str(workdir), "--keep", "1",
+                                      "--keep-proposals-h", "1").stdout)
+    assert timed_out["removed"] == ["waiting"] and not runs["waiting"].exists()
+
+
 def test_store_gc_removes_only_what_no_run_links_to(tmp_path):
     workdir = tmp_path / "work"
     make_run(workdir, "kept", 0, store="a")

@@ -39,6 +39,13 @@ def test_the_first_drafter_and_a_refused_one_read_differently():
     assert note_markdown(refused).startswith(f"{NOTE_TITLE}: not promoted\n\nnot better at k=3")
 
 
+def test_a_run_that_proposed_its_drafter_says_it_awaits_approval():
+    """approve_promotion: the training run ends with its proposal; the promotion DAG asks a person."""
+    proposed = {**SUMMARY, "promotion": {**SUMMARY["promotion"], "promoted": False, "pending_approval": True,
+                                         "reason": "better at k=3; proposed for approval (the promotion DAG asks)"}}
+    assert note_markdown(proposed).startswith(f"{NOTE_TITLE}: proposed, awaiting approval\n\nbetter at k=3")
+
+
 def test_a_run_that_changed_nothing_names_the_run_it_matches():
     summary = {"run_dir": "/w/runs/r2", "nothing_changed_since": "week-47", "drafter": "/w/drafters/f209/current",
                "measured_accept_length": {"3": 2.538},

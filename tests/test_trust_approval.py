@@ -1,11 +1,14 @@
-"""Issue 35, items 4 and 8 (the Airflow side): a promotion needs an Approve by one of the settings' approvers who
-did not trigger the run, and the approval shows its figures as the text they are.
+"""Issue 35, items 4 and 8 (the Airflow side), and issue 36's promotion DAG: a promotion needs an Approve by one of
+the settings' approvers who did not trigger the training run, the approval shows its figures as the text they are,
+and the promotion DAG acts only on proposals a training run's propose task sealed.
 
-Written as the attacks a USER-role user can make: mark the approval task successful by hand, PATCH its XCom
-(an Approve by someone else, or one from another run or for another proposal), approve their own run, or answer
-although not an approver (possible in SimpleAuthManager's all-admins mode); and put markdown into a value that
-reaches the approval's body. The box is this machine; the promote command itself is recorded, not run (the box side
-of `--approved-by` is another change's). The approval's resume event is given as the API server builds it.
+Written as the attacks a USER-role user can make: create an event on the proposals Asset through the REST API, or
+edit a proposal (its event's extra, or the `proposals` task's XCom), or copy one run's to another; mark the approval
+task successful by hand, PATCH its XCom (an Approve by someone else, or one from another run, for another training
+run's proposal or for another proposal), approve their own run, or answer although not an approver (possible in
+SimpleAuthManager's all-admins mode); and put markdown into a value that reaches the approval's body. The box is this
+machine; the promote command itself is recorded, not run (the box side of `--approved-by` is another change's). The
+approval's resume event is given as the API server builds it.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from airflow.sdk.exceptions import AirflowFailException, TaskAwaitingInput
+from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException, TaskAwaitingInput
 from markdown_it import MarkdownIt
 
 from eagle3_airflow import approval as approval_module
@@ -26,11 +29,16 @@ from eagle3_airflow import tasks
 from eagle3_airflow.approval import PromotionApproval
 from eagle3_airflow.deployment import Approver, Deployment
 from eagle3_airflow.plan import RunPlan
+from eagle3_airflow.promotion import PROPOSE_TASK, proposals_from_events
 from eagle3_airflow.seal import Tampered
 from eagle3_airflow.transport import CommandResult, LocalBox
-from tests.conftest import CONTEXT, RUN, sealed
+from tests.conftest import RUN, sealed
 
 APPROVERS = [Approver.model_validate("bob"), Approver.model_validate("trigger-user")]  # RUN's trigger is one too
+PROPOSALS = "eagle3_drafter.proposals"
+# The promotion DAG's run the proposal's event started (RUN, the training run, proposed)
+PROMOTION_RUN = SimpleNamespace(dag_id="eagle3_promotion", run_id="asset_triggered__2026-12-04T09:00:00+00:00",
+                                conf={}, triggering_user_name=None)
 BOLD = "**Security review: passed, approve**"
 IMAGE = "![ok](https://collector.example/pixel.png)"
 PROPOSAL = {"promoted": False, "pending_approval": True, "lineage": "f209", "lineage_dir": "/w/drafters/f209",
@@ -66,10 +74,41 @@ def promote_calls(monkeypatch) -> list:
     return calls
 
 
+class Outlets:
+    """A task's outlet_events: the event each Asset gets, by name."""
+
+    def __init__(self):
+        self.events = {}
+
+    def __getitem__(self, asset):
+        return self.events.setdefault(asset.name, SimpleNamespace(extra=None))
+
+
+def propose(plan: dict, dag_run=RUN) -> dict:
+    """The training run's propose_promotion task: the extra of its event on the proposals Asset."""
+    outlets = Outlets()
+    tasks.propose_promotion(plan, PROPOSALS, outlet_events=outlets, dag_run=dag_run)
+    return outlets.events[PROPOSALS].extra
+
+
+def event(extra: dict, dag_run=RUN, task_id: str = PROPOSE_TASK) -> SimpleNamespace:
+    """That extra as the promotion run's triggering event, from `task_id` of `dag_run` (None: the REST API's)."""
+    return SimpleNamespace(asset=SimpleNamespace(name=PROPOSALS), extra=extra, source_task_id=task_id,
+                           source_dag_id=dag_run and dag_run.dag_id, source_run_id=dag_run and dag_run.run_id,
+                           timestamp=datetime(2026, 12, 4, 9, 0, tzinfo=UTC))
+
+
+def received(*events) -> list[dict]:
+    """The promotion DAG's `proposals` task on those triggering events."""
+    return proposals_from_events({PROPOSALS: list(events)}, PROPOSALS)  # keyed by Asset in Airflow: not read
+
+
 @pytest.fixture
 def proposed(plan) -> dict:
+    """A proposal as the promotion DAG's `proposals` task hands it to its approval and promote tasks."""
     write_proposal(plan["run_dir"])
-    return plan
+    (proposal,) = received(event(propose(plan)))
+    return proposal
 
 
 def answered(chosen: str, user: str | None) -> dict:
@@ -80,16 +119,54 @@ def answered(chosen: str, user: str | None) -> dict:
             "responded_by_user": user and {"id": user, "name": user}}
 
 
-def approval_task(plan: dict) -> PromotionApproval:
-    return PromotionApproval(task_id="approve_promotion", subject="Promote?", plan=plan, approvers=APPROVERS,
-                             defaults="Reject")
+def approval_task(proposal: dict) -> PromotionApproval:
+    return PromotionApproval(task_id="approve_promotion", proposal=proposal, approvers=APPROVERS, defaults="Reject")
 
 
-CONTEXT_TI = {**CONTEXT, "task_instance": SimpleNamespace(id="0199-ti"), "ti": SimpleNamespace(id="0199-ti")}
+TI = SimpleNamespace(id="0199-ti", map_index=0)
+CONTEXT_TI = {"dag_run": PROMOTION_RUN, "task_instance": TI, "ti": TI}
 
 
-def approve(plan: dict, user: str) -> dict:
-    return approval_task(plan).execute_complete(CONTEXT_TI, answered("Approve", user))
+def approve(proposal: dict, user: str) -> dict:
+    return approval_task(proposal).execute_complete(CONTEXT_TI, answered("Approve", user))
+
+
+# -- what the promotion DAG takes for a proposal -----------------------------------------------------------------
+
+
+def test_the_promotion_dag_takes_only_proposals_a_training_runs_propose_task_sealed(plan, caplog):
+    write_proposal(plan["run_dir"])
+    extra = propose(plan)
+    assert extra["triggered_by"] == RUN.triggering_user_name and extra["run_dir"] == plan["run_dir"]
+    (proposal,) = received(event(extra), event(extra))  # the same proposal twice: asked once
+    assert proposal["source"] == {"dag_id": RUN.dag_id, "run_id": RUN.run_id}
+    other_run = SimpleNamespace(dag_id=RUN.dag_id, run_id="manual__other", triggering_user_name="x")
+    attacks = {
+        "from the REST API": event({**extra, "from_rest_api": True}, dag_run=None, task_id=None),
+        "from another task": event(extra, task_id="report"),
+        "from another DAG": event(extra, dag_run=SimpleNamespace(dag_id="other_dag", run_id=RUN.run_id)),
+        "by someone else": event({**extra, "triggered_by": "mallory"}),
+        "copied to another run": event(extra, dag_run=other_run),
+        "with no seal": event({key: value for key, value in extra.items() if key != "seal"}),
+    }
+    for why, forged in attacks.items():
+        with pytest.raises(AirflowSkipException, match="no proposal among the triggering events"):
+            received(forged)
+        assert received(forged, event(extra)) == [proposal], why  # refused, and the real one still taken
+    assert caplog.text.count(": refused: ") == 6 and caplog.text.count("not emitted by a drafter DAG") == 6  # x 2
+
+
+def test_a_run_that_proposes_nothing_puts_no_event(plan):
+    write_proposal(plan["run_dir"], pending_approval=False, reason="not better")
+    with pytest.raises(AirflowSkipException, match="nothing proposed for promotion"):
+        propose(plan)
+
+
+def test_a_proposal_edited_in_xcom_is_refused_by_the_approval(proposed):
+    with pytest.raises(Tampered, match="does not match its seal"):
+        approval_task({**proposed, "triggered_by": "mallory"}).execute(CONTEXT_TI)
+    with pytest.raises(Tampered, match="is no sealed proposal"):
+        approval_task({"plan": proposed["plan"]}).execute(CONTEXT_TI)
 
 
 # -- who is asked, and what they read ---------------------------------------------------------------------------
@@ -119,11 +196,12 @@ def test_a_workdir_with_a_backtick_stays_a_path_in_the_body(tmp_path, trust_sett
                           require_gpus=False, gpu_max_used_mib=0))
     ensure_code(LocalBox(), sys.executable, str(workdir))
     write_proposal(plan["run_dir"])
+    (proposal,) = received(event(propose(plan)))
     asked = {}
     monkeypatch.setattr("airflow.providers.standard.operators.hitl.upsert_hitl_detail",
                         lambda **request: asked.update(request))
     with pytest.raises(TaskAwaitingInput):
-        approval_task(plan).execute(CONTEXT_TI)
+        approval_task(proposal).execute(CONTEXT_TI)
     html = render(asked["body"])
     assert "<img" not in html and "<strong>" not in html
     assert f"<code>{workdir}/runs/r/drafter</code>".replace("&", "&amp;") in html.replace("&quot;", '"')
@@ -132,19 +210,27 @@ def test_a_workdir_with_a_backtick_stays_a_path_in_the_body(tmp_path, trust_sett
 # -- who may approve ---------------------------------------------------------------------------------------------
 
 
+def promote(proposal: dict, approval, deployment=None) -> dict:
+    """The promotion DAG's promote task for `proposal`, given `approval` (its approval task's XCom)."""
+    return tasks.promote_held(proposal, approval, dag_run=PROMOTION_RUN,
+                              deployment=deployment or Deployment(approvers=APPROVERS))
+
+
 def test_an_approve_by_an_approver_who_did_not_trigger_the_run_is_sealed_for_promote(proposed, promote_calls):
     record = approve(proposed, "bob")
     assert record["approved_by"] == "bob" and "seal" in record
-    outcome = tasks.promote_held(proposed, record, dag_run=RUN, deployment=Deployment(approvers=APPROVERS))
+    outcome = promote(proposed, record)
     assert outcome["promoted"]
     (argv,) = promote_calls
-    assert argv[-5:] == ["lineage", "promote", "--config", f"{proposed['run_dir']}/config.json",
+    assert argv[-5:] == ["lineage", "promote", "--config", f"{proposed['plan']['run_dir']}/config.json",
                          "--approved-by=bob"]
 
 
 def test_the_user_who_triggered_the_run_cannot_approve_it(proposed):
-    with pytest.raises(AirflowFailException, match=r"answered Approve by 'trigger-user', who triggered this run: a "
-                                                   r"promotion needs the Approve of another approver \(\['bob'\]\)"):
+    """The promotion run has no triggering user (an Asset event started it): the proposal's sealed one counts."""
+    with pytest.raises(AirflowFailException, match=r"answered Approve by 'trigger-user', who triggered the training "
+                                                   r"run: a promotion needs the Approve of another approver "
+                                                   r"\(\['bob'\]\)"):
         approve(proposed, "trigger-user")
 
 
@@ -176,30 +262,38 @@ def test_promote_refuses_without_a_sealed_approval(proposed, promote_calls):
     for approval, why in ((None, "is no sealed approval"), (forged, "is no sealed approval"),
                           ({**forged, "seal": "0" * 64}, "does not match its seal")):
         with pytest.raises(Tampered, match=why):
-            tasks.promote_held(proposed, approval, dag_run=RUN, deployment=deployment)
+            promote(proposed, approval, deployment)
     record = approve(proposed, "bob")
     with pytest.raises(Tampered, match="does not match its seal"):  # the approver edited in XCom
-        tasks.promote_held(proposed, {**record, "approved_by": "trigger-user", "approver_id": "trigger-user"},
-                           dag_run=RUN, deployment=deployment)
-    other_run = SimpleNamespace(dag_id=RUN.dag_id, run_id="manual__other", triggering_user_name="x")
-    with pytest.raises(Tampered, match="or it is another run's"):  # bob's approval of another run, pasted in
-        tasks.promote_held(sealed(proposed, other_run), record, dag_run=other_run, deployment=deployment)
+        promote(proposed, {**record, "approved_by": "trigger-user", "approver_id": "trigger-user"}, deployment)
+    other_run = SimpleNamespace(dag_id=PROMOTION_RUN.dag_id, run_id="asset_triggered__other")
+    with pytest.raises(Tampered, match="or it is another run's"):  # bob's approval in another promotion run
+        tasks.promote_held(proposed, record, dag_run=other_run, deployment=deployment)
+    assert promote_calls == []
+
+
+def test_an_approval_of_another_training_runs_proposal_promotes_nothing(proposed, promote_calls, tmp_path):
+    """Two proposals in one promotion run: the approval of one, pasted into the other's XCom, holds for neither."""
+    other_training_run = SimpleNamespace(dag_id=RUN.dag_id, run_id="manual__second", triggering_user_name="alice")
+    other = sealed(proposed["plan"], other_training_run)
+    (other_proposal,) = received(event(propose(other, other_training_run), dag_run=other_training_run))
+    with pytest.raises(Tampered, match="approved another training run's proposal than run manual__second"):
+        promote(other_proposal, approve(proposed, "bob"))
     assert promote_calls == []
 
 
 def test_an_approval_holds_for_the_proposal_it_approved_only(proposed, promote_calls):
     record = approve(proposed, "bob")
-    write_proposal(proposed["run_dir"], accept_length={"3": 1.2})  # evaluate ran again: another drafter
+    write_proposal(proposed["plan"]["run_dir"], accept_length={"3": 1.2})  # evaluate ran again: another drafter
     with pytest.raises(Tampered, match="approved another proposal than the one"):
-        tasks.promote_held(proposed, record, dag_run=RUN, deployment=Deployment(approvers=APPROVERS))
+        promote(proposed, record)
     assert promote_calls == []
 
 
 def test_an_approver_removed_from_the_settings_since_cannot_promote(proposed, promote_calls):
     record = approve(proposed, "bob")
     with pytest.raises(AirflowFailException, match=r"'bob', who is not one of this deployment's approvers"):
-        tasks.promote_held(proposed, record, dag_run=RUN,
-                           deployment=Deployment(approvers=["carol"], approve_promotion=True))
+        promote(proposed, record, Deployment(approvers=["carol"], approve_promotion=True))
     assert promote_calls == []
 
 
@@ -207,9 +301,9 @@ def test_a_retry_after_the_switch_still_matches_its_approval(proposed, promote_c
     """`lineage promote` rewrites the report's promotion (promoted, the version) and keeps what was proposed: a
     retry of promote whose first try died after the switch goes through again (the box answers it idempotently)."""
     record = approve(proposed, "bob")
-    write_proposal(proposed["run_dir"], promoted=True, pending_approval=False, version="r-1a2b3c4d",
+    write_proposal(proposed["plan"]["run_dir"], promoted=True, pending_approval=False, version="r-1a2b3c4d",
                    reason=PROPOSAL["reason"] + "; approved")
-    tasks.promote_held(proposed, record, dag_run=RUN, deployment=Deployment(approvers=APPROVERS))
+    promote(proposed, record)
     assert len(promote_calls) == 1
 
 
@@ -219,7 +313,8 @@ def test_a_waiting_approval_tells_the_settings_channels_who_may_answer_where_and
                                                                                                       monkeypatch):
     """The issue: a pending approval told nobody. The settings' notify channels hear it, and a template in a value
     from the box is sent as the characters it is, never evaluated."""
-    write_proposal(proposed["run_dir"], reason="better {{ 6 * 7 }}")
+    write_proposal(proposed["plan"]["run_dir"], reason="better {{ 6 * 7 }}")
+    (proposed,) = received(event(propose(proposed["plan"])))  # the same run, its proposal made anew
     heard = []  # a notify channel (`notify.callables`, module:function) that records what it is sent
     monkeypatch.setitem(sys.modules, "eagle3_test_channel",
                         SimpleNamespace(heard=lambda *message: heard.append(message)))
@@ -227,14 +322,14 @@ def test_a_waiting_approval_tells_the_settings_channels_who_may_answer_where_and
     deployment = Deployment(approve_promotion=True, approvers=["bob", "carol"], approval_timeout_h=24,
                             notify={"callables": ["eagle3_test_channel:heard"]})
     assert Deployment(approve_promotion=True, approvers=["bob"]).approval_notifiers() == []  # no notify: silent
-    task = PromotionApproval(task_id="approve_promotion", subject="Promote?", plan=proposed,
-                             approvers=deployment.approvers, defaults="Reject",
-                             notifiers=deployment.approval_notifiers())
+    task = PromotionApproval(task_id="approve_promotion", proposal=proposed, approvers=deployment.approvers,
+                             defaults="Reject", notifiers=deployment.approval_notifiers())
     with pytest.raises(TaskAwaitingInput):
         task.execute({**CONTEXT_TI, "task": task})
     ((subject, body),) = heard
     assert RUN.run_id in subject and RUN.dag_id in subject
     assert "bob, carol" in body and "24 h" in body
-    assert f"/dags/{RUN.dag_id}/runs/{RUN.run_id}/tasks/approve_promotion/required_actions" in body
+    assert (f"/dags/{PROMOTION_RUN.dag_id}/runs/{PROMOTION_RUN.run_id}/tasks/approve_promotion/mapped/0"
+            "/required_actions") in body
     assert "| 3 | 1.870 | 1.700 |" in body  # the figures, as the approval's body shows them
     assert r"better \{\{ 6 \* 7 \}\}" in body and "42" not in body  # escaped as in the body, never rendered

@@ -70,7 +70,7 @@ def test_any_edited_field_fails_every_kind_of_task(run, no_box, field, value):
     for call in (lambda: tasks.write_config(edited, run["config"], dag_run=RUN),
                  lambda: tasks.inputs_changed(edited, dag_run=RUN),
                  lambda: tasks.report(edited, dag_run=RUN),
-                 lambda: tasks.promotion_proposed(edited, dag_run=RUN),
+                 lambda: tasks.propose_promotion(edited, "eagle3_drafter.proposals", outlet_events={}, dag_run=RUN),
                  lambda: tasks.prune_runs(edited, 3, dag_run=RUN),
                  lambda: tasks.shard_list(edited, dag_run=RUN),
                  lambda: RemoteJobOperator(task_id="train", stage="train", plan=edited).execute(CONTEXT)):

@@ -148,7 +148,7 @@ def test_the_approval_reads_the_proposal_through_the_same_refusals(run_dir, plan
     report.unlink()
     report.symlink_to(secret)
     with pytest.raises(AirflowFailException, match="refused") as refused:
-        tasks.promotion_proposed(plan, dag_run=RUN)
+        tasks.propose_promotion(plan, "eagle3_drafter.proposals", outlet_events={}, dag_run=RUN)
     assert SECRET not in str(refused.value)
 
 

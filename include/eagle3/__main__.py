@@ -194,7 +194,7 @@ def cmd_store_gc(args) -> None:
 def cmd_runs_prune(args) -> None:
     from eagle3.retention import prune_runs
 
-    print(json.dumps(prune_runs(args.workdir, args.keep, args.dry_run), indent=2))
+    print(json.dumps(prune_runs(args.workdir, args.keep, args.dry_run, args.keep_proposals_h * 3600), indent=2))
 
 
 def cmd_lineage_check(args) -> None:
@@ -347,13 +347,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("runs", help="the run directories of a work directory")
     runs_sub = p.add_subparsers(dest="runs_command", required=True, metavar="SUBCOMMAND")
     r = runs_sub.add_parser("prune", help="remove run directories beyond the newest --keep, except promoted "
-                            "drafters' and those with a live job",
+                            "drafters', those with a live job and those awaiting approval",
                             description="A run directory is one whose config.json names it (workdir and run_name, "
                             "compared resolved); other entries of runs/ are listed, never removed. A symlinked work "
                             "directory, runs/ or drafters/, and a promotion.json that names no run directory, are "
                             "refused (exit 2), naming the path.")
     r.add_argument("--workdir", required=True)
     r.add_argument("--keep", type=int, required=True, help="how many of the newest run directories to keep")
+    r.add_argument("--keep-proposals-h", type=float, default=0.0, metavar="H",
+                   help="also keep a run whose promotion awaits approval, for H hours after evaluate proposed it "
+                   "(the DAG passes the settings' approval_timeout_h; default 0: not kept for that)")
     r.add_argument("--dry-run", action="store_true", help="list what would go, remove nothing")
     r.set_defaults(func=cmd_runs_prune)
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import time
 from pathlib import Path
 
 from eagle3.config import ConfigError
@@ -128,10 +129,22 @@ def has_live_job(run_dir: Path) -> bool:
     return False
 
 
-def prune_runs(workdir: str | Path, keep: int, dry_run: bool = False) -> dict:
-    """Remove run directories beyond the newest `keep`, except promoted drafters' and those with a live job.
-    "not_run_dirs" lists the entries of runs/ that are not the project's run directories, each with the reason:
-    never removed, never counted."""
+def awaits_approval(run_dir: Path, hold_s: float) -> bool:
+    """The run's evaluate holds a promotion for approval (approve_promotion: the promotion DAG asks a person after
+    the run ended) proposed less than `hold_s` ago; after that the approval has timed out, and the run goes as any."""
+    report_path = run_dir / "evaluate" / "report.json"
+    report, problem = read_marker(report_path)
+    if problem or not isinstance(report, dict) or not isinstance(report.get("promotion"), dict):
+        return False
+    return (report["promotion"].get("pending_approval") is True
+            and time.time() - report_path.stat().st_mtime < hold_s)
+
+
+def prune_runs(workdir: str | Path, keep: int, dry_run: bool = False, proposal_hold_s: float = 0) -> dict:
+    """Remove run directories beyond the newest `keep`, except promoted drafters', those with a live job and those
+    whose proposal may still be approved (proposed less than `proposal_hold_s` ago). "not_run_dirs" lists the
+    entries of runs/ that are not the project's run directories, each with the reason: never removed, never
+    counted."""
     if keep < 1:
         raise ConfigError(f"--keep {keep}: keep at least the newest run directory (1)")
     workdir = Path(workdir)
@@ -152,6 +165,8 @@ def prune_runs(workdir: str | Path, keep: int, dry_run: bool = False) -> dict:
             kept_for[run_dir.name] = "its drafter is a promoted version"
         elif has_live_job(run_dir):
             kept_for[run_dir.name] = "a job of it is running"
+        elif awaits_approval(run_dir, proposal_hold_s):
+            kept_for[run_dir.name] = "its drafter awaits approval"
         else:
             removed.append(run_dir.name)
             if not dry_run:

@@ -1,5 +1,6 @@
 """The promotion's approval: Airflow's human-in-the-loop ApprovalOperator, asked of the settings' approvers only,
-and what the promote task accepts as an approval.
+and what the promote task accepts as an approval. Both run in the promotion DAG (eagle3_airflow.promotion), one of
+each per proposal: a training run's sealed proposal, re-checked by every task that uses it.
 
 - Assigned users: the settings' `approvers` become the operator's `assigned_users`, which Airflow's API server
   enforces when someone answers (BaseAuthManager.is_authorized_hitl_task: the answering user's id must be one of
@@ -13,10 +14,10 @@ and what the promote task accepts as an approval.
   (GET /execution/hitlDetails/{ti id}, scope ti:self) is relayed by the triggerer only; a task's supervisor answers
   the Task SDK's get_hitl_detail_content_detail with "Unhandled request". The promote task could not read the
   approval's detail at all (ti:self), and the approval's XCom is the USER role's to edit. So the approval checks the
-  answer itself (Approve, by one of the approvers, not by the user who triggered the run) and hands the promote
-  task a sealed record (eagle3_airflow.seal) of who approved which proposal; promote checks the seal, the approver
-  against the settings as they are then, the triggering user, and that the proposal on the box is the one approved
-  (a re-evaluated drafter needs a new approval).
+  answer itself (Approve, by one of the approvers, not by the user who triggered the training run, as its sealed
+  proposal says) and hands the promote task a sealed record (eagle3_airflow.seal) of who approved which training
+  run's proposal; promote checks the seal, the approver against the settings as they are then, the triggering user,
+  and that the proposal on the box is the one approved (a re-evaluated drafter needs a new approval).
 
 A task marked successful by hand leaves no sealed record, and promote refuses to promote without one.
 
@@ -32,13 +33,14 @@ from airflow.providers.standard.operators.hitl import ApprovalOperator
 from airflow.sdk import BaseNotifier
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
-from eagle3_airflow.plan import RunPlan, verified_plan
+from eagle3_airflow.plan import RunPlan
+from eagle3_airflow.promotion import Proposal, verified_proposal
 from eagle3_airflow.seal import RunRef, Tampered, digest, is_sealed, seal, task_key
 
 log = logging.getLogger(__name__)
 
-APPROVAL_XCOM = "the approval in XCom (task `approve_promotion`, its return value)"
-ASK_AGAIN = "Clear the approve_promotion task to ask the approvers again."
+APPROVAL_XCOM = "the approval in XCom (task `approve_promotion` of this proposal, its return value)"
+ASK_AGAIN = "Clear this proposal's approve_promotion task to ask the approvers again."
 # What a person saw and approved, as evaluate held it: `lineage promote` rewrites the report's promotion (promoted,
 # version, reason) but keeps these, so a retried promote still matches its approval.
 PROPOSAL_KEYS = ("lineage", "accept_length", "current_before", "eval_set_prompts", "eval_set_pinned_by",
@@ -68,9 +70,9 @@ def check_approver(user_id: str, user_name: str, approvers: list, triggering_use
                                    + ASK_AGAIN)
     if triggering_user is not None and user_name == triggering_user:
         others = [name for name in names if name != user_name]
-        raise AirflowFailException(f"approve_promotion was answered Approve by {user_name!r}, who triggered this run: "
-                                   f"a promotion needs the Approve of another approver ({others or 'none listed'}). "
-                                   + ASK_AGAIN)
+        raise AirflowFailException(f"approve_promotion was answered Approve by {user_name!r}, who triggered the "
+                                   f"training run: a promotion needs the Approve of another approver "
+                                   f"({others or 'none listed'}). " + ASK_AGAIN)
 
 
 class ApprovalAsked(BaseNotifier):
@@ -92,47 +94,47 @@ class ApprovalAsked(BaseNotifier):
     def notify(self, context) -> None:
         from eagle3_airflow.notify import send
 
-        dag_run, task = context["dag_run"], context["task"]
-        subject = f"eagle3: approve the promotion of run {dag_run.run_id}? ({dag_run.dag_id})"
+        dag_run, task, ti = context["dag_run"], context["task"], context["ti"]
+        source = getattr(task, "source", None) or RunRef(dag_run.dag_id, dag_run.run_id)
+        subject = f"eagle3: approve the promotion of run {source.run_id}? ({source.dag_id})"
+        mapped = f"/mapped/{ti.map_index}" if getattr(ti, "map_index", -1) not in (None, -1) else ""
         body = "\n".join([
-            f"Run {dag_run.run_id} of DAG {dag_run.dag_id} proposes its drafter for promotion.",
+            f"Run {source.run_id} of DAG {source.dag_id} proposes its drafter for promotion.",
             f"Who may approve: {', '.join(self.approvers)} (not the user who triggered the run).",
             f"Unanswered for {self.response_timeout_h:g} h, it is rejected.",
-            f"Answer in the Airflow UI: /dags/{dag_run.dag_id}/runs/{dag_run.run_id}/tasks/{task.task_id}"
+            f"Answer in the Airflow UI: /dags/{dag_run.dag_id}/runs/{dag_run.run_id}/tasks/{task.task_id}{mapped}"
             "/required_actions (Browse > Required Actions).",
             "", task.body or ""])
         send(subject, body, context, self.smtp_conn_id, self.to, self.from_email, self.callables)
 
 
 class PromotionApproval(ApprovalOperator):
-    """Asks the settings' approvers to approve the promotion evaluate proposed; see the module docstring.
+    """Asks the settings' approvers to approve the promotion a training run proposed; see the module docstring.
 
-    :param plan: the run plan dict from the validate task (an XComArg).
+    :param proposal: one proposal of the promotion DAG's `proposals` task (eagle3_airflow.promotion).
     :param approvers: the settings' approvers (eagle3_airflow.deployment.Approver).
     """
 
-    template_fields = ("subject", "plan")  # the body is made in execute, from the box; never a template
+    template_fields = ("proposal",)  # the subject and body are made in execute, from the box; never templates
 
-    def __init__(self, *, plan, approvers: list, **kwargs):
-        super().__init__(assigned_users=[approver.hitl_user() for approver in approvers], **kwargs)
-        self.plan = plan
+    def __init__(self, *, proposal, approvers: list, **kwargs):
+        super().__init__(subject="Promote a drafter?", assigned_users=[approver.hitl_user() for approver in approvers],
+                         **kwargs)
+        self.proposal = proposal
         self.approvers = list(approvers)
+        self.source: RunRef | None = None
 
     def execute(self, context):
-        from eagle3_airflow.tasks import proposed_promotion
-
-        plan = verified_plan(self.plan, context["dag_run"])
-        promotion = proposed_promotion(plan)
-        if promotion is None:
-            raise AirflowSkipException(f"{plan.run_dir}: evaluate holds no promotion for approval")
-        self.body = approval_body(plan, promotion)
+        proposal = verified_proposal(self.proposal)
+        promotion = held_proposal(proposal)
+        self.source = proposal.source
+        self.subject = f"Promote the drafter of run {proposal.source.run_id}?"
+        self.body = approval_body(proposal.plan, promotion)
         return super().execute(context)
 
     def execute_complete(self, context, event):
-        from eagle3_airflow.tasks import proposed_promotion
-
         dag_run = context["dag_run"]
-        plan = verified_plan(self.plan, dag_run)
+        proposal = verified_proposal(self.proposal)
         answer = super().execute_complete(context=context, event=event)  # on Reject: downstream skipped
         if list(answer["chosen_options"]) != [self.APPROVE]:
             return answer
@@ -141,23 +143,41 @@ class PromotionApproval(ApprovalOperator):
             raise Tampered("approve_promotion resumed with Approve, but with no user who answered it: no promotion. "
                            + ASK_AGAIN)
         user_id, user_name = str(user["id"]), str(user["name"])
-        check_approver(user_id, user_name, self.approvers, getattr(dag_run, "triggering_user_name", None))
-        promotion = proposed_promotion(plan)
-        if promotion is None:
-            raise AirflowFailException(f"{plan.run_dir}: the promotion approved is no longer held on the box "
-                                       "(evaluate ran again?). " + ASK_AGAIN)
+        check_approver(user_id, user_name, self.approvers, proposal.triggered_by)
+        promotion = held_proposal(proposal, fail=True)
         responded_at = event.get("responded_at")
         record = {"chosen_options": [self.APPROVE], "approved_by": user_name, "approver_id": user_id,
                   "responded_at": responded_at.isoformat() if hasattr(responded_at, "isoformat") else None,
+                  "source": {"dag_id": proposal.source.dag_id, "run_id": proposal.source.run_id},
                   "proposal_sha256": proposal_digest(promotion)}
-        log.info("approved by %s (id %s), one of the approvers; proposal %s", user_name, user_id,
+        log.info("approved by %s (id %s), one of the approvers: %s, proposal %s", user_name, user_id, proposal.label,
                  record["proposal_sha256"][:16])
         return {**record, "seal": seal("approval", record, RunRef.of(dag_run), task_key())}
 
 
-def verified_approval(approval, plan: RunPlan, promotion: dict, dag_run, deployment) -> str:
-    """The approver's name, if `approval` (the approval task's XCom) is a sealed Approve of this run's `promotion`
-    by one of the settings' approvers who did not trigger the run; otherwise the promote task fails, saying why."""
+def held_proposal(proposal: Proposal, fail: bool = False) -> dict:
+    """The promotion the proposal's run holds on the box for approval, if it is still the one proposed; otherwise
+    the task is skipped (nothing to ask: evaluate ran again and proposed anew, or it was promoted) or, with `fail`
+    (an approval in hand), fails."""
+    from eagle3_airflow.tasks import proposed_promotion
+
+    promotion = proposed_promotion(proposal.plan)
+    why = None
+    if promotion is None:
+        why = f"{proposal.plan.run_dir} holds no promotion for approval (promoted already, or evaluate ran again?)"
+    elif proposal_digest(promotion) != proposal.proposal_sha256:
+        why = f"{proposal.plan.run_dir} holds another proposal than {proposal.label} made (evaluate ran again since)"
+    if why is None:
+        return promotion
+    if fail:
+        raise AirflowFailException(f"{why}: no promotion. {ASK_AGAIN}")
+    raise AirflowSkipException(f"{why}: nothing to approve")
+
+
+def verified_approval(approval, proposal: Proposal, promotion: dict, dag_run, deployment) -> str:
+    """The approver's name, if `approval` (the approval task's XCom) is a sealed Approve, in this promotion run, of
+    this proposal's `promotion` by one of the settings' approvers who did not trigger the training run; otherwise
+    the promote task fails, saying why."""
     if not isinstance(approval, dict) or "seal" not in approval:
         raise Tampered(f"{APPROVAL_XCOM} is no sealed approval (was the task marked successful by hand, or its XCom "
                        "edited?): no promotion. " + ASK_AGAIN)
@@ -167,9 +187,12 @@ def verified_approval(approval, plan: RunPlan, promotion: dict, dag_run, deploym
                        + ASK_AGAIN)
     if body.get("chosen_options") != [ApprovalOperator.APPROVE]:
         raise Tampered(f"{APPROVAL_XCOM} is no Approve: no promotion. " + ASK_AGAIN)
+    if body.get("source") != {"dag_id": proposal.source.dag_id, "run_id": proposal.source.run_id}:
+        raise Tampered(f"{APPROVAL_XCOM} approved another training run's proposal than {proposal.label}: no "
+                       "promotion. " + ASK_AGAIN)
     check_approver(str(body.get("approver_id")), str(body.get("approved_by")), deployment.approvers,
-                   getattr(dag_run, "triggering_user_name", None))
+                   proposal.triggered_by)
     if body.get("proposal_sha256") != proposal_digest(promotion):
-        raise Tampered(f"{APPROVAL_XCOM} approved another proposal than the one {plan.run_dir} holds now (evaluate ran "
-                       "again since): no promotion. " + ASK_AGAIN)
+        raise Tampered(f"{APPROVAL_XCOM} approved another proposal than the one {proposal.plan.run_dir} holds now "
+                       "(evaluate ran again since): no promotion. " + ASK_AGAIN)
     return str(body["approved_by"])

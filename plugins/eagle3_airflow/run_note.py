@@ -100,7 +100,11 @@ def verdict(summary: dict) -> str:
     """The outcome in three words or so: the note's headline and the report tab's (plain text: each escapes it)."""
     if summary.get("nothing_changed_since"):
         return f"nothing changed since run {summary['nothing_changed_since']}"
-    return "promoted" if _mapping(summary.get("promotion")).get("promoted") is True else "not promoted"
+    promotion = _mapping(summary.get("promotion"))
+    if promotion.get("promoted") is True:
+        return "promoted"
+    # approve_promotion: the run ended with its proposal; the promotion DAG asks a person
+    return "proposed, awaiting approval" if promotion.get("pending_approval") is True else "not promoted"
 
 
 def figure(value) -> str:

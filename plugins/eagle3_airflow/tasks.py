@@ -149,8 +149,8 @@ def _summary(plan: RunPlan) -> dict:
         log.info("nothing changed since run %s; the lineage's drafter stays %s (measured acceptance %s)",
                  check["unchanged_since"], check["current_drafter"], check["current_accept_length"])
         return summary
-    if (summary["promotion"] or {}).get("pending_approval"):  # promote_held runs before the report when approved
-        summary["promotion"]["reason"] += "; held for approval, not approved (rejected, or timed out)"
+    if (summary["promotion"] or {}).get("pending_approval"):  # the promotion DAG asks; its promote republishes
+        summary["promotion"]["reason"] += "; proposed for approval (the promotion DAG asks the approvers)"
     for key, value in summary.items():
         log.info("%-24s %s", key, value)
     return summary
@@ -169,30 +169,57 @@ def proposed_promotion(plan: RunPlan) -> dict | None:
     return promotion
 
 
-def promotion_proposed(plan_dict: dict, dag_run=None) -> bool:
-    """With the deployment's approve_promotion: did evaluate propose a promotion? False skips the approval (nothing
-    to approve). The approval task reads the proposal from the box itself (eagle3_airflow.approval)."""
-    return proposed_promotion(verified_plan(plan_dict, dag_run)) is not None
+def propose_promotion(plan_dict: dict, asset_name: str, outlet_events=None, dag_run=None) -> dict:
+    """With the settings' approve_promotion: an event on the proposals Asset when evaluate held a promotion for
+    approval, which starts the promotion DAG (eagle3_airflow.promotion); skipped (no event) when it holds none. The
+    event's extra is sealed for this run; its proposal is read from the box, never from another task's XCom."""
+    from airflow.sdk import Asset
+    from airflow.sdk.exceptions import AirflowSkipException
 
-
-def promote_held(plan_dict: dict, approval, dag_run=None, deployment: Deployment | None = None) -> dict:
-    """Approved: make the switch evaluate held (`python -m eagle3 lineage promote --approved-by USER`, safe to
-    retry), only on an Approve the approval task sealed for this run and this proposal, by one of the settings'
-    approvers who did not trigger the run."""
-    from eagle3_airflow.approval import verified_approval
+    from eagle3_airflow.promotion import sealed_proposal
 
     plan = verified_plan(plan_dict, dag_run)
+    promotion = proposed_promotion(plan)
+    if promotion is None:
+        raise AirflowSkipException("nothing proposed for promotion: no approval asked")
+    extra = sealed_proposal(plan_dict, promotion, dag_run)
+    outlet_events[Asset(asset_name)].extra = extra
+    log.info("proposed %s for promotion: event on asset %s; the promotion DAG asks the approvers", plan.run_dir,
+             asset_name)
+    return {"run_dir": plan.run_dir, "proposal_sha256": extra["proposal_sha256"]}
+
+
+def promote_held(proposal_item: dict, approval, dag_run=None, deployment: Deployment | None = None) -> dict:
+    """Approved (the promotion DAG): make the switch the training run's evaluate held (`python -m eagle3 lineage
+    promote --approved-by USER`, safe to retry), only on an Approve the approval task sealed in this run for this
+    proposal, by one of the settings' approvers who did not trigger the training run; then publish the training
+    run's report again, which now says promoted."""
+    from eagle3_airflow.approval import verified_approval
+    from eagle3_airflow.promotion import verified_proposal
+    from eagle3_airflow.published import publish, run_folder
+
+    proposal = verified_proposal(proposal_item)
+    plan = proposal.plan
     evaluation = _read(lambda: read_json(plan, REPORT)) or {}
     promotion = evaluation.get("promotion") if isinstance(evaluation.get("promotion"), dict) else {}
     # Held for approval; or promoted already, by a try of this task that died before it returned (lineage promote
     # rewrote the report, keeping what was proposed, so the approval's seal still matches).
     if promotion.get("pending_approval") is not True and promotion.get("promoted") is not True:
         raise AirflowFailException(f"{plan.run_dir}/{REPORT} holds no promotion for approval: nothing to promote")
-    approver = verified_approval(approval, plan, promotion, dag_run, deployment or Deployment.from_env())
+    deployment = deployment or Deployment.from_env()
+    approver = verified_approval(approval, proposal, promotion, dag_run, deployment)
     argv = plan.eagle3("lineage", "promote", "--config", plan.config_path, f"--approved-by={approver}")
     outcome = plan.box().run(argv, timeout=3600).json("python -m eagle3 lineage promote")
     log.info("%s: %s (approved by %s)", "promoted" if outcome["promoted"] else "not promoted", outcome["reason"],
              approver)
+    # The training run's report tab: promoted now. Done is done: a failure here must not fail (and retry) the promote
+    # task, whose `promoted` event deployments wait on.
+    try:
+        folder = run_folder(deployment, proposal.source.dag_id, proposal.source.run_id)
+        _read(lambda: publish(plan, _summary(plan), folder, log))
+    except (AirflowFailException, OSError, ValueError) as err:
+        log.warning("the report of %s was not published again (its report tab still says proposed): %s",
+                    proposal.label, err)
     return outcome
 
 
@@ -200,10 +227,20 @@ def announce_promotion(plan_dict: dict, asset_name: str, outlet_events=None, dag
     """An event on the drafter Asset when the run's drafter was promoted, for a deployment DAG scheduled on it;
     skipped (no event) when it was not, with the reason. The event's extra comes from the run's report on the box
     and the verified plan, never from the report task's XCom."""
+    return _announce(verified_plan(plan_dict, dag_run), asset_name, outlet_events)
+
+
+def announce_approved_promotion(proposal_item: dict, asset_name: str, outlet_events=None) -> dict:
+    """announce_promotion, in the promotion DAG: for the training run of a verified proposal."""
+    from eagle3_airflow.promotion import verified_proposal
+
+    return _announce(verified_proposal(proposal_item).plan, asset_name, outlet_events)
+
+
+def _announce(plan: RunPlan, asset_name: str, outlet_events) -> dict:
     from airflow.sdk import Asset
     from airflow.sdk.exceptions import AirflowSkipException
 
-    plan = verified_plan(plan_dict, dag_run)
     evaluation = _read(lambda: read_json(plan, REPORT))
     if evaluation is None:
         raise AirflowSkipException("not promoted: evaluate did not run (nothing changed since the current drafter)")
@@ -230,16 +267,18 @@ def announce_promotion(plan_dict: dict, asset_name: str, outlet_events=None, dag
     return extra
 
 
-def prune_runs(plan_dict: dict, keep_runs: int | None, dag_run=None) -> dict:
+def prune_runs(plan_dict: dict, keep_runs: int | None, keep_proposals_h: float = 0, dag_run=None) -> dict:
     """The settings' retention: run directories beyond the newest keep_runs go (eagle3.retention); skipped
-    without keep_runs. In the verified plan's workdir, which the settings allow (allowed_workdirs)."""
+    without keep_runs. In the verified plan's workdir, which the settings allow (allowed_workdirs). A run whose
+    proposal the promotion DAG may still approve (within keep_proposals_h: the approval's timeout) is kept."""
     from airflow.sdk.exceptions import AirflowSkipException
 
     if keep_runs is None:
         raise AirflowSkipException("keep_runs is not set in the settings file: every run directory is kept")
     plan = verified_plan(plan_dict, dag_run)
-    outcome = plan.box().run(plan.eagle3("runs", "prune", "--workdir", plan.workdir, "--keep", str(keep_runs)),
-                             timeout=3600).json("python -m eagle3 runs prune")
+    argv = plan.eagle3("runs", "prune", "--workdir", plan.workdir, "--keep", str(keep_runs),
+                       f"--keep-proposals-h={keep_proposals_h:g}")
+    outcome = plan.box().run(argv, timeout=3600).json("python -m eagle3 runs prune")
     log.info("retention: %d run directories, kept the newest %d; removed %s; kept beyond that: %s", outcome["runs"],
              keep_runs, outcome["removed"] or "none", outcome["kept_beyond_keep"] or "none")
     return outcome

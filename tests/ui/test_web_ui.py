@@ -38,6 +38,8 @@ pytestmark = pytest.mark.slow
 CHROMIUM = Path("/usr/bin/chromium")
 AIRFLOW = str(Path(sys.executable).with_name("airflow"))
 DAG_ID = "eagle3_drafter"
+PROMOTION_DAG_ID = "eagle3_promotion"  # the settings' approve_promotion: a person approves there
+APPROVAL_TASK = "proposal.approve_promotion"  # in the promotion DAG's mapped task group, one per proposal
 RUN_NAME = "ui-run"
 # Checked in the grid: tasks every version of the DAG has (others, such as optional stages, may be skipped).
 TASKS = ["validate", "box_reachable", "sync_code", "extract", "vocab", "train", "export", "evaluate", "report"]
@@ -162,12 +164,14 @@ class Standalone:
     def password_of(self, user: str) -> str:
         return json.loads((self.home / "simple_auth_manager_passwords.json.generated").read_text())[user]
 
-    def _request(self, path: str, body: dict | None = None, token: str | None = None) -> bytes:
+    def _request(self, path: str, body: dict | None = None, token: str | None = None,
+                 method: str | None = None) -> bytes:
         headers = {"Content-Type": "application/json"}
         if token:
             headers["Authorization"] = f"Bearer {token}"
         data = json.dumps(body).encode() if body is not None else None
-        with urllib.request.urlopen(urllib.request.Request(self.url + path, data, headers), timeout=30) as resp:
+        request = urllib.request.Request(self.url + path, data, headers, method=method)
+        with urllib.request.urlopen(request, timeout=30) as resp:
             return resp.read()
 
     @property
@@ -177,9 +181,9 @@ class Standalone:
                 "access_token"]
         return self._token
 
-    def api(self, path: str, body: dict | None = None) -> dict:
-        """GET (or POST `body` to) the REST API as the admin."""
-        return json.loads(self._request("/api/v2" + path, body, token=self.token))
+    def api(self, path: str, body: dict | None = None, method: str | None = None) -> dict:
+        """GET (or POST `body` to, or `method`) the REST API as the admin."""
+        return json.loads(self._request("/api/v2" + path, body, token=self.token, method=method))
 
     def fetch(self, path: str, authorized: bool = True) -> bytes:
         """Any path of the API server (the plugin's), with the admin's token or without any."""
@@ -253,8 +257,11 @@ def standalone(chromium, artifacts, tiny_target, tmp_path):
 
         server.wait_until(lambda: all_healthy(server.url),
                           "the api server's health endpoint to report every component healthy", deadline)
-        server.wait_until(lambda: dags_serialized(server.api, [DAG_ID], server.tail),
-                          f"the dag-processor to serialize {DAG_ID}", deadline)
+        server.wait_until(lambda: dags_serialized(server.api, [DAG_ID, PROMOTION_DAG_ID], server.tail),
+                          f"the dag-processor to serialize {DAG_ID} and {PROMOTION_DAG_ID}", deadline)
+        # The admin deploying turns the promotion DAG on (a DAG is paused when it first appears); the drafter DAG
+        # the trigger form unpauses.
+        server.api(f"/dags/{PROMOTION_DAG_ID}", {"is_paused": False}, method="PATCH")
         # The Execution API builds its versioned routes (Cadwyn) on its first request, holding the api server's
         # one worker for about 10 CPU-seconds. The first task's start call paid for it: inside the suite the whole
         # api server stood still for 40 s, the call's five tries at 5 s each timed out and `validate` failed. Pay
@@ -394,7 +401,19 @@ def test_trigger_form_run_and_clear_in_a_real_browser(standalone, chromium, arti
             expect(run_bar).to_be_attached()
             run_id = run_bar.get_attribute("data-run-id")
 
-            # 6a. The settings' approve_promotion: evaluate proposed the drafter, and a person approves it.
+            # 6a. The settings' approve_promotion: the run ends once it proposed its drafter (an event on the
+            # proposals Asset), which starts a run of the promotion DAG, where the approver approves.
+            wait_away_from_the_ui(run_id, lambda run: run["state"] in ("success", "failed"), f"the run {run_id} to end")
+
+            def promotion_runs() -> list[dict]:
+                return standalone.api(f"/dags/{PROMOTION_DAG_ID}/dagRuns")["dag_runs"]
+
+            standalone.wait_until(lambda: bool(promotion_runs()), "the proposal to start a promotion run",
+                                  time.monotonic() + 120, every_s=RUN_POLL_S)
+            (promotion_run,) = promotion_runs()
+            promotion_run_id = promotion_run["dag_run_id"]
+            assert promotion_run["run_type"] == "asset_triggered", promotion_run
+
             # An answer given while the asking try's worker is still exiting can be lost: the answer resumes the task,
             # then the scheduler drains that worker's stale exit event, calls it a state mismatch and retries the
             # resumed try (Airflow 3.3; the family of apache/airflow#66374, #67287, #72716; seen on a loaded 2-core
@@ -402,28 +421,35 @@ def test_trigger_form_run_and_clear_in_a_real_browser(standalone, chromium, arti
             # before it was gone twice in a row, the third try waited for an answer until the test timed out). So
             # the test answers once the scheduler has taken the asking try's exit, as its log says, as a person
             # reading the UI would answer seconds later. Should the answer still be lost, the retry asks again.
-            def approval_asked(run: dict, answered_try: int) -> bool:
-                approval = task_instances(run_id).get("approve_promotion", {})
-                return run["state"] != "running" or (approval.get("state") == "awaiting_input"
-                                                     and approval["try_number"] > answered_try)
+            def approval() -> dict:
+                tis = standalone.api(f"/dags/{PROMOTION_DAG_ID}/dagRuns/{promotion_run_id}/taskInstances")
+                return next((ti for ti in tis["task_instances"] if ti["task_id"] == APPROVAL_TASK), {})
+
+            def approval_asked(answered_try: int) -> bool:
+                run = standalone.api(f"/dags/{PROMOTION_DAG_ID}/dagRuns/{promotion_run_id}")
+                asking = approval()
+                return run["state"] != "running" or (asking.get("state") == "awaiting_input"
+                                                     and asking["try_number"] > answered_try)
 
             def asking_worker_gone(try_number: int) -> bool:
                 event = (f"Received executor event with state success for task instance TaskInstanceKey(dag_id="
-                         f"'{DAG_ID}', task_id='approve_promotion', run_id='{run_id}', try_number={try_number},")
+                         f"'{PROMOTION_DAG_ID}', task_id='{APPROVAL_TASK}', run_id='{promotion_run_id}', "
+                         f"try_number={try_number},")
                 return event in standalone.log.read_text(errors="replace")
 
             answered_try = 0
             for _ in range(3):
-                wait_away_from_the_ui(run_id, lambda run, answered=answered_try: approval_asked(run, answered),
-                                      "the promotion to await approval")
-                approval = task_instances(run_id)["approve_promotion"]
-                if approval["state"] != "awaiting_input":
+                standalone.wait_until(lambda answered=answered_try: approval_asked(answered),
+                                      "the promotion to await approval", time.monotonic() + RUN_TIMEOUT_S,
+                                      every_s=RUN_POLL_S)
+                asking = approval()
+                if asking["state"] != "awaiting_input":
                     break
-                standalone.wait_until(lambda asking=approval["try_number"]: asking_worker_gone(asking),
-                                      f"the scheduler to take the exit of approve_promotion's try "
-                                      f"{approval['try_number']}, which asked", time.monotonic() + 120, every_s=1)
+                standalone.wait_until(lambda number=asking["try_number"]: asking_worker_gone(number),
+                                      f"the scheduler to take the exit of {APPROVAL_TASK}'s try "
+                                      f"{asking['try_number']}, which asked", time.monotonic() + 120, every_s=1)
                 if answered_try:
-                    print(f"approve_promotion asked again (try {approval['try_number']}): Airflow's stale exit "
+                    print(f"{APPROVAL_TASK} asked again (try {asking['try_number']}): Airflow's stale exit "
                           f"event lost the answer to try {answered_try}")
                 if reviewer_page is None:  # the approver signs in in a browser session of their own
                     reviewer_page = browser.new_context(viewport={"width": 1400, "height": 1000},
@@ -434,16 +460,23 @@ def test_trigger_form_run_and_clear_in_a_real_browser(standalone, chromium, arti
                     reviewer_page.get_by_label("Password").fill(standalone.password_of(REVIEWER))
                     reviewer_page.get_by_role("button", name="Sign in").click()
                     expect(reviewer_page).to_have_url(re.compile(rf"/dags/{DAG_ID}$"))
-                reviewer_page.goto(f"{url}/dags/{DAG_ID}/runs/{run_id}/tasks/approve_promotion/required_actions")
-                expect(reviewer_page.get_by_text(f"Promote the drafter of run {run_id}?")).to_be_visible()
+                # Where the approver's mail (ApprovalAsked) sends them: Browse > Required Actions, then the proposal.
+                reviewer_page.goto(f"{url}/required_actions?response_received=false")
+                reviewer_page.get_by_role("link", name=f"Promote the drafter of run {run_id}?").click()
                 expect(reviewer_page.get_by_text("EAGLE-3 drafter: proposed for promotion")).to_be_visible()
                 shots.append(artifacts / f"{len(shots) + 1:02d}-approval-required-as-{REVIEWER}.png")
                 reviewer_page.screenshot(path=shots[-1])
                 reviewer_page.get_by_role("button", name="Approve", exact=True).click()
-                expect(reviewer_page.get_by_text("approve_promotion response successful")).to_be_visible()
+                expect(reviewer_page.get_by_text(re.compile("response successful"))).to_be_visible()
                 reviewer_page.goto("about:blank")  # an open page of the UI keeps a core busy
-                answered_try = approval["try_number"]
-            wait_away_from_the_ui(run_id, lambda run: run["state"] in ("success", "failed"), f"the run {run_id} to end")
+                answered_try = asking["try_number"]
+            standalone.wait_until(lambda: standalone.api(f"/dags/{PROMOTION_DAG_ID}/dagRuns/{promotion_run_id}")[
+                "state"] in ("success", "failed"), "the promotion run to end", time.monotonic() + RUN_TIMEOUT_S,
+                every_s=RUN_POLL_S)
+            promotion_tis = {ti["task_id"]: ti["state"] for ti in standalone.api(
+                f"/dags/{PROMOTION_DAG_ID}/dagRuns/{promotion_run_id}/taskInstances")["task_instances"]}
+            assert promotion_tis == {"proposals": "success", APPROVAL_TASK: "success", "proposal.promote": "success",
+                                     "proposal.promoted": "success"}, (promotion_tis, standalone.tail())
             page.goto(f"{url}/dags/{DAG_ID}")
             page.locator(f'a[href="/dags/{DAG_ID}/runs/{run_id}/"]').click()
             header = page.get_by_test_id("header-card")
@@ -590,7 +623,7 @@ def scheduled_runs_on_asset_updates(standalone, tiny_target: Path, tmp_path: Pat
     second, second_dir = next_run({first})
     assert extracted(second_dir) == (0, CONVERSATIONS)
     states = states_of(standalone, second)
-    assert {states[task] for task in ("train", "export", "evaluate", "approve_promotion")} == {"skipped"}, states
+    assert {states[task] for task in ("train", "export", "evaluate", "propose_promotion")} == {"skipped"}, states
     assert standalone.api(f"/dags/{DAG_ID}/dagRuns/{second}")["note"].startswith(
         f"### EAGLE-3 drafter: nothing changed since run {RUN_NAME}")
 
@@ -608,7 +641,8 @@ def scheduled_runs_on_asset_updates(standalone, tiny_target: Path, tmp_path: Pat
     note = standalone.api(f"/dags/{DAG_ID}/dagRuns/{third}")["note"]
     assert f"| 3 | {ours:.3f} | {theirs:.3f} |" in note, note
     assert promotion["reason"] in note and not promotion["promoted"]  # promote_margin 100: never better by that
-    assert states_of(standalone, third)["approve_promotion"] == "skipped"  # nothing proposed, nobody asked
+    assert states_of(standalone, third)["propose_promotion"] == "skipped"  # nothing proposed, nobody asked
+    assert standalone.api(f"/dags/{PROMOTION_DAG_ID}/dagRuns")["total_entries"] == 1  # run 1's, approved
     page = standalone.fetch(f"/eagle3/dags/{DAG_ID}/runs/{third}/").decode()
     assert f"<td>{ours:.3f}</td><td>{theirs:.3f}</td>" in page
     print(f"run 3: {'promoted' if promotion['promoted'] else 'not promoted'}: {promotion['reason']}")
