@@ -307,6 +307,23 @@ def test_a_retry_after_the_switch_still_matches_its_approval(proposed, promote_c
     assert len(promote_calls) == 1
 
 
+def test_the_same_proposal_asked_twice_is_promoted_once_and_the_second_approval_skips(proposed, promote_calls):
+    """The training run proposed again after a clear (same drafter, same digest) while the first promotion run still
+    waited: two promotion runs ask the same question. The first Approve promotes; the second question, asked or
+    answered after that, is skipped, not failed: nothing is left to do."""
+    write_proposal(proposed["plan"]["run_dir"], promoted=True, pending_approval=False, version="r-1a2b3c4d",
+                   approved_by="bob", reason=PROPOSAL["reason"] + "; approved")
+    with pytest.raises(AirflowSkipException, match=r"this proposal was promoted already \(approved by bob\)"):
+        approval_task(proposed).execute(CONTEXT_TI)
+    with pytest.raises(AirflowSkipException, match="promoted already"):
+        approve(proposed, "bob")
+    write_proposal(proposed["plan"]["run_dir"], pending_approval=False, reason="not better by the margin")
+    with pytest.raises(AirflowFailException, match=r"holds no promotion for approval \(not better by the margin\): "
+                                                   r"no promotion"):  # an approval in hand, and nothing to approve
+        approve(proposed, "bob")
+    assert promote_calls == []
+
+
 # -- someone is told ---------------------------------------------------------------------------------------------
 
 def test_a_waiting_approval_tells_the_settings_channels_who_may_answer_where_and_the_figures_as_text(proposed,

@@ -156,19 +156,22 @@ class PromotionApproval(ApprovalOperator):
 
 
 def held_proposal(proposal: Proposal, fail: bool = False) -> dict:
-    """The promotion the proposal's run holds on the box for approval, if it is still the one proposed; otherwise
-    the task is skipped (nothing to ask: evaluate ran again and proposed anew, or it was promoted) or, with `fail`
-    (an approval in hand), fails."""
-    from eagle3_airflow.tasks import proposed_promotion
+    """The promotion the proposal's run holds on the box for approval, if it is still the one proposed. Otherwise
+    the task is skipped: this very proposal was promoted already (approved in another promotion run: the training
+    run proposed it again after a clear), or, before anyone answered, there is nothing to ask (evaluate ran again and
+    proposed anew, or refused); with `fail` (an approval in hand) the latter fails."""
+    from eagle3_airflow.tasks import report_promotion
 
-    promotion = proposed_promotion(proposal.plan)
-    why = None
-    if promotion is None:
-        why = f"{proposal.plan.run_dir} holds no promotion for approval (promoted already, or evaluate ran again?)"
-    elif proposal_digest(promotion) != proposal.proposal_sha256:
-        why = f"{proposal.plan.run_dir} holds another proposal than {proposal.label} made (evaluate ran again since)"
-    if why is None:
+    promotion = report_promotion(proposal.plan) or {}
+    same = bool(promotion) and proposal_digest(promotion) == proposal.proposal_sha256
+    if same and promotion.get("pending_approval") is True:
         return promotion
+    if same and promotion.get("promoted") is True:
+        raise AirflowSkipException(f"{proposal.label}: this proposal was promoted already (approved by "
+                                   f"{promotion.get('approved_by', 'another approval')}): nothing left to do")
+    why = (f"{proposal.plan.run_dir} holds another proposal than {proposal.label} made (evaluate ran again since)"
+           if promotion.get("pending_approval") is True else
+           f"{proposal.plan.run_dir} holds no promotion for approval ({promotion.get('reason', 'no report')})")
     if fail:
         raise AirflowFailException(f"{why}: no promotion. {ASK_AGAIN}")
     raise AirflowSkipException(f"{why}: nothing to approve")

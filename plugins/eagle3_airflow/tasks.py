@@ -156,13 +156,19 @@ def _summary(plan: RunPlan) -> dict:
     return summary
 
 
-def proposed_promotion(plan: RunPlan) -> dict | None:
-    """The promotion evaluate held for approval, from the run's report on the box; None if there is none."""
+def report_promotion(plan: RunPlan) -> dict | None:
+    """The promotion in the run's report on the box (held, made or refused); None without one."""
     evaluation = _read(lambda: read_json(plan, REPORT))
     if evaluation is None:  # evaluate was skipped: nothing changed
         return None
     promotion = evaluation.get("promotion")
-    if not isinstance(promotion, dict) or promotion.get("pending_approval") is not True:
+    return promotion if isinstance(promotion, dict) else None
+
+
+def proposed_promotion(plan: RunPlan) -> dict | None:
+    """The promotion evaluate held for approval, from the run's report on the box; None if there is none."""
+    promotion = report_promotion(plan)
+    if promotion is None or promotion.get("pending_approval") is not True:
         log.info("no promotion to approve: %s", (promotion or {}).get("reason") if isinstance(promotion, dict)
                  else "the report has none")
         return None
