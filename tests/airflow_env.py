@@ -10,6 +10,7 @@ import importlib.metadata
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -76,7 +77,48 @@ def dags_test(home: Path, conf: dict, *, logical_date: str | None = None, timeou
                           timeout=timeout, **popen)
 
 
-# -- a running Airflow's API server, as the UI test and the production lane wait on it ----------------------------
+# -- a running Airflow's API server, as the UI test and the production lane use it --------------------------------
+
+
+class AirflowClient:
+    """The REST API (and any other path) of the API server at `url`, as the admin of SimpleAuthManager, whose
+    generated passwords lie in `home` (the Airflow home). Mixed into the UI test's standalone and the lane's stack."""
+
+    def __init__(self, url: str, home: Path) -> None:
+        self.url, self.home = url, home
+        self._token: str | None = None
+
+    def password_of(self, user: str = "admin") -> str:
+        return json.loads((self.home / "simple_auth_manager_passwords.json.generated").read_text())[user]
+
+    def request(self, path: str, body: dict | None = None, token: str | None = None,
+                method: str | None = None) -> bytes:
+        """`method` (default: POST with a body, else GET) `path` with a JSON `body`, with a bearer `token`."""
+        import urllib.request
+
+        headers = {"Content-Type": "application/json"}
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        data = json.dumps(body).encode() if body is not None else None
+        request = urllib.request.Request(self.url + path, data, headers, method=method)
+        with urllib.request.urlopen(request, timeout=30) as resp:
+            return resp.read()
+
+    @property
+    def token(self) -> str:
+        if self._token is None:
+            self._token = json.loads(self.request("/auth/token", {"username": "admin",
+                                                                  "password": self.password_of()}))["access_token"]
+        return self._token
+
+    def api(self, path: str, body: dict | None = None, method: str | None = None) -> dict:
+        """GET (or POST `body` to, or `method`) a REST API path as the admin."""
+        return json.loads(self.request("/api/v2" + path, body, token=self.token, method=method))
+
+    def fetch(self, path: str, authorized: bool = True) -> bytes:
+        """Any path of the API server (a plugin's), with the admin's token or without any."""
+        return self.request(path, token=self.token if authorized else None)
+
 
 HEALTH_PARTS = ("metadatabase", "scheduler", "triggerer", "dag_processor")
 
@@ -134,3 +176,25 @@ def poll_until(ready, what: str, deadline: float, stopped, tail, every_s: float 
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what} (last error: {last})\n{tail()}")
         time.sleep(every_s)
+
+
+def stop_process_groups(procs: list[subprocess.Popen], wait_s: float = 20) -> None:
+    """Stop process groups started with start_new_session: SIGTERM to all at once, SIGKILL to what is left after
+    wait_s (one at a time: a Celery worker's warm shutdown alone took 20 s)."""
+    running = [proc for proc in procs if proc.poll() is None]
+    for proc in running:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + wait_s
+    for proc in running:
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=30)

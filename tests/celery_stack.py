@@ -16,11 +16,9 @@ creates. Its data lives in a temp dir with fsync off: a test database, thrown aw
 from __future__ import annotations
 
 import base64
-import json
 import os
 import secrets
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -31,7 +29,15 @@ from pathlib import Path
 
 import psutil
 
-from tests.airflow_env import AIRFLOW, airflow_env, all_healthy, dags_serialized, poll_until
+from tests.airflow_env import (
+    AIRFLOW,
+    AirflowClient,
+    airflow_env,
+    all_healthy,
+    dags_serialized,
+    poll_until,
+    stop_process_groups,
+)
 from tests.sshd import LoopbackSshd, free_port
 
 # Two boxes in the settings' box_pools (the loopback sshd under two connection ids): a DAG and a pool for each.
@@ -131,29 +137,7 @@ class StackSshd(LoopbackSshd):
         super().__init__(workdir)
 
 
-def _stop(procs: list[subprocess.Popen], wait_s: float = 20) -> None:
-    """Stop process groups started with start_new_session: SIGTERM to all at once, SIGKILL to what is left after
-    wait_s (one at a time, a Celery worker's warm shutdown alone took 20 s)."""
-    running = [proc for proc in procs if proc.poll() is None]
-    for proc in running:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-    deadline = time.monotonic() + wait_s
-    for proc in running:
-        try:
-            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait(timeout=30)
-
-
-class CeleryStack:
+class CeleryStack(AirflowClient):
     """PostgreSQL, Redis and the Airflow components on `ip`, the Celery worker 2 in `ns`, with this repo's DAG.
 
     `env`: what every Airflow process gets (the box's SSH connection and `extra_env` included); `procs`: name ->
@@ -163,14 +147,13 @@ class CeleryStack:
         self.root, self.ns, self.ip = root, ns, ns.host_ip
         self.logs = root / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
-        self.home = root / "airflow"
-        self.home.mkdir(exist_ok=True)
         self.procs: dict[str, subprocess.Popen] = {}
         ports: set[int] = set()
         while len(ports) < 3:
             ports.add(free_port(self.ip))
         self.pg_port, self.redis_port, self.api_port = sorted(ports)
-        self.url = f"http://{self.ip}:{self.api_port}"
+        super().__init__(f"http://{self.ip}:{self.api_port}", root / "airflow")  # the admin's REST client
+        self.home.mkdir(exist_ok=True)
         db = f"airflow@{self.ip}:{self.pg_port}/postgres"
         self.env = airflow_env(
             self.home,
@@ -193,7 +176,6 @@ class CeleryStack:
             PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
             **extra_env,
         )
-        self._token: str | None = None
 
     # -- processes -------------------------------------------------------------------------------------
     def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -279,7 +261,7 @@ class CeleryStack:
                        env=self.env, check=True, capture_output=True, timeout=120)
 
     def close(self) -> None:
-        _stop(list(self.procs.values()))
+        stop_process_groups(list(self.procs.values()))
         # What the stack started outside its process groups: the box's jobs (their own sessions), named by root
         for proc in psutil.process_iter(["cmdline"]):
             try:
@@ -298,25 +280,3 @@ class CeleryStack:
         if task_logs.is_dir():
             shutil.copytree(task_logs, where / "task-logs", dirs_exist_ok=True)
         return where
-
-    # -- the REST API, as the admin ----------------------------------------------------------------------
-    def _request(self, method: str, path: str, body: dict | None = None, token: str | None = None) -> bytes:
-        headers = {"Content-Type": "application/json"}
-        if token:
-            headers["Authorization"] = f"Bearer {token}"
-        data = json.dumps(body).encode() if body is not None else None
-        request = urllib.request.Request(self.url + path, data, headers, method=method)
-        with urllib.request.urlopen(request, timeout=30) as resp:
-            return resp.read()
-
-    @property
-    def token(self) -> str:
-        if self._token is None:
-            password = json.loads((self.home / "simple_auth_manager_passwords.json.generated").read_text())["admin"]
-            self._token = json.loads(self._request("POST", "/auth/token", {"username": "admin",
-                                                                            "password": password}))["access_token"]
-        return self._token
-
-    def api(self, path: str, body: dict | None = None, method: str | None = None) -> dict:
-        return json.loads(self._request(method or ("POST" if body is not None else "GET"), "/api/v2" + path, body,
-                                        self.token))

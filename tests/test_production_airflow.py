@@ -307,7 +307,6 @@ def test_the_report_tab_shows_the_ssh_boxs_plots_in_a_real_browser(drilled_run, 
     them from the reports store."""
     from playwright.sync_api import expect, sync_playwright
 
-    password = json.loads((stack.home / "simple_auth_manager_passwords.json.generated").read_text())["admin"]
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path="/usr/bin/chromium", args=["--disable-gpu"])
@@ -316,7 +315,7 @@ def test_the_report_tab_shows_the_ssh_boxs_plots_in_a_real_browser(drilled_run, 
         try:
             page.goto(f"{stack.url}/dags/{DAG_ID}/runs/{drilled_run['run_id']}")
             page.get_by_label("Username").fill("admin")
-            page.get_by_label("Password").fill(password)
+            page.get_by_label("Password").fill(stack.password_of())
             page.get_by_role("button", name="Sign in").click()
             page.get_by_role("link", name="EAGLE-3 report", exact=True).click()
             report = page.frame_locator("iframe")

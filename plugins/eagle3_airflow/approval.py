@@ -95,7 +95,7 @@ class ApprovalAsked(BaseNotifier):
         from eagle3_airflow.notify import send
 
         dag_run, task, ti = context["dag_run"], context["task"], context["ti"]
-        source = getattr(task, "source", None) or RunRef(dag_run.dag_id, dag_run.run_id)
+        source = task.source  # the training run, which PromotionApproval.execute verified before it asks
         subject = f"eagle3: approve the promotion of run {source.run_id}? ({source.dag_id})"
         mapped = f"/mapped/{ti.map_index}" if getattr(ti, "map_index", -1) not in (None, -1) else ""
         body = "\n".join([

@@ -29,7 +29,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.airflow_env import REPO, airflow_env, all_healthy, dags_serialized, expect_report_plots, poll_until
+from tests.airflow_env import (
+    REPO,
+    AirflowClient,
+    airflow_env,
+    all_healthy,
+    dags_serialized,
+    expect_report_plots,
+    poll_until,
+    stop_process_groups,
+)
 from tests.dagruns import conf_for
 from tests.sshd import free_port
 
@@ -119,18 +128,7 @@ def _ours(root_pid: int, marker: str) -> dict[int, str]:
 def _kill_all(proc: subprocess.Popen, marker: str) -> None:
     """Stop standalone's process group, then SIGKILL whatever of ours is left (same pid and start time)."""
     ours = _ours(proc.pid, marker)
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=30)
-    except ProcessLookupError:
-        pass
-    except subprocess.TimeoutExpired:
-        pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait(timeout=30)
+    stop_process_groups([proc], wait_s=30)
     ours.update(_ours(proc.pid, marker))
     alive = _processes()
     for pid, started in ours.items():
@@ -144,50 +142,18 @@ def _kill_all(proc: subprocess.Popen, marker: str) -> None:
 # -- the Airflow side ------------------------------------------------------------------------------------------
 
 
-class Standalone:
+class Standalone(AirflowClient):
     """A running `airflow standalone`: its URL, home, log, and a REST client for setup and final checks."""
 
     def __init__(self, url: str, home: Path, log: Path, proc: subprocess.Popen) -> None:
-        self.url, self.home, self.log, self.proc = url, home, log, proc
-        self._token: str | None = None
+        super().__init__(url, home)
+        self.log, self.proc = log, proc
 
     def tail(self, lines: int = 60) -> str:
         """The log's last lines, without the api server's access log (one line per request the UI makes)."""
         text = self.log.read_text(errors="replace") if self.log.exists() else ""
         kept = [line for line in text.splitlines() if "[http.access]" not in line]
         return f"--- last {lines} lines of {self.log} (access log left out) ---\n" + "\n".join(kept[-lines:])
-
-    @property
-    def password(self) -> str:
-        return self.password_of("admin")
-
-    def password_of(self, user: str) -> str:
-        return json.loads((self.home / "simple_auth_manager_passwords.json.generated").read_text())[user]
-
-    def _request(self, path: str, body: dict | None = None, token: str | None = None,
-                 method: str | None = None) -> bytes:
-        headers = {"Content-Type": "application/json"}
-        if token:
-            headers["Authorization"] = f"Bearer {token}"
-        data = json.dumps(body).encode() if body is not None else None
-        request = urllib.request.Request(self.url + path, data, headers, method=method)
-        with urllib.request.urlopen(request, timeout=30) as resp:
-            return resp.read()
-
-    @property
-    def token(self) -> str:
-        if self._token is None:
-            self._token = json.loads(self._request("/auth/token", {"username": "admin", "password": self.password}))[
-                "access_token"]
-        return self._token
-
-    def api(self, path: str, body: dict | None = None, method: str | None = None) -> dict:
-        """GET (or POST `body` to, or `method`) the REST API as the admin."""
-        return json.loads(self._request("/api/v2" + path, body, token=self.token, method=method))
-
-    def fetch(self, path: str, authorized: bool = True) -> bytes:
-        """Any path of the API server (the plugin's), with the admin's token or without any."""
-        return self._request(path, token=self.token if authorized else None)
 
     def wait_until(self, ready, what: str, deadline: float, every_s: float = 0.5) -> None:
         """Poll `ready()` every `every_s` until it is true, failing if standalone exits or `deadline` (a
@@ -332,7 +298,7 @@ def test_trigger_form_run_and_clear_in_a_real_browser(standalone, chromium, arti
             page.goto(f"{url}/dags/{DAG_ID}")
             expect(page.get_by_text("Sign into Airflow")).to_be_visible()
             page.get_by_label("Username").fill("admin")
-            page.get_by_label("Password").fill(standalone.password)
+            page.get_by_label("Password").fill(standalone.password_of())
             shot("login")
             page.get_by_role("button", name="Sign in").click()
 
