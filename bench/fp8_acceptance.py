@@ -150,8 +150,9 @@ def val_acc_against_bf16(seed: int) -> dict[str, list[float]]:
     its own store, and fp8's final states give slightly other teachers, so those two figures do not compare.)"""
     import torch
 
+    from eagle3.checkpoint import load_checkpoint
     from eagle3.config import load_run_config
-    from eagle3.train import Trainer, load_checkpoint
+    from eagle3.train import Trainer
 
     torch.set_num_threads(2)
     trainer = Trainer(load_run_config(WORK / "runs" / f"bf16-seed{seed}" / "config.json"))

@@ -10,9 +10,9 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
+from eagle3.checkpoint import load_checkpoint
 from eagle3.export import EXPORT_KEYS, drafter_config, load_exported_drafter, run_export
 from eagle3.model import DraftConfig, build_draft_model
-from eagle3.train import load_checkpoint
 
 
 def test_the_config_tells_each_engine_the_trained_layers_in_its_own_ids():

@@ -13,14 +13,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from eagle3.checkpoint import checkpoint_dirs, load_checkpoint
 from eagle3.config import write_run_config
 from eagle3.data import conversation_id_of
 from eagle3.evaluate import run_evaluate
 from eagle3.export import run_export
+from eagle3.lineage import Lineage, PromotionRefused, weights_digest
 from eagle3.model import build_draft_model
-from eagle3.promote import Lineage, PromotionRefused, check_inputs, promote_held, weights_digest
+from eagle3.promote import check_inputs, promote_held
 from eagle3.split import SPLIT_RULE
-from eagle3.train import Trainer, checkpoint_dirs, load_checkpoint, load_warm_start
+from eagle3.train import Trainer, load_warm_start
 from tests.conftest import run_eagle3
 
 EVALUATE = {"num_prompts": 6, "max_new_tokens": 16, "draft_lengths": [3]}
@@ -343,7 +345,7 @@ def test_keep_versions_removes_only_this_lineages_own_versions(make_config, tmp_
             (versions / name / "promotion.json").write_text(text)
 
     (drafter / "model.safetensors").write_bytes(b"newer weights")
-    caplog.set_level("WARNING", logger="eagle3.promote")
+    caplog.set_level("WARNING", logger="eagle3.lineage")
     new = promote_dated("new", "2026-12-01T00:00:00Z", old.name)  # keep_versions 1: the old one goes
     assert sorted(p.name for p in versions.iterdir()) == sorted([new.name, "linked", *strangers])
     assert (elsewhere / "promotion.json").exists()

@@ -10,10 +10,10 @@ import pytest
 
 import eagle3.split as split_module
 from eagle3.data import read_conversations
-from eagle3.promote import Lineage
+from eagle3.lineage import Lineage
+from eagle3.runlayout import SPLIT_KEYS
 from eagle3.split import (
     EVALUATION,
-    KEYS_FILE,
     TRAINING,
     VALIDATION,
     SplitError,
@@ -103,9 +103,9 @@ def test_the_keys_are_cached_in_the_run_directory_until_the_conversations_change
     write_jsonl(data, rows)
     cfg = make_config(data={"path": str(data), "max_samples": None})
     keys = run_split(cfg).keys
-    cached = json.loads((cfg.run_dir / KEYS_FILE).read_text())
+    cached = json.loads((cfg.run_dir / SPLIT_KEYS).read_text())
     assert cached["keys"] == keys and cached["rule"] == split_module.SPLIT_RULE
-    assert not [p for p in (cfg.run_dir / KEYS_FILE).parent.iterdir() if p.name.startswith(".")]
+    assert not [p for p in (cfg.run_dir / SPLIT_KEYS).parent.iterdir() if p.name.startswith(".")]
 
     import eagle3.data
 

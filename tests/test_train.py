@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import eagle3.train as train
-from eagle3.train import load_checkpoint, make_teachers, simulated_accept_length
+from eagle3.checkpoint import load_checkpoint
+from eagle3.train import make_teachers, simulated_accept_length
 from tests.conftest import TRAIN_SETTINGS, run_eagle3
 
 

@@ -29,8 +29,12 @@ import time
 
 import httpx
 
-from eagle3.data import DataError
+from eagle3.data import DataError, SampleTokenizer
+from eagle3.engines import Speculation, engine_for
+from eagle3.evaluate import held_out_prompts
 from eagle3.fsutil import atomic_write_text
+from eagle3.runlayout import BENCHMARK_DIR, BENCHMARK_PLOT, BENCHMARK_REPORT, DRAFTER_CONFIG, DRAFTER_DIR
+from eagle3.server import serving
 
 log = logging.getLogger(__name__)
 logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request would drown the progress lines
@@ -77,16 +81,10 @@ async def send_prompts(engine, base_url: str, prompts: list[list[int]], max_new_
 
 
 def run_benchmark(cfg) -> dict:
-    from eagle3.data import SampleTokenizer
-    from eagle3.engines import Speculation, engine_for
-    from eagle3.evaluate import held_out_prompts
-    from eagle3.export import DRAFTER_DIR
-    from eagle3.server import serving
-
     bench = cfg.benchmark
-    out = cfg.run_dir / "benchmark"
+    out = cfg.run_dir / BENCHMARK_DIR
     drafter = cfg.run_dir / DRAFTER_DIR
-    if not (drafter / "config.json").exists():
+    if not (drafter / DRAFTER_CONFIG).exists():
         raise DataError(f"{drafter}: no exported drafter here; run the export stage first")
     prompts = held_out_prompts(cfg, SampleTokenizer.for_run(cfg), bench.num_prompts)
     if not prompts:
@@ -120,10 +118,10 @@ def run_benchmark(cfg) -> dict:
         **runs,
     }
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out / "benchmark.json", json.dumps(report, indent=2) + "\n")
-    plot_benchmark(report, out / "benchmark.png")
+    atomic_write_text(cfg.run_dir / BENCHMARK_REPORT, json.dumps(report, indent=2) + "\n")
+    plot_benchmark(report, cfg.run_dir / BENCHMARK_PLOT)
     log.info("benchmark: speedup %.2fx, accept length %s, identical outputs %s -> %s", report["speedup"],
-             report["mean_accept_length"], report["identical_outputs"], out / "benchmark.json")
+             report["mean_accept_length"], report["identical_outputs"], cfg.run_dir / BENCHMARK_REPORT)
     return {k: v for k, v in report.items() if k not in runs} | {
         name: {k: v for k, v in run.items() if k != "requests"} for name, run in runs.items()
     }

@@ -30,7 +30,17 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
+from eagle3.config import ConfigError
+from eagle3.data import (
+    TOKENIZING_VERSION,
+    DataError,
+    SampleTokenizer,
+    TokenizeStats,
+    conversation_id_of,
+    read_conversations,
+)
 from eagle3.fsutil import atomic_write_text
+from eagle3.job import poll_job, read_boot_id
 from eagle3.progress import format_bytes, format_count
 
 log = logging.getLogger(__name__)
@@ -204,8 +214,6 @@ def mark_job_processes(report: dict, jobs_dir: str | Path) -> dict:
     is ours: the GPU sensor must not wait for the run's own work to go away (a train job still running
     when a cleared DAG run checks the GPUs again). Other processes get `"job": None`.
     """
-    from eagle3.job import poll_job
-
     live_groups = {}
     root = Path(jobs_dir)
     for job in sorted(root.iterdir()) if root.is_dir() else []:
@@ -301,8 +309,6 @@ def _judge_memory(label: str, used_mib: int | None, processes: list[dict], allow
 
 def boot_id_or_none() -> str | None:
     """The kernel's boot id (eagle3.job.read_boot_id), or None where it cannot be read (not Linux)."""
-    from eagle3.job import read_boot_id
-
     try:
         return read_boot_id() or None
     except OSError:
@@ -377,8 +383,6 @@ def count_tokens(cfg) -> dict:
     """Tokens and samples extraction will store, counted by tokenising exactly as extraction does
     (chat template, data.max_length, data.max_samples, data.on_bad_record; samples with no assistant
     token are skipped there, so here too). Can take minutes on a large data file."""
-    from eagle3.data import SampleTokenizer, TokenizeStats, read_conversations
-
     conversations, read_stats = read_conversations(cfg.data.path, cfg.data.on_bad_record, cfg.data.max_samples)
     stats = TokenizeStats()
     tokens = samples = truncated = 0
@@ -395,8 +399,6 @@ def count_tokens(cfg) -> dict:
 def _token_cache_key(cfg) -> dict:
     """What the token count depends on. The data file is identified by size and mtime, not content: a
     sensor pokes every few minutes, and hashing terabytes of JSONL each time is what the cache avoids."""
-    from eagle3.data import TOKENIZING_VERSION, DataError
-
     try:
         stat = os.stat(cfg.data.path)
     except FileNotFoundError:
@@ -442,8 +444,7 @@ def store_held_bytes(store_dir: Path, conversation_ids: set[str] | None = None) 
     shard_dirs = sorted(Path(store_dir).glob("shard-*"))
     if not shard_dirs:
         return 0
-    from eagle3.data import conversation_id_of
-    from eagle3.store import read_manifest  # imports torch: only when there is a store to read
+    from eagle3.store import read_manifest  # here: it imports torch, and the Airflow side imports this module
 
     held = 0
     for shard in shard_dirs:
@@ -471,8 +472,6 @@ def disk_estimate(cfg, margin: float = 1.2) -> dict:
     the run directory is (or will be) on. The margin covers chunk headers and what the estimate misses.
     With generate on, the tokens are counted from data.path: its answers stand in for the regenerated ones.
     """
-    from eagle3.config import ConfigError
-
     if not (margin > 0 and math.isfinite(margin)):
         raise ConfigError(f"--margin must be a positive number, got {margin}")
     counts = cached_token_count(cfg, cfg.run_dir / TOKEN_CACHE_NAME)

@@ -21,6 +21,8 @@ from urllib.parse import urlsplit, urlunsplit
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from eagle3.fsutil import atomic_write_text
+from eagle3.layer_ids import LayerIdError, family, ids_for
+from eagle3.runlayout import CONFIG, CONVERSATIONS, HIDDEN_STATES, run_dir_of
 
 RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 # http(s)://host[:port][/path] and nothing else: no user:password@ (it would be printed and stored), no ?query or
@@ -591,7 +593,7 @@ class DrafterConfig(Section):
         head_dim = self.head_dim or (128 if hidden >= 1024 else 64)
         heads = self.num_attention_heads or max(1, hidden // head_dim)
         kv = self.num_key_value_heads or next(d for d in range(min(8, heads), 0, -1) if heads % d == 0)
-        from eagle3.rope import target_rope
+        from eagle3.rope import target_rope  # (here: rope imports torch, and the DAG parses this module)
 
         return {"head_dim": head_dim, "num_attention_heads": heads, "num_key_value_heads": kv,
                 "intermediate_size": self.intermediate_size or int(target["intermediate_size"]),
@@ -857,20 +859,20 @@ class RunConfig(Section):
     #    workdir/run_name is a new, independent run.
     @property
     def run_dir(self) -> Path:
-        return Path(self.workdir) / "runs" / self.run_name
+        return run_dir_of(self.workdir, self.run_name)
 
     @property
     def config_path(self) -> Path:
-        return self.run_dir / "config.json"
+        return self.run_dir / CONFIG
 
     @property
     def store_dir(self) -> Path:
-        return self.run_dir / "hidden_states"
+        return self.run_dir / HIDDEN_STATES
 
     @property
     def conversations_path(self) -> Path:
         """What extract trains on: the target's regenerated conversations, or data.path as given."""
-        return self.run_dir / "generate" / "conversations.jsonl" if self.generate.enabled else Path(self.data.path)
+        return self.run_dir / CONVERSATIONS if self.generate.enabled else Path(self.data.path)
 
     @property
     def conversations_missing_hint(self) -> str:
@@ -1018,7 +1020,7 @@ def resolve_target_facts(cfg: RunConfig) -> RunConfig:
 def check_rope_carried(cfg: RunConfig, text_config: dict) -> None:
     """Refuse a target RoPE scaling the drafter cannot carry exactly as the engines apply it (eagle3.rope), before
     training a drafter that the serving engine would rotate otherwise."""
-    from eagle3.rope import target_rope, unsupported
+    from eagle3.rope import target_rope, unsupported  # (here: rope imports torch, and the DAG parses this module)
 
     scaling = target_rope(text_config)[1]
     why = unsupported(scaling) if cfg.drafter.rope_scaling == "target" else None
@@ -1040,8 +1042,6 @@ def check_layers_served(cfg: RunConfig, architecture: str) -> None:
     """Refuse, before anything runs, aux layers that an engine this run drives cannot be told (eagle3.layer_ids):
     the sglang capture backend, and the serving engine that evaluate or benchmark start with the drafter. The
     export serves every engine that can be told them, and says which."""
-    from eagle3.layer_ids import LayerIdError, family, ids_for
-
     try:
         family(architecture)  # the export must know how engines read this target's ids, whoever serves it
         if cfg.extract.backend == "sglang":
@@ -1053,7 +1053,7 @@ def check_layers_served(cfg: RunConfig, architecture: str) -> None:
 
 
 def _target_scales_rope(cfg: RunConfig) -> bool:
-    from eagle3.rope import target_rope
+    from eagle3.rope import target_rope  # (here: rope imports torch, and the DAG parses this module)
 
     return target_rope(read_text_config(cfg.target.model_path))[1] is not None
 

@@ -42,9 +42,27 @@ from dataclasses import dataclass
 
 import torch
 
-from eagle3.engines import reached_per_step
+from eagle3.data import SampleTokenizer, read_conversations
+from eagle3.engines import Speculation, engine_for, reached_per_step
+from eagle3.export import load_exported_drafter
 from eagle3.fsutil import atomic_write_text
+from eagle3.lineage import Lineage, weights_digest
+from eagle3.model import LM_HEAD_KEYS, load_target_tensor
 from eagle3.progress import ProgressLog
+from eagle3.promote import decide, hold_for_approval, inputs_digest
+from eagle3.runlayout import (
+    ACCEPTANCE_PLOT,
+    CURRENT,
+    DRAFTER_DIR,
+    EVALUATE_DIR,
+    EXPORT_RECORD,
+    REPORT,
+    run_stats_path,
+)
+from eagle3.server import ServerError, serving
+from eagle3.split import EVALUATION, SPLIT_RULE, TRAINING, prompt_key, run_split
+from eagle3.store import open_run_store
+from eagle3.train import started_from
 
 log = logging.getLogger(__name__)
 
@@ -125,9 +143,6 @@ def held_out(cfg, tokenizing, limit: int | None = None) -> list[HeldOutPrompt]:
     without this context. Deterministic, and independent of the file's order: first turns by (split key,
     conversation id), later ones by (which user turn, split key, conversation id). `tokenizing` is the run's
     eagle3.data.SampleTokenizer."""
-    from eagle3.data import read_conversations
-    from eagle3.split import EVALUATION, prompt_key, run_split
-
     # The conversations training split on (the regenerated ones, with generate on).
     conversations, _ = read_conversations(cfg.conversations_path, "skip", None, cfg.conversations_missing_hint)
     split = run_split(cfg, conversations)
@@ -162,8 +177,6 @@ def held_out_prompts(cfg, tokenizing, limit: int | None = None) -> list[list[int
 
 def eval_set_record(chosen: list[HeldOutPrompt]) -> dict:
     """The evaluation set a lineage pins (eagle3.promote.EVAL_SET_FIELDS) from held_out's prompts."""
-    from eagle3.split import SPLIT_RULE
-
     return {"format": 2, "split": SPLIT_RULE, "conversation_ids": [h.conversation_id for h in chosen],
             "turns": [h.turn for h in chosen], "kinds": [h.kind for h in chosen],
             "split_keys": sorted({key for h in chosen for key in h.keys}), "prompts": [h.prompt for h in chosen]}
@@ -174,9 +187,6 @@ def target_greedy_accuracy(cfg, lm_head: torch.Tensor, max_tokens: int = 100_000
     greedily: what explains an acceptance length. Drafts are accepted only where they equal the target's own
     next token, so data the target would not have written (generate off) caps what a drafter learns from it;
     with generate on it is near 1. `lm_head`: the target's [vocab, hidden] output weights, on any device."""
-    from eagle3.split import TRAINING, run_split
-    from eagle3.store import open_run_store
-
     store = open_run_store(cfg)
     split = run_split(cfg)
     lm_head = lm_head.float()
@@ -216,13 +226,8 @@ def acceptance_figures(cycles: list[int], first_cycles: list[int], new_tokens: i
 
 
 def run_evaluate(cfg, hold_promotion: bool = False) -> dict:
-    from eagle3.data import SampleTokenizer
-    from eagle3.export import DRAFTER_DIR
-    from eagle3.promote import Lineage, weights_digest
-
     started = time.monotonic()
-    out = cfg.run_dir / "evaluate"
-    out.mkdir(parents=True, exist_ok=True)
+    (cfg.run_dir / EVALUATE_DIR).mkdir(parents=True, exist_ok=True)
     drafter_dir = cfg.run_dir / DRAFTER_DIR
     digest = weights_digest(drafter_dir)  # before measuring: a drafter changed while it is measured is not promoted
     candidates = held_out(cfg, SampleTokenizer.for_run(cfg))
@@ -244,7 +249,7 @@ def run_evaluate(cfg, hold_promotion: bool = False) -> dict:
         promotion = compare_and_promote(
             cfg, lineage, pinned, results, digest,
             lambda current_dir: measurer.speculative(current_dir, baseline, "current drafter, "), hold=hold_promotion)
-    export = json.loads((drafter_dir / "export.json").read_text())
+    export = json.loads((drafter_dir / EXPORT_RECORD).read_text())
     report = {
         "backend": measurer.name,
         "prompts": len(prompts),
@@ -260,8 +265,8 @@ def run_evaluate(cfg, hold_promotion: bool = False) -> dict:
         "promotion": promotion,
         "seconds": round(time.monotonic() - started, 1),
     }
-    atomic_write_text(out / "report.json", json.dumps(report, indent=2) + "\n")
-    plot_acceptance(report, out / "acceptance.png")
+    atomic_write_text(cfg.run_dir / REPORT, json.dumps(report, indent=2) + "\n")
+    plot_acceptance(report, cfg.run_dir / ACCEPTANCE_PLOT)
     return report
 
 
@@ -272,6 +277,7 @@ class HfMeasurer:
     name = "hf"
 
     def __init__(self, cfg, prompts: list[list[int]]):
+        # Imported here: transformers is loaded only by this backend (an engine-served evaluation never needs it).
         from transformers import AutoConfig
 
         from eagle3.capture.hf import HfCapture
@@ -290,8 +296,6 @@ class HfMeasurer:
         return answers
 
     def speculative(self, drafter_dir, baseline: list[list[int]], label: str = "") -> dict:
-        from eagle3.export import load_exported_drafter
-
         drafter, draft_to_target = load_exported_drafter(drafter_dir, self.cfg.target.model_path)
         results = {}
         for k in self.cfg.evaluate.draft_lengths:
@@ -315,8 +319,6 @@ class EngineMeasurer:
     acceptance is a property of each answer, and batching could flip a near-tie between the runs."""
 
     def __init__(self, cfg, prompts: list[list[int]]):
-        from eagle3.engines import engine_for
-
         self.cfg, self.prompts, self.engine = cfg, prompts, engine_for(cfg)
         self.name = f"server ({self.engine.name})"
 
@@ -324,8 +326,6 @@ class EngineMeasurer:
         import asyncio
 
         import httpx
-
-        from eagle3.server import serving
 
         async def one_at_a_time(base_url: str) -> list:
             answers, counting = [], progress_log(self.cfg, what, len(self.prompts))
@@ -337,7 +337,7 @@ class EngineMeasurer:
             counting.emit()
             return answers
 
-        with serving(self.cfg, self.cfg.run_dir / "evaluate" / log_name, speculation) as base_url:
+        with serving(self.cfg, self.cfg.run_dir / EVALUATE_DIR / log_name, speculation) as base_url:
             return asyncio.run(one_at_a_time(base_url))
 
     def greedy(self) -> list[list[int]]:
@@ -345,9 +345,6 @@ class EngineMeasurer:
         return [c.output_ids for c in completions]
 
     def speculative(self, drafter_dir, baseline: list[list[int]], label: str = "") -> dict:
-        from eagle3.engines import Speculation
-        from eagle3.server import ServerError
-
         results = {}
         for k in self.cfg.evaluate.draft_lengths:
             log_name = f"server-{'current-' if label else ''}k{k}.log"
@@ -366,8 +363,6 @@ class EngineMeasurer:
     def lm_head(self) -> tuple[torch.Tensor, int]:
         """The target's output weights alone, read from its safetensors; on a GPU where the box has one (the servers
         are stopped by now), else judged on fewer tokens: Kimi-K2.5's is 163,840 x 7,168."""
-        from eagle3.model import LM_HEAD_KEYS, load_target_tensor
-
         weights = load_target_tensor(self.cfg.target.model_path, LM_HEAD_KEYS)
         if torch.cuda.is_available():
             return weights.cuda(), 100_000
@@ -415,10 +410,6 @@ def compare_and_promote(cfg, lineage, pinned: dict, results: dict, ours: str, me
     run's (`ours`: its weights' sha256, taken before it was measured) if it is better by evaluate.promote_margin
     (eagle3.promote). `hold`: decide, but leave the switch to `lineage promote`, which the DAG runs once a person
     approved (the deployment's approve_promotion)."""
-    from eagle3.export import DRAFTER_DIR
-    from eagle3.promote import decide, hold_for_approval, inputs_digest
-    from eagle3.train import started_from
-
     k = cfg.evaluate.draft_lengths[0]
     figures = {key: value["mean_accept_length"] for key, value in results.items()}
     outcome = {"lineage": lineage.key, "lineage_dir": str(lineage.dir), "eval_set_prompts": len(pinned["prompts"]),
@@ -432,14 +423,14 @@ def compare_and_promote(cfg, lineage, pinned: dict, results: dict, ours: str, me
         outcome["current_before"] = {"version": current.name, "run": record["run"]}
         if record["weights_sha256"] == ours:  # a retried evaluate, or a rerun whose inputs had not changed
             lineage.also_made_from(current, inputs_digest(cfg))  # the next run with these inputs skips training
-            return {**outcome, "promoted": False, "current": str(lineage.dir / "current"),
+            return {**outcome, "promoted": False, "current": str(lineage.dir / CURRENT),
                     "reason": f"this drafter is the current one already ({current.name}, the same weights)"}
         theirs = measure_drafter(current.path)
         outcome["current_before"]["accept_length"] = {key: v["mean_accept_length"] for key, v in theirs.items()}
     promote, reason = decide(results, theirs, k, cfg.evaluate.promote_margin)
     log.info("evaluate: %s %s", "promoting this run's drafter:" if promote else "not promoted:", reason)
     if not promote:
-        return {**outcome, "promoted": False, "reason": reason, "current": str(lineage.dir / "current")}
+        return {**outcome, "promoted": False, "reason": reason, "current": str(lineage.dir / CURRENT)}
     record = {"run": cfg.run_name, "run_dir": str(cfg.run_dir), "weights_sha256": ours, "accept_length": figures,
               "inputs_digest": inputs_digest(cfg),  # a later run with the same inputs skips training
               "started_from": started_from(cfg),  # train.init_from current: the version it was warm-started from
@@ -448,20 +439,18 @@ def compare_and_promote(cfg, lineage, pinned: dict, results: dict, ours: str, me
     if hold:
         hold_for_approval(cfg, record, expected_current=current.name if current else None)
         return {**outcome, "promoted": False, "pending_approval": True, "reason": reason,
-                "current": str(lineage.dir / "current")}
+                "current": str(lineage.dir / CURRENT)}
     version = lineage.promote(cfg.run_dir / DRAFTER_DIR, cfg.run_name, record, cfg.evaluate.keep_versions,
                               expected_current=current.name if current else None)
     if version is None:
         return {**outcome, "promoted": False, "reason": "another run promoted a drafter while this one was measured; "
                 "evaluate again to compare with it"}
-    return {**outcome, "promoted": True, "reason": reason, "current": str(lineage.dir / "current"),
+    return {**outcome, "promoted": True, "reason": reason, "current": str(lineage.dir / CURRENT),
             "version": version.name}
 
 
 def extraction_summary(cfg) -> dict:
     """What extract did for this run: how many samples it computed, how many it found in the shared store."""
-    from eagle3.runlayout import run_stats_path
-
     shards = [json.loads(path.read_text()) for shard in range(cfg.extract.num_shards)
               if (path := run_stats_path(cfg.run_dir, shard)).exists()]
     def total(key: str, part: str | None = None) -> int:  # stats written before a key existed count 0

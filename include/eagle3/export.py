@@ -30,18 +30,18 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
+from eagle3.checkpoint import best_checkpoint, load_checkpoint
 from eagle3.config import read_architecture
 from eagle3.fsutil import atomic_dir
 from eagle3.layer_ids import LayerIdError, engines_served, family, hf_layers_read
-from eagle3.model import DraftConfig
+from eagle3.model import EMBED_KEYS, DraftConfig, Eagle3Draft, load_target_tensor
 from eagle3.rope import exported_scaling, target_rope
-from eagle3.train import checkpoint_dirs, load_checkpoint
+from eagle3.runlayout import CHECKPOINTS, DRAFTER_CONFIG, DRAFTER_DIR, EXPORT_RECORD, MAPPING_D2T, MAPPING_T2D, WEIGHTS
 
 log = logging.getLogger(__name__)
 
-DRAFTER_DIR = "drafter"
 EXPORT_KEYS = (
     "fc.weight",
     "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight",
@@ -50,15 +50,6 @@ EXPORT_KEYS = (
     "midlayer.hidden_norm.weight", "midlayer.input_layernorm.weight", "midlayer.post_attention_layernorm.weight",
     "norm.weight", "lm_head.weight",
 )
-
-
-def best_checkpoint(run_dir: Path) -> tuple[Path, dict]:
-    """The kept checkpoint with the highest simulated acceptance length on the validation split."""
-    root = run_dir / "train" / "checkpoints"
-    candidates = [(p, json.loads((p / "meta.json").read_text())) for p in checkpoint_dirs(root)]
-    if not candidates:
-        raise FileNotFoundError(f"{run_dir}/train/checkpoints: no checkpoint; run the train stage first")
-    return max(candidates, key=lambda c: (c[1]["val_accept_length"], c[1]["step"]))
 
 
 def drafter_config(draft: DraftConfig, target_architecture: str, dtype: str) -> dict:
@@ -132,10 +123,8 @@ def engines_of(config: dict, target_architecture: str, hf_ids: list[int]) -> dic
 
 
 def run_export(cfg) -> dict:
-    from eagle3.vocab import MAPPING_DIR
-
     out = cfg.run_dir / DRAFTER_DIR
-    checkpoint, meta = best_checkpoint(cfg.run_dir)
+    checkpoint, meta = best_checkpoint(cfg.run_dir / CHECKPOINTS)
     draft = DraftConfig(**{**meta["draft_config"], "aux_layer_ids": tuple(meta["draft_config"]["aux_layer_ids"])})
     architecture = read_architecture(cfg.target.model_path)
     state = load_checkpoint(checkpoint)["model"]
@@ -144,22 +133,21 @@ def run_export(cfg) -> dict:
         raise RuntimeError(f"{checkpoint}: weights {differing} differ from the export set")
     dtype = getattr(torch, cfg.export.dtype)
     tensors = {key: state[key].to(dtype).contiguous() for key in EXPORT_KEYS}
-    mapping = cfg.run_dir / MAPPING_DIR
-    tensors["d2t"] = torch.from_numpy(np.load(mapping / "d2t.npy", allow_pickle=False))
-    tensors["t2d"] = torch.from_numpy(np.load(mapping / "t2d.npy", allow_pickle=False))
+    tensors["d2t"] = torch.from_numpy(np.load(cfg.run_dir / MAPPING_D2T, allow_pickle=False))
+    tensors["t2d"] = torch.from_numpy(np.load(cfg.run_dir / MAPPING_T2D, allow_pickle=False))
     family(architecture)  # refuse a target whose engines' layer-id rules were never read, before writing anything
     config = drafter_config(draft, architecture, cfg.export.dtype)
     engines = engines_of(config, architecture, list(draft.aux_layer_ids))
     report = {"checkpoint": str(checkpoint), "step": meta["step"], "val_acc": meta["val_acc"],
               "val_accept_length": meta["val_accept_length"], "dtype": cfg.export.dtype, "engines": engines}
 
-    if out.exists() and json.loads((out / "export.json").read_text()) == report:
+    if out.exists() and json.loads((out / EXPORT_RECORD).read_text()) == report:
         log.info("export: %s already holds step %d", out, meta["step"])
         return report
     with atomic_dir(out) as tmp:
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        (tmp / "export.json").write_text(json.dumps(report, indent=2) + "\n")
+        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        (tmp / DRAFTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        (tmp / EXPORT_RECORD).write_text(json.dumps(report, indent=2) + "\n")
     log.info("export: step %d (simulated accept length %.3f) -> %s", meta["step"], meta["val_accept_length"], out)
     for engine, reading in engines.items():
         if reading["served"]:
@@ -173,7 +161,7 @@ def run_export(cfg) -> dict:
 def aux_layers_of(drafter_dir: Path, config: dict, architecture: str) -> list[int]:
     """The HF layers an exported drafter was trained on, as the first engine its export.json serves reads them from
     its config.json (SGLang's reading for an export from before export.json said)."""
-    engines = json.loads((drafter_dir / "export.json").read_text()).get("engines") or {"sglang": {"served": True}}
+    engines = json.loads((drafter_dir / EXPORT_RECORD).read_text()).get("engines") or {"sglang": {"served": True}}
     engine = next(name for name, reading in engines.items() if reading["served"])
     found = ids_read_by(config, engine)
     if found is None:
@@ -185,12 +173,8 @@ def load_exported_drafter(drafter_dir: str | Path, target_model_path: str | Path
     """The drafter as SGLang would see it: from the export alone, plus the target's embedding.
 
     Returns (Eagle3Draft in fp32, draft-to-target id map)."""
-    from safetensors.torch import load_file
-
-    from eagle3.model import EMBED_KEYS, Eagle3Draft, load_target_tensor
-
     drafter_dir = Path(drafter_dir)
-    config = json.loads((drafter_dir / "config.json").read_text())
+    config = json.loads((drafter_dir / DRAFTER_CONFIG).read_text())
     architecture = read_architecture(target_model_path)
     draft = DraftConfig(
         hidden_size=config["hidden_size"], intermediate_size=config["intermediate_size"],
@@ -202,7 +186,7 @@ def load_exported_drafter(drafter_dir: str | Path, target_model_path: str | Path
         aux_layer_ids=tuple(aux_layers_of(drafter_dir, config, architecture)),
     )
     model = Eagle3Draft(draft)
-    weights = load_file(str(drafter_dir / "model.safetensors"))
+    weights = load_file(str(drafter_dir / WEIGHTS))
     d2t = weights.pop("d2t")
     weights.pop("t2d")
     weights["embed_tokens.weight"] = load_target_tensor(target_model_path, EMBED_KEYS)

@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 
+from eagle3 import capture
 from eagle3.capture.staging import discard_staging
 from eagle3.data import (
     SampleTokenizer,
@@ -123,8 +124,6 @@ class BackgroundWriter:
 def run_extract(cfg, shard: int = 0, num_shards: int | None = None, gpu_group: int = 0) -> dict:
     """Extract one shard on GPU group `gpu_group` of the box (capture.open_backend). `cfg` is a RunConfig with
     the target facts resolved. Returns the stats."""
-    from eagle3.capture import open_backend
-
     started = time.monotonic()
     num_shards = num_shards or cfg.extract.num_shards
     if not 0 <= shard < num_shards:
@@ -171,7 +170,7 @@ def run_extract(cfg, shard: int = 0, num_shards: int | None = None, gpu_group: i
     progress = ProgressLog(f"extract shard {shard}", len(mine), done_before, cfg.extract.progress_interval_s, log)
     batches = pending_batches(stats_of_pass, run_sample_ids)
     first = next(batches, None)
-    backend = open_backend(cfg, shard, gpu_group, writer.is_done) if first is not None else None  # done: none
+    backend = capture.open_backend(cfg, shard, gpu_group, writer.is_done) if first is not None else None  # done: none
     background = BackgroundWriter(writer, cfg.extract.writer_queue_depth)
     truncated = tokens = 0
     loop_started = time.monotonic()

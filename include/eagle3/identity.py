@@ -38,6 +38,11 @@ import json
 import os
 from pathlib import Path
 
+from eagle3.config import ConfigError
+from eagle3.data import TOKENIZING_VERSION
+from eagle3.fsutil import atomic_symlink, atomic_write_text
+from eagle3.runlayout import GENERATED, GENERATED_PARTS, KEY_RECORD, STORES
+
 KEY_FORMAT = 1  # bump when the store's layout or the key's fields change: a new key, never a mixed store
 KEY_CHARS = 16  # hex digits of the sha256 in the directory name
 
@@ -96,14 +101,10 @@ def target_identity(model_path: str | Path, tokenizer_dir: str | Path) -> dict[s
 
 def capture_fields(cfg) -> dict:
     """Every field that decides the stored bytes (see the module docstring); `cfg` has its target facts."""
-    from eagle3.config import ConfigError
-
     template = cfg.data.generation_chat_template
     if template and not Path(template).is_file():
         raise ConfigError(f"data.generation_chat_template: {template} does not exist on the box; copy the template "
                           "there or leave the field empty")
-    from eagle3.data import TOKENIZING_VERSION
-
     return {
         "format": KEY_FORMAT,
         "samples_of": TOKENIZING_VERSION,
@@ -126,7 +127,7 @@ def capture_key(fields: dict) -> str:
 
 
 def shared_store_dir(workdir: str | Path, key: str) -> Path:
-    return Path(workdir) / "stores" / key
+    return Path(workdir) / STORES / key
 
 
 def attach_store(cfg) -> Path:
@@ -144,8 +145,6 @@ def generation_fields(cfg) -> dict:
     """What decides a regenerated answer besides its conversation: the target, the server that answers and how
     it is asked. Sampling is part of it (a cached answer drawn at temperature 0.7 stands for one), the seed not."""
     gen = cfg.generate
-    from eagle3.data import TOKENIZING_VERSION
-
     return {
         "format": KEY_FORMAT,
         "samples_of": TOKENIZING_VERSION,
@@ -169,21 +168,18 @@ def attach_generated(cfg) -> Path:
     a conversation answered by an earlier run with the same key is not asked again."""
     fields = generation_fields(cfg)
     key = capture_key(fields)
-    return link_shared(cfg.run_dir / "generate" / "parts", Path(cfg.workdir) / "generated" / key, fields,
+    return link_shared(cfg.run_dir / GENERATED_PARTS, Path(cfg.workdir) / GENERATED / key, fields,
                        "answers were generated into cache", "target or generation settings")
 
 
 def link_shared(link: Path, shared: Path, fields: dict, made_into: str, what_changed: str) -> Path:
     """`link` -> `shared` (relative), made atomically, with `shared/key.json` listing `fields`. A real directory at
     `link` (made before outputs were shared) is kept as it is."""
-    from eagle3.config import ConfigError
-    from eagle3.fsutil import atomic_symlink, atomic_write_text
-
     if link.is_dir() and not link.is_symlink():
         return link
     shared.mkdir(parents=True, exist_ok=True)
-    if not (shared / "key.json").exists():  # what the key covers, for a person choosing what to delete
-        atomic_write_text(shared / "key.json", json.dumps(fields, indent=2, sort_keys=True) + "\n")
+    if not (shared / KEY_RECORD).exists():  # what the key covers, for a person choosing what to delete
+        atomic_write_text(shared / KEY_RECORD, json.dumps(fields, indent=2, sort_keys=True) + "\n")
     if link.is_symlink():
         linked = Path(link.readlink()).name
         if linked != shared.name:

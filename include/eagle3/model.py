@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eagle3.config import DrafterConfig, read_text_config
 from eagle3.rope import Rotary, apply_rope, target_rope
 from eagle3.ttt_attention import ttt_attention
 
@@ -124,8 +125,6 @@ class DraftConfig:
         drafter section), or derived as eagle3.config.DrafterConfig derives them. Not the target's own head shapes:
         DeepSeek-V3's 128 heads would give head_dim 56, which SGLang's attention backends cannot run. RoPE: the
         target's theta and scaling (eagle3.rope), unless the drafter section sets its own theta or no scaling."""
-        from eagle3.config import DrafterConfig, read_text_config
-
         hf = read_text_config(model_path)
         geometry = geometry or DrafterConfig().derived(hf)
         theta, scaling = target_rope(hf)

@@ -6,7 +6,7 @@ workdir that other people may write to (a shared NFS workdir): a plot could be a
 100 MB file, and a path handed over from XCom could climb out with `..`. So this side decides what is readable:
 
 - only these names: `<stage>/<name>.png` (one directory level: evaluate/acceptance.png, train/loss.png) and the
-  reports in REPORTS (evaluate/report.json, benchmark/benchmark.json);
+  reports eagle3.runlayout.READABLE_REPORTS names (evaluate's report.json, benchmark's benchmark.json);
 - only under the run directory as the kernel resolves it: the run directory itself may not be a symlink (the stages
   make it a real directory), and every step below it is opened with O_NOFOLLOW relative to the directory above, so
   neither a linked `evaluate/` nor a linked `acceptance.png` is followed;
@@ -25,8 +25,9 @@ import os
 import re
 import stat
 
+from eagle3.runlayout import READABLE_REPORTS
+
 MAX_FILE_BYTES = 8 << 20
-REPORTS = ("evaluate/report.json", "benchmark/benchmark.json")
 STAGE_DIR = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 PLOT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\.png$")
 
@@ -36,8 +37,8 @@ class ReportFileRefused(ValueError):
 
 
 def allowed_name(name: str) -> bool:
-    """`<stage>/<plot>.png` or one of REPORTS: the only names `read` accepts."""
-    if name in REPORTS:
+    """`<stage>/<plot>.png` or one of READABLE_REPORTS: the only names `read` accepts."""
+    if name in READABLE_REPORTS:
         return True
     parts = name.split("/")
     return len(parts) == 2 and bool(STAGE_DIR.match(parts[0])) and bool(PLOT_NAME.match(parts[1]))
@@ -72,7 +73,7 @@ def read_file(run_dir: str, name: str) -> bytes | None:
     """The bytes of RUN_DIR/name, or None if it does not exist; ReportFileRefused for anything else."""
     if not allowed_name(name):
         raise ReportFileRefused(f"{name!r}: not a file the report reads (only <stage>/<name>.png and "
-                                f"{', '.join(REPORTS)})")
+                                f"{', '.join(READABLE_REPORTS)})")
     stage, filename = name.split("/")
     path = f"{run_dir.rstrip('/')}/{name}"
     run_fd = _open_run_dir(run_dir)

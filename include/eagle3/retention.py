@@ -40,6 +40,21 @@ from eagle3.config import ConfigError
 from eagle3.fsutil import remove_tree_in
 from eagle3.identity import capture_key
 from eagle3.job import DEFAULT_STALE_AFTER_S, liveness, read_state
+from eagle3.runlayout import (
+    CONFIG,
+    DRAFTERS,
+    GENERATED,
+    GENERATED_PARTS,
+    HIDDEN_STATES,
+    JOBS,
+    KEY_RECORD,
+    PROMOTION_RECORD,
+    REPORT,
+    RUNS,
+    STORES,
+    VERSIONS,
+    run_dir_of,
+)
 
 MARKER_MAX_BYTES = 1 << 20  # a run's config.json, a store's key.json or a promotion.json: a few KB each
 
@@ -85,13 +100,13 @@ def run_dir_problem(run_dir: Path) -> str | None:
         return "a symbolic link, not a run directory"
     if not run_dir.is_dir():
         return "not a directory"
-    config, problem = read_marker(run_dir / "config.json")
+    config, problem = read_marker(run_dir / CONFIG)
     if problem:
         return problem
     if not (isinstance(config, dict) and isinstance(config.get("workdir"), str)
             and isinstance(config.get("run_name"), str) and os.path.isabs(config["workdir"])):
         return "its config.json is not a run config (no absolute workdir and run_name)"
-    named = Path(config["workdir"]) / "runs" / config["run_name"]
+    named = run_dir_of(config["workdir"], config["run_name"])
     if named.resolve() != run_dir.resolve():
         return f"its config.json names another run directory ({named})"
     return None
@@ -101,14 +116,14 @@ def promoted_run_dirs(workdir: Path) -> set[Path]:
     """Run directories (resolved) whose drafter is a kept version of some lineage. Refuses (RetentionRefused) a
     promotion.json that names none: the run directory it protects is unknown."""
     dirs = set()
-    for record_path in sorted(Path(workdir).glob("drafters/*/versions/*/promotion.json")):
+    for record_path in sorted(Path(workdir).glob(f"{DRAFTERS}/*/{VERSIONS}/*/{PROMOTION_RECORD}")):
         record, problem = read_marker(record_path)
         if problem is None and isinstance(record, dict):
             if isinstance(record.get("run_dir"), str) and os.path.isabs(record["run_dir"]):
                 dirs.add(Path(record["run_dir"]).resolve())
                 continue
             if isinstance(record.get("run"), str) and record["run"]:  # (a record that names only the run)
-                dirs.add((Path(workdir) / "runs" / record["run"]).resolve())
+                dirs.add(run_dir_of(workdir, record["run"]).resolve())
                 continue
             problem = "it names no run directory (run_dir) or run"
         raise RetentionRefused(
@@ -119,7 +134,7 @@ def promoted_run_dirs(workdir: Path) -> set[Path]:
 
 
 def has_live_job(run_dir: Path) -> bool:
-    for job in (run_dir / "jobs").glob("*"):
+    for job in (run_dir / JOBS).glob("*"):
         try:
             status, _ = liveness(read_state(job), DEFAULT_STALE_AFTER_S)
         except Exception:  # noqa: BLE001 - an unreadable job: keep the run, a person looks at it
@@ -132,7 +147,7 @@ def has_live_job(run_dir: Path) -> bool:
 def awaits_approval(run_dir: Path, hold_s: float) -> bool:
     """The run's evaluate holds a promotion for approval (approve_promotion: the promotion DAG asks a person after
     the run ended) proposed less than `hold_s` ago; after that the approval has timed out, and the run goes as any."""
-    report_path = run_dir / "evaluate" / "report.json"
+    report_path = run_dir / REPORT
     report, problem = read_marker(report_path)
     if problem or not isinstance(report, dict) or not isinstance(report.get("promotion"), dict):
         return False
@@ -148,8 +163,8 @@ def prune_runs(workdir: str | Path, keep: int, dry_run: bool = False, proposal_h
     if keep < 1:
         raise ConfigError(f"--keep {keep}: keep at least the newest run directory (1)")
     workdir = Path(workdir)
-    refuse_links(workdir, "runs", "drafters")
-    runs_root = workdir / "runs"
+    refuse_links(workdir, RUNS, DRAFTERS)
+    runs_root = workdir / RUNS
     runs, not_run_dirs = [], {}
     for entry in sorted(runs_root.iterdir()) if runs_root.is_dir() else []:
         problem = run_dir_problem(entry)
@@ -157,7 +172,7 @@ def prune_runs(workdir: str | Path, keep: int, dry_run: bool = False, proposal_h
             not_run_dirs[entry.name] = problem
         else:
             runs.append(entry)
-    runs.sort(key=lambda d: (d / "config.json").stat().st_mtime, reverse=True)
+    runs.sort(key=lambda d: (d / CONFIG).stat().st_mtime, reverse=True)
     promoted = promoted_run_dirs(workdir)
     removed, kept_for = [], {}
     for run_dir in runs[keep:]:
@@ -181,7 +196,7 @@ def store_problem(directory: Path) -> str | None:
         return "a symbolic link, not a store"
     if not directory.is_dir():
         return "not a directory"
-    fields, problem = read_marker(directory / "key.json")
+    fields, problem = read_marker(directory / KEY_RECORD)
     if problem:
         return problem
     if not isinstance(fields, dict) or capture_key(fields) != directory.name:
@@ -199,10 +214,10 @@ def gc_stores(workdir: str | Path, dry_run: bool = False) -> dict:
     RUN_DIR/generate/parts). Per kind: "kept" (linked to), "removed", and "not_stores": entries that are not the
     project's stores, each with the reason, never removed."""
     workdir = Path(workdir)
-    refuse_links(workdir, "runs", "stores", "generated")
+    refuse_links(workdir, RUNS, STORES, GENERATED)
     result = {"dry_run": dry_run}
-    for kind, root, link_glob in (("stores", workdir / "stores", "runs/*/hidden_states"),
-                                  ("generated", workdir / "generated", "runs/*/generate/parts")):
+    for kind, link_glob in ((STORES, f"{RUNS}/*/{HIDDEN_STATES}"), (GENERATED, f"{RUNS}/*/{GENERATED_PARTS}")):
+        root = workdir / kind
         used = linked(workdir, link_glob)
         kept, unused, not_stores = [], [], {}
         for entry in sorted(root.iterdir()) if root.is_dir() else []:

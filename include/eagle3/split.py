@@ -9,7 +9,7 @@ continuation was trained on. On the tiny target's 1000 prompts: 74 of 976 conver
 3 of the 48 first prompts held out at train.val_fraction 0.05 also opened a training conversation.)
 
 Three disjoint parts, by the key's bucket (its 64 bits mod BUCKETS) against train.val_fraction:
-  evaluation  bucket < val_fraction / 2: evaluate's prompts (pinned per lineage: eagle3.promote) and benchmark's
+  evaluation  bucket < val_fraction / 2: evaluate's prompts (pinned per lineage: eagle3.lineage) and benchmark's
               come from here (eagle3.evaluate.held_out)
   validation  val_fraction / 2 <= bucket < val_fraction: the trainer's validation, which picks the best checkpoint
   training    the rest: training, and the draft vocabulary's token counts (eagle3.vocab)
@@ -45,7 +45,10 @@ import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from eagle3.data import conversation_id_of, read_conversations
 from eagle3.fsutil import atomic_write_text
+from eagle3.lineage import Lineage
+from eagle3.runlayout import SPLIT_KEYS
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +56,6 @@ log = logging.getLogger(__name__)
 SPLIT_RULE = "first-user-prompt:nfkc-casefold-whitespace:1"
 BUCKETS = 10_000
 EVALUATION, VALIDATION, TRAINING = "evaluation", "validation", "training"
-KEYS_FILE = Path("split") / "keys.json"
 
 
 class SplitError(ValueError):
@@ -106,8 +108,6 @@ class Split:
         return part_of_key(key, self.val_fraction)
 
     def part(self, sample_id: str) -> str:
-        from eagle3.data import conversation_id_of
-
         return self.part_of_conversation(conversation_id_of(sample_id))
 
     def parts(self, sample_ids) -> dict[str, list[str]]:
@@ -119,8 +119,6 @@ class Split:
 
     def pinned_out(self, sample_ids) -> int:
         """How many of these samples the pinned set takes out of the part their bucket gives them."""
-        from eagle3.data import conversation_id_of
-
         return sum(self.part_of_conversation(c) == EVALUATION != part_of_key(self.keys[c], self.val_fraction)
                    for c in map(conversation_id_of, sample_ids))
 
@@ -135,10 +133,8 @@ def conversation_keys(cfg, conversations=None) -> dict[str, str]:
     while it was made by this rule from the file as it is (or the file is gone: a conversation id is a hash of the
     conversation, so a key recorded for it is never wrong, at most missing); else computed (from `conversations`,
     when the caller has read them already) and written there."""
-    from eagle3.data import read_conversations
-
     path = Path(cfg.conversations_path)
-    cache = cfg.run_dir / KEYS_FILE
+    cache = cfg.run_dir / SPLIT_KEYS
     stamp = {"rule": SPLIT_RULE, "source": source_stamp(path) if path.exists() else None}
     try:
         cached = json.loads(cache.read_text())
@@ -162,9 +158,7 @@ def pinned_set(cfg, keys: dict[str, str]) -> tuple[frozenset[str], frozenset[str
     """(conversation ids, keys) of the lineage's pinned evaluation set. A set pinned before this split (it has
     conversation ids and first-turn prompts only) is kept as it is, so that its figures compare with the lineage's
     earlier ones; the keys of its conversations are taken from this run's conversations where they are found, and
-    recorded in it (eagle3.promote.Lineage.note_split_keys) for later runs whose data no longer holds them."""
-    from eagle3.promote import Lineage
-
+    recorded in it (eagle3.lineage.Lineage.note_split_keys) for later runs whose data no longer holds them."""
     lineage = Lineage(cfg)
     pinned = lineage.eval_set()
     if pinned is None:

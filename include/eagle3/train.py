@@ -50,14 +50,31 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from eagle3.checkpoint import checkpoint_dirs, load_checkpoint, read_meta, save_checkpoint
 from eagle3.config import ConfigError
 from eagle3.fsutil import atomic_dir, atomic_write_text
+from eagle3.lineage import Lineage, weights_digest
 from eagle3.model import LM_HEAD_KEYS, Eagle3Draft, build_draft_model, load_target_tensor
 from eagle3.progress import beat, human_duration
+from eagle3.runlayout import (
+    ACCURACY_PLOT,
+    CHECKPOINTS,
+    LOSS_PLOT,
+    MAPPING_DIR,
+    TRAIN_INIT,
+    TRAIN_METRICS,
+    TRAIN_SUMMARY,
+    TRAIN_TENSORBOARD,
+    WEIGHTS,
+)
+from eagle3.split import EVALUATION, TRAINING, VALIDATION, run_split
+from eagle3.store import open_run_store
+from eagle3.vocab import load_mapping
 
 log = logging.getLogger(__name__)
 
 STEP_DECAY = 0.8
+INIT_RECORD = "init.json"  # in RUN_DIR/train/init/: which promoted version a warm start copied, and its digest
 LOGIT_CHUNK = 2048  # positions per full-vocab matmul when looking for the teacher token
 
 
@@ -187,59 +204,29 @@ def collate(store, sample_ids: list[str], device) -> dict[str, torch.Tensor]:
     return batch
 
 
-# -- checkpoints --------------------------------------------------------------------------------
-
-
-def checkpoint_dirs(root: Path) -> list[Path]:
-    return sorted(p for p in root.glob("step-*") if p.is_dir())
-
-
-def save_checkpoint(root: Path, state: dict, meta: dict, keep_last: int, best_step: int | None) -> Path:
-    final = root / f"step-{state['step']:06d}"
-    with atomic_dir(final) as tmp:
-        torch.save(state, tmp / "state.pt")
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-    keep = {p.name for p in checkpoint_dirs(root)[-keep_last:]}
-    if best_step is not None:
-        keep.add(f"step-{best_step:06d}")
-    for path in checkpoint_dirs(root):
-        if path.name not in keep:
-            shutil.rmtree(path)
-    return final
-
-
-def load_checkpoint(path: Path) -> dict:
-    return torch.load(path / "state.pt", weights_only=True, map_location="cpu")
-
-
-INIT_DIR = "init"  # RUN_DIR/train/init/: the weights a warm start (train.init_from current) begins from
-
-
 def pin_initial_weights(cfg) -> dict:
     """What a warm-started run starts from, chosen once, by its first try, and kept in RUN_DIR/train/init/
     (init.json, and a copy of the drafter's model.safetensors): every later try starts from the same weights,
     though the lineage's current drafter may have been switched or pruned in between. A try that resumes from
     a checkpoint never reads it."""
-    init_dir = cfg.run_dir / "train" / INIT_DIR
-    if (init_dir / "init.json").exists():
-        return json.loads((init_dir / "init.json").read_text())
-    from eagle3.promote import Lineage, weights_digest
-
+    init_dir = cfg.run_dir / TRAIN_INIT
+    if (init_dir / INIT_RECORD).exists():
+        return json.loads((init_dir / INIT_RECORD).read_text())
     lineage = Lineage(cfg)
     current = lineage.current()
     record = {"init_from": cfg.train.init_from, "lineage": lineage.key, "version": None}
     with atomic_dir(init_dir) as tmp:
         if current is not None:
-            shutil.copy2(current.path / "model.safetensors", tmp / "model.safetensors")
+            shutil.copy2(current.path / WEIGHTS, tmp / WEIGHTS)
             record.update(version=current.name, weights_sha256=weights_digest(tmp))
-        (tmp / "init.json").write_text(json.dumps(record, indent=2) + "\n")
+        (tmp / INIT_RECORD).write_text(json.dumps(record, indent=2) + "\n")
     return record
 
 
 def started_from(cfg) -> str | None:
     """The promoted version a warm-started run began from (None: from scratch)."""
     try:
-        return json.loads((cfg.run_dir / "train" / INIT_DIR / "init.json").read_text())["version"]
+        return json.loads((cfg.run_dir / TRAIN_INIT / INIT_RECORD).read_text())["version"]
     except FileNotFoundError:
         return None
 
@@ -291,10 +278,6 @@ def die_with_parent() -> None:
 
 class Trainer:
     def __init__(self, cfg):
-        from eagle3.split import EVALUATION, TRAINING, VALIDATION, run_split
-        from eagle3.store import open_run_store
-        from eagle3.vocab import MAPPING_DIR, load_mapping
-
         self.cfg = cfg
         self.distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
         if self.distributed:
@@ -304,8 +287,7 @@ class Trainer:
         self.world = dist.get_world_size() if self.distributed else 1
         self.device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available()
                                    else "cpu")
-        self.out = cfg.run_dir / "train"
-        self.ckpt_root = self.out / "checkpoints"
+        self.ckpt_root = cfg.run_dir / CHECKPOINTS
         self.ckpt_root.mkdir(parents=True, exist_ok=True)
 
         torch.manual_seed(cfg.seed)  # the drafter's initial weights: the same on every rank and every try
@@ -368,7 +350,7 @@ class Trainer:
         checkpoints = checkpoint_dirs(self.ckpt_root)
         if not checkpoints:
             return
-        written_by = json.loads((checkpoints[-1] / "meta.json").read_text()).get("world_size", self.world)
+        written_by = read_meta(checkpoints[-1]).get("world_size", self.world)
         if written_by != self.world:  # checked before the (large) state is read
             raise ConfigError(
                 f"{checkpoints[-1]} was written by {written_by} rank(s), this run has {self.world}: resuming would "
@@ -383,7 +365,7 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng"])
         self.step, self.best = state["step"], state["best"]
-        metrics_file = self.out / "metrics.jsonl"
+        metrics_file = self.cfg.run_dir / TRAIN_METRICS
         if self.rank == 0 and metrics_file.exists():  # drop what the killed run logged past its checkpoint
             kept = [line for line in metrics_file.read_text().splitlines() if json.loads(line)["step"] <= self.step]
             atomic_write_text(metrics_file, "".join(line + "\n" for line in kept))
@@ -397,12 +379,12 @@ class Trainer:
             pin_initial_weights(self.cfg)
         if self.distributed:
             dist.barrier()
-        init_dir = self.out / INIT_DIR
-        record = json.loads((init_dir / "init.json").read_text())
+        init_dir = self.cfg.run_dir / TRAIN_INIT
+        record = json.loads((init_dir / INIT_RECORD).read_text())
         if record["version"] is None:
             log.info("train: train.init_from current, but the lineage has no promoted drafter yet: from scratch")
             return
-        taken = load_warm_start(self.draft, load_file(init_dir / "model.safetensors"), self.draft_ids)
+        taken = load_warm_start(self.draft, load_file(init_dir / WEIGHTS), self.draft_ids)
         log.info("train: warm start from the lineage's drafter %s (%d of %d draft-vocab rows by token)",
                  record["version"], taken, len(self.draft_ids))
 
@@ -481,9 +463,9 @@ class Trainer:
         self.resume()
         if self.step == 0 and self.cfg.train.init_from == "current":
             self.warm_start()
-        metrics_file = self.out / "metrics.jsonl"
+        metrics_file = self.cfg.run_dir / TRAIN_METRICS
         if self.rank == 0:  # purge_step: a resumed run replaces what its killed predecessor logged past here
-            self.tensorboard = SummaryWriter(self.out / "tensorboard", purge_step=self.step or None)
+            self.tensorboard = SummaryWriter(self.cfg.run_dir / TRAIN_TENSORBOARD, purge_step=self.step or None)
         started = last_log = time.monotonic()
         tokens = steps_here = 0
         for step, sample_ids in self.batches_from(self.step):
@@ -506,16 +488,16 @@ class Trainer:
                     dist.barrier()
         if self.rank == 0:
             self.tensorboard.close()
-            plot_metrics(metrics_file, self.out)
+            plot_metrics(metrics_file, self.cfg.run_dir / LOSS_PLOT, self.cfg.run_dir / ACCURACY_PLOT)
             summary = {"steps": self.step, "best": self.best, "seconds": round(time.monotonic() - started, 1),
                        "checkpoint": str(checkpoint_dirs(self.ckpt_root)[-1]), "started_from": started_from(self.cfg)}
-            atomic_write_text(self.out / "summary.json", json.dumps(summary, indent=2) + "\n")
+            atomic_write_text(self.cfg.run_dir / TRAIN_SUMMARY, json.dumps(summary, indent=2) + "\n")
         if self.distributed:
             dist.destroy_process_group()
         return summary if self.rank == 0 else {}
 
 
-def plot_metrics(metrics_file: Path, out_dir: Path) -> None:
+def plot_metrics(metrics_file: Path, loss_png: Path, accuracy_png: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -529,7 +511,7 @@ def plot_metrics(metrics_file: Path, out_dir: Path) -> None:
     ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="val loss")
     ax.set(xlabel="step", ylabel="TTT loss", title="EAGLE-3 drafter loss")
     ax.legend()
-    fig.savefig(out_dir / "loss.png", dpi=120, bbox_inches="tight")
+    fig.savefig(loss_png, dpi=120, bbox_inches="tight")
     plt.close(fig)
     if val:
         fig, ax = plt.subplots(figsize=(7, 4))
@@ -539,7 +521,7 @@ def plot_metrics(metrics_file: Path, out_dir: Path) -> None:
         ax.set(xlabel="step", ylabel="validation accuracy", ylim=(0, 1),
                title=f"per-position accuracy (final simulated accept length {val[-1]['val_accept_length']:.2f})")
         ax.legend(fontsize=8)
-        fig.savefig(out_dir / "accuracy.png", dpi=120, bbox_inches="tight")
+        fig.savefig(accuracy_png, dpi=120, bbox_inches="tight")
         plt.close(fig)
 
 

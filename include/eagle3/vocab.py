@@ -27,10 +27,11 @@ import numpy as np
 
 from eagle3.fsutil import atomic_dir
 from eagle3.identity import TOKENIZER_FILES
+from eagle3.runlayout import D2T_FILE, MAPPING_DIR, MAPPING_META, T2D_FILE
+from eagle3.split import TRAINING, run_split
+from eagle3.store import open_run_store
 
 log = logging.getLogger(__name__)
-
-MAPPING_DIR = "vocab_mapping"
 
 
 class VocabError(ValueError):
@@ -113,8 +114,8 @@ def tokenizer_fingerprint(tokenizer_dir: str | Path) -> str:
 def load_mapping(directory: str | Path) -> tuple[VocabMapping, dict]:
     directory = Path(directory)
     try:
-        meta = json.loads((directory / "meta.json").read_text())
-        d2t = np.load(directory / "d2t.npy", allow_pickle=False)
+        meta = json.loads((directory / MAPPING_META).read_text())
+        d2t = np.load(directory / D2T_FILE, allow_pickle=False)
     except FileNotFoundError as err:
         raise VocabError(f"{directory}: not a vocab mapping ({err.filename} missing)") from None
     return VocabMapping(d2t + np.arange(len(d2t), dtype=np.int64)), meta
@@ -123,17 +124,14 @@ def load_mapping(directory: str | Path) -> tuple[VocabMapping, dict]:
 def write_mapping(directory: Path, mapping: VocabMapping, target_vocab: int, meta: dict) -> None:
     """Write the three files into a temp dir, fsync them, rename the dir into place."""
     with atomic_dir(directory) as tmp:
-        np.save(tmp / "d2t.npy", mapping.d2t())
-        np.save(tmp / "t2d.npy", mapping.t2d(target_vocab))
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        np.save(tmp / D2T_FILE, mapping.d2t())
+        np.save(tmp / T2D_FILE, mapping.t2d(target_vocab))
+        (tmp / MAPPING_META).write_text(json.dumps(meta, indent=2) + "\n")
 
 
 def run_vocab(cfg) -> dict:
     """Build the run's mapping from its training samples, or reuse `vocab.reuse_from` if it covers them well
     enough."""
-    from eagle3.split import TRAINING, run_split
-    from eagle3.store import open_run_store
-
     out_dir = cfg.run_dir / MAPPING_DIR
     target_vocab, draft_vocab = cfg.target.vocab_size, cfg.vocab.draft_vocab_size
     fingerprint = tokenizer_fingerprint(cfg.tokenizer_dir)

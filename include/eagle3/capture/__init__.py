@@ -21,20 +21,15 @@ back without a final state (None): extract drops them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from eagle3.capture.base import CapturedStates, check_gpu_group
 
-import torch
-
-
-@dataclass
-class CapturedStates:
-    aux_hidden_states: torch.Tensor
-    last_hidden_state: torch.Tensor | None  # None only for a sample the store already holds
+__all__ = ["CapturedStates", "check_gpu_group", "open_backend"]
 
 
 def open_backend(cfg, shard: int = 0, gpu_group: int = 0, is_stored=lambda sample_id: False):
     """The configured backend for one shard. `cfg` is a RunConfig with target facts resolved. `gpu_group`:
-    which group of the box's GPUs the shard uses (hf: one GPU, sglang: extract.sglang.tp_size of them)."""
+    which group of the box's GPUs the shard uses (hf: one GPU, sglang: extract.sglang.tp_size of them). Each
+    backend is imported only when chosen: hf loads transformers, sglang needs the sglang package on the box."""
     if cfg.extract.backend == "hf":
         from eagle3.capture.hf import HfCapture
 
@@ -44,15 +39,3 @@ def open_backend(cfg, shard: int = 0, gpu_group: int = 0, is_stored=lambda sampl
 
         return SglangCapture(cfg, shard, gpu_group, is_stored)
     raise ValueError(f"extract.backend: unknown backend {cfg.extract.backend!r}")
-
-
-def check_gpu_group(gpu_group: int, gpus_per_group: int, gpus: int) -> None:
-    """Refuse a shard whose GPU group (its number on the box x GPUs per shard) the box does not have."""
-    if (gpu_group + 1) * gpus_per_group > gpus:
-        from eagle3.config import ConfigError
-
-        raise ConfigError(
-            f"extract.num_shards: this shard is number {gpu_group} on its box and needs GPUs "
-            f"{gpu_group * gpus_per_group}..{(gpu_group + 1) * gpus_per_group - 1}, but the box has {gpus}; "
-            "lower extract.num_shards (shards per box x GPUs per shard must fit) or add boxes"
-        )

@@ -13,7 +13,7 @@ import logging
 
 import torch
 
-from eagle3.capture import CapturedStates, check_gpu_group
+from eagle3.capture.base import CapturedStates, check_gpu_group
 
 log = logging.getLogger(__name__)
 

@@ -46,7 +46,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from eagle3.capture import CapturedStates, check_gpu_group, sglang_plugin
+from eagle3.capture import sglang_plugin
+from eagle3.capture.base import CapturedStates, check_gpu_group
 from eagle3.capture.staging import StagedStates, staging_dir
 from eagle3.layer_ids import sglang_layer_ids
 from eagle3.progress import ProgressLog, beat

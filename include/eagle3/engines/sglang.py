@@ -20,7 +20,7 @@ import sys
 import httpx
 
 from eagle3.config import ConfigError
-from eagle3.engines import Completion, Speculation, flag_tokens, reached_total
+from eagle3.engines.base import Completion, Speculation, flag_tokens, reached_total
 
 
 class SglangEngine:

@@ -23,7 +23,7 @@ import sys
 
 import httpx
 
-from eagle3.engines import Completion, Speculation, flag_tokens, reached_per_step
+from eagle3.engines.base import Completion, Speculation, flag_tokens, reached_per_step
 
 
 class VllmEngine:

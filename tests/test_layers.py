@@ -1,0 +1,125 @@
+"""The box-side library stands in layers: no module imports, even from inside a function, one that imports it back.
+
+An import circle is what makes a package hard to take over: no module of the circle can be read, tested or moved
+without the others, and function-local imports that keep it running hide it from the reader. Here every module's
+imports are read from its source (ast: module-level and function-local alike), and the graph must have no cycle.
+
+    python tests/test_layers.py     prints the layers, the lowest first: each module imports only from layers below
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BOX_PACKAGE = REPO / "include" / "eagle3"
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(root: Path) -> dict[str, set[str]]:
+    """{module: the package's modules it imports}, function-local imports included. `from pkg import name` is an
+    arrow to pkg.name when that is a module, else to pkg; an import of a submodule is not counted as one of its parent
+    packages (Python imports the parent first, but the parent's code does not depend on the child for that)."""
+    files = {module_name(path, root): path for path in sorted(root.rglob("*.py"))}
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        arrows = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                arrows |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + [base]).strip(".")
+                arrows |= {f"{base}.{alias.name}" if f"{base}.{alias.name}" in files else base for alias in node.names}
+        graph[name] = {arrow for arrow in arrows if arrow in files and arrow != name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm), each sorted."""
+    index, low, on_stack, stack, found = {}, {}, set(), [], []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in sorted(graph[node]):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def layers(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Modules by layer: a module's layer is one above the highest it imports (0: it imports none of the package)."""
+    level: dict[str, int] = {}
+
+    def height(node: str) -> int:
+        if node not in level:
+            level[node] = 1 + max((height(target) for target in graph[node]), default=-1)
+        return level[node]
+
+    for node in graph:
+        height(node)
+    return [sorted(n for n, h in level.items() if h == floor) for floor in range(max(level.values()) + 1)]
+
+
+def test_the_box_side_library_has_no_import_circle():
+    graph = import_graph(BOX_PACKAGE)
+    found = cycles(graph)
+    assert not found, "modules of include/eagle3 that import each other in a circle (function-local imports too): " + \
+        "; ".join(" <-> ".join(c) for c in found) + ". Move what they share into a module below both"
+
+
+def test_the_records_stand_below_the_stages():
+    """The records of a run (its layout, checkpoints, lineage) are read by the stages, never the other way round."""
+    graph = import_graph(BOX_PACKAGE)
+    stages = {"eagle3.generate", "eagle3.extract", "eagle3.vocab", "eagle3.train", "eagle3.export", "eagle3.evaluate",
+              "eagle3.benchmark", "eagle3.split", "eagle3.promote"}
+    for record in ("eagle3.runlayout", "eagle3.checkpoint", "eagle3.lineage"):
+        reached, todo = set(), [record]
+        while todo:
+            for target in graph[todo.pop()] - reached:
+                reached.add(target)
+                todo.append(target)
+        assert not reached & stages, f"{record} depends on the stages {sorted(reached & stages)}"
+
+
+def test_the_graph_reader_sees_a_circle_hidden_in_a_function(tmp_path):
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from pkg.b import thing\n")
+    (package / "b.py").write_text("def thing():\n    from pkg import a\n    return a\n")
+    (package / "c.py").write_text("from . import a\n")
+    graph = import_graph(package)
+    assert graph == {"pkg": set(), "pkg.a": {"pkg.b"}, "pkg.b": {"pkg.a"}, "pkg.c": {"pkg.a"}}
+    assert cycles(graph) == [["pkg.a", "pkg.b"]]
+
+
+if __name__ == "__main__":
+    for floor, modules in enumerate(layers(import_graph(BOX_PACKAGE))):
+        print(f"layer {floor}: {', '.join(m.removeprefix('eagle3.') or 'eagle3' for m in modules)}")
