@@ -33,6 +33,7 @@ from airflow.providers.standard.operators.hitl import ApprovalOperator
 from airflow.sdk import BaseNotifier
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
+from eagle3.runlayout import DRAFTER_DIR
 from eagle3_airflow.plan import RunPlan
 from eagle3_airflow.promotion import Proposal, verified_proposal
 from eagle3_airflow.seal import RunRef, Tampered, digest, is_sealed, seal, task_key
@@ -55,7 +56,7 @@ def approval_body(plan: RunPlan, promotion: dict) -> str:
     """The approval's markdown: both drafters' figures and why evaluate proposes the switch, every value escaped."""
     from eagle3_airflow.run_note import note_markdown
 
-    summary = {"drafter": f"{plan.run_dir}/drafter", "promotion": promotion,
+    summary = {"drafter": f"{plan.run_dir}/{DRAFTER_DIR}", "promotion": promotion,
                "measured_accept_length": promotion.get("accept_length")}
     return note_markdown(summary, headline="proposed for promotion")
 

@@ -53,6 +53,7 @@ from eagle3.config import (
     format_validation_error,
     redact_url,
 )
+from eagle3.runlayout import RUNS
 from eagle3_airflow import DAG_ID
 from eagle3_airflow.params import BoxSettings, ConnId, ParamsError, SystemdUnit, params_to_configs, required_params
 from eagle3_airflow.pools import BoxPool, BoxResource
@@ -500,7 +501,7 @@ class Deployment(BaseModel):
         box variables and workdir, and the run directory it derives from them."""
         self.check(plan.conn_ids, plan.stop_services, None, None, source="the run plan", workdir=plan.workdir,
                    box_env=plan.box_env, pythons={"box.python": plan.python})
-        run_dir = str(PurePosixPath(plan.workdir, "runs", plan.run_name))
+        run_dir = str(PurePosixPath(plan.workdir, RUNS, plan.run_name))
         if not re.match(RUN_NAME_PATTERN, plan.run_name) or plan.run_dir != run_dir:
             raise ParamsError(f"the run plan: run_dir {plan.run_dir!r} is not workdir/runs/run_name ({run_dir!r})")
 

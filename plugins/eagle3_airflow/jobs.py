@@ -47,7 +47,8 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 from tenacity import AsyncRetrying, Retrying, retry_if_exception_type, stop_after_delay, wait_exponential_jitter
 
 from eagle3.job import run_seconds
-from eagle3_airflow.plan import REDO_OUTPUTS, RunPlan, verified_plan
+from eagle3.runlayout import REDO_OUTPUTS
+from eagle3_airflow.plan import RunPlan, verified_plan
 from eagle3_airflow.transport import BoxUnreachable, box_for
 
 TERMINAL = {"succeeded", "failed", "killed", "dead", "absent"}

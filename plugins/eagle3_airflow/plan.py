@@ -22,6 +22,7 @@ import logging
 from dataclasses import MISSING, asdict, dataclass, field, fields
 
 from eagle3.config import ConfigError, RunConfig, parse_run_config
+from eagle3.runlayout import REDO_OUTPUTS
 from eagle3_airflow.codesync import code_dir, ensure_code, package_archive
 from eagle3_airflow.params import BoxSettings, ParamsError
 from eagle3_airflow.seal import TRIGGER_AGAIN, RunRef, Tampered, digest, is_sealed, seal, task_key
@@ -31,9 +32,7 @@ log = logging.getLogger(__name__)
 # The remote stages a run may redo (box.redo_from), in pipeline order: redoing one redoes every later one, so that no
 # output is left from before the redo beside one made after it. (generate and extract write shared stores, keyed by
 # what decides them: a redo there would be another key, or deleting the store.)
-# What each writes in the run directory, which a redo renames aside (job start --set-aside).
-REDO_OUTPUTS = {"vocab": ["vocab_mapping"], "train": ["train"], "export": ["drafter"], "evaluate": ["evaluate"],
-                "benchmark": ["benchmark"]}
+# What each writes in the run directory, which a redo renames aside (job start --set-aside): runlayout.REDO_OUTPUTS.
 REDO_ORDER = tuple(REDO_OUTPUTS)
 PLAN_XCOM = "the run plan in XCom (task `validate`, key `plan`)"
 CONFIG_XCOM = "the run config in XCom (task `validate`, key `config`)"

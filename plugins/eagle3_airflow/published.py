@@ -25,10 +25,12 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from pathlib import PurePosixPath
 from typing import TYPE_CHECKING
 from urllib.parse import quote
 
-from eagle3_airflow.results import BENCHMARK, REPORT, read_file
+from eagle3.runlayout import BENCHMARK_REPORT, REPORT
+from eagle3_airflow.results import read_file
 
 if TYPE_CHECKING:
     from airflow.sdk import ObjectStoragePath
@@ -37,11 +39,12 @@ if TYPE_CHECKING:
     from eagle3_airflow.plan import RunPlan
 
 SUMMARY = "summary.json"
-PUBLISHED_REPORT = "report.json"
-PUBLISHED_BENCHMARK = "benchmark.json"
+# A publication keeps the reports' own file names (report.json, benchmark.json) and numbers the plots.
+PUBLISHED_REPORT, PUBLISHED_BENCHMARK = PurePosixPath(REPORT).name, PurePosixPath(BENCHMARK_REPORT).name
 FORMAT = 1  # of summary.json; a reader refuses another
 # The only names a publication has: a summary.json that names another path (edited in the store) names nothing.
-PUBLISHED_NAME = re.compile(r"^(report\.json|benchmark\.json|plots/[0-9]{3,6}\.png)$")
+PUBLISHED_NAME = re.compile(
+    rf"^({re.escape(PUBLISHED_REPORT)}|{re.escape(PUBLISHED_BENCHMARK)}|plots/[0-9]{{3,6}}\.png)$")
 
 
 class NotPublished(Exception):
@@ -71,7 +74,7 @@ def publish(plan: RunPlan, summary: dict, folder: ObjectStoragePath, log=None) -
     folder.mkdir(parents=True, exist_ok=True)
     files = {}
     if summary.get("report"):
-        for name, published in ((REPORT, PUBLISHED_REPORT), *(((BENCHMARK, PUBLISHED_BENCHMARK),)
+        for name, published in ((REPORT, PUBLISHED_REPORT), *(((BENCHMARK_REPORT, PUBLISHED_BENCHMARK),)
                                                               if summary.get("benchmark") else ())):
             data = read_file(plan, name)
             if data is not None:

@@ -12,10 +12,9 @@ from __future__ import annotations
 import base64
 import json
 
+from eagle3.runlayout import BENCHMARK_REPORT, DRAFTER_DIR, REPORT
 from eagle3_airflow.plan import RunPlan
 
-REPORT = "evaluate/report.json"
-BENCHMARK = "benchmark/benchmark.json"
 REFUSED_EXIT = 2  # `python -m eagle3 report` refused the file (a link, not regular, too big, a name it never reads)
 READ_TIMEOUT_S = 120
 
@@ -69,7 +68,7 @@ def summarize(plan: RunPlan, evaluation: dict, plots: list[str], benchmark: dict
     try:
         summary = {
             "run_dir": plan.run_dir,
-            "drafter": f"{plan.run_dir}/drafter",
+            "drafter": f"{plan.run_dir}/{DRAFTER_DIR}",
             "report": f"{plan.run_dir}/{REPORT}",
             "plots": [f"{plan.run_dir}/{name}" for name in plots],
             "val_acc_per_position": [round(float(a), 3) for a in evaluation["val_acc_per_position"]],
@@ -83,15 +82,15 @@ def summarize(plan: RunPlan, evaluation: dict, plots: list[str], benchmark: dict
         if benchmark is not None:
             summary["benchmark"] = {
                 "engine": benchmark.get("engine", "sglang"),  # (benchmarks before vLLM were SGLang's)
-                "report": f"{plan.run_dir}/{BENCHMARK}",
+                "report": f"{plan.run_dir}/{BENCHMARK_REPORT}",
                 "accept_length": benchmark["mean_accept_length"],
                 "output_tokens_per_s": {name: benchmark[name]["output_tokens_per_s"]
                                         for name in ("baseline", "eagle3")},
                 "speedup": benchmark["speedup"],
             }
     except (KeyError, TypeError, ValueError, AttributeError) as err:
-        raise RunFileRefused(f"{plan.run_dir}/{REPORT} (or {BENCHMARK}) on {plan.conn_ids[0]} lacks what a report "
-                             f"has ({type(err).__name__}: {err}); run evaluate again (clear its task)") from None
+        raise RunFileRefused(f"{plan.run_dir}/{REPORT} (or {BENCHMARK_REPORT}) on {plan.conn_ids[0]} lacks what a "
+                             f"report has ({type(err).__name__}: {err}); run evaluate again (clear its task)") from None
     return summary
 
 
@@ -100,9 +99,9 @@ def run_summary(plan: RunPlan) -> dict | None:
     evaluation = read_json(plan, REPORT)
     if evaluation is None:
         return None
-    benchmark = read_json(plan, BENCHMARK) if plan.benchmark else None
+    benchmark = read_json(plan, BENCHMARK_REPORT) if plan.benchmark else None
     if plan.benchmark and benchmark is None:
-        raise RunFileRefused(f"{plan.run_dir}/{BENCHMARK} is missing on {plan.conn_ids[0]}, though the run has "
+        raise RunFileRefused(f"{plan.run_dir}/{BENCHMARK_REPORT} is missing on {plan.conn_ids[0]}, though the run has "
                              "benchmark.enabled: the benchmark stage did not finish")
     return summarize(plan, evaluation, list_plots(plan), benchmark)
 

@@ -14,10 +14,11 @@ import logging
 
 from airflow.sdk.exceptions import AirflowFailException
 
+from eagle3.runlayout import REPORT
 from eagle3_airflow.deployment import Deployment
 from eagle3_airflow.params import ParamsError, check_unknown_keys, params_to_configs
 from eagle3_airflow.plan import RunPlan, verified_config, verified_plan
-from eagle3_airflow.results import REPORT, RunFileRefused, read_json, run_summary
+from eagle3_airflow.results import RunFileRefused, read_json, run_summary
 from eagle3_airflow.seal import task_key
 from eagle3_airflow.transport import RemoteCommandError
 
