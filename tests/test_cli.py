@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 from tests.conftest import REPO, run_eagle3
@@ -13,6 +15,20 @@ def test_help_lists_every_command():
     out = run_eagle3("--help").stdout
     for command in ("make-tiny-target", "init", "config", "extract", "store"):
         assert command in out
+
+
+def test_a_stages_help_is_its_modules_docstring_and_loads_no_torch():
+    """One place describes a stage: its module's docstring is what `python -m eagle3 STAGE --help` prints, read without
+    importing the stage (the parser is built for every command, `job poll` too)."""
+    import eagle3.train
+
+    first = eagle3.train.__doc__.strip().splitlines()[0]
+    out = run_eagle3("train", "--help").stdout
+    assert "python -m eagle3 train --config RUN_DIR/config.json" in out and "TTT step i" in out
+    assert first.rstrip(".") in " ".join(run_eagle3("--help").stdout.split())
+    probe = "import sys; from eagle3.__main__ import build_parser; build_parser(); print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                          cwd=REPO).stdout.strip() == "False"
 
 
 def test_init_writes_the_run_config_with_target_facts(tmp_path, tiny_target):

@@ -7,14 +7,21 @@ passed on a command line except paths.
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib
+import importlib.util
+import inspect
 import json
 import logging
 import os
 import sys
+import tokenize
 from pathlib import Path
 
 log = logging.getLogger("eagle3")
+
+# Each command imports what it runs inside its own function: `job poll`, which the trigger runs every few seconds for
+# hours, and `--help` must not pay for torch, transformers or pydantic.
 
 
 def load_config(path: str):
@@ -105,57 +112,30 @@ def cmd_extract(args) -> None:
     print(json.dumps(results[0] if num_shards == 1 else results, indent=2))
 
 
-# Stages that take only the run config: name -> (module, function, help, description). Each prints its
-# result as JSON on stdout (its log goes to stderr).
+# Stages that take only the run config: name -> (module, function). Each prints its result as JSON on stdout (its
+# log goes to stderr); its --help is its module's docstring (stage_help).
 STAGES = {
-    "generate": (
-        "eagle3.generate", "run_generate",
-        "regenerate the data's assistant turns with the target (an OpenAI-compatible server, or hf; resumable)",
-        "Every assistant turn again, in order, from POST {endpoint}/chat/completions (generate.launch_server: "
-        "start SGLang on the box for the stage, stop it afterwards), or with generate.backend hf from the target "
-        "in transformers, batched. Tool turns are kept as they are. Retries transient errors; stops early when "
-        "generate.max_failure_rate is passed. Safe to kill and rerun: finished conversations are kept. Answers are "
-        "shared by every run with the same target and generation settings ({workdir}/generated/<key>): only "
-        "conversations no run had answered are sent. Writes RUN_DIR/generate/conversations.jsonl, which extract "
-        "then reads instead of data.path.",
-    ),
-    "vocab": (
-        "eagle3.vocab", "run_vocab",
-        "build the draft/target vocab mapping from the run's training samples (or reuse one after a coverage check)",
-        "The mapping is data-dependent: the draft vocab is the target ids the assistant tokens of the run's training "
-        "samples use most (held-out samples are not counted). vocab.reuse_from reuses another run's mapping only if "
-        "it covers at least vocab.min_coverage of those loss-masked tokens.",
-    ),
-    "train": (
-        "eagle3.train", "run_train",
-        "train the drafter with training-time test (resumes from the newest checkpoint)",
-        "One rank per train.gpus entry (or train.nproc_per_node); with several, it re-runs itself under "
-        "torchrun (DDP: nccl, gloo on CPU). Safe to kill and rerun: it continues from the newest checkpoint, "
-        "bit-identically. With train.init_from current it starts from the lineage's promoted drafter, copied to "
-        "RUN_DIR/train/init/ by the first try so that every try starts from the same weights.",
-    ),
-    "export": (
-        "eagle3.export", "run_export",
-        "write the best checkpoint as an SGLang EAGLE3 drafter (RUN_DIR/drafter)",
-        "Serve the result with: python -m sglang.launch_server --model-path TARGET --speculative-algorithm "
-        "EAGLE3 --speculative-draft-model-path RUN_DIR/drafter --speculative-num-steps 3 "
-        "--speculative-eagle-topk 1 --speculative-num-draft-tokens 4",
-    ),
-    "evaluate": (
-        "eagle3.evaluate", "run_evaluate",
-        "measure acceptance length: speculative decoding with the exported drafter on the HF target",
-        "Writes RUN_DIR/evaluate/report.json and acceptance.png. Measures on the lineage's pinned prompts, the "
-        "lineage's current drafter too, and promotes this run's if better ({workdir}/drafters/<lineage>/current; "
-        "evaluate.promote, evaluate.promote_margin).",
-    ),
-    "benchmark": (
-        "eagle3.benchmark", "run_benchmark",
-        "serve the drafter with SGLang (EAGLE3) and the target alone; measure accept length and tokens/s",
-        "Starts SGLang twice on the box (server.*), sends the held-out prompts greedily, and writes "
-        "RUN_DIR/benchmark/benchmark.json (both runs and the speedup) and benchmark.png. Needs sglang on the box; "
-        "the servers are stopped however the stage ends.",
-    ),
+    "generate": ("eagle3.generate", "run_generate"),
+    "vocab": ("eagle3.vocab", "run_vocab"),
+    "train": ("eagle3.train", "run_train"),
+    "export": ("eagle3.export", "run_export"),
+    "evaluate": ("eagle3.evaluate", "run_evaluate"),
+    "benchmark": ("eagle3.benchmark", "run_benchmark"),
 }
+
+
+def stage_help(module: str) -> tuple[str, str]:
+    """(one line, the rest) of a stage module's docstring, the one place a stage is described. Read from the source
+    without importing the module: every command builds this parser, `job poll` every few seconds, and must not load
+    torch for it."""
+    with open(importlib.util.find_spec(module).origin, "rb") as source:
+        for token in tokenize.tokenize(source.readline):
+            if token.type == tokenize.STRING:
+                first, _, rest = inspect.cleandoc(ast.literal_eval(token.string)).partition("\n")
+                return first.rstrip("."), rest.strip()
+            if token.type not in (tokenize.ENCODING, tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE):
+                break
+    raise RuntimeError(f"{module} has no docstring: a stage's --help is its docstring")
 
 
 def cmd_stage(args) -> None:
@@ -165,7 +145,7 @@ def cmd_stage(args) -> None:
         launch = launch_command(load_config(args.config), args.config)
         if launch is not None:  # several ranks: become torchrun, which runs this command once per rank
             os.execvpe(launch[0][0], launch[0], launch[1])
-    module, function = STAGES[args.command][:2]
+    module, function = STAGES[args.command]
     run = getattr(importlib.import_module(module), function)
     options = {"hold_promotion": True} if getattr(args, "hold_promotion", False) else {}
     result = run(load_config(args.config), **options)
@@ -298,14 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
     config_sub = p.add_subparsers(dest="config_command", required=True, metavar="SUBCOMMAND")
     config_sub.add_parser("schema", help="print the run config's JSON schema").set_defaults(func=cmd_config_schema)
 
-    p = sub.add_parser(
-        "extract",
-        help="capture the target's EAGLE-3 hidden states into the store (resumable)",
-        description="Capture hidden states for one shard (--shard), or, without --shard, for every shard in turn. "
-        "Safe to kill and rerun: stored samples are skipped. The store (RUN_DIR/hidden_states) is shared by every "
-        "run with the same target and capture settings ({workdir}/stores/<key>): samples another run stored are "
-        "reused, not computed again.",
-    )
+    help_text, description = stage_help("eagle3.extract")
+    p = sub.add_parser("extract", help=help_text, description=description,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True, help="RUN_DIR/config.json")
     p.add_argument("--shard", type=int, default=None,
                    help="which shard this process extracts (0-based); default: every shard, one after the other")
@@ -315,8 +290,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "GPUs K*tp_size.. (sglang backend). The DAG numbers each box's shards 0, 1, ...; default 0")
     p.set_defaults(func=cmd_extract)
 
-    for name, (_, _, help_text, description) in STAGES.items():
-        p = sub.add_parser(name, help=help_text, description=description)
+    for name, (module, _) in STAGES.items():
+        help_text, description = stage_help(module)
+        p = sub.add_parser(name, help=help_text, description=description,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
         p.add_argument("--config", required=True, help="RUN_DIR/config.json")
         if name == "evaluate":
             p.add_argument("--hold-promotion", action="store_true",

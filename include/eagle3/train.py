@@ -7,9 +7,8 @@ itself under torchrun (`launch_command`), with CUDA_VISIBLE_DEVICES set to those
 gloo on CPU. Under an outside torchrun it just joins.
 
 Reads the hidden-state store and the vocab mapping; writes {run dir}/train/:
-  checkpoints/step-NNNNNN/   state.pt (torch.save, loads with weights_only=True) + meta.json; written to a
-                             temp dir, fsynced, renamed. The last `train.keep_last` are kept, plus the best
-                             (by simulated acceptance length on the validation split: eagle3.split).
+  checkpoints/step-NNNNNN/   plain-dict checkpoints (eagle3.checkpoint); the last `train.keep_last` are kept,
+                             plus the best (by simulated acceptance length on the validation split: eagle3.split)
   metrics.jsonl              one line per progress interval and per validation
   tensorboard/               the same as TensorBoard events (tensorboard --logdir RUN_DIR/train/tensorboard)
   loss.png, accuracy.png     at the end
