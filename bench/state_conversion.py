@@ -1,5 +1,5 @@
 """What converting stored states to float32 costs on the host, per 4096-token sample at Kimi width (3 x 7168 aux
-values per token): the work train.collate now leaves to the device. Prints one line per stored dtype and the
+values per token): the work HiddenStateStore.batch leaves to the device. Prints one line per stored dtype and the
 ratio of the two.
 
     .venv/bin/python bench/state_conversion.py [--tokens 4096] [--width 21504] [--repeats 3]

@@ -147,13 +147,13 @@ def stored_again(store_dir, out_dir, state_dtype: str) -> None:
 
 def test_the_trainer_reads_an_fp8_store_as_it_reads_a_bf16_one(trained_config):
     """The trained drafter on its own store and on the same samples stored as fp8 (extract.state_dtype fp8_e4m3):
-    collated batches hold the same ids, masks and lengths, float32 states within fp8's half step of each token
+    the store's batches hold the same ids, masks and lengths, float32 states within fp8's half step of each token
     layer's amax, the validation accuracy per position moves by less than 2 points, and a training step runs."""
     cfg = trained_config
     bf16 = train.Trainer(cfg)
     bf16.resume()
     val_ids = [sid for sid, _ in bf16.val_ids]
-    bf16_batch, bf16_val = train.collate(bf16.store, val_ids, "cpu"), bf16.validate()
+    bf16_batch, bf16_val = bf16.store.batch(val_ids, "cpu"), bf16.validate()
 
     bf16_dir = cfg.store_dir.with_name("hidden_states-bf16")
     cfg.store_dir.rename(bf16_dir)
@@ -161,11 +161,11 @@ def test_the_trainer_reads_an_fp8_store_as_it_reads_a_bf16_one(trained_config):
     fp8 = train.Trainer(cfg)
     assert fp8.store.meta.state_dtype == "fp8_e4m3" and fp8.val_ids == bf16.val_ids
     fp8.resume()
-    fp8_batch = train.collate(fp8.store, val_ids, "cpu")
+    fp8_batch = fp8.store.batch(val_ids, "cpu")
     for name in ("input_ids", "loss_mask", "lengths"):
         assert torch.equal(fp8_batch[name], bf16_batch[name]), name
     hidden = cfg.target.hidden_size
-    for name in ("aux", "last"):
+    for name in ("aux_hidden_states", "last_hidden_state"):
         assert fp8_batch[name].dtype == bf16_batch[name].dtype == torch.float32
         want = bf16_batch[name].reshape(*bf16_batch[name].shape[:2], -1, hidden)
         error = (fp8_batch[name].reshape(want.shape) - want).abs().amax(-1)
@@ -178,8 +178,8 @@ def test_the_trainer_reads_an_fp8_store_as_it_reads_a_bf16_one(trained_config):
     for store, batch in ((fp8.store, fp8_batch), (HiddenStateStore(bf16_dir), bf16_batch)):
         for row, sid in enumerate(val_ids):
             sample, m = store[sid], int(batch["lengths"][row])
-            for name, stored in (("aux", "aux_hidden_states"), ("last", "last_hidden_state")):
-                assert torch.equal(batch[name][row, :m], sample[stored].float()), (sid, name)
+            for name in ("aux_hidden_states", "last_hidden_state"):
+                assert torch.equal(batch[name][row, :m], sample[name].float()), (sid, name)
                 assert not batch[name][row, m:].any(), (sid, name)
     fp8_val = fp8.validate()
     assert len(fp8_val["val_acc"]) == len(bf16_val["val_acc"]) == cfg.train.ttt_length

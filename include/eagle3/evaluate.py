@@ -22,7 +22,7 @@ Writes {run dir}/evaluate/:
                 same target in the same backend) token for token (it must: verification makes speculation lossless)
   acceptance.png  acceptance rate per draft position, one line per k
 
-The prompts are the lineage's pinned evaluation set (eagle3.promote: chosen by its first evaluation, the same for
+The prompts are the lineage's pinned evaluation set (eagle3.lineage: chosen by its first evaluation, the same for
 every run since), and the lineage's current drafter is measured on them too, by the same backend in the same run;
 this run's is promoted if better.
 
@@ -176,7 +176,7 @@ def held_out_prompts(cfg, tokenizing, limit: int | None = None) -> list[list[int
 
 
 def eval_set_record(chosen: list[HeldOutPrompt]) -> dict:
-    """The evaluation set a lineage pins (eagle3.promote.EVAL_SET_FIELDS) from held_out's prompts."""
+    """The evaluation set a lineage pins (eagle3.lineage.EVAL_SET_FIELDS) from held_out's prompts."""
     return {"format": 2, "split": SPLIT_RULE, "conversation_ids": [h.conversation_id for h in chosen],
             "turns": [h.turn for h in chosen], "kinds": [h.kind for h in chosen],
             "split_keys": sorted({key for h in chosen for key in h.keys}), "prompts": [h.prompt for h in chosen]}

@@ -175,34 +175,6 @@ def plan_epoch(ids_and_lengths: list[tuple[str, int]], batch_tokens: int | None,
     return batches
 
 
-def collate(store, sample_ids: list[str], device) -> dict[str, torch.Tensor]:
-    """Right-padded batch tensors; padding has loss_mask 0 (and causal attention never looks right).
-
-    The states travel to the device as stored (bf16, or an fp8 store's payload and scales) and become float32
-    there. On the host that conversion would take 125 ms (bf16) or 485 ms (fp8) per 4096-token sample at Kimi
-    width on 2 cores (bench/state_conversion.py), inside the training loop, and the copy to the GPU would carry
-    4 bytes per value instead of 2 or 1. Both conversions are exact: the batch is the same bits on any device."""
-    from eagle3.store import SCALE_OF, dequantize_fp8
-
-    rows = [store.stored(sid) for sid in sample_ids]
-    lengths = [len(r["input_ids"]) for r in rows]
-    longest = max(lengths)
-
-    def padded(name: str) -> torch.Tensor:
-        first = rows[0][name]
-        out = torch.zeros(len(rows), longest, *first.shape[1:], dtype=first.dtype)
-        for row, (r, m) in enumerate(zip(rows, lengths)):
-            out[row, :m] = r[name]
-        return out.to(device)
-
-    batch = {"input_ids": padded("input_ids").long(), "loss_mask": padded("loss_mask").long(),
-             "lengths": torch.tensor(lengths).to(device)}
-    for name, key in (("aux_hidden_states", "aux"), ("last_hidden_state", "last")):
-        scales = SCALE_OF[name]
-        batch[key] = dequantize_fp8(padded(name), padded(scales)) if scales in rows[0] else padded(name).float()
-    return batch
-
-
 def pin_initial_weights(cfg) -> dict:
     """What a warm-started run starts from, chosen once, by its first try, and kept in RUN_DIR/train/init/
     (init.json, and a copy of the drafter's model.safetensors): every later try starts from the same weights,
@@ -396,14 +368,14 @@ class Trainer:
         return {k: v for k, v in self.draft.state_dict().items() if k != "embed_tokens.weight"}
 
     def teachers(self, batch) -> Teachers:
-        return make_teachers(batch["input_ids"], batch["loss_mask"], batch["last"], self.target_lm_head,
+        return make_teachers(batch["input_ids"], batch["loss_mask"], batch["last_hidden_state"], self.target_lm_head,
                              self.draft_ids, self.t2d, batch["lengths"], self.cfg.train.first_draft_position)
 
     def train_step(self, sample_ids) -> tuple[float, list[float], list[float], int]:
-        batch = collate(self.store, sample_ids, self.device)
+        batch = self.store.batch(sample_ids, self.device)
         teachers = self.teachers(batch)
         with self.autocast():
-            loss, plosses, accs = self.ddp(batch["aux"], teachers, self.draft_ids)
+            loss, plosses, accs = self.ddp(batch["aux_hidden_states"], teachers, self.draft_ids)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.objective.parameters(), self.cfg.train.max_grad_norm)
         self.optimizer.step()
@@ -415,10 +387,10 @@ class Trainer:
     def validate(self) -> dict:
         hits, count, loss_sum, batches = None, 0, 0.0, 0
         for sample_ids in plan_epoch(self.val_ids, self.cfg.train.batch_tokens, self.cfg.seed, epoch=0):
-            batch = collate(self.store, sample_ids, self.device)
+            batch = self.store.batch(sample_ids, self.device)
             t = self.teachers(batch)
             with self.autocast():
-                loss, _, accs = self.objective(batch["aux"], t, self.draft_ids)
+                loss, _, accs = self.objective(batch["aux_hidden_states"], t, self.draft_ids)
             weight = int(t.loss_mask.sum())
             hits = accs * weight if hits is None else hits + accs * weight
             count, loss_sum, batches = count + weight, loss_sum + loss.item(), batches + 1
