@@ -27,6 +27,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from eagle3 import runlayout as layout
+
 REPO = Path(__file__).resolve().parents[1]
 TINY_TARGET = REPO / ".cache" / "tiny-target"
 WORKDIR = REPO / "demo-work"
@@ -109,7 +111,7 @@ class Console:
             self.echo(f"         {message}" if message.startswith(stage) else f"         {match['key']}: {message}")
 
     def failed(self, key: str) -> None:
-        log = self.run_dir / "jobs" / key / "log"
+        log = self.run_dir / layout.JOBS / key / "log"
         tail = log.read_text(errors="replace").splitlines()[-15:] if log.exists() else []
         self.echo("\n".join(["         last lines of its job log:", *(f"           {t}" for t in tail),
                               f"         the whole job log: {log}"]))
@@ -118,7 +120,7 @@ class Console:
 def run_dag(conf: dict, env: dict[str, str], log_path: Path, echo: Callable[[str], None] = print) -> int:
     """`airflow dags test eagle3_drafter` with the whole task log in `log_path` and a Console view of it on
     the console while it runs. Returns the exit code."""
-    console = Console(Path(conf["workdir"]) / "runs" / conf["run_name"], echo)
+    console = Console(layout.run_dir_of(conf["workdir"], conf["run_name"]), echo)
     argv = [AIRFLOW, "dags", "test", "eagle3_drafter", "--conf", json.dumps(conf)]
     with open(log_path, "w") as log, subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                                       text=True, errors="replace") as proc:
@@ -168,25 +170,25 @@ def main() -> None:
     if returncode != 0:
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
         sys.exit(f"[demo] the DAG run failed (exit {returncode}); last lines of {log}:\n{tail}")
-    print_summary(WORKDIR / "runs" / "demo", time.monotonic() - started)
+    print_summary(layout.run_dir_of(WORKDIR, CONF["run_name"]), time.monotonic() - started)
 
 
 def job_seconds(run_dir: Path, key: str) -> str:
     from eagle3.job import run_seconds
 
-    state = read_json(run_dir / "jobs" / key / "state.json")
+    state = read_json(run_dir / layout.JOBS / key / "state.json")
     seconds = run_seconds(state)
     return f"{seconds:.0f}s (try {state['try']})" if seconds is not None else "?"
 
 
 def print_summary(run_dir: Path, total_s: float) -> None:
-    verify = [sys.executable, "-m", "eagle3", "store", "verify", str(run_dir / "hidden_states")]
+    verify = [sys.executable, "-m", "eagle3", "store", "verify", str(run_dir / layout.HIDDEN_STATES)]
     store = json.loads(subprocess.run(verify, check=True, capture_output=True, text=True).stdout)
-    shards = [read_json(p) for p in sorted((run_dir / "extract").glob("shard-*.stats.json"))]
-    vocab = read_json(run_dir / "vocab_mapping" / "meta.json")
+    shards = [read_json(p) for p in sorted((run_dir / layout.EXTRACT_DIR).glob("shard-*.stats.json"))]
+    vocab = read_json(run_dir / layout.MAPPING_DIR / layout.MAPPING_META)
 
     print()
-    generate = read_json(run_dir / "generate" / "stats.json")
+    generate = read_json(run_dir / layout.GENERATE_STATS)
     print("stage       duration        figures")
     print(f"generate    {job_seconds(run_dir, 'generate'):<15} {generate['regenerated']} conversations answered by the "
           f"target itself ({generate['completion_tokens_now']} tokens, {generate['tokens_per_s']:.0f} tokens/s)")
@@ -195,16 +197,16 @@ def print_summary(run_dir: Path, total_s: float) -> None:
           f"{sum(s.get('duplicates', 0) for s in shards)} duplicate prompts skipped")
     print(f"            {'':15} {sum(s['samples_extracted'] for s in shards)} samples extracted, "
           f"{sum(s['samples_stored_before'] for s in shards)} reused from the shared store "
-          f"{(run_dir / 'hidden_states').resolve()}")
+          f"{(run_dir / layout.HIDDEN_STATES).resolve()}")
     print(f"store       {'':15} {store['bytes'] / 2**20:.1f} MiB, {store['bytes_per_token']:.1f} bytes/token, "
           f"aux layers {store['aux_layers']}")
     print(f"vocab       {job_seconds(run_dir, 'vocab'):<15} draft vocab {vocab.get('draft_vocab_size')} of "
           f"{vocab.get('target_vocab_size')} ids covers {vocab.get('coverage', 0):.2%} of assistant tokens")
-    if not (run_dir / "evaluate" / "report.json").exists():  # the DAG found nothing new since the current drafter
+    if not (run_dir / layout.REPORT).exists():  # the DAG found nothing new since the current drafter
         print_unchanged(run_dir, total_s)
         return
-    train = read_json(run_dir / "train" / "summary.json")
-    report = read_json(run_dir / "evaluate" / "report.json")
+    train = read_json(run_dir / layout.TRAIN_SUMMARY)
+    report = read_json(run_dir / layout.REPORT)
     print(f"train       {job_seconds(run_dir, 'train'):<15} {train['steps']} steps; best step {train['best']['step']}")
     print(f"export      {job_seconds(run_dir, 'export'):<15} val acc per position "
           f"{[round(a, 3) for a in report['val_acc_per_position']]}")
@@ -226,16 +228,17 @@ def print_summary(run_dir: Path, total_s: float) -> None:
     disk = sum(os.lstat(os.path.join(d, f)).st_size for d, _, files in os.walk(run_dir) for f in files)
     print(f"total {total_s:.0f}s (the whole DAG, Airflow included); the run directory holds {disk / 2**20:.1f} MiB "
           "besides the store")
-    print(f"drafter:       {run_dir / 'drafter'} (serve it with SGLang or vLLM: README, \"Serving the drafter\")")
-    print(f"report:        {run_dir / 'evaluate' / 'report.json'}")
-    print(f"plots:         {run_dir / 'train' / 'loss.png'}, {run_dir / 'train' / 'accuracy.png'}, "
-          f"{run_dir / 'evaluate' / 'acceptance.png'}")
-    print(f"job logs:      {run_dir / 'jobs'}/<stage>/log")
+    print(f"drafter:       {run_dir / layout.DRAFTER_DIR} (serve it with SGLang or vLLM: README, "
+          "\"Serving the drafter\")")
+    print(f"report:        {run_dir / layout.REPORT}")
+    plots = (layout.LOSS_PLOT, layout.ACCURACY_PLOT, layout.ACCEPTANCE_PLOT)
+    print(f"plots:         {', '.join(str(run_dir / plot) for plot in plots)}")
+    print(f"job logs:      {run_dir / layout.JOBS}/<stage>/log")
     print(f"run directory: {run_dir}")
 
 
 def print_unchanged(run_dir: Path, total_s: float) -> None:
-    check_argv = [sys.executable, "-m", "eagle3", "lineage", "check", "--config", str(run_dir / "config.json")]
+    check_argv = [sys.executable, "-m", "eagle3", "lineage", "check", "--config", str(run_dir / layout.CONFIG)]
     check = json.loads(subprocess.run(check_argv, check=True, capture_output=True, text=True).stdout)
     figures = ", ".join(f"k={k}: {v:.3f}" for k, v in (check["current_accept_length"] or {}).items())
     print(f"train       {'skipped':<15} nothing changed since run {check['unchanged_since']} (same samples, vocab "
@@ -243,7 +246,7 @@ def print_unchanged(run_dir: Path, total_s: float) -> None:
     print(f"drafter     {'':15} the lineage's current one stays: {check['current_drafter']} (measured {figures})")
     print(f"total {total_s:.0f}s (the whole DAG, Airflow included). To train anyway: change the seed, or delete "
           f"{Path(check['current_drafter']).parent} to start the lineage over")
-    print(f"job logs:      {run_dir / 'jobs'}/<stage>/log")
+    print(f"job logs:      {run_dir / layout.JOBS}/<stage>/log")
     print(f"run directory: {run_dir}")
 
 
