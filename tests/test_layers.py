@@ -108,6 +108,24 @@ def test_the_records_stand_below_the_stages():
         assert not reached & stages, f"{record} depends on the stages {sorted(reached & stages)}"
 
 
+def test_paths_inside_a_run_directory_are_spelled_only_in_runlayout():
+    """The run directory's layout is named once (eagle3.runlayout): a path such as evaluate/report.json written out
+    again elsewhere, box side or control plane, would keep the old name when the layout changes."""
+    from eagle3 import runlayout
+
+    paths = {value for name, value in vars(runlayout).items() if name.isupper() and isinstance(value, str)
+             and "/" in value}
+    spelled = []
+    for root in (BOX_PACKAGE, REPO / "plugins" / "eagle3_airflow", REPO / "dags"):
+        for path in sorted(root.rglob("*.py")):
+            if path.name == "runlayout.py":
+                continue
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Constant) and node.value in paths:
+                    spelled.append(f"{path.relative_to(REPO)}:{node.lineno}: {node.value!r}")
+    assert paths and not spelled, spelled
+
+
 def test_the_graph_reader_sees_a_circle_hidden_in_a_function(tmp_path):
     package = tmp_path / "pkg"
     package.mkdir()

@@ -18,35 +18,34 @@ from pathlib import Path
 # -- a work directory -------------------------------------------------------------------------------------------
 RUNS, STORES, GENERATED, DRAFTERS = "runs", "stores", "generated", "drafters"
 
-# -- a run directory ----------------------------------------------------------------------------------------------
+# -- a run directory, stage by stage ------------------------------------------------------------------------------
 CONFIG = "config.json"  # the validated run config (`eagle3 init`); it also marks the directory as a run's
 JOBS = "jobs"  # jobs/<key>/: the detached stage jobs (eagle3.job)
 GENERATE_DIR = "generate"
-CONVERSATIONS = "generate/conversations.jsonl"  # the regenerated conversations extract reads (generate on)
-GENERATED_PARTS = "generate/parts"  # a link to the shared answers in {workdir}/generated/<key>
-GENERATE_STATS = "generate/stats.json"
+CONVERSATIONS = f"{GENERATE_DIR}/conversations.jsonl"  # the regenerated conversations extract reads (generate on)
+GENERATED_PARTS = f"{GENERATE_DIR}/parts"  # a link to the shared answers in {workdir}/generated/<key>
+GENERATE_STATS = f"{GENERATE_DIR}/stats.json"
 HIDDEN_STATES = "hidden_states"  # a link to the shared store in {workdir}/stores/<key>
-EXTRACT_DIR = "extract"
+EXTRACT_DIR = "extract"  # per shard: the samples it stored (run_samples_path) and its stats (run_stats_path)
 SPLIT_KEYS = "split/keys.json"  # every conversation's split key (eagle3.split)
-MAPPING_DIR = "vocab_mapping"  # a mapping directory (eagle3.vocab): the files named below
+MAPPING_DIR = "vocab_mapping"  # a mapping directory (eagle3.vocab) holds the three files named next
 D2T_FILE, T2D_FILE, MAPPING_META = "d2t.npy", "t2d.npy", "meta.json"
 MAPPING_D2T, MAPPING_T2D = f"{MAPPING_DIR}/{D2T_FILE}", f"{MAPPING_DIR}/{T2D_FILE}"
 TRAIN_DIR = "train"
-CHECKPOINTS = "train/checkpoints"  # step-NNNNNN/ (eagle3.checkpoint)
-TRAIN_INIT = "train/init"  # the weights a warm start begins from: init.json, model.safetensors
-TRAIN_METRICS = "train/metrics.jsonl"
-TRAIN_SUMMARY = "train/summary.json"
-TRAIN_TENSORBOARD = "train/tensorboard"
-LOSS_PLOT = "train/loss.png"
-ACCURACY_PLOT = "train/accuracy.png"
-DRAFTER_DIR = "drafter"  # the exported drafter, the files of DRAFTER_FILES (eagle3.export)
+CHECKPOINTS = f"{TRAIN_DIR}/checkpoints"  # step-NNNNNN/ (eagle3.checkpoint)
+TRAIN_INIT = f"{TRAIN_DIR}/init"  # the weights a warm start begins from: init.json, model.safetensors
+TRAIN_METRICS = f"{TRAIN_DIR}/metrics.jsonl"
+TRAIN_SUMMARY = f"{TRAIN_DIR}/summary.json"
+TRAIN_TENSORBOARD = f"{TRAIN_DIR}/tensorboard"
+LOSS_PLOT, ACCURACY_PLOT = f"{TRAIN_DIR}/loss.png", f"{TRAIN_DIR}/accuracy.png"
+DRAFTER_DIR = "drafter"  # the exported drafter: a drafter directory, below (eagle3.export)
 EVALUATE_DIR = "evaluate"
-REPORT = "evaluate/report.json"  # evaluate's figures and the promotion decision
-PROPOSAL = "evaluate/proposal.json"  # a promotion evaluate decided on and held for approval
-ACCEPTANCE_PLOT = "evaluate/acceptance.png"
+REPORT = f"{EVALUATE_DIR}/report.json"  # evaluate's figures and the promotion decision
+PROPOSAL = f"{EVALUATE_DIR}/proposal.json"  # a promotion evaluate decided on and held for approval
+ACCEPTANCE_PLOT = f"{EVALUATE_DIR}/acceptance.png"
 BENCHMARK_DIR = "benchmark"
-BENCHMARK_REPORT = "benchmark/benchmark.json"
-BENCHMARK_PLOT = "benchmark/benchmark.png"
+BENCHMARK_REPORT = f"{BENCHMARK_DIR}/benchmark.json"
+BENCHMARK_PLOT = f"{BENCHMARK_DIR}/benchmark.png"
 # The reports the control plane may read back (eagle3.reportfiles); besides them only `<stage>/<name>.png`.
 READABLE_REPORTS = (REPORT, BENCHMARK_REPORT)
 
