@@ -4,8 +4,9 @@
 
 Every variant trains, exports and evaluates on the finished demo run's own store, vocab mapping and held-out
 prompts (linked, not recomputed), with the demo's config but for the fields the variant changes, through the
-same CLI stages the DAG runs. Printed per variant: optimizer steps, train seconds, the teacher-forced
-simulated acceptance length, and the measured acceptance length at each k (first cycle in brackets).
+same CLI stages the DAG runs. Printed per variant: optimizer steps, train seconds, the offline acceptance length
+at the first k (decoding replayed on the validation split: what picks the checkpoint), and the measured acceptance
+length at each k (first cycle in brackets).
 
 Variants (the same epochs, so the same tokens seen):
   demo                 the demo's recipe when this benchmark was written: 2048 tokens per step, lr 1e-3
@@ -27,6 +28,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from eagle3 import runlayout as layout
 
 REPO = Path(__file__).resolve().parents[1]
 WORK = REPO / "bench-work" / "train-recipe"
@@ -54,18 +57,19 @@ def run_variant(source: Path, name: str, train: dict) -> dict:
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     (run_dir / "config.json").write_text(json.dumps(config, indent=2))
-    for shared in ("hidden_states", "generate"):  # read only by these stages
+    # Read only by these stages: the store, the conversations, and which of the store's samples are the run's.
+    for shared in (layout.HIDDEN_STATES, layout.GENERATE_DIR, layout.EXTRACT_DIR):
         (run_dir / shared).symlink_to(source / shared)
-    shutil.copytree(source / "vocab_mapping", run_dir / "vocab_mapping")
+    shutil.copytree(source / layout.MAPPING_DIR, run_dir / layout.MAPPING_DIR)
     started = time.monotonic()
     stage("train", run_dir / "config.json")
     seconds = time.monotonic() - started
     stage("export", run_dir / "config.json")
     stage("evaluate", run_dir / "config.json")
-    summary = json.loads((run_dir / "train" / "summary.json").read_text())
-    report = json.loads((run_dir / "evaluate" / "report.json").read_text())
+    summary = json.loads((run_dir / layout.TRAIN_SUMMARY).read_text())
+    report = json.loads((run_dir / layout.REPORT).read_text())
     return {"steps": summary["steps"], "train_s": seconds,
-            "simulated": report["simulated_accept_length_teacher_forced"],
+            "offline": next(iter(report["offline_accept_length"].values())),
             "measured": {k: (r["mean_accept_length"], r["first_cycle_accept_length"])
                          for k, r in report["speculative"].items()}}
 
@@ -75,13 +79,13 @@ def main() -> None:
     parser.add_argument("--run-dir", type=Path, default=REPO / "demo-work" / "runs" / "demo")
     parser.add_argument("--only", nargs="*", choices=sorted(VARIANTS), help="these variants only")
     args = parser.parse_args()
-    if not (args.run_dir / "evaluate" / "report.json").exists():
+    if not (args.run_dir / layout.REPORT).exists():
         sys.exit(f"{args.run_dir}: no finished run here; run `make demo` first")
-    print(f"{'variant':<20} {'steps':>6} {'train s':>8} {'simulated':>9}  measured acceptance length (first cycle)")
+    print(f"{'variant':<20} {'steps':>6} {'train s':>8} {'offline':>9}  measured acceptance length (first cycle)")
     for name in args.only or VARIANTS:
         result = run_variant(args.run_dir.resolve(), name, VARIANTS[name])
         measured = "  ".join(f"k={k}: {m:.3f} ({f:.3f})" for k, (m, f) in result["measured"].items())
-        print(f"{name:<20} {result['steps']:>6} {result['train_s']:>8.0f} {result['simulated']:>9.3f}  {measured}",
+        print(f"{name:<20} {result['steps']:>6} {result['train_s']:>8.0f} {result['offline']:>9.3f}  {measured}",
               flush=True)
 
 

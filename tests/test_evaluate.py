@@ -59,22 +59,6 @@ def test_a_drafted_end_of_turn_that_the_target_agrees_with_is_accepted(monkeypat
     assert accepted == [3]  # 6, 7 and the end of turn: one verify step after prefill's first token
 
 
-def test_acceptance_figures_use_sglangs_definition():
-    # Three answers: cycles accepting (2, 0), (3,), (1, 1, 0) drafts of k=3, 14 new tokens in all.
-    figures = evaluate_figures([2, 3, 1, 0, 1, 0], [2, 3, 1], 14)
-    assert figures["mean_accept_length"] == 1 + 7 / 6  # committed tokens per verify step, bonus included
-    assert figures["first_cycle_accept_length"] == 1 + 6 / 3
-    assert figures["later_cycles_accept_length"] == 1 + 1 / 3
-    assert figures["completion_tokens_per_verify_step"] == 14 / 6  # meta_info's spec_accept_length
-    assert figures["accept_rate_per_position"] == [4 / 6, 2 / 4, 1 / 2]
-
-
-def evaluate_figures(cycles, first_cycles, new_tokens):
-    from eagle3.evaluate import acceptance_figures
-
-    return acceptance_figures(cycles, first_cycles, new_tokens, k=3)
-
-
 def multi_turn(first: str, *later: str) -> dict:
     messages = [{"role": "user", "content": first}, {"role": "assistant", "content": f"About {first}"}]
     for text in later:

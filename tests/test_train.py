@@ -11,7 +11,7 @@ import torch
 
 import eagle3.train as train
 from eagle3.checkpoint import load_checkpoint
-from eagle3.train import make_teachers, simulated_accept_length
+from eagle3.train import make_teachers
 from tests.conftest import TRAIN_SETTINGS, run_eagle3
 
 
@@ -42,17 +42,43 @@ def test_each_sample_loses_its_own_last_position_not_the_batch_column():
     assert t.loss_mask.tolist() == [[True] * 7 + [False], [True, True, True] + [False] * 5]
 
 
-def test_first_draft_position_trains_the_token_before_each_answer():
-    """SGLang drafts an answer's first tokens from the last prompt-template token: with first_draft that
-    position is trained (it predicts the answer's second token), without it the mask is SpecForge's."""
+def test_first_draft_trains_the_drafts_decoding_makes_and_none_past_the_end_of_turn():
+    """Decoding drafts from position t once tokens t+1 and t+2 are the answer's: first from the prompt's last
+    token (prefill gave the answer's first token; the draft is its second), never for a token after the end of
+    turn. Without first_draft the mask is SpecForge's: every answer token's position, two of each answer's
+    targets lying after its end of turn."""
     ids = torch.tensor([[3, 7, 1, 9, 4, 6, 2, 8, 5, 1]])
     last, lm_head = perfect_target(ids, 10)
-    mask = torch.tensor([[0, 0, 1, 1, 0, 0, 1, 1, 1, 0]])  # two answers: positions 2-3 and 6-8
+    mask = torch.tensor([[0, 0, 1, 1, 0, 0, 1, 1, 1, 0]])  # two answers: tokens 2-3 and 6-8 (3 and 8 end a turn)
     args = (ids, mask, last, lm_head, torch.arange(10), torch.ones(10, dtype=torch.bool))
     assert make_teachers(*args).loss_mask[0].nonzero().flatten().tolist() == [2, 3, 6, 7, 8]
     first = make_teachers(*args, first_draft=True)
-    assert first.loss_mask[0].nonzero().flatten().tolist() == [1, 2, 3, 5, 6, 7, 8]
+    assert first.loss_mask[0].nonzero().flatten().tolist() == [1, 5, 6]
     assert first.teacher[0, 1] == ids[0, 3]  # from the prompt's last token, the answer's second token
+    assert first.teacher[0, 6] == ids[0, 8]  # the last draft: the end of turn itself
+
+
+def test_each_ttt_step_trains_only_chains_that_stay_in_the_answer():
+    """Step i at position t targets token t+2+i: trained only while tokens t+1..t+2+i are all the answer's (with
+    first_draft), where SpecForge's mask shifts along and trains targets after the turn and in the next one."""
+    from eagle3.model import DraftConfig, Eagle3Draft
+
+    ids = torch.tensor([[3, 7, 1, 9, 4, 6, 2, 8, 5, 1, 2, 3]])
+    last, lm_head = perfect_target(ids, 10)
+    mask = torch.tensor([[0, 1, 1, 1, 1, 0, 0, 1, 1, 1, 0, 0]])  # answers: tokens 1-4 and 7-9
+    cfg = DraftConfig(hidden_size=8, intermediate_size=16, num_attention_heads=2, num_key_value_heads=1,
+                      head_dim=4, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=64,
+                      target_vocab_size=10, draft_vocab_size=10, aux_layer_ids=(1, 2, 3))
+    objective = train.TTTObjective(Eagle3Draft(cfg), ttt_length=3)
+    trained = {}
+    for first_draft in (True, False):
+        teachers = make_teachers(ids, mask, last, lm_head, torch.arange(10), torch.ones(10, dtype=torch.bool),
+                                 first_draft=first_draft)
+        trained[first_draft] = [m[0].nonzero().flatten().tolist() for m in train.step_masks(teachers, 3)]
+        _, _, accs, agrees = objective(torch.randn(1, 12, 24), teachers, torch.arange(10))
+        assert agrees.shape == (3, 1, 12) and accs.shape == (3,)
+    assert trained[True] == [[0, 1, 2, 6, 7], [0, 1, 6], [0]]  # t + 2 + i never past tokens 4 and 9
+    assert trained[False] == [[1, 2, 3, 4, 7, 8, 9], [0, 1, 2, 3, 6, 7, 8], [0, 1, 2, 5, 6, 7]]
 
 
 def test_teachers_outside_the_draft_vocab_are_masked_from_the_loss():
@@ -75,12 +101,6 @@ def test_full_vocab_argmax_in_chunks_equals_the_whole(monkeypatch):
     assert torch.equal(make_teachers(*args).teacher, whole.teacher)
 
 
-def test_simulated_accept_length():
-    assert simulated_accept_length([]) == 1.0
-    assert simulated_accept_length([0.5, 0.5, 0.5]) == pytest.approx(1.875)
-    assert simulated_accept_length([1.0] * 7) == 8.0
-
-
 def test_a_short_run_learns_and_leaves_checkpoints_metrics_and_plots(trained_run):
     workdir, summary = trained_run
     out = workdir / "runs" / "train" / "train"
@@ -88,7 +108,8 @@ def test_a_short_run_learns_and_leaves_checkpoints_metrics_and_plots(trained_run
     losses = [r["loss"] for r in records if "loss" in r]
     val = [r for r in records if "val_acc" in r]
     assert losses[-1] < losses[0] * 0.7
-    assert len(val[-1]["val_acc"]) == 7 and val[-1]["val_accept_length"] > 1.5
+    assert len(val[-1]["val_acc"]) == 7 and val[-1]["val_offline_accept_length"] > 1.5
+    assert set(val[-1]["val_offline"]) == {"3", "7"}  # evaluate.draft_lengths
     assert (out / "loss.png").stat().st_size > 10_000 and (out / "accuracy.png").stat().st_size > 10_000
     kept = sorted(p.name for p in (out / "checkpoints").iterdir())
     best = f"step-{summary['best']['step']:06d}"
@@ -101,7 +122,8 @@ def test_a_short_run_learns_and_leaves_checkpoints_metrics_and_plots(trained_run
 
     events = EventAccumulator(str(out / "tensorboard"))
     events.Reload()
-    assert {"loss", "ploss/position_6", "acc/position_0", "acc/position_6", "val_accept_length", "lr"} <= set(
+    assert {"loss", "ploss/position_6", "acc/position_0", "acc/position_6", "val_offline_accept_length",
+            "val_offline/3/mean_accept_length", "lr"} <= set(
         events.Tags()["scalars"]
     )
     assert [e.value for e in events.Scalars("loss")] == pytest.approx(losses)
@@ -245,7 +267,7 @@ def test_the_ttt_objective_with_the_linear_memory_kernel_equals_the_dense_attent
 
     def loss_and_grads():
         draft.zero_grad(set_to_none=True)
-        loss, plosses, accs = objective(aux, teachers, draft_ids)
+        loss, plosses, *_ = objective(aux, teachers, draft_ids)
         loss.backward()
         return plosses.detach(), {n: p.grad.clone() for n, p in draft.named_parameters() if p.requires_grad}
 

@@ -20,6 +20,9 @@ import torch
 from eagle3.fsutil import atomic_dir
 
 STATE, META = "state.pt", "meta.json"
+# The meta figure the best checkpoint is picked by: the offline acceptance length at evaluate.draft_lengths[0]
+# (eagle3.train.Trainer.validate).
+BEST_BY = "val_offline_accept_length"
 
 
 def checkpoint_dirs(root: Path) -> list[Path]:
@@ -51,9 +54,11 @@ def read_meta(path: Path) -> dict:
 
 
 def best_checkpoint(root: Path) -> tuple[Path, dict]:
-    """(directory, meta) of the kept checkpoint with the highest validation acceptance figure (the later step
-    on a tie)."""
+    """(directory, meta) of the kept checkpoint with the highest BEST_BY (the later step on a tie). Checkpoints
+    written before that figure existed (a run resumed across versions) count only when none has it."""
     candidates = [(p, read_meta(p)) for p in checkpoint_dirs(root)]
     if not candidates:
         raise FileNotFoundError(f"{root}: no checkpoint; run the train stage first")
-    return max(candidates, key=lambda c: (c[1]["val_accept_length"], c[1]["step"]))
+    figured = [c for c in candidates if BEST_BY in c[1]] or candidates
+    key = BEST_BY if BEST_BY in figured[0][1] else "val_accept_length"  # (older checkpoints' figure)
+    return max(figured, key=lambda c: (c[1][key], c[1]["step"]))

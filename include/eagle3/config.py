@@ -612,9 +612,10 @@ class TrainConfig(Section):
         description="GPU indices to train on, e.g. [0, 1, 2, 3] for 4 of 8; one rank each. Empty: all visible.",
     )
     first_draft_position: bool = Field(
-        True, title="Train the first draft after prefill",
-        description="Also train the last prompt-template token's position, where SGLang drafts an answer's first "
-        "tokens from. Off: SpecForge's mask exactly.",
+        True, title="Train the drafts decoding makes",
+        description="Train the drafts speculative decoding makes, and only those: from the prompt's last token "
+        "(the first draft after prefill) to the answer's end of turn, each chain only while it stays in the answer. "
+        "Off: SpecForge's mask exactly (targets after the end of turn included).",
     )
     ttt_length: int = Field(
         7, ge=1, le=16, title="Training-time-test steps",
@@ -650,7 +651,8 @@ class TrainConfig(Section):
     )
     keep_last: int = Field(
         2, ge=1, le=1000, title="Checkpoints kept (plus best)",
-        description="Older ones are deleted; the best by simulated acceptance length is kept too.",
+        description="Older ones are deleted; the best by offline acceptance length (decoding replayed on the "
+        "validation split) is kept too.",
     )
     progress_interval_s: float = Field(
         30.0, gt=0, le=3600, title="Progress log interval (s)",

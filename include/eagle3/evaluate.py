@@ -17,9 +17,12 @@ Writes {run dir}/evaluate/:
                 avg_spec_accept_length, which benchmark reports too), the same for the first cycle of each
                 answer (drafted right after prefill) and for the later ones, completion tokens per verify
                 step (meta_info's spec_accept_length, labelled), the acceptance rate of each draft
-                position (where the engine reports steps: not SGLang); beside it the teacher-forced simulated
-                figure from training; and whether every speculative output equalled plain greedy decoding (of the
-                same target in the same backend) token for token (it must: verification makes speculation lossless)
+                position (where the engine reports steps: not SGLang), a 95% interval over prompts, the ceiling
+                (a drafter that always agrees with the target, on the same answers) and the share of it reached
+                (eagle3.acceptance); beside them the offline figure training picked the checkpoint by (decoding
+                replayed on the validation split); and whether every speculative output equalled plain greedy
+                decoding (of the same target in the same backend) token for token (it must: verification makes
+                speculation lossless)
   acceptance.png  acceptance rate per draft position, one line per k
 
 The prompts are the lineage's pinned evaluation set (eagle3.lineage: chosen by its first evaluation, the same for
@@ -36,12 +39,14 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections import Counter
 from dataclasses import dataclass
 
 import torch
 
+from eagle3 import acceptance
 from eagle3.data import SampleTokenizer, read_conversations
 from eagle3.engines import Speculation, engine_for, reached_per_step
 from eagle3.export import load_exported_drafter
@@ -203,28 +208,6 @@ def target_greedy_accuracy(cfg, lm_head: torch.Tensor, max_tokens: int = 100_000
     return hits / total if total else None
 
 
-def acceptance_figures(cycles: list[int], first_cycles: list[int], new_tokens: int, k: int) -> dict:
-    """Acceptance of one draft length from the drafts accepted in each verify step (cycle). The headline is
-    SGLang's scheduler metric, avg_spec_accept_length: tokens committed per verify step, the accepted drafts
-    plus the target's own bonus token. The first cycle of an answer (drafted right after prefill, from the
-    prompt's last token, a position SpecForge's mask never trains) is shown apart, and so are the later ones:
-    on short answers the first cycle is a large share of all."""
-    def per_step(accepted: int, steps: int) -> float:
-        return 1 + accepted / max(steps, 1)
-
-    reached = [sum(a >= j for a in cycles) for j in range(k + 1)]
-    later = (sum(cycles) - sum(first_cycles), len(cycles) - len(first_cycles))
-    return {
-        "mean_accept_length": per_step(sum(cycles), len(cycles)),
-        "first_cycle_accept_length": per_step(sum(first_cycles), len(first_cycles)),
-        "later_cycles_accept_length": per_step(*later),
-        # meta_info's spec_accept_length: completion tokens (prefill's first one too) / verify steps
-        "completion_tokens_per_verify_step": new_tokens / max(len(cycles), 1),
-        "accept_rate_per_position": [reached[j + 1] / max(reached[j], 1) for j in range(k)],
-        "cycles": len(cycles),
-    }
-
-
 def run_evaluate(cfg, hold_promotion: bool = False) -> dict:
     started = time.monotonic()
     (cfg.run_dir / EVALUATE_DIR).mkdir(parents=True, exist_ok=True)
@@ -257,7 +240,9 @@ def run_evaluate(cfg, hold_promotion: bool = False) -> dict:
         "max_new_tokens": cfg.evaluate.max_new_tokens,
         "generated_tokens": sum(len(b) for b in baseline),
         "speculative": results,
-        "simulated_accept_length_teacher_forced": export["val_accept_length"],
+        # per k, decoding replayed on the validation split's stored states (eagle3.train): training's prediction
+        "offline_accept_length": {k: figures["mean_accept_length"] for k, figures in
+                                  (export.get("val_offline") or {}).items()},
         "target_greedy_accuracy_held_out": target_greedy_accuracy(cfg, *measurer.lm_head()),
         "val_acc_per_position": export["val_acc"],
         "hidden_states": extraction_summary(cfg),
@@ -380,11 +365,15 @@ def figures_of(answers: list[tuple[list[int], list[int]]], baseline: list[list[i
     cycles = [a for _, accepted in answers for a in accepted]
     first_cycles = [accepted[0] for _, accepted in answers if accepted]
     identical = sum(tokens == expected for (tokens, _), expected in zip(answers, baseline))
-    figures = acceptance_figures(cycles, first_cycles, sum(len(tokens) for tokens, _ in answers), k)
+    figures = acceptance.figures(cycles, first_cycles, k)
+    # meta_info's spec_accept_length: completion tokens (prefill's first one too) / verify steps
+    figures["completion_tokens_per_verify_step"] = sum(len(tokens) for tokens, _ in answers) / max(len(cycles), 1)
+    figures.update(noise_and_ceiling([(sum(accepted), len(accepted)) for _, accepted in answers], baseline, k,
+                                     figures["mean_accept_length"]))
     figures["identical_to_greedy"] = f"{identical}/{len(baseline)}"
-    log.info("evaluate: %sk=%d: mean acceptance length %.3f over %d cycles (first cycle %.3f); %d/%d outputs equal "
-             "greedy", label, k, figures["mean_accept_length"], len(cycles), figures["first_cycle_accept_length"],
-             identical, len(baseline))
+    log.info("evaluate: %sk=%d: mean acceptance length %.3f %s over %d cycles (first cycle %.3f); %s; %d/%d outputs "
+             "equal greedy", label, k, figures["mean_accept_length"], interval_text(figures), len(cycles),
+             figures["first_cycle_accept_length"], ceiling_text(figures), identical, len(baseline))
     return figures
 
 
@@ -398,10 +387,31 @@ def figures_of_totals(completions: list, baseline: list[list[int]], k: int, labe
                "first_cycle_accept_length": None, "later_cycles_accept_length": None,
                "completion_tokens_per_verify_step": tokens / max(steps, 1), "accept_rate_per_position": None,
                "cycles": steps, "identical_to_greedy": f"{identical}/{len(baseline)}"}
-    log.info("evaluate: %sk=%d: mean acceptance length %.3f over %d cycles (the engine reports totals: no first cycle "
-             "or per-position rates); %d/%d outputs equal greedy", label, k, figures["mean_accept_length"], steps,
-             identical, len(baseline))
+    figures.update(noise_and_ceiling([(c.accepted or 0, c.verify_steps or 0) for c in completions], baseline, k,
+                                     figures["mean_accept_length"]))
+    log.info("evaluate: %sk=%d: mean acceptance length %.3f %s over %d cycles (the engine reports totals: no first "
+             "cycle or per-position rates); %s; %d/%d outputs equal greedy", label, k, figures["mean_accept_length"],
+             interval_text(figures), steps, ceiling_text(figures), identical, len(baseline))
     return figures
+
+
+def noise_and_ceiling(per_prompt: list[tuple[int, int]], baseline: list[list[int]], k: int, measured: float) -> dict:
+    """Beside a measured acceptance length: its 95% interval over prompts (another set of prompts of the same size
+    would differ by about that much), and the ceiling, what a drafter that always agrees with the target would
+    reach on the same greedy answers (eagle3.acceptance.ceiling_cycles), with the share of it reached."""
+    ceiling = [acceptance.ceiling_cycles(len(answer), k) for answer in baseline]
+    ceiling_length = 1 + sum(map(sum, ceiling)) / max(sum(map(len, ceiling)), 1)
+    return {"accept_length_interval95": list(acceptance.interval95(per_prompt)),
+            "ceiling_accept_length": ceiling_length, "share_of_ceiling": measured / ceiling_length}
+
+
+def interval_text(figures: dict) -> str:
+    low, high = figures["accept_length_interval95"]
+    return f"(95% interval over prompts {low:.3f}-{high:.3f})"
+
+
+def ceiling_text(figures: dict) -> str:
+    return f"{figures['share_of_ceiling']:.0%} of the ceiling {figures['ceiling_accept_length']:.3f}"
 
 
 def compare_and_promote(cfg, lineage, pinned: dict, results: dict, ours: str, measure_drafter,
@@ -487,14 +497,16 @@ def plot_acceptance(report: dict, path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
+    offline = report.get("offline_accept_length") or {}
     for k, result in report["speculative"].items():
         rates = result["accept_rate_per_position"] or []  # None: an engine that reports totals only
+        low, high = result.get("accept_length_interval95") or (math.nan, math.nan)
         ax.plot(range(1, len(rates) + 1), rates, marker="o",
-                label=f"k={k}: accept length {result['mean_accept_length']:.2f}"
+                label=f"k={k}: accept length {result['mean_accept_length']:.2f} [{low:.2f}, {high:.2f}] of "
+                f"{result.get('ceiling_accept_length', math.nan):.2f} possible; offline {offline.get(k, math.nan):.2f}"
                 + ("" if rates else " (per position: not reported)"))
     ax.set(xlabel="draft position", ylabel="acceptance rate (given the earlier ones)", ylim=(0, 1.05),
-           title=f"speculative decoding ({report.get('backend', 'hf')}) on {report['prompts']} held-out prompts "
-                 f"(teacher-forced simulated: {report['simulated_accept_length_teacher_forced']:.2f})")
+           title=f"speculative decoding ({report.get('backend', 'hf')}) on {report['prompts']} held-out prompts")
     ax.legend()
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)

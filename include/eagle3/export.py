@@ -139,7 +139,9 @@ def run_export(cfg) -> dict:
     config = drafter_config(draft, architecture, cfg.export.dtype)
     engines = engines_of(config, architecture, list(draft.aux_layer_ids))
     report = {"checkpoint": str(checkpoint), "step": meta["step"], "val_acc": meta["val_acc"],
-              "val_accept_length": meta["val_accept_length"], "dtype": cfg.export.dtype, "engines": engines}
+              # the offline acceptance length per k (decoding replayed on the validation split; older checkpoints
+              # have none)
+              "val_offline": meta.get("val_offline"), "dtype": cfg.export.dtype, "engines": engines}
 
     if out.exists() and json.loads((out / EXPORT_RECORD).read_text()) == report:
         log.info("export: %s already holds step %d", out, meta["step"])
@@ -148,7 +150,9 @@ def run_export(cfg) -> dict:
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
         (tmp / DRAFTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         (tmp / EXPORT_RECORD).write_text(json.dumps(report, indent=2) + "\n")
-    log.info("export: step %d (simulated accept length %.3f) -> %s", meta["step"], meta["val_accept_length"], out)
+    offline = ", ".join(f"k={k} {figures['mean_accept_length']:.3f}"
+                        for k, figures in (report["val_offline"] or {}).items())
+    log.info("export: step %d (offline acceptance length %s) -> %s", meta["step"], offline or "not recorded", out)
     for engine, reading in engines.items():
         if reading["served"]:
             log.info("export: %s reads aux layer ids %s from %s: HF layers %s, as trained", engine, reading["ids"],

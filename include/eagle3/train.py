@@ -8,7 +8,7 @@ gloo on CPU. Under an outside torchrun it just joins.
 
 Reads the hidden-state store and the vocab mapping; writes {run dir}/train/:
   checkpoints/step-NNNNNN/   plain-dict checkpoints (eagle3.checkpoint); the last `train.keep_last` are kept,
-                             plus the best (by simulated acceptance length on the validation split: eagle3.split)
+                             plus the best (by the offline acceptance length on the validation split)
   metrics.jsonl              one line per progress interval and per validation
   tensorboard/               the same as TensorBoard events (tensorboard --logdir RUN_DIR/train/tensorboard)
   loss.png, accuracy.png     at the end
@@ -19,17 +19,18 @@ The objective (SpecForge's, which SGLang-served drafters are trained with):
   shift once   the teacher at position t is the target's distribution after token t+1: the stored final
                hidden state and the input ids are shifted left by one (zero fill); the loss mask is not
                shifted and each sample's own last position is 0
-  first draft  (train.first_draft_position, on by default; off: SpecForge exactly) the position before each
-               answer, the last prompt-template token, is trained too: SGLang's first draft after prefill
-               starts there
+  decoding's   (train.first_draft_position, on by default; off: SpecForge's mask exactly) only the drafts
+  drafts       decoding makes: from the answer's first draft after prefill (the prompt's last token) to its end of
+               turn, each TTT step only while its chain stays in the answer; never a target after the end of turn
   teachers     target logits = target lm_head(final hidden state); teacher token = argmax over the FULL
                vocab (in chunks); p = softmax over the draft-vocab columns, fp32;
                position_mask = t2d[teacher] * loss_mask
   TTT step i   the previous step's output is the next hidden input; ids, p, teacher and masks shift left
                by one after each step; RoPE positions are offset by i
   loss         sum_i 0.8^i * ploss_i, ploss_i = sum(position_mask * -sum(p * log_softmax(logits))) / (B*T)
-  accuracy     acc_i = #(d2t-mapped draft argmax == teacher where loss_mask) / #loss_mask; simulated
-               acceptance length = 1 + sum_k prod_{j<=k} acc_j
+  accuracy     acc_i = #(d2t-mapped draft argmax == teacher where loss_mask) / #loss_mask
+  offline      acceptance length per k of evaluate.draft_lengths: greedy speculative decoding replayed on the
+               validation split's stored states (eagle3.acceptance): what evaluate measures, up to the prompts
 """
 
 from __future__ import annotations
@@ -49,7 +50,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from eagle3.checkpoint import checkpoint_dirs, load_checkpoint, read_meta, save_checkpoint
+from eagle3.acceptance import figures as acceptance_figures
+from eagle3.acceptance import replay
+from eagle3.checkpoint import BEST_BY, checkpoint_dirs, load_checkpoint, read_meta, save_checkpoint
 from eagle3.config import ConfigError
 from eagle3.fsutil import atomic_dir, atomic_write_text
 from eagle3.lineage import Lineage, weights_digest
@@ -90,18 +93,27 @@ class Teachers:
     input_ids: torch.Tensor  # [B, T] ids shifted once: the token after each position
     p: torch.Tensor  # [B, T, Vd] target distribution over the draft vocab, fp32
     teacher: torch.Tensor  # [B, T] the target's argmax over its full vocab
-    position_mask: torch.Tensor  # [B, T] loss_mask AND teacher in the draft vocab
-    loss_mask: torch.Tensor  # [B, T] trained positions (assistant tokens), each sample's last position 0
+    in_draft_vocab: torch.Tensor  # [B, T] the teacher is a draft-vocab token (t2d[teacher])
+    loss_mask: torch.Tensor  # [B, T] positions trained at TTT step 0
+    chained: bool = False  # step i trains only where every step before it did (chains that stay in the answer)
+
+    @property
+    def position_mask(self) -> torch.Tensor:
+        """Step 0's loss positions: trained, with a teacher the drafter can propose."""
+        return self.in_draft_vocab & self.loss_mask
 
 
 def make_teachers(input_ids, loss_mask, last_hidden, target_lm_head, draft_ids, t2d, lengths=None,
                   first_draft: bool = False) -> Teachers:
     """Targets for one padded batch. Never builds [T, full vocab] logits for a whole sample at once.
 
-    lengths: [B] each sample's own length (None: all fill the batch); its last position has no teacher
-    (the state after it is padding), so it is masked per sample. first_draft: also train the position just
-    before each run of loss-masked tokens, the last prompt-template token, from which SGLang drafts the first
-    time after prefill (SpecForge's unshifted mask never trains it)."""
+    loss_mask: [B, T] the answer tokens (assistant turns). lengths: [B] each sample's own length (None: all fill
+    the batch); its last position has no teacher (the state after it is padding), so it is masked per sample.
+    first_draft: train the drafts decoding makes, and only those: position t drafts once tokens t+1 and t+2 are
+    the answer's (from the prompt's last token, where the first draft after prefill starts, to two before the end
+    of turn), and TTT step i only while tokens up to t+2+i are (chains never run past the end of turn). Without
+    it, SpecForge's mask: every answer token's position, shifted along each step, targets after the end of turn
+    included."""
     last = shift_left(last_hidden).float()
     teacher = torch.empty(last.shape[:2], dtype=torch.long, device=last.device)
     flat_last, flat_teacher = last.view(-1, last.shape[-1]), teacher.view(-1)
@@ -109,27 +121,29 @@ def make_teachers(input_ids, loss_mask, last_hidden, target_lm_head, draft_ids, 
         chunk = flat_last[start : start + LOGIT_CHUNK]
         flat_teacher[start : start + LOGIT_CHUNK] = (chunk @ target_lm_head.T).argmax(-1)
     p = (last @ target_lm_head[draft_ids].T).softmax(-1)
-    loss_mask = loss_mask.bool()
-    if first_draft:
-        loss_mask = loss_mask | shift_left(loss_mask)
     positions = torch.arange(loss_mask.shape[1], device=loss_mask.device)
     if lengths is None:
         lengths = torch.full(loss_mask.shape[:1], loss_mask.shape[1], device=loss_mask.device)
-    loss_mask = loss_mask & (positions[None] < lengths[:, None] - 1)
-    return Teachers(shift_left(input_ids), p, teacher, t2d[teacher] & loss_mask, loss_mask)
+    answer = loss_mask.bool() & (positions[None] < lengths[:, None])
+    if first_draft:
+        trained = shift_left(answer) & shift_left(shift_left(answer))
+    else:
+        trained = answer & (positions[None] < lengths[:, None] - 1)
+    return Teachers(shift_left(input_ids), p, teacher, t2d[teacher], trained, chained=first_draft)
 
 
-def simulated_accept_length(accs: list[float]) -> float:
-    """1 + sum_k prod_{j<=k} acc_j: expected tokens per verification step of a chain drafter."""
-    total, running = 1.0, 1.0
-    for acc in accs:
-        running *= acc
-        total += running
-    return total
+def step_masks(t: Teachers, steps: int) -> list[torch.Tensor]:
+    """The positions each TTT step trains: step 0's, then shifted along one token a step (SpecForge's), or, for
+    chained teachers, only where the step before trained too (a chain that left the answer stays out)."""
+    masks = [t.loss_mask]
+    for _ in range(steps - 1):
+        masks.append(masks[-1] & shift_left(masks[-1]) if t.chained else shift_left(masks[-1]))
+    return masks
 
 
 class TTTObjective(nn.Module):
-    """The drafter unrolled for ttt_length steps; forward returns (loss, plosses, accs). DDP wraps this."""
+    """The drafter unrolled for ttt_length steps. forward returns (loss, plosses, accs, agrees): agrees[i] is
+    where step i's draft (mapped through d2t) equals the teacher, at every position. DDP wraps this."""
 
     def __init__(self, draft: Eagle3Draft, ttt_length: int):
         super().__init__()
@@ -139,19 +153,20 @@ class TTTObjective(nn.Module):
         b, n = t.input_ids.shape
         positions = torch.arange(n, device=aux.device)[None].expand(b, n)
         hidden, cache = self.draft.fc(aux), []
-        ids, p, teacher, position_mask, loss_mask = t.input_ids, t.p, t.teacher, t.position_mask, t.loss_mask
-        loss, plosses, accs = 0.0, [], []
-        for i in range(self.ttt_length):
+        ids, p, teacher, in_draft_vocab = t.input_ids, t.p, t.teacher, t.in_draft_vocab
+        loss, plosses, accs, agrees = 0.0, [], [], []
+        for i, mask in enumerate(step_masks(t, self.ttt_length)):
             logits, hidden = self.draft.step(ids, hidden, positions + i, cache)
             logp = F.log_softmax(logits.float(), dim=-1)
-            ploss = -(position_mask[..., None] * p * logp).sum() / (b * n)
-            hits = (draft_ids[logits.argmax(-1)] == teacher) & loss_mask
-            accs.append(hits.sum() / loss_mask.sum().clamp(min=1))
+            ploss = -((in_draft_vocab & mask)[..., None] * p * logp).sum() / (b * n)
+            agree = draft_ids[logits.argmax(-1)] == teacher
+            accs.append((agree & mask).sum() / mask.sum().clamp(min=1))
             plosses.append(ploss)
+            agrees.append(agree)
             loss = loss + STEP_DECAY**i * ploss
-            ids, p, teacher = shift_left(ids), shift_left(p), shift_left(teacher)
-            position_mask, loss_mask = shift_left(position_mask), shift_left(loss_mask)
-        return loss, torch.stack(plosses), torch.stack(accs)
+            ids, p, teacher, in_draft_vocab = shift_left(ids), shift_left(p), shift_left(teacher), \
+                shift_left(in_draft_vocab)
+        return loss, torch.stack(plosses), torch.stack(accs), torch.stack(agrees)
 
 
 # -- data ---------------------------------------------------------------------------------------
@@ -336,6 +351,8 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng"])
         self.step, self.best = state["step"], state["best"]
+        if self.best.get("figure") != BEST_BY:  # a run begun before the offline figure: compare like with like
+            self.best = {"step": None, "accept_length": -1.0}
         metrics_file = self.cfg.run_dir / TRAIN_METRICS
         if self.rank == 0 and metrics_file.exists():  # drop what the killed run logged past its checkpoint
             kept = [line for line in metrics_file.read_text().splitlines() if json.loads(line)["step"] <= self.step]
@@ -375,7 +392,7 @@ class Trainer:
         batch = self.store.batch(sample_ids, self.device)
         teachers = self.teachers(batch)
         with self.autocast():
-            loss, plosses, accs = self.ddp(batch["aux_hidden_states"], teachers, self.draft_ids)
+            loss, plosses, accs, _ = self.ddp(batch["aux_hidden_states"], teachers, self.draft_ids)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.objective.parameters(), self.cfg.train.max_grad_norm)
         self.optimizer.step()
@@ -385,37 +402,55 @@ class Trainer:
 
     @torch.no_grad()
     def validate(self) -> dict:
+        """Loss and per-step accuracy on the validation split, and the offline acceptance length per k of
+        evaluate.draft_lengths: greedy decoding replayed on the stored states (eagle3.acceptance.replay); the
+        first k's picks the best checkpoint."""
         hits, count, loss_sum, batches = None, 0, 0.0, 0
+        cycles = {k: ([], []) for k in self.cfg.evaluate.draft_lengths}  # drafts accepted per cycle; first cycles'
         for sample_ids in plan_epoch(self.val_ids, self.cfg.train.batch_tokens, self.cfg.seed, epoch=0):
             batch = self.store.batch(sample_ids, self.device)
             t = self.teachers(batch)
             with self.autocast():
-                loss, _, accs = self.objective(batch["aux_hidden_states"], t, self.draft_ids)
+                loss, _, accs, agrees = self.objective(batch["aux_hidden_states"], t, self.draft_ids)
             weight = int(t.loss_mask.sum())
             hits = accs * weight if hits is None else hits + accs * weight
             count, loss_sum, batches = count + weight, loss_sum + loss.item(), batches + 1
-        accs = (hits / max(count, 1)).tolist() if hits is not None else []
-        return {"val_loss": loss_sum / max(batches, 1), "val_acc": accs,
-                "val_accept_length": simulated_accept_length(accs)}
+            agrees, answers = agrees.cpu().numpy(), batch["loss_mask"].bool().cpu().numpy()
+            for row, length in enumerate(batch["lengths"].tolist()):
+                for k, (all_cycles, first_cycles) in cycles.items():
+                    these, firsts = replay(agrees[:, row, :length], answers[row, :length], k)
+                    all_cycles += these
+                    first_cycles += firsts
+        offline = {str(k): acceptance_figures(c, f, min(k, self.cfg.train.ttt_length)) for k, (c, f) in cycles.items()}
+        return {"val_loss": loss_sum / max(batches, 1), "val_acc": (hits / max(count, 1)).tolist() if hits is not None
+                else [], "val_offline": offline,
+                BEST_BY: offline[str(self.cfg.evaluate.draft_lengths[0])]["mean_accept_length"]}
 
     def log_metrics(self, metrics_file: Path, record: dict) -> None:
-        """One record to metrics.jsonl and to TensorBoard (rank 0 only)."""
+        """One record to metrics.jsonl and to TensorBoard (rank 0 only): lists by position, dicts by key."""
         with open(metrics_file, "a") as f:
             f.write(json.dumps(record) + "\n")
+
+        def scalars(tag: str, value):
+            if isinstance(value, dict):
+                for key, inner in value.items():
+                    yield from scalars(f"{tag}/{key}", inner)
+            elif isinstance(value, list):
+                for i, inner in enumerate(value):
+                    yield from scalars(f"{tag}/position_{i}", inner)
+            elif value is not None:
+                yield tag, value
+
         for key, value in record.items():
-            if key == "step":
-                continue
-            if isinstance(value, list):
-                for i, v in enumerate(value):
-                    self.tensorboard.add_scalar(f"{key}/position_{i}", v, record["step"])
-            else:
-                self.tensorboard.add_scalar(key, value, record["step"])
+            if key != "step":
+                for tag, scalar in scalars(key, value):
+                    self.tensorboard.add_scalar(tag, scalar, record["step"])
         self.tensorboard.flush()
 
     def save(self, metrics_file: Path) -> None:
         val = self.validate()
-        if val["val_accept_length"] > self.best["accept_length"]:
-            self.best = {"step": self.step, "accept_length": val["val_accept_length"]}
+        if val[BEST_BY] > self.best["accept_length"]:
+            self.best = {"step": self.step, "accept_length": val[BEST_BY], "figure": BEST_BY}
         self.log_metrics(metrics_file, {"step": self.step, **val})
         state = {"model": self.trainable_state(), "optimizer": self.optimizer.state_dict(),
                  "scheduler": self.scheduler.state_dict(), "rng": torch.get_rng_state(), "step": self.step,
@@ -424,8 +459,10 @@ class Trainer:
                 "draft_config": self.draft.cfg.to_json()}
         started = time.monotonic()
         path = save_checkpoint(self.ckpt_root, state, meta, self.cfg.train.keep_last, self.best["step"])
-        log.info("train: step %d: val acc %s, simulated accept length %.3f; saved %s in %.2fs",
-                 self.step, [round(a, 3) for a in val["val_acc"]], val["val_accept_length"], path,
+        offline = ", ".join(f"k={k} {figures['mean_accept_length']:.3f} (first cycle "
+                            f"{figures['first_cycle_accept_length']:.3f})" for k, figures in val["val_offline"].items())
+        log.info("train: step %d: val acc %s; offline acceptance length (decoding replayed on the validation split) "
+                 "%s; saved %s in %.2fs", self.step, [round(a, 3) for a in val["val_acc"]], offline, path,
                  time.monotonic() - started)
 
     def run(self) -> dict:
@@ -485,13 +522,18 @@ def plot_metrics(metrics_file: Path, loss_png: Path, accuracy_png: Path) -> None
     fig.savefig(loss_png, dpi=120, bbox_inches="tight")
     plt.close(fig)
     if val:
-        fig, ax = plt.subplots(figsize=(7, 4))
-        accs = np.array([r["val_acc"] for r in val])
+        fig, (accuracy, acceptance) = plt.subplots(1, 2, figsize=(12, 4))
+        steps, accs = [r["step"] for r in val], np.array([r["val_acc"] for r in val])
         for i in range(accs.shape[1]):
-            ax.plot([r["step"] for r in val], accs[:, i], marker="o", label=f"position {i}")
-        ax.set(xlabel="step", ylabel="validation accuracy", ylim=(0, 1),
-               title=f"per-position accuracy (final simulated accept length {val[-1]['val_accept_length']:.2f})")
-        ax.legend(fontsize=8)
+            accuracy.plot(steps, accs[:, i], marker="o", label=f"position {i}")
+        accuracy.set(xlabel="step", ylabel="validation accuracy", ylim=(0, 1), title="per-position accuracy")
+        accuracy.legend(fontsize=8)
+        for k in val[-1].get("val_offline") or {}:
+            acceptance.plot(steps, [(r.get("val_offline") or {}).get(k, {}).get("mean_accept_length") for r in val],
+                            marker="o", label=f"k={k}")
+        acceptance.set(xlabel="step", ylabel="tokens per verify step",
+                       title="offline acceptance length (decoding replayed on the validation split)")
+        acceptance.legend(fontsize=8)
         fig.savefig(accuracy_png, dpi=120, bbox_inches="tight")
         plt.close(fig)
 
