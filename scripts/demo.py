@@ -210,16 +210,18 @@ def print_summary(run_dir: Path, total_s: float) -> None:
     print(f"train       {job_seconds(run_dir, 'train'):<15} {train['steps']} steps; best step {train['best']['step']}")
     print(f"export      {job_seconds(run_dir, 'export'):<15} val acc per position "
           f"{[round(a, 3) for a in report['val_acc_per_position']]}")
-    print(f"            {'':15} simulated (teacher-forced) acceptance length "
-          f"{report['simulated_accept_length_teacher_forced']:.3f}")
+    offline = ", ".join(f"k={k} {value:.3f}" for k, value in report["offline_accept_length"].items())
+    print(f"            {'':15} offline acceptance length (decoding replayed on the validation split): {offline}")
     served = [f"{engine} (reads {reading['ids']} from {reading['reads']}: HF layers {reading['hf_layers']})"
               for engine, reading in (report.get("engines") or {}).items() if reading["served"]]
     print(f"            {'':15} serves {', '.join(served) or 'no engine'}")
     for k, result in report["speculative"].items():
+        low, high = result["accept_length_interval95"]
         print(f"evaluate    {job_seconds(run_dir, 'evaluate'):<15} k={k}: measured acceptance length "
-              f"{result['mean_accept_length']:.3f} (first cycle {result['first_cycle_accept_length']:.3f}, later "
-              f"{result['later_cycles_accept_length']:.3f}) on {report['prompts']} held-out prompts; "
-              f"outputs equal to greedy: {result['identical_to_greedy']}")
+              f"{result['mean_accept_length']:.3f} (95% interval {low:.3f}-{high:.3f}; first cycle "
+              f"{result['first_cycle_accept_length']:.3f}, later {result['later_cycles_accept_length']:.3f}) on "
+              f"{report['prompts']} held-out prompts, {result['share_of_ceiling']:.0%} of the ceiling "
+              f"{result['ceiling_accept_length']:.3f}; outputs equal to greedy: {result['identical_to_greedy']}")
     promotion = report["promotion"]
     print(f"promotion   {'':15} {'promoted' if promotion['promoted'] else 'not promoted'}: {promotion['reason']}; "
           f"current drafter of the lineage: {promotion.get('current', '-')}")

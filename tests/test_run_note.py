@@ -10,7 +10,9 @@ from eagle3_airflow.run_note import NOTE_LIMIT, NOTE_TITLE, failure_markdown, no
 SUMMARY = {
     "run_dir": "/data/eagle3/runs/week-48",
     "drafter": "/data/eagle3/runs/week-48/drafter",
-    "simulated_accept_length": 5.144,
+    "offline_accept_length": {"3": 2.744, "7": 3.317},
+    "ceiling_accept_length": {"3": 3.48, "7": 5.79},
+    "accept_length_interval95": {"3": [2.61, 3.02], "7": [3.1, 3.7]},
     "measured_accept_length": {"3": 2.821, "7": 3.406},
     "hidden_states": {"store": "/data/eagle3/stores/ab12", "samples": 1078, "extracted": 98, "reused": 980},
     "promotion": {
@@ -26,6 +28,8 @@ def test_a_promoted_run_says_so_with_both_drafters_figures_and_where_the_drafter
     assert note.startswith(f"{NOTE_TITLE}: promoted\n")
     assert SUMMARY["promotion"]["reason"] in note
     assert "| 3 | 2.821 | 2.538 |" in note and "| 7 | 3.406 | 2.351 |" in note
+    # each measured figure beside its noise, its ceiling (and the share of it reached) and training's prediction
+    assert "| 3 | 2.821 | 2.538 | 2.610-3.020 | 3.480 (81%) | 2.744 |" in note
     assert "98 extracted, 980 reused" in note
     assert "`/data/eagle3/runs/week-48/drafter`" in note and "`/data/eagle3/drafters/f209/current`" in note
 

@@ -27,7 +27,7 @@ PNG = b"\x89PNG\r\n\x1a\n" + b"\0" * 64
 
 REPORT = {
     "val_acc_per_position": [0.61, 0.42],
-    "simulated_accept_length_teacher_forced": 2.05,
+    "offline_accept_length": {"3": 1.91},
     "speculative": {"3": {"mean_accept_length": 1.87}},
     "hidden_states": {"store": "/w/stores/ab", "samples": 48, "extracted": 48, "reused": 0},
     "promotion": {"promoted": True, "reason": "the lineage's first drafter (k=3: 1.870)", "lineage": "f209",

@@ -31,7 +31,7 @@ from eagle3_airflow.airflow_internals import DagAccessEntity, SessionDep, requir
 from eagle3_airflow.deployment import Deployment
 from eagle3_airflow.params import ParamsError
 from eagle3_airflow.published import PUBLISHED_REPORT, NotPublished, read_manifest, read_published, run_folder
-from eagle3_airflow.run_note import figure, verdict
+from eagle3_airflow.run_note import BESIDE_MEASURED, beside_measured, figure, verdict
 
 app = FastAPI(title="EAGLE-3 run report", docs_url=None, redoc_url=None, openapi_url=None)  # pages, not an API
 CanReadRuns = [Depends(requires_access_dag("GET", DagAccessEntity.RUN))]
@@ -115,14 +115,14 @@ def _summary_html(summary: dict, manifest: dict) -> Escaped:
     ours = summary.get("measured_accept_length") or {}
     theirs = (promotion.get("current_before") or {}).get("accept_length") or {}
     if ours:
-        rows = "".join(f"<tr><td>{e(k)}</td><td>{e(figure(value))}</td><td>{e(figure(theirs.get(k)))}</td></tr>"
+        rows = "".join(f"<tr><td>{e(k)}</td><td>{e(figure(value))}</td><td>{e(figure(theirs.get(k)))}</td>"
+                       + "".join(f"<td>{e(cell)}</td>" for cell in beside_measured(summary, k)) + "</tr>"
                        for k, value in ours.items())
         parts.append("<table id='acceptance'><tr><th>draft length k</th><th>acceptance length</th>"
-                     f"<th>current drafter</th></tr>{rows}</table>")
+                     "<th>current drafter</th>" + "".join(f"<th>{e(name)}</th>" for name in BESIDE_MEASURED)
+                     + f"</tr>{rows}</table>")
     states = summary.get("hidden_states") if isinstance(summary.get("hidden_states"), dict) else None
-    simulated = summary.get("simulated_accept_length")
     facts = {
-        "teacher-forced simulated acceptance": None if simulated is None else figure(simulated),
         "val accuracy per position": summary.get("val_acc_per_position"),
         "hidden states": states and (f"{states.get('samples')} samples: {states.get('extracted')} extracted by this "
                                      f"run, {states.get('reused')} reused from the store {states.get('store')}"),

@@ -72,8 +72,12 @@ def summarize(plan: RunPlan, evaluation: dict, plots: list[str], benchmark: dict
             "report": f"{plan.run_dir}/{REPORT}",
             "plots": [f"{plan.run_dir}/{name}" for name in plots],
             "val_acc_per_position": [round(float(a), 3) for a in evaluation["val_acc_per_position"]],
-            "simulated_accept_length": evaluation["simulated_accept_length_teacher_forced"],
             "measured_accept_length": {k: v["mean_accept_length"] for k, v in evaluation["speculative"].items()},
+            # beside it: its noise over prompts, the ceiling on the same answers, training's offline prediction
+            "accept_length_interval95": {k: v.get("accept_length_interval95")
+                                         for k, v in evaluation["speculative"].items()},
+            "ceiling_accept_length": {k: v.get("ceiling_accept_length") for k, v in evaluation["speculative"].items()},
+            "offline_accept_length": evaluation.get("offline_accept_length"),
             # samples extracted by this run, and reused from the store runs with the same capture share
             "hidden_states": evaluation.get("hidden_states"),
             # measured against the lineage's current drafter on its pinned prompts; promoted or not, and why

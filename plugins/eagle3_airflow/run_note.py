@@ -70,12 +70,13 @@ def note_markdown(summary: dict, failed_tasks: list[str] | None = None, headline
     ours = _mapping(summary.get("measured_accept_length"))
     theirs = _mapping(_mapping(promotion.get("current_before")).get("accept_length"))
     if ours:
-        lines += ["| k | acceptance length | current drafter |", "|---|---|---|"]
-        lines += [f"| {text(k)} | {number(value)} | {figure(theirs.get(k))} |" for k, value in ours.items()]
+        lines += ["| k | acceptance length | current drafter | " + " | ".join(BESIDE_MEASURED) + " |",
+                  "|---|---|---|" + "---|" * len(BESIDE_MEASURED)]
+        for k, value in ours.items():
+            cells = [text(k), number(value), figure(theirs.get(k)), *beside_measured(summary, k)]
+            lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
     facts = []
-    if summary.get("simulated_accept_length") is not None:
-        facts.append(f"teacher-forced simulated: {number(summary['simulated_accept_length'])}")
     states = _mapping(summary.get("hidden_states"))
     if states:
         facts.append(f"hidden states: {number(states.get('extracted'), 'd')} extracted, "
@@ -105,6 +106,23 @@ def verdict(summary: dict) -> str:
         return "promoted"
     # approve_promotion: the run ended with its proposal; the promotion DAG asks a person
     return "proposed, awaiting approval" if promotion.get("pending_approval") is True else "not promoted"
+
+
+BESIDE_MEASURED = ("95% interval over prompts", "ceiling (share reached)", "offline (validation split)")
+
+
+def beside_measured(summary: dict, k: str) -> list[str]:
+    """What puts the measured acceptance length at k in proportion (BESIDE_MEASURED): its noise over prompts, what a
+    drafter that always agrees with the target would reach, and what training predicted offline."""
+    measured = _mapping(summary.get("measured_accept_length")).get(k)
+    interval = _mapping(summary.get("accept_length_interval95")).get(k)
+    ceiling = _mapping(summary.get("ceiling_accept_length")).get(k)
+    numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (measured, ceiling))
+    return [
+        f"{number(interval[0])}-{number(interval[1])}" if isinstance(interval, list) and len(interval) == 2 else "-",
+        f"{number(ceiling)} ({measured / ceiling:.0%})" if numeric and ceiling > 0 else figure(ceiling),
+        figure(_mapping(summary.get("offline_accept_length")).get(k)),
+    ]
 
 
 def figure(value) -> str:
