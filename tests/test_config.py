@@ -461,6 +461,20 @@ def test_the_drafters_heads_must_split_across_every_serving_tp_size(tmp_path):
     assert fixed.returncode == 0, fixed.stderr
     assert "num_key_value_heads" in error_of(with_changes(serve={"tp_sizes": [3]}, drafter={
         "num_attention_heads": 6, "num_key_value_heads": 2}))
+    # The engine this run starts with the drafter (benchmark, evaluate.backend server) serves at server.tp_size.
+    _, served = kimi_init(tmp_path, "server-tp16", serve={"tp_sizes": [8]}, server={"tp_size": 16},
+                          benchmark={"enabled": True})
+    assert served.returncode == 2 and "56 heads do not split across tp 16 (server.tp_size)" in served.stderr
+    _, unserved = kimi_init(tmp_path, "server-tp16-unused", serve={"tp_sizes": [8]}, server={"tp_size": 16})
+    assert unserved.returncode == 0, unserved.stderr  # generate's server does not load the drafter
+
+
+def test_two_batch_overlap_is_refused_for_extraction():
+    """SGLang's two-batch overlap runs a DeepSeek model's later layers without capturing their aux states
+    (sglang 0.5.23 deepseek_v2.py): the store would lack them. Refused before the GPUs are taken."""
+    message = error_of(with_changes(extract={"backend": "sglang",
+                                             "sglang": {"extra_args": {"enable_two_batch_overlap": True}}}))
+    assert "enable_two_batch_overlap" in message and "two-batch overlap" in message
 
 
 def test_a_shallow_targets_default_aux_layers_are_three_distinct_layers():

@@ -433,6 +433,9 @@ class SglangEngineConfig(Section):
         "disable_overlap_schedule",
     )
     SPREAD_OVER_GPUS: ClassVar[tuple[str, ...]] = ("dp_size", "pp_size", "gpu_id_step")
+    # Two-batch overlap runs a DeepSeek model's layers after its dense ones through model_forward_stages, which
+    # captures no aux state (sglang 0.5.23 srt/models/deepseek_v2.py): the later aux layers would come back empty.
+    LOSES_AUX_STATES: ClassVar[tuple[str, ...]] = ("enable_two_batch_overlap",)
     KEPT_LOCAL: ClassVar[tuple[str, ...]] = ("host", "port", "dist_init_addr", "nccl_init_addr", "nnodes", "node_rank")
 
     @field_validator("extra_args")
@@ -447,6 +450,8 @@ class SglangEngineConfig(Section):
             (cls.FOR_CAPTURE, "are set by the capture backend for capture to work: remove them"),
             (cls.SPREAD_OVER_GPUS, "would spread a shard over more GPUs than its group (and pp_size > 1 cannot "
              "capture aux states): use extract.num_shards for data parallelism"),
+            (cls.LOSES_AUX_STATES, "would run the layers after the dense ones without capturing their aux states "
+             "(SGLang's two-batch overlap): remove them for extraction (serving may still use them)"),
             (cls.KEPT_LOCAL, "are the engine's own: one capture engine runs on one box, reached by no one else; "
              "remove them"),
         ):
@@ -840,22 +845,25 @@ class RunConfig(Section):
         return workdir
 
     def _check_served_tp(self) -> None:
-        """Every serving TP size splits the drafter's attention heads evenly, and its KV heads evenly or replicates
-        them evenly (tp a multiple of them): what SGLang's and vLLM's tensor-parallel attention need."""
+        """Every TP size the drafter is served at splits its attention heads evenly, and its KV heads evenly or
+        replicates them evenly (tp a multiple of them): what SGLang's and vLLM's tensor-parallel attention need.
+        Those are serve.tp_sizes, and server.tp_size where this run serves the drafter itself (evaluate.backend
+        server, benchmark)."""
         heads, kv = self.drafter.num_attention_heads, self.drafter.num_key_value_heads
-        for tp in self.serve.tp_sizes:
+        served_here = self.evaluate.backend == "server" or self.benchmark.enabled
+        for tp in sorted(set(self.serve.tp_sizes) | ({self.server.tp_size} if served_here else set())):
+            where = f"serve.tp_sizes {self.serve.tp_sizes}" if tp in self.serve.tp_sizes else "server.tp_size"
             if heads is not None and heads % tp:
                 fits = next((h for h in range(heads, 4097) if h % tp == 0 and (kv is None or h % kv == 0)), None)
                 raise ValueError(
-                    f"drafter.num_attention_heads: {heads} heads do not split across tp {tp} (serve.tp_sizes "
-                    f"{self.serve.tp_sizes}); set drafter.num_attention_heads to a multiple of {tp}"
+                    f"drafter.num_attention_heads: {heads} heads do not split across tp {tp} ({where}); set "
+                    f"drafter.num_attention_heads to a multiple of {tp}"
                     + (f", e.g. {fits} (with head_dim {self.drafter.head_dim}: the attention is then "
                        f"{fits * self.drafter.head_dim} wide, the hidden size stays)" if fits and self.drafter.head_dim
                        else ""))
             if kv is not None and kv % tp and tp % kv:
                 raise ValueError(f"drafter.num_key_value_heads: {kv} KV heads neither split across nor replicate "
-                                 f"evenly over tp {tp} (serve.tp_sizes {self.serve.tp_sizes}); pick a divisor or a "
-                                 f"multiple of {tp}")
+                                 f"evenly over tp {tp} ({where}); pick a divisor or a multiple of {tp}")
 
     # -- derived paths: all outputs live under run_dir, so a copy of the config with another
     #    workdir/run_name is a new, independent run.

@@ -269,6 +269,8 @@ class Trainer:
         if self.distributed:
             die_with_parent()
             dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+            if torch.cuda.is_available():  # (all_gather_object sends through the current device: this rank's own)
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         self.rank = dist.get_rank() if self.distributed else 0
         self.world = dist.get_world_size() if self.distributed else 1
         self.device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available()
@@ -404,27 +406,39 @@ class Trainer:
     def validate(self) -> dict:
         """Loss and per-step accuracy on the validation split, and the offline acceptance length per k of
         evaluate.draft_lengths: greedy decoding replayed on the stored states (eagle3.acceptance.replay); the
-        first k's picks the best checkpoint."""
-        hits, count, loss_sum, batches = None, 0, 0.0, 0
-        cycles = {k: ([], []) for k in self.cfg.evaluate.draft_lengths}  # drafts accepted per cycle; first cycles'
-        for sample_ids in plan_epoch(self.val_ids, self.cfg.train.batch_tokens, self.cfg.seed, epoch=0):
+        first k's picks the best checkpoint. Every rank validates its share of the batches and the sums are
+        gathered: no rank waits idle in a collective while another validates (NCCL's watchdog ends a collective
+        after 10 minutes)."""
+        steps, ks = self.cfg.train.ttt_length, self.cfg.evaluate.draft_lengths
+        share = {"loss": 0.0, "batches": 0, "hits": [0.0] * steps, "count": 0,
+                 "cycles": {k: ([], []) for k in ks}}  # per k: drafts accepted per cycle, and those of first cycles
+        batches = plan_epoch(self.val_ids, self.cfg.train.batch_tokens, self.cfg.seed, epoch=0)
+        for sample_ids in batches[self.rank :: self.world]:
             batch = self.store.batch(sample_ids, self.device)
             t = self.teachers(batch)
             with self.autocast():
                 loss, _, accs, agrees = self.objective(batch["aux_hidden_states"], t, self.draft_ids)
             weight = int(t.loss_mask.sum())
-            hits = accs * weight if hits is None else hits + accs * weight
-            count, loss_sum, batches = count + weight, loss_sum + loss.item(), batches + 1
+            share["hits"] = [hit + acc * weight for hit, acc in zip(share["hits"], accs.tolist())]
+            share["count"], share["loss"], share["batches"] = share["count"] + weight, share["loss"] + loss.item(), \
+                share["batches"] + 1
             agrees, answers = agrees.cpu().numpy(), batch["loss_mask"].bool().cpu().numpy()
             for row, length in enumerate(batch["lengths"].tolist()):
-                for k, (all_cycles, first_cycles) in cycles.items():
+                for k, (all_cycles, first_cycles) in share["cycles"].items():
                     these, firsts = replay(agrees[:, row, :length], answers[row, :length], k)
                     all_cycles += these
                     first_cycles += firsts
-        offline = {str(k): acceptance_figures(c, f, min(k, self.cfg.train.ttt_length)) for k, (c, f) in cycles.items()}
-        return {"val_loss": loss_sum / max(batches, 1), "val_acc": (hits / max(count, 1)).tolist() if hits is not None
-                else [], "val_offline": offline,
-                BEST_BY: offline[str(self.cfg.evaluate.draft_lengths[0])]["mean_accept_length"]}
+        shares = [share]
+        if self.distributed:
+            shares = [None] * self.world
+            dist.all_gather_object(shares, share)
+        count = sum(s["count"] for s in shares)
+        offline = {str(k): acceptance_figures([c for s in shares for c in s["cycles"][k][0]],
+                                              [c for s in shares for c in s["cycles"][k][1]], min(k, steps))
+                   for k in ks}
+        return {"val_loss": sum(s["loss"] for s in shares) / max(sum(s["batches"] for s in shares), 1),
+                "val_acc": [sum(s["hits"][i] for s in shares) / max(count, 1) for i in range(steps)] if count else [],
+                "val_offline": offline, BEST_BY: offline[str(ks[0])]["mean_accept_length"]}
 
     def log_metrics(self, metrics_file: Path, record: dict) -> None:
         """One record to metrics.jsonl and to TensorBoard (rank 0 only): lists by position, dicts by key."""
@@ -447,8 +461,8 @@ class Trainer:
                     self.tensorboard.add_scalar(tag, scalar, record["step"])
         self.tensorboard.flush()
 
-    def save(self, metrics_file: Path) -> None:
-        val = self.validate()
+    def save(self, metrics_file: Path, val: dict) -> None:
+        """Record the validation `val` and write a checkpoint (rank 0)."""
         if val[BEST_BY] > self.best["accept_length"]:
             self.best = {"step": self.step, "accept_length": val[BEST_BY], "figure": BEST_BY}
         self.log_metrics(metrics_file, {"step": self.step, **val})
@@ -490,8 +504,9 @@ class Trainer:
                 self.log_metrics(metrics_file, {"step": self.step, "loss": loss, "ploss": plosses, "acc": accs,
                                                 "tokens_per_s": rate, "lr": self.scheduler.get_last_lr()[0]})
             if self.step % self.cfg.train.save_every_steps == 0 or self.step == self.total_steps:
+                val = self.validate()  # every rank validates a share
                 if self.rank == 0:
-                    self.save(metrics_file)
+                    self.save(metrics_file, val)
                 if self.distributed:
                     dist.barrier()
         if self.rank == 0:
