@@ -101,13 +101,13 @@ def test_a_promotion_held_for_approval_switches_only_when_promoted_and_never_ove
     lineage = Lineage(first)
     held = run_evaluate(first, hold_promotion=True)["promotion"]
     assert (held["promoted"], held["pending_approval"]) == (False, True) and lineage.current() is None
-    promoted = promote_held(first, "alice")
+    promoted = promote_held(first, "alice", approved(first))
     assert promoted["promoted"] and promoted["reason"].endswith("; approved") and promoted["approved_by"] == "alice"
     assert lineage.current().name == promoted["version"] and lineage.current().record["approved"] is True
     assert lineage.current().record["approved_by"] == "alice"
     report = json.loads((first.run_dir / "evaluate" / "report.json").read_text())
     assert report["promotion"] == promoted
-    again = promote_held(first, "alice")  # a retried promote task
+    again = promote_held(first, "alice", approved(first))  # a retried promote task
     assert again == {**promoted, "already_current": True, "reason": promoted["reason"] + "; already current"}
     assert json.loads((first.run_dir / "evaluate" / "report.json").read_text()) == report
 
@@ -115,11 +115,11 @@ def test_a_promotion_held_for_approval_switches_only_when_promoted_and_never_ove
     assert run_evaluate(good, hold_promotion=True)["promotion"]["pending_approval"]
     other = run_like(trained_config, make_config, "other", noise=0.5)  # measured and promoted while good waits
     assert run_evaluate(other)["promotion"]["promoted"]
-    late = promote_held(good, "alice")
+    late = promote_held(good, "alice", approved(good))
     assert not late["promoted"] and "another run promoted a drafter since" in late["reason"]
     assert lineage.current().name.startswith("other-")
     with pytest.raises(ValueError, match="held no promotion for approval"):  # settled: nothing is pending any more
-        promote_held(good, "alice")
+        promote_held(good, "alice", approved(good))
 
 
 def test_old_versions_beyond_keep_versions_are_removed(trained_config, make_config):
@@ -235,10 +235,16 @@ def held_drafter(cfg, files: dict[str, bytes] | None = None) -> Path:
         (drafter / name).write_bytes(data)
     record = {"run": cfg.run_name, "run_dir": str(cfg.run_dir), "weights_sha256": weights_digest(drafter),
               "accept_length": {"3": 2.5}, "promoted_at": "2026-12-01T00:00:00Z", "reason": "first"}
-    hold_for_approval(cfg, record, expected_current=None)
-    report = {"promotion": {"promoted": False, "pending_approval": True, "reason": "the lineage's first drafter"}}
+    files = hold_for_approval(cfg, record, expected_current=None)
+    report = {"promotion": {"promoted": False, "pending_approval": True, "reason": "the lineage's first drafter",
+                            "weights_sha256": record["weights_sha256"], "drafter_files_sha256": files}}
     (cfg.run_dir / "evaluate" / "report.json").write_text(json.dumps(report))
     return drafter
+
+
+def approved(cfg) -> str:
+    """The drafter files an approval of the run's held promotion names (what the promotion DAG passes)."""
+    return json.loads((cfg.run_dir / "evaluate" / "report.json").read_text())["promotion"]["drafter_files_sha256"]
 
 
 def test_lineage_promote_without_an_approver_is_refused_naming_the_flag(make_config):
@@ -248,12 +254,14 @@ def test_lineage_promote_without_an_approver_is_refused_naming_the_flag(make_con
     held_drafter(cfg)
     proc = run_eagle3("lineage", "promote", "--config", str(cfg.config_path), check=False)
     assert proc.returncode == 2 and "the following arguments are required: --approved-by" in proc.stderr
+    assert "--approved-files" in proc.stderr
     assert Lineage(cfg).current() is None
     with pytest.raises(ValueError, match=r"^--approved-by 'eve\\n': name the user who approved"):
-        promote_held(cfg, "eve\n")  # a control character: not a user name Airflow gives
+        promote_held(cfg, "eve\n", approved(cfg))  # a control character: not a user name Airflow gives
     assert Lineage(cfg).current() is None
 
-    proc = run_eagle3("lineage", "promote", "--config", str(cfg.config_path), "--approved-by", "alice")
+    proc = run_eagle3("lineage", "promote", "--config", str(cfg.config_path), "--approved-by", "alice",
+                      "--approved-files", approved(cfg))
     assert json.loads(proc.stdout)["approved_by"] == "alice"
     assert Lineage(cfg).current().record["approved_by"] == "alice"
 
@@ -267,7 +275,8 @@ def test_a_drafter_changed_after_it_was_measured_is_not_promoted(make_config):
     drafter = held_drafter(cfg)
     measured = weights_digest(drafter)
     (drafter / "model.safetensors").write_bytes(b"other weights, never measured")
-    proc = run_eagle3("lineage", "promote", "--config", str(cfg.config_path), "--approved-by", "alice", check=False)
+    proc = run_eagle3("lineage", "promote", "--config", str(cfg.config_path), "--approved-by", "alice",
+                      "--approved-files", approved(cfg), check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert (f"error: {drafter}: its weights are not the ones that were measured: model.safetensors has sha256 "
             f"{weights_digest(drafter)}, evaluate measured {measured}.") in proc.stderr
@@ -280,8 +289,25 @@ def test_a_drafter_changed_after_it_was_measured_is_not_promoted(make_config):
     (drafter / "config.json").write_text('{"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}')
     with pytest.raises(PromotionRefused, match=rf"^{re.escape(str(drafter))}: config.json differ from what evaluate "
                        "measured"):
-        promote_held(cfg, "alice")
+        promote_held(cfg, "alice", approved(cfg))
     assert lineage.current() is None
+
+
+def test_a_proposal_rewritten_after_the_approval_is_not_promoted(make_config):
+    """Attack (issue 43): after the Approve, the run's drafter/ and proposal.json were rewritten together, so that
+    the copy matched the proposal and promoted other bytes as approved. The approval names the drafter's files
+    (the held promotion's drafter_files_sha256, which its seal covers): a proposal of other files is refused."""
+    cfg = make_config()
+    write_run_config(cfg)
+    drafter = held_drafter(cfg)
+    approved_files = approved(cfg)
+    held_drafter(cfg, {"config.json": b"{}", "model.safetensors": b"weights nobody approved"})  # drafter + proposal
+    with pytest.raises(PromotionRefused, match="its drafter files are not the ones approved"):
+        promote_held(cfg, "alice", approved_files)
+    assert Lineage(cfg).current() is None
+    with pytest.raises(ValueError, match="--approved-files 'x': give the sha256"):
+        promote_held(cfg, "alice", "x")
+    assert (drafter / "model.safetensors").read_bytes() == b"weights nobody approved"
 
 
 def test_a_link_in_the_drafter_refuses_the_promotion_and_copies_nothing_it_points_at(make_config, tmp_path):
@@ -294,7 +320,7 @@ def test_a_link_in_the_drafter_refuses_the_promotion_and_copies_nothing_it_point
     (drafter / "vllm" / "tokenizer.json").symlink_to(secret)  # after evaluate measured it
     with pytest.raises(PromotionRefused, match=f"^{re.escape(str(drafter / 'vllm' / 'tokenizer.json'))}: a symbolic "
                        "link, where only regular files and directories may be"):
-        promote_held(cfg, "alice")
+        promote_held(cfg, "alice", approved(cfg))
     lineage = Lineage(cfg)
     assert lineage.current() is None and list((lineage.dir / "versions").iterdir()) == []
 
@@ -302,7 +328,7 @@ def test_a_link_in_the_drafter_refuses_the_promotion_and_copies_nothing_it_point
     os.mkfifo(drafter / "vllm" / "tokenizer.json")  # a FIFO would hang the copy; a device would copy its contents
     with pytest.raises(PromotionRefused, match=f"^{re.escape(str(drafter / 'vllm' / 'tokenizer.json'))}: not a "
                        "regular file"):
-        promote_held(cfg, "alice")
+        promote_held(cfg, "alice", approved(cfg))
     (drafter / "vllm" / "tokenizer.json").unlink()
     (drafter / "vllm" / "tokenizer.json").symlink_to(secret)
 
@@ -311,7 +337,7 @@ def test_a_link_in_the_drafter_refuses_the_promotion_and_copies_nothing_it_point
         held_drafter(cfg, {"config.json": b"{}", "model.safetensors": b"weights"})
 
     (drafter / "vllm" / "tokenizer.json").unlink()  # regular files in subdirectories are copied
-    promoted = promote_held(cfg, "alice")
+    promoted = promote_held(cfg, "alice", approved(cfg))
     assert (lineage.current().path / "vllm" / "config.json").read_bytes() == b"{}"
     assert sorted(p.name for p in lineage.current().path.iterdir()) == \
         ["config.json", "model.safetensors", "promotion.json", "vllm"]

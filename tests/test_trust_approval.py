@@ -44,7 +44,8 @@ IMAGE = "![ok](https://collector.example/pixel.png)"
 PROPOSAL = {"promoted": False, "pending_approval": True, "lineage": "f209", "lineage_dir": "/w/drafters/f209",
             "reason": f"better at k=3: 1.870 against the current 1.700 (margin 0) {BOLD} {IMAGE}",
             "accept_length": {"3": 1.87}, "current": "/w/drafters/f209/current", "eval_set_prompts": 2,
-            "current_before": {"version": "old-1a2b3c4d", "run": "old", "accept_length": {"3": 1.7}}}
+            "current_before": {"version": "old-1a2b3c4d", "run": "old", "accept_length": {"3": 1.7}},
+            "weights_sha256": "a" * 64, "drafter_files_sha256": "f" * 64}
 
 
 def render(markdown: str) -> str:
@@ -222,8 +223,8 @@ def test_an_approve_by_an_approver_who_did_not_trigger_the_run_is_sealed_for_pro
     outcome = promote(proposed, record)
     assert outcome["promoted"]
     (argv,) = promote_calls
-    assert argv[-5:] == ["lineage", "promote", "--config", f"{proposed['plan']['run_dir']}/config.json",
-                         "--approved-by=bob"]
+    assert argv[-6:] == ["lineage", "promote", "--config", f"{proposed['plan']['run_dir']}/config.json",
+                         "--approved-by=bob", f"--approved-files={'f' * 64}"]  # the files the approval covered
 
 
 def test_the_user_who_triggered_the_run_cannot_approve_it(proposed):
@@ -285,6 +286,12 @@ def test_an_approval_of_another_training_runs_proposal_promotes_nothing(proposed
 def test_an_approval_holds_for_the_proposal_it_approved_only(proposed, promote_calls):
     record = approve(proposed, "bob")
     write_proposal(proposed["plan"]["run_dir"], accept_length={"3": 1.2})  # evaluate ran again: another drafter
+    with pytest.raises(Tampered, match="approved another proposal than the one"):
+        promote(proposed, record)
+    assert promote_calls == []
+    # Issue 43's attack: the drafter and its proposal rewritten after the Approve, the figures kept. The approval
+    # covers the held promotion's drafter files (what `lineage promote --approved-files` then insists on).
+    write_proposal(proposed["plan"]["run_dir"], drafter_files_sha256="e" * 64)
     with pytest.raises(Tampered, match="approved another proposal than the one"):
         promote(proposed, record)
     assert promote_calls == []

@@ -186,7 +186,7 @@ def cmd_lineage_check(args) -> None:
 def cmd_lineage_promote(args) -> None:
     from eagle3.promote import promote_held
 
-    print(json.dumps(promote_held(load_config(args.config), args.approved_by), indent=2))
+    print(json.dumps(promote_held(load_config(args.config), args.approved_by, args.approved_files), indent=2))
 
 
 def cmd_report(args) -> None:
@@ -356,6 +356,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--config", required=True, help="RUN_DIR/config.json")
     c.add_argument("--approved-by", required=True, metavar="USER",
                    help="the user who approved the promotion, as the caller verified it (the DAG's approval task)")
+    c.add_argument("--approved-files", required=True, metavar="SHA256",
+                   help="the drafter files the approval named (the held promotion's drafter_files_sha256): a "
+                   "proposal.json whose files differ is refused")
     c.set_defaults(func=cmd_lineage_promote)
 
     p = sub.add_parser(

@@ -446,10 +446,10 @@ def compare_and_promote(cfg, lineage, pinned: dict, results: dict, ours: str, me
               "started_from": started_from(cfg),  # train.init_from current: the version it was warm-started from
               "promoted_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "reason": reason,
               "previous": outcome["current_before"], "eval_set_prompts": len(pinned["prompts"])}
-    if hold:
-        hold_for_approval(cfg, record, expected_current=current.name if current else None)
+    if hold:  # the approval covers these digests: `lineage promote` switches to no other bytes
+        files = hold_for_approval(cfg, record, expected_current=current.name if current else None)
         return {**outcome, "promoted": False, "pending_approval": True, "reason": reason,
-                "current": str(lineage.dir / CURRENT)}
+                "current": str(lineage.dir / CURRENT), "weights_sha256": ours, "drafter_files_sha256": files}
     version = lineage.promote(cfg.run_dir / DRAFTER_DIR, cfg.run_name, record, cfg.evaluate.keep_versions,
                               expected_current=current.name if current else None)
     if version is None:

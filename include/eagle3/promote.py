@@ -21,7 +21,7 @@ import time
 
 from eagle3.config import ConfigError
 from eagle3.fsutil import UnsafeTree, atomic_write_text, tree_digests
-from eagle3.lineage import Lineage, PromotionRefused
+from eagle3.lineage import SHA256_PATTERN, Lineage, PromotionRefused
 from eagle3.runlayout import CURRENT, DRAFTER_DIR, MAPPING_D2T, PROPOSAL, REPORT, WEIGHTS, run_samples_path
 from eagle3.split import SPLIT_RULE
 
@@ -99,9 +99,15 @@ def decide(new: dict, current: dict | None, k: int, margin: float) -> tuple[bool
 
 # -- promotion held for approval -------------------------------------------------------------------------------
 
-def hold_for_approval(cfg, record: dict, expected_current: str | None) -> None:
+def files_digest(files: dict[str, str]) -> str:
+    """One sha256 over a drafter's files and theirs ({path: sha256}): what an approval names (--approved-files)."""
+    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+
+
+def hold_for_approval(cfg, record: dict, expected_current: str | None) -> str:
     """What `promote_held` needs later: the version's record, the current version it was measured against, and the
-    digest of every file of the drafter (files_sha256), so that only those bytes are ever promoted."""
+    digest of every file of the drafter (files_sha256), so that only those bytes are ever promoted. Returns
+    files_digest of them, which the report's held promotion carries and the approval covers."""
     drafter_dir = cfg.run_dir / DRAFTER_DIR
     try:
         files = tree_digests(drafter_dir)
@@ -113,6 +119,7 @@ def hold_for_approval(cfg, record: dict, expected_current: str | None) -> None:
                                "Evaluate again")
     proposal = {"record": record, "expected_current": expected_current, "files_sha256": files}
     atomic_write_text(cfg.run_dir / PROPOSAL, json.dumps(proposal, indent=2) + "\n")
+    return files_digest(files)
 
 
 def check_approver(approved_by: object) -> str:
@@ -122,15 +129,19 @@ def check_approver(approved_by: object) -> str:
     return approved_by
 
 
-def promote_held(cfg, approved_by: str) -> dict:
-    """`lineage promote --approved-by USER`: make the switch evaluate decided on and held (`evaluate
-    --hold-promotion`), once USER approved it (the caller verified that: the DAG's approval task), and rewrite the
-    report's promotion. Only the drafter's bytes evaluate measured are promoted (Lineage.promote checks the copy
-    against the proposal's digests); promotion.json records approved_by. Safe to retry: a try that died after the
+def promote_held(cfg, approved_by: str, approved_files: str) -> dict:
+    """`lineage promote --approved-by USER --approved-files SHA256`: make the switch evaluate decided on and held
+    (`evaluate --hold-promotion`), once USER approved it (the caller verified that: the DAG's approval task), and
+    rewrite the report's promotion. Only the bytes USER approved are promoted: proposal.json's files must be the ones
+    `approved_files` names (files_digest, from the held promotion the approval covered), and Lineage.promote checks
+    the copy against them; promotion.json records approved_by. Safe to retry: a try that died after the
     switch finds this run's drafter current and only rewrites the report, and one after a finished promotion
     reports it "already current". If another run promoted a drafter meanwhile, nothing is switched: this one was
     measured against a drafter that is no longer current."""
     approved_by = check_approver(approved_by)
+    if not isinstance(approved_files, str) or not SHA256_PATTERN.fullmatch(approved_files):
+        raise ConfigError(f"--approved-files {str(approved_files)[:80]!r}: give the sha256 of the drafter files the "
+                          "approval named (64 lowercase hex digits: the held promotion's drafter_files_sha256)")
     report_path = cfg.run_dir / REPORT
     report = json.loads(report_path.read_text())
     promotion = report["promotion"]
@@ -145,6 +156,11 @@ def promote_held(cfg, approved_by: str) -> dict:
         raise ConfigError(f"{report_path}: evaluate held no promotion for approval ({promotion.get('reason')}); "
                           "nothing to promote")
     proposal = json.loads((cfg.run_dir / PROPOSAL).read_text())
+    if files_digest(proposal.get("files_sha256") or {}) != approved_files:
+        raise PromotionRefused(f"{cfg.run_dir / PROPOSAL}: its drafter files are not the ones approved (files digest "
+                               f"{files_digest(proposal.get('files_sha256') or {})}, approved {approved_files}): the "
+                               "proposal was changed after the approval. Nothing was promoted; evaluate again and ask "
+                               "for a new approval")
     record = {**proposal["record"], "approved": True, "approved_by": approved_by,
               "promoted_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     lineage = Lineage(cfg)

@@ -45,7 +45,7 @@ ASK_AGAIN = "Clear this proposal's approve_promotion task to ask the approvers a
 # What a person saw and approved, as evaluate held it: `lineage promote` rewrites the report's promotion (promoted,
 # version, reason) but keeps these, so a retried promote still matches its approval.
 PROPOSAL_KEYS = ("lineage", "accept_length", "current_before", "eval_set_prompts", "eval_set_pinned_by",
-                 "weights_sha256")
+                 "weights_sha256", "drafter_files_sha256")
 
 
 def proposal_digest(promotion: dict) -> str:

@@ -215,7 +215,12 @@ def promote_held(proposal_item: dict, approval, dag_run=None, deployment: Deploy
         raise AirflowFailException(f"{plan.run_dir}/{REPORT} holds no promotion for approval: nothing to promote")
     deployment = deployment or Deployment.from_env()
     approver = verified_approval(approval, proposal, promotion, dag_run, deployment)
-    argv = plan.eagle3("lineage", "promote", "--config", plan.config_path, f"--approved-by={approver}")
+    files = promotion.get("drafter_files_sha256")
+    if not isinstance(files, str):
+        raise AirflowFailException(f"{plan.run_dir}/{REPORT}: the held promotion names no drafter files (held by an "
+                                   "evaluate from before approvals covered them); evaluate again and approve that")
+    argv = plan.eagle3("lineage", "promote", "--config", plan.config_path, f"--approved-by={approver}",
+                       f"--approved-files={files}")
     outcome = plan.box().run(argv, timeout=3600).json("python -m eagle3 lineage promote")
     log.info("%s: %s (approved by %s)", "promoted" if outcome["promoted"] else "not promoted", outcome["reason"],
              approver)
