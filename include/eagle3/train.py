@@ -410,8 +410,8 @@ class Trainer:
         gathered: no rank waits idle in a collective while another validates (NCCL's watchdog ends a collective
         after 10 minutes)."""
         steps, ks = self.cfg.train.ttt_length, self.cfg.evaluate.draft_lengths
-        share = {"loss": 0.0, "batches": 0, "hits": [0.0] * steps, "count": 0,
-                 "cycles": {k: ([], []) for k in ks}}  # per k: drafts accepted per cycle, and those of first cycles
+        loss_sum, batch_count, count, hits = 0.0, 0, 0, [0.0] * steps
+        cycles = {k: ([], []) for k in ks}  # per k: drafts accepted per cycle, and those of first cycles
         batches = plan_epoch(self.val_ids, self.cfg.train.batch_tokens, self.cfg.seed, epoch=0)
         for sample_ids in batches[self.rank :: self.world]:
             batch = self.store.batch(sample_ids, self.device)
@@ -419,19 +419,18 @@ class Trainer:
             with self.autocast():
                 loss, _, accs, agrees = self.objective(batch["aux_hidden_states"], t, self.draft_ids)
             weight = int(t.loss_mask.sum())
-            share["hits"] = [hit + acc * weight for hit, acc in zip(share["hits"], accs.tolist())]
-            share["count"], share["loss"], share["batches"] = share["count"] + weight, share["loss"] + loss.item(), \
-                share["batches"] + 1
+            hits = [hit + acc * weight for hit, acc in zip(hits, accs.tolist())]
+            count, loss_sum, batch_count = count + weight, loss_sum + loss.item(), batch_count + 1
             agrees, answers = agrees.cpu().numpy(), batch["loss_mask"].bool().cpu().numpy()
             for row, length in enumerate(batch["lengths"].tolist()):
-                for k, (all_cycles, first_cycles) in share["cycles"].items():
+                for k, (all_cycles, first_cycles) in cycles.items():
                     these, firsts = replay(agrees[:, row, :length], answers[row, :length], k)
                     all_cycles += these
                     first_cycles += firsts
-        shares = [share]
+        shares = [{"loss": loss_sum, "batches": batch_count, "hits": hits, "count": count, "cycles": cycles}]
         if self.distributed:
-            shares = [None] * self.world
-            dist.all_gather_object(shares, share)
+            mine, shares = shares[0], [None] * self.world
+            dist.all_gather_object(shares, mine)
         count = sum(s["count"] for s in shares)
         offline = {str(k): acceptance_figures([c for s in shares for c in s["cycles"][k][0]],
                                               [c for s in shares for c in s["cycles"][k][1]], min(k, steps))
