@@ -1,51 +1,27 @@
 """Conversations in, token ids and loss masks out: exactly what the target sees when it serves them.
 
-Input: JSONL, one conversation per line, in either of the two forms people have:
+Input: JSONL, one conversation per line, in either form:
   ShareGPT  {"conversations": [{"from": "human"|"gpt"|"system"|"tool", "value": "..."}]}  ("role"/"content" read too)
   OpenAI    {"messages": [{"role": "user"|"assistant"|"system"|"tool", "content": "..."}], "tools": [...]}
-Assistant turns may carry `reasoning_content` (a thinking model's reasoning, as SGLang's --reasoning-parser
-returns it) and OpenAI `tool_calls` (then their content may be empty); `tool` turns carry a tool's result
-(`tool_call_id`, `name` kept). A record's `tools` list goes to the chat template. Each line is normalised
-to that message form; its sample id is a hash of the normalised conversation, so the same conversation has
-the same id whatever file, line or form it came from. That id is what the hidden-state store, resume,
-sharding and the train/val split key on. Blank lines are ignored (as HF datasets does).
+Assistant turns may carry `reasoning_content`, OpenAI `tool_calls`, and "finish_reason": "length" (generate marks a
+turn cut at generate.max_tokens so: no end-of-turn token is trained for it); `tool` turns keep `tool_call_id` and
+`name`; a record's `tools` go to the chat template. The sample id is a hash of the normalised conversation: the same
+conversation has the same id from any file, line or form, and the store, resume, sharding and the split key on it.
 
-Bad lines (invalid JSON, not UTF-8, longer than MAX_LINE_BYTES, no assistant turn, unknown role, empty) are
-never dropped silently: by default they stop the stage with their line numbers; with data.on_bad_record = "skip"
-they are skipped and counted in the stats. The file is read as bytes, one line at a time and never more than
-MAX_LINE_BYTES of a line, so a runaway line costs bounded memory; only a regular file is read (a FIFO would block
-the stage, /dev/zero would fill the memory). Values echoed in a reason are cut to SHOWN_CHARS characters.
+Bad lines (invalid JSON, not UTF-8, longer than MAX_LINE_BYTES, no assistant turn, unknown role, empty) stop the
+stage with their line numbers; with data.on_bad_record "skip" they are skipped and counted. Only a regular file is
+read, a line at a time and never more than MAX_LINE_BYTES of one; blank lines are ignored.
 
-Assistant turns may also carry "finish_reason": "length" (generate marks a turn cut at generate.max_tokens so):
-the target never wrote its end-of-turn token, and none is trained for it. The mark is part of the sample id.
-
-Samples (eagle3.turns places the turns): every assistant turn something prompted is trained exactly once, as
-the target generated it after the prompt it was served. Turns the whole conversation's rendering shows so are
-trained there: its ids are the template's, token for token (`apply_chat_template(messages, tools=tools,
-tokenize=True)`). Every other turn (a thinking template re-renders earlier turns without their reasoning, or
-renders the turn otherwise than it is served) is a sample of its own, "<conversation id>.<turn index>": the
-conversation rendered through it, where that shows it as generated after its served prompt (Qwen3's earlier
-turns); else, derived, the served prompt's ids (the conversation before it with the generation prompt, tokenised
-as the server does) followed by the generated text's (Kimi-K2.5's, DeepSeek-V3.1's). data.loss_mask:
-  assistant_turn  (default, SpecForge's) that generated text through the end-of-turn token: end-of-turn
-                  and `</think>`-style tokens enter the draft vocab and can be drafted
-  content         only the characters of the content and reasoning_content (tool calls and end-of-turn
-                  tokens are then not trained)
-Template separators after the end-of-turn token (the newline after `<|im_end|>`) are never trained: the
-target never generates them (SpecForge's qwen entry trains that newline too; its other entries do not).
-A turn that cannot be placed is dropped and counted per reason (TokenizeStats); extract refuses a run that
-drops more than data.max_untrained_fraction of its turns or of their tokens (untrained_refusal).
-
-data.max_length: a longer whole conversation keeps its start and the turns that end within it; each other
-turn gets a sample of its own, holding the turn whole with as much context before it as fits (the context cut
-from the left: a sample the server never sees, but the turn is trained); a turn longer than max_length keeps
-its start after half a window of context. Every cut is counted (TokenizeStats.context_cut_*, turn_cut_*).
-
-Chat templates are code from the target's files or the run config, run in jinja's sandbox (transformers').
-A template the sandbox refuses, that fails, or that does not finish rendering a two-message conversation
-within PROBE_TIME_LIMIT_S is refused when the stage starts (SampleTokenizer.check_templates), naming its file;
-one that fails later, on some conversation of the data, stops the stage the same way. Only the template's own
-raise_exception() is a verdict on a conversation: that conversation is skipped with the template's reason.
+Samples: every prompted assistant turn is trained once, as the target generated it after the prompt it was served
+(eagle3.turns places it). Turns the whole conversation's rendering shows so are one sample whose ids are, token for
+token, `apply_chat_template(messages, tools=tools, tokenize=True)`; every other turn is a sample of its own,
+"<conversation id>.<turn index>". data.loss_mask "assistant_turn" (default, SpecForge's) trains the generated text
+through its end-of-turn token, "content" only the content and reasoning characters; the template's separator after
+the end-of-turn token is never trained. data.max_length cuts nothing trained: a turn past it gets a sample of its
+own with as much context as fits. Cuts and dropped turns are counted (TokenizeStats); extract refuses a run that
+loses more than data.max_untrained_fraction (untrained_refusal). Chat templates run in jinja's sandbox and are
+probed when the stage starts (SampleTokenizer.check_templates); only a template's own raise_exception() skips a
+conversation, with its reason.
 """
 
 from __future__ import annotations

@@ -2,48 +2,27 @@
 
     python -m eagle3 generate --config RUN_DIR/config.json
 
-EAGLE-3 drafters learn to predict the target's own next tokens, so training on the target's answers beats
-training on someone else's. For each conversation of data.path (ShareGPT or OpenAI-messages JSONL), every
-assistant turn is regenerated in order, each conditioned on the regenerated turns before it, with
-POST {endpoint}/chat/completions (an OpenAI-compatible server: SGLang's or vLLM's; generate.launch_server starts
-the run's engine, server.engine, on the box for the stage and stops it afterwards, see eagle3.server).
+Every assistant turn of data.path is asked again in order, each conditioned on the regenerated turns before it, with
+POST {endpoint}/chat/completions (SGLang's or vLLM's server; generate.launch_server starts server.engine on the box
+for the stage: eagle3.server). Tool turns stay; a regenerated turn that calls other tools than the original ends the
+conversation there, since the results after it answered the original calls. generate.backend "hf" runs the target
+in this process with transformers, batched: for small targets, with no reasoning or tool-call parsing.
 
-Tool turns stay as they are; only assistant turns are asked again (with the record's `tools` in the request).
-A regenerated turn that calls other tools than the original did (other function names, or none) ends the
-conversation there: the tool results that follow answered the original calls. Where the names agree the
-original call ids are kept, so the results still refer to them.
-
-generate.backend "hf" runs the target in the stage itself with transformers, batched (generate.concurrency
-conversations at a time), for small targets such as the demo's: no server, no reasoning or tool-call parsing
-(the answer is the decoded text). Its rows and resume are the server path's.
-
-Requests run concurrently (generate.concurrency) from an async client; connection errors, timeouts, 429 and 5xx
-are retried with exponential backoff and jitter (generate.max_retries). A conversation that still fails is
-recorded as failed with its error, counted by reason, and left out of the data; a rerun tries it again. When
-more than generate.max_failure_rate of the conversations tried fail (checked after the first 20), the stage
-stops with the last error: a dead server must not turn the whole dataset into errors.
-
-The server is not trusted to be well-behaved. Each request attempt has one deadline for all of it
-(generate.request_timeout_s: connect, send, and the answer's last byte), so a server trickling a byte a second
-cannot hold a conversation for hours; an answer longer than any real one (response_cap) is refused without
-being read further; and an answer that is not a well-formed chat completion fails its row with the reason,
-never the stage. generate.api_key_env names the variable on the box that holds the server's key; the key is
-sent as a Bearer token and appears nowhere else. The stage only ever calls {endpoint}/chat/completions and
-{endpoint}/models, follows no redirect, and prints the endpoint without credentials (redact_url).
+Requests run concurrently (generate.concurrency); connection errors, timeouts, 429 and 5xx are retried with backoff
+(generate.max_retries). A conversation that still fails is recorded with its error and left out; a rerun asks again.
+The stage stops once more than generate.max_failure_rate of the conversations tried fail (checked after 20). Each
+attempt has one deadline (generate.request_timeout_s), an answer has a size cap, and a malformed one fails its row,
+never the stage. The key named by generate.api_key_env goes only into the Bearer header; only {endpoint}/models and
+{endpoint}/chat/completions are called, and no redirect is followed.
 
 Output in RUN_DIR/generate/:
-  parts/part-NNNNN.jsonl  finished rows in batches, each file written atomically (temp, fsync, rename):
-                          {"source_id", "line_no", "status": "ok"|"failed", "messages" | "error", ...}; an
-                          assistant turn cut at generate.max_tokens carries "finish_reason": "length" (extract
-                          trains no end-of-turn token for it), the row "truncated": true.
-                          A rerun skips every conversation with an "ok" row: a kill -9 loses at most the
-                          rows not yet in a part (they are redone), and duplicates none. `parts` links to
-                          {workdir}/generated/<key>/, shared by every run with the same target and generation
-                          settings (eagle3.identity.generation_fields): a scheduled rerun asks only for the
-                          conversations no run has had answered; one writer at a time (a lock; exit 1 else).
-  conversations.jsonl     the "ok" rows in input order as {"messages": [...]}: what extract reads.
-  stats.json              the counts and rates of the stage's last run; failure_reasons counts the failed rows
-                          by reason: timeout, connection, http NNN, oversize, malformed, empty.
+  parts/part-NNNNN.jsonl  finished rows, each file written atomically: {"source_id", "line_no", "status": "ok" |
+                          "failed", "messages" | "error", ...}; a turn cut at generate.max_tokens carries
+                          "finish_reason": "length", its row "truncated": true. A rerun skips every "ok" row.
+                          `parts` links to {workdir}/generated/<key>/ (eagle3.identity.generation_fields), shared by
+                          runs with the same target and generation settings; one writer at a time (exit 1 else).
+  conversations.jsonl     the "ok" rows in input order as {"messages": [...]}: what extract reads
+  stats.json              the counts; failure_reasons: timeout, connection, http NNN, oversize, malformed, empty
 """
 
 from __future__ import annotations

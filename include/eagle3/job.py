@@ -1,75 +1,28 @@
 """Detached, re-attachable jobs on the box: `python -m eagle3 job start|poll|kill`.
 
-Airflow drives each long stage (training runs for hours) over SSH. The SSH session, the Airflow worker or the
-network may die at any moment; the stage must keep running anyway, and the next Airflow try must find it again
-instead of starting a second copy. So the stage never runs under the SSH command itself:
+A long stage runs under a supervisor in a session of its own, never under the SSH command that asked for it: a
+dropped connection, a dead worker or a new Airflow try finds the job again instead of starting a second copy.
 
-  start      takes the job's lock and, unless the job is alive (or already succeeded), launches a supervisor in
-             a new session (setsid; stdin, stdout and stderr detached from the SSH channel), waits until it has
-             reported the new try, prints the state and exits. Closing the SSH session leaves the job running.
-  supervise  (internal) the session leader of the job's process group. It runs the stage as its child in that
-             group with output appended to `log`, rewrites `state.json` every heartbeat_s, and records how the
-             child ended. On SIGTERM it passes the signal on, gives the child 20 s, then SIGKILLs it.
-  poll       reads state.json, decides whether the job is really alive, and returns the log from an offset on,
-             so that the caller streams the log across polls (and across Airflow tries); with --stream the box keeps
-             the caller's place in the log (cursor.json), which a caller that lost its own resumes from.
-  kill       SIGTERMs the job's process group, SIGKILLs whatever is left after a grace period, records "killed".
-             With --detach it answers once the SIGTERM is sent, and a detached process that holds the job's lock
-             does the rest (a caller on a deadline: the triggerer gives a trigger's on_kill 30 s).
+  start      under the job's lock: attach to a live or succeeded job, else launch a supervisor (setsid, stdio
+             detached), wait for its first report and print the state
+  supervise  (internal) leads the job's process group, runs the stage in it, rewrites state.json every heartbeat
+  poll       the state, whether the job is really alive, and the log from an offset (--stream: from cursor.json)
+  kill       SIGTERM to the group, SIGKILL after the grace period, status "killed" (--detach: answer at the SIGTERM)
 
-Why a supervisor rather than `nohup stage &`: someone has to be there when the stage ends to record its exit code
-(the shell that launched it is long gone), and its process group is the one handle on everything the stage spawns
-(torchrun, its ranks, data loader workers), so one killpg reaches all of them.
+A running job is alive only if its boot id is this boot's, its supervisor's pid exists with the recorded start
+time, and its heartbeat is fresh; a dead one is relaunched by the next start, and the stage resumes. A signal goes
+only to a group the job provably owns (group_ownership_problem). The stage sees an allowlisted environment
+(STAGE_ENV_NAMES, STAGE_ENV_PREFIXES, `start --pass-env`). Why: docs/architecture.md, "Detached jobs".
 
-Why liveness takes more than state.json's status: after a crash the status still says "running" (nobody was left
-to rewrite it). A running job is alive only if all of these hold:
-  - the boot id (/proc/sys/kernel/random/boot_id) is the one recorded: after a reboot every recorded pid is void;
-  - the supervisor's pid exists and started at the recorded time (field 22 of /proc/<pid>/stat, clock ticks since
-    boot): pids are reused, and a stranger that got the old pid started at another time;
-  - its heartbeat is recent: a supervisor that exists but no longer runs (stopped, hung on a dead mount) stops
-    rewriting state.json.
-A job that fails a check is "dead"; the next start relaunches it (every stage resumes by itself). Before that, start
-SIGKILLs whatever is left of the old process group, so that two copies never write the same checkpoints.
-
-Why a signal needs more than a pgid: state.json is a file, and a file can be stale (the pid was reused since) or
-written by someone else. Every signal therefore goes through one check, group_ownership_problem: the recorded
-supervisor leads its own group (pgid == pid, never 0 or 1), in this boot, and the group carries the job's marks:
-start puts the job's directory (EAGLE3_JOB_DIR) into the supervisor's environment, and the supervisor puts its own
-mark (EAGLE3_JOB_GROUP=pid:start ticks) beside it into its stage's. Either the recorded supervisor still runs with
-the recorded start time and carries this job's directory (or a process of its group carries the mark), or it is
-gone and a process left in its group carries the mark. A live process that leads a group of its own but was not
-started by this job (a shell, another job's supervisor) is therefore never signalled on a file's word. A state that
-fails the check is not signalled at all. A state.json
-that no supervisor can have written (torn, not an object, keys missing or mistyped, pgid != pid) counts as a dead
-job: poll says so, naming the file, kill refuses, and the next start relaunches over it without signalling anything.
-
-Why flock: starts and kills can overlap (a worker that only looked dead, a user's cancel racing a retry). An
-exclusive flock on `lock` makes "read the state, then launch or kill" one step, so two starts can't both launch and
-a kill can't overwrite a new try's state. The kernel drops a flock when its holder dies, so a crashed start never
-leaves the job locked. The supervisor never takes the lock (start holds it while waiting for the supervisor), and
-poll doesn't need it: state.json is only ever replaced atomically (as eagle3.fsutil does).
-
-What the stage sees of the caller's environment: only an allowlist (STAGE_ENV_NAMES, STAGE_ENV_PREFIXES) plus the
-names given with `start --pass-env`. The caller may be an Airflow worker whose environment holds the Fernet key,
-the JWT secret and the database URL; none of that is the stage's business. The supervisor inherits the filtered
-environment and hands it on; spec.json records only the names.
-
-Files in {jobs_dir}/{key}/; both directories are private (0700) and so are the files (0600): the log and the argv
-may well carry things other users of the box should not read.
-  spec.json   what to run: argv, cwd, env_names (names only, never values), heartbeat_s, the try number and the
-              redo it belongs to (start --redo NAME: the job's earlier tries went to redone/<time>/, and the
-              outputs named with --set-aside to NAME.before-redo-<time> beside them; once per NAME)
-  state.json  the supervisor's report: key, try, status, pid, pgid, pid_start_ticks, boot_id, host, argv,
-              started_at, heartbeat_at, exit_code, ended_at, log, log_start (and child_pid)
-  progress.json  the stage's newest progress beat (eagle3.progress.beat: time, line, allowance); with
-              `start --stall-timeout-s`, a stage silent for longer is killed and its try fails "no progress for
-              N s since <line>" (state.json: stalled, progress_at, progress_line), so a hang is a retry, not a
-              job polled forever
-  log         the stage's stdout+stderr, appended across tries; each try starts with a "==== ... ====" line, at
-              byte log_start of its state, so that a caller can show one try's lines (poll --from-try-start)
-  cursor.json how far one stream has copied the log ({"stream", "try", "offset"}; poll --stream): a trigger
-              rebuilt after a triggerer restart goes on from there
-  lock        the flock file
+{jobs_dir}/{key}/ (the DAG's: RUN_DIR/jobs/<task id>[.<map index>]/; directories 0700, files 0600):
+  spec.json      argv, cwd, env names (never values), heartbeat_s, the try, the redo it belongs to (start --redo)
+  state.json     key, try, status, pid, pgid, pid_start_ticks, boot_id, host, argv, started_at, heartbeat_at,
+                 exit_code, ended_at, log, log_start, child_pid; replaced atomically, so poll reads it unlocked
+  progress.json  the stage's newest beat (eagle3.progress); with --stall-timeout-s a silent stage's try fails
+  log            the stage's stdout+stderr across tries; a try starts with a "==== ... ====" line at log_start
+  cursor.json    {"stream", "try", "offset"}: how far one stream has copied the log
+  lock           the flock that makes "read the state, then launch or kill" one step
+  redone/<time>/ the files of the tries a redo set aside
 """
 
 from __future__ import annotations

@@ -1,36 +1,27 @@
 """Hidden-state store: the target's EAGLE-3 hidden states on disk, crash-safe and resumable.
 
-On-disk contract (one store per run, {run dir}/hidden_states/):
-
-  store.json                      written once: format, hidden_size, aux_layers, dtype (the states' dtype:
-                                  "bfloat16", or "float8_e4m3fn" with extract.state_dtype fp8_e4m3; one per store)
+{workdir}/stores/<key>/, shared by every run with the same capture (eagle3.identity; RUN_DIR/hidden_states links here):
+  store.json        written once: format, hidden_size, aux_layers, dtype ("bfloat16" or "float8_e4m3fn", one a store)
+  key.json          what the key covers
   shard-00000/
-    manifest.jsonl                append-only journal, fsynced line by line; the ONLY record of what exists.
-                                  One line per commit: a chunk and the samples rejected since the last one
-                                    {"chunk": "chunk-000000.safetensors" | null, "bytes": 123,
-                                     "samples": [["<id>", 812], ...], "rejected": [["<id>", "non-finite hidden state"]]}
-    chunk-000000.safetensors      whole samples, no padding:
-                                    input_ids          int32 [N]
-                                    loss_mask          uint8 [N]
-                                    aux_hidden_states  bf16  [N, 3H]   (aux layers low|mid|high, HF ids)
-                                    last_hidden_state  bf16  [N, H]    (final post-norm state, lm_head input)
-                                    offsets            int64 [S+1]     sample s is rows offsets[s]:offsets[s+1]
-                                  metadata: {"format": ..., "sample_ids": JSON list}
-                                  In an fp8 store both states are float8_e4m3fn [N, 3H] / [N, H] instead, and
-                                  each of the token's layers (its H columns) has a scale of its own:
-                                    aux_scales         fp32  [N, 3]    aux layer j of token t is
-                                                           aux_hidden_states[t, jH:(j+1)H] x aux_scales[t, j]
-                                    last_scale         fp32  [N, 1]    last_hidden_state[t] x last_scale[t, 0]
-                                  scale = amax(|x| over those H values) / 448 (e4m3fn's largest value), so the
-                                  largest one is stored as +-448; a row of zeros gets scale 1. Every scale is
-                                  finite and > 0. About half the bytes of bf16: (4H + 16 + 5) / (8H + 5) per token.
+    manifest.jsonl  append-only, fsynced line by line; the ONLY record of what exists. One line per commit:
+                      {"chunk": "chunk-000000.safetensors" | null, "bytes": 123,
+                       "samples": [["<id>", 812], ...], "rejected": [["<id>", "non-finite hidden state"]]}
+    chunk-000000.safetensors  whole samples, no padding; metadata {"format", "sample_ids"}:
+                      input_ids          int32 [N]
+                      loss_mask          uint8 [N]
+                      aux_hidden_states  [N, 3H]  aux layers low|mid|high (HF ids)
+                      last_hidden_state  [N, H]   the final post-norm state (lm_head's input)
+                      offsets            int64 [S+1]: sample s is rows offsets[s]:offsets[s+1]
+                    States are bf16, or in an fp8 store float8_e4m3fn with a float32 scale per token and layer
+                    (aux_scales [N, 3], last_scale [N, 1]; scale = amax of the layer's H values / 448, 1 for zeros).
+    .lock           the writer's flock: one writer per shard (StoreBusy for the second)
 
-A chunk is written to a temporary name, fsynced, renamed, and only then recorded in the manifest (fsynced).
-A chunk not in the manifest does not exist: opening a shard for writing deletes such leftovers and a
-torn last manifest line. Samples whose states are not finite are rejected, recorded, and counted, so a
-resumed run neither loses them silently nor computes them again (checked on the states as captured, before
-they are quantised). Readers mmap (safetensors) and never modify anything; they give an fp8 store's states
-dequantized to float32, so a consumer reads either store alike.
+A chunk is written under a temporary name, fsynced, renamed, and only then recorded in the manifest: a chunk not in
+it does not exist, and the next writer deletes such leftovers and a torn last line. Samples whose states are not
+finite (checked before quantising) are rejected and recorded, so a resume neither loses them silently nor computes
+them again. Readers mmap and never write. A sample read from an fp8 store comes out float32, and
+HiddenStateStore.batch hands out padded float32 batches, dequantised on the device: no consumer knows the dtype.
 """
 
 from __future__ import annotations

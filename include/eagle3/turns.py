@@ -1,50 +1,27 @@
-"""Which text of a chat template's rendering the target generated: each assistant turn placed after the
-prompt it was served, without searching for message contents in the rendered text.
+"""Which text of a chat template's rendering the target generated: each assistant turn placed after the prompt it
+was served, without searching for message contents in the rendered text.
 
-For assistant turn i the template renders the conversation before it with the generation prompt (`served`:
-what the server gives the target) and the conversation through it (`through`). Where `through` starts with
-`served`, the characters between the two are what the target generated: its reasoning, content, tool calls
-and end-of-turn token (`placed_as_rendered`). That is the case for most templates, and for all of a plain
-one's turns the whole conversation's rendering shows them so: they are trained there, in one sample.
+For assistant turn i the template renders the conversation before it with the generation prompt (`served`: what the
+server gives the target) and through it (`through`). Where `through` starts with `served`, the characters between
+are what the target generated, through its end-of-turn token (placed_as_rendered). Where a thinking model's template
+breaks that, the turn is derived (derived_turn) from renderings of the template alone, on the conversation and on
+copies of the turn whose fields are PLACEHOLDER: the generated text starts where the generation prompt's own text
+ends when laid over the rendered turn's opening, markup piece by markup piece (align_generation_prompt); reasoning
+the template leaves out goes where it writes the same turn's reasoning given a tool call (reasoning_slot), or right
+after a served prompt that opened a block; a turn cut at generate.max_tokens ends after its last field. The sample is
+`served` followed by that text, tokenised apart (data.SampleTokenizer): the prompt ids are what the server feeds the
+target, the trained ids what it generated. The templates this answers: docs/architecture.md, "Thinking models".
 
-Templates of thinking models break it in three ways, and then the turn is derived (`derived_turn`):
-- the history is re-rendered: Qwen3's drops the reasoning of turns before the last user message, Kimi-K2.5's
-  blanks it for every message up to and including the last final answer (so also a tool chain once its answer
-  follows);
-- the turn itself is rendered without its reasoning (Kimi-K2.5's final answers, everywhere);
-- the generation prompt differs from the rendered turn's opening: DeepSeek-V3.1's in thinking mode ends
-  `<think>` where a rendered turn has `</think>`; a serving engine's DeepSeek tool template indents its
-  generation prompt by 4 spaces where the turn has 6.
-The derivation uses only renderings of the template on the conversation and on copies of the turn whose fields
-are placeholders (PLACEHOLDER, which no text or template has):
-1. `served` = the prompt with the generation prompt; its own part `tail` = what it adds to the history alone.
-2. `turn` = the conversation through turn i; `first_field` = where the turn's fields first change it (the
-   common prefix of `turn` and the turn rendered with placeholders); `low` = where `turn` first differs from
-   the history rendered alone. The turn's opening lies between the two.
-3. The generated text starts where `tail` ends when laid over that opening (align_generation_prompt): its
-   markup pieces (special tokens, <tag>s, words) matched in order, at the last place the first one occurs,
-   whitespace runs compared only by being there (indentation may differ). Markup of `tail` left unmatched means
-   the generation prompt opened something the rendered turn does not show (DeepSeek-V3.1's `<think>`): the turn
-   resumes after the matched part.
-4. The turn's reasoning, when the template leaves it out: placed where the template writes the reasoning of
-   the same turn given a tool call (a turn Kimi-K2.5 does not blank), if the turn's text around that place is
-   the same (reasoning_slot); else, when the generation prompt opened something the turn does not show, right
-   after the served prompt (DeepSeek-V3.1 never writes reasoning; its generation prompt opens the block).
-   Otherwise the turn is not placed (REASONING_NOT_RENDERED).
-5. The generated text ends after the turn's end-of-turn token; a turn cut at generate.max_tokens ends after its
-   last field (the target never wrote the end-of-turn token).
-The sample is then `served` followed by that text, tokenised separately (data.SampleTokenizer): the prompt ids
-are exactly what the server feeds the target, and the trained ids are what it generated.
-
-Where this fails, the turn is dropped with a reason (TurnNotPlaced) and counted; the extract stage refuses a run
-that drops more than data.max_untrained_fraction of its turns. It fails when: the generation prompt's first
-piece of markup does not occur in the rendered turn's opening (NOT_PLACED); the template never writes the
-turn's reasoning and its generation prompt opens nothing, or writes it for no tool-calling turn either
-(REASONING_NOT_RENDERED); a loss mask that needs the fields verbatim meets a template that rewrites them
-(NOT_VERBATIM). It can also place wrongly without knowing: layout whitespace the template writes inside a turn
-(indentation) is trained as if generated, and a generation prompt that differs from the turn in more than
-what it opens is resumed after its longest matching start. data.generation_chat_template overrides all of it:
-a template that renders every turn as generated (renderings_as_generated).
+A turn that cannot be placed raises TurnNotPlaced; it is dropped and counted by reason:
+  NOT_PLACED              the generation prompt's first piece of markup does not occur in the turn's opening, or
+                          a word of it is left unmatched
+  REASONING_NOT_RENDERED  the template writes the turn's reasoning nowhere, and the generation prompt opens nothing
+  NOT_VERBATIM            the content mask, or a cut turn's end, needs the fields verbatim and the template
+                          rewrites them
+It can place wrongly without knowing: layout whitespace a template writes inside a turn (indentation between tool
+calls) is trained as generated, and a generation prompt that differs from the turn in more than a block it opens is
+resumed after its longest matching start. data.generation_chat_template overrides all of it: a template that
+renders every turn as generated (renderings_as_generated).
 """
 
 from __future__ import annotations
