@@ -42,10 +42,11 @@ import httpx
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential_jitter
 
 from eagle3.config import ConfigError, redact_url
-from eagle3.data import Conversation, read_conversations
+from eagle3.data import Conversation, SampleTokenizer, read_conversations
 from eagle3.fsutil import atomic_write_text, try_exclusive_lock
 from eagle3.identity import attach_generated
 from eagle3.progress import ProgressLog
+from eagle3.server import serving
 
 log = logging.getLogger(__name__)
 logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request would drown the progress lines
@@ -374,11 +375,11 @@ class HfChat:
     """generate.backend "hf": the target in transformers on this process's device, batched, left-padded."""
 
     def __init__(self, cfg):
+        # Imported here: only this backend loads torch and transformers; a server-backed generate never does.
         import torch
         from transformers import AutoModelForCausalLM
 
         from eagle3.capture.hf import pick_device
-        from eagle3.data import SampleTokenizer
 
         self.torch, self.gen = torch, cfg.generate
         self.device = pick_device(cfg.extract.device)
@@ -586,8 +587,6 @@ def run_generate(cfg) -> dict:
 
 def _generate(cfg, out: Path, conversations: list[Conversation], read_stats, writer: PartWriter, cache: str,
               started: float, api_key: str | None) -> dict:
-    from eagle3.server import serving
-
     gen = cfg.generate
     rows = read_rows(writer.dir)
     todo = [c for c in conversations if rows.get(c.sample_id, {}).get("status") != "ok"]
