@@ -369,8 +369,8 @@ def test_a_stream_goes_on_from_its_cursor_and_another_stream_or_try_starts_at_th
 def test_a_redo_runs_a_finished_job_again_from_scratch_once_with_its_outputs_set_aside(tmp_path):
     """start --redo NAME: a succeeded job runs again, as try 1, with its earlier tries' files in redone/<time>/ and
     the outputs named by --set-aside renamed aside whole (a stage resumes from what it finds: it must find nothing
-    of the old run); a retry with the same NAME attaches to the new try; nothing outside the run directory, nor its
-    jobs or config, can be set aside; no redo beside a live try."""
+    of the old run); a retry with the same NAME attaches to the new try; only a stage's outputs a redo may move
+    (runlayout.REDO_OUTPUTS), in the run directory, can be set aside: not its jobs, config or store link; no redo beside a live try."""
     run_dir = tmp_path / "run"
     jobs, out = run_dir / "jobs", run_dir / "train"
     write = f"import os, sys\nos.makedirs({str(out)!r}, exist_ok=True)\n" \
@@ -395,7 +395,7 @@ def test_a_redo_runs_a_finished_job_again_from_scratch_once_with_its_outputs_set
     assert (out / "step").read_text() == "new"
 
     for hostile in (str(tmp_path / "elsewhere"), str(run_dir / "jobs"), str(run_dir / "config.json"),
-                    str(run_dir / "train" / ".." / ".." / "x")):
+                    str(run_dir / "train" / ".." / ".." / "x"), str(run_dir / "hidden_states")):  # (the shared store)
         refused = run_eagle3("job", "start", "--jobs-dir", str(jobs), "--key", "train", "--redo", "run-b",
                              "--set-aside", hostile, "--", PY, "-c", "pass", check=False)
         assert refused.returncode == 2 and f"--set-aside {hostile!r} is not an output this job may move" in \

@@ -45,6 +45,9 @@ from stat import S_IMODE, S_ISVTX, S_IWOTH
 
 from eagle3.fsutil import atomic_write_text, private_opener
 from eagle3.progress import PROGRESS_FILE_VAR
+from eagle3.runlayout import REDO_OUTPUTS
+
+REDONE_OUTPUTS = frozenset(output for outputs in REDO_OUTPUTS.values() for output in outputs)
 
 KEY_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 ENV_NAME_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -595,12 +598,12 @@ def spec_field(directory: Path, name: str):
 
 
 def output_to_set_aside(directory: Path, path: str) -> Path:
-    """A stage's output that a redo moves aside: only a top-level entry of the run directory the jobs directory is
-    in (its name plain: no '/', no '..'), never the jobs directory or config.json."""
+    """A stage's output that a redo moves aside: only one of the outputs a redo may move (eagle3.runlayout's
+    REDO_OUTPUTS), directly in the run directory the jobs directory is in."""
     run_dir, name = directory.parent.parent, Path(path).name
-    if Path(path).parent.absolute() != run_dir or not KEY_PATTERN.fullmatch(name) or name in ("jobs", "config.json"):
-        raise JobError(f"--set-aside {path!r} is not an output this job may move: it must be an entry of the run "
-                       f"directory {run_dir} (not jobs/ or config.json)")
+    if Path(path).parent.absolute() != run_dir or name not in REDONE_OUTPUTS:
+        raise JobError(f"--set-aside {path!r} is not an output this job may move: it must be one of "
+                       f"{', '.join(sorted(REDONE_OUTPUTS))} in the run directory {run_dir}")
     return run_dir / name
 
 
