@@ -370,7 +370,8 @@ def test_a_redo_runs_a_finished_job_again_from_scratch_once_with_its_outputs_set
     """start --redo NAME: a succeeded job runs again, as try 1, with its earlier tries' files in redone/<time>/ and
     the outputs named by --set-aside renamed aside whole (a stage resumes from what it finds: it must find nothing
     of the old run); a retry with the same NAME attaches to the new try; only a stage's outputs a redo may move
-    (runlayout.REDO_OUTPUTS), in the run directory, can be set aside: not its jobs, config or store link; no redo beside a live try."""
+    (runlayout.REDO_OUTPUTS), in the run directory, can be set aside: not its jobs, config or store link; no redo
+    beside a live try."""
     run_dir = tmp_path / "run"
     jobs, out = run_dir / "jobs", run_dir / "train"
     write = f"import os, sys\nos.makedirs({str(out)!r}, exist_ok=True)\n" \
