@@ -125,8 +125,9 @@ def test_the_plan_knows_how_many_gpus_each_box_needs(make_config):
                                         "extract.sglang.tp_size with the sglang backend)")
     assert plan.gpus_needed("b")[0] == 4  # one shard, and no training there
     assert plan.train_gpus == 6  # GPU index 5 must exist on the first box
-    served = RunPlan.build(make_config(benchmark={"enabled": True}, server={"tp_size": 8}), BoxSettings())
-    assert served.gpus_needed("local") == (8, "the SGLang servers of generate / benchmark (server.tp_size)")
+    # (tp 4: the tiny drafter's 4 heads must split across the benchmark's server, which loads it)
+    served = RunPlan.build(make_config(benchmark={"enabled": True}, server={"tp_size": 4}), BoxSettings())
+    assert served.gpus_needed("local") == (4, "the SGLang servers of generate / benchmark (server.tp_size)")
     named = RunPlan.build(make_config(extract={"device": "cuda:0", "num_shards": 4}), BoxSettings())
     assert named.gpus_needed("local")[0] == 1  # a device the user named: only training's rank counts
 
