@@ -156,18 +156,25 @@ def test_a_busy_box_defers_to_the_triggerer_which_checks_until_the_gpus_are_free
     classpath, kwargs = trigger.serialize()
     assert classpath == "eagle3_airflow.sensors.BoxCheckTrigger" and kwargs["check"] == "gpus"
 
-    async def wait_then_free_the_gpus():
+    seen = []
+
+    async def wait_until_seen_busy_then_free_the_gpus():
+        # Wait on what the trigger logs, not on a clock: on a loaded machine one check can take seconds.
         events = trigger.run()
         waiting = asyncio.ensure_future(events.__anext__())
-        await asyncio.sleep(1.5)  # a few checks while vLLM still holds the GPU
-        assert not waiting.done()
+        for _ in range(600):
+            seen.append(capsys.readouterr().out)
+            if "pid 4242 python3 -m vllm" in "".join(seen) or waiting.done():
+                break
+            await asyncio.sleep(0.1)
+        assert not waiting.done(), "the trigger fired while vLLM still held the GPU"
         gpus([{**H200, "memory.used": 1}])
-        return await asyncio.wait_for(waiting, 30)
+        return await asyncio.wait_for(waiting, 60)
 
     capsys.readouterr()
-    event = asyncio.run(wait_then_free_the_gpus())
+    event = asyncio.run(wait_until_seen_busy_then_free_the_gpus())
     assert event.payload == {"status": "ready"}
-    assert "pid 4242 python3 -m vllm" in capsys.readouterr().out  # what the trigger saw goes to the task log
+    assert "pid 4242 python3 -m vllm" in "".join(seen)  # what the trigger saw goes to the task log
     sensor.execute_complete({}, event.payload)
 
 
