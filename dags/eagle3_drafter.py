@@ -1,8 +1,9 @@
 """
 ### EAGLE-3 drafter: from conversations to an SGLang-ready draft model, on a remote GPU box
 
-Trigger it from the form: every field comes from the run-config model (`eagle3.config.RunConfig`),
-with its help text, range and pattern. One run writes one run directory,
+Trigger it from the form: a dozen fields (the target, the data, a preset and the knobs people change per run), each
+with its help text, range and pattern; the box's facts and the recipe's other knobs are the deployment's settings
+(docs/params.md). One run writes one run directory,
 `{workdir}/runs/{run_name}/`, on the box: config.json, hidden states, vocab mapping, checkpoints,
 the drafter, report and plots.
 
@@ -32,7 +33,6 @@ from airflow.sdk import DAG, Asset, chain, task, task_group
 from eagle3_airflow import tasks
 from eagle3_airflow.deployment import Deployment
 from eagle3_airflow.jobs import RemoteJobOperator
-from eagle3_airflow.params import build_params
 from eagle3_airflow.pools import box_params
 from eagle3_airflow.promotion import PROMOTION_DAG_ID, PROPOSE_TASK, proposals_asset_name
 from eagle3_airflow.sensors import BoxReachableSensor, DiskSpaceSensor, GpuIdleSensor
@@ -46,7 +46,7 @@ PROPOSALS = Asset(proposals_asset_name(DEPLOYMENT.drafter_asset))  # approve_pro
 
 # One DAG per box of the settings' box_pools, each in its box's pool (eagle3_airflow/pools.py): several boxes run
 # several runs at once. Without box_pools, the one DAG eagle3_drafter, whose runs may use any allowed box.
-FORM = build_params(DEPLOYMENT.params, DEPLOYMENT.form_choices())
+FORM = DEPLOYMENT.form()
 for BOX in DEPLOYMENT.resources():
     SETTINGS = DEPLOYMENT.for_box(BOX)
     PARAMS = box_params(FORM, BOX.conn_id)  # the form, its box.conn_ids that box alone
@@ -126,10 +126,9 @@ for BOX in DEPLOYMENT.resources():
         chain(run, box_reachable, code_synced, config_written, gpus_idle, disk_space, generate, extract,
               gpus_released, vocab, inputs_changed, train, export, evaluate, benchmark, summary, announce, retention)
 
-    # The form's params go on the DAG after its tasks exist. Passed to DAG(...), Airflow would copy all ~60 of them
-    # into every task, then re-validate every copy when it serializes the DAG: about 0.5 s of the dag-processor's
-    # time per parse, for nothing, since tasks read DAG params at run time anyway (dag params, then task params,
-    # then the run's conf).
+    # The form's params go on the DAG after its tasks exist. Passed to DAG(...), Airflow would copy them into every
+    # task, then re-validate every copy when it serializes the DAG (0.5 s per parse when the form had 107 fields),
+    # for nothing, since tasks read DAG params at run time anyway (dag params, then task params, then the run's conf).
     dag.params.update(PARAMS)
 
 

@@ -34,12 +34,21 @@ TINY_TARGET = REPO / ".cache" / "tiny-target"
 WORKDIR = REPO / "demo-work"
 AIRFLOW = str(Path(sys.executable).with_name("airflow"))
 
+# The trigger's conf: the form's fields (eagle3_airflow/params.py).
 CONF = {
     "run_name": "demo",
-    "workdir": str(WORKDIR),
     "target.model_path": str(TINY_TARGET),
-    "target.dtype": "float32",
     "data.path": str(TINY_TARGET / "prompts.jsonl"),
+    "train.epochs": 2,
+    "train.learning_rate": 1e-3,
+    "evaluate.draft_lengths": [3, 7],
+    "box.conn_ids": ["local"],
+}
+# The deployment's settings for this machine as the box: its facts and the demo's recipe (`run`), how the DAG works
+# the box (`box`). Also read by `make airflow`: its trigger form then starts filled in for the tiny target.
+RUN = {
+    "workdir": str(WORKDIR),
+    "target.dtype": "float32",
     "generate.enabled": True,
     "generate.backend": "hf",
     "generate.max_tokens": 64,
@@ -50,28 +59,27 @@ CONF = {
     "extract.num_shards": 2,
     "extract.progress_interval_s": 5,
     "train.batch_tokens": 256,  # a few samples a step: nearly the one-sample default's drafter, 5x faster here
-    "train.epochs": 2,
-    "train.learning_rate": 1e-3,
     "train.save_every_steps": 20,
     "train.val_fraction": 0.06,  # its lower half pins 32 evaluation prompts (25 first turns, 7 later ones)
     "train.progress_interval_s": 10,
     "evaluate.num_prompts": 32,
     "evaluate.max_new_tokens": 48,
-    "evaluate.draft_lengths": [3, 7],
-    "box.conn_ids": ["local"],
-    "box.python": sys.executable,
-    "box.require_gpus": False,  # a CPU demo: the GPU sensor would wait forever
-    "box.poll_interval_s": 1,
+}
+BOX = {
+    "python": sys.executable,
+    "require_gpus": False,  # a CPU demo: the GPU sensor would wait forever
+    "poll_interval_s": 1,
 }
 
 
-def airflow_env() -> dict[str, str]:
+def airflow_env(state_dtype: str = "bf16") -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")}
     # Also read by `make airflow`: its trigger form then starts filled in for the tiny target on this machine
     # (run_name left empty: each UI run gets its own run directory, named after the Airflow run id).
     settings = WORKDIR / "dag-settings.json"
     form_defaults = {key: value for key, value in CONF.items() if key != "run_name"}
-    settings.write_text(json.dumps({"retry_delay_s": 5, "params": form_defaults}, indent=2))
+    settings.write_text(json.dumps({"retry_delay_s": 5, "params": form_defaults,
+                                    "run": {**RUN, "extract.state_dtype": state_dtype}, "box": BOX}, indent=2))
     env.update(
         AIRFLOW_HOME=str(WORKDIR / "airflow"),
         AIRFLOW__CORE__DAGS_FOLDER=str(REPO / "dags"),
@@ -117,10 +125,11 @@ class Console:
                               f"         the whole job log: {log}"]))
 
 
-def run_dag(conf: dict, env: dict[str, str], log_path: Path, echo: Callable[[str], None] = print) -> int:
-    """`airflow dags test eagle3_drafter` with the whole task log in `log_path` and a Console view of it on
-    the console while it runs. Returns the exit code."""
-    console = Console(layout.run_dir_of(conf["workdir"], conf["run_name"]), echo)
+def run_dag(conf: dict, run_dir: Path, env: dict[str, str], log_path: Path,
+            echo: Callable[[str], None] = print) -> int:
+    """`airflow dags test eagle3_drafter` with the whole task log in `log_path` and a Console view of it (the run
+    directory's jobs: `run_dir`) on the console while it runs. Returns the exit code."""
+    console = Console(run_dir, echo)
     argv = [AIRFLOW, "dags", "test", "eagle3_drafter", "--conf", json.dumps(conf)]
     with open(log_path, "w") as log, subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                                       text=True, errors="replace") as proc:
@@ -155,22 +164,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    conf = {**CONF, "extract.state_dtype": args.state_dtype}
     started = time.monotonic()
     WORKDIR.mkdir(exist_ok=True)
     step("build the tiny target", [sys.executable, "-m", "eagle3", "make-tiny-target", str(TINY_TARGET)])
-    env = airflow_env()
+    env = airflow_env(args.state_dtype)
     step("migrate the demo's Airflow DB (SQLite)", [AIRFLOW, "db", "migrate"], env=env, stdout=subprocess.DEVNULL)
     step("create the DAG's pool (deferred tasks counted)",
          [sys.executable, "-m", "eagle3_airflow.deployment", "create-pool", "--airflow", AIRFLOW], env=env,
          stdout=subprocess.DEVNULL)
     log = WORKDIR / "dag-test.log"
     print(f"[demo] airflow dags test eagle3_drafter (the whole task log goes to {log}):", flush=True)
-    returncode = run_dag(conf, env, log, lambda text: print(text, flush=True))
+    run_dir = layout.run_dir_of(WORKDIR, CONF["run_name"])
+    returncode = run_dag(CONF, run_dir, env, log, lambda text: print(text, flush=True))
     if returncode != 0:
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
         sys.exit(f"[demo] the DAG run failed (exit {returncode}); last lines of {log}:\n{tail}")
-    print_summary(layout.run_dir_of(WORKDIR, CONF["run_name"]), time.monotonic() - started)
+    print_summary(run_dir, time.monotonic() - started)
 
 
 def job_seconds(run_dir: Path, key: str) -> str:

@@ -247,11 +247,13 @@ def sealed(plan, dag_run=RUN) -> dict:
 @pytest.fixture
 def trust_settings(tmp_path, monkeypatch) -> Path:
     """Settings (EAGLE3_DAG_SETTINGS) under which the tests' plans verify: this test's tmp_path as the allowed
-    workdir root, this machine and the loopback sshd's box as the allowed boxes, two units as stoppable services."""
+    workdir root (its runs' workdir tmp_path/work, as the `plan` fixture's), this machine and the loopback sshd's box
+    as the allowed boxes, two units as stoppable services, this interpreter as the box's python."""
     path = tmp_path / "dag-settings.json"
     path.write_text(json.dumps({"allowed_workdirs": [str(tmp_path)], "allowed_boxes": ["local", "gpu_box"],
                                 "allowed_services": ["vllm.service", "other.service"],
-                                "allowed_pythons": [sys.executable]}))
+                                "allowed_pythons": [sys.executable],
+                                "run": {"workdir": str(tmp_path / "work")}, "box": {"python": sys.executable}}))
     monkeypatch.setenv("EAGLE3_DAG_SETTINGS", str(path))
     return path
 
@@ -297,5 +299,6 @@ def poke(sensor_class, plan: dict, capsys, **kwargs) -> tuple[bool, str]:
 pytest_plugins = [
     "tests.sshd",  # the loopback sshd fixtures (`sshd`, `fresh_sshd`)
     "tests.airflow_env",  # a throwaway Airflow home with a migrated SQLite DB (`airflow_home`)
-    "tests.dagruns",  # whole DAG runs: conf_for, settings, the session's uninterrupted `baseline_run`, helpers
+    # whole DAG runs: tiny_layers, tiny_run, settings, the session's uninterrupted `baseline_run`, helpers
+    "tests.dagruns",
 ]

@@ -6,8 +6,9 @@ Registered as a plugin in tests/conftest.py, so every test file gets the fixture
   baseline_run  ONE uninterrupted local DAG run per session (the run directory): the reference every DAG-level
                 comparison uses (bit-identical drafter, equal store digest), computed once
 
-and the helpers conf_for, job_state, sha256, assert_succeeded, wait_for, start_dag_run and
-copy_through_vocab (a run directory where extract and vocab already succeeded, for drills about training).
+and the helpers tiny_layers and tiny_run (a small run's conf and settings), job_state, sha256, assert_succeeded,
+wait_for, start_dag_run and copy_through_vocab (a run directory where extract and vocab already succeeded, for
+drills about training).
 """
 
 from __future__ import annotations
@@ -35,11 +36,15 @@ LATER_STAGES = "evaluate|benchmark|report|promoted"
 BOX_CHECKS = "box_reachable|gpus_idle|disk_space|gpus_released"
 
 
-def conf_for(tiny_target: Path, workdir: Path, run_name: str = BASELINE_RUN_NAME, **overrides) -> dict:
-    """A small but complete run: 2 extraction shards, 24 training steps, 2 evaluation prompts. With the
-    defaults (and any workdir) its outputs are bit-identical to the baseline run's."""
-    conf = {
-        "run_name": run_name,
+def tiny_layers(tiny_target: Path, workdir: Path, **overrides) -> tuple[dict, dict]:
+    """A small but complete run, as (conf, layers): the trigger's conf (the form's fields) and the deployment
+    settings' layers (`run`, `box`) it needs: 2 extraction shards, 24 training steps, 2 evaluation prompts. With the
+    defaults (and any workdir) its outputs are bit-identical to the baseline run's. `overrides` are dotted names;
+    each goes where it belongs: a form field to the conf, box.* to `box`, the rest to `run`."""
+    from eagle3_airflow.params import BOX_PREFIX, FORM_FIELDS
+
+    values = {
+        "run_name": BASELINE_RUN_NAME,
         "workdir": str(workdir),
         "target.model_path": str(tiny_target),
         "target.dtype": "float32",
@@ -64,9 +69,23 @@ def conf_for(tiny_target: Path, workdir: Path, run_name: str = BASELINE_RUN_NAME
         # Each poll is a `python -m eagle3 job poll` of about 0.1 CPU-second: at 0.3 s the polls took a fifth of
         # a DAG run's CPU time (baseline: 55.8 user-seconds at 0.3 s, 44.7 at 1 s, the same wall time).
         "box.poll_interval_s": 1.0,
+        **overrides,
     }
-    conf.update(overrides)
-    return conf
+    conf = {name: value for name, value in values.items() if name in FORM_FIELDS}
+    box = {name.removeprefix(BOX_PREFIX + "."): value for name, value in values.items()
+           if name.startswith(BOX_PREFIX + ".") and name not in FORM_FIELDS}
+    run = {name: value for name, value in values.items() if name not in FORM_FIELDS and name not in
+           {f"{BOX_PREFIX}.{key}" for key in box}}
+    return conf, {"run": run, "box": box}
+
+
+def tiny_run(tiny_target: Path, workdir: Path, run_name: str = BASELINE_RUN_NAME, *, settings_dir: Path,
+             settings: dict | None = None, **overrides) -> tuple[dict, dict[str, str]]:
+    """tiny_layers' run as (conf, env): its layers written into a settings file in `settings_dir` with `settings`
+    (default: quick retries and the loopback sshd's box, as the `settings` fixture), the env naming it."""
+    conf, layers = tiny_layers(tiny_target, workdir, run_name=run_name, **overrides)
+    top = {"retry_delay_s": 1, "retries": 2, "allowed_boxes": ["local", "gpu_box"]} if settings is None else settings
+    return conf, settings_env(settings_dir, **layers, **top)
 
 
 def settings_env(directory: Path, **values) -> dict[str, str]:
@@ -76,7 +95,7 @@ def settings_env(directory: Path, **values) -> dict[str, str]:
     box's python."""
     path = Path(directory) / "dag-settings.json"
     values.setdefault("allowed_workdirs", [str(Path(directory).resolve().parents[1])])
-    values.setdefault("allowed_pythons", [sys.executable])  # conf_for's box.python
+    values.setdefault("allowed_pythons", [sys.executable])  # tiny_layers' box.python
     path.write_text(json.dumps(values))
     return {"EAGLE3_DAG_SETTINGS": str(path)}
 
@@ -131,7 +150,7 @@ WORKER_SECRETS = {
 
 
 @pytest.fixture(scope="session")
-def baseline_run(tiny_target, settings, tmp_path_factory, worker_id) -> Path:
+def baseline_run(tiny_target, tmp_path_factory, worker_id) -> Path:
     """One uninterrupted DAG run through the local transport, shared by the whole session: the reference the
     DAG tests and fault drills compare against. Returns its run directory; nobody may write into it.
 
@@ -156,7 +175,9 @@ def baseline_run(tiny_target, settings, tmp_path_factory, worker_id) -> Path:
             started = time.monotonic()
             console: list[tuple[float, str]] = []
             log = workdir / "dag-test.log"
-            code = run_dag(conf_for(tiny_target, workdir), {**airflow_env(home), **settings, **WORKER_SECRETS}, log,
+            conf, env = tiny_run(tiny_target, workdir, settings_dir=workdir)
+            code = run_dag(conf, workdir / "runs" / BASELINE_RUN_NAME, {**airflow_env(home), **env, **WORKER_SECRETS},
+                           log,
                            lambda text: console.append((time.monotonic() - started, text)))
             print(f"uninterrupted DAG run (local transport): {time.monotonic() - started:.1f} s")
             (workdir / "console.json").write_text(json.dumps({"lines": console,

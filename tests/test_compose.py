@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from eagle3_airflow.deployment import Deployment
-from eagle3_airflow.params import ParamsError, build_params
+from eagle3_airflow.params import ParamsError
 
 REPO = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = REPO / "docker-compose.yaml"
@@ -355,26 +355,43 @@ def _settings(name: str) -> Deployment:
     return Deployment.model_validate(json.loads((REPO / "deploy" / name).read_text()))
 
 
+def _run_from_the_form(settings: Deployment, **chosen) -> tuple:
+    """The run config and box settings of a trigger that fills in the form's required fields and `chosen`."""
+    values = {name: param.value for name, param in settings.form().items() if param.has_value}
+    values.update({"target.model_path": "/models/kimi", "data.path": "/data/conversations.jsonl", **chosen})
+    return settings.configs(values, "manual__2026-12-04T08:00:00+00:00")
+
+
 def test_the_stacks_settings_allow_gpu_box_and_make_it_the_default():
     """The quickstart triggers with gpu_box: the built-in settings allow only `local`, so the stack has its own."""
     settings = _settings("dag-settings.json")
     assert settings.boxes() == ["gpu_box"]
-    assert settings.params["box.conn_ids"] == ["gpu_box"]
-    params = build_params(settings.params, settings.form_choices())
+    assert settings.params == {"box.conn_ids": ["gpu_box"]}  # the form's defaults: form fields only
+    params = settings.form()
     assert params["box.conn_ids"].value == ["gpu_box"]  # the form's default
-    settings.check(["gpu_box"], [], None, None, workdir=settings.params["workdir"])
+    # The box's facts are the settings' run: every run works in /data/eagle3 on the box.
+    assert settings.run == {"workdir": "/data/eagle3"} and settings.workdirs() == ["/data/eagle3"]
+    config, box = _run_from_the_form(settings)
+    assert (config.workdir, box.conn_ids) == ("/data/eagle3", ["gpu_box"])
+    settings.check_run(config, box.conn_ids, box.stop_services, python=box.python)
     # The worker itself is a box only when the deployment says so.
     with pytest.raises(ParamsError, match=r"box.conn_ids: \['local'\] not allowed here; this deployment allows "
                                           r"\['gpu_box'\]"):
-        settings.check(["local"], [], None, None, workdir=settings.params["workdir"])
+        settings.check(["local"], [], None, None, workdir=settings.run["workdir"])
 
 
 def test_the_local_box_settings_allow_it_besides_gpu_box():
     settings = _settings("dag-settings-local-box.json")
     assert settings.boxes() == ["gpu_box", "local"]
     assert settings.params["box.conn_ids"] == ["gpu_box"]
-    # Its work directory is the volume the worker and the triggerers share (docker-compose.yaml).
-    settings.check(["local"], [], None, None, workdir="/opt/airflow/eagle3-work")
+    assert settings.form()["preset"].schema["enum"] == ["default", "local-box"]
+    # On gpu_box, the work directory of the settings' run; on `local`, its preset's: the volume the worker and the
+    # triggerers share (docker-compose.yaml).
+    config, box = _run_from_the_form(settings)
+    assert (config.workdir, box.conn_ids) == ("/data/eagle3", ["gpu_box"])
+    config, box = _run_from_the_form(settings, preset="local-box", **{"box.conn_ids": ["local"]})
+    assert config.workdir == "/opt/airflow/eagle3-work"
+    settings.check_run(config, box.conn_ids, box.stop_services, python=box.python)
     # .env.example names it where the image has it.
     assert f"EAGLE3_DAG_SETTINGS={SETTINGS_DIR}/dag-settings-local-box.json" in (REPO / ".env.example").read_text()
 

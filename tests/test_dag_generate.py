@@ -22,21 +22,22 @@ from eagle3.data import read_conversations
 from eagle3.runlayout import run_stats_path
 from eagle3.store import HiddenStateStore
 from tests.airflow_env import dags_test
-from tests.dagruns import assert_succeeded, conf_for
+from tests.dagruns import assert_succeeded, tiny_run
 from tests.sshd import free_port
 from tests.standin import STAND_IN, stand_in_processes
 
 pytestmark = pytest.mark.slow
 
-def test_generate_and_benchmark_run_in_the_dag(tiny_target, airflow_home, settings, tmp_path):
-    conf = conf_for(tiny_target, tmp_path / "box", "with-sglang-stages", **{
+def test_generate_and_benchmark_run_in_the_dag(tiny_target, airflow_home, tmp_path):
+    port = free_port()
+    conf, settings = tiny_run(tiny_target, tmp_path / "box", "with-sglang-stages", settings_dir=tmp_path, **{
         "data.max_samples": 16,
         "generate.enabled": True,
         "generate.launch_server": True,
         "generate.max_tokens": 32,
         "generate.concurrency": 4,
         "generate.progress_interval_s": 1,
-        "server.port": free_port(),
+        "server.port": port,
         "server.startup_timeout_s": 120,
         "extract.backend": "sglang",
         "extract.num_shards": 2,
@@ -82,5 +83,5 @@ def test_generate_and_benchmark_run_in_the_dag(tiny_target, airflow_home, settin
     print(f"stand-in benchmark: accept length {benchmark['mean_accept_length']}, speedup {benchmark['speedup']}")
     assert "'engine': 'sglang'" in proc.stdout + proc.stderr  # the report task's summary carries the benchmark
     # This run's servers only (its port): the other xdist worker may be running stand-ins of its own right now.
-    assert not stand_in_processes(conf["server.port"]), "a stand-in server outlived its stage"
+    assert not stand_in_processes(port), "a stand-in server outlived its stage"
 

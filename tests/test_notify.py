@@ -92,13 +92,14 @@ def test_a_failed_run_mails_the_failed_task_and_the_run_and_no_secret(smtp_serve
                                                                        tiny_target):
     """A whole `airflow dags test` run that fails (its validate refuses a mistyped param) sends both notifications
     through the settings file's SMTP connection; the worker's secrets are in its environment and in no mail."""
-    from tests.dagruns import conf_for
+    from tests.dagruns import tiny_layers
 
     _, connection = smtp_server
     inbox = smtp_server[0]
-    env = {**airflow_env(airflow_home), **settings_env(tmp_path, notify=NOTIFY), **WORKER_SECRETS,
+    conf, layers = tiny_layers(tiny_target, tmp_path / "work", run_name="doomed")
+    env = {**airflow_env(airflow_home), **settings_env(tmp_path, notify=NOTIFY, **layers), **WORKER_SECRETS,
            "AIRFLOW_CONN_SMTP_TEST": connection}
-    conf = conf_for(tiny_target, tmp_path / "work", run_name="doomed", **{"train.epoch": 2})  # a typo
+    conf["train.epoch"] = 2  # a typo
     proc = subprocess.run([AIRFLOW, "dags", "test", "eagle3_drafter", "--conf", json.dumps(conf)], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode != 0
@@ -107,7 +108,7 @@ def test_a_failed_run_mails_the_failed_task_and_the_run_and_no_secret(smtp_serve
     assert subjects[0].startswith("[eagle3] eagle3_drafter: run ") and subjects[0].endswith(" failed")
     assert subjects[1].startswith("[eagle3] eagle3_drafter: validate failed in run ")
     bodies = "\n".join(inbox.bodies())
-    assert "unknown trigger parameter(s): 'train.epoch'" in bodies  # what validate refused
+    assert "not trigger parameters: 'train.epoch' (did you mean 'train.epochs'?)" in bodies  # what validate refused
     for name, secret in WORKER_SECRETS.items():
         assert secret not in bodies, name
 

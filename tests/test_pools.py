@@ -21,7 +21,7 @@ from tests.conftest import RUN
 from tests.test_trust_settings import GOOD, trigger
 
 TWO_BOXES = {"box_pools": {"box-a": {"gpus": 4}, "box-b": {"gpus": 8, "shard_gpus": 2}},
-             "params": {"workdir": "/data/eagle3"}}
+             "run": {"workdir": "/data/eagle3"}, "presets": {"wide": {"train.gpus": list(range(8))}}}
 
 
 def box_settings(conn_id: str, settings: dict = TWO_BOXES) -> Deployment:
@@ -62,10 +62,10 @@ def test_box_pools_outside_the_allowed_boxes_or_shards_wider_than_the_box_are_re
 
 def test_the_form_shared_by_the_box_dags_offers_each_its_own_box_as_its_settings_would():
     deployment = Deployment.model_validate(TWO_BOXES)
-    form = build_params(deployment.params, deployment.form_choices())
+    form = deployment.form()
     for resource in deployment.resources():
         settings = deployment.for_box(resource)
-        built = build_params(settings.params, settings.form_choices())
+        built = settings.form()
         shared = box_params(form, resource.conn_id)
         assert {name: (p.value, p.schema) for name, p in shared.items()} == {
             name: (p.value, p.schema) for name, p in built.items()}
@@ -82,7 +82,7 @@ def test_a_run_of_one_boxs_dag_cannot_name_another_box():
     with pytest.raises(ParamValidationError):  # the form offers box-a alone
         trigger(deployment, **{"box.conn_ids": ["box-b"]})
     # and past the form (params as a trigger could send them), validate refuses it
-    params = {name: param.value for name, param in build_params(deployment.params, deployment.form_choices()).items()}
+    params = {name: param.value for name, param in deployment.form().items()}
     params.update(GOOD, **{"box.conn_ids": ["box-b"]})
     with pytest.raises(AirflowFailException, match=r"box.conn_ids: \['box-b'\] not allowed here; this deployment "
                                                    r"allows \['box-a'\]"):
@@ -90,12 +90,34 @@ def test_a_run_of_one_boxs_dag_cannot_name_another_box():
 
 
 def test_a_run_that_uses_more_gpus_than_its_dag_holds_is_refused_naming_the_setting():
-    with pytest.raises(Exception, match=r"(?s)train: uses 8 GPUs .* box box-a has 4 \(box_pools.box-a in the "
-                                        r"settings file.gpus\)"):
-        trigger(box_settings("box-a"), **{"train.gpus": list(range(8))})
-    trigger(box_settings("box-b"), **{"train.gpus": list(range(8))})  # box-b has 8
-    with pytest.raises(Exception, match=r"extract: each shard uses 4 GPUs .* holds 2 .*set it to 4"):
-        trigger(box_settings("box-b"), **{"extract.backend": "sglang", "extract.sglang.tp_size": 4})
+    """train.gpus and the extract backend are the settings' (a preset, a box's own run): a run of one box's DAG that
+    would use more GPUs than the box has is refused by validate, naming the box_pools setting."""
+    with pytest.raises(AirflowFailException, match=r"(?s)train: uses 8 GPUs .* box box-a has 4 \(box_pools.box-a in "
+                                                   r"the settings file.gpus\)"):
+        trigger(box_settings("box-a"), preset="wide")
+    trigger(box_settings("box-b"), preset="wide")  # box-b has 8
+    sglang = {**TWO_BOXES, "box_pools": {**TWO_BOXES["box_pools"], "box-b": {
+        "gpus": 8, "shard_gpus": 2, "run": {"extract.backend": "sglang", "extract.sglang.tp_size": 4}}}}
+    with pytest.raises(AirflowFailException, match=r"extract: each shard uses 4 GPUs .* holds 2 .*set it to 4"):
+        trigger(box_settings("box-b", sglang))
+
+
+def test_each_box_runs_with_its_own_facts_over_the_settings():
+    """box_pools.<box>.run and .box: a box's own workdir, interpreter, ... over the settings' run and box, in that
+    box's DAG only; the allow-lists' defaults take every box's."""
+    settings = {**TWO_BOXES, "box": {"poll_interval_s": 2.0}, "box_pools": {
+        "box-a": {"gpus": 4},
+        "box-b": {"gpus": 8, "run": {"workdir": "/scratch/eagle3", "target.dtype": "float16"},
+                  "box": {"python": "/opt/eagle3/bin/python"}}}}
+    deployment = Deployment.model_validate(settings)
+    assert deployment.workdirs() == ["/data/eagle3", "/scratch/eagle3"]
+    assert deployment.pythons() == ["/opt/eagle3/bin/python", "python3"]
+    a, b = trigger(box_settings("box-a", settings)), trigger(box_settings("box-b", settings))
+    assert (a["plan"]["workdir"], a["plan"]["python"], a["config"]["target"]["dtype"]) == (
+        "/data/eagle3", "python3", "bfloat16")
+    assert (b["plan"]["workdir"], b["plan"]["python"], b["config"]["target"]["dtype"]) == (
+        "/scratch/eagle3", "/opt/eagle3/bin/python", "float16")
+    assert a["plan"]["poll_interval_s"] == b["plan"]["poll_interval_s"] == 2.0  # the settings' box, under each
 
 
 # -- the DAGs as the dag-processor makes them ---------------------------------------------------------------------

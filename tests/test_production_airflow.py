@@ -37,7 +37,7 @@ import pytest
 
 from tests.airflow_env import REPO, expect_report_plots
 from tests.celery_stack import BOXES, DAG_ID, DAG_ID_2, WORKER_2_HOSTNAME, CeleryStack, Namespace, StackSshd
-from tests.dagruns import conf_for, job_state, wait_for
+from tests.dagruns import job_state, tiny_layers, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("production_airflow")]
 
@@ -60,16 +60,22 @@ def freezing_python(root: Path) -> Path:
     return wrapper
 
 
-def run_conf(tiny_target: Path, workdir: Path, box: str = "gpu_box", run_name: str = RUN_NAME,
-             python: str = sys.executable) -> dict:
-    """The UI test's smallest run (tests/ui/test_web_ui.py form_defaults) on the SSH box."""
-    return conf_for(tiny_target, workdir, run_name=run_name, **{
+def run_conf(tiny_target: Path, box: str = "gpu_box", run_name: str = RUN_NAME) -> dict:
+    """The trigger's conf of the UI test's smallest run (tests/ui/test_web_ui.py settings_for) on one SSH box."""
+    conf, _ = run_layers(tiny_target)
+    return {**conf, "run_name": run_name, "box.conn_ids": [box]}
+
+
+def run_layers(tiny_target: Path) -> tuple[dict, dict]:
+    """That run's conf and the settings' layers it needs, but for what each box has of its own (workdir, python)."""
+    conf, layers = tiny_layers(tiny_target, Path("/each/box/its/own"), run_name=RUN_NAME, **{
         "data.max_samples": 30, "extract.num_shards": 1, "train.val_fraction": 0.2, "train.epochs": 1,
         "evaluate.num_prompts": 1, "evaluate.max_new_tokens": 8,
-        "box.conn_ids": [box], "box.python": python,
         # The job is frozen through the drills (about a minute): it must not look dead meanwhile.
         "box.stale_after_s": 600,
     })
+    del layers["run"]["workdir"], layers["box"]["python"]
+    return conf, layers
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +97,7 @@ def inbox():
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory, request, inbox):
+def stack(tmp_path_factory, request, inbox, tiny_target):
     """The stack, with a settings file that allows the SSH box and mails late runs; its logs kept on failure."""
     root = tmp_path_factory.mktemp("production")
     ns = Namespace().create()
@@ -100,10 +106,13 @@ def stack(tmp_path_factory, request, inbox):
     try:
         sshd = StackSshd(root / "sshd", ns.host_ip).start()
         settings = root / "dag-settings.json"
+        # A DAG and a pool of 8 slots for each box, each box with a workdir of its own; the first box's python
+        # freezes the run's first train job (the drills).
+        own = {"gpu_box": (root / "box", freezing_python(root)), "gpu_box_2": (root / "box-2", sys.executable)}
         settings.write_text(json.dumps({
-            "allowed_boxes": list(BOXES), "allowed_workdirs": [str(root)],
-            "allowed_pythons": [sys.executable, str(freezing_python(root))],
-            "box_pools": {box: {"gpus": 8} for box in BOXES},  # a DAG and a pool of 8 slots each
+            **run_layers(tiny_target)[1], "allowed_boxes": list(BOXES),
+            "box_pools": {box: {"gpus": 8, "run": {"workdir": str(own[box][0])}, "box": {"python": str(own[box][1])}}
+                          for box in BOXES},
             "params": {"box.conn_ids": ["gpu_box"]}, "retry_delay_s": 1, "retries": 2,
             "notify": {"to": ["oncall@example.com"], "smtp_conn_id": "smtp_test", "late_after_h": LATE_AFTER_H}}))
         boxes = {key: value for box in BOXES for key, value in sshd.airflow_env(box).items()}
@@ -163,13 +172,13 @@ def drilled_run(stack, tiny_target):
     workdir = stack.root / "box"
     run_dir = workdir / "runs" / RUN_NAME
     started = time.monotonic()
-    conf = run_conf(tiny_target, workdir, python=str(freezing_python(stack.root)))
+    conf = run_conf(tiny_target)
     run = stack.api(f"/dags/{DAG_ID}/dagRuns", {"logical_date": None, "conf": conf})
     run_id = run["dag_run_id"]
     record: dict = {"run_id": run_id, "run_dir": run_dir}
     # The second box's DAG runs at the same time, undrilled, in a work directory of its own.
     record["run_2_id"] = stack.api(f"/dags/{DAG_ID_2}/dagRuns", {
-        "logical_date": None, "conf": run_conf(tiny_target, stack.root / "box-2", "gpu_box_2", "prod-run-2")},
+        "logical_date": None, "conf": run_conf(tiny_target, "gpu_box_2", "prod-run-2")},
     )["dag_run_id"]
 
     # 1. train's job stopped itself as it started (freezing_python); once its log has its header, the drill freezes

@@ -71,3 +71,20 @@ def test_redo_skips_no_stage_as_nothing_changed_and_names_only_known_stages(plan
     assert BoxSettings.model_fields["redo_from"].annotation.__args__ == ("none", *REDO_ORDER)
     with pytest.raises(ValueError, match="redo_from"):
         BoxSettings(redo_from="extract")
+
+
+def test_redo_from_is_the_forms_choice_and_reaches_the_plan():
+    """A person asks for the redo when they trigger (the form's box.redo_from); the plan carries it to the stages."""
+    from eagle3_airflow.deployment import Deployment
+    from eagle3_airflow.params import FORM_FIELDS, build_params
+    from eagle3_airflow.tasks import validate_run
+    from tests.conftest import RUN
+
+    assert "box.redo_from" in FORM_FIELDS and build_params()["box.redo_from"].value == "none"
+    deployment = Deployment(run={"workdir": "/data/eagle3"})
+    form = {name: param.value for name, param in deployment.form().items() if param.has_value}
+    form.update({"target.model_path": "/models/kimi", "data.path": "/data/conversations.jsonl"})
+    assert validate_run(form, {}, set(build_params()), RUN, deployment)["plan"]["redo_from"] == ""
+    redo = validate_run({**form, "box.redo_from": "train"}, {"box.redo_from": "train"}, set(build_params()), RUN,
+                        deployment)
+    assert redo["plan"]["redo_from"] == "train"

@@ -63,6 +63,25 @@ def test_cpu_runs_skip_the_gpu_check(plan, gpus, capsys):
     assert idle and "GPU check off" in log
 
 
+def test_the_gpu_check_is_the_settings_never_a_triggers():
+    """require_gpus, the idle threshold and the services stopped first are the settings' `box`: they reach the plan
+    the sensors read, and a trigger's conf cannot turn the check off or loosen it."""
+    from eagle3_airflow.deployment import Deployment
+    from eagle3_airflow.params import build_params
+    from eagle3_airflow.tasks import validate_run
+    from tests.conftest import RUN
+
+    deployment = Deployment(run={"workdir": "/data/eagle3"}, allowed_services=["vllm.service"],
+                            box={"require_gpus": True, "gpu_max_used_mib": 512, "stop_services": ["vllm.service"]})
+    form = {name: param.value for name, param in deployment.form().items() if param.has_value}
+    form.update({"target.model_path": "/models/kimi", "data.path": "/data/conversations.jsonl"})
+    plan = validate_run(form, {}, set(build_params()), RUN, deployment)["plan"]
+    assert (plan["require_gpus"], plan["gpu_max_used_mib"], plan["stop_services"]) == (True, 512, ["vllm.service"])
+    for key, value in (("box.require_gpus", False), ("box.gpu_max_used_mib", 1 << 20), ("box.stop_services", [])):
+        with pytest.raises(AirflowFailException, match=rf"not trigger parameters: '{key}' \(the deployment's"):
+            validate_run({**form, key: value}, {key: value}, set(build_params()), RUN, deployment)
+
+
 def test_configured_services_are_stopped_before_the_check(plan, gpus, tmp_path, capsys, monkeypatch):
     systemctl = tmp_path / "systemctl"
     systemctl.write_text(FAKE_SYSTEMCTL)

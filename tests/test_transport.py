@@ -82,22 +82,21 @@ def test_package_archive_is_reproducible():
 
 
 def test_hostile_paths_travel_as_data_through_ssh(ssh_box, tmp_path, tiny_target, monkeypatch):
-    """Every string param with shell syntax goes through validate -> write_config over SSH: stored verbatim."""
+    """Every string with shell syntax, from the form (data.path) or the settings (vocab.reuse_from), goes through
+    validate -> write_config over SSH: stored verbatim."""
     from eagle3_airflow.deployment import Deployment
-    from eagle3_airflow.params import build_params
 
-    params = {k: p.value for k, p in build_params().items() if p.has_value}
-    params.update({
-        "workdir": str(tmp_path / "work"), "target.model_path": str(tiny_target),
-        "data.path": hostile(tmp_path), "vocab.reuse_from": hostile(tmp_path),
-        "vocab.draft_vocab_size": 512, "box.conn_ids": ["gpu_box"], "box.python": sys.executable,
-    })
     deployment = Deployment(allowed_boxes=["local", "gpu_box"], allowed_workdirs=[str(tmp_path)],
-                            allowed_pythons=[sys.executable])
+                            allowed_pythons=[sys.executable], box={"python": sys.executable},
+                            run={"workdir": str(tmp_path / "work"), "vocab.reuse_from": hostile(tmp_path),
+                                 "vocab.draft_vocab_size": 512})
+    params = {k: p.value for k, p in deployment.form().items() if p.has_value}
+    params.update({"target.model_path": str(tiny_target), "data.path": hostile(tmp_path),
+                   "box.conn_ids": ["gpu_box"]})
     settings = tmp_path / "dag-settings.json"
     settings.write_text(deployment.model_dump_json(exclude_defaults=True))
     monkeypatch.setenv("EAGLE3_DAG_SETTINGS", str(settings))  # what write_config checks the plan against
-    run = validate_run(params, {}, set(params), RUN, deployment)
+    run = validate_run(params, {}, set(deployment.form()), RUN, deployment)
     ensure_code(ssh_box, sys.executable, run["plan"]["workdir"])
     config_path = write_config(run["plan"], run["config"], dag_run=RUN)
     written = json.loads(Path(config_path).read_text())

@@ -37,14 +37,16 @@ def no_box(monkeypatch):
 
 @pytest.fixture
 def run(trust_settings, tmp_path) -> dict:
-    """What validate hands to XCom for a run on this machine: the sealed plan and the config."""
+    """What validate hands to XCom for a run on this machine (its workdir and python the settings'): the sealed plan
+    and the config."""
     from eagle3_airflow.deployment import Deployment
-    from eagle3_airflow.params import build_params
 
-    params = {name: param.value for name, param in build_params().items() if param.has_value}
-    params.update({"workdir": str(tmp_path / "work"), "target.model_path": "/models/kimi",
-                   "data.path": "/data/conversations.jsonl", "box.python": sys.executable})
-    return tasks.validate_run(params, {}, set(params), RUN, Deployment.from_env())
+    deployment = Deployment.from_env()
+    params = {name: param.value for name, param in deployment.form().items() if param.has_value}
+    params.update({"target.model_path": "/models/kimi", "data.path": "/data/conversations.jsonl"})
+    run = tasks.validate_run(params, {}, set(deployment.form()), RUN, deployment)
+    assert (run["plan"]["workdir"], run["plan"]["python"]) == (str(tmp_path / "work"), sys.executable)
+    return run
 
 
 def test_a_plan_edited_to_use_another_connection_fails_sync_code_before_any_login(run, no_box):

@@ -2,26 +2,27 @@
 
 A JSON file named by EAGLE3_DAG_SETTINGS, read when the DAG is parsed:
 
-    {"schedule": "@weekly", "schedule_assets": ["eagle3_prompts"], "pool": "gpu_box", "retries": 3,
-     "params": {"workdir": "/data/eagle3", "box.conn_ids": ["gpu-box-1"]},
-     "allowed_boxes": ["gpu-box-1", "gpu-box-2"], "allowed_services": ["vllm.service"],
-     "allowed_endpoint_hosts": ["127.0.0.1", "sglang.internal"], "box_env": ["SGLANG_API_KEY"]}
+    {"schedule": "@weekly", "retries": 3,
+     "params": {"target.model_path": "/models/kimi-k2.5", "data.path": "/data/conversations.jsonl"},
+     "run": {"workdir": "/data/eagle3", "target.dtype": "bfloat16", "extract.backend": "sglang",
+             "extract.sglang.tp_size": 8, "server.engine": "sglang"},
+     "presets": {"long": {"train.batch_tokens": 32768, "data.max_length": 16384}},
+     "box": {"python": "/opt/eagle3/bin/python", "stop_services": ["vllm.service"]},
+     "allowed_boxes": ["gpu-box-1", "gpu-box-2"], "box_env": ["SGLANG_API_KEY"]}
+
+A run's config is the trigger form over the chosen preset over `run` (eagle3_airflow/params.py): `params` are the
+form's defaults (a scheduled run takes them, so they must make a valid run: an import error otherwise), `run` the
+box's facts and every run-config field the form does not hold, `presets` named recipes, `box` how the DAG works the
+box. A trigger chooses only the form's dozen fields; the rest is here, where an operator reviews it.
 
 `schedule` and `schedule_assets` start runs on time, when an upstream DAG updates one of those Assets (a new prompt
-set, a new target checkpoint), or on either; such runs take `params`, the trigger form's defaults, which must then
-make a valid run (an import error otherwise). The `allowed_*` lists and `box_env` are the trust boundary: many
-people may trigger a DAG (an Airflow role), but which machines it logs in to, which systemd units it stops there,
-which hosts the generate stage sends conversations to, and which of the box's environment variables reach a
-stage are the deployment's choice. The form offers only what they allow, and the validate task refuses anything
-else with the allowed values named. Left out, each allows only what the defaults use: the default boxes, the
-default services (none), the loopback and the default endpoint's host, no extra variables.
-
-The second pass (issue 35) added what a trigger could still reach: `allowed_workdirs` (the directories a run's
-workdir must equal or lie under; default: the form's default workdir only), `api_key_endpoints` (the exact
-endpoints each API-key variable may be sent to; none by default), `keep_versions` (how many promoted drafters a
-lineage keeps: the settings', never a trigger's) and `approvers` (who may approve a promotion). Every task checks the
-run plan against these again before it uses it (eagle3_airflow/plan.py), so tightening the settings takes effect
-at the next task of a run in flight too.
+set, a new target checkpoint), or on either. The `allowed_*` lists and `box_env` bound what the settings themselves
+may name: which machines a run logs in to (the form's box.conn_ids offers only allowed_boxes), which systemd units it
+stops, which hosts generate sends conversations to, which interpreters and workdirs it uses, which of the box's
+environment variables reach a stage and, for an API key, the exact endpoints it may go to. Left out, each allows
+only what `run` and `box` use. `keep_versions` (promoted drafters a lineage keeps) and `approvers` (who may approve
+a promotion) are this file's too. Every task checks the run plan against these again before it uses it
+(eagle3_airflow/plan.py), so tightening the settings takes effect at the next task of a run in flight.
 """
 
 from __future__ import annotations
@@ -55,7 +56,20 @@ from eagle3.config import (
 )
 from eagle3.runlayout import RUNS
 from eagle3_airflow import DAG_ID
-from eagle3_airflow.params import BoxSettings, ConnId, ParamsError, SystemdUnit, params_to_configs, required_params
+from eagle3_airflow.params import (
+    DEFAULT_PRESET,
+    FORM_FIELDS,
+    PRESET,
+    BoxSettings,
+    ConnId,
+    ParamsError,
+    SystemdUnit,
+    box_layer_fields,
+    build_params,
+    params_to_configs,
+    required_params,
+    run_layer_fields,
+)
 from eagle3_airflow.pools import BoxPool, BoxResource
 
 if TYPE_CHECKING:
@@ -113,6 +127,7 @@ class Approver(BaseModel):
 
 
 AssetName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:/-]{1,1500}$")]
+PresetName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
 MailAddress = Annotated[str, StringConstraints(pattern=r"^[^@\s<>,;]+@[^@\s<>,;]+$")]
 DottedCallable = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")]
 # An absolute directory, or scheme://bucket/prefix (no credentials in it: they belong in reports_conn_id).
@@ -148,7 +163,22 @@ class Deployment(BaseModel):
         description="Airflow Assets whose update starts a run: the prompt set and the target (a DAG that refreshes "
         "the data or publishes a checkpoint updates them). With schedule too, a run starts on either (Airflow's "
         "AssetOrTimeSchedule).")
-    params: dict[str, Any] = Field(default_factory=dict, description="Trigger-form defaults, by dotted name.")
+    params: dict[str, Any] = Field(
+        default_factory=dict,
+        description="The trigger form's defaults, by its fields' dotted names (run_name, preset, target.model_path, "
+        "data.path, train.epochs, ...: docs/params.md); a scheduled run takes them.")
+    run: dict[str, Any] = Field(
+        default_factory=dict,
+        description="The box's facts and every run-config field the form does not hold, by dotted name: workdir, "
+        "target.dtype, extract.*, server.* (engine, python, extra_args), generate.endpoint, ... Every run gets them.")
+    presets: dict[PresetName, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="Named recipes the form offers: each sets run-config fields over `run` (the training knobs a "
+        "person rarely touches). 'default' is always offered (`run` alone, unless listed here).")
+    box: dict[str, Any] = Field(
+        default_factory=dict,
+        description="How the DAG works the box (BoxSettings but conn_ids and redo_from, which the form chooses): "
+        "python, require_gpus, stop_services, the watchers' thresholds.")
     pool: str = Field("eagle3_box", pattern=r"^[A-Za-z0-9_.-]{1,256}$",
                       description="Airflow pool every remote stage runs in; counts deferred tasks.")
     pool_slots: int = Field(8, ge=1, le=4096, description="The GPUs of the box(es) the pool stands for: its slots "
@@ -163,18 +193,18 @@ class Deployment(BaseModel):
     retry_delay_s: float = Field(60, ge=0, le=24 * 3600)
     retry_exponential_backoff: bool = True
     allowed_boxes: list[ConnId] | None = Field(
-        None, description="Airflow SSH connection ids box.conn_ids may name; default: those of the default.")
+        None, description="Airflow SSH connection ids the form's box.conn_ids may name; default: its default's.")
     allowed_services: list[SystemdUnit] | None = Field(
-        None, description="systemd units box.stop_services may name; default: those of the default (none).")
+        None, description="systemd units box.stop_services may name; default: those `box` names.")
     allowed_endpoint_hosts: list[HostName] | None = Field(
         None, description="Hosts generate.endpoint may name, each as host (any port) or host:port (that port only); "
-        "default: the loopback and the default's host.")
+        "default: the loopback and the host of `run`'s endpoint.")
     allowed_workdirs: list[AbsDir] | None = Field(
         None, description="Directories a run's workdir must equal or lie under (compared as normalised paths; '..' "
-        "refused); default: the form's default workdir (params.workdir) only, and none without one.")
+        "refused); default: `run`'s workdir only, and none without one.")
     allowed_pythons: list[Interpreter] | None = Field(
         None, description="Interpreters box.python and server.python may name on the box (absolute paths, or a "
-        "command found on the box's PATH); default: the form's default box.python only. A trigger that could name "
+        "command found on the box's PATH); default: `box`'s python only. A run that could name "
         "any executable would run it with the stage's arguments.")
     box_env: list[EnvName] = Field(
         default_factory=list,
@@ -226,6 +256,52 @@ class Deployment(BaseModel):
         return None if workdirs is None else [normal_dir(path) for path in workdirs]
 
     @model_validator(mode="after")
+    def _layers_name_their_own_fields(self) -> Deployment:
+        """Each layer sets only the fields that are its (a form field in `run` would be overridden silently by the
+        form, a typo never read), and together they make a valid run with each preset, on each box."""
+        own = set(run_layer_fields())
+        problems = [f"params: {sorted(set(self.params) - set(FORM_FIELDS))} are not form fields (the form holds "
+                    f"{list(FORM_FIELDS)}); put run-config fields in \"run\" or a preset, box ones in \"box\""
+                    ] if set(self.params) - set(FORM_FIELDS) else []
+        if self.params.get(PRESET, DEFAULT_PRESET) not in self.preset_names():
+            problems.append(f"params: the default preset {self.params[PRESET]!r} is not one of {self.preset_names()}")
+        run_layers = [("run", self.run), *((f"presets.{name}", values) for name, values in self.presets.items()),
+                      *((f"box_pools.{conn_id}.run", pool.run) for conn_id, pool in self.box_pools.items())]
+        for where, layer in run_layers:
+            form = sorted(set(layer) & set(FORM_FIELDS))
+            if form:
+                problems.append(f"{where}: {form} are the form's (a trigger sets them); give their defaults in "
+                                "\"params\"")
+            unknown = sorted(set(layer) - own - set(FORM_FIELDS))
+            if unknown:
+                problems.append(f"{where}: {unknown} are not run-config fields the settings set (docs/params.md "
+                                "lists them)")
+        for where, layer in (("box", self.box),
+                             *((f"box_pools.{conn_id}.box", pool.box) for conn_id, pool in self.box_pools.items())):
+            outside = sorted(set(layer) - set(box_layer_fields()))
+            if outside:
+                problems.append(f"{where}: {outside} are not box settings (it takes {box_layer_fields()}; which "
+                                "boxes a run uses is the form's box.conn_ids, among allowed_boxes)")
+        if problems:
+            raise ValueError("\n  ".join(problems))
+        # Values: each preset over `run`, with stand-ins for what the form gives, must make a run on every box.
+        stand_ins = {name: "/form/value" for name in required_params()}
+        for where, run, box in self.box_layers():
+            for name in self.preset_names():
+                try:  # (a missing workdir is refused when a run is made, naming the fix: the DAG still parses)
+                    params_to_configs(stand_ins, "settings_check", {"workdir": "/settings/workdir", **run},
+                                      self.presets.get(name), box, name)
+                except ParamsError as err:
+                    raise ValueError(f"{where} with the preset {name!r} do not make a valid run: {err}") from None
+        return self
+
+    def box_layers(self) -> list[tuple[str, dict, dict]]:
+        """(where, run, box) for the settings and, under box_pools, each box: its own facts over the settings'."""
+        return [("the settings' run and box", self.run, self.box),
+                *((f"box_pools.{conn_id} (over run and box)", {**self.run, **pool.run}, {**self.box, **pool.box})
+                  for conn_id, pool in self.box_pools.items())]
+
+    @model_validator(mode="after")
     def _defaults_are_allowed(self) -> Deployment:
         unused = sorted(set(self.api_key_endpoints) - set(self.box_env))
         if unused:
@@ -242,13 +318,16 @@ class Deployment(BaseModel):
         if self.approve_promotion and not self.approvers:
             raise ValueError("approvers: approve_promotion is on, but no one may approve; list the Airflow user names "
                              "who may (\"approvers\": [\"alice\", \"bob\"]), or turn approve_promotion off")
-        # The form's defaults are what a scheduled run uses: they must pass the deployment's own check.
-        # (with box_pools, each box's DAG makes that box its runs' default)
-        self.check(self._default("box.conn_ids", list(self.box_pools)[:1] or BoxSettings().conn_ids),
-                   self._default("box.stop_services", []),
-                   self.params.get("generate.endpoint"),
-                   self.params.get("generate.api_key_env"), source="params (the form's defaults)",
-                   workdir=self.params.get("workdir"))
+        # What every run gets (the settings' run and box, each box's own over them) must pass the deployment's own
+        # check, with the form's default boxes (with box_pools, each box's DAG makes that box its runs' default).
+        for where, run, box in self.box_layers():
+            for name in self.preset_names():  # a preset may name what `run` does: checked with each
+                layers = {**run, **self.presets.get(name, {})}
+                self.check(self._default("box.conn_ids", list(self.box_pools)[:1] or BoxSettings().conn_ids),
+                           list(box.get("stop_services") or []), layers.get("generate.endpoint"),
+                           layers.get("generate.api_key_env"), source=f"a run with the preset {name!r} on {where}",
+                           workdir=layers.get("workdir"),
+                           pythons={"box.python": box.get("python"), "server.python": layers.get("server.python")})
         return self
 
     @classmethod
@@ -266,6 +345,23 @@ class Deployment(BaseModel):
         settings._source = f"the settings file {path} (EAGLE3_DAG_SETTINGS)"
         return settings
 
+    # -- a run's config, from the form over the layers ---------------------------------------------------
+    def preset_names(self) -> list[str]:
+        """What the form's preset field offers: 'default' first, then the settings' presets."""
+        return [DEFAULT_PRESET, *(name for name in self.presets if name != DEFAULT_PRESET)]
+
+    def configs(self, params: dict, run_id: str) -> tuple[RunConfig, BoxSettings]:
+        """The run config and box settings of a trigger's form values: the form over the chosen preset over `run`
+        (eagle3_airflow.params); errors name the field, or the preset, and the fix."""
+        preset = params.get(PRESET) or DEFAULT_PRESET
+        if preset not in self.preset_names():
+            raise ParamsError(f"preset: {preset!r} is not one of this deployment's presets {self.preset_names()}")
+        layers = {**self.run, **self.presets.get(preset, {})}
+        if not layers.get("workdir"):
+            raise ParamsError(f"workdir: {self._source} name no work directory on the box; set \"run\": "
+                              "{\"workdir\": \"/data/eagle3\"} there (or each box's under box_pools)")
+        return params_to_configs(params, run_id, self.run, self.presets.get(preset), self.box, preset)
+
     # -- boxes as resources (eagle3_airflow/pools.py) ------------------------------------------------
     def resources(self) -> list[BoxResource]:
         """One per DAG the drafter DAG file makes: one per box of box_pools, or the one DAG over `pool`."""
@@ -282,8 +378,10 @@ class Deployment(BaseModel):
         if resource.conn_id is None:
             settings = self.model_copy()
         else:
+            pool = self.box_pools[resource.conn_id]
             settings = self.model_copy(update={"allowed_boxes": [resource.conn_id],
-                                               "params": {**self.params, "box.conn_ids": [resource.conn_id]}})
+                                               "params": {**self.params, "box.conn_ids": [resource.conn_id]},
+                                               "run": {**self.run, **pool.run}, "box": {**self.box, **pool.box}})
         settings._source = self._source
         settings._resource = resource
         return settings
@@ -315,7 +413,7 @@ class Deployment(BaseModel):
             raise ParamsError(f"{why}, and these required params have none: {missing}. Give them defaults in its "
                               f"\"params\" (e.g. \"params\": {{\"{missing[0]}\": ...}}), or remove the schedule")
         try:
-            params_to_configs({name: param.value for name, param in params.items()}, "scheduled__check")
+            self.configs({name: param.value for name, param in params.items()}, "scheduled__check")
         except ParamsError as err:
             raise ParamsError(f"{why}, and they do not make a valid run: {err}") from None
 
@@ -369,27 +467,32 @@ class Deployment(BaseModel):
         return list(self.box_pools) if self.box_pools else self._default("box.conn_ids", BoxSettings().conn_ids)
 
     def services(self) -> list[str]:
-        return self.allowed_services if self.allowed_services is not None else self._default("box.stop_services", [])
+        if self.allowed_services is not None:
+            return self.allowed_services
+        return sorted({unit for _, _, box in self.box_layers() for unit in box.get("stop_services") or []})
 
     def endpoint_hosts(self) -> list[str]:
         if self.allowed_endpoint_hosts is not None:
             return self.allowed_endpoint_hosts
-        default = self.params.get("generate.endpoint") or GenerateConfig().endpoint
-        return sorted({*LOOPBACK_HOSTS, urlsplit(default).hostname or ""} - {""})
+        endpoints = {run.get("generate.endpoint") or GenerateConfig().endpoint for _, run, _ in self.box_layers()}
+        return sorted({*LOOPBACK_HOSTS, *(urlsplit(url).hostname or "" for url in endpoints)} - {""})
 
     def pythons(self) -> list[str]:
         if self.allowed_pythons is not None:
             return self.allowed_pythons
-        return [self.params.get("box.python") or BoxSettings().python]
+        return sorted({box.get("python") or BoxSettings().python for _, _, box in self.box_layers()})
 
     def workdirs(self) -> list[str]:
         if self.allowed_workdirs is not None:
             return self.allowed_workdirs
-        default = self.params.get("workdir")
-        try:
-            return [normal_dir(default)] if isinstance(default, str) and default.startswith("/") else []
-        except ValueError:
-            return []
+        workdirs = set()
+        for _, run, _ in self.box_layers():
+            try:
+                if isinstance(run.get("workdir"), str) and run["workdir"].startswith("/"):
+                    workdirs.add(normal_dir(run["workdir"]))
+            except ValueError:
+                pass
+        return sorted(workdirs)
 
     def workdir_problem(self, workdir: str) -> str | None:
         """Why a run may not use `workdir`, or None."""
@@ -442,7 +545,11 @@ class Deployment(BaseModel):
 
     def form_choices(self) -> dict[str, list[str]]:
         """The values the trigger form offers for the list params whose items the deployment chooses."""
-        return {"box.conn_ids": self.boxes(), "box.stop_services": self.services()}
+        return {"box.conn_ids": self.boxes()}
+
+    def form(self) -> dict:
+        """The trigger form's Params under these settings."""
+        return build_params(self.params, self.form_choices(), self.preset_names())
 
     def check(self, conn_ids: list[str], services: list[str], endpoint: str | None, api_key_env: str | None,
               source: str = "the run", workdir: str | None = None, box_env: list[str] | None = None,

@@ -1,17 +1,25 @@
-"""Trigger-form params generated from the run-config model, and the way back from params to a config.
+"""The trigger form: what a person chooses per run, in a dozen fields; and the way from a trigger to a run config.
 
-`eagle3.config.RunConfig` is the single source of truth: every leaf field becomes one Airflow Param
-named by its dotted path (`train.epochs`, `extract.sglang.tp_size`), with the field's title,
-description, type, enum, range and pattern, in a form section per config section. So the form
-explains itself, Airflow refuses an out-of-range or mistyped value before a run exists, and an error
-from the box names the same dotted field the user sees in the form.
+A run's config is built in layers, each a set of dotted run-config names (`train.epochs`, `extract.sglang.tp_size`),
+a later layer winning:
 
-Box-side operations that are not part of a run's outputs (which connection, which python, sensor
-thresholds) live in `BoxSettings` and become params the same way, under `box.`.
+    RunConfig's defaults < the deployment's `run` < the chosen preset < the form
+
+The deployment's settings file (eagle3_airflow/deployment.py) holds the first two a person does not choose: `run`,
+the box's facts (its workdir, the serving engine and its flags, endpoints), and `presets`, named sets of the
+training knobs a person rarely touches. The form holds FORM_FIELDS: the run's name, the preset, the target and the
+data, and the few knobs people change per run. Each form field is generated from the model field it names (title,
+description, type, enum, range, pattern), so the form explains itself, Airflow refuses an out-of-range value before
+a run exists, and an error from the box names the same dotted field the user sees. A trigger's conf may carry
+nothing else: every other field is a door no trigger opens.
+
+`BoxSettings` is how the DAG works a box (which python, the watchers' thresholds): the settings' `box`, except the
+two a run chooses, which boxes (`box.conn_ids`, among those the deployment allows) and `box.redo_from`.
 """
 
 from __future__ import annotations
 
+import difflib
 import re
 from typing import Annotated, Any, Literal
 
@@ -95,12 +103,24 @@ class BoxSettings(BaseModel):
 
 
 BOX_PREFIX = "box"
-# Run-config fields the deployment's settings file decides, never a trigger: left out of the form, refused in a
-# trigger's conf (naming the settings key), filled in by the validate task (Deployment.settle).
+# What a person chooses per run: the trigger form, in this order. Every name but PRESET and NOTES is a field of
+# RunConfig (or, under box., of BoxSettings) and gets that field's schema and help.
+PRESET, NOTES = "preset", "notes"
+FORM_FIELDS = ("run_name", PRESET, NOTES, "target.model_path", "data.path", "train.epochs", "train.learning_rate",
+               "train.ttt_length", "evaluate.draft_lengths", "seed", "box.conn_ids", "box.redo_from")
+BOX_FORM_FIELDS = ("conn_ids", "redo_from")  # the BoxSettings a run chooses; the deployment's `box` sets the rest
+DEFAULT_PRESET = "default"  # always offered: the settings' `run` alone
+NOTES_MAX = 500
+# Run-config fields the deployment's settings file decides at its top level, never a layer: left out of the form,
+# of `run` and of presets, refused in a trigger's conf (naming the settings key), filled in by Deployment.settle.
 SETTINGS_ONLY = {"evaluate.keep_versions": "keep_versions"}
 JSON_SCHEMA_DRAFT = "http://json-schema.org/draft-07/schema#"
 # run_name may be left empty in the form: the run is then named after the Airflow run id.
 RUN_NAME_OR_EMPTY = f"^$|{RUN_NAME_PATTERN}"
+RUN, DATA, RECIPE, WHERE = ("run: its name, preset and why", "data: the target and the conversations",
+                            "recipe: the knobs people change per run", "box: where it runs")
+SECTIONS = {"run_name": RUN, PRESET: RUN, NOTES: RUN, "target.model_path": DATA, "data.path": DATA,
+            "box.conn_ids": WHERE, "box.redo_from": WHERE}  # the rest: RECIPE
 
 
 # -- model -> params ---------------------------------------------------------------------------
@@ -158,60 +178,85 @@ def _field_default(model: type[BaseModel], dotted: str) -> Any:
     return value.model_dump(mode="json") if isinstance(value, BaseModel) else value
 
 
-def build_params(defaults: dict[str, Any] | None = None, choices: dict[str, list] | None = None) -> dict[str, Any]:
-    """Airflow Params for the whole trigger form; `defaults` (dotted names) override the models' defaults, and
-    `choices` (dotted names of list params) limit what their items may be (the deployment's allowed boxes)."""
+def model_leaves() -> dict[str, tuple[str, dict, Any]]:
+    """Every leaf of RunConfig, and of BoxSettings under box.: dotted name -> (section, schema, default or ...)."""
+    leaves = _walk(RunConfig, "", "run") + _walk(BoxSettings, BOX_PREFIX, BOX_PREFIX)
+    return {dotted: (section, prop, default) for dotted, section, prop, default in leaves}
+
+
+def run_layer_fields() -> list[str]:
+    """The run-config fields the settings' `run` and presets may set: all but the form's and the settings' own."""
+    return [name for name in model_leaves() if not name.startswith(BOX_PREFIX + ".") and name not in FORM_FIELDS
+            and name not in SETTINGS_ONLY]
+
+
+def box_layer_fields() -> list[str]:
+    """The BoxSettings fields the settings' `box` sets: all but those a run chooses."""
+    return [name for name in BoxSettings.model_fields if name not in BOX_FORM_FIELDS]
+
+
+def build_params(defaults: dict[str, Any] | None = None, choices: dict[str, list] | None = None,
+                 presets: list[str] | None = None) -> dict[str, Any]:
+    """Airflow Params for the trigger form (FORM_FIELDS); `defaults` (dotted names) override the models' defaults,
+    `choices` (dotted names of list params) limit what their items may be (the deployment's allowed boxes), and
+    `presets` are the names the preset field offers."""
     from airflow.sdk import Param
 
     defaults, choices = defaults or {}, choices or {}
+    unknown = sorted(set(defaults) - set(FORM_FIELDS))
+    if unknown:  # a typo, or a field that is the deployment's: the form's default would silently stay
+        raise ParamsError(f"EAGLE3_DAG_SETTINGS params: {unknown} are not form fields; params sets the form's "
+                          f"defaults for {list(FORM_FIELDS)}. A box's facts and the other run-config fields go in "
+                          "the settings' \"run\" or a preset, BoxSettings in its \"box\"")
+    leaves = model_leaves()
     params: dict[str, Any] = {}
-    leaves = _walk(RunConfig, "", "run: name, work directory, seed") + _walk(BoxSettings, BOX_PREFIX, "")
-    for dotted, section, prop, default in leaves:
-        if dotted in SETTINGS_ONLY:
-            continue
-        if dotted.startswith(BOX_PREFIX + "."):
-            section = "box: " + BoxSettings.__doc__.strip().splitlines()[0].rstrip(".")
-        required = prop.pop("_required")
-        schema = _leaf_schema(prop)
-        default = defaults.get(dotted, default)
+    for dotted in FORM_FIELDS:
+        if dotted == PRESET:
+            names = presets or [DEFAULT_PRESET]
+            schema = {"type": "string", "enum": names}
+            prop = {"title": "Preset", "description": "The recipe: a named set of the knobs a person rarely "
+                    "touches, from the deployment's settings (their \"presets\"; default: their \"run\" alone)."}
+            default = defaults.get(PRESET, names[0])
+        elif dotted == NOTES:
+            schema = {"type": ["string", "null"], "maxLength": NOTES_MAX}
+            prop = {"title": "Notes", "description": "Why this run, in a few words: the run's note shows them."}
+            default = defaults.get(NOTES, "")
+        else:
+            _, prop, default = leaves[dotted]
+            prop = dict(prop)
+            prop.pop("_required")
+            schema = _leaf_schema(prop)
+            default = defaults.get(dotted, default)
         if dotted == "run_name":
             # Empty: named after the Airflow run (so a scheduled DAG gets a new run directory each time). Nullable
             # too: the web form sends an emptied field as null, and treats a non-nullable param as required.
             schema["pattern"] = RUN_NAME_OR_EMPTY
             schema["type"] = ["string", "null"]
             default = defaults.get(dotted, "")
-        # Draft-07 rather than jsonschema's default 2020-12: Airflow re-validates every param each time it
-        # serializes the DAG (every parse), and checking a value against a draft-07 schema is about 3x cheaper
-        # (its meta-schema is one document, 2020-12's a tree of vocabularies). pydantic's keywords (numeric
-        # exclusiveMinimum, pattern, enum) are draft-07 keywords. See also the end of dags/eagle3_drafter.py.
         if dotted in choices:  # Airflow refuses anything else at trigger time, before a run exists
             schema["items"] = {**schema.get("items", {}), "enum": list(choices[dotted])}
             if not choices[dotted]:
                 schema["maxItems"] = 0
+        # Draft-07 rather than jsonschema's default 2020-12: Airflow re-validates every param each time it
+        # serializes the DAG (every parse), and checking a value against a draft-07 schema is about 3x cheaper
+        # (its meta-schema is one document, 2020-12's a tree of vocabularies). pydantic's keywords (numeric
+        # exclusiveMinimum, pattern, enum) are draft-07 keywords. See also the end of dags/eagle3_drafter.py.
         schema["$schema"] = JSON_SCHEMA_DRAFT
-        description = _describe(prop, required and dotted != "run_name")
+        description = _describe(prop, default is ...)
         if dotted == "run_name":
             description += " Empty: named after the Airflow run id."
-        kwargs = dict(title=prop.get("title", dotted), description=description, section=section)
+        kwargs = dict(title=prop.get("title", dotted), description=description, section=SECTIONS.get(dotted, RECIPE))
         # A required field with no default (a path on the box) gets no default: the form then demands a
-        # value, and a scheduled run needs one from the DAG settings file.
+        # value, and a scheduled run needs one from the settings file's params.
         params[dotted] = Param(**kwargs, **schema) if default is ... else Param(default, **kwargs, **schema)
-    settings_only = sorted(set(defaults) & set(SETTINGS_ONLY))
-    if settings_only:
-        raise ParamsError(f"EAGLE3_DAG_SETTINGS params: {settings_only} are not form params; set "
-                          f"{[SETTINGS_ONLY[name] for name in settings_only]} at the top level of the settings file")
-    unknown = sorted(set(defaults) - set(params))
-    if unknown:  # a typo in the settings file would otherwise leave the form's default silently unchanged
-        raise ParamsError(f"EAGLE3_DAG_SETTINGS params: unknown key(s) {unknown}; use the form's dotted names, "
-                          "e.g. 'train.epochs' or 'box.conn_ids'")
     return params
 
 
 def required_params() -> list[str]:
-    """The form's params that have no default of their own (paths on the box): a trigger or the settings file gives
-    them."""
-    leaves = _walk(RunConfig, "", "") + _walk(BoxSettings, BOX_PREFIX, "")
-    return sorted(dotted for dotted, _, _, default in leaves if default is ... and dotted != "run_name")
+    """The form's fields that have no default of their own (paths on the box): a trigger or the settings' params
+    give them."""
+    leaves = model_leaves()
+    return sorted(name for name in FORM_FIELDS if name in leaves and leaves[name][2] is ... and name != "run_name")
 
 
 def _describe(prop: dict, required: bool) -> str:
@@ -231,22 +276,29 @@ class ParamsError(ValueError):
 
 
 def check_unknown_keys(conf: dict, known: set[str]) -> None:
-    """Airflow merges conf keys that are not params into params unvalidated: refuse them here."""
+    """Airflow merges conf keys that are not params into params unvalidated: refuse them here, saying whose they are."""
     decided = sorted(set(conf) & set(SETTINGS_ONLY))
     if decided:
         raise ParamsError("; ".join(f"{name!r}: the deployment decides it (its settings file's "
                                     f"{SETTINGS_ONLY[name]!r}, EAGLE3_DAG_SETTINGS), not a trigger; leave it out"
                                     for name in decided))
     unknown = sorted(set(conf) - known)
-    if unknown:
-        hints = []
-        for key in unknown:
-            near = [k for k in sorted(known) if k.split(".")[-1] == key.split(".")[-1]]
-            hints.append(f"{key!r}" + (f" (did you mean {near[0]!r}?)" if near else ""))
-        raise ParamsError(
-            "unknown trigger parameter(s): " + ", ".join(hints)
-            + ". Nested settings are written with dots, e.g. 'train.epochs'; the trigger form lists them all."
-        )
+    if not unknown:
+        return
+    deployments = set(model_leaves())
+    hints = []
+    for key in unknown:
+        near = [k for k in sorted(known) if k.split(".")[-1] == key.split(".")[-1]] or \
+            difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.8)
+        if near:
+            hints.append(f"{key!r} (did you mean {near[0]!r}?)")
+        elif key in deployments:
+            hints.append(f"{key!r} (the deployment's: its settings' run, box or a preset)")
+        else:
+            hints.append(repr(key))
+    raise ParamsError(f"not trigger parameters: {', '.join(hints)}. A trigger chooses only the form's fields "
+                      f"{sorted(known)}; everything about the box and the recipe is the deployment's settings file "
+                      "(EAGLE3_DAG_SETTINGS), which whoever runs this Airflow reviews.")
 
 
 def unflatten(flat: dict[str, Any]) -> dict[str, Any]:
@@ -269,18 +321,25 @@ def run_name_from_run_id(run_id: str) -> str:
     return name or "run"
 
 
-def params_to_configs(params: dict[str, Any], run_id: str) -> tuple[RunConfig, BoxSettings]:
-    """Validate params into a RunConfig and BoxSettings; errors name the dotted param and the fix."""
-    run_params = {k: v for k, v in params.items() if not k.startswith(BOX_PREFIX + ".")}
-    box_params = {k.removeprefix(BOX_PREFIX + "."): v for k, v in params.items() if k.startswith(BOX_PREFIX + ".")}
+def params_to_configs(params: dict[str, Any], run_id: str, run: dict[str, Any] | None = None,
+                      preset: dict[str, Any] | None = None, box: dict[str, Any] | None = None,
+                      preset_name: str = DEFAULT_PRESET) -> tuple[RunConfig, BoxSettings]:
+    """The form's values over the deployment's layers (`run`, then the chosen `preset`; `box` for BoxSettings),
+    validated into a RunConfig and BoxSettings; errors name the dotted field and the fix."""
+    form = {key: value for key, value in params.items() if key in FORM_FIELDS and key not in (PRESET, NOTES)}
+    run_params = {**(run or {}), **(preset or {}),
+                  **{k: v for k, v in form.items() if not k.startswith(BOX_PREFIX + ".")}}
+    box_params = {**(box or {}),
+                  **{k.removeprefix(BOX_PREFIX + "."): v for k, v in form.items() if k.startswith(BOX_PREFIX + ".")}}
     if not run_params.get("run_name"):
         run_params["run_name"] = run_name_from_run_id(run_id)
+    source = f"the run (the form over the preset {preset_name!r} and the settings' run)"
     try:
-        config = parse_run_config(unflatten(run_params), "the trigger parameters")
+        config = parse_run_config(unflatten(run_params), source)
     except ValueError as err:
         raise ParamsError(str(err)) from None
     try:
-        box = BoxSettings.model_validate(unflatten(box_params))
+        box_settings = BoxSettings.model_validate(unflatten(box_params))
     except ValidationError as err:
-        raise ParamsError(format_validation_error(err, "the box parameters").replace("\n  ", "\n  box.")) from None
-    return config, box
+        raise ParamsError(format_validation_error(err, "the box settings").replace("\n  ", "\n  box.")) from None
+    return config, box_settings

@@ -69,9 +69,10 @@ class RunPlan:
     config_sha256: str = ""
     # box.redo_from: this remote stage and every later one run again from scratch (RemoteJobOperator, job start --redo)
     redo_from: str = ""
+    notes: str = ""  # the form's notes: why this run (the run's note shows them)
 
     @classmethod
-    def build(cls, config: RunConfig, box: BoxSettings, box_env: list[str] | None = None) -> RunPlan:
+    def build(cls, config: RunConfig, box: BoxSettings, box_env: list[str] | None = None, notes: str = "") -> RunPlan:
         if config.extract.backend == "sglang":
             gpus_per_shard = config.extract.sglang.tp_size
         else:
@@ -92,6 +93,7 @@ class RunPlan:
             code_digest=package_archive().digest,
             config_sha256=digest(config.model_dump(mode="json")),
             redo_from="" if box.redo_from == "none" else box.redo_from,
+            notes=notes,
         )
 
     @classmethod

@@ -1,8 +1,10 @@
 """A box is a resource: each box's Airflow pool, whose slots are its GPUs, and the GPUs each task holds there.
 
-The settings file's `box_pools` names the boxes and their GPU counts:
+The settings file's `box_pools` names the boxes, their GPU counts and, over the settings' `run` and `box`, what is
+each box's own (a box = an SSH connection + its settings):
 
-    "box_pools": {"gpu-box-1": {"gpus": 8}, "gpu-box-2": {"gpus": 8, "shard_gpus": 8}}
+    "box_pools": {"gpu-box-1": {"gpus": 8}, "gpu-box-2": {"gpus": 8, "shard_gpus": 8,
+                                                          "run": {"workdir": "/scratch/eagle3"}}}
 
 and the DAG file makes one DAG per box (`eagle3_drafter__gpu-box-1`, ...; with one box, `eagle3_drafter`), each
 running its runs on that box alone, in that box's pool (`eagle3_box_gpu-box-1`, or the entry's `pool`). Two boxes
@@ -26,7 +28,7 @@ shard_gpus, a server wider than the box) is refused by validate with the setting
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
@@ -48,6 +50,10 @@ class BoxPool(BaseModel):
     shard_gpus: int = Field(1, ge=1, le=1024, description="GPUs each extract shard holds (its GPU group): 1 for the "
                             "hf backend, extract.sglang.tp_size for sglang.")
     pool: PoolName | None = Field(None, description="The Airflow pool's name; default eagle3_box_<connection id>.")
+    run: dict[str, Any] = Field(default_factory=dict, description="This box's own facts over the settings' `run` "
+                                "(its workdir, engine flags, ...), by dotted run-config name.")
+    box: dict[str, Any] = Field(default_factory=dict, description="This box's BoxSettings over the settings' `box` "
+                                "(its python, services, thresholds).")
 
 
 class BoxResource(BaseModel):

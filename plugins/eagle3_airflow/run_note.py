@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 NOTE_TITLE = "### EAGLE-3 drafter"
 NOTE_LIMIT = 1000  # characters: Airflow's dag_run_note.content column
+NOTES_SHOWN = 200  # characters of the form's notes the note shows
 
 
 # Markdown's inline markup (CommonMark and GitHub's tables and strikethrough): emphasis, code, links and images,
@@ -65,6 +66,9 @@ def note_markdown(summary: dict, failed_tasks: list[str] | None = None, headline
     lines = [f"{NOTE_TITLE}: {text(headline or verdict(summary))}", ""]
     if failed_tasks:
         lines += [f"the run failed after its report: {text(', '.join(failed_tasks))}", ""]
+    notes = summary.get("notes")
+    if isinstance(notes, str) and notes:  # the form's: why this run (its start: the figures must fit too)
+        lines += [f"notes: {text(notes[:NOTES_SHOWN])}" + ("…" if len(notes) > NOTES_SHOWN else ""), ""]
     if promotion.get("reason"):
         lines += [text(promotion["reason"]), ""]
     ours = _mapping(summary.get("measured_accept_length"))

@@ -16,7 +16,7 @@ from airflow.sdk.exceptions import AirflowFailException
 
 from eagle3.runlayout import REPORT
 from eagle3_airflow.deployment import Deployment
-from eagle3_airflow.params import ParamsError, check_unknown_keys, params_to_configs
+from eagle3_airflow.params import DEFAULT_PRESET, NOTES, PRESET, ParamsError, check_unknown_keys
 from eagle3_airflow.plan import RunPlan, verified_config, verified_plan
 from eagle3_airflow.results import RunFileRefused, read_json, run_summary
 from eagle3_airflow.seal import task_key
@@ -34,14 +34,15 @@ def validate_run(params: dict, conf: dict, known: set[str], dag_run, deployment:
     deployment = deployment or Deployment()
     try:
         check_unknown_keys(conf, known)
-        config, box = params_to_configs({k: v for k, v in params.items() if k in known}, dag_run.run_id)
+        form = {k: v for k, v in params.items() if k in known}
+        config, box = deployment.configs(form, dag_run.run_id)
         config = deployment.settle(config)  # the normalised workdir, the settings' keep_versions
         deployment.check_run(config, box.conn_ids, box.stop_services, python=box.python)
     except ParamsError as err:
         raise AirflowFailException(str(err)) from None
-    plan = RunPlan.build(config, box, deployment.box_env)
-    log.info("run %s in %s on %s; %d extraction shard(s)", plan.run_name, plan.run_dir, ", ".join(plan.conn_ids),
-             plan.num_shards)
+    plan = RunPlan.build(config, box, deployment.box_env, notes=form.get(NOTES) or "")
+    log.info("run %s in %s on %s, preset %s; %d extraction shard(s)", plan.run_name, plan.run_dir,
+             ", ".join(plan.conn_ids), form.get(PRESET) or DEFAULT_PRESET, plan.num_shards)
     return {"plan": plan.sealed(dag_run, task_key(create=True)), "config": config.model_dump(mode="json")}
 
 
@@ -138,15 +139,16 @@ def report(plan_dict: dict, dag_run=None, deployment: Deployment | None = None) 
 
 
 def _summary(plan: RunPlan) -> dict:
-    summary = _read(lambda: run_summary(plan))
+    summary = _with_notes(_read(lambda: run_summary(plan)), plan)
     if summary is None:  # evaluate was skipped: say why
         report_path = f"{plan.run_dir}/{REPORT}"
         check = check_inputs(plan)
         if check["changed"]:
             raise AirflowFailException(f"{report_path} is missing, though the inputs changed: evaluate did not run")
-        summary = {"run_dir": plan.run_dir, "nothing_changed_since": check["unchanged_since"],
-                   "drafter": check["current_drafter"], "measured_accept_length": check["current_accept_length"],
-                   "promotion": {"promoted": False, "reason": f"nothing changed since run {check['unchanged_since']}"}}
+        summary = _with_notes({
+            "run_dir": plan.run_dir, "nothing_changed_since": check["unchanged_since"],
+            "drafter": check["current_drafter"], "measured_accept_length": check["current_accept_length"],
+            "promotion": {"promoted": False, "reason": f"nothing changed since run {check['unchanged_since']}"}}, plan)
         log.info("nothing changed since run %s; the lineage's drafter stays %s (measured acceptance %s)",
                  check["unchanged_since"], check["current_drafter"], check["current_accept_length"])
         return summary
@@ -155,6 +157,11 @@ def _summary(plan: RunPlan) -> dict:
     for key, value in summary.items():
         log.info("%-24s %s", key, value)
     return summary
+
+
+def _with_notes(summary: dict | None, plan: RunPlan) -> dict | None:
+    """The form's notes (why this run) beside the figures, for the run's note."""
+    return {**summary, "notes": plan.notes} if summary is not None and plan.notes else summary
 
 
 def report_promotion(plan: RunPlan) -> dict | None:

@@ -25,7 +25,7 @@ from eagle3.config import write_run_config
 from eagle3.store import read_manifest
 from tests.airflow_env import dags_test
 from tests.conftest import chunk_count, run_eagle3
-from tests.dagruns import BOX_CHECKS, assert_succeeded, conf_for, job_state, settings_env
+from tests.dagruns import BOX_CHECKS, assert_succeeded, job_state, tiny_run
 
 pytestmark = pytest.mark.slow
 
@@ -147,12 +147,14 @@ def test_extract_killed_10_times_in_a_dag_run_loses_nothing_and_duplicates_nothi
         for shard in range(SHARDS)
     ]
 
-    conf = conf_for(tiny_target, tmp_path / "box", "killed",
-                    **{"data.max_samples": SAMPLES, "extract.batch_tokens": 512, "extract.state_dtype": STATE_DTYPE})
+    conf, env = tiny_run(tiny_target, tmp_path / "box", "killed", settings_dir=tmp_path,
+                         settings={"retry_delay_s": 1, "retry_exponential_backoff": False,
+                                   "retries": MAX_KILLS_PER_SHARD + 2},
+                         **{"data.max_samples": SAMPLES, "extract.batch_tokens": 512,
+                            "extract.state_dtype": STATE_DTYPE})
     run_dir = tmp_path / "box" / "runs" / "killed"
     killer = ExtractKiller(run_dir, seed=20261129)
     killer.start()
-    env = settings_env(tmp_path, retry_delay_s=1, retry_exponential_backoff=False, retries=MAX_KILLS_PER_SHARD + 2)
     proc = dags_test(airflow_home, conf, env=env, mark_success=NOT_UNDER_TEST)
     dag_seconds = time.monotonic() - started
     killer.done.set()

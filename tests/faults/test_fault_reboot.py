@@ -21,12 +21,11 @@ from eagle3.job import group_members
 from tests.dagruns import (
     BOX_CHECKS,
     LATER_STAGES,
-    conf_for,
     copy_through_vocab,
     job_state,
-    settings_env,
     sha256,
     start_dag_run,
+    tiny_run,
     wait_for,
 )
 
@@ -63,9 +62,9 @@ def test_worker_kill_then_box_reboot_mid_train(tiny_target, airflow_home, baseli
     box_tmp = tmp_path / "box-tmp"
     box_tmp.mkdir()
     python = str(box_python(tmp_path, box_tmp))
-    conf = conf_for(tiny_target, workdir, **{"box.python": python})
-    settings = settings_env(tmp_path, retry_delay_s=1, retries=2, allowed_boxes=["local", "gpu_box"],
-                            allowed_pythons=[python])  # the dagruns settings, with the drill's box python
+    conf, settings = tiny_run(tiny_target, workdir, settings_dir=tmp_path, **{"box.python": python},
+                              settings={"retry_delay_s": 1, "retries": 2, "allowed_boxes": ["local", "gpu_box"],
+                                        "allowed_pythons": [python]})  # the dagruns settings, the drill's python
     train_state = run_dir / "jobs" / "train" / "state.json"
     boot_id = tmp_path / "boot_id"
     boot_id.write_text("boot-before-the-crash\n")

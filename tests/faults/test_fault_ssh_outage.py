@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.dagruns import conf_for, job_state, sha256, start_dag_run, wait_for
+from tests.dagruns import job_state, sha256, start_dag_run, tiny_run, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -21,7 +21,7 @@ GRACE_S = 300  # box.ssh_grace_s for the run: longer than the outage (the defaul
 
 
 def test_ssh_run_over_two_boxes_rides_out_a_60_s_sshd_outage_and_matches_the_local_run(
-        tiny_target, airflow_home, settings, fresh_sshd, baseline_run, tmp_path):
+        tiny_target, airflow_home, fresh_sshd, baseline_run, tmp_path):
     """Through a real sshd on loopback with the host key pinned: shard 0 and every later stage go over SSH,
     shard 1 through the local transport (two "boxes" sharing one workdir). As soon as the train job runs, the
     sshd is stopped (listener killed, open connections dropped) for 60 s, then started again on the same port.
@@ -30,8 +30,8 @@ def test_ssh_run_over_two_boxes_rides_out_a_60_s_sshd_outage_and_matches_the_loc
     baseline's; (2) an SSH outage shorter than box.ssh_grace_s neither fails the task nor restarts the job:
     the trigger logs the outage and keeps polling, the train job keeps its pid and stays at try 1, and the DAG
     run succeeds. Training (about 12 s here) ends during the outage; the trigger learns it once sshd is back."""
-    conf = conf_for(tiny_target, tmp_path / "box",
-                    **{"box.conn_ids": ["gpu_box", "local"], "box.ssh_grace_s": GRACE_S})
+    conf, settings = tiny_run(tiny_target, tmp_path / "box", settings_dir=tmp_path,
+                              **{"box.conn_ids": ["gpu_box", "local"], "box.ssh_grace_s": GRACE_S})
     run_dir = tmp_path / "box" / "runs" / "baseline"
     train_state = run_dir / "jobs" / "train" / "state.json"
     output = tmp_path / "dag-run.log"

@@ -39,7 +39,7 @@ from tests.airflow_env import (
     poll_until,
     stop_process_groups,
 )
-from tests.dagruns import conf_for
+from tests.dagruns import tiny_layers
 from tests.sshd import free_port
 
 pytestmark = pytest.mark.slow
@@ -63,12 +63,12 @@ CONVERSATIONS, GROWN = 30, 33  # the prompt set, and the same grown by 10 % for 
 REVIEWER = "reviewer"  # the settings' one approver; the admin triggers the runs
 
 
-def form_defaults(data: Path, tiny_target: Path, workdir: Path) -> dict:
-    """The trigger form's prefilled values: the DAG tests' small run on the tiny target made smaller still (the
-    browser only needs a run that succeeds), with `run_name` empty as in a deployment's settings file. `data` holds
-    all the conversations the runs use (no max_samples: a run reads all, so the set can grow), and runs warm-start
-    from the lineage's promoted drafter once there is one."""
-    return conf_for(tiny_target, workdir, run_name="", **{
+def settings_for(data: Path, tiny_target: Path, workdir: Path) -> dict:
+    """The deployment settings' form defaults and layers: the DAG tests' small run on the tiny target made smaller
+    still (the browser only needs a run that succeeds), with `run_name` empty as in a deployment's settings file.
+    `data` holds all the conversations the runs use (no max_samples: a run reads all, so the set can grow), and
+    runs warm-start from the lineage's promoted drafter once there is one."""
+    conf, layers = tiny_layers(tiny_target, workdir, run_name="", **{
         "data.path": str(data), "data.max_samples": None, "extract.num_shards": 1,
         "train.val_fraction": 0.2, "train.init_from": "current",  # 30 samples: 6 held out
         "train.epochs": 1,  # what the form test leaves (it enters 0, the form puts the minimum back), so the asset-
@@ -78,6 +78,7 @@ def form_defaults(data: Path, tiny_target: Path, workdir: Path) -> dict:
         # figures against run 1's vary with the machine the tiny target was built on, so the test fixes the outcome).
         "evaluate.promote_margin": 100,
     })
+    return {"params": conf, **layers}
 
 
 def write_prompts(tiny_target: Path, path: Path, count: int) -> None:
@@ -194,7 +195,7 @@ def standalone(chromium, artifacts, tiny_target, tmp_path):
     home.mkdir()
     write_prompts(tiny_target, tmp_path / "prompts.jsonl", CONVERSATIONS)
     settings = tmp_path / "dag-settings.json"
-    settings.write_text(json.dumps({"params": form_defaults(tmp_path / "prompts.jsonl", tiny_target, workdir),
+    settings.write_text(json.dumps({**settings_for(tmp_path / "prompts.jsonl", tiny_target, workdir),
                                     "schedule_assets": [PROMPTS_ASSET], "approve_promotion": True,
                                     "approvers": [REVIEWER], "retry_delay_s": 1}))
     port = free_port()
@@ -309,12 +310,12 @@ def test_trigger_form_run_and_clear_in_a_real_browser(standalone, chromium, arti
             expect(page.get_by_role("link", name="report", exact=True)).to_be_visible()  # the grid's task list
             shot("dag")
 
-            # 3. The trigger form: one section per config section, help texts from the config model, the values
+            # 3. The trigger form: a dozen fields in four sections, help texts from the config model, the values
             # EAGLE3_DAG_SETTINGS prefilled.
             trigger.click()
             form = page.get_by_role("dialog")
             expect(form).to_contain_text(f"Trigger Dag - {DAG_ID}")
-            for section in ("run", "data", "extract", "train", "evaluate", "box"):
+            for section in ("run", "data", "recipe", "box"):
                 expect(form.get_by_role("button", name=re.compile(rf"^{section}: "))).to_be_visible()
             expect(form.get_by_label(f"Unpause {DAG_ID} on trigger")).to_be_checked()
             form.get_by_role("button", name=re.compile(r"^data: ")).click()
@@ -323,11 +324,11 @@ def test_trigger_form_run_and_clear_in_a_real_browser(standalone, chromium, arti
             expect(form.locator('[id="element_data.path"]')).to_have_value(str(tmp_path / "prompts.jsonl"))
             help_text.scroll_into_view_if_needed()
             shot("trigger-form-data-section")
-            form.get_by_role("button", name=re.compile(r"^train: ")).click()
+            form.get_by_role("button", name=re.compile(r"^recipe: ")).click()
             epochs = form.get_by_label(re.compile(r"^Epochs\b"))
             expect(epochs).to_have_value("1")
             epochs.scroll_into_view_if_needed()
-            shot("trigger-form-train-section")
+            shot("trigger-form-recipe-section")
 
             # 4. Bad values. train.epochs = 0 (minimum 1): the number field does not keep it, it puts the
             # minimum back when it loses focus.
