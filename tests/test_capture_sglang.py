@@ -46,12 +46,12 @@ def hf_digest(make_config, max_samples: int, **extract) -> str:
 def test_engine_arguments_for_capture(make_config):
     cfg = make_config(extract={"backend": "sglang", "sglang": {"tp_size": 8, "mem_fraction_static": 0.8,
                                                                 "attention_backend": "triton",
-                                                                "extra_args": {"cuda_graph_max_bs": 16}}})
+                                                                "extra_args": {"cuda_graph_max_bs_decode": 16}}})
     aux = engine_kwargs(cfg, "DeepseekV3ForCausalLM", "aux")
     assert aux["enable_return_aux_hidden_states"] is True and aux["speculative_algorithm"] == "EAGLE3"
     # HF [1, 3, 4] are the inputs of layers 2, 4, 5: a DeepSeek model takes ids not starting at 1 as inputs
     assert aux["return_aux_hidden_state_layer_ids"] == [2, 4, 5]
-    assert aux["tp_size"] == 8 and aux["attention_backend"] == "triton" and aux["cuda_graph_max_bs"] == 16
+    assert aux["tp_size"] == 8 and aux["attention_backend"] == "triton" and aux["cuda_graph_max_bs_decode"] == 16
     assert aux["disable_radix_cache"] is True and aux["chunked_prefill_size"] == -1
     assert aux["mem_fraction_static"] == pytest.approx(0.8)  # one engine at a time: all of it
     assert aux["base_gpu_id"] == 0  # the box's second shard starts at GPU tp_size:

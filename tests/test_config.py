@@ -263,23 +263,52 @@ def test_server_extra_args_cannot_override_the_launch(flag, value):
 
 
 @pytest.mark.parametrize("flag", [
-    # Read in sglang 0.5.23's server arguments (issue 35): each unpickles request data, reaches other hosts, writes or
-    # reads elsewhere, loads code, rewrites the model, or puts a secret on the argv where ps shows it.
+    # Issue 43's: SGLang imports a named factory and calls it (os:system ran a command), deletes the target's weights
+    # once up, talks to other hosts (plural words passed the old denylist's 'url'/'endpoint' words).
+    "forward-hooks", "delete-ckpt-after-loading", "encoder-urls", "decoupled-spec-connect-endpoints",
+    # Issue 35's: unpickle request data, reach other hosts, write or read elsewhere, load code, rewrite the model, or
+    # put a secret on the argv where ps shows it.
     "enable-custom-logit-processor", "custom-weight-loader", "otlp-traces-endpoint", "kv-events-config",
     "log-requests-target", "crash-dump-folder", "download-dir", "api-key", "admin-api-key", "chat-template",
-    "json-model-override-args",
-    "enable_custom_logit_processor",  # any spelling
-    "tool-server", "file-storage-path", "quantization-param-path", "model-loader-extra-config",  # by their words
+    "json-model-override-args", "tool-server", "file-storage-path", "quantization-param-path",
+    "model-loader-extra-config",
+    "no-such-flag-yet",  # a flag an engine adds later is refused until someone reviews it
 ])
-def test_server_extra_args_refuse_flags_that_reach_past_the_run(flag):
+def test_server_extra_args_take_only_reviewed_flags(flag):
     message = error_of(with_changes(server={"extra_args": {flag: "x"}}))
-    assert f"server.extra_args: {flag!r}" in message and "not accepted from a run config" in message
+    assert f"server.extra_args: {flag!r} is not one of the engine flags this project reviewed" in message
+    assert "server.reviewed_flags" in message  # the fix: the operator allows it by name, in the settings
+
+
+def test_a_flag_the_operator_reviewed_is_taken_but_never_one_the_launch_owns():
+    allowed = with_changes(server={"extra_args": {"enable-metrics-for-all-schedulers": True},
+                                   "reviewed_flags": ["enable-metrics-for-all-schedulers"]})
+    assert parse_run_config(allowed).server.extra_args == {"enable-metrics-for-all-schedulers": True}
+    message = error_of(with_changes(server={"extra_args": {"hos": "0.0.0.0"}, "reviewed_flags": ["hos"]}))
+    assert "server.extra_args: 'hos' is the launcher's" in message
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_every_reviewed_flag_passes_the_run_configs_own_checks(engine):
+    """The allowlist (eagle3/engine_flags.py) and the launch's own flags never overlap: each listed flag is taken."""
+    from eagle3.engine_flags import SERVER_FLAGS
+
+    extra = dict.fromkeys(SERVER_FLAGS[engine], True)
+    assert parse_run_config(with_changes(server={"engine": engine, "extra_args": extra})).server.extra_args == extra
+
+
+def test_every_reviewed_capture_argument_passes_the_run_configs_own_checks():
+    from eagle3.engine_flags import SGLANG_ENGINE
+
+    extra = dict.fromkeys(SGLANG_ENGINE, 1)
+    assert parse_run_config(with_changes(extract={"sglang": {"extra_args": extra}})).extract.sglang.extra_args == extra
 
 
 @pytest.mark.parametrize("flag", [
     "worker-extension-cls", "logits-processors", "middleware", "tool-parser-plugin", "hf-overrides",
     "kv-transfer-config", "api-key", "chat-template", "compilation-config",  # vllm 0.32: code, hosts, files, secrets
-    "speculative-config", "per-request-spec-decode-metrics",  # evaluate's and benchmark's own
+    "distributed-executor-backend",  # issue 43: a <module.attr> it imports
+    "speculative-config", "per-request-spec-decode-metrics", "spec-model",  # evaluate's and benchmark's own
     "tensor-parallel-size", "gpu-memory-utilization", "uds", "headless",  # the run config's, the launcher's
 ])
 def test_vllm_server_extra_args_are_checked_against_vllms_flags(flag):
@@ -310,8 +339,8 @@ def test_vllm_cannot_benchmark_a_tree():
 
 
 def test_server_extra_args_still_take_real_tuning_flags():
-    extra = {"attention-backend": "triton", "reasoning-parser": "kimi_k2", "disable_radix_cache": True,
-             "tokenizer-mode": "auto", "log-requests": True}
+    extra = {"attention-backend": "triton", "reasoning-parser": "kimi_k2", "disable-radix-cache": True,
+             "tool-call-parser": "kimi_k2", "log-requests": True}
     assert parse_run_config(with_changes(server={"extra_args": extra})).server.extra_args == extra
     vllm = {"max-model-len": 8192, "kv-cache-memory-bytes": 1 << 30, "enable-auto-tool-choice": True,
             "tool-call-parser": "kimi_k2", "reasoning-parser": "kimi_k2", "max-num-seqs": 64}
@@ -340,8 +369,9 @@ def test_an_endpoint_with_a_password_is_refused_without_printing_the_password():
 
 
 def numeric_fields() -> list[tuple[str, str, dict]]:
-    """(dotted name, JSON type, schema with the bounds) of every number the trigger form takes, read from the
-    models' own JSON schema: for a list of numbers, the schema of its items."""
+    """(dotted name, JSON type, schema with the bounds) of every number a run takes (from the trigger form or the
+    deployment's settings: its `run`, presets and `box`), read from the models' own JSON schema: for a list of
+    numbers, the schema of its items."""
     from eagle3.config import RunConfig
     from eagle3_airflow.params import BOX_PREFIX, BoxSettings, _walk
 
@@ -363,15 +393,20 @@ def test_every_number_in_the_form_has_an_upper_bound():
 
 def test_infinity_and_nan_are_refused_in_every_number_field():
     """An infinite timeout, learning rate or heartbeat limit means "never" (a job that never counts as dead)."""
-    from eagle3_airflow.params import BOX_PREFIX, ParamsError, params_to_configs
+    from eagle3_airflow.params import BOX_PREFIX, FORM_FIELDS, ParamsError, params_to_configs
 
-    required = {"workdir": "/w", "target.model_path": "/m", "data.path": "/d"}
+    form, run = {"target.model_path": "/m", "data.path": "/d"}, {"workdir": "/w"}
     for dotted, kind, _ in numeric_fields():
         if kind != "number":
             continue
         for bad in (float("inf"), float("nan")):
-            with pytest.raises(ParamsError) as info:
-                params_to_configs({**required, dotted: bad}, "manual__1")
+            with pytest.raises(ParamsError) as info:  # each where it is set: the form, the settings' run or box
+                if dotted in FORM_FIELDS:
+                    params_to_configs({**form, dotted: bad}, "manual__1", run)
+                elif dotted.startswith(BOX_PREFIX + "."):
+                    params_to_configs(form, "manual__1", run, box={dotted.removeprefix(BOX_PREFIX + "."): bad})
+                else:
+                    params_to_configs(form, "manual__1", {**run, dotted: bad})
             shown = dotted.removeprefix(BOX_PREFIX + ".") if dotted.startswith(BOX_PREFIX) else dotted
             assert f"{shown}: Input should be a finite number" in str(info.value), dotted
 

@@ -20,6 +20,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from eagle3.engine_flags import SERVER_FLAGS, SGLANG_ENGINE, check_extra_args
 from eagle3.fsutil import atomic_write_text
 from eagle3.layer_ids import LayerIdError, family, ids_for
 from eagle3.runlayout import CONFIG, CONVERSATIONS, HIDDEN_STATES, run_dir_of
@@ -147,55 +148,6 @@ class DataConfig(Section):
     )
 
 
-# Words of engine flags a trigger may not pass through extra_args, whichever engine: flags that read or write files
-# elsewhere on the box, reach other hosts, load code, unpickle request data, rewrite the model's config or carry a
-# secret on the argv (where ps shows it). Matched per word of the flag's name ('-' and '_' split it), so a flag the
-# engines add later with such a word is refused too. The deployment may still set such a flag in the box's own
-# engine configuration; a trigger configures the pipeline, not the box.
-UNSAFE_FLAG_WORDS = frozenset((
-    "path", "paths", "dir", "folder", "file", "url", "endpoint", "host", "addr", "address", "ip", "port", "uds",
-    "location", "key", "keyfile", "certfile", "secret", "token", "password", "plugin", "loader", "custom",
-    "remote", "config", "override", "overrides", "target", "template", "lora", "disaggregation", "otlp", "events",
-    "dump", "download", "storage", "bootstrap", "server", "middleware", "cls", "processors", "processor",
-    "modules", "domains", "nnodes", "rank", "dist", "headless", "format",
-))
-# What may follow a flag in extra_args as its value: no leading '-' (an engine's parser could take it for a flag of
-# its own where the flag's value is optional), no control characters, bounded.
-FLAG_VALUE_PATTERN = r"^[^-\x00-\x1f][^\x00-\x1f]{0,1023}$"
-
-
-def check_engine_flags(field: str, extra: dict, reserved: dict[str, str], separator: str,
-                       full_flags: frozenset[str] = frozenset()) -> None:
-    """Refuse the extra_args `extra` of `field` whose names an engine would read as a `reserved` flag (name -> why)
-    or as an unsafe one (UNSAFE_FLAG_WORDS), or whose values are not plain values. `separator`: '-' for command-line
-    flags (argparse also takes any unambiguous prefix, so a name that begins a reserved flag is refused too, unless it
-    is one of the engine's `full_flags`: argparse takes an exact name over a prefix), '_' for keyword arguments."""
-    for name, value in extra.items():
-        if separator == "-" and not re.fullmatch(r"[a-z0-9][a-z0-9_-]*", name):
-            raise ValueError(f"{field}: {name[:80]!r} is not a flag name; write it without '--', e.g. "
-                             "'disable-radix-cache'")
-        if separator == "_" and not re.fullmatch(r"[a-z][a-z0-9_]*", name):
-            raise ValueError(f"{field}: {name[:80]!r} is not an argument name; write it with underscores, e.g. "
-                             f"{name.replace('-', '_').lower()[:80]!r}")
-        flag = name.replace("_", "-")
-        for reserved_flag, why in reserved.items():
-            if (_names_flag(flag, reserved_flag) and flag not in full_flags if separator == "-" else
-                    flag == reserved_flag or (reserved_flag.endswith("-") and flag.startswith(reserved_flag))):
-                raise ValueError(f"{field}: {name!r} {why}")
-        unsafe = sorted(set(flag.split("-")) & UNSAFE_FLAG_WORDS)
-        if unsafe:
-            raise ValueError(
-                f"{field}: {name!r} is not accepted from a run config (it names {', '.join(unsafe)}: flags that reach "
-                "files or hosts elsewhere, load code or carry secrets are the box's to set, not a trigger's); remove "
-                "it, or have the box's operator configure the engine"
-            )
-        if isinstance(value, str) and not re.fullmatch(FLAG_VALUE_PATTERN, value, flags=re.DOTALL):
-            raise ValueError(
-                f"{field}: the value of {name!r} ({value[:40]!r}{'...' if len(value) > 40 else ''}) starts with '-', "
-                "holds a control character or is over 1024 characters; give a plain value"
-            )
-
-
 class ServerConfig(Section):
     """A serving engine a stage starts on the box and always stops again: SGLang (python -m sglang.launch_server) or
     vLLM (its OpenAI-compatible server). generate (with launch_server), evaluate (backend "server") and benchmark
@@ -222,17 +174,23 @@ class ServerConfig(Section):
     extra_args: dict[str, str | int | float | bool] = Field(
         default_factory=dict,
         title="Extra server arguments",
-        description='Any other flag of the engine\'s server, e.g. {"attention-backend": "triton", "reasoning-parser": '
-        '"kimi_k2"}; true: a bare flag. Each goes as one --name=value argument.',
+        description='Other flags of the engine\'s server, e.g. {"attention-backend": "triton", "reasoning-parser": '
+        '"kimi_k2"}; true: a bare flag. Each goes as one --name=value argument. Only flags eagle3/engine_flags.py '
+        'lists as reviewed, or reviewed_flags names.',
+    )
+    reviewed_flags: list[Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9-]{0,99}$")]] = Field(
+        default_factory=list, title="Flags the operator reviewed",
+        description="extra_args flags the deployment allows beyond the project's reviewed list, each by name (a "
+        "settings-file decision: what the flag reads, writes or reaches is the operator's to know).",
     )
     startup_timeout_s: float = Field(
         1800, gt=0, le=DAY_S, title="Startup timeout (s)",
         description="Until /health answers; loading a 1T model takes a while."
     )
 
-    # Flags extra_args must leave alone, per engine, and why. Spellings are compared with '_' as '-' and as argparse
-    # reads them: it takes any unambiguous prefix of a flag ('--hos' is '--host'), so a name that begins one of these
-    # is refused too. A name ending in '-' stands for a family of flags.
+    # Flags extra_args must leave alone, per engine, and why, reviewed or not. argparse takes any unambiguous prefix
+    # of a flag ('--hos' is '--host'), so a name that begins one of these is refused too. A name ending in '-' stands
+    # for a family of flags.
     FROM_CONFIG_WHY: ClassVar[str] = ("comes from the run config (target.*, server.tp_size, "
                                       "server.mem_fraction_static): set it there")
     KEPT_LOCAL_WHY: ClassVar[str] = ("is the launcher's: the server listens on 127.0.0.1:server.port of one box, with "
@@ -245,42 +203,24 @@ class ServerConfig(Section):
             **dict.fromkeys(("host", "port", "config", "dist-init-addr", "nccl-init-addr", "nnodes", "node-rank"),
                             KEPT_LOCAL_WHY),
             "speculative-": SET_BY_STAGES_WHY,
-            # Read in sglang 0.5.23's server_args: each unpickles request data, reaches other hosts, writes
-            # elsewhere, loads code or rewrites the model (most are caught by UNSAFE_FLAG_WORDS too).
-            **dict.fromkeys((
-                "enable-custom-logit-processor", "custom-weight-loader", "otlp-traces-endpoint", "kv-events-config",
-                "log-requests-target", "crash-dump-folder", "download-dir", "api-key", "admin-api-key",
-                "chat-template", "json-model-override-args", "load-format", "tool-server",
-            ), "is not accepted from a run config: it unpickles request data, reaches other hosts, writes or reads "
-               "elsewhere, loads code, rewrites the model or puts a secret on the argv; remove it"),
         },
         "vllm": {
             **dict.fromkeys(("model", "tokenizer", "trust-remote-code", "dtype", "tensor-parallel-size", "tp",
                              "gpu-memory-utilization"), FROM_CONFIG_WHY),
             **dict.fromkeys(("host", "port", "uds", "config", "headless", "data-parallel-address",
                              "data-parallel-rpc-port"), KEPT_LOCAL_WHY),
-            **dict.fromkeys(("speculative-", "per-request-spec-decode-metrics"), SET_BY_STAGES_WHY),
-            # Read in vllm 0.32's engine and server arguments, as above.
-            **dict.fromkeys((
-                "worker-extension-cls", "logits-processors", "middleware", "tool-parser-plugin",
-                "reasoning-parser-plugin", "hf-overrides", "kv-transfer-config", "kv-events-config",
-                "otlp-traces-endpoint", "download-dir", "api-key", "chat-template", "lora-modules",
-                "allowed-local-media-path", "allowed-media-domains", "load-format", "model-loader-extra-config",
-                "compilation-config", "log-config-file", "ssl-keyfile", "ssl-certfile",
-            ), "is not accepted from a run config: it reaches other hosts, writes or reads elsewhere, loads code, "
-               "rewrites the model or puts a secret on the argv; remove it"),
+            # vllm 0.32 also spells speculative decoding --spec-method / --spec-model / --spec-tokens
+            **dict.fromkeys(("speculative-", "spec-", "per-request-spec-decode-metrics"), SET_BY_STAGES_WHY),
         },
     }
 
-    # The engines' own flags whose names begin a reserved one's, and so are no abbreviation of it.
-    FULL_FLAGS: ClassVar[dict[str, frozenset[str]]] = {
-        "sglang": frozenset({"log-requests"}), "vllm": frozenset({"reasoning-parser"}),
-    }
-
     @model_validator(mode="after")
-    def _extra_args_leave_the_launch_alone(self) -> ServerConfig:
-        check_engine_flags("server.extra_args", self.extra_args, self.RESERVED[self.engine], "-",
-                           self.FULL_FLAGS[self.engine])
+    def _extra_args_are_reviewed_and_leave_the_launch_alone(self) -> ServerConfig:
+        for name in self.extra_args:
+            for reserved, why in self.RESERVED[self.engine].items():
+                if _names_flag(name, reserved):
+                    raise ValueError(f"server.extra_args: {name!r} {why}")
+        check_extra_args("server.extra_args", self.extra_args, SERVER_FLAGS[self.engine], self.reviewed_flags, "-")
         return self
 
 
@@ -419,7 +359,14 @@ class SglangEngineConfig(Section):
         "twice. auto: plugin where the sglang version and a start-up probe allow, else lists (logged).",
     )
     extra_args: dict[str, str | int | float | bool] = Field(
-        default_factory=dict, title="Extra engine arguments", description="Any other sglang ServerArgs field."
+        default_factory=dict, title="Extra engine arguments",
+        description="Other sglang ServerArgs fields, by name: those eagle3/engine_flags.py lists as reviewed, or "
+        "reviewed_args names.",
+    )
+    reviewed_args: list[Annotated[str, Field(pattern=r"^[a-z][a-z0-9_]{0,99}$")]] = Field(
+        default_factory=list, title="Arguments the operator reviewed",
+        description="extra_args names the deployment allows beyond the project's reviewed list (a settings-file "
+        "decision).",
     )
 
     # Engine arguments extra_args must leave alone, and why (the capture backend sets the first two kinds).
@@ -438,13 +385,13 @@ class SglangEngineConfig(Section):
     LOSES_AUX_STATES: ClassVar[tuple[str, ...]] = ("enable_two_batch_overlap",)
     KEPT_LOCAL: ClassVar[tuple[str, ...]] = ("host", "port", "dist_init_addr", "nccl_init_addr", "nnodes", "node_rank")
 
-    @field_validator("extra_args")
-    @classmethod
-    def _extra_args_leave_the_capture_alone(cls, extra: dict) -> dict:
+    @model_validator(mode="after")
+    def _extra_args_are_reviewed_and_leave_the_capture_alone(self) -> SglangEngineConfig:
+        cls, extra = type(self), self.extra_args
         for name in extra:  # sglang.Engine takes ServerArgs field names as keyword arguments
             if not re.fullmatch(r"[a-z][a-z0-9_]*", name):
-                raise ValueError(f"{name!r} is not a ServerArgs field name; write it with underscores, e.g. "
-                                 f"{name.replace('-', '_').lower()!r}")
+                raise ValueError(f"extract.sglang.extra_args: {name!r} is not a ServerArgs field name; write it with "
+                                 f"underscores, e.g. {name.replace('-', '_').lower()!r}")
         for names, why in (
             (cls.FROM_CONFIG, "come from the run config (target.*, extract.sglang.*): set them there"),
             (cls.FOR_CAPTURE, "are set by the capture backend for capture to work: remove them"),
@@ -457,9 +404,9 @@ class SglangEngineConfig(Section):
         ):
             clash = sorted(set(extra) & set(names))
             if clash:
-                raise ValueError(f"{clash} {why}")
-        check_engine_flags("extract.sglang.extra_args", extra, {}, "_")  # files, hosts, code, secrets; plain values
-        return extra
+                raise ValueError(f"extract.sglang.extra_args: {clash} {why}")
+        check_extra_args("extract.sglang.extra_args", extra, SGLANG_ENGINE, self.reviewed_args, "_")
+        return self
 
 
 class ExtractConfig(Section):
