@@ -300,12 +300,14 @@ def test_kill_9_at_a_random_moment_loses_and_duplicates_nothing(make_config, sha
 
 
 def launched_config(make_config, tmp_path, **extra_args):
+    """`extra_args`: the stand-in server's own misbehaviour flags, which no engine has: allowed by name as an operator
+    allows a flag the project did not review (server.reviewed_flags)."""
     port = free_port()
     return make_config(
         data={"max_samples": 4},
         generate={"enabled": True, "launch_server": True, "max_tokens": 32, "concurrency": 2, "max_retries": 0,
                   "max_failure_rate": 0.0, "progress_interval_s": 0.3},
-        server={"port": port, "startup_timeout_s": 120, "extra_args": extra_args},
+        server={"port": port, "startup_timeout_s": 120, "extra_args": extra_args, "reviewed_flags": list(extra_args)},
     )
 
 
