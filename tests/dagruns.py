@@ -74,8 +74,8 @@ def tiny_layers(tiny_target: Path, workdir: Path, **overrides) -> tuple[dict, di
     conf = {name: value for name, value in values.items() if name in FORM_FIELDS}
     box = {name.removeprefix(BOX_PREFIX + "."): value for name, value in values.items()
            if name.startswith(BOX_PREFIX + ".") and name not in FORM_FIELDS}
-    run = {name: value for name, value in values.items() if name not in FORM_FIELDS and name not in
-           {f"{BOX_PREFIX}.{key}" for key in box}}
+    run = {name: value for name, value in values.items()
+           if name not in FORM_FIELDS and not name.startswith(BOX_PREFIX + ".")}
     return conf, {"run": run, "box": box}
 
 

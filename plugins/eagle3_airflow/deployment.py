@@ -286,13 +286,11 @@ class Deployment(BaseModel):
             raise ValueError("\n  ".join(problems))
         # Values: each preset over `run`, with stand-ins for what the form gives, must make a run on every box.
         stand_ins = {name: "/form/value" for name in required_params()}
-        for where, run, box in self.box_layers():
-            for name in self.preset_names():
-                try:  # (a missing workdir is refused when a run is made, naming the fix: the DAG still parses)
-                    params_to_configs(stand_ins, "settings_check", {"workdir": "/settings/workdir", **run},
-                                      self.presets.get(name), box, name)
-                except ParamsError as err:
-                    raise ValueError(f"{where} with the preset {name!r} do not make a valid run: {err}") from None
+        for where, name, run, box in self.layered_runs():
+            try:  # (a missing workdir is refused when a run is made, naming the fix: the DAG still parses)
+                params_to_configs(stand_ins, "settings_check", {"workdir": "/settings/workdir", **run}, None, box, name)
+            except ParamsError as err:
+                raise ValueError(f"{where} with the preset {name!r} do not make a valid run: {err}") from None
         return self
 
     def box_layers(self) -> list[tuple[str, dict, dict]]:
@@ -300,6 +298,13 @@ class Deployment(BaseModel):
         return [("the settings' run and box", self.run, self.box),
                 *((f"box_pools.{conn_id} (over run and box)", {**self.run, **pool.run}, {**self.box, **pool.box})
                   for conn_id, pool in self.box_pools.items())]
+
+    def layered_runs(self):
+        """(where, preset name, run layers with the preset over them, box) for every box and preset: what the
+        settings can make of a run, before the form."""
+        for where, run, box in self.box_layers():
+            for name in self.preset_names():
+                yield where, name, {**run, **self.presets.get(name, {})}, box
 
     @model_validator(mode="after")
     def _defaults_are_allowed(self) -> Deployment:
@@ -320,14 +325,12 @@ class Deployment(BaseModel):
                              "who may (\"approvers\": [\"alice\", \"bob\"]), or turn approve_promotion off")
         # What every run gets (the settings' run and box, each box's own over them) must pass the deployment's own
         # check, with the form's default boxes (with box_pools, each box's DAG makes that box its runs' default).
-        for where, run, box in self.box_layers():
-            for name in self.preset_names():  # a preset may name what `run` does: checked with each
-                layers = {**run, **self.presets.get(name, {})}
-                self.check(self._default("box.conn_ids", list(self.box_pools)[:1] or BoxSettings().conn_ids),
-                           list(box.get("stop_services") or []), layers.get("generate.endpoint"),
-                           layers.get("generate.api_key_env"), source=f"a run with the preset {name!r} on {where}",
-                           workdir=layers.get("workdir"),
-                           pythons={"box.python": box.get("python"), "server.python": layers.get("server.python")})
+        for where, name, run, box in self.layered_runs():  # a preset may name what `run` does: checked with each
+            self.check(self._default("box.conn_ids", list(self.box_pools)[:1] or BoxSettings().conn_ids),
+                       list(box.get("stop_services") or []), run.get("generate.endpoint"),
+                       run.get("generate.api_key_env"), source=f"a run with the preset {name!r} on {where}",
+                       workdir=run.get("workdir"),
+                       pythons={"box.python": box.get("python"), "server.python": run.get("server.python")})
         return self
 
     @classmethod
