@@ -17,6 +17,7 @@ import json
 import os
 import re
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -698,6 +699,57 @@ def test_a_generation_template_the_sandbox_refuses_is_a_config_error(make_config
     assert error in message and "\n" not in message
     assert message.endswith("Fix that file, or point data.generation_chat_template at one that renders.")
     assert exit_code_for(info.value) == 2
+
+
+def hostile_template_path(tmp_path: Path, kind: str) -> tuple[str, str]:
+    """(the path data.generation_chat_template names, the refusal expected after "<path>: ") for a hostile kind."""
+    good = tmp_path / "good.jinja"
+    good.write_text(PLAIN_TEMPLATE)
+    if kind == "link":
+        (tmp_path / "link.jinja").symlink_to(good)
+        return str(tmp_path / "link.jinja"), "a symbolic link, not a regular file"
+    if kind == "fifo":
+        os.mkfifo(tmp_path / "fifo.jinja")
+        return str(tmp_path / "fifo.jinja"), "a FIFO, not a regular file"
+    if kind == "proc":
+        return "/proc/self/status", "a file in /proc, the kernel's view"
+    if kind == "link into proc":  # the path as written is no /proc path; a directory on the way is a link there
+        (tmp_path / "me").symlink_to("/proc/self")
+        return str(tmp_path / "me" / "status"), "a file in /proc, the kernel's view"
+    assert kind == "oversize"
+    big = tmp_path / "big.jinja"
+    big.write_text(PLAIN_TEMPLATE + "{#" + "x" * data.MAX_TEMPLATE_BYTES + "#}")  # (a comment: it renders)
+    return str(big), f"{big.stat().st_size} bytes, more than the {data.MAX_TEMPLATE_BYTES} read here"
+
+
+# timeout (signal method): a FIFO opened to read blocks until a writer comes; this stops it, should it be opened
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["link", "fifo", "proc", "link into proc", "oversize"])
+def test_a_generation_template_that_is_no_plain_small_file_is_refused_unread(make_config, tmp_path, kind):
+    """Attack: data.generation_chat_template naming a link (to any file the box user can read), a FIFO (a read
+    waits for a writer forever), a file in /proc (/proc/self/pagemap is a "regular file" that never ends), also
+    through a link in a directory on the way, or a file far larger than any template. Refused before it is read,
+    naming the field, the file and the fix, as exit 2."""
+    path, refusal = hostile_template_path(tmp_path, kind)
+    cfg = make_config(data={"generation_chat_template": path})
+    with pytest.raises(DataError) as info:
+        SampleTokenizer.for_run(cfg)
+    message = str(info.value)
+    assert message.startswith(f"data.generation_chat_template: {path}: {refusal}"), message
+    assert message.endswith("point data.generation_chat_template at the jinja chat template file itself: a regular "
+                            "file on the box (not a link, nothing in /proc or /sys) of at most 1 MiB")
+    assert exit_code_for(info.value) == 2
+
+
+def test_a_generation_template_file_reads_as_text_did(tmp_path):
+    """The ordinary case: a template's text as a file read as text gives it (UTF-8, universal newlines), and a
+    missing file named with the field and the fix."""
+    path = tmp_path / "crlf.jinja"
+    path.write_bytes("{{ '\u00e9' }}\r\n{% if x %}\ry{% endif %}\n".encode())
+    assert data.read_template_file(str(path)) == path.read_text(encoding="utf-8")
+    with pytest.raises(DataError, match=r"^data.generation_chat_template: cannot read .*/absent.jinja \(No such "
+                                        r"file or directory\); point data.generation_chat_template at"):
+        data.read_template_file(str(tmp_path / "absent.jinja"))
 
 
 def no_probe_left_running() -> bool:

@@ -31,7 +31,7 @@ def jobs(tmp_path):
     for state_file in jobs_dir.glob("*/state.json"):
         try:
             state = job.read_state(state_file.parent)
-        except job.CorruptState:  # (a test's hostile file: it names nothing this test started)
+        except (job.CorruptState, job.UnsafeJobFile):  # (a test's hostile file: it names nothing this test started)
             continue
         if state["pgid"] != os.getpgid(0):  # never this test process's own group
             # This boot's id: a test that faked a reboot has put the real one back by now.
@@ -696,6 +696,110 @@ def test_a_job_directory_of_another_user_is_refused(jobs, monkeypatch):
     with pytest.raises(job.JobError, match=r"job directory .*theirs belongs to uid \d+, not to this user"):
         job.start_job(jobs, "theirs", [PY, "-c", "pass"])
     assert list((jobs / "theirs").iterdir()) == []
+
+
+# -- job files that are links or another user's: poll and kill read nothing through them and act on nothing --------
+
+SECRET = "AWS_SECRET_ACCESS_KEY=hunter2\n"  # what a link in the job's directory would have poll copy to the caller
+OTHER_UID = 65534  # nobody
+
+
+def finished_job(jobs_dir: Path, key: str, stranger) -> Path:
+    """A succeeded job's directory, as its supervisor leaves it: state.json, a log of two lines, a stream's cursor."""
+    hand_written_state(jobs_dir, key, stranger.pid, status="succeeded", exit_code=0, log_start=0)
+    directory = jobs_dir / key
+    (directory / "log").write_text("line 0\nline 1\n")
+    (directory / job.CURSOR_FILE).write_text(json.dumps({"stream": "ti-a", "try": 1, "offset": 7}))
+    return directory
+
+
+def link_in_place(path: Path, target: Path) -> None:
+    """Replace `path` by a link to `target`, which holds `path`'s bytes unless it exists already."""
+    if not target.exists():
+        target.write_bytes(path.read_bytes())
+    path.unlink()
+    path.symlink_to(target)
+
+
+def test_a_finished_jobs_files_are_read_as_before(jobs, stranger):
+    """The ordinary case the checks below must leave alone: the job's own files, read and streamed."""
+    finished_job(jobs, "own", stranger)
+    polled = job.poll_job(jobs, "own", None, stream="ti-a")
+    assert (polled["effective"], polled["log"], polled["log_size"]) == ("succeeded", "line 1\n", 14)
+
+
+@pytest.mark.parametrize("name", ["state.json", "log", job.CURSOR_FILE])
+def test_a_job_file_that_is_a_link_is_not_followed_by_poll_or_its_stream(jobs, tmp_path, stranger, name):
+    """Attack: the job's state.json, log or stream cursor made a link (the log to a file of secrets, which poll
+    --stream would copy into the Airflow task log). poll reads nothing through it: exit 2, naming the file."""
+    directory = finished_job(jobs, "linked", stranger)
+    link_in_place(directory / name, tmp_path / "elsewhere")
+    if name == "log":
+        (tmp_path / "elsewhere").write_text(SECRET)
+    refusal = rf"^{re.escape(str(directory / name))}: a symbolic link, where the job keeps a regular file\. "
+    with pytest.raises(job.UnsafeJobFile, match=refusal):
+        job.poll_job(jobs, "linked", None, stream="ti-a")
+    proc = run_eagle3("job", "poll", "--jobs-dir", str(jobs), "--key", "linked", "--stream", "ti-a", check=False,
+                      timeout=60)
+    assert proc.returncode == 2 and proc.stderr.startswith(f"error: {directory / name}: a symbolic link")
+    assert "remove it (as its owner or root)" in proc.stderr
+    assert "hunter2" not in proc.stdout + proc.stderr and (directory / name).is_symlink()
+
+
+@pytest.mark.timeout(60)  # (signal method: a FIFO opened to read without blocking would hang here, and is stopped)
+def test_a_log_that_is_a_fifo_is_refused_without_waiting_for_a_writer(jobs, stranger):
+    directory = finished_job(jobs, "fifo", stranger)
+    (directory / "log").unlink()
+    os.mkfifo(directory / "log")
+    with pytest.raises(job.UnsafeJobFile, match=r"log: a FIFO, where the job keeps a regular file"):
+        job.poll_job(jobs, "fifo")
+
+
+def test_kill_acts_on_no_state_json_that_is_a_link_and_makes_no_lock_through_one(jobs, tmp_path, stranger,
+                                                                                 signals_sent):
+    """Attack: state.json a link (kill would act on what it points at, and record the kill over the link); the lock
+    a link to another file (kill's 0600 would have been set on that file)."""
+    directory = finished_job(jobs, "linked", stranger)
+    hand_written_state(jobs, "linked", stranger.pid)  # running, so that kill would act
+    link_in_place(directory / "state.json", tmp_path / "state-elsewhere.json")
+    before = (tmp_path / "state-elsewhere.json").read_bytes()
+    with pytest.raises(job.UnsafeJobFile, match=r"state\.json: a symbolic link"):
+        job.kill_job(jobs, "linked", grace_s=1)
+    assert signals_sent == [] and (directory / "state.json").is_symlink()
+    assert (tmp_path / "state-elsewhere.json").read_bytes() == before
+
+    (directory / "state.json").unlink()
+    hand_written_state(jobs, "linked", stranger.pid)
+    victim = tmp_path / "victim"
+    victim.write_text("someone's file\n")
+    victim.chmod(0o644)
+    (directory / "lock").unlink(missing_ok=True)
+    (directory / "lock").symlink_to(victim)
+    with pytest.raises(job.UnsafeJobFile, match=r"lock: a symbolic link"):
+        job.kill_job(jobs, "linked", grace_s=1)
+    assert signals_sent == [] and (victim.stat().st_mode & 0o777) == 0o644
+    proc = run_eagle3("job", "kill", "--jobs-dir", str(jobs), "--key", "linked", check=False, timeout=60)
+    assert proc.returncode == 2 and f"error: {directory / 'lock'}: a symbolic link" in proc.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a file of another uid takes root (os.chown), and these tests "
+                                              "do not run as root here")
+@pytest.mark.parametrize("name", ["", "state.json", "log", job.CURSOR_FILE])
+def test_a_job_directory_or_file_of_another_user_is_not_read_by_poll_or_kill(jobs, stranger, signals_sent, name):
+    """Attack: the job's directory, or a file in it, made by another user (in a shared jobs dir, say): its state
+    would name any process group, its log any text. poll and kill refuse it, naming it and its owner."""
+    directory = finished_job(jobs, "theirs", stranger)
+    hand_written_state(jobs, "theirs", stranger.pid)  # running, so that kill would act
+    os.chown(directory / name, OTHER_UID, OTHER_UID)
+    shown = directory / name if name else directory
+    refusal = rf"^{re.escape(str(shown))}: owned by uid {OTHER_UID}, not by this user \(uid 0\)\. "
+    with pytest.raises(job.UnsafeJobFile, match=refusal):
+        job.poll_job(jobs, "theirs", None, stream="ti-a")
+    if name != job.CURSOR_FILE:  # (a stream's cursor is poll --stream's alone)
+        with pytest.raises(job.UnsafeJobFile, match=refusal):
+            job.kill_job(jobs, "theirs", grace_s=1)
+    assert signals_sent == [] and not (directory / "lock").exists()
+    assert json.loads((directory / "state.json").read_text())["status"] == "running"  # no kill recorded either
 
 
 # -- stalls: alive, heartbeating, and doing nothing ------------------------------------------------------------

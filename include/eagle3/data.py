@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Literal
 
 from eagle3.config import ConfigError
+from eagle3.fsutil import UnsafeFile, read_small_file
 from eagle3.turns import (
     NO_TRAINED_TOKEN,
     REASONING_NOT_RENDERED,
@@ -491,6 +492,36 @@ def chat_template_file(tokenizer_dir: str | Path) -> str:
     return f"{directory / 'tokenizer_config.json'} (its chat_template field)"
 
 
+# A chat template is a few KB; the cap keeps a file that never ends (/proc/self/pagemap, should the /proc check
+# be got round) or a wrong one (the weights) from hanging a stage or filling its memory.
+MAX_TEMPLATE_BYTES = 1 << 20  # 1 MiB
+
+
+def template_file_bytes(path: str, field_name: str = "data.generation_chat_template") -> bytes:
+    """The bytes of the chat template file that config field `field_name` names: a regular file, not a link,
+    outside /proc and /sys, of at most MAX_TEMPLATE_BYTES (fsutil.read_small_file). Raises DataError naming the
+    field, the file and the fix. (What a digest of the template is taken of.)"""
+    fix = (f"point {field_name} at the jinja chat template file itself: a regular file on the box (not a link, "
+           f"nothing in /proc or /sys) of at most {MAX_TEMPLATE_BYTES >> 20} MiB")
+    try:
+        return read_small_file(path, MAX_TEMPLATE_BYTES)
+    except UnsafeFile as err:
+        raise DataError(f"{field_name}: {err}; {fix}") from None
+    except OSError as err:
+        raise DataError(f"{field_name}: cannot read {path} ({err.strerror}); {fix}") from None
+
+
+def read_template_file(path: str, field_name: str = "data.generation_chat_template") -> str:
+    """The text of that file (template_file_bytes), as a file read as text gives it: UTF-8, universal newlines.
+    Raises DataError as template_file_bytes does, and ChatTemplateError for bytes that are not UTF-8."""
+    try:
+        text = template_file_bytes(path, field_name).decode("utf-8")
+    except UnicodeDecodeError:
+        raise ChatTemplateError(f"{field_name} {path}: not UTF-8 text; point it at a jinja chat template "
+                                "file") from None
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
 class _Expired(BaseException):
     """The probe's time is up. A BaseException, so that no `except Exception` on the way can swallow it."""
 
@@ -566,14 +597,7 @@ class SampleTokenizer:
             generation_origin = TemplateOrigin(
                 f"data.generation_chat_template {path}",
                 "Fix that file, or point data.generation_chat_template at one that renders.")
-            try:
-                generation_template = Path(path).read_text(encoding="utf-8")
-            except OSError as err:
-                raise DataError(f"data.generation_chat_template: cannot read {path} "
-                                f"({err.strerror}); point it at a jinja chat template file on the box") from None
-            except UnicodeDecodeError:
-                raise ChatTemplateError(f"data.generation_chat_template {path}: not UTF-8 text; point it at a "
-                                        "jinja chat template file") from None
+            generation_template = read_template_file(path)
         tokenizing = cls(tokenizer, cfg.data.max_length, cfg.data.loss_mask,
                          end_of_turn_tokens(tokenizer, cfg.target.model_path), dict(cfg.data.chat_template_kwargs),
                          generation_template, template_origin, generation_origin)

@@ -5,6 +5,10 @@ name in the same directory, fsync the file, rename over the final name (atomic o
 directory so the rename itself survives a power cut. A reader therefore sees the old file, the new
 file, or nothing; never a torn one. Temporary names start with "." and contain ".tmp-" so that
 stores can recognise and delete leftovers of a crash.
+
+Reads of what anyone with write access to the box's directories could have changed are here too: trees of regular
+files, never through a link (tree_digests, copy_regular_tree, remove_tree_in), and one small regular file that a
+config names, never a link, a special file or the kernel's (read_small_file).
 """
 
 from __future__ import annotations
@@ -251,3 +255,90 @@ def remove_tree_in(parent: Path, name: str) -> None:
         raise ValueError(f"{name!r}: not a name of an entry in {parent}")
     with _opened_dir(Path(parent)) as parent_fd:
         shutil.rmtree(name, dir_fd=parent_fd)
+
+
+# -- one small file that a config names ------------------------------------------------------------------------------
+#
+# A stage reads some files whole because a config names them (a chat template). Read naively, a FIFO waits for a
+# writer forever, /proc/self/pagemap (a "regular file" of size 0) never ends, and a link puts any file this user can
+# read in the file's place. read_small_file reads none of those.
+
+PSEUDO_FILESYSTEMS = (Path("/proc"), Path("/sys"))  # the kernel's files: not data, and a read may block or never end
+
+
+class UnsafeFile(ValueError):
+    """A file read_small_file will not read; the message names it and says why. The caller adds the field that
+    named it and the fix."""
+
+
+def file_kind(mode: int) -> str:
+    """What a stat mode is, for a message: "a directory", "a FIFO", ..."""
+    kinds = ((stat.S_ISREG, "a regular file"), (stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a directory"),
+             (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a device"),
+             (stat.S_ISBLK, "a device"))
+    return next((kind for test, kind in kinds if test(mode)), "a special file")
+
+
+def _pseudo_filesystem_of(path: Path) -> Path | None:
+    """/proc or /sys if `path` is in one, as written or with every link resolved; else None."""
+    for seen in (Path(os.path.abspath(path)), Path(os.path.realpath(path))):
+        for root in PSEUDO_FILESYSTEMS:
+            if seen == root or root in seen.parents:
+                return root
+    return None
+
+
+def _on_pseudo_filesystem(info: os.stat_result) -> Path | None:
+    """/proc or /sys if an opened file's device is theirs (a link in a directory swapped after the path check)."""
+    for root in PSEUDO_FILESYSTEMS:
+        try:
+            if os.stat(root).st_dev == info.st_dev:
+                return root
+        except OSError:
+            continue  # (no /sys in this container)
+    return None
+
+
+def read_small_file(path: str | Path, max_bytes: int) -> bytes:
+    """The bytes of the regular file `path`, which may hold at most `max_bytes`.
+
+    Raises UnsafeFile, naming the file, for: a symbolic link (the last component; directories above may be links),
+    anything but a regular file (looked at before it is opened, so no device is ever opened, and checked again on
+    the opened descriptor), a file in /proc or /sys (by its path, with and without links resolved, and by the
+    opened file's device), and a file over max_bytes (by its size, and by what a read gives: at most max_bytes + 1
+    bytes are read, so a file that grows, or a kernel file that says 0, ends there). Raises OSError
+    (FileNotFoundError, PermissionError) as open() would."""
+    path = Path(path)
+    root = _pseudo_filesystem_of(path)
+    if root is not None:
+        raise UnsafeFile(f"{path}: a file in {root}, the kernel's view of processes and devices, not a data file "
+                         "(a read there may block or never end)")
+    info = os.lstat(path)
+    if not stat.S_ISREG(info.st_mode):
+        raise UnsafeFile(f"{path}: {file_kind(info.st_mode)}, not a regular file")
+    try:
+        fd = os.open(path, NOFOLLOW_FLAGS)
+    except OSError as err:
+        if err.errno == errno.ELOOP:  # (made a link after the lstat)
+            raise UnsafeFile(f"{path}: a symbolic link, not a regular file") from None
+        raise
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise UnsafeFile(f"{path}: {file_kind(info.st_mode)}, not a regular file")
+        root = _on_pseudo_filesystem(info)
+        if root is not None:
+            raise UnsafeFile(f"{path}: a file in {root} (through a link in a directory above it), not a data file")
+        if info.st_size > max_bytes:
+            raise UnsafeFile(f"{path}: {info.st_size} bytes, more than the {max_bytes} read here")
+        chunks, left = [], max_bytes + 1
+        while left > 0 and (chunk := os.read(fd, min(left, 1 << 20))):
+            chunks.append(chunk)
+            left -= len(chunk)
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
+    if len(data) > max_bytes:
+        raise UnsafeFile(f"{path}: more than the {max_bytes} bytes read here (it grew while it was read, or is not "
+                         "the size it says)")
+    return data

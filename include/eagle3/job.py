@@ -23,11 +23,14 @@ only to a group the job provably owns (group_ownership_problem). The stage sees 
   cursor.json    {"stream", "try", "offset"}: how far one stream has copied the log
   lock           the flock that makes "read the state, then launch or kill" one step
   redone/<time>/ the files of the tries a redo set aside
+poll and kill open the directory and these files following no link, and only if they are this user's
+(open_job_file): a link could have the log's stream copy any file this user can read to the caller.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import fcntl
 import json
 import math
@@ -41,9 +44,9 @@ import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from stat import S_IMODE, S_ISVTX, S_IWOTH
+from stat import S_IMODE, S_ISDIR, S_ISREG, S_ISVTX, S_IWOTH
 
-from eagle3.fsutil import atomic_write_text, private_opener
+from eagle3.fsutil import atomic_write_text, file_kind, private_opener
 from eagle3.progress import PROGRESS_FILE_VAR
 from eagle3.runlayout import REDO_OUTPUTS
 
@@ -105,6 +108,11 @@ class CorruptState(Exception):
 
 class SignalRefused(Exception):
     """The recorded process group is not provably the job's, so it was not signalled; the message says why."""
+
+
+class UnsafeJobFile(JobError):
+    """A job's directory or one of its files that is a symbolic link, not a directory or regular file, or another
+    user's: nothing is read from it, written to it or done on its word. The message names it and the fix."""
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -374,6 +382,69 @@ def make_private_dirs(directory: Path) -> None:
             os.chmod(path, 0o700)
 
 
+# A job's directory and files are made by its own user, private (make_private_dirs), and never links. poll and kill
+# open them so, each step through a descriptor opened with O_NOFOLLOW and checked once open: a link would have them
+# read (and a stream copy to the caller) any file this user can read, and another user's file says nothing of a job.
+JOB_OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # (NONBLOCK: a FIFO swapped in never blocks the open)
+
+
+def unsafe_job_file(path: Path, problem: str) -> UnsafeJobFile:
+    return UnsafeJobFile(f"{path}: {problem}. A job's files are its own user's and never links, so someone else put "
+                         "this there: nothing was read from it or done on its word. Look at who did; remove it (as its "
+                         "owner or root), then run the job command again, or use another --jobs-dir")
+
+
+def check_job_entry(path: Path, info: os.stat_result, directory: bool) -> None:
+    """Raise UnsafeJobFile unless `info` is of a directory (`directory`) or regular file of this user."""
+    if not (S_ISDIR if directory else S_ISREG)(info.st_mode):
+        raise unsafe_job_file(path, f"{file_kind(info.st_mode)}, where the job keeps "
+                                    f"{'its directory' if directory else 'a regular file'}")
+    if info.st_uid != os.geteuid():
+        raise unsafe_job_file(path, f"owned by uid {info.st_uid}, not by this user (uid {os.geteuid()})")
+
+
+def open_job_file(path: Path, flags: int = os.O_RDONLY) -> int:
+    """A descriptor of the job file `path` (its directory being the job's), opened following no link: the job's
+    directory and the file must be a directory and a regular file of this user, both looked at before they are
+    opened and checked again once open. Raises UnsafeJobFile otherwise, and FileNotFoundError where either is
+    absent (unless flags has O_CREAT: then the file is made, 0600)."""
+    directory, name = path.parent, path.name
+    check_job_entry(directory, os.lstat(directory), directory=True)
+    try:
+        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | JOB_OPEN_FLAGS)
+    except OSError as err:
+        if err.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise unsafe_job_file(directory, "made a link or a file while it was opened") from None
+        raise
+    try:
+        check_job_entry(directory, os.fstat(dir_fd), directory=True)
+        try:
+            check_job_entry(path, os.stat(name, dir_fd=dir_fd, follow_symlinks=False), directory=False)
+        except FileNotFoundError:
+            if not flags & os.O_CREAT:
+                raise
+        try:
+            fd = os.open(name, flags | JOB_OPEN_FLAGS, 0o600, dir_fd=dir_fd)
+        except OSError as err:
+            if err.errno in (errno.ELOOP, errno.ENXIO):  # (ENXIO: a FIFO opened to write without a reader)
+                raise unsafe_job_file(path, "made a link or a special file while it was opened") from None
+            raise
+    finally:
+        os.close(dir_fd)
+    try:
+        check_job_entry(path, os.fstat(fd), directory=False)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_job_file(path: Path) -> bytes:
+    """The bytes of a job file (open_job_file's checks)."""
+    with os.fdopen(open_job_file(path), "rb") as f:
+        return f.read()
+
+
 STATE_FIELDS = {"key": str, "try": int, "status": str, "pid": int, "pgid": int, "pid_start_ticks": int,
                 "boot_id": str, "heartbeat_at": (int, float)}
 STATUSES = ("running", "succeeded", "failed", "killed")
@@ -405,10 +476,11 @@ def state_problem(state, key: str) -> str | None:
 
 
 def read_state(directory: Path) -> dict | None:
-    """The job's state.json, or None if there is none. Raises CorruptState for a file no supervisor wrote."""
+    """The job's state.json, or None if there is none. Raises CorruptState for a file no supervisor wrote, and
+    UnsafeJobFile for a link or another user's file (open_job_file)."""
     path = directory / "state.json"
     try:
-        data = path.read_bytes()
+        data = read_job_file(path)
     except FileNotFoundError:
         return None
     try:
@@ -440,7 +512,9 @@ def last_try_number(directory: Path, corrupt: CorruptState) -> int:
 @contextmanager
 def locked(directory: Path) -> Iterator[None]:
     """Hold the job's exclusive flock, waiting for the current holder if there is one."""
-    with open(directory / "lock", "a", opener=private_opener) as lock_file:  # closing the file releases the lock
+    fd = open_job_file(directory / "lock", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    with open(fd, "a") as lock_file:  # closing the file releases the lock
+        os.fchmod(fd, 0o600)  # (also if an older version made it with a wider mode)
         fcntl.flock(lock_file, fcntl.LOCK_EX)
         yield
 
@@ -464,7 +538,7 @@ def read_log(path: Path, offset: int, max_bytes: int, whole_lines: bool) -> tupl
     While the job runs, the text ends at the last newline, so that a caller never sees half a line; a line longer
     than max_bytes is returned in pieces all the same, or the stream would stall on it."""
     try:
-        with open(path, "rb") as f:
+        with os.fdopen(open_job_file(path), "rb") as f:
             if offset > os.fstat(f.fileno()).st_size:
                 offset = 0  # the log was replaced (jobs dir wiped): start over rather than wait forever
             f.seek(offset)
@@ -480,7 +554,7 @@ def read_log(path: Path, offset: int, max_bytes: int, whole_lines: bool) -> tupl
 
 def read_log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> list[str]:
     try:
-        with open(path, "rb") as f:
+        with os.fdopen(open_job_file(path), "rb") as f:
             f.seek(max(0, os.fstat(f.fileno()).st_size - LOG_TAIL_BYTES))
             text = f.read().decode("utf-8", errors="replace")
     except FileNotFoundError:
@@ -719,7 +793,10 @@ def poll_job(
     trigger rebuilt from its arguments) goes on where it stopped instead of repeating the try from its start. A
     log_offset given is recorded there first (everything before it has been copied: the caller asks from where its
     last answer ended); log_offset None reads from the stream's cursor, if it is for the recorded try, else from the
-    try's first line. At worst the lines of one answer are copied twice: an answer the caller never acknowledged."""
+    try's first line. At worst the lines of one answer are copied twice: an answer the caller never acknowledged.
+
+    Raises UnsafeJobFile, reading nothing through it, where the job's directory, state.json, cursor.json or log is a
+    link, a special file or another user's (open_job_file)."""
     directory = job_dir(jobs_dir, key)
     if (log_offset is not None and log_offset < 0) or max_log_bytes < 0:
         raise JobError("--log-offset and --max-log-bytes must not be negative")
@@ -742,7 +819,8 @@ def poll_job(
         log_offset = try_start
     # The state is read before the log: once it says finished, the log read next is complete.
     try:
-        log_size = (directory / "log").stat().st_size
+        with os.fdopen(open_job_file(directory / "log"), "rb") as log_file:
+            log_size = os.fstat(log_file.fileno()).st_size
     except FileNotFoundError:
         log_size = 0
     # Whole lines only, so that no caller prints half a line; the end of a finished job's log as it is.
@@ -766,7 +844,7 @@ CURSOR_FILE = "cursor.json"  # {"stream", "try", "offset"}: how far one stream h
 def stream_cursor(directory: Path, stream: str, try_number: int, try_start: int) -> int:
     """Where `stream` stopped copying the log of try `try_number`; the try's first line if it never did."""
     try:
-        cursor = json.loads((directory / CURSOR_FILE).read_text())
+        cursor = json.loads(read_job_file(directory / CURSOR_FILE))
     except (OSError, ValueError):
         return try_start
     if not isinstance(cursor, dict) or (cursor.get("stream"), cursor.get("try")) != (stream, try_number):
@@ -792,8 +870,15 @@ def kill_job(jobs_dir: str | Path, key: str, grace_s: float = CHILD_GRACE_S, det
     SIGTERM makes the whole kill take grace_s plus the wait for its processes to vanish.
 
     A state.json that cannot be trusted is never acted on: a corrupt one is left as it is, and a group that is not
-    provably the job's is not signalled (the job's own group is gone then, so the kill is recorded)."""
+    provably the job's is not signalled (the job's own group is gone then, so the kill is recorded). A job directory,
+    state.json, log or lock that is a link or another user's raises UnsafeJobFile (open_job_file) before anything is
+    signalled or recorded."""
     directory = job_dir(jobs_dir, key)
+    for name in ("state.json", "log"):  # (what the answer reads: refused now, not after the kill)
+        try:
+            os.close(open_job_file(directory / name))
+        except FileNotFoundError:
+            pass
     signalled, refused, detached = False, None, False
     if (directory / "state.json").exists():  # (no state: nothing to kill, and no directory to create for the lock)
         with locked(directory):  # held throughout, so that no start relaunches the job while it is being killed
