@@ -6,6 +6,7 @@ Scheduled reruns see last week's conversations again; their states are computed 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -64,6 +65,22 @@ def test_a_change_to_what_decides_the_states_starts_another_store(make_config):
         assert stats["samples_stored_before"] == 0 and stats["samples_extracted"] > 0, change
     # What a store's key covers is written beside it, for a person deciding what to delete.
     assert '"aux_layers": [\n    1,\n    3,\n    4\n  ]' in (base.store_dir / "key.json").read_text()
+
+
+@pytest.mark.timeout(60)
+def test_a_store_key_reads_the_generation_template_as_the_stages_do(make_config, tmp_path):
+    """init keys the store by the template's bytes: a template in /proc (pagemap is a "regular file" that never
+    ends) is refused there, naming the field, where a plain read would hang init; a plain file keys as its bytes."""
+    from eagle3.data import DataError
+    from eagle3.identity import capture_fields
+
+    cfg = make_config(data={"generation_chat_template": "/proc/self/pagemap"})
+    with pytest.raises(DataError, match=r"^data.generation_chat_template: /proc/self/pagemap: a file in /proc"):
+        capture_fields(cfg)
+    template = tmp_path / "template.jinja"
+    template.write_text("{{ messages }}")
+    cfg = make_config(data={"generation_chat_template": str(template)})
+    assert capture_fields(cfg)["generation_chat_template"] == hashlib.sha256(b"{{ messages }}").hexdigest()
 
 
 def test_a_run_whose_target_changed_after_it_started_is_refused(make_config, tiny_target, tmp_path):

@@ -39,7 +39,7 @@ import os
 from pathlib import Path
 
 from eagle3.config import ConfigError
-from eagle3.data import TOKENIZING_VERSION
+from eagle3.data import TOKENIZING_VERSION, template_file_bytes
 from eagle3.fsutil import atomic_symlink, atomic_write_text
 from eagle3.runlayout import GENERATED, GENERATED_PARTS, KEY_RECORD, STORES
 
@@ -102,9 +102,12 @@ def target_identity(model_path: str | Path, tokenizer_dir: str | Path) -> dict[s
 def capture_fields(cfg) -> dict:
     """Every field that decides the stored bytes (see the module docstring); `cfg` has its target facts."""
     template = cfg.data.generation_chat_template
-    if template and not Path(template).is_file():
+    if template and not os.path.lexists(template):
         raise ConfigError(f"data.generation_chat_template: {template} does not exist on the box; copy the template "
                           "there or leave the field empty")
+    # Read as the stages read it (a small regular file, no link, nothing in /proc): a naive read of
+    # /proc/self/pagemap would never end, and init would hang before any stage refused the file.
+    template_digest = hashlib.sha256(template_file_bytes(template)).hexdigest() if template else None
     return {
         "format": KEY_FORMAT,
         "samples_of": TOKENIZING_VERSION,
@@ -113,7 +116,7 @@ def capture_fields(cfg) -> dict:
         "max_length": cfg.data.max_length,
         "loss_mask": cfg.data.loss_mask,
         "chat_template_kwargs": cfg.data.chat_template_kwargs,
-        "generation_chat_template": file_digest(Path(template)) if template else None,
+        "generation_chat_template": template_digest,
         "backend": cfg.extract.backend,
         "aux_layers": cfg.resolved_aux_layers(),
         "state_dtype": cfg.extract.state_dtype,
