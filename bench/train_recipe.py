@@ -1,22 +1,25 @@
-"""Benchmark: which training recipe gives the better drafter on the same data? Figures, not asserts.
+"""Benchmark: which training recipe gives the better drafter on the same data, over several seeds? Figures, not asserts.
 
-    make demo && python bench/train_recipe.py [--run-dir demo-work/runs/demo] [--only NAME ...]
+    make demo && python bench/train_recipe.py [--run-dir demo-work/runs/demo] [--only NAME ...] [--seeds 3]
 
-Every variant trains, exports and evaluates on the finished demo run's own store, vocab mapping and held-out
-prompts (linked, not recomputed), with the demo's config but for the fields the variant changes, through the
-same CLI stages the DAG runs. Printed per variant: optimizer steps, train seconds, the offline acceptance length
-at the first k (decoding replayed on the validation split: what picks the checkpoint), and the measured acceptance
-length at each k (first cycle in brackets).
+Every variant trains, exports and evaluates on the finished demo run's own store, split, vocab mapping and pinned
+held-out prompts (linked, not recomputed), with the demo's config but for the fields the variant changes, through
+the same CLI stages the DAG runs, once per seed (the seed sets the drafter's initial weights and the data order;
+the split and the evaluation prompts stay the same). Printed per variant and seed: optimizer steps, train seconds,
+the offline acceptance length at the first k (decoding replayed on the validation split: what picks the
+checkpoint), and the measured acceptance length at each k with its share of the ceiling (a drafter that always
+agrees with the target on the same prompts). Then per variant: the mean over seeds, and the paired difference
+from the first variant run (same seed, same prompts), mean and range over seeds. Results are kept in
+bench-work/train-recipe/results.jsonl: a variant and seed already measured with the same fields is not rerun.
 
-Variants (the same epochs, so the same tokens seen):
-  demo                 the demo's recipe when this benchmark was written: 2048 tokens per step, lr 1e-3
-  no-first-draft       the demo's, with train.first_draft_position off (SpecForge's mask exactly)
-  tokens-8192-lr1e-4   the config defaults before this benchmark: 8192 tokens per step, lr 1e-4
-  one-sample-lr1e-4    SpecForge's default: one sample per rank per step (batch_tokens 16 puts every sample
-                       in a batch of its own), lr 1e-4
-  one-sample-lr1e-3    one sample per step at the demo's learning rate
-  tokens-2048-lr1e-4   the demo's batch at the default learning rate
-  tokens-256-lr1e-3    a few samples per step at the demo's learning rate: the demo's recipe, for time
+Variants change `train.*` fields of the demo's config (dotted names below); the rest stays the demo's:
+  demo                 the demo's recipe as it is
+  epochs-x2            twice the epochs (twice the steps, the same schedule shape)
+  epochs-x4            four times the epochs
+  lr-3e-3              the demo's epochs at 3x the learning rate
+  epochs-x4-lr-3e-4    four times the epochs at 0.3x the learning rate
+  one-sample           SpecForge's default batch: one sample per step (batch_tokens empty)
+  no-first-draft       train.first_draft_position off (SpecForge's mask exactly)
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -33,60 +37,129 @@ from eagle3 import runlayout as layout
 
 REPO = Path(__file__).resolve().parents[1]
 WORK = REPO / "bench-work" / "train-recipe"
-VARIANTS = {
+RESULTS = WORK / "results.jsonl"
+# Each variant's fields over the demo's config: an int is a multiple of the demo's epochs ("epochs": 2 -> twice).
+VARIANTS: dict[str, dict] = {
     "demo": {},
+    "epochs-x2": {"epochs": 2},
+    "epochs-x4": {"epochs": 4},
+    "lr-3e-3": {"learning_rate": 3e-3},
+    "epochs-x4-lr-3e-4": {"epochs": 4, "learning_rate": 3e-4},
+    "one-sample": {"batch_tokens": None},
     "no-first-draft": {"first_draft_position": False},
-    "tokens-8192-lr1e-4": {"batch_tokens": 8192, "learning_rate": 1e-4},
-    "one-sample-lr1e-4": {"batch_tokens": 16, "learning_rate": 1e-4},
-    "one-sample-lr1e-3": {"batch_tokens": 16, "learning_rate": 1e-3},
-    "tokens-2048-lr1e-4": {"batch_tokens": 2048, "learning_rate": 1e-4},
-    "tokens-256-lr1e-3": {"batch_tokens": 256, "learning_rate": 1e-3},
 }
+# Sections a variant's run reads from the demo's run and never writes: linked, not recomputed.
+LINKED = (layout.HIDDEN_STATES, layout.GENERATE_DIR, layout.EXTRACT_DIR, Path(layout.SPLIT_KEYS).parent.as_posix())
 
 
-def stage(name: str, config: Path) -> None:
-    subprocess.run([sys.executable, "-m", "eagle3", name, "--config", str(config)], check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def stage(name: str, config: Path, log: Path) -> None:
+    with log.open("a") as out:
+        subprocess.run([sys.executable, "-m", "eagle3", name, "--config", str(config)], check=True,
+                       stdout=out, stderr=subprocess.STDOUT)
 
 
-def run_variant(source: Path, name: str, train: dict) -> dict:
-    config = json.loads((source / "config.json").read_text())
-    config["workdir"], config["run_name"] = str(WORK), name
+def variant_train_fields(source_train: dict, variant: dict) -> dict:
+    fields = dict(variant)
+    if "epochs" in fields:  # a multiple of the demo's epochs, so that the variants follow the demo's own recipe
+        fields["epochs"] = source_train["epochs"] * fields["epochs"]
+    return fields
+
+
+def run_variant(source: Path, name: str, seed: int, train: dict) -> dict:
+    config = json.loads((source / layout.CONFIG).read_text())
+    run_name = f"{name}-seed{seed}"
+    config["workdir"], config["run_name"], config["seed"] = str(WORK), run_name, seed
     config["train"].update(train)
-    run_dir = WORK / "runs" / name
+    config["evaluate"]["promote"] = False  # every variant against the same prompts, none against another
+    run_dir = layout.run_dir_of(WORK, run_name)
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
-    (run_dir / "config.json").write_text(json.dumps(config, indent=2))
-    # Read only by these stages: the store, the conversations, and which of the store's samples are the run's.
-    for shared in (layout.HIDDEN_STATES, layout.GENERATE_DIR, layout.EXTRACT_DIR):
+    (run_dir / layout.CONFIG).write_text(json.dumps(config, indent=2))
+    for shared in LINKED:
         (run_dir / shared).symlink_to(source / shared)
     shutil.copytree(source / layout.MAPPING_DIR, run_dir / layout.MAPPING_DIR)
+    log = run_dir / "bench.log"
     started = time.monotonic()
-    stage("train", run_dir / "config.json")
+    stage("train", run_dir / layout.CONFIG, log)
     seconds = time.monotonic() - started
-    stage("export", run_dir / "config.json")
-    stage("evaluate", run_dir / "config.json")
+    stage("export", run_dir / layout.CONFIG, log)
+    stage("evaluate", run_dir / layout.CONFIG, log)
     summary = json.loads((run_dir / layout.TRAIN_SUMMARY).read_text())
     report = json.loads((run_dir / layout.REPORT).read_text())
-    return {"steps": summary["steps"], "train_s": seconds,
-            "offline": next(iter(report["offline_accept_length"].values())),
-            "measured": {k: (r["mean_accept_length"], r["first_cycle_accept_length"])
+    return {"variant": name, "seed": seed, "train": train, "steps": summary["steps"], "train_s": round(seconds, 1),
+            "prompts": report["prompts"], "offline": report["offline_accept_length"],
+            "measured": {k: {"mean": r["mean_accept_length"], "interval95": r["accept_length_interval95"],
+                             "share_of_ceiling": r["share_of_ceiling"], "ceiling": r["ceiling_accept_length"]}
                          for k, r in report["speculative"].items()}}
+
+
+def load_results() -> list[dict]:
+    if not RESULTS.exists():
+        return []
+    return [json.loads(line) for line in RESULTS.read_text().splitlines() if line.strip()]
+
+
+def print_row(result: dict) -> None:
+    measured = "  ".join(f"k={k}: {m['mean']:.3f} ({m['share_of_ceiling']:.0%})" for k, m in result["measured"].items())
+    offline = next(iter(result["offline"].values()))
+    print(f"{result['variant']:<20} {result['seed']:>4} {result['steps']:>6} {result['train_s']:>8.0f} {offline:>8.3f}"
+          f"  {measured}", flush=True)
+
+
+def print_summary(results: list[dict], names: list[str]) -> None:
+    by_variant = {name: {r["seed"]: r for r in results if r["variant"] == name} for name in names}
+    base = names[0]
+    print(f"\nover seeds: mean measured acceptance length (share of the ceiling); paired difference from {base} "
+          "(mean, range over seeds)")
+    for name in names:
+        runs = by_variant[name]
+        if not runs:
+            continue
+        parts = []
+        for k in next(iter(runs.values()))["measured"]:
+            means = [r["measured"][k]["mean"] for r in runs.values()]
+            share = statistics.fmean(r["measured"][k]["share_of_ceiling"] for r in runs.values())
+            text = f"k={k}: {statistics.fmean(means):.3f} ({share:.0%})"
+            paired = [r["measured"][k]["mean"] - by_variant[base][seed]["measured"][k]["mean"]
+                      for seed, r in runs.items() if seed in by_variant[base]]
+            if name != base and paired:
+                text += f" {statistics.fmean(paired):+.3f} [{min(paired):+.3f}, {max(paired):+.3f}]"
+            parts.append(text)
+        print(f"{name:<20} {len(runs)} seeds  " + "   ".join(parts))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--run-dir", type=Path, default=REPO / "demo-work" / "runs" / "demo")
-    parser.add_argument("--only", nargs="*", choices=sorted(VARIANTS), help="these variants only")
+    parser.add_argument("--only", nargs="*", choices=sorted(VARIANTS), help="these variants only (the first is "
+                        "the one the others are compared with)")
+    parser.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 for every variant")
+    parser.add_argument("--save-every-steps", type=int, help="for every variant (validation picks the best "
+                        "checkpoint among these; default: the demo's)")
     args = parser.parse_args()
-    if not (args.run_dir / layout.REPORT).exists():
-        sys.exit(f"{args.run_dir}: no finished run here; run `make demo` first")
-    print(f"{'variant':<20} {'steps':>6} {'train s':>8} {'offline':>9}  measured acceptance length (first cycle)")
-    for name in args.only or VARIANTS:
-        result = run_variant(args.run_dir.resolve(), name, VARIANTS[name])
-        measured = "  ".join(f"k={k}: {m:.3f} ({f:.3f})" for k, (m, f) in result["measured"].items())
-        print(f"{name:<20} {result['steps']:>6} {result['train_s']:>8.0f} {result['offline']:>9.3f}  {measured}",
-              flush=True)
+    source = args.run_dir.resolve()
+    if not (source / layout.REPORT).exists():
+        sys.exit(f"{source}: no finished run here; run `make demo` first")
+    source_train = json.loads((source / layout.CONFIG).read_text())["train"]
+    names = args.only or list(VARIANTS)
+    WORK.mkdir(parents=True, exist_ok=True)
+    done = load_results()
+    print(f"{'variant':<20} {'seed':>4} {'steps':>6} {'train s':>8} {'offline':>8}  measured acceptance length "
+          "(share of the ceiling)")
+    for seed in range(args.seeds):
+        for name in names:
+            train = variant_train_fields(source_train, VARIANTS[name])
+            if args.save_every_steps:
+                train["save_every_steps"] = args.save_every_steps
+            key = {"source": str(source), "variant": name, "seed": seed, "train": train}
+            known = [r for r in done if {k: r.get(k) for k in key} == key]
+            result = known[-1] if known else {"source": str(source), **run_variant(source, name, seed, train)}
+            if not known:
+                with RESULTS.open("a") as out:
+                    out.write(json.dumps(result) + "\n")
+                done.append(result)
+            print_row(result)
+    print_summary([r for r in done if r.get("source") == str(source)], names)
 
 
 if __name__ == "__main__":
