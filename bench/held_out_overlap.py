@@ -2,8 +2,8 @@
 
 Before, the split keyed on the conversation id (a hash of the whole conversation), so conversations that open with
 the same prompt could land on both sides; since, it keys on the normalised first user prompt (eagle3.split). For a
-conversations file (the tiny target's 1000 prompts by default: the demo's data, whose 976 distinct conversations
-generate answers again) and a train.val_fraction (the demo's 0.05), prints the conversations that share a first
+conversations file (the tiny target's prompts by default: the demo's data, whose 5387 distinct conversations
+generate answers again) and a train.val_fraction (0.05 when this was written; the demo's is 0.3 since), prints the conversations that share a first
 prompt, and the held-out first prompts that also open a training conversation under each rule (the contract: none
 after). Needs no model: it reads the file only.
 

@@ -80,8 +80,8 @@ def test_conversations_that_share_a_first_prompt_take_one_part(make_config, tmp_
 
 
 def test_on_the_tiny_targets_prompts_no_first_prompt_is_on_two_sides(make_config, tiny_target):
-    """The demo's data (the tiny target's 1000 prompts, 976 distinct conversations), at the demo's val_fraction."""
-    cfg = make_config(data={"max_samples": None}, train={"val_fraction": 0.05})
+    """The demo's data (the tiny target's 6000 prompts, 5387 distinct conversations), at the demo's val_fraction."""
+    cfg = make_config(data={"max_samples": None}, train={"val_fraction": 0.3})
     conversations, _ = read_conversations(tiny_target / "prompts.jsonl")
     split = run_split(cfg)
     sides, old_sides, opened = defaultdict(set), defaultdict(set), Counter()
@@ -91,8 +91,8 @@ def test_on_the_tiny_targets_prompts_no_first_prompt_is_on_two_sides(make_config
         old_sides[first].add(int(c.sample_id, 16) % 10_000 < 0.05 * 10_000)  # the split before issue 37
         opened[first] += 1
     shared = [first for first, n in opened.items() if n > 1]
-    assert len(conversations) == 976 and len(shared) == 32  # (the figures in docs/architecture.md)
-    assert sum(len(parts) > 1 for parts in old_sides.values()) == 3
+    assert len(conversations) == 5387 and len(shared) == 238  # (the figures in docs/architecture.md)
+    assert sum(len(parts) > 1 for parts in old_sides.values()) == 30
     assert not [first for first, parts in sides.items() if len(parts) > 1]
     assert {part for parts in sides.values() for part in parts} == {TRAINING, VALIDATION, EVALUATION}
 

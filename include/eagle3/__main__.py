@@ -266,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-layers", type=int, default=8)
     p.add_argument("--dense", action="store_true", help="dense MLP in every layer (no MoE); for I/O benchmarks")
     p.add_argument("--train-steps", type=int, default=150, help="0: untrained weights (enough for I/O benchmarks)")
-    p.add_argument("--num-prompts", type=int, default=1000)
+    p.add_argument("--num-prompts", type=int, default=6000)  # (TinyTargetSpec.num_prompts)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_make_tiny_target)
 

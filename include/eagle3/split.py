@@ -5,8 +5,8 @@ user message keys on its own id. Every sample of a conversation (its own, and it
 takes the conversation's part, and conversations with the same key take the same part, so no first prompt is on two
 sides. (Keyed on the conversation id, as before issue 37, conversations that open with the same prompt landed on
 both sides: with generate at temperature 0 the target answers that prompt the same way in each, so the evaluated
-continuation was trained on. On the tiny target's 1000 prompts: 74 of 976 conversations share a first prompt, and
-3 of the 48 first prompts held out at train.val_fraction 0.05 also opened a training conversation.)
+continuation was trained on. On the tiny target's first 1000 prompts: 74 of 976 conversations share a first prompt,
+and 3 of the 48 first prompts held out at train.val_fraction 0.05 also opened a training conversation.)
 
 Three disjoint parts, by the key's bucket (its 64 bits mod BUCKETS) against train.val_fraction:
   evaluation  bucket < val_fraction / 2: evaluate's prompts (pinned per lineage: eagle3.lineage) and benchmark's
