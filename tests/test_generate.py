@@ -377,8 +377,9 @@ TOOL_CONVERSATION = {
 def test_tool_turns_are_kept_and_a_diverging_tool_call_ends_the_conversation(make_config, stand_in, tmp_path,
                                                                              calls, kept_turns):
     """Only assistant turns are asked again, with the record's tools. A regenerated call of the same tool keeps
-    the original call id, so the tool's result (kept as it was) still answers it; a call of another tool ends
-    the conversation there: the result that follows answered a call the target no longer makes."""
+    the id the target wrote (trained tokens are the target's own), and the tool's result, kept as it was but
+    for its tool_call_id, answers that id; a call of another tool ends the conversation there: the result that
+    follows answered a call the target no longer makes."""
     record = tmp_path / "requests.jsonl"
     url = stand_in("--tool-call", calls, "--record", str(record))
     data = tmp_path / "tools.jsonl"
@@ -396,9 +397,9 @@ def test_tool_turns_are_kept_and_a_diverging_tool_call_ends_the_conversation(mak
     requests = [json.loads(r) for r in record.read_text().splitlines()]
     assert all(r["tools"] == TOOL_CONVERSATION["tools"] for r in requests)
     if kept_turns == 4:
-        assert call["id"] == "call_original"
-        assert output["messages"][2] == TOOL_CONVERSATION["messages"][2]  # the tool turn as it was
-        assert requests[1]["messages"][2] == TOOL_CONVERSATION["messages"][2]
+        assert call["id"] != "call_original" and call["id"].startswith("call_")  # the stand-in's own id
+        tool_turn = {**TOOL_CONVERSATION["messages"][2], "tool_call_id": call["id"]}  # answers the target's call
+        assert output["messages"][2] == tool_turn and requests[1]["messages"][2] == tool_turn
         assert output["messages"][3]["content"] != TOOL_CONVERSATION["messages"][3]["content"]  # asked again
     conversations, _ = read_conversations(cfg.conversations_path)  # what extract reads accepts it
     assert conversations[0].tools == tuple(TOOL_CONVERSATION["tools"])

@@ -323,12 +323,16 @@ class Regeneration:
         self.index = 0
         self.tokens, self.truncated, self.cut_short = 0, False, False
         self.failed: str | None = None  # why the conversation cannot be kept (the server path raises instead)
+        self.call_ids: dict[str, str] = {}  # the data's tool-call id -> the one the target wrote for that call
 
     def next_request(self) -> list[dict] | None:
         if self.cut_short or self.failed:
             return None
         while self.index < len(self.turns) and self.turns[self.index]["role"] != "assistant":
-            self.history.append(dict(self.turns[self.index]))
+            turn = dict(self.turns[self.index])
+            if turn.get("tool_call_id") in self.call_ids:  # the result answers the call as the target made it
+                turn["tool_call_id"] = self.call_ids[turn["tool_call_id"]]
+            self.history.append(turn)
             self.index += 1
         if self.index >= len(self.turns):
             return None
@@ -345,8 +349,14 @@ class Regeneration:
         old_calls, new_calls = original.get("tool_calls") or [], reply.tool_calls or []
         if [c["function"]["name"] for c in old_calls] != [c["function"]["name"] for c in new_calls]:
             self.cut_short = bool(old_calls)  # what follows answered calls this turn no longer makes
-        elif new_calls:  # the same tools: keep the original ids, which the tool results refer to
-            new_calls = [{**new, **({"id": old["id"]} if "id" in old else {})}
+        elif new_calls:
+            # The same tools: the calls stay as the target wrote them, ids included (a drafter trained on the
+            # data's ids would learn tokens the target never writes), and the tool results that follow are
+            # pointed at the target's ids. A call the target gave no id keeps the data's.
+            for old, new in zip(old_calls, new_calls):
+                if "id" in old and "id" in new:
+                    self.call_ids[old["id"]] = new["id"]
+            new_calls = [{**new, **({"id": old["id"]} if "id" in old and "id" not in new else {})}
                          for old, new in zip(old_calls, new_calls)]
         if new_calls:
             message["tool_calls"] = new_calls
