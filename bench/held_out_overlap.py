@@ -3,9 +3,9 @@
 Before, the split keyed on the conversation id (a hash of the whole conversation), so conversations that open with
 the same prompt could land on both sides; since, it keys on the normalised first user prompt (eagle3.split). For a
 conversations file (the tiny target's prompts by default: the demo's data, whose 5387 distinct conversations
-generate answers again) and a train.val_fraction (0.05 when this was written; the demo's is 0.3 since), prints the conversations that share a first
-prompt, and the held-out first prompts that also open a training conversation under each rule (the contract: none
-after). Needs no model: it reads the file only.
+generate answers again) and a train.val_fraction (0.05 when this was written; the demo's is 0.3 since), prints
+the conversations that share a first prompt, and the held-out first prompts that also open a training conversation
+under each rule (the contract: none after). Needs no model: it reads the file only.
 
     .venv/bin/python bench/held_out_overlap.py [CONVERSATIONS.jsonl] [--val-fraction 0.05]
 """
