@@ -5,7 +5,8 @@
 Every variant trains, exports and evaluates on the finished demo run's own store, split, vocab mapping and pinned
 held-out prompts (linked, not recomputed), with the demo's config but for the fields the variant changes, through
 the same CLI stages the DAG runs, once per seed (the seed sets the drafter's initial weights and the data order;
-the split and the evaluation prompts stay the same). Printed per variant and seed: optimizer steps, train seconds,
+the split and the evaluation prompts stay the same; each source run gets a work directory, and so a lineage with
+the prompts its own split holds out). Printed per variant and seed: optimizer steps, train seconds,
 the offline acceptance length at the first k (decoding replayed on the validation split: what picks the
 checkpoint), and the measured acceptance length at each k with its share of the ceiling (a drafter that always
 agrees with the target on the same prompts). Then per variant: the mean over seeds, and the paired difference
@@ -25,6 +26,7 @@ Variants change `train.*` fields of the demo's config (dotted names below); the 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import shutil
 import statistics
@@ -65,13 +67,19 @@ def variant_train_fields(source_train: dict, variant: dict) -> dict:
     return fields
 
 
+def workdir_for(source: Path) -> Path:
+    """One work directory per source run: a lineage pins its evaluation prompts once, so variants of two sources
+    sharing one would all be measured on the prompts the first source's split held out (and trained without them)."""
+    return WORK / hashlib.sha256(str(source).encode()).hexdigest()[:12]
+
+
 def run_variant(source: Path, name: str, seed: int, train: dict) -> dict:
     config = json.loads((source / layout.CONFIG).read_text())
-    run_name = f"{name}-seed{seed}"
-    config["workdir"], config["run_name"], config["seed"] = str(WORK), run_name, seed
+    run_name, workdir = f"{name}-seed{seed}", workdir_for(source)
+    config["workdir"], config["run_name"], config["seed"] = str(workdir), run_name, seed
     config["train"].update(train)
     config["evaluate"]["promote"] = False  # every variant against the same prompts, none against another
-    run_dir = layout.run_dir_of(WORK, run_name)
+    run_dir = layout.run_dir_of(workdir, run_name)
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     (run_dir / layout.CONFIG).write_text(json.dumps(config, indent=2))
