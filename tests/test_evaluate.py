@@ -28,6 +28,59 @@ def test_speculation_is_lossless_and_reports_acceptance(trained_config, make_con
     assert (out / "acceptance.png").stat().st_size > 10_000
 
 
+def test_public_sets_are_measured_at_the_published_configurations_beside_the_held_out_figure(trained_config,
+                                                                                               make_config, tmp_path):
+    """evaluate.benchmarks, each set's records from a local file in the set's own format (made up): every set is
+    measured with the drafter at k=3 (3 steps / topk 1 / 4 draft tokens) and k=7 (7 / 1 / 8) whatever the held-out
+    draft lengths, losslessly, in report.json's public_sets next to speculative. The figures are those of the
+    prompts rendered as the target is served, decoded by the same speculative loop: recomputed here apart."""
+    from transformers import AutoConfig
+
+    from eagle3.capture.hf import HfCapture
+    from eagle3.data import SampleTokenizer
+    from eagle3.evaluate import speculative_greedy
+    from eagle3.export import load_exported_drafter
+    from tests.test_public_sets import BFCL, GSM8K, HUMANEVAL, MTBENCH, write_jsonl
+
+    run_export(trained_config)
+    sets = {"mtbench": MTBENCH, "gsm8k": GSM8K, "humaneval": HUMANEVAL, "bfcl": BFCL}
+    files = {name: write_jsonl(tmp_path / f"{name}.jsonl", records) for name, records in sets.items()}
+    cfg = make_config(run_name="train", evaluate={
+        "num_prompts": 4, "max_new_tokens": 16, "draft_lengths": [3], "promote": False, "benchmarks": list(sets),
+        "benchmark_files": files, "benchmark_max_new_tokens": 8},
+        **{k: trained_config.model_dump()[k] for k in ("train", "vocab", "extract")})
+    report = run_evaluate(cfg)
+
+    assert list(report["speculative"]) == ["3"] and report["prompts"] == 4  # the held-out figure, as before
+    public = report["public_sets"]
+    assert list(public) == list(sets)
+    assert [(p["records"], p["prompts"]) for p in public.values()] == [(2, 4), (2, 2), (1, 1), (1, 1)]
+    for name, one in public.items():
+        assert one["source"] == f"file {files[name]}" and one["max_new_tokens"] == 8
+        assert 0 <= one["answers_cut_at_max_new_tokens"] <= one["prompts"]
+        assert list(one["speculative"]) == ["3", "7"], name  # k=7 too: a start of its own here
+        for k, figures in one["speculative"].items():
+            assert figures["configuration"] == {"num_steps": int(k), "eagle_topk": 1, "num_draft_tokens": int(k) + 1}
+            assert figures["identical_to_greedy"] == f"{one['prompts']}/{one['prompts']}", (name, k)
+            low, high = figures["accept_length_interval95"]
+            assert 1.0 <= low <= figures["mean_accept_length"] <= high <= 1 + int(k)
+            assert figures["mean_accept_length"] <= figures["ceiling_accept_length"]
+    assert sum(one["answers_cut_at_max_new_tokens"] for one in public.values()) > 0  # 8 tokens cut some answers
+    assert public["gsm8k"]["published_k3"] == {"TorchSpec Kimi-K2.5 EAGLE-3": 3.20, "AQ-MedAI Kimi-K2 EAGLE-3": 3.27}
+    assert public["bfcl"]["published_k3"] == {}
+    assert json.loads((cfg.run_dir / "evaluate" / "report.json").read_text()) == report
+
+    tokenizing = SampleTokenizer.for_run(cfg)
+    target, (drafter, d2t) = HfCapture(cfg), load_exported_drafter(cfg.run_dir / "drafter", cfg.target.model_path)
+    eos = {AutoConfig.from_pretrained(cfg.target.model_path).eos_token_id}
+    for k in (3, 7):
+        cycles = [a for record in GSM8K for a in speculative_greedy(
+            target, drafter, d2t, tokenizing.prompt_ids([{"role": "user", "content": record["question"]}]), k, 8,
+            eos)[1]]
+        measured = public["gsm8k"]["speculative"][str(k)]
+        assert (measured["cycles"], measured["mean_accept_length"]) == (len(cycles), 1 + sum(cycles) / len(cycles))
+
+
 class ScriptedTarget:
     """A target whose greedy continuation of anything is SCRIPT, then EOS (logits from the sequence length)."""
 

@@ -672,6 +672,41 @@ class EvaluateConfig(Section):
         30.0, gt=0, le=3600, title="Progress log interval (s)",
         description="Seconds between progress lines in the task log."
     )
+    # Public sets (eagle3.public_sets): the names there, SETS, are these.
+    benchmarks: list[Literal["mtbench", "gsm8k", "humaneval", "bfcl"]] = Field(
+        default_factory=list, max_length=4, title="Public benchmark sets",
+        description="Also measure this run's drafter on public sets, at the configurations published Kimi drafters "
+        "report (3 steps / topk 1 / 4 draft tokens, and 7 / 1 / 8: k=3 and k=7), beside the held-out prompts: "
+        "mtbench (MT-Bench, both turns), gsm8k, humaneval, bfcl (BFCL v3 simple, with its tools). Read from the "
+        "Hugging Face hub on the box (the datasets library), or from benchmark_files; rendered with the target's "
+        "chat template and data.chat_template_kwargs. Empty: none, and nothing is downloaded.",
+    )
+    benchmark_prompts: int | None = Field(
+        None, ge=1, le=MAX_WIDTH, title="Records per public set",
+        description="The first N records of each set (an MT-Bench record asks two prompts). Empty: SpecForge's "
+        "bench sizes, MT-Bench 80, GSM8K 200, HumanEval 200 (all 164), BFCL 200.",
+    )
+    benchmark_files: dict[Literal["mtbench", "gsm8k", "humaneval", "bfcl"],
+                          Annotated[str, Field(pattern=ABS_PATH_PATTERN)]] = Field(
+        default_factory=dict, title="Public sets from local files",
+        description='A local copy per set, read instead of the hub (offline boxes): the set\'s own records as a JSON '
+        'array, JSON lines or parquet, e.g. {"gsm8k": "/data/gsm8k-test.jsonl"} of {"question": ...} records.',
+    )
+    benchmark_max_new_tokens: int = Field(
+        2048, ge=1, le=MAX_WIDTH, title="Max new tokens per public-set prompt",
+        description="Greedy; 2048 as SpecForge's MT-Bench bench asks. A thinking target reasons longer: the answers "
+        "cut here are counted in report.json (public_sets.<set>.answers_cut_at_max_new_tokens).",
+    )
+
+    @model_validator(mode="after")
+    def _benchmark_files_name_measured_sets(self) -> EvaluateConfig:
+        if len(set(self.benchmarks)) < len(self.benchmarks):
+            raise ValueError(f"evaluate.benchmarks: {self.benchmarks} names a set twice; name each once")
+        unused = sorted(set(self.benchmark_files) - set(self.benchmarks))
+        if unused:
+            raise ValueError(f"evaluate.benchmark_files: {', '.join(unused)} is not in evaluate.benchmarks "
+                             f"{self.benchmarks}; add it there to measure it, or remove its file")
+        return self
 
 
 class BenchmarkConfig(Section):

@@ -22,8 +22,16 @@ Writes {run dir}/evaluate/:
                 (eagle3.acceptance); beside them the offline figure training picked the checkpoint by (decoding
                 replayed on the validation split); and whether every speculative output equalled plain greedy
                 decoding (of the same target in the same backend) token for token (it must: verification makes
-                speculation lossless)
+                speculation lossless). public_sets: the same figures per public set (evaluate.benchmarks) at
+                each published configuration, "3" (3 steps / topk 1 / 4 draft tokens) and "7" (7 / 1 / 8), with
+                the published Kimi drafters' own figures at k=3 beside them (eagle3.public_sets)
   acceptance.png  acceptance rate per draft position, one line per k
+
+Public sets (evaluate.benchmarks, none by default) are loaded and rendered before anything is measured, and ride on
+the same engine starts: the greedy one answers them too (an MT-Bench second turn after the target's own answer to
+the first), and the start at k = 3 and at k = 7 measures them with the drafter, so draft lengths [3, 7] cost no
+start more. On the hf path the same loop measures them, chains of k: what SGLang serves as k steps, topk 1, k + 1
+draft tokens. Only this run's drafter is measured on them; the lineage's current one, on the held-out prompts alone.
 
 The prompts are the lineage's pinned evaluation set (eagle3.lineage: chosen by its first evaluation, the same for
 every run since), and the lineage's current drafter is measured on them too, by the same backend in the same run;
@@ -37,6 +45,7 @@ evaluation-sized targets.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -48,13 +57,14 @@ import torch
 
 from eagle3 import acceptance
 from eagle3.data import SampleTokenizer, read_conversations
-from eagle3.engines import Speculation, engine_for, reached_per_step
+from eagle3.engines import Completion, Speculation, engine_for, reached_per_step
 from eagle3.export import load_exported_drafter
 from eagle3.fsutil import atomic_write_text
 from eagle3.lineage import Lineage, weights_digest
 from eagle3.model import LM_HEAD_KEYS, load_target_tensor
 from eagle3.progress import ProgressLog
 from eagle3.promote import decide, hold_for_approval, inputs_digest
+from eagle3.public_sets import PUBLISHED_CONFIGURATIONS, LoadedSet, ask_turn_by_turn, load_public_sets
 from eagle3.runlayout import (
     ACCEPTANCE_PLOT,
     CURRENT,
@@ -213,9 +223,11 @@ def run_evaluate(cfg, hold_promotion: bool = False) -> dict:
     (cfg.run_dir / EVALUATE_DIR).mkdir(parents=True, exist_ok=True)
     drafter_dir = cfg.run_dir / DRAFTER_DIR
     digest = weights_digest(drafter_dir)  # before measuring: a drafter changed while it is measured is not promoted
-    candidates = held_out(cfg, SampleTokenizer.for_run(cfg))
+    tokenizing = SampleTokenizer.for_run(cfg)
+    candidates = held_out(cfg, tokenizing)
     if not candidates:
         raise ValueError("no held-out prompts: raise train.val_fraction or evaluate on more data")
+    public = load_public_sets(cfg, tokenizing)  # before anything runs: a bad file or record stops the stage now
     # Every run of the lineage measures the prompts its first evaluation pinned, so that figures compare.
     lineage = Lineage(cfg)
     pinned = lineage.pin_eval_set(eval_set_record(candidates), cfg.run_name)
@@ -224,22 +236,26 @@ def run_evaluate(cfg, hold_promotion: bool = False) -> dict:
     turns = {"first": kinds.count("first"), "later": kinds.count("later")}
     log.info("evaluate: %d prompts (%d first user turns, %d later ones) of lineage %s's evaluation set (pinned by "
              "run %s)", len(prompts), turns["first"], turns["later"], lineage.key, pinned["pinned_by"])
-    measurer = (HfMeasurer if cfg.evaluate.backend == "hf" else EngineMeasurer)(cfg, prompts)
+    measurer = (HfMeasurer if cfg.evaluate.backend == "hf" else EngineMeasurer)(cfg)
+    held = HeldOutSet(prompts)
 
     with torch.no_grad():
-        baseline = measurer.greedy()
-        results = measurer.speculative(drafter_dir, baseline)
+        answer_greedily(cfg, measurer, held, public, tokenizing)
+        results, on_public = measure_drafter(cfg, measurer, drafter_dir, held, public)
         promotion = compare_and_promote(
             cfg, lineage, pinned, results, digest,
-            lambda current_dir: measurer.speculative(current_dir, baseline, "current drafter, "), hold=hold_promotion)
+            lambda current_dir: measure_drafter(cfg, measurer, current_dir, held, (), "current drafter, ")[0],
+            hold=hold_promotion)
     export = json.loads((drafter_dir / EXPORT_RECORD).read_text())
     report = {
         "backend": measurer.name,
         "prompts": len(prompts),
         "prompt_turns": turns,
         "max_new_tokens": cfg.evaluate.max_new_tokens,
-        "generated_tokens": sum(len(b) for b in baseline),
+        "generated_tokens": sum(len(b) for b in held.baseline),
         "speculative": results,
+        # per public set (evaluate.benchmarks), per published configuration k: the same figures (eagle3.public_sets)
+        "public_sets": public_sets_report(cfg, public, on_public, tokenizing),
         # per k, decoding replayed on the validation split's stored states (eagle3.train): training's prediction
         "offline_accept_length": {k: figures["mean_accept_length"] for k, figures in
                                   (export.get("val_offline") or {}).items()},
@@ -255,13 +271,83 @@ def run_evaluate(cfg, hold_promotion: bool = False) -> dict:
     return report
 
 
+@dataclass
+class HeldOutSet:
+    """The pinned held-out prompts, and the target's greedy answer to each."""
+
+    prompts: list[list[int]]
+    baseline: list[list[int]] | None = None
+
+
+def answer_greedily(cfg, measurer, held: HeldOutSet, public: list[LoadedSet], tokenizing) -> None:
+    """The greedy baselines, in one start of the engine: the held-out prompts', then each public set's, turn by turn
+    (an MT-Bench second turn follows the target's own answer to the first)."""
+    end_ids = set(tokenizing.tokenizer.convert_tokens_to_ids(list(tokenizing.end_tokens)))
+    with measurer.session("server-greedy.log") as complete:
+        held.baseline = [c.output_ids for c in complete(held.prompts, "greedy baseline", cfg.evaluate.max_new_tokens)]
+        for loaded in public:
+            def ask(prompts, turn, title=loaded.spec.title):
+                return [c.output_ids for c in complete(prompts, f"{title}: greedy baseline, turn {turn}",
+                                                       cfg.evaluate.benchmark_max_new_tokens)]
+            ask_turn_by_turn(loaded, ask, tokenizing, end_ids)
+
+
+def measure_drafter(cfg, measurer, drafter_dir, held: HeldOutSet, public: list[LoadedSet] | tuple = (),
+                    label: str = "") -> tuple[dict, dict]:
+    """Speculative decoding with the drafter in `drafter_dir`, one start of the engine per draft length: the
+    held-out prompts at each of evaluate.draft_lengths, the public sets at each published configuration (a chain of
+    k = num_steps). Returns ({k: figures}, {set: {k: figures}})."""
+    lengths = list(cfg.evaluate.draft_lengths)
+    served = lengths + [k for k in PUBLISHED_CONFIGURATIONS if public and k not in lengths]
+    results, on_public = {}, {loaded.spec.name: {} for loaded in public}
+    for k in served:
+        log_name = f"server-{'current-' if label else ''}k{k}.log"
+        with measurer.session(log_name, Speculation(drafter_dir, k)) as complete:
+            if k in lengths:
+                answers = complete(held.prompts, f"{label}k={k} speculative", cfg.evaluate.max_new_tokens)
+                results[str(k)] = figures_of_completions(answers, held.baseline, k, label)
+            for loaded in public if k in PUBLISHED_CONFIGURATIONS else ():
+                title = loaded.spec.title
+                answers = complete(loaded.prompts, f"{title}: k={k} speculative", cfg.evaluate.benchmark_max_new_tokens)
+                steps, topk, tokens = PUBLISHED_CONFIGURATIONS[k]
+                on_public[loaded.spec.name][str(k)] = {
+                    "configuration": {"num_steps": steps, "eagle_topk": topk, "num_draft_tokens": tokens},
+                    **figures_of_completions(answers, loaded.baseline, k, f"{title}, ")}
+    return results, on_public
+
+
+def public_sets_report(cfg, public: list[LoadedSet], on_public: dict, tokenizing) -> dict:
+    """report.json's public_sets: per set where it came from, what was asked, and the figures per published
+    configuration, with the published drafters' own figures at k=3 beside them."""
+    end_ids = set(tokenizing.tokenizer.convert_tokens_to_ids(list(tokenizing.end_tokens)))
+    max_new = cfg.evaluate.benchmark_max_new_tokens
+    report = {}
+    for loaded in public:
+        spec = loaded.spec
+        report[spec.name] = {
+            "title": spec.title, "source": loaded.source, "records": len(loaded.chats), "prompts": len(loaded.prompts),
+            "max_new_tokens": max_new, "generated_tokens": sum(len(b) for b in loaded.baseline),
+            "answers_cut_at_max_new_tokens": sum(len(b) >= max_new and b[-1] not in end_ids for b in loaded.baseline),
+            "speculative": on_public[spec.name],
+            "published_k3": spec.published_k3,  # acceptance length at 3 steps / topk 1 / 4 draft tokens
+        }
+        for k, figures in on_public[spec.name].items():
+            low, high = figures["accept_length_interval95"]
+            published = ", ".join(f"{who} {value:.2f}" for who, value in spec.published_k3.items()) if k == "3" else ""
+            log.info("evaluate: %s at %s: acceptance length %.3f (95%% interval %.3f-%.3f) on %d prompts%s", spec.title,
+                     "{} steps / topk {} / {} draft tokens".format(*PUBLISHED_CONFIGURATIONS[int(k)]),
+                     figures["mean_accept_length"], low, high, len(loaded.prompts),
+                     f"; published: {published}" if published else "")
+    return report
+
+
 class HfMeasurer:
     """Speculative decoding in this process: the target in transformers (eagle3.capture.hf), the drafter as SGLang
     would load it from the export."""
 
     name = "hf"
 
-    def __init__(self, cfg, prompts: list[list[int]]):
+    def __init__(self, cfg):
         # Imported here: transformers is loaded only by this backend (an engine-served evaluation never needs it).
         from transformers import AutoConfig
 
@@ -269,29 +355,30 @@ class HfMeasurer:
 
         eos = AutoConfig.from_pretrained(cfg.target.model_path,
                                          trust_remote_code=cfg.target.trust_remote_code).eos_token_id
-        self.cfg, self.prompts, self.eos = cfg, prompts, set(eos if isinstance(eos, list) else [eos])
+        self.cfg, self.eos = cfg, set(eos if isinstance(eos, list) else [eos])
         self.target = HfCapture(cfg)
 
-    def greedy(self) -> list[list[int]]:
-        answers, counting = [], progress_log(self.cfg, "greedy baseline", len(self.prompts))
-        for prompt in self.prompts:
-            answers.append(plain_greedy(self.target, prompt, self.cfg.evaluate.max_new_tokens, self.eos))
-            counting.update(1, len(answers[-1]))
-        counting.emit()
-        return answers
+    @contextlib.contextmanager
+    def session(self, log_name: str, speculation: Speculation | None = None):
+        """Yields complete(prompts, what, max_new) -> a Completion per prompt: greedy, or with the drafter of
+        `speculation` (greedy chains of its draft length). `log_name` is the engine's (no server here)."""
+        drafter, draft_to_target = (load_exported_drafter(speculation.drafter, self.cfg.target.model_path)
+                                    if speculation else (None, None))
 
-    def speculative(self, drafter_dir, baseline: list[list[int]], label: str = "") -> dict:
-        drafter, draft_to_target = load_exported_drafter(drafter_dir, self.cfg.target.model_path)
-        results = {}
-        for k in self.cfg.evaluate.draft_lengths:
-            answers, counting = [], progress_log(self.cfg, f"{label}k={k} speculative", len(self.prompts))
-            for prompt in self.prompts:
-                answers.append(speculative_greedy(self.target, drafter, draft_to_target, prompt, k,
-                                                  self.cfg.evaluate.max_new_tokens, self.eos))
-                counting.update(1, len(answers[-1][0]))
+        def complete(prompts: list[list[int]], what: str, max_new: int) -> list[Completion]:
+            answers, counting = [], progress_log(self.cfg, what, len(prompts))
+            for prompt in prompts:
+                if speculation is None:
+                    answers.append(Completion(plain_greedy(self.target, prompt, max_new, self.eos)))
+                else:
+                    tokens, accepted = speculative_greedy(self.target, drafter, draft_to_target, prompt,
+                                                          speculation.draft_length, max_new, self.eos)
+                    answers.append(Completion(tokens, len(accepted), accepted, sum(accepted)))
+                counting.update(1, len(answers[-1].output_ids))
             counting.emit()
-            results[str(k)] = figures_of(answers, baseline, k, label)
-        return results
+            return answers
+
+        yield complete
 
     def lm_head(self) -> tuple[torch.Tensor, int]:
         """The target's output weights, and how many held-out tokens to judge with them."""
@@ -303,47 +390,40 @@ class EngineMeasurer:
     the drafter, for the greedy baseline, and once per draft length with it. Prompts go one at a time, as token ids:
     acceptance is a property of each answer, and batching could flip a near-tie between the runs."""
 
-    def __init__(self, cfg, prompts: list[list[int]]):
-        self.cfg, self.prompts, self.engine = cfg, prompts, engine_for(cfg)
+    def __init__(self, cfg):
+        self.cfg, self.engine = cfg, engine_for(cfg)
         self.name = f"server ({self.engine.name})"
 
-    def complete_all(self, what: str, log_name: str, speculation=None) -> list:
+    @contextlib.contextmanager
+    def session(self, log_name: str, speculation: Speculation | None = None):
+        """Starts the engine (with the drafter of `speculation`), yields complete(prompts, what, max_new) -> a
+        Completion per prompt, stops it."""
         import asyncio
 
         import httpx
 
-        async def one_at_a_time(base_url: str) -> list:
-            answers, counting = [], progress_log(self.cfg, what, len(self.prompts))
+        log_path = self.cfg.run_dir / EVALUATE_DIR / log_name
+
+        async def one_at_a_time(base_url: str, prompts: list[list[int]], what: str, max_new: int) -> list:
+            answers, counting = [], progress_log(self.cfg, f"{what} in {self.engine.name}", len(prompts))
             async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0, connect=30.0)) as client:
-                for prompt in self.prompts:
-                    answers.append(await self.engine.complete(client, base_url, prompt,
-                                                              self.cfg.evaluate.max_new_tokens))
+                for prompt in prompts:
+                    answers.append(await self.engine.complete(client, base_url, prompt, max_new))
                     counting.update(1, len(answers[-1].output_ids))
             counting.emit()
             return answers
 
-        with serving(self.cfg, self.cfg.run_dir / EVALUATE_DIR / log_name, speculation) as base_url:
-            return asyncio.run(one_at_a_time(base_url))
+        with serving(self.cfg, log_path, speculation) as base_url:
+            def complete(prompts: list[list[int]], what: str, max_new: int) -> list[Completion]:
+                completions = asyncio.run(one_at_a_time(base_url, prompts, what, max_new))
+                if speculation is not None and all(c.verify_steps is None for c in completions) and \
+                        any(len(c.output_ids) > 1 for c in completions):
+                    raise ServerError(f"{self.engine.name} reported no speculation with the drafter "
+                                      f"{speculation.drafter} at k={speculation.draft_length}: was it loaded? See "
+                                      f"{log_path}")
+                return completions
 
-    def greedy(self) -> list[list[int]]:
-        completions = self.complete_all(f"greedy baseline in {self.engine.name}", "server-greedy.log")
-        return [c.output_ids for c in completions]
-
-    def speculative(self, drafter_dir, baseline: list[list[int]], label: str = "") -> dict:
-        results = {}
-        for k in self.cfg.evaluate.draft_lengths:
-            log_name = f"server-{'current-' if label else ''}k{k}.log"
-            completions = self.complete_all(f"{label}k={k} speculative in {self.engine.name}", log_name,
-                                            Speculation(drafter_dir, k))
-            if all(c.verify_steps is None for c in completions) and any(len(c.output_ids) > 1 for c in completions):
-                raise ServerError(f"{self.engine.name} reported no speculation with the drafter {drafter_dir} at "
-                                  f"k={k}: was it loaded? See {self.cfg.run_dir / 'evaluate' / log_name}")
-            if all(c.accepted_per_step is not None or not c.verify_steps for c in completions):
-                answers = [(c.output_ids, c.accepted_per_step or []) for c in completions]
-                results[str(k)] = figures_of(answers, baseline, k, label)
-            else:  # an engine that reports totals only (SGLang)
-                results[str(k)] = figures_of_totals(completions, baseline, k, label)
-        return results
+            yield complete
 
     def lm_head(self) -> tuple[torch.Tensor, int]:
         """The target's output weights alone, read from its safetensors; on a GPU where the box has one (the servers
@@ -393,6 +473,14 @@ def figures_of_totals(completions: list, baseline: list[list[int]], k: int, labe
              "cycle or per-position rates); %s; %d/%d outputs equal greedy", label, k, figures["mean_accept_length"],
              interval_text(figures), steps, ceiling_text(figures), identical, len(baseline))
     return figures
+
+
+def figures_of_completions(completions: list[Completion], baseline: list[list[int]], k: int, label: str) -> dict:
+    """Acceptance figures of one draft length from the answers with the drafter: per verify step where the backend
+    reports steps (hf, vLLM), from each answer's totals where it reports only those (SGLang)."""
+    if all(c.accepted_per_step is not None or not c.verify_steps for c in completions):
+        return figures_of([(c.output_ids, c.accepted_per_step or []) for c in completions], baseline, k, label)
+    return figures_of_totals(completions, baseline, k, label)
 
 
 def noise_and_ceiling(per_prompt: list[tuple[int, int]], baseline: list[list[int]], k: int, measured: float) -> dict:
