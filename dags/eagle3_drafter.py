@@ -30,11 +30,10 @@ from datetime import datetime, timedelta
 
 from airflow.sdk import DAG, Asset, chain, task, task_group
 
-from eagle3_airflow import tasks
+from eagle3_airflow import notify, promotion, tasks
 from eagle3_airflow.deployment import Deployment
 from eagle3_airflow.jobs import RemoteJobOperator
 from eagle3_airflow.pools import box_params
-from eagle3_airflow.promotion import PROMOTION_DAG_ID, PROPOSE_TASK, proposals_asset_name
 from eagle3_airflow.sensors import BoxReachableSensor, DiskSpaceSensor, GpuIdleSensor
 
 # The deployment's settings without editing code (eagle3_airflow/deployment.py): schedule, form defaults, and
@@ -42,7 +41,21 @@ from eagle3_airflow.sensors import BoxReachableSensor, DiskSpaceSensor, GpuIdleS
 DEPLOYMENT = Deployment.from_env()
 SENSOR_TIMEOUT = timedelta(hours=DEPLOYMENT.sensor_timeout_h)
 DRAFTER = Asset(DEPLOYMENT.drafter_asset)  # updated when a run promotes its drafter: deployments schedule on it
-PROPOSALS = Asset(proposals_asset_name(DEPLOYMENT.drafter_asset))  # approve_promotion: what the promotion DAG asks
+PROPOSALS = Asset(promotion.proposals_asset_name(DEPLOYMENT.drafter_asset))  # approve_promotion: what is asked
+
+
+def dag_schedule(settings: Deployment):
+    """`schedule` alone (time), `schedule_assets` alone (any of them updated), or both (whichever comes first:
+    Airflow's AssetOrTimeSchedule, the cron read in UTC)."""
+    if not settings.schedule_assets:
+        return settings.schedule
+    from airflow.sdk import AssetAny, AssetOrTimeSchedule, CronTriggerTimetable
+
+    assets = AssetAny(*(Asset(name) for name in settings.schedule_assets))
+    if settings.schedule is None:
+        return assets
+    return AssetOrTimeSchedule(timetable=CronTriggerTimetable(settings.schedule, timezone="UTC"), assets=assets)
+
 
 # One DAG per box of the settings' box_pools, each in its box's pool (eagle3_airflow/pools.py): several boxes run
 # several runs at once. Without box_pools, the one DAG eagle3_drafter, whose runs may use any allowed box.
@@ -56,7 +69,7 @@ for BOX in DEPLOYMENT.resources():
         dag_id=BOX.dag_id,
         description="Train an EAGLE-3 drafter for a target model on a remote GPU box"
         + (f" ({BOX.conn_id})" if BOX.conn_id else ""),
-        schedule=SETTINGS.dag_schedule(),  # time, the data's or target's Asset updated, or either
+        schedule=dag_schedule(SETTINGS),  # time, the data's or target's Asset updated, or either
         start_date=datetime(2026, 1, 1),
         catchup=False,
         max_active_runs=1,  # one box, one run: gpus_idle would see another run's stages as foreign processes
@@ -66,10 +79,10 @@ for BOX in DEPLOYMENT.resources():
             "retry_exponential_backoff": SETTINGS.retry_exponential_backoff,
             "max_retry_delay": timedelta(minutes=30),
             # None without the settings' notify: an empty list still makes Airflow schedule callback runs
-            "on_failure_callback": SETTINGS.task_failure_callbacks() or None,  # notify: a task failed for good
+            "on_failure_callback": notify.task_failure_callbacks(SETTINGS) or None,  # a task failed for good
         },
-        on_failure_callback=SETTINGS.run_failure_callbacks() or None,  # ... and the run failed
-        deadline=SETTINGS.deadline(),  # ... and a run is late (notify.late_after_h)
+        on_failure_callback=notify.run_failure_callbacks(SETTINGS) or None,  # ... and the run failed
+        deadline=notify.deadline(SETTINGS),  # ... and a run is late (notify.late_after_h)
         doc_md=__doc__,
         tags=["eagle3", "llm", "speculative-decoding"],
     ) as dag:
@@ -115,9 +128,10 @@ for BOX in DEPLOYMENT.resources():
                                       **BOX.task_kwargs("benchmark"))
         summary = task(tasks.report, task_id="report", trigger_rule="none_failed")(plan)
         if SETTINGS.approve_promotion:  # evaluate only proposed: the promotion DAG below asks a person
-            announce = task(tasks.propose_promotion, task_id=PROPOSE_TASK, outlets=[PROPOSALS])(plan, PROPOSALS.name)
+            announce = task(promotion.propose_promotion, task_id=promotion.PROPOSE_TASK, outlets=[PROPOSALS])(
+                plan, PROPOSALS.name)
         else:
-            announce = task(tasks.announce_promotion, task_id="promoted", outlets=[DRAFTER])(plan, DRAFTER.name)
+            announce = task(promotion.announce_promotion, task_id="promoted", outlets=[DRAFTER])(plan, DRAFTER.name)
         # A run whose proposal still awaits approval is kept (a proposal goes unanswered for approval_timeout_h).
         proposals_kept_h = SETTINGS.approval_timeout_h if SETTINGS.approve_promotion else 0
         retention = task(tasks.prune_runs, task_id="retention", trigger_rule="none_failed")(
@@ -133,17 +147,14 @@ for BOX in DEPLOYMENT.resources():
 
 
 if DEPLOYMENT.approve_promotion:
-    from eagle3_airflow import promotion
-    from eagle3_airflow.approval import PromotionApproval
-
     with DAG(
-        dag_id=PROMOTION_DAG_ID,
+        dag_id=promotion.PROMOTION_DAG_ID,
         description="Approve and promote the drafters training runs propose (the settings' approve_promotion)",
         schedule=[PROPOSALS],  # a training run's propose_promotion
         start_date=datetime(2026, 1, 1),
         catchup=False,
         default_args={"retries": DEPLOYMENT.retries, "retry_delay": timedelta(seconds=DEPLOYMENT.retry_delay_s),
-                      "on_failure_callback": DEPLOYMENT.task_failure_callbacks() or None},
+                      "on_failure_callback": notify.task_failure_callbacks(DEPLOYMENT) or None},
         doc_md=promotion.__doc__,
         tags=["eagle3", "llm", "speculative-decoding"],
     ):
@@ -156,12 +167,12 @@ if DEPLOYMENT.approve_promotion:
         @task_group(group_id="proposal")
         def decide(proposal):
             """One proposal: a person approves (assigned to the settings' approvers, who are told), then the switch."""
-            approve = PromotionApproval(
+            approve = promotion.PromotionApproval(
                 task_id="approve_promotion", proposal=proposal, approvers=DEPLOYMENT.approvers, defaults="Reject",
-                notifiers=DEPLOYMENT.approval_notifiers(),  # the settings' notify channels hear it waits
+                notifiers=promotion.approval_notifiers(DEPLOYMENT),  # the settings' notify channels hear it waits
                 response_timeout=timedelta(hours=DEPLOYMENT.approval_timeout_h))  # no answer: rejected
-            promote = task(tasks.promote_held, task_id="promote")(proposal, approve.output)
-            promoted = task(tasks.announce_approved_promotion, task_id="promoted", outlets=[DRAFTER])(
+            promote = task(promotion.promote_held, task_id="promote")(proposal, approve.output)
+            promoted = task(promotion.announce_approved_promotion, task_id="promoted", outlets=[DRAFTER])(
                 proposal, DRAFTER.name)
             chain(approve, promote, promoted)
 

@@ -120,10 +120,11 @@ def test_a_deadline_warns_of_a_late_run_naming_it_only_when_the_settings_ask_for
     from datetime import timedelta
 
     from eagle3_airflow.deployment import Deployment
+    from eagle3_airflow.notify import deadline
 
     inbox, connection = smtp_server
-    assert Deployment().deadline() is None and Deployment(notify=NOTIFY).deadline() is None
-    alert = Deployment(notify={**NOTIFY, "late_after_h": 30}).deadline()
+    assert deadline(Deployment()) is None and deadline(Deployment(notify=NOTIFY)) is None
+    alert = deadline(Deployment(notify={**NOTIFY, "late_after_h": 30}))
     assert alert.interval == timedelta(hours=30) and alert.callback.path == "eagle3_airflow.notify.late_run"
     callback = json.dumps({"path": alert.callback.path, "kwargs": alert.callback.kwargs})
     env = airflow_env(migrated_airflow_home(tmp_path / "home"), AIRFLOW_CONN_SMTP_TEST=connection,

@@ -16,7 +16,7 @@ import pytest
 from airflow.sdk.exceptions import AirflowFailException
 
 from eagle3_airflow import plan as plan_module
-from eagle3_airflow import tasks
+from eagle3_airflow import promotion, tasks
 from eagle3_airflow.jobs import RemoteJobOperator
 from eagle3_airflow.seal import Tampered
 from eagle3_airflow.sensors import GpuIdleSensor
@@ -72,7 +72,7 @@ def test_any_edited_field_fails_every_kind_of_task(run, no_box, field, value):
     for call in (lambda: tasks.write_config(edited, run["config"], dag_run=RUN),
                  lambda: tasks.inputs_changed(edited, dag_run=RUN),
                  lambda: tasks.report(edited, dag_run=RUN),
-                 lambda: tasks.propose_promotion(edited, "eagle3_drafter.proposals", outlet_events={}, dag_run=RUN),
+                 lambda: promotion.propose_promotion(edited, "eagle3_drafter.proposals", outlet_events={}, dag_run=RUN),
                  lambda: tasks.prune_runs(edited, 3, dag_run=RUN),
                  lambda: tasks.shard_list(edited, dag_run=RUN),
                  lambda: RemoteJobOperator(task_id="train", stage="train", plan=edited).execute(CONTEXT)):

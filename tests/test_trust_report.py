@@ -18,7 +18,7 @@ from airflow.sdk.exceptions import AirflowFailException
 from fastapi import HTTPException
 
 from eagle3.reportfiles import MAX_FILE_BYTES, ReportFileRefused, list_plots, read_file
-from eagle3_airflow import tasks
+from eagle3_airflow import promotion, tasks
 from eagle3_airflow.plan import RunPlan
 from tests.conftest import RUN
 
@@ -148,7 +148,7 @@ def test_the_approval_reads_the_proposal_through_the_same_refusals(run_dir, plan
     report.unlink()
     report.symlink_to(secret)
     with pytest.raises(AirflowFailException, match="refused") as refused:
-        tasks.propose_promotion(plan, "eagle3_drafter.proposals", outlet_events={}, dag_run=RUN)
+        promotion.propose_promotion(plan, "eagle3_drafter.proposals", outlet_events={}, dag_run=RUN)
     assert SECRET not in str(refused.value)
 
 
@@ -200,10 +200,10 @@ def test_the_report_tab_of_a_run_that_published_nothing_says_so(reports):
 def test_a_run_id_names_one_folder_of_the_store_and_nothing_outside_it(reports, run_id):
     """Run ids become one percent-encoded path component, dots included: no id reaches out of its DAG's folder."""
     from eagle3_airflow.deployment import Deployment
-    from eagle3_airflow.published import run_folder
+    from eagle3_airflow.published import reports_root, run_folder
 
     folder = run_folder(Deployment(), "eagle3_drafter", run_id)
-    assert folder.parent == Deployment().reports_root() / "eagle3_drafter" and "/" not in folder.name
+    assert folder.parent == reports_root(Deployment()) / "eagle3_drafter" and "/" not in folder.name
     assert ".." not in folder.name and folder.name != "."
 
 

@@ -30,8 +30,7 @@ from __future__ import annotations
 import json
 import os
 import posixpath
-import re
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 from urllib.parse import urlsplit
 
@@ -49,12 +48,10 @@ from pydantic import (
 from eagle3.config import (
     ABS_PATH_PATTERN,
     ENDPOINT_PATTERN,
-    RUN_NAME_PATTERN,
     GenerateConfig,
     format_validation_error,
     redact_url,
 )
-from eagle3.runlayout import RUNS
 from eagle3_airflow import DAG_ID
 from eagle3_airflow.params import (
     DEFAULT_PRESET,
@@ -74,7 +71,6 @@ from eagle3_airflow.pools import BoxPool, BoxResource
 
 if TYPE_CHECKING:
     from eagle3.config import RunConfig
-    from eagle3_airflow.plan import RunPlan
 
 EnvName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")]
 Interpreter = Annotated[str, StringConstraints(pattern=r"^(/[^\x00-\x1f:]{1,4095}|[A-Za-z0-9._+-]{1,255})$")]
@@ -153,7 +149,9 @@ class NotifySettings(BaseModel):
 
 
 class Deployment(BaseModel):
-    """EAGLE3_DAG_SETTINGS, validated: an unknown key (a typo) is refused, not ignored."""
+    """EAGLE3_DAG_SETTINGS, validated: an unknown key (a typo) is refused, not ignored. Data and the checks on it
+    only: what Airflow runs from it (notifiers, the deadline, the approval's, the schedule, the reports store) is built
+    where it is used (notify.py, promotion.py, published.py, the DAG file)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -389,18 +387,6 @@ class Deployment(BaseModel):
         settings._resource = resource
         return settings
 
-    def dag_schedule(self):
-        """The DAG's schedule: `schedule` alone (time), `schedule_assets` alone (any of them updated), or both
-        (whichever comes first: Airflow's AssetOrTimeSchedule, the cron read in UTC)."""
-        if not self.schedule_assets:
-            return self.schedule
-        from airflow.sdk import Asset, AssetAny, AssetOrTimeSchedule, CronTriggerTimetable
-
-        assets = AssetAny(*(Asset(name) for name in self.schedule_assets))
-        if self.schedule is None:
-            return assets
-        return AssetOrTimeSchedule(timetable=CronTriggerTimetable(self.schedule, timezone="UTC"), assets=assets)
-
     def check_schedulable(self, params: dict) -> None:
         """A schedule starts runs from the form's defaults alone, so every required param needs one and together
         they must make a valid run. Otherwise the scheduler fails to create a run on every loop ('Failed creating
@@ -419,45 +405,6 @@ class Deployment(BaseModel):
             self.configs({name: param.value for name, param in params.items()}, "scheduled__check")
         except ParamsError as err:
             raise ParamsError(f"{why}, and they do not make a valid run: {err}") from None
-
-    # -- who hears of a failure ------------------------------------------------------------------
-    def run_failure_callbacks(self) -> list:
-        """The DAG's on_failure_callback: the run failed."""
-        if self.notify is None:
-            return []
-        from eagle3_airflow.notify import FailureNotifier
-
-        return [FailureNotifier(scope="run", **self.notify.kwargs())]
-
-    def task_failure_callbacks(self) -> list:
-        """Every task's on_failure_callback: it failed with no retry left (a retry itself is silent)."""
-        if self.notify is None:
-            return []
-        from eagle3_airflow.notify import FailureNotifier
-
-        return [FailureNotifier(scope="task", **self.notify.kwargs())]
-
-    def approval_notifiers(self) -> list:
-        """The promotion approval's notifiers: the notify channels hear that an approval is waiting."""
-        if self.notify is None:
-            return []
-        from eagle3_airflow.approval import ApprovalAsked
-
-        return [ApprovalAsked(approvers=self.approvers, response_timeout_h=self.approval_timeout_h,
-                              **self.notify.kwargs())]
-
-    def deadline(self):
-        """A DeadlineAlert that warns when a run is not done `notify.late_after_h` after it was queued, or None."""
-        if self.notify is None or self.notify.late_after_h is None:
-            return None
-        from datetime import timedelta
-
-        from airflow.sdk import AsyncCallback, DeadlineAlert, DeadlineReference
-
-        return DeadlineAlert(
-            reference=DeadlineReference.DAGRUN_QUEUED_AT, interval=timedelta(hours=self.notify.late_after_h),
-            callback=AsyncCallback("eagle3_airflow.notify.late_run",
-                                   kwargs={**self.notify.kwargs(), "late_after_h": self.notify.late_after_h}))
 
     # -- what the trigger may choose -------------------------------------------------------------
     def _default(self, dotted: str, model_default: list[str]) -> list[str]:
@@ -539,13 +486,6 @@ class Deployment(BaseModel):
             "workdir": workdir,
             "evaluate": config.evaluate.model_copy(update={"keep_versions": self.keep_versions})})
 
-    def reports_root(self):
-        """The object-storage folder runs' reports are published under (eagle3_airflow.published)."""
-        from airflow.sdk import ObjectStoragePath  # fsspec and friends: only when a report is published or read
-
-        url = self.reports_url or str(Path(os.environ.get("AIRFLOW_HOME", "~/airflow")).expanduser() / "eagle3-reports")
-        return ObjectStoragePath(url, conn_id=self.reports_conn_id)
-
     def form_choices(self) -> dict[str, list[str]]:
         """The values the trigger form offers for the list params whose items the deployment chooses."""
         return {"box.conn_ids": self.boxes()}
@@ -605,15 +545,6 @@ class Deployment(BaseModel):
         if config.evaluate.keep_versions < self.keep_versions:
             raise ParamsError(f"{source}: evaluate.keep_versions {config.evaluate.keep_versions} keeps fewer promoted "
                               f"drafters than this deployment's keep_versions ({self.keep_versions})")
-
-    def check_plan(self, plan: RunPlan) -> None:
-        """A run plan (validate's, read back from XCom) against the settings as they are now: its boxes, services,
-        box variables and workdir, and the run directory it derives from them."""
-        self.check(plan.conn_ids, plan.stop_services, None, None, source="the run plan", workdir=plan.workdir,
-                   box_env=plan.box_env, pythons={"box.python": plan.python})
-        run_dir = str(PurePosixPath(plan.workdir, RUNS, plan.run_name))
-        if not re.match(RUN_NAME_PATTERN, plan.run_name) or plan.run_dir != run_dir:
-            raise ParamsError(f"the run plan: run_dir {plan.run_dir!r} is not workdir/runs/run_name ({run_dir!r})")
 
 
 def create_pool_argvs(settings: Deployment, airflow: str = "airflow") -> list[list[str]]:

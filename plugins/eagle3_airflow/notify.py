@@ -22,9 +22,12 @@ import html
 import importlib
 import logging
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseNotifier
+
+if TYPE_CHECKING:
+    from eagle3_airflow.deployment import Deployment
 
 log = logging.getLogger(__name__)
 
@@ -150,3 +153,30 @@ async def late_run(smtp_conn_id: str | None, to: list[str], from_email: str | No
     body = (f"Run {dag_id} / {run_id} is not done {timedelta(hours=late_after_h)} after it was queued "
             "(notify.late_after_h in the DAG settings). It may be waiting for a box, GPUs or disk, or a stage is slow.")
     await asyncio.to_thread(send, subject, body, context, smtp_conn_id, to, from_email, callables)
+
+
+# -- what the DAG file hands Airflow, from the settings' `notify` --------------------------------------------------
+def run_failure_callbacks(settings: Deployment) -> list:
+    """The DAG's on_failure_callback: the run failed."""
+    if settings.notify is None:
+        return []
+    return [FailureNotifier(scope="run", **settings.notify.kwargs())]
+
+
+def task_failure_callbacks(settings: Deployment) -> list:
+    """Every task's on_failure_callback: it failed with no retry left (a retry itself is silent)."""
+    if settings.notify is None:
+        return []
+    return [FailureNotifier(scope="task", **settings.notify.kwargs())]
+
+
+def deadline(settings: Deployment):
+    """A DeadlineAlert that warns when a run is not done `notify.late_after_h` after it was queued, or None."""
+    if settings.notify is None or settings.notify.late_after_h is None:
+        return None
+    from airflow.sdk import AsyncCallback, DeadlineAlert, DeadlineReference
+
+    return DeadlineAlert(
+        reference=DeadlineReference.DAGRUN_QUEUED_AT, interval=timedelta(hours=settings.notify.late_after_h),
+        callback=AsyncCallback("eagle3_airflow.notify.late_run",
+                               kwargs={**settings.notify.kwargs(), "late_after_h": settings.notify.late_after_h}))

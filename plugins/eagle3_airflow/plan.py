@@ -19,11 +19,14 @@ this code does. An unsealed plan is refused whole, known keys or not.
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import MISSING, asdict, dataclass, field, fields
+from pathlib import PurePosixPath
 
-from eagle3.config import ConfigError, RunConfig, parse_run_config
-from eagle3.runlayout import REDO_OUTPUTS
+from eagle3.config import RUN_NAME_PATTERN, ConfigError, RunConfig, parse_run_config
+from eagle3.runlayout import REDO_OUTPUTS, RUNS
 from eagle3_airflow.codesync import code_dir, ensure_code, package_archive
+from eagle3_airflow.deployment import Deployment
 from eagle3_airflow.params import BoxSettings, ParamsError
 from eagle3_airflow.seal import TRIGGER_AGAIN, RunRef, Tampered, digest, is_sealed, seal, task_key
 from eagle3_airflow.transport import Box, box_for
@@ -173,7 +176,17 @@ class RunPlan:
                 "-P", "-m", "eagle3", *args]
 
 
-def verified_plan(data, dag_run, *, key: bytes | None = None, deployment=None) -> RunPlan:
+def check_plan(plan: RunPlan, deployment: Deployment) -> None:
+    """A run plan (validate's, read back from XCom) against the settings as they are now: its boxes, services,
+    box variables and workdir, and the run directory it derives from them. ParamsError names what they refuse."""
+    deployment.check(plan.conn_ids, plan.stop_services, None, None, source="the run plan", workdir=plan.workdir,
+                     box_env=plan.box_env, pythons={"box.python": plan.python})
+    run_dir = str(PurePosixPath(plan.workdir, RUNS, plan.run_name))
+    if not re.match(RUN_NAME_PATTERN, plan.run_name) or plan.run_dir != run_dir:
+        raise ParamsError(f"the run plan: run_dir {plan.run_dir!r} is not workdir/runs/run_name ({run_dir!r})")
+
+
+def verified_plan(data, dag_run, *, key: bytes | None = None, deployment: Deployment | None = None) -> RunPlan:
     """The plan read from XCom, if validate sealed it for this run and the settings still allow it; Tampered
     otherwise (the task fails at once, saying what and what to do). `key`: default, the task's (seal.task_key);
     `deployment`: default, the settings file EAGLE3_DAG_SETTINGS names now."""
@@ -187,14 +200,14 @@ def verified_plan(data, dag_run, *, key: bytes | None = None, deployment=None) -
     plan = RunPlan.from_trusted(body)
     deployment = deployment or _settings()
     try:
-        deployment.check_plan(plan)
+        check_plan(plan, deployment)
     except ParamsError as err:
         raise Tampered(f"{PLAN_XCOM} is sealed, but the deployment's settings no longer allow it: {err}\n"
                        + TRIGGER_AGAIN) from None
     return plan
 
 
-def verified_config(config, plan: RunPlan, *, deployment=None) -> dict:
+def verified_config(config, plan: RunPlan, *, deployment: Deployment | None = None) -> dict:
     """The run config read from XCom, if it is the one the verified `plan` records (its sha256) and the settings
     still allow it; Tampered otherwise."""
     if not isinstance(config, dict) or not plan.config_sha256:
@@ -217,11 +230,9 @@ def verified_config(config, plan: RunPlan, *, deployment=None) -> dict:
     return config
 
 
-def _settings():
+def _settings() -> Deployment:
     """The deployment's settings as the file says now; a file that does not load fails the task, saying why."""
     from airflow.sdk.exceptions import AirflowFailException
-
-    from eagle3_airflow.deployment import Deployment
 
     try:
         return Deployment.from_env()

@@ -23,9 +23,10 @@ folder of another run.
 from __future__ import annotations
 
 import json
+import os
 import re
 import uuid
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 from urllib.parse import quote
 
@@ -56,9 +57,17 @@ def component(value: str) -> str:
     return quote(value, safe="-_~").replace(".", "%2E") or "%00"
 
 
+def reports_root(settings: Deployment) -> ObjectStoragePath:
+    """The object-storage folder runs' reports are published under: the settings' reports_url."""
+    from airflow.sdk import ObjectStoragePath  # fsspec and friends: only when a report is published or read
+
+    url = settings.reports_url or str(Path(os.environ.get("AIRFLOW_HOME", "~/airflow")).expanduser() / "eagle3-reports")
+    return ObjectStoragePath(url, conn_id=settings.reports_conn_id)
+
+
 def run_folder(settings: Deployment, dag_id: str, run_id: str) -> ObjectStoragePath:
     """Where the run's publication lives in the settings' store."""
-    return settings.reports_root() / component(dag_id) / component(run_id)
+    return reports_root(settings) / component(dag_id) / component(run_id)
 
 
 def _put(path: ObjectStoragePath, data: bytes) -> None:

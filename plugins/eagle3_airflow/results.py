@@ -1,5 +1,6 @@
-"""What a run produced, read back from its box: evaluate's report, the benchmark's, the plots, and the summary of
-them that the report task logs, the report tab shows and the run's note and the approval's body put in words.
+"""What a run produced, read back from its box: evaluate's report, the benchmark's, the plots, the lineage check
+(whether anything changed since the current drafter), and the summary of them that the report task logs, the report
+tab shows and the run's note and the approval's body put in words.
 
 Everything comes from the verified plan (its box, its run directory) and the box, through
 `python -m eagle3 report list|read` (eagle3/reportfiles.py): only the run's own regular files of the expected names,
@@ -11,9 +12,14 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
+
+from airflow.sdk.exceptions import AirflowFailException
 
 from eagle3.runlayout import BENCHMARK_REPORT, DRAFTER_DIR, REPORT
 from eagle3_airflow.plan import RunPlan
+
+log = logging.getLogger(__name__)
 
 REFUSED_EXIT = 2  # `python -m eagle3 report` refused the file (a link, not regular, too big, a name it never reads)
 READ_TIMEOUT_S = 120
@@ -109,3 +115,44 @@ def run_summary(plan: RunPlan) -> dict | None:
                              "benchmark.enabled: the benchmark stage did not finish")
     return summarize(plan, evaluation, list_plots(plan), benchmark)
 
+
+def read_or_fail(what):
+    """A file of the run the box refused, or one that is not what it should be, fails the task without a retry."""
+    try:
+        return what()
+    except RunFileRefused as err:
+        raise AirflowFailException(str(err)) from None
+
+
+def check_inputs(plan: RunPlan) -> dict:
+    """`python -m eagle3 lineage check`: whether the run's inputs changed since the lineage's current drafter."""
+    result = plan.box().run(plan.eagle3("lineage", "check", "--config", plan.config_path), timeout=600)
+    return result.json("python -m eagle3 lineage check")
+
+
+def report_summary(plan: RunPlan) -> dict:
+    """The summary the report task returns and publishes (and promote publishes again): run_summary with the form's
+    notes, or, when evaluate was skipped, what the lineage check says stayed current. Logged line by line."""
+    summary = _with_notes(read_or_fail(lambda: run_summary(plan)), plan)
+    if summary is None:  # evaluate was skipped: say why
+        report_path = f"{plan.run_dir}/{REPORT}"
+        check = check_inputs(plan)
+        if check["changed"]:
+            raise AirflowFailException(f"{report_path} is missing, though the inputs changed: evaluate did not run")
+        summary = _with_notes({
+            "run_dir": plan.run_dir, "nothing_changed_since": check["unchanged_since"],
+            "drafter": check["current_drafter"], "measured_accept_length": check["current_accept_length"],
+            "promotion": {"promoted": False, "reason": f"nothing changed since run {check['unchanged_since']}"}}, plan)
+        log.info("nothing changed since run %s; the lineage's drafter stays %s (measured acceptance %s)",
+                 check["unchanged_since"], check["current_drafter"], check["current_accept_length"])
+        return summary
+    if (summary["promotion"] or {}).get("pending_approval"):  # the promotion DAG asks; its promote republishes
+        summary["promotion"]["reason"] += "; proposed for approval (the promotion DAG asks the approvers)"
+    for key, value in summary.items():
+        log.info("%-24s %s", key, value)
+    return summary
+
+
+def _with_notes(summary: dict | None, plan: RunPlan) -> dict | None:
+    """The form's notes (why this run) beside the figures, for the run's note."""
+    return {**summary, "notes": plan.notes} if summary is not None and plan.notes else summary
