@@ -208,7 +208,7 @@ def standalone(chromium, artifacts, tiny_target, tmp_path):
         # the dag-processor forked a parse of it, for nothing, through the test's eight minutes under load.
         AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL="3600",
         # The admin triggers; the reviewer (role user), the settings' approver, approves: nobody approves a run of
-        # their own (eagle3_airflow/approval.py).
+        # their own (eagle3_airflow/promotion.py).
         AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS=f"admin:admin,{REVIEWER}:user",
         EAGLE3_DAG_SETTINGS=str(settings),
     )
