@@ -18,6 +18,8 @@ import re
 from collections import deque
 from pathlib import Path
 
+from tests.import_graphs import cycles, layers
+
 REPO = Path(__file__).resolve().parents[1]
 CONTROL_PLANE = REPO / "plugins" / "eagle3_airflow"
 INIT = "__init__"
@@ -59,37 +61,6 @@ def imported(tree: ast.AST, package: str, modules: set[str]):
                     yield (alias.name if alias.name in modules else INIT), node.lineno
 
 
-def cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
-    """The strongly connected components of more than one module (Tarjan's algorithm), each sorted."""
-    index, low, on_stack, stack, found = {}, {}, set(), [], []
-
-    def visit(node: str) -> None:
-        index[node] = low[node] = len(index)
-        stack.append(node)
-        on_stack.add(node)
-        for target in sorted(graph[node]):
-            if target not in index:
-                visit(target)
-                low[node] = min(low[node], low[target])
-            elif target in on_stack:
-                low[node] = min(low[node], index[target])
-        if low[node] == index[node]:
-            component = []
-            while True:
-                member = stack.pop()
-                on_stack.discard(member)
-                component.append(member)
-                if member == node:
-                    break
-            if len(component) > 1:
-                found.append(sorted(component))
-
-    for node in sorted(graph):
-        if node not in index:
-            visit(node)
-    return found
-
-
 def shortest_circle(graph: dict[str, dict[str, int]], start: str) -> list[str]:
     """The shortest circle through `start`, as the modules in import order (start first, not repeated); [] if none."""
     came_from: dict[str, str] = {}
@@ -117,20 +88,6 @@ def describe(graph: dict[str, dict[str, int]], component: list[str]) -> str:
     inside = [f"{module}.py:{line} -> {target}" for module in component
               for target, line in sorted(graph[module].items(), key=lambda arrow: arrow[1]) if target in component]
     return f"{', '.join(component)}\n    circle: " + " -> ".join(steps) + "\n    arrows inside: " + ", ".join(inside)
-
-
-def layers(graph: dict[str, dict[str, int]]) -> list[list[str]]:
-    """Modules by layer: a module's layer is one above the highest it imports (0: it imports none of the package)."""
-    level: dict[str, int] = {}
-
-    def height(node: str) -> int:
-        if node not in level:
-            level[node] = 1 + max((height(target) for target in graph[node]), default=-1)
-        return level[node]
-
-    for node in graph:
-        height(node)
-    return [sorted(n for n, h in level.items() if h == floor) for floor in range(max(level.values()) + 1)]
 
 
 def reach(graph: dict[str, dict[str, int]], module: str) -> set[str]:
