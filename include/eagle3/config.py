@@ -62,6 +62,7 @@ DAY_S = 24 * 3600.0
 GpuIndex = Annotated[int, Field(ge=0, le=MAX_GPU_INDEX)]
 LayerId = Annotated[int, Field(ge=0, le=MAX_LAYERS - 1)]
 DraftLength = Annotated[int, Field(ge=1, le=64)]
+PublicSet = Literal["mtbench", "gsm8k", "humaneval", "bfcl"]  # the sets eagle3.public_sets knows
 
 
 class TargetConfig(Section):
@@ -673,7 +674,7 @@ class EvaluateConfig(Section):
         description="Seconds between progress lines in the task log."
     )
     # Public sets (eagle3.public_sets): the names there, SETS, are these.
-    benchmarks: list[Literal["mtbench", "gsm8k", "humaneval", "bfcl"]] = Field(
+    benchmarks: list[PublicSet] = Field(
         default_factory=list, max_length=4, title="Public benchmark sets",
         description="Also measure this run's drafter on public sets, at the configurations published Kimi drafters "
         "report (3 steps / topk 1 / 4 draft tokens, and 7 / 1 / 8: k=3 and k=7), beside the held-out prompts: "
@@ -686,8 +687,7 @@ class EvaluateConfig(Section):
         description="The first N records of each set (an MT-Bench record asks two prompts). Empty: SpecForge's "
         "bench sizes, MT-Bench 80, GSM8K 200, HumanEval 200 (all 164), BFCL 200.",
     )
-    benchmark_files: dict[Literal["mtbench", "gsm8k", "humaneval", "bfcl"],
-                          Annotated[str, Field(pattern=ABS_PATH_PATTERN)]] = Field(
+    benchmark_files: dict[PublicSet, Annotated[str, Field(pattern=ABS_PATH_PATTERN)]] = Field(
         default_factory=dict, title="Public sets from local files",
         description='A local copy per set, read instead of the hub (offline boxes): the set\'s own records as a JSON '
         'array, JSON lines or parquet, e.g. {"gsm8k": "/data/gsm8k-test.jsonl"} of {"question": ...} records.',
