@@ -215,3 +215,16 @@ def test_the_registry_is_the_configs_list_of_sets():
 
     names = get_args(get_args(EvaluateConfig.model_fields["benchmarks"].annotation)[0])
     assert set(names) == set(SETS)
+
+
+@pytest.mark.timeout(60)
+def test_a_local_set_file_that_is_no_regular_file_is_refused_unread(tmp_path):
+    """A FIFO named in evaluate.benchmark_files would block the stage forever on a plain read: refused, named."""
+    import os
+
+    from eagle3.public_sets import read_local_records
+
+    fifo = tmp_path / "gsm8k.jsonl"
+    os.mkfifo(fifo)
+    with pytest.raises(DataError, match=rf"^{fifo}: a FIFO, not a regular file; point evaluate.benchmark_files"):
+        read_local_records(fifo)

@@ -41,12 +41,14 @@ from pathlib import Path
 
 from eagle3.config import ConfigError
 from eagle3.data import DataError
+from eagle3.fsutil import UnsafeFile, read_small_file
 
 log = logging.getLogger(__name__)
 
 # (num_steps, eagle_topk, num_draft_tokens) of SGLang's EAGLE-3 flags; a chain: draft length k = num_steps.
 PUBLISHED_CONFIGURATIONS = {3: (3, 1, 4), 7: (7, 1, 8)}
 DATASETS_PIN = "datasets==5.2.0"  # requirements-box.txt
+MAX_SET_FILE_BYTES = 1 << 30  # a local copy of a set is read whole; the largest here (GSM8K test) is ~1 MB
 
 
 @dataclass(frozen=True)
@@ -165,10 +167,12 @@ def read_local_records(path: Path) -> list[tuple[str, dict]]:
             raise ConfigError(f"{path}: reading parquet needs pyarrow (installed with {DATASETS_PIN}, "
                               "requirements-box.txt); install it, or give the file as JSON lines") from None
         return [(f"row {i + 1}", row) for i, row in enumerate(pyarrow.parquet.read_table(path).to_pylist())]
-    try:
-        text = path.read_text(encoding="utf-8")
+    try:  # a regular file only, as every file a config names (a FIFO would hang the stage)
+        text = read_small_file(path, MAX_SET_FILE_BYTES).decode("utf-8")
     except FileNotFoundError:
         raise DataError(f"{path}: no such file") from None
+    except UnsafeFile as err:
+        raise DataError(f"{err}; point evaluate.benchmark_files at the set's records, a regular file") from None
     except (OSError, UnicodeDecodeError) as err:
         raise DataError(f"{path}: cannot be read as UTF-8 text ({err})") from None
     try:
