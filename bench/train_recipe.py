@@ -10,7 +10,7 @@ the prompts its own split holds out). Printed per variant and seed: optimizer st
 the offline acceptance length at the first k (decoding replayed on the validation split: what picks the
 checkpoint), and the measured acceptance length at each k with its share of the ceiling (a drafter that always
 agrees with the target on the same prompts). Then per variant: the mean over seeds, and the paired difference
-from the first variant run (same seed, same prompts), mean and range over seeds. Results are kept in
+from the first variant run (same seed, same prompts): mean, 95% t-interval over seeds, and range. Results are kept in
 bench-work/train-recipe/results.jsonl: a variant and seed already measured with the same fields is not rerun.
 
 Variants change `train.*` fields of the demo's config (dotted names below); the rest stays the demo's:
@@ -21,6 +21,8 @@ Variants change `train.*` fields of the demo's config (dotted names below); the 
   epochs-x4-lr-3e-4    four times the epochs at 0.3x the learning rate
   one-sample           SpecForge's default batch: one sample per step (batch_tokens empty)
   no-first-draft       train.first_draft_position off (SpecForge's mask exactly)
+  lk-lambda            the LK loss that blends KL into 1 - expected acceptance (train.objective lk_lambda)
+  lk-alpha             the LK loss -log expected acceptance (train.objective lk_alpha)
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ VARIANTS: dict[str, dict] = {
     "epochs-x4-lr-3e-4": {"epochs": 4, "learning_rate": 3e-4},
     "one-sample": {"batch_tokens": None},
     "no-first-draft": {"first_draft_position": False},
+    "lk-lambda": {"objective": "lk_lambda"},
+    "lk-alpha": {"objective": "lk_alpha"},
 }
 # Sections a variant's run reads from the demo's run and never writes: linked, not recomputed.
 LINKED = (layout.HIDDEN_STATES, layout.GENERATE_DIR, layout.EXTRACT_DIR, Path(layout.SPLIT_KEYS).parent.as_posix())
@@ -114,11 +118,26 @@ def print_row(result: dict) -> None:
           f"  {measured}", flush=True)
 
 
+# Two-sided 95% quantiles of Student's t by degrees of freedom (1..30): the paired difference over n seeds has n-1.
+T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+       2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def interval95(differences: list[float]) -> tuple[float, float] | None:
+    """The 95% t-interval of the mean of paired differences (one per seed: the seed's spread is in it), or None
+    under two seeds."""
+    if len(differences) < 2:
+        return None
+    half = T95[min(len(differences) - 1, len(T95)) - 1] * statistics.stdev(differences) / len(differences) ** 0.5
+    mean = statistics.fmean(differences)
+    return mean - half, mean + half
+
+
 def print_summary(results: list[dict], names: list[str]) -> None:
     by_variant = {name: {r["seed"]: r for r in results if r["variant"] == name} for name in names}
     base = names[0]
     print(f"\nover seeds: mean measured acceptance length (share of the ceiling); paired difference from {base} "
-          "(mean, range over seeds)")
+          "(mean, 95% t-interval over seeds, range)")
     for name in names:
         runs = by_variant[name]
         if not runs:
@@ -131,7 +150,10 @@ def print_summary(results: list[dict], names: list[str]) -> None:
             paired = [r["measured"][k]["mean"] - by_variant[base][seed]["measured"][k]["mean"]
                       for seed, r in runs.items() if seed in by_variant[base]]
             if name != base and paired:
-                text += f" {statistics.fmean(paired):+.3f} [{min(paired):+.3f}, {max(paired):+.3f}]"
+                low_high = interval95(paired)
+                text += f" {statistics.fmean(paired):+.3f}"
+                text += f" CI [{low_high[0]:+.3f}, {low_high[1]:+.3f}]" if low_high else ""
+                text += f" range [{min(paired):+.3f}, {max(paired):+.3f}]"
             parts.append(text)
         print(f"{name:<20} {len(runs)} seeds  " + "   ".join(parts))
 

@@ -279,3 +279,40 @@ def test_the_ttt_objective_with_the_linear_memory_kernel_equals_the_dense_attent
         scale = dense_grads[name].abs().max()
         torch.testing.assert_close(grad, dense_grads[name], rtol=0, atol=1e-5 * scale,
                                    msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_the_lk_objectives_are_the_expected_acceptance_losses_of_the_target_full_distribution():
+    """train.objective lk_lambda / lk_alpha (LK losses, SpecForge's lk_loss_type): one TTT step's loss, taken apart
+    by hand from the target's FULL-vocab softmax (the drafter cannot propose the rest, so its acceptance is
+    sum over the draft vocab of min(p_full, q), never renormalised): lk_alpha = -mean log acceptance, lk_lambda =
+    w * KL + (1 - w) * (1 - mean acceptance) with w = exp(-decay * mean acceptance). kl stays SpecForge's
+    cross-entropy, whatever the LK fields say."""
+    from eagle3.model import DraftConfig, Eagle3Draft
+
+    cfg = DraftConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=8, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=256,
+                      target_vocab_size=60, draft_vocab_size=30, aux_layer_ids=(1, 2, 3))
+    torch.manual_seed(0)
+    draft = Eagle3Draft(cfg)
+    ids, aux, last, lm_head = (torch.randint(0, 60, (2, 17)), torch.randn(2, 17, 96), torch.randn(2, 17, 32),
+                               torch.randn(60, 32))
+    draft_ids = torch.arange(0, 60, 2)
+    t2d = torch.zeros(60, dtype=torch.bool)
+    t2d[draft_ids] = True
+    teachers = make_teachers(ids, torch.ones_like(ids), last, lm_head, draft_ids, t2d, lengths=torch.tensor([17, 11]))
+
+    positions = torch.arange(17)[None].expand(2, 17)
+    logits, _ = draft.step(teachers.input_ids, draft.fc(aux), positions, [])
+    q = logits.softmax(-1)
+    p_full = (train.shift_left(last) @ lm_head.T).softmax(-1)[..., draft_ids]
+    counted = teachers.in_draft_vocab & teachers.loss_mask
+    alpha = torch.minimum(p_full, q).sum(-1)[counted]
+    kl = -(counted[..., None] * (p_full / p_full.sum(-1, keepdim=True)) * q.log()).sum() / (2 * 17)
+    weight = math.exp(-2.5 * alpha.mean().item())
+    expected = {"kl": kl, "lk_alpha": -alpha.log().mean(),
+                "lk_lambda": weight * kl + (1 - weight) * (1 - alpha.mean())}
+    for objective, want in expected.items():
+        loss, plosses, *_ = train.TTTObjective(draft, 1, objective, lk_kl_decay=2.5)(aux, teachers, draft_ids)
+        torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6, msg=lambda m, o=objective: f"{o}: {m}")
+        torch.testing.assert_close(plosses[0], kl, rtol=1e-5, atol=1e-6)  # the curves plot the cross-entropy
+    assert 0 < alpha.min() and alpha.max() < 1 and kl > 0

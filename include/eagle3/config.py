@@ -574,6 +574,17 @@ class TrainConfig(Section):
         7, ge=1, le=16, title="Training-time-test steps",
         description="Draft positions unrolled per step, each fed the previous one's output (SpecForge: 7).",
     )
+    objective: Literal["kl", "lk_lambda", "lk_alpha"] = Field(
+        "kl", title="Training objective",
+        description="kl: SpecForge's (cross-entropy to the target's distribution over the draft vocab). lk_lambda / "
+        "lk_alpha: LK losses (arXiv 2602.23881, SpecForge's lk_loss_type), which target the expected acceptance "
+        "directly: lk_lambda blends KL (while the drafter is poor) into 1 - acceptance (once it is good), lk_alpha "
+        "is -log acceptance. docs/results.md has the paired-seed comparison.",
+    )
+    lk_kl_decay: float = Field(
+        3.0, ge=0, le=100, title="LK: KL weight decay",
+        description="lk_lambda's KL weight is exp(-decay * acceptance): higher hands over to acceptance sooner.",
+    )
     epochs: int = Field(1, ge=1, le=10_000, title="Epochs", description="Passes over the training split of the store.")
     init_from: Literal["scratch", "current"] = Field(
         "scratch", title="Start from",

@@ -28,6 +28,13 @@ The objective (SpecForge's, which SGLang-served drafters are trained with):
   TTT step i   the previous step's output is the next hidden input; ids, p, teacher and masks shift left
                by one after each step; RoPE positions are offset by i
   loss         sum_i 0.8^i * ploss_i, ploss_i = sum(position_mask * -sum(p * log_softmax(logits))) / (B*T)
+               (train.objective "kl", the default); or an LK loss (train.objective "lk_lambda" / "lk_alpha";
+               Samarin et al. 2026, arXiv 2602.23881, SpecForge's lk_loss_type), which targets the expected
+               acceptance alpha_i = masked mean of sum_v min(p_full(v), q(v)) over the draft vocab directly, p_full
+               being the target's full-vocab distribution (not renormalised: the drafter cannot propose the rest):
+               lk_lambda  w_i * ploss_i + (1 - w_i) * (1 - alpha_i), w_i = exp(-train.lk_kl_decay * alpha_i) (no
+                          gradient through w_i): KL while the drafter is poor, acceptance once it is good
+               lk_alpha   -mean(log sum_v min(p_full, q)) over the same positions
   accuracy     acc_i = #(d2t-mapped draft argmax == teacher where loss_mask) / #loss_mask
   offline      acceptance length per k of evaluate.draft_lengths: greedy speculative decoding replayed on the
                validation split's stored states (eagle3.acceptance): what evaluate measures, up to the prompts
@@ -95,6 +102,7 @@ class Teachers:
     teacher: torch.Tensor  # [B, T] the target's argmax over its full vocab
     in_draft_vocab: torch.Tensor  # [B, T] the teacher is a draft-vocab token (t2d[teacher])
     loss_mask: torch.Tensor  # [B, T] positions trained at TTT step 0
+    draft_mass: torch.Tensor  # [B, T] the target's full-vocab probability of the draft vocab (p_full = p * it)
     chained: bool = False  # step i trains only where every step before it did (chains that stay in the answer)
 
     @property
@@ -116,11 +124,15 @@ def make_teachers(input_ids, loss_mask, last_hidden, target_lm_head, draft_ids, 
     included."""
     last = shift_left(last_hidden).float()
     teacher = torch.empty(last.shape[:2], dtype=torch.long, device=last.device)
-    flat_last, flat_teacher = last.view(-1, last.shape[-1]), teacher.view(-1)
+    full_logsumexp = torch.empty(last.shape[:2], device=last.device)
+    flat_last, flat_teacher, flat_lse = last.view(-1, last.shape[-1]), teacher.view(-1), full_logsumexp.view(-1)
     for start in range(0, flat_last.shape[0], LOGIT_CHUNK):
-        chunk = flat_last[start : start + LOGIT_CHUNK]
-        flat_teacher[start : start + LOGIT_CHUNK] = (chunk @ target_lm_head.T).argmax(-1)
-    p = (last @ target_lm_head[draft_ids].T).softmax(-1)
+        logits = flat_last[start : start + LOGIT_CHUNK] @ target_lm_head.T
+        flat_teacher[start : start + LOGIT_CHUNK] = logits.argmax(-1)
+        flat_lse[start : start + LOGIT_CHUNK] = logits.logsumexp(-1)
+    draft_logits = last @ target_lm_head[draft_ids].T
+    p = draft_logits.softmax(-1)
+    draft_mass = (draft_logits.logsumexp(-1) - full_logsumexp).exp()
     positions = torch.arange(loss_mask.shape[1], device=loss_mask.device)
     if lengths is None:
         lengths = torch.full(loss_mask.shape[:1], loss_mask.shape[1], device=loss_mask.device)
@@ -129,7 +141,7 @@ def make_teachers(input_ids, loss_mask, last_hidden, target_lm_head, draft_ids, 
         trained = shift_left(answer) & shift_left(shift_left(answer))
     else:
         trained = answer & (positions[None] < lengths[:, None] - 1)
-    return Teachers(shift_left(input_ids), p, teacher, t2d[teacher], trained, chained=first_draft)
+    return Teachers(shift_left(input_ids), p, teacher, t2d[teacher], trained, draft_mass, chained=first_draft)
 
 
 def step_masks(t: Teachers, steps: int) -> list[torch.Tensor]:
@@ -141,31 +153,59 @@ def step_masks(t: Teachers, steps: int) -> list[torch.Tensor]:
     return masks
 
 
+OBJECTIVES = ("kl", "lk_lambda", "lk_alpha")
+
+
+def expected_acceptance(p_full: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """[B, T] the chance that speculative sampling accepts a draft from softmax(logits) over the draft vocab when
+    the target's distribution is p_full (its full-vocab probabilities of the draft vocab): sum_v min(p, q)."""
+    return torch.minimum(p_full, logits.float().softmax(-1)).sum(-1)
+
+
+def step_loss(objective: str, ploss: torch.Tensor, alpha: torch.Tensor, mask: torch.Tensor,
+              kl_decay: float) -> torch.Tensor:
+    """One TTT step's loss: `ploss` the KL-equivalent cross-entropy (SpecForge's normalisation), `alpha` [B, T]
+    the expected acceptance, `mask` the positions it counts over."""
+    if objective == "kl":
+        return ploss
+    count = mask.sum().clamp(min=1)
+    if objective == "lk_alpha":
+        return -(torch.where(mask, alpha.clamp(min=1e-12).log(), 0.0)).sum() / count
+    mean_alpha = (alpha * mask).sum() / count
+    kl_weight = torch.exp(-kl_decay * mean_alpha.detach())
+    return kl_weight * ploss + (1 - kl_weight) * (1 - mean_alpha)
+
+
 class TTTObjective(nn.Module):
     """The drafter unrolled for ttt_length steps. forward returns (loss, plosses, accs, agrees): agrees[i] is
-    where step i's draft (mapped through d2t) equals the teacher, at every position. DDP wraps this."""
+    where step i's draft (mapped through d2t) equals the teacher, at every position; plosses[i] is step i's
+    cross-entropy whatever the objective (what the curves plot). DDP wraps this."""
 
-    def __init__(self, draft: Eagle3Draft, ttt_length: int):
+    def __init__(self, draft: Eagle3Draft, ttt_length: int, objective: str = "kl", lk_kl_decay: float = 3.0):
         super().__init__()
-        self.draft, self.ttt_length = draft, ttt_length
+        if objective not in OBJECTIVES:
+            raise ValueError(f"train.objective {objective!r}: one of {', '.join(OBJECTIVES)}")
+        self.draft, self.ttt_length, self.kind, self.lk_kl_decay = draft, ttt_length, objective, lk_kl_decay
 
     def forward(self, aux, t: Teachers, draft_ids):
         b, n = t.input_ids.shape
         positions = torch.arange(n, device=aux.device)[None].expand(b, n)
         hidden, cache = self.draft.fc(aux), []
-        ids, p, teacher, in_draft_vocab = t.input_ids, t.p, t.teacher, t.in_draft_vocab
+        ids, p, teacher, in_draft_vocab, draft_mass = t.input_ids, t.p, t.teacher, t.in_draft_vocab, t.draft_mass
         loss, plosses, accs, agrees = 0.0, [], [], []
         for i, mask in enumerate(step_masks(t, self.ttt_length)):
             logits, hidden = self.draft.step(ids, hidden, positions + i, cache)
             logp = F.log_softmax(logits.float(), dim=-1)
-            ploss = -((in_draft_vocab & mask)[..., None] * p * logp).sum() / (b * n)
+            counted = in_draft_vocab & mask
+            ploss = -(counted[..., None] * p * logp).sum() / (b * n)
+            alpha = expected_acceptance(p * draft_mass[..., None], logits) if self.kind != "kl" else None
             agree = draft_ids[logits.argmax(-1)] == teacher
             accs.append((agree & mask).sum() / mask.sum().clamp(min=1))
-            plosses.append(ploss)
+            plosses.append(ploss.detach())
             agrees.append(agree)
-            loss = loss + STEP_DECAY**i * ploss
-            ids, p, teacher, in_draft_vocab = shift_left(ids), shift_left(p), shift_left(teacher), \
-                shift_left(in_draft_vocab)
+            loss = loss + STEP_DECAY**i * step_loss(self.kind, ploss, alpha, counted, self.lk_kl_decay)
+            ids, p, teacher, in_draft_vocab, draft_mass = shift_left(ids), shift_left(p), shift_left(teacher), \
+                shift_left(in_draft_vocab), shift_left(draft_mass)
         return loss, torch.stack(plosses), torch.stack(accs), torch.stack(agrees)
 
 
@@ -287,7 +327,7 @@ class Trainer:
         draft = build_draft_model(cfg.target.model_path, cfg.vocab.draft_vocab_size, cfg.resolved_aux_layers(),
                                   cfg.drafter.model_dump())
         self.draft = draft.to(self.device)
-        self.objective = TTTObjective(self.draft, cfg.train.ttt_length)
+        self.objective = TTTObjective(self.draft, cfg.train.ttt_length, cfg.train.objective, cfg.train.lk_kl_decay)
         self.ddp = (nn.parallel.DistributedDataParallel(self.objective) if self.distributed else self.objective)
 
         lengths = {sid: loc.end - loc.start for sid, loc in self.store.locations.items()}
