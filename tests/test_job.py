@@ -849,3 +849,64 @@ def test_a_stage_that_never_reports_progress_is_killed_after_the_first_limit(job
           "--first-progress-timeout-s", "1.5")
     result = wait_for_effective(jobs, "loading", "failed")
     assert "since the stage started (no progress yet)" in result["reason"] and "limit 1.5 s" in result["reason"]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Another host's job (two boxes sharing a work directory: issue 43, item 4)
+
+
+def as_host(monkeypatch, tmp_path: Path, name: str) -> None:
+    """Make the CLI run from here as host `name`: its host id file says so (EAGLE3_HOST_ID_FILE, read by job start,
+    poll and kill, and handed on to the supervisor, which records it). One machine, two hosts by their records."""
+    path = tmp_path / f"machine-id-{name}"
+    path.write_text(f"machine-id-of-{name}\n")
+    monkeypatch.setenv("EAGLE3_HOST_ID_FILE", str(path))
+
+
+def test_a_job_running_on_another_host_is_foreign_never_started_again_killed_or_redone(jobs, tmp_path, monkeypatch):
+    """Box A runs the job; box B shares the work directory. B's poll says "foreign" naming A, B's start and redo
+    refuse (exit 1: once A's job ends a start goes on), and B's kill signals nothing and records nothing: A's job
+    runs on untouched, same pid, try 1. A itself still polls and kills it."""
+    as_host(monkeypatch, tmp_path, "gpu-box-1")
+    started = start(jobs, "train", "import time; time.sleep(60)")
+    assert started["host_id"] == "machine-id-of-gpu-box-1"
+    as_host(monkeypatch, tmp_path, "gpu-box-2")
+    polled = poll(jobs, "train")
+    assert polled["effective"] == "foreign" and "machine-id-of-gpu-box-1" in polled["reason"], polled
+    for redo in ([], ["--redo", "run-0123"]):
+        again = run_eagle3("job", "start", "--jobs-dir", str(jobs), "--key", "train", *redo, "--", PY, "-c", "1",
+                           check=False, timeout=60)
+        assert again.returncode == 1 and "running on another host" in again.stderr, again.stderr
+    proc, killed = kill_cli(jobs, "train")
+    assert proc.returncode == 1 and "not killed from this host" in killed["refused"] and not killed["signalled"]
+    state = job.read_state(jobs / "train")
+    assert (state["status"], state["pid"], state["try"]) == ("running", started["pid"], 1)
+    assert job.pid_start_ticks(started["pid"]) == started["pid_start_ticks"]  # alive
+    as_host(monkeypatch, tmp_path, "gpu-box-1")
+    assert poll(jobs, "train")["effective"] == "running"
+    assert kill_cli(jobs, "train")[1]["signalled"]
+
+
+def test_another_hosts_job_is_foreign_however_old_its_heartbeat(jobs, tmp_path, monkeypatch):
+    """This host cannot see another host's processes, so a recorded pid that is gone here, another boot id and an
+    old heartbeat (a slow shared filesystem, a clock apart) never make that host's job dead: it is not relaunched.
+    The same record made on this host is a dead job, relaunched."""
+    as_host(monkeypatch, tmp_path, "gpu-box-2")
+    gone = 4_000_000  # no process here has this pid
+    hand_written_state(jobs, "train", gone, pid_start_ticks=1, boot_id="boot-of-box-1",
+                       host="gpu-box-1", host_id="machine-id-of-gpu-box-1", heartbeat_at=time.time() - 3600)
+    assert poll(jobs, "train")["effective"] == "foreign"
+    refused = run_eagle3("job", "start", "--jobs-dir", str(jobs), "--key", "train", "--", PY, "-c", "1",
+                         check=False, timeout=60)
+    assert refused.returncode == 1 and "gpu-box-1" in refused.stderr
+    assert job.read_state(jobs / "train")["pid"] == gone  # nothing launched over it
+    state = json.loads((jobs / "train" / "state.json").read_text())
+    (jobs / "train" / "state.json").write_text(json.dumps({**state, "host_id": "machine-id-of-gpu-box-2"}))
+    assert poll(jobs, "train")["effective"] == "dead"
+    assert start(jobs, "train", "1")["try"] == 2
+
+
+def test_a_host_id_that_is_not_a_string_makes_a_corrupt_state(jobs):
+    """A planted state.json whose host id is no host's would otherwise block the job forever as foreign."""
+    hand_written_state(jobs, "train", os.getpid(), host_id=7)
+    assert poll(jobs, "train")["effective"] == "dead"

@@ -253,3 +253,39 @@ def test_a_link_swapped_in_after_the_checks_removes_nothing(tmp_path):
     with pytest.raises(UnsafeTree, match=f"^{tmp_path / 'runs-link'}: a symbolic link"):  # the parent itself
         remove_tree_in(tmp_path / "runs-link", "real")
     assert (target / "inside").is_dir() and (runs / "real").is_dir()
+
+
+def another_hosts_running_job(run_dir: Path, key: str = "train") -> dict:
+    """The state.json a supervisor on another box sharing this work directory writes for its running job: that
+    host's id, boot id and pid (a pid no process here has), its last heartbeat an hour old, as one seen across a
+    slow or partitioned shared filesystem. This machine is one host, so the other host is its recorded identity;
+    what the test proves is what this host does on that record."""
+    directory = run_dir / "jobs" / key
+    directory.mkdir(parents=True)
+    state = {"key": key, "try": 1, "status": "running", "pid": 4_000_000, "pgid": 4_000_000,
+             "pid_start_ticks": 123, "boot_id": "boot-of-gpu-box-1", "host": "gpu-box-1",
+             "host_id": "machine-id-of-gpu-box-1", "argv": ["x"], "started_at": "2026-01-01T00:00:00Z",
+             "heartbeat_at": time.time() - 3600, "exit_code": None, "ended_at": None}
+    (directory / "state.json").write_text(json.dumps(state))
+    directory.chmod(0o700)
+    return state
+
+
+def test_a_run_whose_job_runs_on_another_host_is_never_pruned(tmp_path, monkeypatch):
+    """Two boxes share the work directory (issue 43, item 4): box B's retention must not remove the run directory
+    of a job box A runs, though box A's boot id, pid and heartbeat mean nothing here. Its own host's record of the
+    same job, a boot later, is a dead job, and that run goes."""
+    this_host = tmp_path / "machine-id"
+    this_host.write_text("machine-id-of-gpu-box-2\n")
+    monkeypatch.setenv("EAGLE3_HOST_ID_FILE", str(this_host))
+    workdir = tmp_path / "work"
+    runs = {name: make_run(workdir, name, age_s=age) for name, age in [("box-1-run", 3000), ("box-2-old", 2000),
+                                                                         ("box-2-new", 0)]}
+    another_hosts_running_job(runs["box-1-run"])
+    own = another_hosts_running_job(runs["box-2-old"])  # this host's own job, recorded before a reboot
+    state = runs["box-2-old"] / "jobs" / "train" / "state.json"
+    state.write_text(json.dumps({**own, "host": "gpu-box-2", "host_id": "machine-id-of-gpu-box-2"}))
+    outcome = prune_runs(workdir, keep=1)
+    assert outcome["removed"] == ["box-2-old"]
+    assert outcome["kept_beyond_keep"] == {"box-1-run": "job train of it runs on another host"}
+    assert (runs["box-1-run"] / "jobs" / "train" / "state.json").exists()

@@ -10,13 +10,15 @@ dropped connection, a dead worker or a new Airflow try finds the job again inste
   kill       SIGTERM to the group, SIGKILL after the grace period, status "killed" (--detach: answer at the SIGTERM)
 
 A running job is alive only if its boot id is this boot's, its supervisor's pid exists with the recorded start
-time, and its heartbeat is fresh; a dead one is relaunched by the next start, and the stage resumes. A signal goes
-only to a group the job provably owns (group_ownership_problem). The stage sees an allowlisted environment
-(STAGE_ENV_NAMES, STAGE_ENV_PREFIXES, `start --pass-env`). Why: docs/architecture.md, "Detached jobs".
+time, and its heartbeat is fresh; a dead one is relaunched by the next start, and the stage resumes. A job recorded
+running on another host (its host id, read_host_id, differs: two boxes sharing a work directory) is "foreign": this
+host cannot see its processes, so it is never declared dead, started again, killed or recorded as killed from here.
+A signal goes only to a group the job provably owns (group_ownership_problem). The stage sees an allowlisted
+environment (STAGE_ENV_NAMES, STAGE_ENV_PREFIXES, `start --pass-env`). Why: docs/architecture.md, "Detached jobs".
 
 {jobs_dir}/{key}/ (the DAG's: RUN_DIR/jobs/<task id>[.<map index>]/; directories 0700, files 0600):
   spec.json      argv, cwd, env names (never values), heartbeat_s, the try, the redo it belongs to (start --redo)
-  state.json     key, try, status, pid, pgid, pid_start_ticks, boot_id, host, argv, started_at, heartbeat_at,
+  state.json     key, try, status, pid, pgid, pid_start_ticks, boot_id, host, host_id, argv, started_at, heartbeat_at,
                  exit_code, ended_at, log, log_start, child_pid; replaced atomically, so poll reads it unlocked
   progress.json  the stage's newest beat (eagle3.progress); with --stall-timeout-s a silent stage's try fails
   log            the stage's stdout+stderr across tries; a try starts with a "==== ... ====" line at log_start
@@ -55,6 +57,9 @@ REDONE_OUTPUTS = frozenset(output for outputs in REDO_OUTPUTS.values() for outpu
 KEY_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 ENV_NAME_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
+# Where a host's own id is (systemd's, then D-Bus's copy): unique per installed system and kept across reboots, where
+# the boot id changes at each. Without either, the hostname stands in.
+MACHINE_ID_PATHS = ("/etc/machine-id", "/var/lib/dbus/machine-id")
 GROUP_MARK_VAR = "EAGLE3_JOB_GROUP"  # in the stage's environment: "pid:start ticks" of its supervisor
 JOB_DIR_VAR = "EAGLE3_JOB_DIR"  # in the supervisor's and the stage's environment: the job's directory, resolved
 DEFAULT_HEARTBEAT_S = 10.0
@@ -106,6 +111,10 @@ class CorruptState(Exception):
         self.recorded_try = recorded_try  # the try number, if the file still tells it
 
 
+class ForeignJob(JobLaunchError):
+    """The job is recorded running on another host: nothing is started, redone or killed beside it from here."""
+
+
 class SignalRefused(Exception):
     """The recorded process group is not provably the job's, so it was not signalled; the message says why."""
 
@@ -122,6 +131,22 @@ class UnsafeJobFile(JobError):
 def read_boot_id() -> str:
     """This boot's id; it changes at every reboot. EAGLE3_BOOT_ID_FILE overrides the path (tests fake a reboot)."""
     return Path(os.environ.get("EAGLE3_BOOT_ID_FILE", BOOT_ID_PATH)).read_text().strip()
+
+
+def read_host_id() -> str:
+    """This host's id: what tells two boxes that share a work directory apart, whatever their boot ids. The machine id
+    (machine-id(5)), else the hostname. EAGLE3_HOST_ID_FILE overrides the path (tests make one machine two hosts)."""
+    override = os.environ.get("EAGLE3_HOST_ID_FILE")
+    for path in (override,) if override else MACHINE_ID_PATHS:
+        try:
+            host_id = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if host_id:
+            return host_id
+    if override:  # a test's stand-in must be there: a typo would quietly make the host "this one" again
+        raise JobError(f"EAGLE3_HOST_ID_FILE {override}: no host id in it")
+    return socket.gethostname()
 
 
 def process_stat(pid: int) -> tuple[str, int, int] | None:
@@ -323,8 +348,22 @@ def kill_leftovers(state: dict, wait_s: float = LEFTOVER_WAIT_S, directory: Path
     return None
 
 
+def foreign_host(state: dict) -> str | None:
+    """Why a running job is another host's, or None when it is this host's. A state.json from before host ids were
+    recorded is taken as this host's, as it always was."""
+    recorded = state.get("host_id")
+    if recorded is None or recorded == read_host_id():
+        return None
+    age = time.time() - state["heartbeat_at"]
+    return (f"running on another host, {state.get('host')!r} (host id {recorded}), as pid {state['pid']}: this host "
+            f"({socket.gethostname()!r}, host id {read_host_id()}) cannot see its processes, so it neither restarts "
+            f"nor kills it; its last heartbeat was {age:.0f} s ago. Run this stage from that host's box, or, if that "
+            "host is gone for good and the job with it, move this job's state.json aside and start it again")
+
+
 def liveness(state: dict | None, stale_after_s: float) -> tuple[str, str]:
-    """(effective status, reason): the recorded status, except that a "running" job failing a check is "dead"."""
+    """(effective status, reason): the recorded status, except that a "running" job failing a check is "dead", and
+    one recorded on another host is "foreign" (foreign_host), never dead."""
     if state is None:
         return "absent", "no state.json: the job was never started"
     status = state["status"]
@@ -336,6 +375,9 @@ def liveness(state: dict | None, stale_after_s: float) -> tuple[str, str]:
         return status, f"the command failed with exit code {state.get('exit_code')}"
     if status == "killed":
         return status, "the job was killed"
+    foreign = foreign_host(state)
+    if foreign:
+        return "foreign", foreign
     boot_id, pid = read_boot_id(), state["pid"]
     if state["boot_id"] != boot_id:
         return "dead", f"boot id changed (box rebooted): {state['boot_id']} then, {boot_id} now"
@@ -472,6 +514,8 @@ def state_problem(state, key: str) -> str | None:
         return f"status {state['status']!r} is none of {', '.join(STATUSES)}"
     if state["try"] < 1:
         return f"try {state['try']} is not a try number"
+    if not isinstance(state.get("host_id", ""), str):  # (absent: written before host ids were recorded)
+        return f"host_id is {json_kind(state['host_id'])}, {state['host_id']!r}"
     return group_fields_problem(state)
 
 
@@ -652,9 +696,11 @@ def start_job(
             refused = f"{corrupt}; nothing was signalled on its word"
             try_number = last_try_number(directory, corrupt) + 1
         else:
-            effective, _ = liveness(state, stale_after_s)
+            effective, reason = liveness(state, stale_after_s)
             if effective in ("running", "succeeded"):  # a succeeded job is not rerun: the caller decides what it means
                 return {**state, "attached": True, "refused": None}
+            if effective == "foreign":  # a second copy beside it would write the same outputs
+                raise ForeignJob(f"job {key} (try {state['try']}) is {reason}")
             refused = stop_last_try(state, directory) if state is not None else None
             try_number = (state["try"] if state else 0) + 1
         supervisor = launch_supervisor(directory, argv, heartbeat_s, try_number, env, stall,
@@ -690,7 +736,10 @@ def redo_job(directory: Path, redo: str, outputs: list[Path], stale_after_s: flo
         state = read_state(directory)
     except CorruptState:
         state = None  # (a torn file: start relaunches over it, as it would without a redo)
-    if state is not None and liveness(state, stale_after_s)[0] == "running":
+    effective, reason = liveness(state, stale_after_s) if state is not None else ("absent", "")
+    if effective == "foreign":
+        raise ForeignJob(f"job {directory.name} (try {state['try']}) is {reason}; a redo does not start beside it")
+    if effective == "running":
         raise JobLaunchError(f"job {directory.name} is running (try {state['try']}, pid {state['pid']}): a redo does "
                              "not start beside a live try. Wait for it to end, or kill it (mark the task failed, or "
                              f"`python -m eagle3 job kill --jobs-dir {directory.parent} --key {directory.name}`), then "
@@ -898,6 +947,9 @@ def stop_running_job(directory: Path, grace_s: float, detach: bool = False) -> t
                        "kill the job again then"), False
     if state is None or state["status"] != "running":
         return False, None, False
+    foreign = foreign_host(state)
+    if foreign:  # its processes are out of reach, and recording "killed" would have it relaunched beside itself
+        return False, f"job {state['key']} was not killed from this host: it is {foreign}", False
     signalled, refused = False, None
     if state["boot_id"] == read_boot_id():  # (processes of an earlier boot are gone: the kill is only recorded)
         try:
@@ -1056,6 +1108,7 @@ def supervise(jobs_dir: str | Path, key: str) -> None:
         state = {
             "key": key, "try": spec["try"], "status": "running", "pid": os.getpid(), "pgid": os.getpgid(0),
             "pid_start_ticks": pid_start_ticks(os.getpid()), "boot_id": read_boot_id(), "host": host,
+            "host_id": read_host_id(),
             "argv": spec["argv"], "started_at": utc_now(), "heartbeat_at": time.time(), "exit_code": None,
             "ended_at": None, "log": str(log_path), "log_start": log_start, "code": package_root(),
         }

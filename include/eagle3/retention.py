@@ -6,9 +6,10 @@
 A weekly run writes a run directory (checkpoints, logs, a drafter copy: hundreds of GB at Kimi scale) and
 shares its hidden states in {workdir}/stores/. `runs prune` keeps the newest N run directories (by their
 config.json's time) and every run directory a promoted drafter came from (its promotion.json names it), and never
-one with a live job; the DAG's `retention` task runs it with the settings file's keep_runs. `store gc` removes the
-stores and answers caches ({workdir}/generated/) that no remaining run directory links to: it is never run by
-the DAG, because a store is what makes the next rerun cheap; a person decides when to give it up.
+one with a live job, on this host or recorded running on another (a work directory two boxes share); the DAG's
+`retention` task runs it with the settings file's keep_runs. `store gc` removes the stores and answers caches
+({workdir}/generated/) that no remaining run directory links to: it is never run by the DAG, because a store is
+what makes the next rerun cheap; a person decides when to give it up.
 
 The work directory may be one a trigger chose, and anyone who can write there can put things in it: what is
 removed must carry the project's own marker, and nothing is removed through a symbolic link.
@@ -133,15 +134,20 @@ def promoted_run_dirs(workdir: Path) -> set[Path]:
     return dirs
 
 
-def has_live_job(run_dir: Path) -> bool:
-    for job in (run_dir / JOBS).glob("*"):
+def live_job(run_dir: Path) -> str | None:
+    """Why the run has a job that may be running, or None: one alive on this host, one recorded running on another
+    host (two boxes sharing the work directory: this host cannot tell it is dead, so it never counts it so), or one
+    whose state cannot be read (a person looks at it)."""
+    for job in sorted((run_dir / JOBS).glob("*")):
         try:
             status, _ = liveness(read_state(job), DEFAULT_STALE_AFTER_S)
         except Exception:  # noqa: BLE001 - an unreadable job: keep the run, a person looks at it
-            return True
+            return f"the state of job {job.name} cannot be read"
         if status == "running":
-            return True
-    return False
+            return "a job of it is running"
+        if status == "foreign":
+            return f"job {job.name} of it runs on another host"
+    return None
 
 
 def awaits_approval(run_dir: Path, hold_s: float) -> bool:
@@ -178,8 +184,8 @@ def prune_runs(workdir: str | Path, keep: int, dry_run: bool = False, proposal_h
     for run_dir in runs[keep:]:
         if run_dir.resolve() in promoted:
             kept_for[run_dir.name] = "its drafter is a promoted version"
-        elif has_live_job(run_dir):
-            kept_for[run_dir.name] = "a job of it is running"
+        elif live := live_job(run_dir):
+            kept_for[run_dir.name] = live
         elif awaits_approval(run_dir, proposal_hold_s):
             kept_for[run_dir.name] = "its drafter awaits approval"
         else:
