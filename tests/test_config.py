@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -115,6 +117,38 @@ def test_facts_are_filled_from_the_model_and_checked(tiny_target, tmp_path):
     too_deep = parse_run_config(with_changes(target=tiny, extract={"aux_layers": [1, 3, 9]}))
     with pytest.raises(ConfigError, match="layer 9 out of range for a 8-layer target"):
         resolve_target_facts(too_deep)
+
+
+def test_generation_samples_as_the_target_is_served_unless_the_config_says_otherwise(tiny_target, tmp_path):
+    """Empty generate.temperature / top_p / top_k take the target's generation_config.json, what SGLang and vLLM
+    serve it with by default (a thinking model served at temperature 1 is trained on sampled answers, not greedy
+    ones); a file that names no temperature (the tiny target's) keeps generation greedy; a value in the config
+    wins; top_k <= 0 is no limit; a value out of bounds is refused naming the file."""
+    def target_with(sampling: dict | None) -> Path:
+        target = tmp_path / f"target-{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(tiny_target, target, ignore=shutil.ignore_patterns("*.safetensors", "prompts.jsonl"))
+        if sampling is None:
+            (target / "generation_config.json").unlink()
+        else:
+            (target / "generation_config.json").write_text(json.dumps({"eos_token_id": 4, **sampling}))
+        return target
+
+    def sampling(target: Path, **generate) -> tuple:
+        cfg = resolve_target_facts(parse_run_config(with_changes(target={"model_path": str(target),
+                                                                         "num_hidden_layers": None},
+                                                                 vocab={"draft_vocab_size": 512}, generate=generate)))
+        return cfg.generate.temperature, cfg.generate.top_p, cfg.generate.top_k
+
+    assert sampling(tiny_target) == (0.0, 1.0, None)  # names none: greedy, as the demo always generated
+    assert sampling(target_with(None)) == (0.0, 1.0, None)
+    kimi_like = target_with({"temperature": 1.0, "top_p": 0.95, "top_k": -1, "do_sample": False})
+    assert sampling(kimi_like) == (1.0, 0.95, None)
+    assert sampling(kimi_like, temperature=0.0) == (0.0, 0.95, None)
+    assert sampling(target_with({"temperature": 0.6, "top_k": 20})) == (0.6, 1.0, 20)
+    assert sampling(target_with({"top_p": 0.8})) == (0.0, 1.0, None)  # no temperature named: greedy
+    with pytest.raises(ConfigError, match=r"generation_config.json: its sampling does not fit.*temperature.*set "
+                       "generate.temperature, top_p and top_k explicitly"):
+        sampling(target_with({"temperature": 5.0}))
 
 
 def test_missing_model_dir_is_named():

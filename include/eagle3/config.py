@@ -267,11 +267,20 @@ class GenerateConfig(Section):
     model: str | None = Field(
         None, title="Model name in requests", description="Empty: target.model_path, SGLang's default served name."
     )
-    temperature: float = Field(
-        0.0, ge=0.0, le=2.0, title="Temperature",
-        description="0: the target's greedy answers, which the drafter predicts best; sample only to add variety.",
+    temperature: float | None = Field(
+        None, ge=0.0, le=2.0, title="Temperature",
+        description="Empty: the target's own sampling, as its generation_config.json names it (temperature, top_p, "
+        "top_k: what SGLang and vLLM serve it with by default, so the drafter learns the answers it will be asked "
+        "to predict), filled in at init; greedy when the file names no temperature. 0: greedy.",
     )
-    top_p: float = Field(1.0, gt=0.0, le=1.0, title="Top-p", description="Nucleus sampling; 1 keeps all.")
+    top_p: float | None = Field(
+        None, gt=0.0, le=1.0, title="Top-p",
+        description="Nucleus sampling. Empty: the target's generation_config.json, else 1 (keeps all).",
+    )
+    top_k: int | None = Field(
+        None, ge=1, le=16 * MAX_WIDTH, title="Top-k",
+        description="Sample among the k likeliest tokens. Empty: the target's generation_config.json, else no limit.",
+    )
     max_tokens: int = Field(
         2048, ge=1, le=MAX_WIDTH, title="Max new tokens per turn",
         description="A longer answer is cut here (SGLang finish_reason length) and kept as cut.",
@@ -1014,10 +1023,47 @@ def resolve_target_facts(cfg: RunConfig) -> RunConfig:
     except (TypeError, ValueError) as err:  # a size that is not a number
         raise ConfigError(f"{cfg.target.model_path}/config.json: a size the drafter's shape is derived from is not a "
                           f"whole number ({err}); fix the file, or set drafter.* explicitly") from None
+    data["generate"].update(serving_sampling(cfg.generate, cfg.target.model_path))
     resolved = parse_run_config(data, f"{cfg.run_name} (with facts from {cfg.target.model_path})")
     check_layers_served(resolved, read_architecture(cfg.target.model_path))
     check_rope_carried(resolved, read_text_config(cfg.target.model_path))
     return resolved
+
+
+GREEDY = {"temperature": 0.0, "top_p": 1.0, "top_k": None}
+
+
+def serving_sampling(gen: GenerateConfig, model_path: str | Path) -> dict:
+    """generate.temperature / top_p / top_k with the empty ones filled from the target's generation_config.json,
+    the sampling SGLang (--sampling-defaults model) and vLLM (--generation-config auto) serve it with when a request
+    names none (both read these keys whatever do_sample says). A file that names no temperature leaves generation
+    greedy: OpenAI's default of 1 is no choice of the model's authors. A top_k of 0 or below means no limit
+    (transformers' 0, SGLang's -1)."""
+    given = {"temperature": gen.temperature, "top_p": gen.top_p, "top_k": gen.top_k}
+    if all(value is not None for value in given.values()):
+        return given
+    config_file = Path(model_path) / "generation_config.json"
+    try:
+        served = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{config_file}: not valid JSON ({err}); restore the model's own file, or set "
+                          "generate.temperature, top_p and top_k") from None
+    if not isinstance(served, dict):
+        raise ConfigError(f"{config_file}: not a JSON object; restore the model's own file, or set "
+                          "generate.temperature, top_p and top_k")
+    defaults = dict(GREEDY)
+    if served.get("temperature") is not None:
+        defaults.update({key: served[key] for key in ("temperature", "top_p", "top_k") if served.get(key) is not None})
+    if isinstance(defaults["top_k"], int) and not isinstance(defaults["top_k"], bool) and defaults["top_k"] <= 0:
+        defaults["top_k"] = None
+    filled = {key: defaults[key] if value is None else value for key, value in given.items()}
+    try:
+        GenerateConfig.model_validate({**gen.model_dump(), **filled})
+    except ValidationError as err:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))} {e['input']!r}: {e['msg']}" for e in err.errors())
+        raise ConfigError(f"{config_file}: its sampling does not fit generate's bounds ({problems}); set "
+                          "generate.temperature, top_p and top_k explicitly") from None
+    return filled
 
 
 def check_rope_carried(cfg: RunConfig, text_config: dict) -> None:

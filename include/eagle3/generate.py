@@ -41,7 +41,7 @@ from pathlib import Path
 import httpx
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential_jitter
 
-from eagle3.config import ConfigError, redact_url
+from eagle3.config import ConfigError, redact_url, serving_sampling
 from eagle3.data import Conversation, SampleTokenizer, read_conversations
 from eagle3.fsutil import atomic_write_text, try_exclusive_lock
 from eagle3.identity import attach_generated
@@ -237,6 +237,7 @@ class ChatClient:
         self.url = endpoint_url(base_url, "chat/completions")
         self.shown_url = redact_url(str(self.url))
         self.body = {"model": gen.model or cfg.target.model_path, "temperature": gen.temperature, "top_p": gen.top_p,
+                     **({"top_k": gen.top_k} if gen.top_k else {}),  # (SGLang's and vLLM's extension of the API)
                      "max_tokens": gen.max_tokens,
                      **({"chat_template_kwargs": cfg.data.chat_template_kwargs} if cfg.data.chat_template_kwargs
                         else {})}
@@ -414,8 +415,9 @@ class HfChat:
         for row, prompt in enumerate(prompts):
             ids[row, width - len(prompt):] = torch.as_tensor(prompt)
             attention[row, width - len(prompt):] = 1
-        sampling = ({"do_sample": True, "temperature": self.gen.temperature, "top_p": self.gen.top_p}
-                    if self.gen.temperature > 0 else {"do_sample": False})
+        # top_k 0: transformers' "no limit" (its own default would be 50, which the server path never applies)
+        sampling = ({"do_sample": True, "temperature": self.gen.temperature, "top_p": self.gen.top_p,
+                     "top_k": self.gen.top_k or 0} if self.gen.temperature > 0 else {"do_sample": False})
         with torch.inference_mode():
             out = self.model.generate(input_ids=ids.to(self.device), attention_mask=attention.to(self.device),
                                       max_new_tokens=self.gen.max_tokens, eos_token_id=self.eos,
@@ -578,6 +580,10 @@ async def check_endpoint(base_url: str, api_key: str | None = None) -> None:
 
 
 def run_generate(cfg) -> dict:
+    # init fills the target's sampling in; a config that skipped it must not send a null temperature, which the
+    # engines would read as their own default (1) and the answers cache would file under "unset"
+    cfg = cfg.model_copy(update={"generate": cfg.generate.model_copy(
+        update=serving_sampling(cfg.generate, cfg.target.model_path))})
     gen = cfg.generate
     started = time.monotonic()
     # Read first, so that a missing key fails the stage before anything else. Sent whenever it is set, also to a
@@ -602,6 +608,9 @@ def _generate(cfg, out: Path, conversations: list[Conversation], read_stats, wri
     todo = [c for c in conversations if rows.get(c.sample_id, {}).get("status") != "ok"]
     progress = ProgressLog("generate", len(conversations), len(conversations) - len(todo), gen.progress_interval_s,
                            log, unit="conversations", track_bytes=False, track_failures=True)
+    log.info("generate: sampling at temperature %s, top_p %s, top_k %s (empty fields: the target's "
+             "generation_config.json; greedy when it names no temperature)", gen.temperature, gen.top_p,
+             gen.top_k or "unlimited")
     log.info("generate: %d conversations, %d already regenerated, %d to go", progress.total, progress.done,
              len(todo))
     outcome = {"retries": 0, "truncated": 0}

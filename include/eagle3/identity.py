@@ -160,6 +160,8 @@ def generation_fields(cfg) -> dict:
         "target_dtype": cfg.target.dtype if gen.backend == "hf" else None,
         "temperature": gen.temperature,
         "top_p": gen.top_p,
+        # absent while unset, so that the answers cached before top_k existed (none applied one) keep their key
+        **({"top_k": gen.top_k} if gen.top_k else {}),
         "max_tokens": gen.max_tokens,
         "reasoning": gen.reasoning,
         "chat_template_kwargs": cfg.data.chat_template_kwargs,
