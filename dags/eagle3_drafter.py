@@ -58,7 +58,9 @@ def dag_schedule(settings: Deployment):
 
 
 # One DAG per box of the settings' box_pools, each in its box's pool (eagle3_airflow/pools.py): several boxes run
-# several runs at once. Without box_pools, the one DAG eagle3_drafter, whose runs may use any allowed box.
+# several runs at once. The default box's DAG is eagle3_drafter and alone runs the schedule (one tick, one run); the
+# others are eagle3_drafter__<box>, triggered only. Without box_pools, the one DAG eagle3_drafter, whose runs may use
+# any allowed box.
 FORM = DEPLOYMENT.form()
 for BOX in DEPLOYMENT.resources():
     SETTINGS = DEPLOYMENT.for_box(BOX)
@@ -68,8 +70,11 @@ for BOX in DEPLOYMENT.resources():
     with DAG(
         dag_id=BOX.dag_id,
         description="Train an EAGLE-3 drafter for a target model on a remote GPU box"
-        + (f" ({BOX.conn_id})" if BOX.conn_id else ""),
-        schedule=dag_schedule(SETTINGS),  # time, the data's or target's Asset updated, or either
+        + (f" ({BOX.conn_id})" if BOX.conn_id else "")
+        + ("" if BOX.scheduled or not (DEPLOYMENT.schedule or DEPLOYMENT.schedule_assets)
+           else "; triggered only: the schedule starts runs of the default box's DAG"),
+        # time, the data's or target's Asset updated, or either; None for every box's DAG but the default one's
+        schedule=dag_schedule(SETTINGS),
         start_date=datetime(2026, 1, 1),
         catchup=False,
         max_active_runs=1,  # one box, one run: gpus_idle would see another run's stages as foreign processes

@@ -1,6 +1,6 @@
 """Issue 36 item 3: a box is a resource. One pool per box, whose slots are its GPUs; one DAG per box, so two boxes
 run two runs at once; each task holds the GPUs it uses in its own box's pool; a run cannot use more than its DAG
-holds, nor another box."""
+holds, nor another box. Issue 43 item 4: adding a box renames no DAG, and one schedule tick makes one run."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def box_settings(conn_id: str, settings: dict = TWO_BOXES) -> Deployment:
 def test_each_box_gets_a_dag_and_a_pool_whose_slots_are_its_gpus():
     deployment = Deployment.model_validate(TWO_BOXES)
     assert [(r.dag_id, r.pool, r.gpus) for r in deployment.resources()] == [
-        ("eagle3_drafter__box-a", "eagle3_box_box-a", 4), ("eagle3_drafter__box-b", "eagle3_box_box-b", 8)]
+        ("eagle3_drafter", "eagle3_box_box-a", 4), ("eagle3_drafter__box-b", "eagle3_box_box-b", 8)]
     assert deployment.boxes() == ["box-a", "box-b"]  # box_pools alone allows its boxes
     argvs = create_pool_argvs(deployment, "airflow")
     assert [argv[3:5] for argv in argvs] == [["eagle3_box_box-a", "4"], ["eagle3_box_box-b", "8"]]
@@ -51,6 +51,35 @@ def test_old_settings_files_keep_one_dag_named_eagle3_drafter_in_their_pool():
                                                                                      gpus)
     (one,) = Deployment.model_validate({"box_pools": {"gpu-1": {"gpus": 8, "pool": "p1"}}}).resources()
     assert (one.dag_id, one.pool) == ("eagle3_drafter", "p1")  # one box: the usual id
+
+
+def test_adding_a_box_renames_no_dag_the_default_box_keeps_eagle3_drafter():
+    """Issue 43 item 4: a deployment's DAG id is its runs' history, its FAB permissions and its runs in flight. One
+    box, or none listed, is eagle3_drafter; a box added beside it gets a DAG of its own and the first keeps its id,
+    whichever order box_pools lists them in when the form's default box names it."""
+    def dag_ids(settings: dict) -> dict:
+        return {r.conn_id: r.dag_id for r in Deployment.model_validate(settings).resources()}
+
+    one = {"box_pools": {"gpu-1": {"gpus": 8}}, "params": {"box.conn_ids": ["gpu-1"]}}
+    assert dag_ids(one) == {"gpu-1": "eagle3_drafter"}
+    two = {**one, "box_pools": {"gpu-2": {"gpus": 8}, **one["box_pools"]}}  # added first in the file, even
+    assert dag_ids(two) == {"gpu-1": "eagle3_drafter", "gpu-2": "eagle3_drafter__gpu-2"}
+    assert dag_ids({"box_pools": {"gpu-1": {"gpus": 8}, "gpu-2": {"gpus": 8}}}) == {  # no default box: the first
+        "gpu-1": "eagle3_drafter", "gpu-2": "eagle3_drafter__gpu-2"}
+    assert dag_ids({}) == {None: "eagle3_drafter"}  # before box_pools: the one DAG, the same id
+
+
+def test_one_schedule_tick_makes_one_run_only_the_default_boxs_dag_is_scheduled():
+    """Issue 43 item 4: with every box's DAG on the settings' schedule, one tick started a run per box (and all of
+    them in one run directory). Only the default box's DAG keeps the schedule and the Asset schedule; the others are
+    triggered only, and their defaults need not make a schedulable run."""
+    settings = {**TWO_BOXES, "schedule": "@weekly", "schedule_assets": ["eagle3_prompts"],
+                "params": {**GOOD, "box.conn_ids": ["box-b"]}}
+    deployment = Deployment.model_validate(settings)
+    scheduled = {r.dag_id: (deployment.for_box(r).schedule, deployment.for_box(r).schedule_assets)
+                 for r in deployment.resources()}
+    assert scheduled == {"eagle3_drafter__box-a": (None, []), "eagle3_drafter": ("@weekly", ["eagle3_prompts"])}
+    assert [r.scheduled for r in deployment.resources()] == [False, True]
 
 
 def test_box_pools_outside_the_allowed_boxes_or_shards_wider_than_the_box_are_refused():
@@ -131,7 +160,7 @@ bag = DagBag(dag_folder=sys.argv[1])
 out = {"errors": {k: str(v) for k, v in bag.import_errors.items()}, "dags": {}}
 for dag_id, dag in bag.dags.items():
     dag = DagSerialization.from_dict(DagSerialization.to_dict(dag))  # what the scheduler reads
-    out["dags"][dag_id] = {"max_active_runs": dag.max_active_runs,
+    out["dags"][dag_id] = {"max_active_runs": dag.max_active_runs, "timetable": type(dag.timetable).__name__,
                            "boxes": dag.params.get_param("box.conn_ids").value,
                            "tasks": {t.task_id: [t.pool, t.pool_slots] for t in dag.tasks}}
 print(json.dumps(out))
@@ -140,20 +169,22 @@ print(json.dumps(out))
 
 @pytest.mark.slow
 def test_two_boxes_make_two_dags_each_task_in_its_boxs_pool_with_its_gpus(airflow_home, tmp_path):
-    """Two DAGs of max_active_runs 1 each: two runs at once, one per box, never sharing a pool. What each task holds
-    is read back from the serialized DAG, as the scheduler sees it."""
+    """Two DAGs of max_active_runs 1 each: two runs at once, one per box, never sharing a pool; the settings'
+    schedule on the default box's alone. What each task holds is read back from the serialized DAG, as the scheduler
+    sees it."""
     settings = tmp_path / "dag-settings.json"
-    settings.write_text(json.dumps(TWO_BOXES))
+    settings.write_text(json.dumps({**TWO_BOXES, "schedule": "@weekly", "params": GOOD}))
     env = airflow_env(airflow_home, EAGLE3_DAG_SETTINGS=str(settings))
     proc = subprocess.run([sys.executable, "-c", PARSE, str(REPO / "dags" / "eagle3_drafter.py")], env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["errors"] == {}
-    assert sorted(result["dags"]) == ["eagle3_drafter__box-a", "eagle3_drafter__box-b"]
-    for conn_id, gpus, shard in (("box-a", 4, 1), ("box-b", 8, 2)):
-        dag = result["dags"][f"eagle3_drafter__{conn_id}"]
-        assert dag["max_active_runs"] == 1 and dag["boxes"] == [conn_id]
+    assert sorted(result["dags"]) == ["eagle3_drafter", "eagle3_drafter__box-b"]
+    for dag_id, conn_id, gpus, shard, timetable in (("eagle3_drafter", "box-a", 4, 1, "CronTriggerTimetable"),
+                                                    ("eagle3_drafter__box-b", "box-b", 8, 2, "NullTimetable")):
+        dag = result["dags"][dag_id]
+        assert dag["max_active_runs"] == 1 and dag["boxes"] == [conn_id] and dag["timetable"] == timetable
         pool = f"eagle3_box_{conn_id}"
         held = {task_id: slots for task_id, (name, slots) in dag["tasks"].items() if name == pool}
         assert held == {"gpus_idle": gpus, "generate": gpus, "extract": shard, "gpus_released": gpus, "train": gpus,

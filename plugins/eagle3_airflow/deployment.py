@@ -184,8 +184,9 @@ class Deployment(BaseModel):
     box_pools: dict[ConnId, BoxPool] = Field(
         default_factory=dict,
         description="One DAG and one pool per box, e.g. {\"gpu-box-1\": {\"gpus\": 8}}: each box's runs go on "
-        "at once, each holding its own box's GPUs (eagle3_airflow/pools.py). Empty: one DAG whose runs may use any "
-        "allowed box, in `pool`.")
+        "at once, each holding its own box's GPUs (eagle3_airflow/pools.py). The default box's DAG (params' "
+        "box.conn_ids, else the first listed) is eagle3_drafter and alone runs the schedule; each other box's is "
+        "eagle3_drafter__<box>, triggered only. Empty: one DAG whose runs may use any allowed box, in `pool`.")
     sensor_timeout_h: float = Field(12, gt=0, le=24 * 14, description="How long a box sensor waits.")
     retries: int = Field(3, ge=0, le=100)
     retry_delay_s: float = Field(60, ge=0, le=24 * 3600)
@@ -364,25 +365,40 @@ class Deployment(BaseModel):
         return params_to_configs(params, run_id, self.run, self.presets.get(preset), self.box, preset)
 
     # -- boxes as resources (eagle3_airflow/pools.py) ------------------------------------------------
+    def default_box(self) -> str | None:
+        """The box of box_pools whose DAG keeps the id eagle3_drafter and alone runs the schedule: the form's default
+        box (params' box.conn_ids) when box_pools lists it, else the first of box_pools; None without box_pools.
+        So a deployment that adds a box keeps its DAG, its history, permissions and runs in flight, and its
+        schedule: the new box gets a DAG of its own beside it (eagle3_airflow/pools.py)."""
+        if not self.box_pools:
+            return None
+        chosen = self._default("box.conn_ids", [])[:1]
+        return chosen[0] if chosen and chosen[0] in self.box_pools else next(iter(self.box_pools))
+
     def resources(self) -> list[BoxResource]:
-        """One per DAG the drafter DAG file makes: one per box of box_pools, or the one DAG over `pool`."""
+        """One per DAG the drafter DAG file makes: one per box of box_pools (the default box's keeps the id
+        eagle3_drafter, each other's is eagle3_drafter__<box>), or the one DAG over `pool`."""
         if not self.box_pools:
             return [BoxResource(dag_id=DAG_ID, conn_id=None, pool=self.pool, gpus=self.pool_slots, shard_gpus=1)]
-        one = len(self.box_pools) == 1
-        return [BoxResource(dag_id=DAG_ID if one else f"{DAG_ID}__{conn_id}", conn_id=conn_id,
-                            pool=box.pool or f"eagle3_box_{conn_id}", gpus=box.gpus, shard_gpus=box.shard_gpus)
+        default = self.default_box()
+        return [BoxResource(dag_id=DAG_ID if conn_id == default else f"{DAG_ID}__{conn_id}", conn_id=conn_id,
+                            pool=box.pool or f"eagle3_box_{conn_id}", gpus=box.gpus, shard_gpus=box.shard_gpus,
+                            scheduled=conn_id == default)
                 for conn_id, box in self.box_pools.items()]
 
     def for_box(self, resource: BoxResource) -> Deployment:
         """The settings of the DAG that holds `resource`: with a box of its own, its runs may use that box only,
-        and the form offers it alone."""
+        and the form offers it alone; a DAG the schedule does not start (every box's but the default one's) has
+        neither `schedule` nor `schedule_assets`, so that one tick, or one Asset update, makes one run."""
         if resource.conn_id is None:
             settings = self.model_copy()
         else:
             pool = self.box_pools[resource.conn_id]
             settings = self.model_copy(update={"allowed_boxes": [resource.conn_id],
                                                "params": {**self.params, "box.conn_ids": [resource.conn_id]},
-                                               "run": {**self.run, **pool.run}, "box": {**self.box, **pool.box}})
+                                               "run": {**self.run, **pool.run}, "box": {**self.box, **pool.box},
+                                               **({} if resource.scheduled else {"schedule": None,
+                                                                                 "schedule_assets": []})})
         settings._source = self._source
         settings._resource = resource
         return settings

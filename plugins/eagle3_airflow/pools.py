@@ -6,11 +6,20 @@ each box's own (a box = an SSH connection + its settings):
     "box_pools": {"gpu-box-1": {"gpus": 8}, "gpu-box-2": {"gpus": 8, "shard_gpus": 8,
                                                           "run": {"workdir": "/scratch/eagle3"}}}
 
-and the DAG file makes one DAG per box (`eagle3_drafter__gpu-box-1`, ...; with one box, `eagle3_drafter`), each
-running its runs on that box alone, in that box's pool (`eagle3_box_gpu-box-1`, or the entry's `pool`). Two boxes
-run two runs at once; two DAGs, or any other DAG, that use one box share its pool. Without `box_pools` (old settings
-files) there is one DAG, `eagle3_drafter`, whose runs may use any allowed box, in the pool `pool` of `pool_slots`
-GPUs.
+and the DAG file makes one DAG per box, each running its runs on that box alone, in that box's pool
+(`eagle3_box_gpu-box-1`, or the entry's `pool`). Two boxes run two runs at once; two DAGs, or any other DAG, that use
+one box share its pool. Without `box_pools` (old settings files) there is one DAG, `eagle3_drafter`, whose runs may
+use any allowed box, in the pool `pool` of `pool_slots` GPUs.
+
+DAG ids are stable as boxes come and go. The default box (the form's default box.conn_ids, else the first of
+box_pools) keeps `eagle3_drafter`, the id of the one DAG before box_pools; every other box's DAG is
+`eagle3_drafter__<box>`. Adding a box adds a DAG and renames none: the first DAG's history, its permissions (FAB
+grants them per DAG id) and its runs in flight stay where they are. Only the default box's DAG runs the settings'
+`schedule` and `schedule_assets`: one tick, or one Asset update, makes one run, never one per box (each box's DAG
+would start one, and before run directories were named by DAG id, all of them in one directory). The other boxes'
+DAGs are triggered by hand. (Settings that listed two or more boxes before this rule named every DAG
+`eagle3_drafter__<box>`: there the default box's DAG becomes `eagle3_drafter` once, its earlier runs staying under
+the old id.)
 
 What a task holds, in GPUs (Airflow fixes a task's pool_slots when the DAG is parsed, not per run):
 - generate, train, evaluate, benchmark: the whole box. Each may use every GPU of it (train's ranks, the serving
@@ -58,7 +67,7 @@ class BoxPool(BaseModel):
 
 class BoxResource(BaseModel):
     """What one generated DAG holds: its id, the box its runs use (None: any allowed box, the old single DAG), the
-    pool, and the GPUs each task holds in it."""
+    pool, the GPUs each task holds in it, and whether the settings' schedule starts its runs (one DAG does)."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -67,6 +76,7 @@ class BoxResource(BaseModel):
     pool: str
     gpus: int
     shard_gpus: int
+    scheduled: bool = True
 
     def slots(self, task_id: str) -> int:
         return self.gpus if task_id in WHOLE_BOX else self.shard_gpus
