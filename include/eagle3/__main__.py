@@ -44,7 +44,13 @@ def cmd_make_tiny_target(args) -> None:
 
 def cmd_init(args) -> None:
     from eagle3.config import ConfigError, parse_run_config, resolve_target_facts, write_run_config
+    from eagle3.runowner import AirflowRun, claimed
 
+    if (args.airflow_dag_id is None) != (args.airflow_run_id is None):
+        raise ConfigError("--airflow-dag-id and --airflow-run-id name the Airflow run together: give both, or neither "
+                          "(init by hand)")
+    owner = AirflowRun(args.airflow_dag_id, args.airflow_run_id, args.triggered_by, args.redo_from) \
+        if args.airflow_dag_id is not None else None
     source = "stdin" if args.config == "-" else args.config
     try:
         draft = json.loads(sys.stdin.read() if args.config == "-" else Path(args.config).read_text())
@@ -55,8 +61,9 @@ def cmd_init(args) -> None:
     cfg = resolve_target_facts(parse_run_config(draft, source))
     warn_of_served_config_gaps(cfg)
     warn_of_rope_not_carried(cfg)
-    path = write_run_config(cfg)
-    attach_store(cfg)  # RUN_DIR/hidden_states -> {workdir}/stores/<capture key>, fixed now for every later try
+    with claimed(cfg.run_dir, owner):  # another Airflow run's directory is refused before anything is written
+        path = write_run_config(cfg)
+        attach_store(cfg)  # RUN_DIR/hidden_states -> {workdir}/stores/<capture key>, fixed now for every later try
     print(path)
 
 
@@ -270,8 +277,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_make_tiny_target)
 
-    p = sub.add_parser("init", help="validate a run config, fill in the target's facts, write RUN_DIR/config.json")
+    p = sub.add_parser("init", help="validate a run config, fill in the target's facts, write RUN_DIR/config.json",
+                       description="With --airflow-dag-id and --airflow-run-id (the DAG's write_config task), the run "
+                       "directory belongs to that Airflow run, recorded in RUN_DIR/owner.json: its retries and clears "
+                       "go on in it, another run is refused (exit 2) naming the owner, except a redo (--redo-from) "
+                       "triggered by the owner's user, which takes it over (eagle3/runowner.py).")
     p.add_argument("--config", required=True, help="a run config JSON (see `config schema`); - reads stdin")
+    p.add_argument("--airflow-dag-id", default=None, metavar="DAG_ID", help="the DAG of the Airflow run that inits")
+    p.add_argument("--airflow-run-id", default=None, metavar="RUN_ID", help="that Airflow run's id")
+    p.add_argument("--triggered-by", default=None, metavar="USER",
+                   help="the user who triggered that run (none: the scheduler, an Asset or the CLI)")
+    p.add_argument("--redo-from", default=None, metavar="STAGE",
+                   help="that run redoes this stage and every later one (box.redo_from)")
     p.set_defaults(func=cmd_init)
 
     p = sub.add_parser("config", help="run-config tools")

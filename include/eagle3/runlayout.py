@@ -20,6 +20,8 @@ RUNS, STORES, GENERATED, DRAFTERS = "runs", "stores", "generated", "drafters"
 
 # -- a run directory, stage by stage ------------------------------------------------------------------------------
 CONFIG = "config.json"  # the validated run config (`eagle3 init`); it also marks the directory as a run's
+OWNER = "owner.json"  # the Airflow runs that wrote the directory, its owner last (`eagle3 init`; eagle3.runowner)
+OWNER_LOCK = "owner.lock"  # held while init checks and records the owner
 JOBS = "jobs"  # jobs/<key>/: the detached stage jobs (eagle3.job)
 GENERATE_DIR = "generate"
 CONVERSATIONS = f"{GENERATE_DIR}/conversations.jsonl"  # the regenerated conversations extract reads (generate on)

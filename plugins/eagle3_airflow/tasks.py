@@ -10,12 +10,16 @@ eagle3_airflow.results, never from another task's XCom.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import re
 
 from airflow.sdk.exceptions import AirflowFailException
 
+from eagle3.config import RUN_NAME_PATTERN
 from eagle3_airflow.deployment import Deployment
+from eagle3_airflow.jobs import predates
 from eagle3_airflow.params import DEFAULT_PRESET, NOTES, PRESET, ParamsError, check_unknown_keys
 from eagle3_airflow.plan import RunPlan, verified_config, verified_plan
 from eagle3_airflow.results import check_inputs, read_or_fail, report_summary
@@ -25,6 +29,19 @@ from eagle3_airflow.transport import RemoteCommandError
 log = logging.getLogger(__name__)
 
 REQUIRED_BOX_PACKAGES = ["torch", "transformers", "tokenizers", "safetensors", "numpy", "pydantic"]
+RUN_NAME_MAX = 64  # (eagle3.config.RUN_NAME_PATTERN)
+
+
+def default_run_name(dag_id: str, run_id: str) -> str:
+    """The run directory's name when the form leaves run_name empty: the DAG id and the Airflow run id, so that runs
+    of two DAGs (two boxes' DAGs share run ids: scheduled__<date>, an Asset's) never share a directory, e.g.
+    eagle3_drafter.scheduled__2026-11-29T00-00-00-00-00. A name longer than run_name allows keeps its start and ends
+    in a digest of the whole, so it still names one run."""
+    readable = re.sub(r"[^A-Za-z0-9._-]+", "-", f"{dag_id}.{run_id}").strip("-.")
+    if len(readable) <= RUN_NAME_MAX and re.match(RUN_NAME_PATTERN, readable):
+        return readable
+    digest = hashlib.sha256(f"{dag_id}\0{run_id}".encode()).hexdigest()[:12]
+    return f"{readable[:RUN_NAME_MAX - len(digest) - 1].rstrip('-.') or 'run'}-{digest}"
 
 
 def validate_run(params: dict, conf: dict, known: set[str], dag_run, deployment: Deployment | None = None) -> dict:
@@ -35,6 +52,8 @@ def validate_run(params: dict, conf: dict, known: set[str], dag_run, deployment:
     try:
         check_unknown_keys(conf, known)
         form = {k: v for k, v in params.items() if k in known}
+        if not form.get("run_name"):  # empty: the run's own directory, named after its DAG and run
+            form["run_name"] = default_run_name(dag_run.dag_id, dag_run.run_id)
         config, box = deployment.configs(form, dag_run.run_id)
         config = deployment.settle(config)  # the normalised workdir, the settings' keep_versions
         deployment.check_run(config, box.conn_ids, box.stop_services, python=box.python)
@@ -85,12 +104,29 @@ def sync_code(plan_dict: dict, config: dict, dag_run=None) -> dict:
     return facts
 
 
+def init_owner_args(plan: RunPlan, dag_run) -> list[str]:
+    """`eagle3 init`'s arguments naming the Airflow run that inits the run directory, which it then belongs to
+    (eagle3.runowner): from the task's own DAG run, never XCom; each one `--name=value` argument, so that no value
+    (a run id is the API caller's choice) can read as an option."""
+    user = getattr(dag_run, "triggering_user_name", None)
+    return [f"--airflow-dag-id={dag_run.dag_id}", f"--airflow-run-id={dag_run.run_id}",
+            *([f"--triggered-by={user}"] if user else []),
+            *([f"--redo-from={plan.redo_from}"] if plan.redo_from else [])]
+
+
 def write_config(plan_dict: dict, config: dict, dag_run=None) -> str:
-    """Write config.json into the run directory on the box (once; the box fills in and checks target facts)."""
+    """Write config.json into the run directory on the box (once; the box fills in and checks target facts), and make
+    the directory this Airflow run's: another run's directory is refused (eagle3.runowner)."""
     plan = verified_plan(plan_dict, dag_run)
     config = verified_config(config, plan)
-    result = plan.box().run(plan.eagle3("init", "--config", "-"), input=json.dumps(config).encode(), timeout=300)
-    if result.returncode == 2:  # a configuration the box refuses: retrying cannot help
+    owner = init_owner_args(plan, dag_run)
+    result = plan.box().run(plan.eagle3("init", "--config", "-", *owner), input=json.dumps(config).encode(),
+                            timeout=300)
+    if predates(result, "--airflow-dag-id"):  # the run's pinned code on the box records no owner (validated before)
+        log.warning("the box's code for this run records no owner of its run directory (it predates them); "
+                    "initialising it as before")
+        result = plan.box().run(plan.eagle3("init", "--config", "-"), input=json.dumps(config).encode(), timeout=300)
+    if result.returncode == 2:  # a configuration the box refuses, or another run's directory: retrying cannot help
         raise AirflowFailException(result.stderr.strip().removeprefix("error: "))
     path = result.check("python -m eagle3 init").stdout.strip()
     log.info("run config: %s", path)
