@@ -13,7 +13,8 @@ agrees with the target on the same prompts). Then per variant: the mean over see
 from the first variant run (same seed, same prompts): mean, 95% t-interval over seeds, and range. Results are kept in
 bench-work/train-recipe/results.jsonl: a variant and seed already measured with the same fields is not rerun.
 
-Variants change `train.*` fields of the demo's config (dotted names below); the rest stays the demo's:
+Variants change `train.*` fields of the demo's config (dotted names below; a variant's "drafter" entry changes
+drafter.* fields); the rest stays the demo's:
   demo                 the demo's recipe as it is
   epochs-x2            twice the epochs (twice the steps, the same schedule shape)
   epochs-x4            four times the epochs
@@ -23,6 +24,7 @@ Variants change `train.*` fields of the demo's config (dotted names below); the 
   no-first-draft       train.first_draft_position off (SpecForge's mask exactly)
   lk-lambda            the LK loss that blends KL into 1 - expected acceptance (train.objective lk_lambda)
   lk-alpha             the LK loss -log expected acceptance (train.objective lk_alpha)
+  eagle31              EAGLE-3.1's normalisations: drafter.fc_norm and drafter.norm_output on
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ VARIANTS: dict[str, dict] = {
     "no-first-draft": {"first_draft_position": False},
     "lk-lambda": {"objective": "lk_lambda"},
     "lk-alpha": {"objective": "lk_alpha"},
+    "eagle31": {"drafter": {"fc_norm": True, "norm_output": True}},
 }
 # Sections a variant's run reads from the demo's run and never writes: linked, not recomputed.
 LINKED = (layout.HIDDEN_STATES, layout.GENERATE_DIR, layout.EXTRACT_DIR, Path(layout.SPLIT_KEYS).parent.as_posix())
@@ -81,6 +84,8 @@ def run_variant(source: Path, name: str, seed: int, train: dict) -> dict:
     config = json.loads((source / layout.CONFIG).read_text())
     run_name, workdir = f"{name}-seed{seed}", workdir_for(source)
     config["workdir"], config["run_name"], config["seed"] = str(workdir), run_name, seed
+    train = dict(train)
+    config["drafter"].update(train.pop("drafter", {}))
     config["train"].update(train)
     config["evaluate"]["promote"] = False  # every variant against the same prompts, none against another
     run_dir = layout.run_dir_of(workdir, run_name)

@@ -220,7 +220,8 @@ def test_init_derives_a_drafter_shape_sglang_serves_for_a_kimi_shaped_target(tmp
     written = run_eagle3("init", "--config", str(tmp_path / "draft.json")).stdout.strip()
     cfg = load_run_config(written)
     assert cfg.drafter.model_dump() == {"head_dim": 128, "num_attention_heads": 56, "num_key_value_heads": 8,
-                                        "intermediate_size": 18432, "rope_theta": 50000.0, "rope_scaling": "target"}
+                                        "intermediate_size": 18432, "rope_theta": 50000.0, "rope_scaling": "target",
+                                        "fc_norm": False, "norm_output": False}
     draft = DraftConfig.from_target(model, 32000, cfg.resolved_aux_layers(), cfg.drafter.model_dump())
     exported = drafter_config(draft, KIMI_K25_CONFIG["architectures"][0], "bfloat16")
     assert (exported["head_dim"], exported["num_attention_heads"], exported["num_key_value_heads"],

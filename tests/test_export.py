@@ -64,3 +64,47 @@ def test_export_has_exactly_the_keys_sglang_loads_and_round_trips(trained_config
     torch.testing.assert_close(got, want, atol=0.1, rtol=0.05)
     assert (draft_to_target.numpy() == np.flatnonzero(tensors["t2d"].numpy())).all()
     assert run_export(train_config) == report  # a retry finds it done
+
+
+def test_eagle31_norms_are_exported_as_the_engines_name_them_and_round_trip(trained_config, tiny_target):
+    """drafter.fc_norm / norm_output (EAGLE-3.1): the per-aux norms go out as fc_norm.<i>.weight and config.json
+    says fc_norm / norm_output, the names sglang 0.5.23 and vllm 0.32 read (llama_eagle3.py); the export alone gives
+    back the drafter, whose norms do act: an aux state scaled 1000x drafts the same, and the next step reads the
+    normed hidden state."""
+    from eagle3.checkpoint import best_checkpoint, read_meta, save_checkpoint
+    from eagle3.runlayout import CHECKPOINTS
+
+    cfg = trained_config.model_copy(update={"drafter": trained_config.drafter.model_copy(
+        update={"fc_norm": True, "norm_output": True})})
+    torch.manual_seed(1)
+    trained = build_draft_model(tiny_target, 512, [1, 3, 4], cfg.drafter.derived({"hidden_size": 256,
+                                                                                   "intermediate_size": 512}))
+    with torch.no_grad():
+        for norm in trained.fc.norms:
+            norm.weight.uniform_(0.5, 1.5)
+    checkpoint, meta = best_checkpoint(cfg.run_dir / CHECKPOINTS)
+    state = {k: v for k, v in trained.state_dict().items() if k != "embed_tokens.weight"}
+    save_checkpoint(cfg.run_dir / CHECKPOINTS, {"model": state, "step": meta["step"] + 1},
+                    {**read_meta(checkpoint), "step": meta["step"] + 1, "val_offline_accept_length": 1e9,
+                     "draft_config": trained.cfg.to_json()}, keep_last=5, best_step=meta["step"] + 1)
+    run_export(cfg)
+
+    drafter = cfg.run_dir / "drafter"
+    config = json.loads((drafter / "config.json").read_text())
+    assert config["fc_norm"] is True and config["norm_output"] is True
+    with safe_open(str(drafter / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+    assert names == set(EXPORT_KEYS) | {"fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight", "d2t", "t2d"}
+
+    loaded, _ = load_exported_drafter(drafter, tiny_target)
+    ids, aux = torch.randint(0, 849, (1, 12)), torch.randn(1, 12, 768)
+    loud = aux.clone()
+    loud[..., 256:512] *= 1000  # one layer's states far larger, as a deep target's are
+    positions = torch.arange(12)[None]
+    with torch.no_grad():
+        want, want_next = trained.step(ids, trained.fc(aux), positions, [])
+        got, got_next = loaded.step(ids, loaded.fc(aux), positions, [])
+        torch.testing.assert_close(got, want, atol=0.1, rtol=0.05)
+        torch.testing.assert_close(loaded.fc(loud), loaded.fc(aux), atol=1e-3, rtol=1e-3)
+        # handed on after the final norm (whose weight is still ones here, so norming it again changes nothing)
+        torch.testing.assert_close(got_next, loaded.norm(got_next / 3), atol=1e-4, rtol=1e-4)

@@ -533,6 +533,17 @@ class DrafterConfig(Section):
         "target scales its RoPE).",
     )
 
+    fc_norm: bool = Field(
+        False, title="EAGLE-3.1: norm each aux state",
+        description="An RMSNorm on each of the target's aux states before the drafter's fc (EAGLE-3.1; SGLang and "
+        "vLLM read fc_norm from the drafter's config.json).",
+    )
+    norm_output: bool = Field(
+        False, title="EAGLE-3.1: pass the normed state on",
+        description="Each draft step hands the next one its hidden state after the final norm, not before "
+        "(EAGLE-3.1; SGLang and vLLM read norm_output).",
+    )
+
     @field_validator("head_dim")
     @classmethod
     def _served_head_dim(cls, head_dim: int | None) -> int | None:
@@ -559,7 +570,8 @@ class DrafterConfig(Section):
 
         return {"head_dim": head_dim, "num_attention_heads": heads, "num_key_value_heads": kv,
                 "intermediate_size": self.intermediate_size or int(target["intermediate_size"]),
-                "rope_theta": self.rope_theta or target_rope(target)[0], "rope_scaling": self.rope_scaling}
+                "rope_theta": self.rope_theta or target_rope(target)[0], "rope_scaling": self.rope_scaling,
+                "fc_norm": self.fc_norm, "norm_output": self.norm_output}
 
 
 class TrainConfig(Section):

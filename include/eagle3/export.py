@@ -52,6 +52,15 @@ EXPORT_KEYS = (
 )
 
 
+def export_names(draft: DraftConfig) -> dict[str, str]:
+    """{the trained weight's name: its name in the export}: SpecForge's names, which SGLang and vLLM load, plus
+    EAGLE-3.1's per-aux norms under the engines' fc_norm.<i> (fc.norms.<i> in training)."""
+    names = {key: key for key in EXPORT_KEYS}
+    if draft.fc_norm:
+        names.update({f"fc.norms.{i}.weight": f"fc_norm.{i}.weight" for i in range(len(draft.aux_layer_ids))})
+    return names
+
+
 def drafter_config(draft: DraftConfig, target_architecture: str, dtype: str) -> dict:
     """The exported config.json: SGLang's LlamaForCausalLMEagle3, with each engine's aux layer ids where it reads
     them. Refused when no engine can be told the trained layers."""
@@ -79,6 +88,9 @@ def drafter_config(draft: DraftConfig, target_architecture: str, dtype: str) -> 
         "draft_vocab_size": draft.draft_vocab_size,
         "tie_word_embeddings": False,
         "torch_dtype": dtype,
+        # EAGLE-3.1's normalisations, read by sglang 0.5.23 and vllm 0.32 (llama_eagle3.py), written only when on
+        **({"fc_norm": True} if draft.fc_norm else {}),
+        **({"norm_output": True} if draft.norm_output else {}),
         "eagle_aux_hidden_state_layer_ids": vllm_ids,  # vLLM reads this one first
         "eagle_config": {
             "eagle_aux_hidden_state_layer_ids": sglang_ids,  # the only one SGLang reads
@@ -128,11 +140,12 @@ def run_export(cfg) -> dict:
     draft = DraftConfig(**{**meta["draft_config"], "aux_layer_ids": tuple(meta["draft_config"]["aux_layer_ids"])})
     architecture = read_architecture(cfg.target.model_path)
     state = load_checkpoint(checkpoint)["model"]
-    if set(state) != set(EXPORT_KEYS):
-        differing = sorted(set(state) ^ set(EXPORT_KEYS))
+    names = export_names(draft)
+    if set(state) != set(names):
+        differing = sorted(set(state) ^ set(names))
         raise RuntimeError(f"{checkpoint}: weights {differing} differ from the export set")
     dtype = getattr(torch, cfg.export.dtype)
-    tensors = {key: state[key].to(dtype).contiguous() for key in EXPORT_KEYS}
+    tensors = {exported: state[trained].to(dtype).contiguous() for trained, exported in names.items()}
     tensors["d2t"] = torch.from_numpy(np.load(cfg.run_dir / MAPPING_D2T, allow_pickle=False))
     tensors["t2d"] = torch.from_numpy(np.load(cfg.run_dir / MAPPING_T2D, allow_pickle=False))
     family(architecture)  # refuse a target whose engines' layer-id rules were never read, before writing anything
@@ -188,11 +201,14 @@ def load_exported_drafter(drafter_dir: str | Path, target_model_path: str | Path
         rope_scaling=target_rope(config)[1],  # as the engines read it from this config.json
         draft_vocab_size=config["draft_vocab_size"],
         aux_layer_ids=tuple(aux_layers_of(drafter_dir, config, architecture)),
+        fc_norm=bool(config.get("fc_norm", False)), norm_output=bool(config.get("norm_output", False)),
     )
     model = Eagle3Draft(draft)
-    weights = load_file(str(drafter_dir / WEIGHTS))
-    d2t = weights.pop("d2t")
-    weights.pop("t2d")
+    exported = load_file(str(drafter_dir / WEIGHTS))
+    d2t = exported.pop("d2t")
+    exported.pop("t2d")
+    weights = {trained: exported.pop(name) for trained, name in export_names(draft).items() if name in exported}
+    weights.update(exported)  # (anything left over fails load_state_dict below, by name)
     weights["embed_tokens.weight"] = load_target_tensor(target_model_path, EMBED_KEYS)
     model.load_state_dict({k: v.float() for k, v in weights.items()}, strict=True)
     return model.eval(), d2t + torch.arange(len(d2t))

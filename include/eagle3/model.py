@@ -116,6 +116,8 @@ class DraftConfig:
     draft_vocab_size: int
     aux_layer_ids: tuple[int, ...]
     rope_scaling: dict | None = None  # the target's, carried (eagle3.rope); None: plain rope_theta
+    fc_norm: bool = False  # EAGLE-3.1: an RMSNorm on each aux state before fc (engines: config.json's fc_norm)
+    norm_output: bool = False  # EAGLE-3.1: the next step reads the normed hidden state (engines: norm_output)
 
     @classmethod
     def from_target(cls, model_path: str | Path, draft_vocab_size: int, aux_layer_ids,
@@ -141,10 +143,28 @@ class DraftConfig:
             draft_vocab_size=draft_vocab_size,
             aux_layer_ids=tuple(aux_layer_ids),
             rope_scaling=scaling if geometry.get("rope_scaling", "target") == "target" else None,
+            fc_norm=bool(geometry.get("fc_norm", False)),
+            norm_output=bool(geometry.get("norm_output", False)),
         )
 
     def to_json(self) -> dict:
         return asdict(self)
+
+
+class AuxProjection(nn.Linear):
+    """fc: the target's aux states, concatenated, projected to the drafter's width; with fc_norm (EAGLE-3.1) each
+    aux state is RMS-normed first (the layers' scales differ by orders of magnitude in deep targets). The norms'
+    weights are `fc.norms.<i>.weight` here and `fc_norm.<i>.weight` in the export, as SGLang and vLLM name them."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__(len(cfg.aux_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.norms = (nn.ModuleList(RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) for _ in cfg.aux_layer_ids)
+                      if cfg.fc_norm else None)
+
+    def forward(self, aux: torch.Tensor) -> torch.Tensor:
+        if self.norms is not None:
+            aux = torch.cat([norm(part) for norm, part in zip(self.norms, aux.chunk(len(self.norms), dim=-1))], -1)
+        return super().forward(aux)
 
 
 class Eagle3Draft(nn.Module):
@@ -153,16 +173,25 @@ class Eagle3Draft(nn.Module):
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.target_vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)  # the target's, frozen
-        self.fc = nn.Linear(len(cfg.aux_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.fc = AuxProjection(cfg)
         self.midlayer = MidLayer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
 
     def step(self, input_ids, hidden, positions, kv_cache: list) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft step. `hidden` is fc(aux) for step 0, the previous step's output after that.
-        Returns (draft-vocab logits, the hidden state for the next step)."""
+        Returns (draft-vocab logits, the hidden state for the next step: the layer's output before the final norm,
+        or after it with norm_output, as the engines pass it on)."""
+        normed, next_hidden = self.step_states(input_ids, hidden, positions, kv_cache)
+        return self.lm_head(normed), next_hidden
+
+    def step_states(self, input_ids, hidden, positions, kv_cache: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """`step` up to the lm_head: (the normed state the lm_head reads, the hidden state for the next step).
+        Training applies the lm_head itself, a chunk of positions at a time (eagle3.train), so that no step's
+        [T, draft vocab] logits are kept for backward."""
         out = self.midlayer(self.embed_tokens(input_ids), hidden, positions, kv_cache)
-        return self.lm_head(self.norm(out)), out
+        normed = self.norm(out)
+        return normed, normed if self.cfg.norm_output else out
 
     def num_trainable_params(self) -> int:
         return sum(p.numel() for p in self.parameters() if p.requires_grad)
