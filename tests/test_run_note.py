@@ -104,3 +104,36 @@ def test_markdown_in_a_workdir_a_reason_or_a_forged_figure_renders_as_literal_te
     assert "<td>**9.999**</td>" in html and "<td>[2.538](https://x)</td>" in html
     nothing = render(note_markdown({"nothing_changed_since": "**x** ![y](z)", "promotion": {}}))
     assert "<strong>" not in nothing and "<img" not in nothing and "**x** ![y](z)" in nothing
+
+
+def test_the_public_sets_show_in_the_note_and_the_report_tab_beside_the_published_figures():
+    """evaluate.benchmarks: report.json's public_sets reach the run's summary (results.summarize), and the note and
+    the report tab each show a row per set: prompts (and answers cut at max tokens), k=3 and k=7 with their
+    intervals, and the published Kimi drafters' figures at k=3 beside them. A report without public sets shows
+    no such table."""
+    from types import SimpleNamespace
+
+    from eagle3_airflow.report_view import _summary_html
+    from eagle3_airflow.results import summarize
+
+    def figures(mean, low, high):
+        return {"mean_accept_length": mean, "accept_length_interval95": [low, high], "ceiling_accept_length": 3.9}
+
+    evaluation = {
+        "val_acc_per_position": [0.8, 0.6], "offline_accept_length": {"3": 2.7},
+        "speculative": {"3": figures(2.821, 2.61, 3.02)},
+        "public_sets": {"gsm8k": {"title": "GSM8K", "prompts": 200, "answers_cut_at_max_new_tokens": 3,
+                                  "speculative": {"3": figures(3.104, 3.01, 3.2), "7": figures(4.2, 3.9, 4.5)},
+                                  "published_k3": {"TorchSpec K2.5": 3.2, "AQ-MedAI K2": 3.27}}},
+    }
+    summary = summarize(SimpleNamespace(run_dir="/data/runs/r", conn_ids=["gpu-box"]), evaluation, [])
+    row = "| GSM8K | 200, 3 cut at max tokens | 3.104 (3.010-3.200) | 4.200 (3.900-4.500) | TorchSpec K2.5 3.20, " \
+          "AQ-MedAI K2 3.27 |"
+    assert row in note_markdown(summary)
+    page = _summary_html(summary, {})
+    assert "<table id='public-sets'>" in page and "<td>3.104 (3.010-3.200)</td>" in page
+    assert "<td>TorchSpec K2.5 3.20, AQ-MedAI K2 3.27</td>" in page
+
+    without = summarize(SimpleNamespace(run_dir="/data/runs/r", conn_ids=["gpu-box"]),
+                        {k: v for k, v in evaluation.items() if k != "public_sets"}, [])
+    assert "public set" not in note_markdown(without) and "public-sets" not in _summary_html(without, {})

@@ -31,7 +31,14 @@ from eagle3_airflow.airflow_internals import DagAccessEntity, SessionDep, requir
 from eagle3_airflow.deployment import Deployment
 from eagle3_airflow.params import ParamsError
 from eagle3_airflow.published import PUBLISHED_REPORT, NotPublished, read_manifest, read_published, run_folder
-from eagle3_airflow.run_note import BESIDE_MEASURED, beside_measured, figure, verdict
+from eagle3_airflow.run_note import (
+    BESIDE_MEASURED,
+    PUBLIC_SET_COLUMNS,
+    beside_measured,
+    figure,
+    public_set_rows,
+    verdict,
+)
 
 app = FastAPI(title="EAGLE-3 run report", docs_url=None, redoc_url=None, openapi_url=None)  # pages, not an API
 CanReadRuns = [Depends(requires_access_dag("GET", DagAccessEntity.RUN))]
@@ -121,6 +128,11 @@ def _summary_html(summary: dict, manifest: dict) -> Escaped:
         parts.append("<table id='acceptance'><tr><th>draft length k</th><th>acceptance length</th>"
                      "<th>current drafter</th>" + "".join(f"<th>{e(name)}</th>" for name in BESIDE_MEASURED)
                      + f"</tr>{rows}</table>")
+    public = public_set_rows(summary)
+    if public:
+        rows = "".join("<tr>" + "".join(f"<td>{e(cell)}</td>" for cell in row) + "</tr>" for row in public)
+        parts.append("<table id='public-sets'><tr><th>public set</th>"
+                     + "".join(f"<th>{e(name)}</th>" for name in PUBLIC_SET_COLUMNS) + f"</tr>{rows}</table>")
     states = summary.get("hidden_states") if isinstance(summary.get("hidden_states"), dict) else None
     facts = {
         "val accuracy per position": summary.get("val_acc_per_position"),

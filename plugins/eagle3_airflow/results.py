@@ -84,6 +84,16 @@ def summarize(plan: RunPlan, evaluation: dict, plots: list[str], benchmark: dict
                                          for k, v in evaluation["speculative"].items()},
             "ceiling_accept_length": {k: v.get("ceiling_accept_length") for k, v in evaluation["speculative"].items()},
             "offline_accept_length": evaluation.get("offline_accept_length"),
+            # per public set (evaluate.benchmarks): the figures at each published configuration, the published
+            # drafters' own at k=3 beside them (absent from reports written before public sets existed)
+            "public_sets": {name: {"title": report.get("title", name), "prompts": report.get("prompts"),
+                                   "answers_cut": report.get("answers_cut_at_max_new_tokens"),
+                                   "accept_length": {k: v["mean_accept_length"]
+                                                     for k, v in report["speculative"].items()},
+                                   "interval95": {k: v.get("accept_length_interval95")
+                                                  for k, v in report["speculative"].items()},
+                                   "published_k3": report.get("published_k3")}
+                            for name, report in (evaluation.get("public_sets") or {}).items()},
             # samples extracted by this run, and reused from the store runs with the same capture share
             "hidden_states": evaluation.get("hidden_states"),
             # measured against the lineage's current drafter on its pinned prompts; promoted or not, and why

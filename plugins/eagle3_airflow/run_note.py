@@ -80,6 +80,11 @@ def note_markdown(summary: dict, failed_tasks: list[str] | None = None, headline
             cells = [text(k), number(value), figure(theirs.get(k)), *beside_measured(summary, k)]
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
+    public = public_set_rows(summary)
+    if public:
+        lines += ["| public set | " + " | ".join(PUBLIC_SET_COLUMNS) + " |", "|---|" + "---|" * len(PUBLIC_SET_COLUMNS)]
+        lines += ["| " + " | ".join(row) + " |" for row in public_set_rows(summary, escape=text)]
+        lines.append("")
     facts = []
     states = _mapping(summary.get("hidden_states"))
     if states:
@@ -127,6 +132,34 @@ def beside_measured(summary: dict, k: str) -> list[str]:
         f"{number(ceiling)} ({measured / ceiling:.0%})" if numeric and ceiling > 0 else figure(ceiling),
         figure(_mapping(summary.get("offline_accept_length")).get(k)),
     ]
+
+
+# k=3 and k=7 are the published configurations: 3 steps / topk 1 / 4 draft tokens, and 7 / 1 / 8
+PUBLIC_SET_COLUMNS = ("prompts", "k=3 (95% interval)", "k=7 (95% interval)", "published at k=3")
+
+
+def public_set_rows(summary: dict, escape=str) -> list[list[str]]:
+    """One row per public set of evaluate.benchmarks (PUBLIC_SET_COLUMNS after the set's title). Names from the
+    report go through `escape` (the note's `text`; the report tab escapes whole cells as HTML); figures are
+    number()'s, which shows anything that is not a number as escaped text."""
+    rows = []
+    for name, figures in _mapping(summary.get("public_sets")).items():
+        figures = _mapping(figures)
+        measured, intervals = _mapping(figures.get("accept_length")), _mapping(figures.get("interval95"))
+        at = {k: figure(measured.get(k)) + _spread(intervals.get(k)) for k in ("3", "7")}
+        cut = figures.get("answers_cut")
+        prompts = number(figures.get("prompts"), "d") + (f", {number(cut, 'd')} cut at max tokens" if cut else "")
+        published = ", ".join(f"{escape(who)} {number(value, '.2f')}" for who, value in
+                              _mapping(figures.get("published_k3")).items()) or "-"
+        rows.append([escape(figures.get("title") or name), prompts, at["3"], at["7"], published])
+    return rows
+
+
+def _spread(interval) -> str:
+    """ (low-high), or nothing where the report has no interval."""
+    if isinstance(interval, list) and len(interval) == 2:
+        return f" ({number(interval[0])}-{number(interval[1])})"
+    return ""
 
 
 def figure(value) -> str:
