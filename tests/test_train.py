@@ -316,3 +316,80 @@ def test_the_lk_objectives_are_the_expected_acceptance_losses_of_the_target_full
         torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6, msg=lambda m, o=objective: f"{o}: {m}")
         torch.testing.assert_close(plosses[0], kl, rtol=1e-5, atol=1e-6)  # the curves plot the cross-entropy
     assert 0 < alpha.min() and alpha.max() < 1 and kl > 0
+
+
+def chunking_workload(objective: str = "kl", steps: int = 7, t: int = 97, vocab: int = 60):
+    """A padded batch of 2 for the 7-step objective, seeded: (draft, teachers, aux, draft_ids)."""
+    from eagle3.model import DraftConfig, Eagle3Draft
+
+    cfg = DraftConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=8, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=1024,
+                      target_vocab_size=2 * vocab, draft_vocab_size=vocab, aux_layer_ids=(1, 2, 3))
+    torch.manual_seed(0)
+    draft = Eagle3Draft(cfg)
+    ids, aux, last = torch.randint(0, 2 * vocab, (2, t)), torch.randn(2, t, 96), torch.randn(2, t, 32)
+    draft_ids = torch.arange(0, 2 * vocab, 2)
+    t2d = torch.zeros(2 * vocab, dtype=torch.bool)
+    t2d[draft_ids] = True
+    teachers = make_teachers(ids, torch.ones_like(ids), last, torch.randn(2 * vocab, 32), draft_ids, t2d,
+                             lengths=torch.tensor([t, t * 2 // 3]), first_draft=True)
+    return draft, teachers, aux, draft_ids
+
+
+@pytest.mark.parametrize("objective", train.OBJECTIVES)
+def test_the_loss_in_chunks_of_positions_equals_the_whole_steps(objective):
+    """TTTObjective takes each step's logits, loss terms and accuracy a chunk of positions at a time (checkpointed:
+    backward recomputes the chunk's logits). For SpecForge's objective and both LK ones: the loss, every TTT
+    position's cross-entropy and accuracy, and the gradient of every trained weight equal the whole step's (one
+    chunk, the unchunked computation) within fp32 rounding, with chunks that do not divide T, one position, and T."""
+    draft, teachers, aux, draft_ids = chunking_workload(objective)
+
+    def run(chunk):
+        draft.zero_grad(set_to_none=True)
+        loss, plosses, accs, agrees = train.TTTObjective(draft, 7, objective, logit_chunk=chunk)(
+            aux, teachers, draft_ids)
+        loss.backward()
+        return loss.detach(), plosses, accs, agrees, {n: p.grad for n, p in draft.named_parameters()
+                                                      if p.requires_grad}
+
+    whole = run(97)
+    for chunk in (13, 1, 40):
+        loss, plosses, accs, agrees, grads = run(chunk)
+        torch.testing.assert_close(loss, whole[0], rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(plosses, whole[1], rtol=1e-6, atol=1e-7)
+        assert torch.equal(accs, whole[2]) and torch.equal(agrees, whole[3])
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, whole[4][name], rtol=0, atol=1e-5 * whole[4][name].abs().max(),
+                                       msg=lambda m, n=name, c=chunk: f"chunk {c}, {n}: {m}")
+
+
+def test_no_ttt_step_keeps_its_logits_for_backward():
+    """The memory item 1 of issue 42 is about: autograd kept every step's [B, T, draft vocab] log-probabilities
+    and teacher product (7 x 2 x 4 GB at Kimi's drafter, T = 32k). Counted with saved_tensors_hooks over forward
+    (the checkpoints' own inputs included): in chunks, besides the teacher p that make_teachers built (one tensor,
+    all steps read it), no kept tensor holds more than a chunk's draft-vocab rows; the unchunked run, the control
+    (what the code kept before), keeps two whole-step tensors of logits' size a step more, 14 in all."""
+    draft, teachers, aux, draft_ids = chunking_workload(t=256, vocab=512)
+    b, t, vocab, chunk = 2, 256, 512, 16
+    teacher_p = teachers.p.untyped_storage().data_ptr()
+
+    def kept(logit_chunk: int) -> tuple[int, int]:
+        """(bytes of the distinct storages autograd keeps besides the teacher p, the most draft-vocab rows in one)"""
+        storages, rows = {}, [0]
+
+        def pack(x):
+            if x.untyped_storage().data_ptr() != teacher_p:
+                storages[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+                if x.dim() >= 2 and x.shape[-1] == vocab:
+                    rows[0] = max(rows[0], x.numel() // vocab)
+            return x
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+            train.TTTObjective(draft, 7, logit_chunk=logit_chunk)(aux, teachers, draft_ids)
+        return sum(storages.values()), rows[0]
+
+    logits_bytes = b * t * vocab * 4
+    chunked, chunked_rows = kept(chunk)
+    whole, whole_rows = kept(t)
+    assert chunked_rows <= b * chunk and whole_rows == b * t
+    assert whole - chunked >= 14 * logits_bytes, (chunked, whole, logits_bytes)

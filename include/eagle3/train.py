@@ -36,6 +36,8 @@ The objective (SpecForge's, which SGLang-served drafters are trained with):
                           gradient through w_i): KL while the drafter is poor, acceptance once it is good
                lk_alpha   -mean(log sum_v min(p_full, q)) over the same positions
   accuracy     acc_i = #(d2t-mapped draft argmax == teacher where loss_mask) / #loss_mask
+  memory       each step's logits, loss terms and accuracy are taken a chunk of positions at a time, checkpointed
+               (TTTObjective): no step keeps [T, draft vocab] tensors for backward, so long contexts train
   offline      acceptance length per k of evaluate.draft_lengths: greedy speculative decoding replayed on the
                validation split's stored states (eagle3.acceptance): what evaluate measures, up to the prompts
 """
@@ -56,6 +58,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from eagle3.acceptance import figures as acceptance_figures
 from eagle3.acceptance import replay
@@ -85,6 +88,7 @@ log = logging.getLogger(__name__)
 STEP_DECAY = 0.8
 INIT_RECORD = "init.json"  # in RUN_DIR/train/init/: which promoted version a warm start copied, and its digest
 LOGIT_CHUNK = 2048  # positions per full-vocab matmul when looking for the teacher token
+LOGIT_LOSS_ELEMENTS = 1 << 26  # draft-vocab logits per chunk of a TTT step's loss (256 MiB in fp32; TTTObjective)
 
 
 # -- the objective: pure functions ------------------------------------------------------------
@@ -176,36 +180,77 @@ def step_loss(objective: str, ploss: torch.Tensor, alpha: torch.Tensor, mask: to
     return kl_weight * ploss + (1 - kl_weight) * (1 - mean_alpha)
 
 
+def shifted(x: torch.Tensor, steps: int, start: int, end: int) -> torch.Tensor:
+    """Positions start..end of x shifted left `steps` times (shift_left, zeros past the end): what TTT step `steps`
+    reads there, sliced from the one unshifted tensor rather than from a shifted copy per step."""
+    part = x[:, start + steps : end + steps]
+    if part.shape[1] == end - start:
+        return part
+    return torch.cat([part, part.new_zeros(part.shape[0], end - start - part.shape[1], *part.shape[2:])], dim=1)
+
+
 class TTTObjective(nn.Module):
     """The drafter unrolled for ttt_length steps. forward returns (loss, plosses, accs, agrees): agrees[i] is
     where step i's draft (mapped through d2t) equals the teacher, at every position; plosses[i] is step i's
-    cross-entropy whatever the objective (what the curves plot). DDP wraps this."""
+    cross-entropy whatever the objective (what the curves plot). DDP wraps this.
 
-    def __init__(self, draft: Eagle3Draft, ttt_length: int, objective: str = "kl", lk_kl_decay: float = 3.0):
+    Each step's logits and the terms taken from them (cross-entropy, expected acceptance, agreement) are computed
+    `logit_chunk` positions at a time (default: LOGIT_LOSS_ELEMENTS logits per chunk, whole rows of the batch).
+    With more than one chunk each is checkpointed: backward recomputes its logits from the step's normed state,
+    which autograd keeps anyway, so no step keeps its [B, T, draft vocab] logits, log-probabilities or teacher
+    product (at Kimi's drafter, T = 32k, 4 GB each, a step) and the loss part of the peak is one chunk's. The
+    teacher p is read shifted from the one tensor make_teachers built, never copied per step. With one chunk (the
+    tiny target's drafter up to T = 65k) the computation is the unchunked one, bit for bit."""
+
+    def __init__(self, draft: Eagle3Draft, ttt_length: int, objective: str = "kl", lk_kl_decay: float = 3.0,
+                 logit_chunk: int | None = None):
         super().__init__()
         if objective not in OBJECTIVES:
             raise ValueError(f"train.objective {objective!r}: one of {', '.join(OBJECTIVES)}")
         self.draft, self.ttt_length, self.kind, self.lk_kl_decay = draft, ttt_length, objective, lk_kl_decay
+        self.logit_chunk = logit_chunk
+
+    def chunk_positions(self, batch: int) -> int:
+        return self.logit_chunk or max(1, LOGIT_LOSS_ELEMENTS // (batch * self.draft.cfg.draft_vocab_size))
+
+    def chunk_terms(self, normed, p, draft_mass, counted, teacher, draft_ids, step: int, start: int, end: int):
+        """TTT step `step`'s terms at positions start..end: (the cross-entropy summed over them, the expected
+        acceptance [B, n] or None for kl, where the draft agrees with the teacher [B, n])."""
+        logits = self.draft.lm_head(normed[:, start:end])
+        logp = F.log_softmax(logits.float(), dim=-1)
+        p = shifted(p, step, start, end)
+        ce = -(counted[:, start:end, None] * p * logp).sum()
+        alpha = None
+        if self.kind != "kl":
+            alpha = expected_acceptance(p * shifted(draft_mass, step, start, end)[..., None], logits)
+        return ce, alpha, draft_ids[logits.argmax(-1)] == teacher[:, start:end]
 
     def forward(self, aux, t: Teachers, draft_ids):
         b, n = t.input_ids.shape
         positions = torch.arange(n, device=aux.device)[None].expand(b, n)
         hidden, cache = self.draft.fc(aux), []
-        ids, p, teacher, in_draft_vocab, draft_mass = t.input_ids, t.p, t.teacher, t.in_draft_vocab, t.draft_mass
+        ids, teacher, in_draft_vocab = t.input_ids, t.teacher, t.in_draft_vocab
+        size = self.chunk_positions(b)
+        spans = [(start, min(start + size, n)) for start in range(0, n, size)]
         loss, plosses, accs, agrees = 0.0, [], [], []
         for i, mask in enumerate(step_masks(t, self.ttt_length)):
-            logits, hidden = self.draft.step(ids, hidden, positions + i, cache)
-            logp = F.log_softmax(logits.float(), dim=-1)
+            normed, hidden = self.draft.step_states(ids, hidden, positions + i, cache)
             counted = in_draft_vocab & mask
-            ploss = -(counted[..., None] * p * logp).sum() / (b * n)
-            alpha = expected_acceptance(p * draft_mass[..., None], logits) if self.kind != "kl" else None
-            agree = draft_ids[logits.argmax(-1)] == teacher
+            args = (normed, t.p, t.draft_mass, counted, teacher, draft_ids, i)
+            if len(spans) == 1:
+                ce, alpha, agree = self.chunk_terms(*args, 0, n)
+            else:
+                parts = [checkpoint(self.chunk_terms, *args, start, end, use_reentrant=False,
+                                    preserve_rng_state=False) for start, end in spans]
+                ce = torch.stack([part[0] for part in parts]).sum()
+                alpha = torch.cat([part[1] for part in parts], dim=1) if self.kind != "kl" else None
+                agree = torch.cat([part[2] for part in parts], dim=1)
+            ploss = ce / (b * n)
             accs.append((agree & mask).sum() / mask.sum().clamp(min=1))
             plosses.append(ploss.detach())
             agrees.append(agree)
             loss = loss + STEP_DECAY**i * step_loss(self.kind, ploss, alpha, counted, self.lk_kl_decay)
-            ids, p, teacher, in_draft_vocab, draft_mass = shift_left(ids), shift_left(p), shift_left(teacher), \
-                shift_left(in_draft_vocab), shift_left(draft_mass)
+            ids, teacher, in_draft_vocab = shift_left(ids), shift_left(teacher), shift_left(in_draft_vocab)
         return loss, torch.stack(plosses), torch.stack(accs), torch.stack(agrees)
 
 
