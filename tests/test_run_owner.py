@@ -147,3 +147,22 @@ def test_an_unnamed_run_is_named_with_its_dag_id_so_two_boxes_dags_never_share_a
     long_names = [default_run_name(long_box, run_id) for run_id in runs]
     assert len(set(long_names)) == 2 and all(len(name) <= 64 for name in long_names)
     assert all(name.startswith("eagle3_drafter__bbbb") for name in long_names)
+
+
+def test_a_stage_of_another_airflow_run_is_not_started_in_an_owned_directory(draft, tmp_path):
+    """A run refused at init must not write by another way: its write_config marked successful (by whoever may mark
+    and clear tasks, as in the attack above), its stages' `job start` names the run, and the box refuses it in a
+    directory another run owns, redo or not (exit 2, nothing launched). The owner's start goes on."""
+    assert init(draft, *ALICE_RUN).returncode == 0
+    jobs = tmp_path / "work" / "runs" / "shared-name" / "jobs"
+
+    def start(dag_id: str, run_id: str, *redo: str):
+        return run_eagle3("job", "start", "--jobs-dir", str(jobs), "--key", "train", f"--airflow-dag-id={dag_id}",
+                          f"--airflow-run-id={run_id}", *redo, "--", sys.executable, "-c", "1", check=False)
+
+    for redo in ([], ["--redo", "run-0123456789abcdef", "--set-aside", str(jobs.parent / "train")]):
+        refused = start("eagle3_drafter", "manual__2026-12-06T08:00:00+00:00", *redo)
+        assert refused.returncode == 2 and "belongs to Airflow run 'manual__2026-12-04T08:00:00+00:00'" in \
+            refused.stderr, refused.stderr
+        assert not (jobs / "train" / "state.json").exists()
+    assert json.loads(start("eagle3_drafter", ALICE_RUN[1]).stdout)["try"] == 1

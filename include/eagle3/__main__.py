@@ -231,6 +231,7 @@ def cmd_box_disk(args) -> None:
 
 def cmd_job(args) -> None:
     from eagle3 import job
+    from eagle3.runowner import AirflowRun
 
     if args.job_command == "supervise":
         job.supervise(args.jobs_dir, args.key)
@@ -240,8 +241,12 @@ def cmd_job(args) -> None:
         try:
             stall = job.StallLimits(args.first_progress_timeout_s or args.stall_timeout_s, args.stall_timeout_s) \
                 if args.stall_timeout_s else None
+            if (args.airflow_dag_id is None) != (args.airflow_run_id is None):
+                raise job.JobError("--airflow-dag-id and --airflow-run-id name the Airflow run together: give both, "
+                                   "or neither")
+            owner = AirflowRun(args.airflow_dag_id, args.airflow_run_id) if args.airflow_dag_id is not None else None
             result = job.start_job(args.jobs_dir, args.key, argv, args.heartbeat_s, args.stale_after_s,
-                                   args.pass_env, stall, args.redo, args.set_aside)
+                                   args.pass_env, stall, args.redo, args.set_aside, owner)
         except job.JobLaunchError as err:  # not a usage error: a retry may well succeed
             print(f"error: {err}", file=sys.stderr)
             raise SystemExit(1) from None
@@ -455,6 +460,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "renamed NAME.before-redo-<time>; a later start with the same NAME attaches or resumes as usual")
     start.add_argument("--set-aside", action="append", default=[], metavar="PATH",
                        help="with --redo: an output of the stage (an entry of the run directory) to rename aside")
+    start.add_argument("--airflow-dag-id", default=None, metavar="DAG_ID",
+                       help="with --airflow-run-id: the Airflow run that starts the job; refused (exit 2) where the "
+                       "run directory holding --jobs-dir belongs to another run (RUN_DIR/owner.json)")
+    start.add_argument("--airflow-run-id", default=None, metavar="RUN_ID", help="that Airflow run's id")
     start.add_argument("argv", nargs=argparse.REMAINDER, help="-- then the command and its arguments")
     poll.add_argument("--log-offset", type=int, default=None,
                       help="byte offset to read the log from (last log_offset); default 0, or with --stream its cursor")
@@ -480,8 +489,9 @@ def exit_code_for(err: Exception) -> int | None:
     from eagle3.data import DataError
     from eagle3.job import JobError
     from eagle3.layer_ids import LayerIdError
+    from eagle3.runowner import RunDirOwned
 
-    if isinstance(err, (ConfigError, DataError, JobError, LayerIdError)):
+    if isinstance(err, (ConfigError, DataError, JobError, LayerIdError, RunDirOwned)):
         return 2
     from eagle3.generate import GenerateAborted
     from eagle3.server import ServerError

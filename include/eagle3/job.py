@@ -51,6 +51,7 @@ from stat import S_IMODE, S_ISDIR, S_ISREG, S_ISVTX, S_IWOTH
 from eagle3.fsutil import atomic_write_text, file_kind, private_opener
 from eagle3.progress import PROGRESS_FILE_VAR
 from eagle3.runlayout import REDO_OUTPUTS
+from eagle3.runowner import AirflowRun, check_owner
 
 REDONE_OUTPUTS = frozenset(output for outputs in REDO_OUTPUTS.values() for output in outputs)
 
@@ -654,6 +655,7 @@ def start_job(
     stall: StallLimits | None = None,
     redo: str | None = None,
     set_aside: Iterable[str] = (),
+    owner: AirflowRun | None = None,
 ) -> dict:
     """Make sure the job runs: attach to a live (or succeeded) try, or launch a new one. Returns its state plus
     "attached" (True: nothing was launched) and "refused" (why nothing of the last try was signalled before the
@@ -662,7 +664,10 @@ def start_job(
 
     redo: a name for one request to run the job again from scratch, however its last try ended (see redo_job); the
     job's earlier tries and the `set_aside` outputs are moved aside once per name, and a start with the same name
-    later (a retry) attaches, resumes or relaunches as usual."""
+    later (a retry) attaches, resumes or relaunches as usual.
+
+    owner: the Airflow run that starts the job; where the run directory the jobs directory is in (RUN_DIR/jobs)
+    belongs to another run (eagle3.runowner), nothing is started, redone or attached (RunDirOwned)."""
     directory = job_dir(jobs_dir, key)
     if not argv:
         raise JobError("job start needs the command to run after `--`")
@@ -673,6 +678,8 @@ def start_job(
         raise JobError(f"--heartbeat-s {heartbeat_s:g} must be positive and at most half of --stale-after-s "
                        f"{stale_after_s:g}, or a healthy job would look dead")
     env = stage_environment(pass_env)
+    if owner is not None:
+        check_owner(directory.parent.parent, owner)
     make_private_dirs(directory)
     with locked(directory):
         recorded_redo = spec_field(directory, "redo")

@@ -20,7 +20,9 @@ owners were recorded; it refuses one that an Airflow run owns. An Airflow run re
 config and no owner (made by hand, or before owners were recorded): whose it is cannot be told.
 
 owner.json: {"runs": [{"dag_id", "run_id", "triggered_by", "redo_from", "recorded_at"}, ...]}, replaced atomically
-under RUN_DIR/owner.lock, so two runs that init one new directory at once cannot both own it.
+under RUN_DIR/owner.lock, so two runs that init one new directory at once cannot both own it. `job start` given the
+Airflow run checks it too (check_owner), before a stage writes: a run refused at init writes nothing by another way.
+Light (no pydantic): job start imports it.
 """
 
 from __future__ import annotations
@@ -34,7 +36,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from eagle3.config import ConfigError
 from eagle3.fsutil import atomic_write_text
 from eagle3.runlayout import CONFIG, OWNER, OWNER_LOCK, REDO_OUTPUTS
 
@@ -43,8 +44,9 @@ PRINTABLE_PATTERN = re.compile(r"^[^\x00-\x1f\x7f]{1,256}$")  # run ids and user
 OWNER_MAX_BYTES = 1 << 20
 
 
-class RunDirOwned(ConfigError):
-    """The run directory is another Airflow run's (or cannot be told whose): exit 2, naming the owner and the fix."""
+class RunDirOwned(Exception):
+    """The run directory is another Airflow run's (or cannot be told whose), or a value names no Airflow run: the CLI
+    exits 2 with the message, which names the owner and the fix."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,9 +65,9 @@ class AirflowRun:
                                      ("--airflow-run-id", self.run_id, PRINTABLE_PATTERN),
                                      ("--triggered-by", self.triggered_by, PRINTABLE_PATTERN)):
             if value is not None and not pattern.fullmatch(value):
-                raise ConfigError(f"{name} {value!r}: not an Airflow name (it must match {pattern.pattern})")
+                raise RunDirOwned(f"{name} {value!r}: not an Airflow name (it must match {pattern.pattern})")
         if self.redo_from is not None and self.redo_from not in REDO_OUTPUTS:
-            raise ConfigError(f"--redo-from {self.redo_from!r}: not a stage a run may redo ({', '.join(REDO_OUTPUTS)})")
+            raise RunDirOwned(f"--redo-from {self.redo_from!r}: not a stage a run may redo ({', '.join(REDO_OUTPUTS)})")
 
     def same_run(self, entry: dict) -> bool:
         return (entry.get("dag_id"), entry.get("run_id")) == (self.dag_id, self.run_id)
@@ -130,6 +132,15 @@ def refusal(run_dir: Path, runs: list[dict], run: AirflowRun | None) -> str | No
                 "made no part of the drafter, and its approval knows only the user who triggered the owner. Have "
                 "that user trigger the redo, or trigger with another run_name")
     return None
+
+
+def check_owner(run_dir: Path, run: AirflowRun) -> None:
+    """Refuse (RunDirOwned) `run` where another Airflow run owns `run_dir` (job start, before a stage writes there:
+    a run whose init was refused must not write by another way, such as its write_config task marked successful).
+    A directory with no owner recorded is left to init to judge."""
+    runs = read_owners(Path(run_dir))
+    if runs is not None and not run.same_run(runs[-1]):
+        raise RunDirOwned(refusal(Path(run_dir), runs, dataclasses.replace(run, redo_from=None)))
 
 
 @contextmanager
