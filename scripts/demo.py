@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import re
+import secrets
 import subprocess
 import sys
 import time
@@ -87,6 +88,9 @@ def airflow_env(state_dtype: str = "bf16") -> dict[str, str]:
         AIRFLOW__CORE__LOAD_EXAMPLES="False",
         EAGLE3_DAG_SETTINGS=str(settings),
         PYTHONUNBUFFERED="1",
+        # The key run plans are sealed with, as a deployment sets it (docs/deployment.md): no task creates one. A new
+        # one each time suits `airflow dags test`, which plans and runs the whole run in this one call.
+        AIRFLOW_VAR_EAGLE3_PLAN_SECRET=secrets.token_urlsafe(32),
     )
     return env
 

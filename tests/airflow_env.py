@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -20,9 +21,16 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 AIRFLOW = str(Path(sys.executable).with_name("airflow"))
+# The key run plans are sealed with (eagle3_airflow/seal.py), set in every Airflow process's environment the way a
+# deployment sets it (docker-compose.yaml: AIRFLOW_VAR_EAGLE3_PLAN_SECRET from .env): no task creates one. The key
+# of the tests' own process (conftest.py) where it has one, so that a plan sealed by a DAG run verifies in a test.
+PLAN_SECRET_ENV = "AIRFLOW_VAR_EAGLE3_PLAN_SECRET"
+PLAN_SECRET = os.environ.get(PLAN_SECRET_ENV) or f"tests-plan-secret-{secrets.token_hex(16)}"
 
 
 def airflow_env(home: Path, **extra: str) -> dict[str, str]:
+    """The environment of an Airflow process of this checkout with `home` as AIRFLOW_HOME: none of the caller's
+    AIRFLOW* variables (a developer's shell must not reach the test's Airflow), the deployment's sealing key."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")}
     env.update(
         AIRFLOW_HOME=str(home),
@@ -31,6 +39,7 @@ def airflow_env(home: Path, **extra: str) -> dict[str, str]:
         AIRFLOW__CORE__LOAD_EXAMPLES="False",
         AIRFLOW__CORE__DAGBAG_IMPORT_TIMEOUT="120",
         PYTHONUNBUFFERED="1",
+        **{PLAN_SECRET_ENV: PLAN_SECRET},
         **extra,
     )
     return env

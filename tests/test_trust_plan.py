@@ -9,6 +9,8 @@ validate, and a plan from newer code still work.
 from __future__ import annotations
 
 import json
+import re
+import subprocess
 import sys
 from types import SimpleNamespace
 
@@ -18,8 +20,9 @@ from airflow.sdk.exceptions import AirflowFailException
 from eagle3_airflow import plan as plan_module
 from eagle3_airflow import promotion, tasks
 from eagle3_airflow.jobs import RemoteJobOperator
-from eagle3_airflow.seal import Tampered
+from eagle3_airflow.seal import NoSealingKey, Tampered, task_key
 from eagle3_airflow.sensors import GpuIdleSensor
+from tests.airflow_env import AIRFLOW, PLAN_SECRET_ENV, airflow_env, migrated_airflow_home
 from tests.conftest import CONTEXT, RUN, sealed
 
 EDITED = "does not match its seal: it was edited after validate planned this run"
@@ -107,7 +110,7 @@ def test_a_plan_without_its_seal_or_another_runs_sealed_plan_is_refused(run, no_
 def sealed_as_is(body: dict) -> dict:
     """`body` sealed for RUN exactly as it is, as validate of other code would seal it (conftest's `sealed` goes
     through this code's RunPlan, which would drop a key it does not know and refuse one missing)."""
-    from eagle3_airflow.seal import RunRef, seal, task_key
+    from eagle3_airflow.seal import RunRef, seal
 
     return {**body, "seal": seal("plan", body, RunRef.of(RUN), task_key())}
 
@@ -150,11 +153,45 @@ def test_settings_tightened_since_validate_stop_the_run_at_its_next_task(run, tr
         tasks.inputs_changed(run["plan"], dag_run=RUN)
 
 
-def test_without_the_sealing_key_nothing_verifies(run, monkeypatch, no_box):
+SET_THE_KEY = (r"no key to seal run plans with: set the Airflow Variable eagle3_plan_secret in the deployment, as "
+               r"AIRFLOW_VAR_EAGLE3_PLAN_SECRET in the Airflow workers' environment \(docker-compose: in \.env")
+
+
+def test_without_the_sealing_key_nothing_verifies_and_nothing_is_planned(run, monkeypatch, no_box):
+    """The deployment sets the key; a task that finds none fails closed, saying how to set it, and validate makes
+    none (it used to store one where the OP role may write it)."""
     monkeypatch.delenv("AIRFLOW_VAR_EAGLE3_PLAN_SECRET")
-    with pytest.raises(Tampered, match="the Airflow Variable eagle3_plan_secret, which run plans are sealed with, "
-                                       "is missing"):
+    with pytest.raises(NoSealingKey, match=SET_THE_KEY):
         tasks.inputs_changed(run["plan"], dag_run=RUN)
+    with pytest.raises(NoSealingKey, match=SET_THE_KEY):
+        task_key(create=True)  # what validate asks for (eagle3_airflow/tasks.py)
+
+
+def test_a_short_key_is_refused(run, monkeypatch, no_box):
+    monkeypatch.setenv("AIRFLOW_VAR_EAGLE3_PLAN_SECRET", "hunter2")
+    with pytest.raises(NoSealingKey, match=r"eagle3_plan_secret .* has 7 characters; .* at least 32 random"):
+        tasks.inputs_changed(run["plan"], dag_run=RUN)
+
+
+@pytest.mark.slow
+def test_a_key_written_as_a_variable_in_airflows_database_is_never_used(trust_settings, tmp_path):
+    """The issue's attack: the OP role writes Variables (eagle3_plan_secret is redacted when read, not when
+    written), so a key taken from the metadata DB is one OP chose and can seal a forged approval with. A real
+    `airflow dags test` (its tasks read Variables through the Task SDK, the database included) with the key only in
+    the DB: validate fails closed, naming the environment variable, and plans nothing."""
+    home = migrated_airflow_home(tmp_path / "airflow-home")
+    env = {name: value for name, value in airflow_env(home).items() if name != PLAN_SECRET_ENV}
+    subprocess.run([AIRFLOW, "variables", "set", "eagle3_plan_secret", "chosen-by-op-" + "x" * 40], env=env,
+                   check=True, capture_output=True, timeout=300)
+    conf = {"target.model_path": "/models/kimi", "data.path": "/data/conversations.jsonl"}
+    # Every task but validate is marked successful without running: the run stops or goes on at validate alone.
+    proc = subprocess.run([AIRFLOW, "dags", "test", "eagle3_drafter", "--conf", json.dumps(conf),
+                           "--mark-success-pattern", "(?!validate$).*"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output[-6000:]
+    assert re.search(SET_THE_KEY, output), output[-6000:]
+    assert "chosen-by-op" not in output
 
 
 def test_a_mapped_shard_the_plan_does_not_have_is_refused(run, no_box):

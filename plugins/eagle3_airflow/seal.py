@@ -6,12 +6,13 @@ plan and the run it belongs to (DAG id and run id), and every task checks the se
 after validate, or another run's sealed plan pasted in, fails the next task with a message that says so. The
 approval task seals who approved which proposal the same way, for the promote task.
 
-The key is a deployment secret: the Airflow Variable SECRET_VARIABLE ("eagle3_plan_secret"; the name has "secret" in
-it, so Airflow masks its value in task logs and in the UI). Only the OP and ADMIN roles may read Variables; USER may
-not. Tasks read it through the Task SDK (so a secrets backend, or AIRFLOW_VAR_EAGLE3_PLAN_SECRET in the environment,
-may supply it instead); the API server's report tab through Airflow's models. The first validate task of a
-deployment that has none makes one (32 random bytes) and stores it; deleting the Variable invalidates the seal of
-every run in flight (their next task fails and says to trigger a new run), which is how the key is rotated.
+The key is a deployment secret, set when the deployment is made and never by a task: the Airflow Variable
+SECRET_VARIABLE ("eagle3_plan_secret") as the environment variable KEY_ENV (docker-compose.yaml hands .env's to the
+Celery worker only), or in the secrets backend the deployment configures. Tasks read it from those two sources alone
+(deployment_key), never from Airflow's metadata database: there the OP role may write Variables, and whoever writes
+the key can seal an edited plan or a forged approval. Without a key every task fails closed, naming the variable and
+how to set it. Changing the key rotates it: every run in flight fails at its next task (its seals no longer hold)
+and says to trigger a new run.
 """
 
 from __future__ import annotations
@@ -19,12 +20,18 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-import secrets
 from dataclasses import dataclass
 
 from airflow.sdk.exceptions import AirflowFailException
 
 SECRET_VARIABLE = "eagle3_plan_secret"
+KEY_ENV = "AIRFLOW_VAR_EAGLE3_PLAN_SECRET"  # the Variable in the environment, where Airflow's secrets backends look
+MIN_KEY_CHARS = 32  # what `secrets.token_urlsafe(32)` makes has 43
+# Where the key may come from, besides the secrets backend the deployment configures ([secrets] backend, or [workers]
+# secrets_backend on a worker), which Airflow puts before these. An allowlist: Airflow's own search path would go on
+# to the metadata database (through the Execution API on a worker), which the OP role writes.
+KEY_SOURCES = ["airflow.secrets.environment_variables.EnvironmentVariablesBackend"]
+MAKE_A_KEY = "python3 -c 'import secrets; print(secrets.token_urlsafe(32))'"
 TRIGGER_AGAIN = ("Nothing was run on the box. Trigger a new run (or clear this run's `validate` task with its "
                  "downstream tasks: validate plans the run again from its trigger parameters, which XCom edits "
                  "cannot reach).")
@@ -32,6 +39,10 @@ TRIGGER_AGAIN = ("Nothing was run on the box. Trigger a new run (or clear this r
 
 class Tampered(AirflowFailException):
     """Something read from XCom is not what this run's own task wrote there: the task fails without a retry."""
+
+
+class NoSealingKey(AirflowFailException):
+    """The deployment sets no usable key: no task can seal or check anything, and retrying cannot change that."""
 
 
 @dataclass(frozen=True)
@@ -76,18 +87,36 @@ def is_sealed(kind: str, body: dict, run: RunRef, key: bytes, claimed) -> bool:
     return hmac.compare_digest(expected, claimed)
 
 
-def task_key(create: bool = False) -> bytes:
-    """The sealing key, read by a task through the Task SDK; `create` (the validate task): make and store one if
-    the deployment has none yet."""
-    from airflow.sdk import Variable
+def deployment_key() -> str | None:
+    """The key as the deployment set it: from its secrets backend, else from KEY_ENV; None when neither has one.
+    Airflow's own loader builds the backends (the configured one first), so a Vault or AWS Secrets Manager backend
+    works as it does for connections; a backend that cannot be reached raises, and the task retries."""
+    from airflow.sdk.configuration import ensure_secrets_loaded
 
-    value = Variable.get(SECRET_VARIABLE, default=None)
-    if not value and create:
-        Variable.set(SECRET_VARIABLE, secrets.token_urlsafe(32),
-                     description="eagle3-airflow: the key run plans and approvals are sealed with "
-                     "(eagle3_airflow/seal.py). Deleting it fails every run in flight at its next task.")
-        value = Variable.get(SECRET_VARIABLE, default=None)  # another validate may have stored its own first
+    for backend in ensure_secrets_loaded(default_backends=KEY_SOURCES):
+        value = backend.get_variable(key=SECRET_VARIABLE)
+        if value:
+            return value
+    return None
+
+
+def task_key(create: bool = False) -> bytes:
+    """The sealing key, read by a task (deployment_key); fails the task, naming how to set the key, when the
+    deployment has none or a short one. `create` is accepted and ignored (older callers passed it when the first
+    validate made the key): a task can only store a key where the OP role may write it too."""
+    from airflow.sdk.log import mask_secret
+
+    value = deployment_key()
     if not value:
-        raise Tampered(f"the Airflow Variable {SECRET_VARIABLE}, which run plans are sealed with, is missing (deleted "
-                       "since this run was validated?), so the plan cannot be checked. " + TRIGGER_AGAIN)
+        raise NoSealingKey(
+            f"no key to seal run plans with: set the Airflow Variable {SECRET_VARIABLE} in the deployment, as "
+            f"{KEY_ENV} in the Airflow workers' environment (docker-compose: in .env, then `docker-compose up -d`) "
+            f"or in its secrets backend; make one with {MAKE_A_KEY}. A Variable stored in Airflow's database is not "
+            "read: the OP role may write those. Nothing was run on the box; trigger the run again once it is set.")
+    mask_secret(value, SECRET_VARIABLE)  # a log line that quotes it shows ***, as for any Variable read
+    if len(value) < MIN_KEY_CHARS:
+        raise NoSealingKey(
+            f"the Airflow Variable {SECRET_VARIABLE} (the key run plans are sealed with; {KEY_ENV}, or the secrets "
+            f"backend) has {len(value)} characters; a guessable key lets anyone seal an edited plan. Set one of at "
+            f"least {MIN_KEY_CHARS} random characters: {MAKE_A_KEY}. Nothing was run on the box.")
     return value.encode()
