@@ -1,21 +1,26 @@
 """The compose stack's FAB roles and first users; airflow-init runs `python /opt/airflow/deploy/fab_roles.py`.
 
 Two roles on top of FAB's Viewer (read DAGs, runs, task instances and their logs; read, never edit, XCom and
-approvals), each limited to one DAG for what it may change:
+approvals), each allowed to change only the DAGs the deployment's settings (EAGLE3_DAG_SETTINGS, the file the DAG
+file reads) make, by their ids:
 
-- Eagle3Trigger may trigger eagle3_drafter. FAB checks a new run as "can_create on DAG Runs" plus "can_edit on the
-  DAG". It gets no can_edit on HITL Detail (answering an approval or a required action), no create/edit/delete on
-  XComs, and no edit on Task Instances (clearing or marking tasks).
-- Eagle3Approver may answer the approvals of eagle3_promotion, the DAG that asks them (can_edit on HITL Detail,
-  which FAB also checks against can_edit on the DAG), and sees the Required Actions menu; it may not trigger, and
-  it changes nothing of eagle3_drafter.
+- Eagle3Trigger, the operators: trigger, clear and mark the runs and tasks of every drafter DAG (eagle3_drafter, and
+  eagle3_drafter__<box> for each other box of box_pools) and of eagle3_promotion, which approve_promotion adds
+  (clearing its approval asks the approvers again), and read their logs. FAB grants "can_create on DAG Runs" (a new
+  run), "can_edit on DAG Runs" (clear or mark a run) and, with it, "can_edit on Task Instances" (clear or mark a
+  task) only on a DAG the user also has can_edit on. No can_edit on HITL Detail (answering an approval), no
+  create/edit/delete on XComs, nothing on Variables.
+- Eagle3Approver: answer the approvals of eagle3_promotion, the DAG that asks them (can_edit on HITL Detail, which
+  FAB checks together with can_edit on the DAG), and see the Required Actions menu; it triggers and clears nothing.
+  (can_edit on the DAG also lets FAB's UI pause it.) Which approvers the approval accepts is the settings' list.
 
-FAB's own User and Op roles would not do: both may answer every DAG's approvals and clear tasks, Op may edit XCom.
+Admin alone edits XCom and Variables. FAB's own User and Op roles would not do: both may answer every DAG's
+approvals and edit XCom, Op Variables too; give people these two roles instead.
 
-Each run makes the two roles hold exactly Viewer's permissions and those below (what the file does not list is
-removed, so narrowing a role here takes effect at the next `up`), and creates the users named in the environment
-that do not exist yet. Runs where the apache-airflow-providers-fab package is installed; this module's data is
-importable without it (tests/test_compose.py checks it).
+Each run makes the two roles hold exactly Viewer's permissions and those below (what they do not list is removed,
+so narrowing a role, or a box taken out of box_pools, takes effect at the next `up`), and creates the users named
+in the environment that do not exist yet. Runs where the apache-airflow-providers-fab package is installed; the
+roles are computed without it (tests/test_compose.py checks them, and checks them again through FAB itself).
 """
 
 from __future__ import annotations
@@ -23,31 +28,57 @@ from __future__ import annotations
 import os
 import sys
 
-DAG_ID = "eagle3_drafter"
-PROMOTION_DAG_ID = "eagle3_promotion"  # eagle3_airflow.promotion: where the settings' approve_promotion asks
-DAG_RESOURCE = f"DAG:{DAG_ID}"  # FAB's per-DAG resource (airflow.providers.fab.www.security.permissions)
-PROMOTION_DAG_RESOURCE = f"DAG:{PROMOTION_DAG_ID}"
-BASE_ROLE = "Viewer"
+from eagle3_airflow.deployment import Deployment
+from eagle3_airflow.params import ParamsError
+from eagle3_airflow.promotion import PROMOTION_DAG_ID
 
-# (action, resource) pairs on top of the base role's, FAB's names.
-ROLES: dict[str, list[tuple[str, str]]] = {
-    "Eagle3Trigger": [
-        ("can_create", "DAG Runs"),
-        ("can_edit", DAG_RESOURCE),
-    ],
-    "Eagle3Approver": [
-        ("can_edit", "HITL Detail"),
-        ("can_access_menu", "HITL Detail"),
-        ("can_edit", PROMOTION_DAG_RESOURCE),
-    ],
-}
+BASE_ROLE = "Viewer"
+TRIGGER_ROLE = "Eagle3Trigger"
+APPROVER_ROLE = "Eagle3Approver"
+
+# (action, resource) pairs, FAB's names (airflow.providers.fab.www.security.permissions). These are granted for
+# every DAG at once; FAB applies them only to a DAG whose own resource (dag_resource) the user may edit.
+OPERATE = [
+    ("can_create", "DAG Runs"),  # trigger
+    ("can_edit", "DAG Runs"),  # clear or mark a run; with the next, clear or mark its task instances
+    ("can_edit", "Task Instances"),
+]
+ANSWER_APPROVALS = [
+    ("can_edit", "HITL Detail"),
+    ("can_access_menu", "HITL Detail"),  # Required Actions
+]
 
 # (role, the environment variables naming the user and the password); the admin's is required by the compose file.
 USERS = [
     ("Admin", "AIRFLOW_ADMIN_USER", "AIRFLOW_ADMIN_PASSWORD"),
-    ("Eagle3Trigger", "AIRFLOW_TRIGGER_USER", "AIRFLOW_TRIGGER_PASSWORD"),
-    ("Eagle3Approver", "AIRFLOW_APPROVER_USER", "AIRFLOW_APPROVER_PASSWORD"),
+    (TRIGGER_ROLE, "AIRFLOW_TRIGGER_USER", "AIRFLOW_TRIGGER_PASSWORD"),
+    (APPROVER_ROLE, "AIRFLOW_APPROVER_USER", "AIRFLOW_APPROVER_PASSWORD"),
 ]
+
+
+def dag_resource(dag_id: str) -> str:
+    """FAB's resource for one DAG."""
+    return f"DAG:{dag_id}"
+
+
+def drafter_dag_ids(settings: Deployment) -> list[str]:
+    """The training DAGs the DAG file makes under these settings: one per box of box_pools, or eagle3_drafter."""
+    return [resource.dag_id for resource in settings.resources()]
+
+
+def asking_dag_ids(settings: Deployment) -> list[str]:
+    """The DAGs that ask approvals: eagle3_promotion when the settings turn approve_promotion on."""
+    return [PROMOTION_DAG_ID] if settings.approve_promotion else []
+
+
+def roles(settings: Deployment) -> dict[str, list[tuple[str, str]]]:
+    """Each role's (action, resource) pairs on top of BASE_ROLE's, for the DAGs these settings make."""
+    operated = [*drafter_dag_ids(settings), *asking_dag_ids(settings)]
+    return {
+        TRIGGER_ROLE: [*OPERATE, *(("can_edit", dag_resource(dag_id)) for dag_id in operated)],
+        APPROVER_ROLE: [*ANSWER_APPROVALS,
+                        *(("can_edit", dag_resource(dag_id)) for dag_id in asking_dag_ids(settings))],
+    }
 
 
 def wanted_users(environ: dict[str, str]) -> list[tuple[str, str, str]]:
@@ -64,13 +95,13 @@ def wanted_users(environ: dict[str, str]) -> list[tuple[str, str, str]]:
     return users
 
 
-def sync(security_manager, environ: dict[str, str]) -> None:
+def sync(security_manager, environ: dict[str, str], settings: Deployment) -> None:
     sm = security_manager
     base = sm.find_role(BASE_ROLE)
     if base is None:
         raise SystemExit(f"fab_roles: FAB's {BASE_ROLE} role is missing; run `airflow sync-perm` first")
     base_perms = {(p.action.name, p.resource.name) for p in base.permissions}
-    for name, extra in ROLES.items():
+    for name, extra in roles(settings).items():
         role = sm.find_role(name) or sm.add_role(name)
         wanted = base_perms | set(extra)
         have = {(p.action.name, p.resource.name): p for p in role.permissions}
@@ -93,11 +124,15 @@ def sync(security_manager, environ: dict[str, str]) -> None:
 def main() -> None:
     environ = dict(os.environ)
     wanted_users(environ)  # a name without a password fails before anything is written
+    try:
+        settings = Deployment.from_env()  # the DAGs' settings, as the dag-processor reads them
+    except ParamsError as err:
+        raise SystemExit(f"fab_roles: {err}") from None
     # The app context FAB's own `airflow roles`/`airflow users` commands use (the same security manager).
     from airflow.providers.fab.auth_manager.cli_commands.utils import get_application_builder
 
     with get_application_builder() as appbuilder:
-        sync(appbuilder.sm, environ)
+        sync(appbuilder.sm, environ, settings)
 
 
 if __name__ == "__main__":

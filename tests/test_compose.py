@@ -28,6 +28,7 @@ COMPOSE_FILE = REPO / "docker-compose.yaml"
 KEY_TARGET = "/opt/airflow/secrets/gpu_box_key"
 JWT_SECRET = "test-jwt-secret-shared-by-all"
 DB_PASSWORD = "test-db-password-from-env"
+PLAN_SECRET = "test-plan-secret-only-the-worker-holds"
 SETTINGS_DIR = "/opt/airflow/deploy"  # where the Dockerfile copies deploy/
 CODE_DIRS = ("dags", "plugins", "include", "deploy")
 FAB = "airflow.providers.fab.auth_manager.fab_auth_manager.FabAuthManager"
@@ -81,7 +82,7 @@ def _env_file(directory: Path, **overrides: str | None) -> Path:
     key.write_text("not a real key\n")
     values = {"AIRFLOW_JWT_SECRET": JWT_SECRET, "AIRFLOW_FERNET_KEY": "test-fernet-key", "GPU_BOX_SSH_KEY": str(key),
               "AIRFLOW_API_SECRET_KEY": "test-api-secret-key", "POSTGRES_PASSWORD": DB_PASSWORD,
-              "AIRFLOW_ADMIN_PASSWORD": "test-admin-password"}
+              "AIRFLOW_ADMIN_PASSWORD": "test-admin-password", "AIRFLOW_VAR_EAGLE3_PLAN_SECRET": PLAN_SECRET}
     values.update(overrides)
     lines = []
     for line in (REPO / ".env.example").read_text().splitlines():
@@ -137,6 +138,14 @@ def _mounts(service: dict) -> dict[str, tuple[str, bool]]:
     return mounts
 
 
+def _published(service: dict) -> list[str]:
+    """host_ip:published:target of each TCP port, from the short syntax (Compose v1, which may add /tcp) or the long
+    one (v2)."""
+    return [port.removesuffix("/tcp") if isinstance(port, str)
+            else f"{port.get('host_ip', '0.0.0.0')}:{port['published']}:{port['target']}"
+            for port in service.get("ports", [])]
+
+
 def test_services_and_commands(rendered):
     services = rendered["services"]
     assert set(services) == {"postgres", "redis", "airflow-init", *AIRFLOW_SERVICES}
@@ -144,9 +153,7 @@ def test_services_and_commands(rendered):
         assert _argv(services[name]["command"]) == command, name
         assert services[name]["build"]["context"] == str(REPO), name
         assert services[name]["restart"] == "always", name
-    ports = [p if isinstance(p, str) else f"{p['published']}:{p['target']}"
-             for p in services["airflow-apiserver"]["ports"]]
-    assert ports == ["8080:8080"]
+    assert _published(services["airflow-apiserver"]) == ["127.0.0.1:8080:8080"]  # this machine only: plain HTTP
 
     init = services["airflow-init"]
     assert _argv(init["entrypoint"]) == ["/bin/bash"]
@@ -273,9 +280,28 @@ def test_gpu_box_connection_and_key(rendered):
         assert "no_host_key_check" not in extra and "ignore_hostkey_verification" not in extra, name
 
 
+def test_the_sealing_key_comes_from_the_env_file_to_the_worker_alone(rendered):
+    """The key run plans and approvals are sealed with is set at deploy time, in .env (no task creates one, and one in
+    the metadata DB is not read: eagle3_airflow/seal.py), and reaches only the container that runs tasks."""
+    services = rendered["services"]
+    assert services["airflow-worker"]["environment"]["AIRFLOW_VAR_EAGLE3_PLAN_SECRET"] == PLAN_SECRET
+    holding = [name for name, spec in services.items() if name != "airflow-worker"
+               and PLAN_SECRET in json.dumps(spec.get("environment", {}))]
+    assert holding == []
+
+
+def test_the_api_server_listens_on_this_machine_unless_the_env_file_widens_it(tmp_path):
+    """The API server speaks plain HTTP: by default only this machine reaches it (an SSH tunnel, or a TLS proxy on
+    the host); AIRFLOW_API_BIND_IP widens it on purpose."""
+    proc = _compose_config(_env_file(tmp_path, AIRFLOW_API_BIND_IP="0.0.0.0"), tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert _published(yaml.safe_load(proc.stdout)["services"]["airflow-apiserver"]) == ["0.0.0.0:8080:8080"]
+
+
 @pytest.mark.parametrize("variable", ["AIRFLOW_JWT_SECRET", "AIRFLOW_FERNET_KEY", "AIRFLOW_CONN_GPU_BOX",
                                       "GPU_BOX_SSH_KEY", "AIRFLOW_API_SECRET_KEY", "POSTGRES_USER",
-                                      "POSTGRES_PASSWORD", "POSTGRES_DB", "AIRFLOW_ADMIN_PASSWORD"])
+                                      "POSTGRES_PASSWORD", "POSTGRES_DB", "AIRFLOW_ADMIN_PASSWORD",
+                                      "AIRFLOW_VAR_EAGLE3_PLAN_SECRET"])
 @pytest.mark.parametrize("how", ["missing", "empty"])
 def test_required_variables(tmp_path, variable, how):
     proc = _compose_config(_env_file(tmp_path, **{variable: None if how == "missing" else ""}), tmp_path)
@@ -430,26 +456,45 @@ def _fab_roles():
     return module
 
 
+# Settings with two boxes (two drafter DAGs) and approvals (the promotion DAG): every DAG the DAG file can make.
+TWO_BOXES_WITH_APPROVAL = {"box_pools": {"gpu-box-1": {"gpus": 8}, "gpu-box-2": {"gpus": 8}},
+                           "params": {"box.conn_ids": ["gpu-box-1"]}, "run": {"workdir": "/data/eagle3"},
+                           "approve_promotion": True, "approvers": ["alex"]}
+DRAFTER_DAGS = ["eagle3_drafter", "eagle3_drafter__gpu-box-2"]
+
 # FAB's names (airflow.providers.fab.www.security.permissions): what answers an approval or a required action
-# (HITL Detail, also checked against can_edit on the DAG), edits XCom, or clears and marks task instances.
+# (HITL Detail, also checked against can_edit on the DAG), edits XCom or Variables, or clears and marks task
+# instances.
 ANSWERS_APPROVALS = ("can_edit", "HITL Detail")
 EDITS_XCOM = {("can_create", "XComs"), ("can_edit", "XComs"), ("can_delete", "XComs")}
+EDITS_VARIABLES = {("can_create", "Variables"), ("can_edit", "Variables"), ("can_delete", "Variables")}
 EDITS_TASKS = {("can_edit", "Task Instances"), ("can_delete", "Task Instances"), ("can_create", "Task Instances")}
 
 
-def test_trigger_only_users_may_trigger_but_not_edit_xcom_or_answer_approvals():
-    roles = _fab_roles()
-    assert roles.BASE_ROLE == "Viewer"  # FAB's Viewer reads XCom and approvals, never edits them
-    trigger = set(roles.ROLES["Eagle3Trigger"])
-    assert {("can_create", "DAG Runs"), ("can_edit", "DAG:eagle3_drafter")} <= trigger
-    assert ANSWERS_APPROVALS not in trigger
-    assert not trigger & (EDITS_XCOM | EDITS_TASKS)
-    assert ("can_edit", "DAGs") not in trigger  # every DAG, not this one
+def _edited_dags(permissions) -> list[str]:
+    """The DAGs whose own resource (DAG:<id>) a role may edit: where FAB lets its other edits apply."""
+    return sorted(resource.removeprefix("DAG:") for action, resource in permissions
+                  if action == "can_edit" and resource.startswith("DAG:"))
 
-    approver = set(roles.ROLES["Eagle3Approver"])
-    assert {ANSWERS_APPROVALS, ("can_edit", "DAG:eagle3_promotion")} <= approver  # the DAG that asks
-    assert ("can_create", "DAG Runs") not in approver and ("can_edit", "DAG:eagle3_drafter") not in approver
-    assert not approver & (EDITS_XCOM | EDITS_TASKS)
+
+def test_the_roles_name_every_dag_the_settings_make_and_no_other():
+    """Operators trigger and clear every drafter DAG and the promotion DAG; approvers answer there alone; nobody
+    but Admin edits XCom or Variables. With no box_pools and no approvals, only eagle3_drafter is named."""
+    fab_roles = _fab_roles()
+    assert fab_roles.BASE_ROLE == "Viewer"  # FAB's Viewer reads XCom and approvals, never edits them
+    roles = fab_roles.roles(Deployment.model_validate(TWO_BOXES_WITH_APPROVAL))
+    trigger, approver = set(roles["Eagle3Trigger"]), set(roles["Eagle3Approver"])
+    assert _edited_dags(trigger) == sorted([*DRAFTER_DAGS, "eagle3_promotion"])
+    assert {("can_create", "DAG Runs"), ("can_edit", "DAG Runs"), ("can_edit", "Task Instances")} <= trigger
+    assert ANSWERS_APPROVALS not in trigger
+    assert ("can_edit", "DAGs") not in trigger  # every DAG, not these
+    assert ANSWERS_APPROVALS in approver and _edited_dags(approver) == ["eagle3_promotion"]  # the DAG that asks
+    assert not approver & (EDITS_TASKS | {("can_create", "DAG Runs"), ("can_edit", "DAG Runs")})
+    for permissions in (trigger, approver):
+        assert not permissions & (EDITS_XCOM | EDITS_VARIABLES)
+
+    plain = fab_roles.roles(Deployment())
+    assert (_edited_dags(plain["Eagle3Trigger"]), _edited_dags(plain["Eagle3Approver"])) == (["eagle3_drafter"], [])
 
 
 class _Named:
@@ -468,7 +513,8 @@ class _Role:
 
 
 class _FakeSecurityManager:
-    """The calls fab_roles makes on FAB's security manager, over in-memory roles and users."""
+    """The calls fab_roles makes on FAB's security manager, over in-memory roles and users. (The real one is driven
+    in test_the_roles_through_fabs_own_authorization; this one lets a test start from roles widened by hand.)"""
 
     def __init__(self, roles):
         self.roles, self.users = {role.name: role for role in roles}, {}
@@ -500,19 +546,23 @@ def _perms(role):
     return {(p.action.name, p.resource.name) for p in role.permissions}
 
 
-def test_init_narrows_a_widened_trigger_role_back_to_the_file(capsys):
-    """Someone gave the trigger role XCom edits and approvals in the UI: the next `up` takes them away again."""
-    roles = _fab_roles()
+def test_init_narrows_a_widened_trigger_role_back_to_the_settings(capsys):
+    """Someone gave the trigger role XCom edits and approvals in the UI, and a box left box_pools: the next `up` takes
+    them away again."""
+    fab_roles = _fab_roles()
     viewer = [("can_read", "DAGs"), ("can_read", "XComs"), ("can_read", "HITL Detail"), ("can_read", "Task Logs")]
-    widened = _Role("Eagle3Trigger", [*viewer, ("can_edit", "XComs"), ANSWERS_APPROVALS, ("can_create", "DAG Runs")])
+    widened = _Role("Eagle3Trigger", [*viewer, ("can_edit", "XComs"), ANSWERS_APPROVALS, ("can_create", "DAG Runs"),
+                                      ("can_edit", "DAG:eagle3_drafter__gpu-box-3")])
     sm = _FakeSecurityManager([_Role("Viewer", viewer), _Role("Admin"), widened])
-    roles.sync(sm, {"AIRFLOW_ADMIN_USER": "admin", "AIRFLOW_ADMIN_PASSWORD": "pw",
-                    "AIRFLOW_TRIGGER_USER": "alice", "AIRFLOW_TRIGGER_PASSWORD": "pw2"})
-    assert _perms(sm.roles["Eagle3Trigger"]) == set(viewer) | set(roles.ROLES["Eagle3Trigger"])
-    assert _perms(sm.roles["Eagle3Approver"]) == set(viewer) | set(roles.ROLES["Eagle3Approver"])
+    settings = Deployment.model_validate(TWO_BOXES_WITH_APPROVAL)
+    fab_roles.sync(sm, {"AIRFLOW_ADMIN_USER": "admin", "AIRFLOW_ADMIN_PASSWORD": "pw",
+                        "AIRFLOW_TRIGGER_USER": "alice", "AIRFLOW_TRIGGER_PASSWORD": "pw2"}, settings)
+    wanted = fab_roles.roles(settings)
+    assert _perms(sm.roles["Eagle3Trigger"]) == set(viewer) | set(wanted["Eagle3Trigger"])
+    assert _perms(sm.roles["Eagle3Approver"]) == set(viewer) | set(wanted["Eagle3Approver"])
     assert sm.users == {"admin": ("Admin", "pw"), "alice": ("Eagle3Trigger", "pw2")}
     # An existing user keeps its password: init never resets one someone changed.
-    roles.sync(sm, {"AIRFLOW_ADMIN_USER": "admin", "AIRFLOW_ADMIN_PASSWORD": "other"})
+    fab_roles.sync(sm, {"AIRFLOW_ADMIN_USER": "admin", "AIRFLOW_ADMIN_PASSWORD": "other"}, settings)
     assert sm.users["admin"] == ("Admin", "pw")
 
 
@@ -522,53 +572,72 @@ def test_a_user_named_without_a_password_stops_init_naming_the_variable():
 
 
 FAB_CHECK = """
-import json
+import json, sys
 from airflow.api_fastapi.auth.managers.models.resource_details import DagAccessEntity as E, DagDetails
 from airflow.providers.fab.auth_manager.cli_commands.utils import get_application_builder
 from airflow.providers.fab.auth_manager.fab_auth_manager import FabAuthManager
 
+# The questions the API server's endpoints ask (airflow/api_fastapi/core_api/routes/public/): a trigger is POST on
+# the DAG's runs, clearing or marking a task PUT on its task instances (clearTaskInstances), a run PUT on the run
+# (clearDagRuns), answering an approval PUT on its HITL detail; pausing the DAG is PUT on the DAG itself.
 CASES = {"trigger": ("POST", E.RUN), "read runs": ("GET", E.RUN), "read logs": ("GET", E.TASK_LOGS),
          "read xcom": ("GET", E.XCOM), "edit xcom": ("PUT", E.XCOM), "add xcom": ("POST", E.XCOM),
          "delete xcom": ("DELETE", E.XCOM), "answer approval": ("PUT", E.HITL_DETAIL),
-         "read approval": ("GET", E.HITL_DETAIL), "clear tasks": ("PUT", E.TASK_INSTANCE), "read dag": ("GET", None)}
+         "read approval": ("GET", E.HITL_DETAIL), "clear tasks": ("PUT", E.TASK_INSTANCE),
+         "clear runs": ("PUT", E.RUN), "read dag": ("GET", None), "pause dag": ("PUT", None)}
 found = {}
+manager = FabAuthManager()
 with get_application_builder() as appbuilder:
-    for name in ("tina", "alex"):
+    for name in ("tina", "alex", "admin"):
         user = appbuilder.sm.find_user(username=name)
-        for dag in ("eagle3_drafter", "eagle3_promotion", "other_dag"):
+        for dag in sys.argv[1:]:
             found[f"{name} {dag}"] = sorted(
                 case for case, (method, entity) in CASES.items()
-                if FabAuthManager().is_authorized_dag(method=method, user=user, access_entity=entity,
-                                                      details=DagDetails(id=dag)))
+                if manager.is_authorized_dag(method=method, user=user, access_entity=entity,
+                                             details=DagDetails(id=dag)))
+        found[f"{name} variables"] = sorted(method for method in ("GET", "POST", "PUT", "DELETE")
+                                            if manager.is_authorized_variable(method=method, user=user))
 print(json.dumps(found))
 """
 
 
 def test_the_roles_through_fabs_own_authorization(tmp_path):
-    """airflow-init's steps on a fresh DB, then the questions the API server asks FAB for each endpoint. In
-    .cache/fab-env (`make fab-env`, built by `make test`): FAB beside the control plane's packages."""
+    """airflow-init's steps on a fresh DB, with settings that make two drafter DAGs and the promotion DAG, then the
+    questions the API server asks FAB for each endpoint: the trigger role triggers and clears every drafter DAG (and
+    the promotion DAG, to ask again), the approver answers approvals only, and Admin alone edits XCom and Variables.
+    In .cache/fab-env (`make fab-env`, built by `make test`): FAB beside the control plane's packages."""
     if not FAB_ENV_PYTHON.exists():
         pytest.fail(f"{FAB_ENV_PYTHON} is missing: `make fab-env` builds it (requirements-fab-env.txt)")
+    settings = tmp_path / "dag-settings.json"
+    settings.write_text(json.dumps(TWO_BOXES_WITH_APPROVAL))
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")},
            "AIRFLOW_HOME": str(tmp_path), "AIRFLOW__CORE__AUTH_MANAGER": FAB,
            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{tmp_path}/airflow.db",
            "AIRFLOW__CORE__LOAD_EXAMPLES": "false", "AIRFLOW__CORE__DAGS_FOLDER": str(tmp_path / "dags"),
            "AIRFLOW__API__SECRET_KEY": "test", "AIRFLOW_ADMIN_USER": "admin", "AIRFLOW_ADMIN_PASSWORD": "a",
            "AIRFLOW_TRIGGER_USER": "tina", "AIRFLOW_TRIGGER_PASSWORD": "t", "AIRFLOW_APPROVER_USER": "alex",
-           "AIRFLOW_APPROVER_PASSWORD": "x"}
+           "AIRFLOW_APPROVER_PASSWORD": "x", "EAGLE3_DAG_SETTINGS": str(settings),
+           "PYTHONPATH": f"{REPO / 'plugins'}{os.pathsep}{REPO / 'include'}"}  # as airflow-init's
     python = str(FAB_ENV_PYTHON)
     for argv in ([python, "-m", "airflow", "db", "migrate"], [python, "-m", "airflow", "sync-perm"],
                  [python, str(REPO / "deploy" / "fab_roles.py")]):
         proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, (argv, proc.stdout[-2000:], proc.stderr[-4000:])
-    proc = subprocess.run([python, "-c", FAB_CHECK], env=env, capture_output=True, text=True, timeout=300)
+    dags = [*DRAFTER_DAGS, "eagle3_promotion", "other_dag"]
+    proc = subprocess.run([python, "-c", FAB_CHECK, *dags], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
     reads = ["read approval", "read dag", "read logs", "read runs", "read xcom"]
-    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {
-        "tina eagle3_drafter": sorted([*reads, "trigger"]),  # no XCom edit, no approval answer, no clearing
-        "tina eagle3_promotion": reads,
-        "tina other_dag": reads,
-        "alex eagle3_drafter": reads,
-        "alex eagle3_promotion": sorted([*reads, "answer approval"]),  # nothing else: no trigger, no clearing
-        "alex other_dag": reads,
-    }
+    operates = ["clear runs", "clear tasks", "pause dag", "trigger"]
+    for dag in DRAFTER_DAGS:
+        assert found[f"tina {dag}"] == sorted([*reads, *operates]), dag  # no XCom edit, no approval answer
+        assert found[f"alex {dag}"] == reads, dag
+    assert found["tina eagle3_promotion"] == sorted([*reads, *operates])  # clear an approval to ask again
+    # Answers, and FAB's can_edit on the DAG that answering needs also pauses it; triggers and clears nothing.
+    assert found["alex eagle3_promotion"] == sorted([*reads, "answer approval", "pause dag"])
+    assert found["tina other_dag"] == found["alex other_dag"] == reads
+    assert found["tina variables"] == found["alex variables"] == []
+    everything = sorted([*reads, *operates, "add xcom", "answer approval", "delete xcom", "edit xcom"])
+    for dag in dags:
+        assert found[f"admin {dag}"] == everything, dag  # Admin alone edits XCom
+    assert found["admin variables"] == ["DELETE", "GET", "POST", "PUT"]
