@@ -15,7 +15,7 @@ file reads) make, by their ids:
   (can_edit on the DAG also lets FAB's UI pause it.) Which approvers the approval accepts is the settings' list.
 
 Admin alone edits XCom and Variables. FAB's own User and Op roles would not do: both may answer every DAG's
-approvals and edit XCom, Op Variables too; give people these two roles instead.
+approvals and clear every DAG's tasks, and Op edits XCom and Variables; give people these two roles instead.
 
 Each run makes the two roles hold exactly Viewer's permissions and those below (what they do not list is removed,
 so narrowing a role, or a box taken out of box_pools, takes effect at the next `up`), and creates the users named
