@@ -216,3 +216,24 @@ def test_the_demo_console_shows_each_stage_and_its_progress_while_the_run_goes(b
     evaluate_end = next(t for t in lines if t.startswith("[demo] evaluate") and "succeeded" in t)
     assert arrived[first_train_line] < arrived[evaluate_end] - 1.0  # streamed, not dumped when the run ended
     assert not [t for t in lines if "[info" in t or "airflow." in t]
+
+
+def test_write_config_makes_the_run_directory_its_runs_and_refuses_another_users(airflow_home, tiny_target, tmp_path):
+    """Issue 43 item 6 under `airflow dags test`: write_config names its own run to `eagle3 init`, which records it
+    as the run directory's owner. A later run of the same user ("dag_test": what a rerun after the whole Airflow side
+    died is, as the reboot drill makes one) takes it over, listed after the first; where another user's run owns the
+    directory (owner.json as Alice's run of the UI would leave it), write_config fails for good, naming that run.
+    Only validate, shards, sync_code and write_config run: every other task is marked successful."""
+    conf, env = tiny_run(tiny_target, tmp_path / "box", "one-users-runs", settings_dir=tmp_path)
+    only_init = r"^(?!(validate|shards|sync_code|write_config)$).*"
+    owner_json = tmp_path / "box" / "runs" / "one-users-runs" / "owner.json"
+    for _ in range(2):
+        assert_succeeded(dags_test(airflow_home, conf, env=env, mark_success=only_init))
+    first, second = json.loads(owner_json.read_text())["runs"]
+    assert first["dag_id"] == second["dag_id"] == "eagle3_drafter" and first["run_id"] != second["run_id"]
+    assert first["triggered_by"] == second["triggered_by"] == "dag_test"
+    owner_json.write_text(json.dumps({"runs": [{**second, "run_id": "manual__alices", "triggered_by": "alice"}]}))
+    refused = dags_test(airflow_home, conf, env=env, mark_success=only_init)
+    assert refused.returncode != 0
+    assert "belongs to Airflow run 'manual__alices' of DAG 'eagle3_drafter' (triggered by 'alice')" in \
+        refused.stdout + refused.stderr

@@ -1,7 +1,8 @@
-"""A run directory belongs to one Airflow run (issue 43, item 6), and run directories are named with their DAG id
-(item 4): another run on one is refused at init, naming the run that owns it and the fix, so that an approver
-cannot make the drafter in someone else's run directory and approve it as theirs. Real `eagle3 init` processes,
-and the DAG's validate and write_config tasks on this machine as the box."""
+"""A run directory is one user's Airflow runs' (issue 43, item 6), and run directories are named with their DAG id
+(item 4): another user's run on one is refused at init, naming the run that owns it and the fix, so that an approver
+cannot make the drafter in someone else's run directory and approve it as theirs; every run that wrote it is
+listed. Real `eagle3 init` and `job start` processes, and the DAG's validate and write_config tasks on this machine
+as the box."""
 
 from __future__ import annotations
 
@@ -44,25 +45,25 @@ def owners(tmp_path: Path) -> list[tuple]:
     return [(run["dag_id"], run["run_id"], run["triggered_by"], run["redo_from"]) for run in record["runs"]]
 
 
-def test_a_run_directory_is_its_first_airflow_runs_and_another_run_is_refused_naming_it(draft, tmp_path):
-    """The owner's retries and clears init again (resume); a second Airflow run on the same run_name, another DAG's
-    run with the same run id among them, is refused (exit 2) before it writes anything, naming the owner and the
-    fixes; the owner is unchanged."""
+def test_a_run_directory_is_its_first_airflow_runs_and_another_users_run_is_refused_naming_it(draft, tmp_path):
+    """The owner's retries and clears init again (resume); a run another user triggered on the same run_name, or
+    another DAG's run (a scheduled one: no user), is refused (exit 2) before it writes anything, naming the owner and
+    the fixes; the owner and its config are unchanged."""
     assert init(draft, *ALICE_RUN).returncode == 0
     config = (tmp_path / "work" / "runs" / "shared-name" / CONFIG).read_bytes()
     assert init(draft, *ALICE_RUN).returncode == 0  # a retry, or a clear of write_config
-    for other in (("eagle3_drafter", "manual__2026-12-05T08:00:00+00:00", "alice"),
-                  ("eagle3_drafter__gpu-box-2", ALICE_RUN[1], "alice"), ("eagle3_drafter", "scheduled__x", None)):
+    for other in (("eagle3_drafter", "manual__2026-12-05T08:00:00+00:00", "bob"),
+                  ("eagle3_drafter__gpu-box-2", ALICE_RUN[1], "bob"), ("eagle3_drafter", "scheduled__x", None)):
         refused = init(draft, *other)
         assert refused.returncode == 2, refused.stderr
         assert "belongs to Airflow run 'manual__2026-12-04T08:00:00+00:00' of DAG 'eagle3_drafter' (triggered " \
                "by 'alice')" in refused.stderr
-        assert "clear its failed task" in refused.stderr and "another run_name" in refused.stderr
+        assert "clears its failed task" in refused.stderr and "another run_name" in refused.stderr
     assert owners(tmp_path) == [(*ALICE_RUN, None)]
     assert (tmp_path / "work" / "runs" / "shared-name" / CONFIG).read_bytes() == config
 
 
-def test_a_redo_is_its_owners_users_and_lists_every_run_that_wrote_the_directory(draft, tmp_path):
+def test_the_same_users_later_run_takes_the_directory_over_and_every_run_that_wrote_it_is_listed(draft, tmp_path):
     """box.redo_from runs stages again in an existing directory from a new Airflow run: allowed to the user who
     triggered its owner, and then the redo run owns it, listed after the first. The attack of issue 43 item 6, an
     approver's redo in someone else's directory (whose propose task she would clear and approve as theirs), is
@@ -75,8 +76,7 @@ def test_a_redo_is_its_owners_users_and_lists_every_run_that_wrote_the_directory
     assert init(draft, *redo, "train").returncode == 0
     assert init(draft, *redo, "train").returncode == 0  # the redo run's retry
     assert owners(tmp_path) == [(*ALICE_RUN, None), (*redo, "train")]
-    again = init(draft, *ALICE_RUN)  # the first run, cleared after the redo took its directory over
-    assert again.returncode == 2 and "took it over from Airflow run 'manual__2026-12-04T08:00:00+00:00'" in again.stderr
+    assert init(draft, "eagle3_drafter", "manual__2026-12-08T08:00:00+00:00", "bob").returncode == 2
 
 
 def test_init_by_hand_and_airflow_runs_never_share_a_directory(draft, tmp_path):
@@ -166,3 +166,7 @@ def test_a_stage_of_another_airflow_run_is_not_started_in_an_owned_directory(dra
             refused.stderr, refused.stderr
         assert not (jobs / "train" / "state.json").exists()
     assert json.loads(start("eagle3_drafter", ALICE_RUN[1]).stdout)["try"] == 1
+    later = ("eagle3_drafter", "manual__2026-12-07T08:00:00+00:00", "alice")  # alice's next run takes it over
+    assert init(draft, *later).returncode == 0
+    superseded = start("eagle3_drafter", ALICE_RUN[1])
+    assert superseded.returncode == 2 and "took the directory over from this run" in superseded.stderr

@@ -1,28 +1,29 @@
-"""Whose a run directory is: the Airflow run that made it, recorded by `eagle3 init` in RUN_DIR/owner.json.
+"""Whose a run directory is: the Airflow runs that wrote it, recorded by `eagle3 init` in RUN_DIR/owner.json.
 
     python -m eagle3 init --config - --airflow-dag-id=D --airflow-run-id=R [--triggered-by=U] [--redo-from=S]
 
-A run directory belongs to one Airflow run (issue 43, item 6). Its tries, retries and clears (resume = clear the
-failed task) are that run, the same DAG id and run id, and go on in it. Another run is refused at init, before it
-writes anything, naming the run that owns the directory and the fix: clear that run's failed task, or trigger with
-another run_name. Why: the approval of a promotion is refused to the user who triggered the training run
-(eagle3_airflow.promotion), and that holds only if no one else made any part of the drafter. An approver who
-triggered a run with someone else's run_name and box.redo_from would otherwise re-make the drafter in that user's
-directory, clear that user's propose task, and approve her own drafter as theirs.
+A run directory is one user's (issue 43, item 6). The Airflow run whose init made it owns it; its tries, retries and
+clears (resume = clear the failed task) are that run, the same DAG id and run id, and go on in it. A run triggered by
+another user is refused at init, before it writes anything, naming the run that owns the directory and the fix:
+clear that run's failed task, or trigger with another run_name. Why: the approval of a promotion is refused to the
+user who triggered the training run (eagle3_airflow.promotion), and that holds only if no one else made any part of
+the drafter. An approver who triggered a run with someone else's run_name and box.redo_from would otherwise re-make
+the drafter in that user's directory, clear that user's propose task, and approve her own drafter as theirs.
 
-box.redo_from runs stages again in an existing run directory from a new Airflow run, so a redo may take the directory
-over, and only a redo triggered by the user who triggered its owner (a scheduled, Asset-started or CLI run has no
-user: a redo by one such run of another's directory is allowed too). Every run that wrote the directory stays listed
-in owner.json, the owner last: all of them triggered by one user, the one the approval refuses.
+A later run of the same user (box.redo_from, which runs stages again in an existing run directory from a new Airflow
+run; a rerun after the whole Airflow side went down, as `airflow dags test` makes one) takes the directory over: it
+becomes the owner, listed after the runs before it, so every run that wrote the directory is in owner.json, the
+owner last, all of them triggered by the one user the approval refuses. A scheduled, Asset-started or CLI run has no
+user (None): such runs are one "user" among themselves. Only the owner's stages start there (`job start` names its
+run: check_owner), so a run refused at init, or one taken over, writes nothing by another way.
 
 `eagle3 init` by hand (no --airflow-dag-id) records and checks nothing in a directory no Airflow run owns, as before
 owners were recorded; it refuses one that an Airflow run owns. An Airflow run refuses a directory that holds a run
 config and no owner (made by hand, or before owners were recorded): whose it is cannot be told.
 
 owner.json: {"runs": [{"dag_id", "run_id", "triggered_by", "redo_from", "recorded_at"}, ...]}, replaced atomically
-under RUN_DIR/owner.lock, so two runs that init one new directory at once cannot both own it. `job start` given the
-Airflow run checks it too (check_owner), before a stage writes: a run refused at init writes nothing by another way.
-Light (no pydantic): job start imports it.
+under RUN_DIR/owner.lock, so two runs that init one new directory at once cannot both own it. Light (no pydantic):
+job start imports it.
 """
 
 from __future__ import annotations
@@ -111,44 +112,41 @@ def write_owners(run_dir: Path, runs: list[dict]) -> None:
 
 
 def refusal(run_dir: Path, runs: list[dict], run: AirflowRun | None) -> str | None:
-    """Why `run` (None: init by hand) may not write `run_dir`, owned by the last of `runs`; None when it may."""
+    """Why `run` (None: init by hand) may not init `run_dir`, owned by the last of `runs`; None when it may: the
+    owner itself, or a run of the owner's user, which then takes the directory over."""
     owner = runs[-1]
     if run is None:
         return (f"{run_dir} belongs to {describe(owner)}: init by hand does not write into an Airflow run's "
                 "directory. Clear that run's write_config task to init it again, or init another run_name")
-    if run.same_run(owner):
-        return None  # a retry or a clear of the owner: resume
-    this = describe(run.record())
-    if run.redo_from is None:
-        taken = any(run.same_run(entry) for entry in runs)
-        return (f"{run_dir} belongs to {describe(owner)}"
-                + (f", which took it over from {this} to redo stages" if taken else "")
-                + f": a run directory is one Airflow run's, so {this} does not write into it. To go on with that "
-                "run, clear its failed task (a clear resumes it); for a run of your own, trigger with another "
-                "run_name, or leave it empty (the run is then named after its DAG and run id)")
-    if run.triggered_by != owner.get("triggered_by"):
-        return (f"box.redo_from {run.redo_from}: {run_dir} belongs to {describe(owner)}, and {this} was triggered by "
-                "another user. A redo in a run directory is its own user's: whoever approves a promotion must have "
-                "made no part of the drafter, and its approval knows only the user who triggered the owner. Have "
-                "that user trigger the redo, or trigger with another run_name")
-    return None
+    if run.same_run(owner) or run.triggered_by == owner.get("triggered_by"):
+        return None  # a retry or clear of the owner; or the same user's next run (a redo), which takes it over
+    redo = f"box.redo_from {run.redo_from}: " if run.redo_from else ""
+    return (f"{redo}{run_dir} belongs to {describe(owner)}, and {describe(run.record())} was triggered by another "
+            "user. A run directory is written by one user's runs: whoever approves a promotion must have made no "
+            "part of the drafter, and the approval knows the user who triggered the run that proposes it. To go on "
+            "with that run, its user clears its failed task (a clear resumes it); for a run of your own, trigger "
+            "with another run_name, or leave it empty (the run is then named after its DAG and run id)")
 
 
 def check_owner(run_dir: Path, run: AirflowRun) -> None:
-    """Refuse (RunDirOwned) `run` where another Airflow run owns `run_dir` (job start, before a stage writes there:
-    a run whose init was refused must not write by another way, such as its write_config task marked successful).
-    A directory with no owner recorded is left to init to judge."""
+    """Refuse (RunDirOwned) a stage of `run` where another Airflow run owns `run_dir` (job start, before a stage
+    writes there): a run refused at init, its write_config then marked successful, or a run whose directory a later
+    run of its user took over, starts nothing there. A directory with no owner recorded is left to init to judge."""
     runs = read_owners(Path(run_dir))
-    if runs is not None and not run.same_run(runs[-1]):
-        raise RunDirOwned(refusal(Path(run_dir), runs, dataclasses.replace(run, redo_from=None)))
+    if runs is None or run.same_run(runs[-1]):
+        return
+    taken = " (it took the directory over from this run)" if any(run.same_run(entry) for entry in runs) else ""
+    raise RunDirOwned(f"{run_dir} belongs to {describe(runs[-1])}{taken}: stages of Airflow run {run.run_id!r} of DAG "
+                      f"{run.dag_id!r} do not start in it. Go on with the run that owns it (clear its failed task), "
+                      "or trigger with another run_name")
 
 
 @contextmanager
 def claimed(run_dir: Path, run: AirflowRun | None) -> Iterator[None]:
     """Hold the run directory while init writes it, for `run` (None: init by hand): refuse (RunDirOwned) a directory
-    that is another run's, else record `run` as its owner. A new directory's owner is recorded before the body (an
-    init cut off before config.json then finds its own run), a redo's takeover after it (so that a config the
-    directory refuses changes no owner)."""
+    that is another user's run's (refusal), else record `run` as its owner. A new directory's owner is recorded
+    before the body (an init cut off before config.json then finds its own run), a takeover by the owner's user's
+    later run after it (so that a config the directory refuses changes no owner)."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     with open(run_dir / OWNER_LOCK, "a") as lock:
@@ -167,5 +165,5 @@ def claimed(run_dir: Path, run: AirflowRun | None) -> Iterator[None]:
         if why:
             raise RunDirOwned(why)
         yield
-        if run is not None and not run.same_run(runs[-1]):  # a redo's takeover, listed after the runs before it
+        if run is not None and not run.same_run(runs[-1]):  # the same user's later run: listed after the rest
             write_owners(run_dir, [*runs, run.record()])
