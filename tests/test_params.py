@@ -141,7 +141,7 @@ def test_good_values_validate_and_become_a_run_config():
     params = form(**{"train.epochs": 2, "box.conn_ids": ["gpu1", "gpu2"]})
     config, box = deployment.configs(params.validate(), RUN_ID)
     assert config.train.epochs == 2 and config.extract.aux_layers == [1, 5, 9]
-    assert config.run_name == "manual__2026-11-29T10-00-00-00-00"  # empty run_name: named after the run id
+    assert config.run_name == "eagle3_drafter.manual__2026-11-29T10-00-00-00-00"  # empty: after its DAG and run
     assert box.conn_ids == ["gpu1", "gpu2"]
 
 
@@ -271,11 +271,12 @@ def test_the_params_reference_in_docs_is_the_forms():
     assert "## Settings `run` and presets, server:" in text
 
 
-def test_an_emptied_run_name_is_allowed_and_names_the_run_after_the_run_id():
-    """The web form sends an emptied text field as null and marks any param that cannot be null as required."""
+def test_an_emptied_run_name_is_allowed_and_names_the_run_after_its_dag_and_run_id():
+    """The web form sends an emptied text field as null and marks any param that cannot be null as required. The
+    name carries the DAG id too: two boxes' DAGs share run ids (scheduled__<date>), never a run directory."""
     resolved = form(run_name=None).validate()
     config, _ = Deployment(run=WORKDIR).configs(resolved, "scheduled__2026-11-29T00:00:00+00:00")
-    assert config.run_name == "scheduled__2026-11-29T00-00-00-00-00"
+    assert config.run_name == "eagle3_drafter.scheduled__2026-11-29T00-00-00-00-00"
 
 
 # -- the deployment decides which boxes, services, hosts and variables a run may use -----------------------

@@ -84,3 +84,45 @@ def test_a_job_killed_under_a_try_that_re_attached_to_it_is_started_again_in_tha
     with pytest.raises(AirflowException, match="train job train killed") as failed:
         operator.execute_complete(context, {**killed, "state": {"try": 2}, "started_try": 2})
     assert restarted == [context] and "A retry (or clearing the task) resumes the stage" in str(failed.value)
+
+
+def test_a_stage_starts_as_its_own_airflow_run_and_a_job_on_another_host_fails_the_task(plan, monkeypatch):
+    """`job start` is told the Airflow run from the task's own context (never XCom), so the box refuses a stage of
+    a run that does not own the run directory (eagle3.runowner), even one whose write_config was marked successful;
+    a box whose pinned code predates the option is asked without it. A job that runs on another host sharing the
+    work directory ("foreign") fails the task with the reason, without a retry: this box can neither wait on it
+    nor start a second copy. (The box is a stand-in here: the refusals themselves run for real in test_run_owner
+    and test_job.)"""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    sent = []
+
+    class Box:
+        def __init__(self, knows_owners: bool):
+            self.knows_owners = knows_owners
+
+        def run(self, argv, **_):
+            sent.append(argv)
+            if "--airflow-dag-id" in argv and not self.knows_owners:
+                return SimpleNamespace(returncode=2, stderr="error: unrecognized arguments: --airflow-dag-id",
+                                       json=lambda what: pytest.fail("json of a usage error"))
+            return SimpleNamespace(returncode=0, stderr="", json=lambda what: {"try": 1, "pid": 7, "log": "log"})
+
+    operator = RemoteJobOperator(task_id="train", stage="train", plan=plan)
+    context = {**CONTEXT, "ti": SimpleNamespace(task_id="train", map_index=-1, try_number=1, id="0193a1b4")}
+    operator.verify_plan(context)
+    for knows_owners in (True, False):
+        sent.clear()
+        box = Box(knows_owners)
+        monkeypatch.setattr(RunPlan, "box", lambda self, conn_id=None, box=box: box)
+        operator.submit_job(context)
+        owner = ["--airflow-dag-id", CONTEXT["dag_run"].dag_id, "--airflow-run-id", CONTEXT["dag_run"].run_id]
+        first = sent[0]
+        assert any(first[i : i + 4] == owner for i in range(len(first))), first
+        assert len(sent) == (1 if knows_owners else 2)  # asked again, without the option, only where it is unknown
+        assert ("--airflow-dag-id" in sent[-1]) == knows_owners
+
+    foreign = {"status": "foreign", "key": "train", "reason": "it runs on host gpu-box-2 (machine id 3f2a...)",
+               "state": {"try": 1}, "log_tail": [], "started_try": 1}
+    with pytest.raises(AirflowFailException, match="train job train foreign .*runs on host gpu-box-2"):
+        operator.execute_complete(context, foreign)

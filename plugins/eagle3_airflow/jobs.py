@@ -51,7 +51,9 @@ from eagle3.runlayout import REDO_OUTPUTS
 from eagle3_airflow.plan import RunPlan, verified_plan
 from eagle3_airflow.transport import BoxUnreachable, box_for
 
-TERMINAL = {"succeeded", "failed", "killed", "dead", "absent"}
+# "foreign": the job runs on another host sharing the work directory (eagle3.job.foreign_host); this box can
+# neither wait on its processes nor start a second copy, so the task ends with the reason.
+TERMINAL = {"succeeded", "failed", "killed", "dead", "absent", "foreign"}
 USER_ERROR_EXIT = 2  # `python -m eagle3` exits 2 when the config, data or a file is wrong
 
 
@@ -203,11 +205,22 @@ class RemoteJobOperator(ResumableJobMixin, BaseOperator):
         passed_env = [arg for name in plan.box_env for arg in ("--pass-env", name)]
         stall = ["--stall-timeout-s", f"{plan.stall_timeout_s:g}",
                  "--first-progress-timeout-s", f"{plan.first_progress_timeout_s or plan.stall_timeout_s:g}"]
-        argv = self._job("start", key, "--heartbeat-s", f"{heartbeat_s:g}", "--stale-after-s",
-                         f"{plan.stale_after_s:g}", *stall, *passed_env, *self._redo(context), "--",
-                         *self._stage_argv())
+        # The Airflow run this stage belongs to, from the task's own context (never XCom): the box refuses a stage
+        # of a run that does not own the run directory (eagle3.runowner), as init did
+        dag_run = context["dag_run"]
+        owner = ["--airflow-dag-id", str(dag_run.dag_id), "--airflow-run-id", str(dag_run.run_id)]
+
+        def start(*owner_args: str):
+            argv = self._job("start", key, "--heartbeat-s", f"{heartbeat_s:g}", "--stale-after-s",
+                             f"{plan.stale_after_s:g}", *stall, *passed_env, *self._redo(context), *owner_args, "--",
+                             *self._stage_argv())
+            return self._riding_out_outages(lambda: box.run(argv, timeout=120))
+
         box = self.run_plan.box(self.conn_id)
-        state = self._riding_out_outages(lambda: box.run(argv, timeout=120)).json(f"starting job {key}")
+        result = start(*owner)
+        if predates(result, "--airflow-dag-id"):  # the run's pinned code on the box knows no owners yet
+            result = start()
+        state = result.json(f"starting job {key}")
         verb = "attached to" if state.get("attached") else "started"
         self._started_try = None if state.get("attached") else state.get("try")
         self.log.info("%s %s job %s on %s: try %s, pid %s (log: %s)", verb, self.stage, key, self.conn_id,
@@ -276,9 +289,9 @@ class RemoteJobOperator(ResumableJobMixin, BaseOperator):
         message = (f"{self.stage} job {event['key']} {status} (exit code {state.get('exit_code')}; {event['reason']}) "
                    f"on {self.conn_id}, try {state.get('try')} (job log on the box: {state.get('log')}). "
                    f"Last log lines:\n{tail}")
-        if state.get("exit_code") == USER_ERROR_EXIT:
-            # The stage refused its input (the message above says which field or file): retrying cannot help.
-            # Fix the cause, then clear the task.
+        if state.get("exit_code") == USER_ERROR_EXIT or status == "foreign":
+            # The stage refused its input (the message above says which field or file), or the job is another
+            # host's: retrying cannot help. Fix the cause, then clear the task.
             raise AirflowFailException(message)
         raise AirflowException(message + "\nA retry (or clearing the task) resumes the stage.")
 

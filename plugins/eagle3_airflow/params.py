@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import difflib
 import functools
+import hashlib
 import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
 from eagle3.config import ABS_PATH_PATTERN, RUN_NAME_PATTERN, RunConfig, format_validation_error, parse_run_config
+from eagle3_airflow import DAG_ID
 
 ConnId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]{1,200}$")]
 # Not starting with '-': a unit name reaches systemctl after "--" all the same, but "--all" is never a unit.
@@ -116,7 +118,7 @@ NOTES_MAX = 500
 # of `run` and of presets, refused in a trigger's conf (naming the settings key), filled in by Deployment.settle.
 SETTINGS_ONLY = {"evaluate.keep_versions": "keep_versions"}
 JSON_SCHEMA_DRAFT = "http://json-schema.org/draft-07/schema#"
-# run_name may be left empty in the form: the run is then named after the Airflow run id.
+# run_name may be left empty in the form: the run is then named after its DAG id and Airflow run id.
 RUN_NAME_OR_EMPTY = f"^$|{RUN_NAME_PATTERN}"
 RUN, DATA, RECIPE, WHERE = ("run: its name, preset and why", "data: the target and the conversations",
                             "recipe: the knobs people change per run", "box: where it runs")
@@ -231,8 +233,8 @@ def build_params(defaults: dict[str, Any] | None = None, choices: dict[str, list
             schema = _leaf_schema(prop)
             default = defaults.get(dotted, default)
         if dotted == "run_name":
-            # Empty: named after the Airflow run (so a scheduled DAG gets a new run directory each time). Nullable
-            # too: the web form sends an emptied field as null, and treats a non-nullable param as required.
+            # Empty: named after its DAG and Airflow run (so a scheduled DAG gets a new run directory each time).
+            # Nullable too: the web form sends an emptied field as null, and treats a non-nullable param as required.
             schema["pattern"] = RUN_NAME_OR_EMPTY
             schema["type"] = ["string", "null"]
             default = defaults.get(dotted, "")
@@ -247,7 +249,7 @@ def build_params(defaults: dict[str, Any] | None = None, choices: dict[str, list
         schema["$schema"] = JSON_SCHEMA_DRAFT
         description = _describe(prop, default is ...)
         if dotted == "run_name":
-            description += " Empty: named after the Airflow run id."
+            description += " Empty: named after its DAG id and Airflow run id."
         kwargs = dict(title=prop.get("title", dotted), description=description, section=SECTIONS.get(dotted, RECIPE))
         # A required field with no default (a path on the box) gets no default: the form then demands a
         # value, and a scheduled run needs one from the settings file's params.
@@ -318,10 +320,19 @@ def unflatten(flat: dict[str, Any]) -> dict[str, Any]:
     return nested
 
 
-def run_name_from_run_id(run_id: str) -> str:
-    """A run-name-safe, readable, unique name for an Airflow run id (e.g. scheduled__2026-11-29T00:00:00+00:00)."""
-    name = re.sub(r"[^A-Za-z0-9._-]+", "-", run_id).strip("-.")[:64]
-    return name or "run"
+RUN_NAME_MAX = 64  # (eagle3.config.RUN_NAME_PATTERN)
+
+
+def default_run_name(dag_id: str, run_id: str) -> str:
+    """The run directory's name when the form leaves run_name empty: the DAG id and the Airflow run id, so that runs
+    of two DAGs (two boxes' DAGs share run ids: scheduled__<date>, an Asset's) never share a directory, e.g.
+    eagle3_drafter.scheduled__2026-11-29T00-00-00-00-00. A name longer than run_name allows keeps its start and ends
+    in a digest of the whole, so it still names one run."""
+    readable = re.sub(r"[^A-Za-z0-9._-]+", "-", f"{dag_id}.{run_id}").strip("-.")
+    if len(readable) <= RUN_NAME_MAX and re.match(RUN_NAME_PATTERN, readable):
+        return readable
+    digest = hashlib.sha256(f"{dag_id}\0{run_id}".encode()).hexdigest()[:12]
+    return f"{readable[:RUN_NAME_MAX - len(digest) - 1].rstrip('-.') or 'run'}-{digest}"
 
 
 def params_to_configs(params: dict[str, Any], run_id: str, run: dict[str, Any] | None = None,
@@ -334,8 +345,8 @@ def params_to_configs(params: dict[str, Any], run_id: str, run: dict[str, Any] |
                   **{k: v for k, v in form.items() if not k.startswith(BOX_PREFIX + ".")}}
     box_params = {**(box or {}),
                   **{k.removeprefix(BOX_PREFIX + "."): v for k, v in form.items() if k.startswith(BOX_PREFIX + ".")}}
-    if not run_params.get("run_name"):
-        run_params["run_name"] = run_name_from_run_id(run_id)
+    if not run_params.get("run_name"):  # (validate names it after its own DAG first; this is the settings' checks)
+        run_params["run_name"] = default_run_name(DAG_ID, run_id)
     source = f"the run (the form over the preset {preset_name!r} and the settings' run)"
     try:
         config = parse_run_config(unflatten(run_params), source)

@@ -10,17 +10,14 @@ eagle3_airflow.results, never from another task's XCom.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import re
 
 from airflow.sdk.exceptions import AirflowFailException
 
-from eagle3.config import RUN_NAME_PATTERN
 from eagle3_airflow.deployment import Deployment
 from eagle3_airflow.jobs import predates
-from eagle3_airflow.params import DEFAULT_PRESET, NOTES, PRESET, ParamsError, check_unknown_keys
+from eagle3_airflow.params import DEFAULT_PRESET, NOTES, PRESET, ParamsError, check_unknown_keys, default_run_name
 from eagle3_airflow.plan import RunPlan, verified_config, verified_plan
 from eagle3_airflow.results import check_inputs, read_or_fail, report_summary
 from eagle3_airflow.seal import task_key
@@ -29,19 +26,6 @@ from eagle3_airflow.transport import RemoteCommandError
 log = logging.getLogger(__name__)
 
 REQUIRED_BOX_PACKAGES = ["torch", "transformers", "tokenizers", "safetensors", "numpy", "pydantic"]
-RUN_NAME_MAX = 64  # (eagle3.config.RUN_NAME_PATTERN)
-
-
-def default_run_name(dag_id: str, run_id: str) -> str:
-    """The run directory's name when the form leaves run_name empty: the DAG id and the Airflow run id, so that runs
-    of two DAGs (two boxes' DAGs share run ids: scheduled__<date>, an Asset's) never share a directory, e.g.
-    eagle3_drafter.scheduled__2026-11-29T00-00-00-00-00. A name longer than run_name allows keeps its start and ends
-    in a digest of the whole, so it still names one run."""
-    readable = re.sub(r"[^A-Za-z0-9._-]+", "-", f"{dag_id}.{run_id}").strip("-.")
-    if len(readable) <= RUN_NAME_MAX and re.match(RUN_NAME_PATTERN, readable):
-        return readable
-    digest = hashlib.sha256(f"{dag_id}\0{run_id}".encode()).hexdigest()[:12]
-    return f"{readable[:RUN_NAME_MAX - len(digest) - 1].rstrip('-.') or 'run'}-{digest}"
 
 
 def validate_run(params: dict, conf: dict, known: set[str], dag_run, deployment: Deployment | None = None) -> dict:

@@ -563,7 +563,7 @@ def scheduled_runs_on_asset_updates(standalone, tiny_target: Path, tmp_path: Pat
     """Runs 2 and 3, started by the scheduler on events of the prompt set's Asset (as an upstream DAG that
     refreshes the data would make them; here the REST API does)."""
     from eagle3.runlayout import run_stats_path
-    from eagle3_airflow.params import run_name_from_run_id
+    from eagle3_airflow.params import default_run_name
 
     asset_id = standalone.api(f"/assets?name_pattern={PROMPTS_ASSET}")["assets"][0]["id"]
 
@@ -580,7 +580,7 @@ def scheduled_runs_on_asset_updates(standalone, tiny_target: Path, tmp_path: Pat
         run, = [run for run in standalone.api(f"/dags/{DAG_ID}/dagRuns")["dag_runs"]
                 if run["dag_run_id"] not in previous]
         assert (run["run_type"], run["state"]) == ("asset_triggered", "success"), (run, standalone.tail())
-        return run["dag_run_id"], tmp_path / "box" / "runs" / run_name_from_run_id(run["dag_run_id"])
+        return run["dag_run_id"], tmp_path / "box" / "runs" / default_run_name(DAG_ID, run["dag_run_id"])
 
     def extracted(run_dir: Path) -> tuple[int, int]:
         stats = json.loads(run_stats_path(run_dir, 0).read_text())
