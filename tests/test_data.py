@@ -30,12 +30,14 @@ from eagle3.data import (
     SampleTokenizer,
     TokenizeStats,
     conversation_id_of,
+    encode,
     end_of_turn_tokens,
     normalize_record,
     read_conversations,
     sample_id_of,
     shard_of,
 )
+from eagle3.turns import render
 
 SHAREGPT = {"conversations": [
     {"from": "system", "value": "Be brief."},
@@ -385,8 +387,9 @@ def runs_of(mask: list[int]) -> list[tuple[int, int]]:
 def test_max_length_keeps_every_turn_and_cuts_the_context_from_the_left(tiny_tokenizer):
     """Issue 37: a turn past data.max_length lost its training (the sample kept its first max_length tokens).
     The whole conversation keeps its start and the turns that end within max_length; each later turn gets a
-    sample of its own, the turn whole and its context cut from the left; a turn longer than the window keeps its
-    start after half a window of context. Every cut is counted; no turn is dropped."""
+    sample of its own, the turn whole and its context cut from the left after the BOS token (here the system
+    prompt is more than a quarter of these windows: only BOS stays); a turn longer than the window keeps its start
+    after half a window of context. Every cut is counted; no turn is dropped."""
     conv = Conversation("0" * 16, tuple(OPENAI["messages"]), 1)
     [full] = SampleTokenizer(tiny_tokenizer, 4096).samples(conv)
     (a2, b2), (a4, b4) = runs_of(full.loss_mask)  # turn 2's trained tokens, then turn 4's
@@ -399,7 +402,10 @@ def test_max_length_keeps_every_turn_and_cuts_the_context_from_the_left(tiny_tok
     assert (whole.sample_id, whole.truncated) == (conv.sample_id, True)
     assert whole.input_ids == full.input_ids[:limit] and runs_of(whole.loss_mask) == [(a2, b2)]
     assert (last.sample_id, last.truncated) == (f"{conv.sample_id}.4", True)
-    assert last.input_ids == full.input_ids[-limit:] and runs_of(last.loss_mask) == [(a4 - (length - limit), limit)]
+    bos = full.input_ids[:1]
+    assert bos == [tiny_tokenizer.bos_token_id]
+    assert last.input_ids == bos + full.input_ids[-(limit - 1):]
+    assert runs_of(last.loss_mask) == [(a4 - (length - limit), limit)]
     assert (stats.trained_turns, stats.turns_dropped, stats.skipped) == (2, {}, {})
     assert (stats.context_cut_samples, stats.context_cut_tokens, stats.turn_cut_samples) == (1, length - limit, 0)
 
@@ -407,10 +413,34 @@ def test_max_length_keeps_every_turn_and_cuts_the_context_from_the_left(tiny_tok
     stats = TokenizeStats()
     first, second = SampleTokenizer(tiny_tokenizer, limit).iter([conv], stats)
     assert [s.sample_id for s in (first, second)] == [f"{conv.sample_id}.2", f"{conv.sample_id}.4"]
-    assert first.input_ids == full.input_ids[a2 - 2 : a2 + 3] and runs_of(first.loss_mask) == [(2, 5)]
-    assert second.input_ids == full.input_ids[a4 - 2 : a4 + 3] and runs_of(second.loss_mask) == [(2, 5)]
+    assert first.input_ids == bos + full.input_ids[a2 - 2 : a2 + 2] and runs_of(first.loss_mask) == [(3, 5)]
+    assert second.input_ids == bos + full.input_ids[a4 - 2 : a4 + 2] and runs_of(second.loss_mask) == [(3, 5)]
     assert (stats.trained_turns, stats.turns_dropped) == (2, {})
-    assert (stats.turn_cut_samples, stats.turn_cut_tokens) == (2, (b2 - a2 - 3) + (b4 - a4 - 3))
+    assert (stats.turn_cut_samples, stats.turn_cut_tokens) == (2, (b2 - a2 - 2) + (b4 - a4 - 2))
+
+
+def test_a_cut_context_keeps_the_system_prompt_and_the_tools_ahead_of_its_window(tiny_tokenizer):
+    """Issue 42: a late turn of a long agentic conversation, cut to data.max_length, kept only its last tokens, so
+    BOS, the system prompt and the tool definitions (what every answer in it was generated under) were gone and the
+    target's states were not the ones it serves. Its sample now starts with them (the template's rendering of the
+    leading system messages and tools, as whole tokens), then the window ending at the turn's end."""
+    pairs = [(f"Question number {i}: what follows {i}?", f"The number after {i} is {i + 1}.") for i in range(6)]
+    messages = [{"role": "system", "content": "Be brief."}]
+    for question, answer in pairs:
+        messages += [user(question), bot(answer)]
+    conv = Conversation("1" * 16, tuple(messages), 1)
+    [full] = SampleTokenizer(tiny_tokenizer, 4096).samples(conv)
+    head = encode(tiny_tokenizer, render(tiny_tokenizer, messages[:1]))
+    assert full.input_ids[: len(head)] == head and head[0] == tiny_tokenizer.bos_token_id
+    limit = 4 * len(head)
+    assert len(full.input_ids) > limit + len(head)  # the last turn's window starts well after the system prompt
+
+    stats = TokenizeStats()
+    *_, last = SampleTokenizer(tiny_tokenizer, limit).iter([conv], stats)
+    assert last.sample_id == f"{conv.sample_id}.{len(messages) - 1}" and len(last.input_ids) == limit
+    assert last.input_ids == head + full.input_ids[-(limit - len(head)):]
+    assert not any(last.loss_mask[: len(head)]) and last.loss_mask[-1] == full.loss_mask[-1]
+    assert stats.context_cut_samples >= 1 and stats.turns_dropped == {}
 
 
 def test_a_template_that_rewrites_content(tiny_tokenizer):

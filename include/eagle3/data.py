@@ -27,6 +27,7 @@ conversation, with its reason.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import itertools
 import json
@@ -67,7 +68,7 @@ ROLE_ALIASES = {
     "tool": "tool",
 }
 LossMaskPolicy = Literal["assistant_turn", "content"]
-TOKENIZING_VERSION = 3  # bump when the samples a conversation gives change (cached token counts key on it)
+TOKENIZING_VERSION = 4  # bump when the samples a conversation gives change (cached token counts key on it)
 # Kept on a message beside role and content when present (OpenAI's names).
 ASSISTANT_EXTRAS = ("reasoning_content", "tool_calls", "finish_reason")
 TOOL_EXTRAS = ("tool_call_id", "name")
@@ -667,12 +668,39 @@ class SampleTokenizer:
     def samples(self, conversation: Conversation) -> list[TokenizedSample]:
         """The conversation's samples (one, or more for a thinking model's multi-turn conversation, or for turns
         past max_length), each at most max_length tokens. A turn that cannot be placed raises (iter counts it)."""
-        return [sample for rendering in self.renderings(conversation) for sample in self.fit(rendering)]
+        head = functools.cache(lambda: self.head_of(conversation))
+        return [sample for rendering in self.renderings(conversation) for sample in self.fit(rendering, head=head)]
 
-    def fit(self, rendering: Rendering, stats: TokenizeStats | None = None) -> list[TokenizedSample]:
+    def head_of(self, conversation: Conversation) -> str:
+        """The text a cut context keeps ahead of its window: what the template renders for the conversation's
+        leading system messages and its tool definitions (after the BOS it writes), '' for a conversation with
+        neither or a template that renders them only with other messages."""
+        system = list(itertools.takewhile(lambda m: m.get("role") == "system", conversation.messages))
+        if not system and not conversation.tools:
+            return ""
+        try:
+            return render(self.tokenizer, system, conversation.tools, False, self.template_kwargs)
+        except (TemplateFailed, TemplateRefused, ValueError):
+            return ""
+
+    def kept_head(self, ids: list[int], text: str, head: str) -> int:
+        """How many leading tokens of a sample whose context is cut stay ahead of the window: the head's (its
+        system prompt and tools, which every answer in it was generated under), when the text starts with it as
+        whole tokens and it takes at most a quarter of max_length; else the BOS token alone where the sample starts
+        with one (a target's states after a missing BOS are not the ones it serves)."""
+        if head and text.startswith(head):
+            head_ids = encode(self.tokenizer, head)
+            if len(head_ids) <= self.max_length // 4 and ids[: len(head_ids)] == head_ids:
+                return len(head_ids)
+        bos = getattr(self.tokenizer, "bos_token_id", None)
+        return 1 if bos is not None and ids[:1] == [bos] and self.max_length >= 4 else 0
+
+    def fit(self, rendering: Rendering, stats: TokenizeStats | None = None,
+            head: Callable[[], str] = lambda: "") -> list[TokenizedSample]:
         """The rendering's samples within max_length tokens, every turn it trains kept. The whole conversation
         keeps its start and the turns that end within max_length; each other turn becomes a sample of its own
-        ("<conversation id>.<turn>", its context cut from the left: window_of_turn). Cuts are counted in
+        ("<conversation id>.<turn>", its context cut from the left: window_of_turn), which keeps its conversation's
+        head (`head()`: BOS, system prompt and tools; kept_head) ahead of the window. Cuts are counted in
         `stats`."""
         stats = stats if stats is not None else TokenizeStats()
         ids, at = encode_rendering(self.tokenizer, rendering)
@@ -686,13 +714,17 @@ class SampleTokenizer:
             trained = [k for k, m in enumerate(mask) if m]
             if not trained:
                 return [TokenizedSample(rendering.sample_id, ids[:limit], mask[:limit], True)]
-            start = window_of_turn(len(ids), trained[0], trained[-1] + 1, limit)
-            cut_turn = sum(mask[start + limit :])
-            stats.context_cut_samples += start > 0
-            stats.context_cut_tokens += start
+            kept = self.kept_head(ids, rendering.text, head()) if len(ids) > limit else 0
+            kept = kept if kept <= trained[0] else 0
+            start = kept + window_of_turn(len(ids) - kept, trained[0] - kept, trained[-1] + 1 - kept, limit - kept)
+            end = start + limit - kept
+            cut_turn = sum(mask[end:])
+            stats.context_cut_samples += start > kept
+            stats.context_cut_tokens += start - kept
             stats.turn_cut_samples += cut_turn > 0
             stats.turn_cut_tokens += cut_turn
-            return [TokenizedSample(rendering.sample_id, ids[start : start + limit], mask[start : start + limit], True)]
+            return [TokenizedSample(rendering.sample_id, ids[:kept] + ids[start:end], mask[:kept] + mask[start:end],
+                                    True)]
         conversation_id = conversation_id_of(rendering.sample_id)
         fits = [turn for turn in rendering.turns if all(at[end] <= limit for _, end in turn.spans)]
         samples = []
@@ -705,7 +737,7 @@ class SampleTokenizer:
             if turn not in fits:
                 own = Rendering(f"{conversation_id}.{turn.index}", turn.text, turn.spans,
                                 (dataclasses.replace(turn, in_whole=False),), turn.prompt_end)
-                samples += self.fit(own, stats)
+                samples += self.fit(own, stats, head)
         return samples
 
     def prompt_ids(self, messages, tools=None) -> list[int]:
@@ -753,10 +785,11 @@ class SampleTokenizer:
             stats.drop(conversation.sample_id if err.reason == TEMPLATE_REFUSED else f"{conversation.sample_id}.{i}",
                        err.reason, f"{line}: {err}", sizes[i][0])
         samples, lost = [], set()
+        head = functools.cache(lambda: self.head_of(conversation))  # rendered only for a sample whose context is cut
         for rendering in plan.renderings:
             if all(t.index in empty for t in rendering.turns):
                 continue
-            for sample in self.fit(rendering, stats):
+            for sample in self.fit(rendering, stats, head):
                 if not any(sample.loss_mask):
                     turns = [int(sample.sample_id.split(".")[1])] if "." in sample.sample_id else \
                         [t.index for t in rendering.turns if t.index not in empty]
