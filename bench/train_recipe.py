@@ -84,9 +84,8 @@ def run_variant(source: Path, name: str, seed: int, train: dict) -> dict:
     config = json.loads((source / layout.CONFIG).read_text())
     run_name, workdir = f"{name}-seed{seed}", workdir_for(source)
     config["workdir"], config["run_name"], config["seed"] = str(workdir), run_name, seed
-    train = dict(train)
-    config["drafter"].update(train.pop("drafter", {}))
-    config["train"].update(train)
+    config["drafter"].update(train.get("drafter", {}))
+    config["train"].update({key: value for key, value in train.items() if key != "drafter"})
     config["evaluate"]["promote"] = False  # every variant against the same prompts, none against another
     run_dir = layout.run_dir_of(workdir, run_name)
     shutil.rmtree(run_dir, ignore_errors=True)
