@@ -78,6 +78,7 @@ for BOX in DEPLOYMENT.resources():
         start_date=datetime(2026, 1, 1),
         catchup=False,
         max_active_runs=1,  # one box, one run: gpus_idle would see another run's stages as foreign processes
+        max_consecutive_failed_dag_runs=SETTINGS.max_consecutive_failed_runs,  # a broken schedule pauses itself
         default_args={
             "retries": SETTINGS.retries,
             "retry_delay": timedelta(seconds=SETTINGS.retry_delay_s),

@@ -87,11 +87,12 @@ def test_a_schedule_on_the_data_and_target_assets_or_on_time_is_what_the_schedul
                                                                                          tiny_target, tmp_path):
     """schedule_assets in the settings file: a run starts when the prompt set's or the target's Asset is updated,
     or on the cron, whichever comes first (Airflow's AssetOrTimeSchedule), as the serialized DAG the scheduler reads
-    says. Asset-started runs use the form's defaults as scheduled ones do: without them it is an import error."""
+    says. Asset-started runs use the form's defaults as scheduled ones do: without them it is an import error. A
+    schedule that keeps failing pauses the DAG after the settings' max_consecutive_failed_runs."""
     both = tmp_path / "both.json"
     conf, layers = tiny_layers(tiny_target, tmp_path / "box", run_name="")
     both.write_text(json.dumps({"schedule": "@weekly", "schedule_assets": ["eagle3_prompts", "eagle3_target"],
-                                "params": conf, **layers}))
+                                "params": conf, "max_consecutive_failed_runs": 2, **layers}))
     assets_only = tmp_path / "assets-only.json"
     assets_only.write_text(json.dumps({"schedule_assets": ["eagle3_prompts"]}))
     script = f"""
@@ -104,7 +105,8 @@ for settings in ({str(both)!r}, {str(assets_only)!r}):
     bag = DagBag(dag_folder={str(DAG_FILE)!r})
     dag = bag.dags.get("eagle3_drafter")
     found[settings] = {{"errors": list(map(str, bag.import_errors.values())),
-                       "timetable": dag and DagSerialization.to_dict(dag)["dag"]["timetable"]}}
+                       "timetable": dag and DagSerialization.to_dict(dag)["dag"]["timetable"],
+                       "pause_after": dag and dag.max_consecutive_failed_dag_runs}}
 print(json.dumps(found))
 """
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
@@ -119,6 +121,7 @@ print(json.dumps(found))
     assert condition["__type"] == "asset_any"
     assert [a["name"] for a in condition["objects"]] == ["eagle3_prompts", "eagle3_target"]
     assert timetable["__var"]["timetable"]["__var"]["expression"] == "0 0 * * 0"  # @weekly
+    assert scheduled["pause_after"] == 2
     (error,) = found[str(assets_only)]["errors"]
     assert str(assets_only) in error and "schedule_assets ['eagle3_prompts']" in error
     assert "['data.path', 'target.model_path']" in error

@@ -72,7 +72,9 @@ def test_a_stage_that_failed_for_good_mails_its_run_task_box_log_path_and_last_l
     with pytest.raises(Exception) as error:
         operator.execute_complete(CONTEXT, failed)
     # The context Airflow hands an on_failure_callback, with what this message reads of it.
-    context = {"ti": SimpleNamespace(dag_id="eagle3_drafter", task_id="train", map_index=-1, try_number=3),
+    log_url = "https://airflow.example.com/dags/eagle3_drafter/runs/scheduled__2026-12-01/tasks/train?try_number=3"
+    context = {"ti": SimpleNamespace(dag_id="eagle3_drafter", task_id="train", map_index=-1, try_number=3,
+                                     log_url=log_url),
                "task": operator, "dag_run": SimpleNamespace(run_id="scheduled__2026-12-01"),
                "exception": error.value}
     FailureNotifier(scope="task", **NOTIFY, from_email=None, callables=[]).notify(context)
@@ -82,32 +84,33 @@ def test_a_stage_that_failed_for_good_mails_its_run_task_box_log_path_and_last_l
     assert message["To"] == "oncall@example.com"
     (body,) = inbox.bodies()
     for expected in ("Run:   eagle3_drafter / scheduled__2026-12-01", "Task:  train, try 3 (no retries left)",
-                     "Box:   local", "job log on the box: /data/eagle3/runs/r/jobs/train/log",
+                     "Box:   local", f"Log:   {log_url}", "job log on the box: /data/eagle3/runs/r/jobs/train/log",
                      "step 812/4000 loss 2.31", "NCCL timeout {{ 7 * 7 }}"):
         assert expected in body, expected
 
 
 @pytest.mark.slow
-def test_a_failed_run_mails_the_failed_task_and_the_run_and_no_secret(smtp_server, airflow_home, tmp_path,
-                                                                       tiny_target):
-    """A whole `airflow dags test` run that fails (its validate refuses a mistyped param) sends both notifications
-    through the settings file's SMTP connection; the worker's secrets are in its environment and in no mail."""
+def test_a_failed_run_mails_once_for_the_failed_task_and_no_secret(smtp_server, airflow_home, tmp_path, tiny_target):
+    """A whole `airflow dags test` run that fails (its validate refuses a mistyped param) sends one mail, the failed
+    task's, with the absolute URL of its log on the API server's base URL, through the settings file's SMTP
+    connection (the run's own callback stays silent: a task failed it); the worker's secrets are in its environment
+    and in no mail."""
     from tests.dagruns import tiny_layers
 
     _, connection = smtp_server
     inbox = smtp_server[0]
     conf, layers = tiny_layers(tiny_target, tmp_path / "work", run_name="doomed")
     env = {**airflow_env(airflow_home), **settings_env(tmp_path, notify=NOTIFY, **layers), **WORKER_SECRETS,
-           "AIRFLOW_CONN_SMTP_TEST": connection}
+           "AIRFLOW_CONN_SMTP_TEST": connection, "AIRFLOW__API__BASE_URL": "https://airflow.example.com/"}
     conf["train.epoch"] = 2  # a typo
     proc = subprocess.run([AIRFLOW, "dags", "test", "eagle3_drafter", "--conf", json.dumps(conf)], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode != 0
     subjects = sorted(message["Subject"] for message in inbox.messages)
-    assert len(subjects) == 2, (subjects, proc.stdout[-3000:])
-    assert subjects[0].startswith("[eagle3] eagle3_drafter: run ") and subjects[0].endswith(" failed")
-    assert subjects[1].startswith("[eagle3] eagle3_drafter: validate failed in run ")
+    assert len(subjects) == 1, (subjects, proc.stdout[-3000:])
+    assert subjects[0].startswith("[eagle3] eagle3_drafter: validate failed in run ")
     bodies = "\n".join(inbox.bodies())
+    assert "Log:   https://airflow.example.com/dags/eagle3_drafter/runs/" in bodies
     assert "not trigger parameters: 'train.epoch' (did you mean 'train.epochs'?)" in bodies  # what validate refused
     for name, secret in WORKER_SECRETS.items():
         assert secret not in bodies, name

@@ -161,6 +161,10 @@ class Deployment(BaseModel):
         description="Airflow Assets whose update starts a run: the prompt set and the target (a DAG that refreshes "
         "the data or publishes a checkpoint updates them). With schedule too, a run starts on either (Airflow's "
         "AssetOrTimeSchedule).")
+    max_consecutive_failed_runs: int = Field(
+        3, ge=0, le=1000,
+        description="Airflow pauses a DAG after this many failed runs in a row (its max_consecutive_failed_dag_runs), "
+        "so a broken schedule stops instead of failing every tick; unpause it once fixed. 0: never paused.")
     params: dict[str, Any] = Field(
         default_factory=dict,
         description="The trigger form's defaults, by its fields' dotted names (run_name, preset, target.model_path, "

@@ -1,15 +1,16 @@
-"""Telling someone: a mail when a task has failed for good or a run has failed, and one when a run is late.
+"""Telling someone: one mail per failure (a task that failed for good, or a run failed otherwise: timed out,
+marked failed), and one when a run is late.
 
 Configured in the deployment's settings file (`notify`, eagle3_airflow/deployment.py), never by a trigger. Airflow
 calls these through its notifier interface: the DAG's on_failure_callback (the run failed), every task's
 on_failure_callback (a task failed with no retry left: retries go by silently) and, with `notify.late_after_h`, a
 DeadlineAlert on the run (still not done that long after it was queued).
 
-A message names the run, the task and its try, the box, the job log's path on the box and the last lines the
-task reported (the remote-job operator puts the job's log tail and path in its failure). It carries nothing else:
-no params, no environment, nothing a secret could hide in. SMTP goes through the smtp provider's SmtpNotifier and
-the deployment's SMTP connection; `notify.callables` adds any other channel, each a `module:function` called with
-(subject, body).
+A message names the run, the task and its try, the box, the task log's URL (on the API server's [api] base_url),
+the job log's path on the box and the last lines the task reported (the remote-job operator puts the job's log tail
+and path in its failure). It carries nothing else: no params, no environment, nothing a secret could hide in.
+SMTP goes through the smtp provider's SmtpNotifier and the deployment's SMTP connection; `notify.callables` adds any
+other channel, each a `module:function` called with (subject, body).
 
 The message is handed to SmtpNotifier.notify() directly, never through the notifier's __call__, which would first
 render its fields as Jinja templates: log lines are not templates, and a `{{ ... }}` in one must not be evaluated.
@@ -52,10 +53,12 @@ def task_failure_message(context) -> tuple[str, str]:
     except Exception:  # noqa: BLE001 - a plan that did not render: the box is unknown, the mail still goes
         box = None
     subject = f"[eagle3] {ti.dag_id}: {task_name} failed in run {run_id}"
+    log_url = getattr(ti, "log_url", None)  # absolute: the Task SDK builds it on [api] base_url
     body = "\n".join([
         f"Run:   {ti.dag_id} / {run_id}",
         f"Task:  {task_name}, try {ti.try_number} (no retries left)",
         f"Box:   {box or '(not a box task)'}",
+        *([f"Log:   {log_url}"] if isinstance(log_url, str) else []),
         "",
         _describe_exception(context),
         "",
@@ -73,9 +76,14 @@ def run_failure_message(context) -> tuple[str, str]:
         f"Run:    {dag_id} / {run_id}",
         f"Reason: {context.get('reason') or 'a task failed'}",
         "",
-        "The failed task's own mail names the box, the job log and the last log lines.",
+        "Clear the failed task in the Airflow UI to resume the run where it stopped.",
     ])
     return subject, body
+
+
+# The run-failure reason Airflow gives when a task failed the run: that task's own mail (box, log, last lines) has
+# gone already, so the run's would be a second mail about one failure.
+TASK_FAILURE = "task_failure"
 
 
 class FailureNotifier(BaseNotifier):
@@ -97,6 +105,9 @@ class FailureNotifier(BaseNotifier):
         callback's serialized DAG lacks in Airflow 3.3: the run-failure mail was never sent.)"""
 
     def notify(self, context) -> None:
+        if self.scope == "run" and context.get("reason") == TASK_FAILURE:
+            log.info("run failed by a task: that task's failure mail was the one sent")
+            return
         subject, body = (task_failure_message if self.scope == "task" else run_failure_message)(context)
         send(subject, body, context, self.smtp_conn_id, self.to, self.from_email, self.callables)
 
