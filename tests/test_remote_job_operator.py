@@ -3,6 +3,7 @@ which neither cuts the deferred wait nor kills the job when the worker is what w
 
 from __future__ import annotations
 
+import logging
 import sys
 from datetime import timedelta
 from types import SimpleNamespace
@@ -126,3 +127,25 @@ def test_a_stage_starts_as_its_own_airflow_run_and_a_job_on_another_host_fails_t
                "state": {"try": 1}, "log_tail": [], "started_try": 1}
     with pytest.raises(AirflowFailException, match="train job train foreign .*runs on host gpu-box-2"):
         operator.execute_complete(context, foreign)
+
+
+def test_clearing_a_finished_stage_says_how_to_run_it_again(plan, monkeypatch, caplog):
+    """A clear of a succeeded stage re-attaches to its finished job and runs nothing (its outputs stand); the task
+    log says so and how to redo it: box.redo_from for a stage that can be redone, another run_name otherwise. (The
+    box is a stand-in answering as `job start` does for a finished job.)"""
+    class Box:
+        def run(self, argv, **_):
+            return SimpleNamespace(returncode=0, stderr="", json=lambda what: {
+                "try": 2, "pid": 7, "log": "log", "status": "succeeded", "attached": True, "refused": None})
+
+    monkeypatch.setattr(RunPlan, "box", lambda self, conn_id=None: Box())
+    # the task log as a plain logger (Airflow's own goes through structlog, which caplog does not see)
+    monkeypatch.setattr(RemoteJobOperator, "log", property(lambda self: logging.getLogger("eagle3.test.task")))
+    caplog.set_level("INFO", logger="eagle3.test.task")
+    for stage, how in (("train", "box.redo_from 'train'"), ("extract", "another run_name")):
+        operator = RemoteJobOperator(task_id=stage, stage=stage, plan=plan)
+        context = {**CONTEXT, "ti": SimpleNamespace(task_id=stage, map_index=-1, try_number=3, id="0193a1b5")}
+        operator.verify_plan(context)
+        operator.submit_job(context)
+        assert f"{stage} job {stage} finished in try 2 already: clearing a finished stage runs nothing" in caplog.text
+        assert how in caplog.text

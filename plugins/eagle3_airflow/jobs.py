@@ -221,6 +221,14 @@ class RemoteJobOperator(ResumableJobMixin, BaseOperator):
         if predates(result, "--airflow-dag-id"):  # the run's pinned code on the box knows no owners yet
             result = start()
         state = result.json(f"starting job {key}")
+        if state.get("attached") and state.get("status") == "succeeded":
+            # A clear of a finished stage re-attaches to the finished job: nothing runs again, which surprises whoever
+            # cleared it to redo the stage. Say how to redo it.
+            how = (f"trigger a new run with box.redo_from {self.stage!r} (this stage and every later one run again "
+                   "from scratch, their old outputs renamed aside)" if self.stage in REDO_OUTPUTS else
+                   "trigger a new run with another run_name (this stage's outputs are reused by key, not redone)")
+            self.log.info("%s job %s finished in try %s already: clearing a finished stage runs nothing. To run it "
+                          "again, %s", self.stage, key, state.get("try"), how)
         verb = "attached to" if state.get("attached") else "started"
         self._started_try = None if state.get("attached") else state.get("try")
         self.log.info("%s %s job %s on %s: try %s, pid %s (log: %s)", verb, self.stage, key, self.conn_id,
