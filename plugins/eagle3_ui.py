@@ -2,8 +2,8 @@
 
 - listeners: eagle3_airflow.run_note, which writes each finished run's summary as the run's note;
 - fastapi_apps + external_views: eagle3_airflow.report_view under /eagle3, shown as the *EAGLE-3 report* tab of
-  every run (Airflow only shows it on runs; a run whose report task published nothing, another DAG's included, says
-  so).
+  every run (Airflow 3.3's external views cannot be limited to some DAGs: another DAG's run says it has no EAGLE-3
+  report, and a drafter run that failed before its report says at which task).
 
 Airflow imports every file of the plugins folder; plugins/.airflowignore keeps it out of eagle3_airflow/, which
 the DAG imports as a package.

@@ -94,7 +94,7 @@ def test_a_failed_run_mails_once_for_the_failed_task_and_no_secret(smtp_server, 
     """A whole `airflow dags test` run that fails (its validate refuses a mistyped param) sends one mail, the failed
     task's, with the absolute URL of its log on the API server's base URL, through the settings file's SMTP
     connection (the run's own callback stays silent: a task failed it); the worker's secrets are in its environment
-    and in no mail."""
+    and in no mail. The run's report tab says where it failed, since no report was written."""
     from tests.dagruns import tiny_layers
 
     _, connection = smtp_server
@@ -114,6 +114,21 @@ def test_a_failed_run_mails_once_for_the_failed_task_and_no_secret(smtp_server, 
     assert "not trigger parameters: 'train.epoch' (did you mean 'train.epochs'?)" in bodies  # what validate refused
     for name, secret in WORKER_SECRETS.items():
         assert secret not in bodies, name
+
+    # The run's report tab, in the API server's code against the same metadata DB: no report was written, and it
+    # says where the run failed; another DAG's run gets no EAGLE-3 report at all.
+    run_id = subjects[0].removeprefix("[eagle3] eagle3_drafter: validate failed in run ")
+    script = f"""
+from airflow.utils.session import create_session
+from eagle3_airflow import report_view
+with create_session() as session:
+    print(report_view.report_page("eagle3_drafter", {run_id!r}, session))
+print(report_view.report_page("example_bash_operator", "manual__1", None))
+"""
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "The run failed at validate, before its report was written" in proc.stdout
+    assert "example_bash_operator is not an EAGLE-3 drafter DAG" in proc.stdout
 
 
 def test_a_deadline_warns_of_a_late_run_naming_it_only_when_the_settings_ask_for_it(smtp_server, tmp_path):

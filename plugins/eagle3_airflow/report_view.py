@@ -30,6 +30,7 @@ from sqlalchemy.orm import Session
 from eagle3_airflow.airflow_internals import DagAccessEntity, SessionDep, requires_access_dag
 from eagle3_airflow.deployment import Deployment
 from eagle3_airflow.params import ParamsError
+from eagle3_airflow.pools import is_drafter_dag
 from eagle3_airflow.published import PUBLISHED_REPORT, NotPublished, read_manifest, read_published, run_folder
 from eagle3_airflow.run_note import (
     BESIDE_MEASURED,
@@ -51,6 +52,33 @@ def _check_run_exists(session: Session, dag_id: str, run_id: str) -> None:
 
     if session.scalars(select(DagRun.id).where(DagRun.dag_id == dag_id, DagRun.run_id == run_id)).first() is None:
         raise HTTPException(404, f"no run {run_id!r} of {dag_id}")
+
+
+def _failed_tasks(session: Session, dag_id: str, run_id: str) -> list[str]:
+    """The run's failed tasks (`extract[2]` for a mapped one), in task order."""
+    from airflow.sdk import TaskInstanceState
+
+    from eagle3_airflow.airflow_internals import DagRun
+
+    dag_run = session.scalars(select(DagRun).where(DagRun.dag_id == dag_id, DagRun.run_id == run_id)).first()
+    if dag_run is None:
+        return []
+    tis = dag_run.get_task_instances(state=[TaskInstanceState.FAILED], session=session)
+    return sorted(ti.task_id if ti.map_index < 0 else f"{ti.task_id}[{ti.map_index}]" for ti in tis)
+
+
+def _unpublished_html(session: Session | None, dag_id: str, run_id: str, why: str) -> Escaped:
+    """What the tab says of a run with no report: another DAG's run (Airflow shows the tab on every run), one that
+    failed before its report (where), or one whose report task has not run yet (`why`)."""
+    e = html.escape
+    if not is_drafter_dag(dag_id):
+        return (f"<p id='unpublished'>{e(dag_id)} is not an EAGLE-3 drafter DAG: its runs have no EAGLE-3 report "
+                "(Airflow shows this tab on every DAG's runs).</p>")
+    failed = _failed_tasks(session, dag_id, run_id) if session is not None else []
+    if failed:
+        return (f"<p id='failed'>The run failed at {e(', '.join(failed))}, before its report was written. The task's "
+                "log says why; clear the failed task to resume the stage where it stopped.</p>")
+    return f"<p id='unpublished'>{e(why)}.</p>"
 
 
 def publication(session: Session | None, dag_id: str, run_id: str):
@@ -88,7 +116,7 @@ def report_page(dag_id: str, run_id: str, session: SessionDep) -> str:
     except HTTPException as err:
         if err.status_code != 404:
             raise
-        return _page(run_id, f"<p id='unpublished'>{html.escape(err.detail)}.</p>")
+        return _page(run_id, _unpublished_html(session, dag_id, run_id, err.detail))
     return _page(run_id, _summary_html(manifest["summary"], manifest))
 
 
