@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -51,6 +52,9 @@ def main() -> None:
     # of its own, so nothing else would.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     home = Path(os.environ["AIRFLOW_HOME"])
+    # The key run plans are sealed with comes from the deployment's environment, never from a task
+    # (eagle3_airflow/seal.py): a random one for this machine's UI, unless the caller set one.
+    os.environ.setdefault("AIRFLOW_VAR_EAGLE3_PLAN_SECRET", secrets.token_urlsafe(32))
     log = REPO / "demo-work" / "airflow-standalone.log"
     log.parent.mkdir(exist_ok=True)
     airflow = str(Path(sys.executable).with_name("airflow"))

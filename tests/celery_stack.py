@@ -42,7 +42,8 @@ from tests.sshd import LoopbackSshd, free_port
 
 # Two boxes in the settings' box_pools (the loopback sshd under two connection ids): a DAG and a pool for each.
 BOXES = ("gpu_box", "gpu_box_2")
-DAG_ID, DAG_ID_2 = (f"eagle3_drafter__{box}" for box in BOXES)
+# The default box (the form's default box.conn_ids) keeps the single DAG's id; each other box's is named after it.
+DAG_ID, DAG_ID_2 = "eagle3_drafter", f"eagle3_drafter__{BOXES[1]}"
 STARTUP_TIMEOUT_S = 300
 WORKER_2_HOSTNAME = "celery-worker-2"
 

@@ -36,8 +36,8 @@ if "AIRFLOW_HOME" not in os.environ:
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # The key run plans are sealed with (eagle3_airflow/seal.py), for tests that call tasks in this process: the Task
-# SDK reads Variables from AIRFLOW_VAR_* first. (airflow_env() leaves AIRFLOW* variables out of the DAG runs' `airflow`
-# processes: there the validate task makes and stores a key of its own, as in a fresh deployment.)
+# SDK reads Variables from AIRFLOW_VAR_* first. airflow_env() hands the DAG runs' `airflow` processes this same key,
+# as a deployment's environment does.
 os.environ.setdefault("AIRFLOW_VAR_EAGLE3_PLAN_SECRET", "tests-plan-secret-" + os.urandom(8).hex())
 
 REPO = Path(__file__).resolve().parents[1]

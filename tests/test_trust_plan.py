@@ -164,7 +164,7 @@ def test_without_the_sealing_key_nothing_verifies_and_nothing_is_planned(run, mo
     with pytest.raises(NoSealingKey, match=SET_THE_KEY):
         tasks.inputs_changed(run["plan"], dag_run=RUN)
     with pytest.raises(NoSealingKey, match=SET_THE_KEY):
-        task_key(create=True)  # what validate asks for (eagle3_airflow/tasks.py)
+        task_key()  # what validate seals with (eagle3_airflow/tasks.py): it makes none
 
 
 def test_a_short_key_is_refused(run, monkeypatch, no_box):

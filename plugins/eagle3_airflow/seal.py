@@ -100,10 +100,10 @@ def deployment_key() -> str | None:
     return None
 
 
-def task_key(create: bool = False) -> bytes:
+def task_key() -> bytes:
     """The sealing key, read by a task (deployment_key); fails the task, naming how to set the key, when the
-    deployment has none or a short one. `create` is accepted and ignored (older callers passed it when the first
-    validate made the key): a task can only store a key where the OP role may write it too."""
+    deployment has none or a short one. No task ever makes one: it could only store it where the OP role may write
+    it too."""
     from airflow.sdk.log import mask_secret
 
     value = deployment_key()

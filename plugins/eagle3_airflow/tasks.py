@@ -46,7 +46,7 @@ def validate_run(params: dict, conf: dict, known: set[str], dag_run, deployment:
     plan = RunPlan.build(config, box, deployment.box_env, notes=form.get(NOTES) or "")
     log.info("run %s in %s on %s, preset %s; %d extraction shard(s)", plan.run_name, plan.run_dir,
              ", ".join(plan.conn_ids), form.get(PRESET) or DEFAULT_PRESET, plan.num_shards)
-    return {"plan": plan.sealed(dag_run, task_key(create=True)), "config": config.model_dump(mode="json")}
+    return {"plan": plan.sealed(dag_run, task_key()), "config": config.model_dump(mode="json")}
 
 
 def shard_list(plan_dict: dict, dag_run=None) -> list[int]:
