@@ -76,7 +76,7 @@ BOX = {
 def airflow_env(state_dtype: str = "bf16") -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")}
     # Also read by `make airflow`: its trigger form then starts filled in for the tiny target on this machine
-    # (run_name left empty: each UI run gets its own run directory, named after the Airflow run id).
+    # (run_name left empty: each UI run gets its own run directory, named after its DAG id and Airflow run id).
     settings = WORKDIR / "dag-settings.json"
     form_defaults = {key: value for key, value in CONF.items() if key != "run_name"}
     settings.write_text(json.dumps({"retry_delay_s": 5, "params": form_defaults,
