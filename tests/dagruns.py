@@ -146,6 +146,8 @@ WORKER_SECRETS = {
     "AIRFLOW__CORE__FERNET_KEY": base64.urlsafe_b64encode(secrets.token_bytes(32)).decode(),
     "AIRFLOW__API_AUTH__JWT_SECRET": f"jwt-secret-{secrets.token_hex(16)}",
     "AWS_SECRET_ACCESS_KEY": f"aws-secret-{secrets.token_hex(16)}",
+    # the key run plans are sealed with (eagle3_airflow/seal.py), set in the worker's environment as compose does
+    "AIRFLOW_VAR_EAGLE3_PLAN_SECRET": f"plan-secret-{secrets.token_hex(24)}",
 }
 
 

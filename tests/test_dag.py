@@ -188,10 +188,10 @@ def test_a_rerun_on_unchanged_inputs_skips_training_and_says_since_which_run(bas
 
 
 def test_no_secret_of_the_worker_reaches_the_box_a_log_or_xcom(baseline_run):
-    """The baseline ran with the Fernet key, the JWT secret and a cloud key in the Airflow worker's environment,
-    as on the docker-compose stack, where the local box is the worker. None of them reaches a stage: no file on
-    the box (spec.json, state.json, the job logs, config.json, the store), no task log and no row of the metadata
-    DB (XCom) holds one. job start used to write the whole environment into every job's spec.json."""
+    """The baseline ran with the Fernet key, the JWT secret, a cloud key and the plan-sealing key in the Airflow
+    worker's environment, as on the docker-compose stack, where the local box is the worker. None of them reaches a
+    stage: no file on the box (spec.json, state.json, the job logs, config.json, the store), no task log and no row
+    of the metadata DB (XCom) holds one. job start used to write the whole environment into every job's spec.json."""
     searched = [path for path in baseline_run.parent.parent.rglob("*") if path.is_file()]  # airflow-home/ too
     assert any(path.name == "spec.json" for path in searched) and any(path.suffix == ".db" for path in searched)
     for name, secret in WORKER_SECRETS.items():
