@@ -582,8 +582,9 @@ async def check_endpoint(base_url: str, api_key: str | None = None) -> None:
 def run_generate(cfg) -> dict:
     # init fills the target's sampling in; a config that skipped it must not send a null temperature, which the
     # engines would read as their own default (1) and the answers cache would file under "unset"
-    cfg = cfg.model_copy(update={"generate": cfg.generate.model_copy(
-        update=serving_sampling(cfg.generate, cfg.target.model_path))})
+    if cfg.generate.temperature is None or cfg.generate.top_p is None:
+        cfg = cfg.model_copy(update={"generate": cfg.generate.model_copy(
+            update=serving_sampling(cfg.generate, cfg.target.model_path))})
     gen = cfg.generate
     started = time.monotonic()
     # Read first, so that a missing key fails the stage before anything else. Sent whenever it is set, also to a

@@ -160,10 +160,10 @@ def step_masks(t: Teachers, steps: int) -> list[torch.Tensor]:
 OBJECTIVES = ("kl", "lk_lambda", "lk_alpha")
 
 
-def expected_acceptance(p_full: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-    """[B, T] the chance that speculative sampling accepts a draft from softmax(logits) over the draft vocab when
-    the target's distribution is p_full (its full-vocab probabilities of the draft vocab): sum_v min(p, q)."""
-    return torch.minimum(p_full, logits.float().softmax(-1)).sum(-1)
+def expected_acceptance(p_full: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """[B, T] the chance that speculative sampling accepts a draft from q (the drafter's distribution over the draft
+    vocab) when the target's distribution is p_full (its full-vocab probabilities of the draft vocab): sum min(p, q)."""
+    return torch.minimum(p_full, q).sum(-1)
 
 
 def step_loss(objective: str, ploss: torch.Tensor, alpha: torch.Tensor, mask: torch.Tensor,
@@ -222,7 +222,7 @@ class TTTObjective(nn.Module):
         ce = -(counted[:, start:end, None] * p * logp).sum()
         alpha = None
         if self.kind != "kl":
-            alpha = expected_acceptance(p * shifted(draft_mass, step, start, end)[..., None], logits)
+            alpha = expected_acceptance(p * shifted(draft_mass, step, start, end)[..., None], logp.exp())
         return ce, alpha, draft_ids[logits.argmax(-1)] == teacher[:, start:end]
 
     def forward(self, aux, t: Teachers, draft_ids):
