@@ -14,7 +14,7 @@ import subprocess
 import pytest
 
 from eagle3.config import RunConfig, ServerConfig
-from eagle3.engines import Speculation, engine_for, reached_per_step, reached_total
+from eagle3.engines import GREEDY, Sampling, Speculation, engine_for, reached_per_step, reached_total
 from tests.conftest import REPO
 from tests.test_layer_ids import ENVS
 
@@ -104,3 +104,50 @@ def test_totals_alone_give_the_same_count():
     assert reached_total(5, output_length=6, verify_steps=2) == 4  # the stop token among the drafts
     assert reached_total(3, output_length=6, verify_steps=2) == 3  # the stop token as a step's own
     assert reached_total(6, output_length=6, verify_steps=2) == 4  # max_tokens inside the drafts
+
+
+def request_body(cfg, engine: str, sampling: Sampling, seed: int | None) -> dict:
+    """The body eagle3.engines sends for one completion, caught on its way out (no server)."""
+    import asyncio
+
+    import httpx
+
+    sent = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        sent.append(json.loads(request.content))
+        reply = {"choices": [{"token_ids": [1]}]} if engine == "vllm" else {"output_ids": [1], "meta_info": {}}
+        return httpx.Response(200, json=reply)
+
+    async def complete():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+            await engine_for(unchecked(cfg, engine, {})).complete(client, "http://engine", [5, 6], 32, sampling, seed)
+
+    asyncio.run(complete())
+    return sent[0]
+
+
+def read_by(engine: str, bodies: list[dict]) -> list[dict]:
+    """What the engine's own request model makes of each body: one start of its environment for all."""
+    proc = subprocess.run([str(ENVS[engine]), str(REPO / "tests" / f"{engine}_real" / "read_request.py")],
+                          input=json.dumps(bodies), capture_output=True, text=True, timeout=300, cwd=REPO / "tests",
+                          env={"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/"), "PYTHONSAFEPATH": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("engine, seed_field", [("sglang", "sampling_seed"), ("vllm", "seed")])
+def test_each_engine_reads_the_sampling_evaluate_asks_for(make_config, engine, seed_field):
+    """evaluate.sampling "serving" sends the target's temperature, top_p, top_k and a seed per answer; each engine's own
+    request model (sglang 0.5.23, vllm 0.32, in their environments) reads them as sent, with no field it would ignore.
+    Greedy sends temperature 0 and nothing to draw with."""
+    cfg = make_config()
+    drawn, unlimited, greedy = read_by(engine, [request_body(cfg, engine, Sampling(0.7, 0.9, 40), 1234),
+                                                request_body(cfg, engine, Sampling(1.0, 0.95, None), 7),
+                                                request_body(cfg, engine, GREEDY, None)])
+    assert (drawn["temperature"], drawn["top_p"], drawn["top_k"], drawn[seed_field]) == (0.7, 0.9, 40, 1234)
+    assert drawn.get("unknown", []) == [] and unlimited.get("unknown", []) == [] and greedy.get("unknown", []) == []
+    # no top_k limit, as each engine spells it (vLLM -1 or 0; SGLang's TOP_K_ALL, 2**30): none cuts the vocabulary
+    assert unlimited["top_k"] in (-1, 0) or unlimited["top_k"] >= 2**30, unlimited
+    # greedy: temperature 0 (SGLang makes it top_k 1 at temperature 1), no seed
+    assert (greedy["temperature"] == 0 or greedy["top_k"] == 1) and greedy[seed_field] is None

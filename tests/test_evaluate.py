@@ -175,3 +175,131 @@ def test_held_out_prompts_mix_first_and_later_turns_deterministically(make_confi
     again = held_out(cfg, SampleTokenizer.for_run(cfg), limit=8)
     assert [(h.conversation_id, h.turn, h.prompt) for h in again] == \
         [(h.conversation_id, h.turn, h.prompt) for h in held]
+
+
+class MarkovTarget:
+    """A target that samples: its next-token distribution depends on the last token only (a fixed random table over
+    a vocabulary of 8; token 7 ends the answer), so that plain sampling and speculative sampling can be drawn
+    thousands of times in seconds."""
+
+    VOCAB, EOS = 8, 7
+
+    def __init__(self):
+        import torch
+
+        generator = torch.Generator().manual_seed(7)
+        self.table = torch.randn(self.VOCAB, self.VOCAB, generator=generator) * 1.5
+        self.table[:, self.EOS] -= 1.5  # answers run a few tokens
+
+    def logits_and_aux(self, seq):
+        import torch
+
+        return self.table[torch.as_tensor(seq) % self.VOCAB], torch.zeros(len(seq), 3)
+
+
+def sample_both_ways(monkeypatch, sampling, answers: int = 600):
+    """`answers` answers to one prompt from plain sampling and from speculative sampling, each seeded apart, the
+    drafter proposing the target's likeliest chain from the last token; and the drafts accepted per verify step."""
+    import torch
+
+    import eagle3.evaluate as evaluate
+
+    target, prompt = MarkovTarget(), [3, 4]
+
+    def likeliest_chain(drafter, d2t, aux, next_ids, k):
+        chain = [next_ids[-1]]
+        for _ in range(k):
+            chain.append(int(target.table[chain[-1]].argmax()))
+        return chain[1:]
+
+    monkeypatch.setattr(evaluate, "draft_chain", likeliest_chain)
+    plain, drawn, cycles = [], [], []
+    for i in range(answers):
+        plain.append(evaluate.plain_sampled(target, prompt, 12, {MarkovTarget.EOS}, sampling,
+                                            torch.Generator().manual_seed(2 * i)))
+        tokens, accepted = evaluate.speculative_sampled(target, None, None, prompt, 3, 12, {MarkovTarget.EOS},
+                                                        sampling, torch.Generator().manual_seed(2 * i + 1))
+        drawn.append(tokens)
+        cycles += accepted
+    return plain, drawn, cycles
+
+
+def test_speculative_sampling_draws_the_answers_plain_sampling_draws(monkeypatch):
+    """At a temperature, a chain of drafts verified by the speculative sampling rule (accept a draft with the target's
+    probability of it, resample a rejected one from the rest) gives answers distributed as plain sampling's: the
+    permutation test evaluate reports finds no difference over 600 answers, while the same test tells plain
+    sampling from greedy verification and from another temperature, and from a rule that resamples a rejected draft
+    from the whole distribution (the common bug: its token comes back too often)."""
+    import torch
+
+    import eagle3.evaluate as evaluate
+    from eagle3.acceptance import same_distribution_p
+    from eagle3.engines import Sampling
+
+    served = Sampling(1.0, 0.95, None)
+    plain, drawn, cycles = sample_both_ways(monkeypatch, served)
+    assert 0.2 < sum(cycles) / len(cycles) / 3 < 0.8  # drafts both accepted and rejected: every branch drawn
+    assert same_distribution_p(plain, drawn) > 0.05
+
+    # The test can fail: greedy verification at a temperature, and sampling at another temperature, are told apart.
+    greedy = [evaluate.speculative_greedy(MarkovTarget(), None, None, [3, 4], 3, 12, {MarkovTarget.EOS})[0]] * 600
+    assert same_distribution_p(plain, greedy) < 0.001
+    colder, _, _ = sample_both_ways(monkeypatch, Sampling(0.6, 0.95, None))
+    assert same_distribution_p(plain, colder) < 0.001
+    # ... and so is a rejected draft resampled from the whole distribution instead of the rest of it.
+    monkeypatch.setattr(torch.Tensor, "clone", lambda self: _NoWrites(self))
+    _, lossy, _ = sample_both_ways(monkeypatch, served)
+    assert same_distribution_p(plain, lossy) < 0.001
+
+
+class _NoWrites(__import__("torch").Tensor):
+    """A copy whose item writes are dropped: the rule's `rest[draft] = 0` then leaves the rejected draft in."""
+
+    def __new__(cls, tensor):
+        return tensor.detach().contiguous().as_subclass(cls)
+
+    def __setitem__(self, index, value):
+        pass
+
+
+def test_sampling_probabilities_follow_temperature_top_k_and_top_p():
+    """What the target samples from, as the engines apply it: temperature, then top_k, then the smallest set of
+    likeliest tokens whose probabilities reach top_p."""
+    import torch
+
+    from eagle3.engines import Sampling
+    from eagle3.evaluate import sampling_probs
+
+    logits = torch.log(torch.tensor([0.5, 0.25, 0.15, 0.1]))
+    assert torch.allclose(sampling_probs(logits, Sampling(1.0)), torch.tensor([0.5, 0.25, 0.15, 0.1]))
+    assert torch.allclose(sampling_probs(logits, Sampling(1.0, top_k=2)), torch.tensor([2 / 3, 1 / 3, 0, 0]))
+    assert torch.allclose(sampling_probs(logits, Sampling(1.0, top_p=0.7)), torch.tensor([2 / 3, 1 / 3, 0, 0]))
+    assert torch.allclose(sampling_probs(logits, Sampling(1.0, top_p=0.75)), torch.tensor([2 / 3, 1 / 3, 0, 0]))
+    assert torch.allclose(sampling_probs(logits, Sampling(1.0, top_p=0.76)), torch.tensor([0.5, 0.25, 0.15, 0]) / 0.9)
+    cold = sampling_probs(logits, Sampling(0.5))
+    assert torch.allclose(cold, torch.tensor([0.25, 0.0625, 0.0225, 0.01]) / 0.345)
+
+
+def test_evaluate_at_the_serving_temperature_reports_sampled_figures(trained_config, make_config):
+    """evaluate.sampling "serving": the target's sampling (here set on generate, as init fills it from the target's
+    generation_config.json) draws the baseline and the speculative answers; the report says how they were drawn,
+    checks them against plain sampling in distribution instead of token for token, and a rerun draws the same
+    answers (seeded per prompt)."""
+    run_export(trained_config)
+    sections = {k: trained_config.model_dump()[k] for k in ("train", "vocab", "extract")}
+    cfg = make_config(run_name="train", generate={"temperature": 0.8, "top_p": 0.95, "top_k": 20},
+                      evaluate={"num_prompts": 8, "max_new_tokens": 24, "draft_lengths": [3], "promote": False,
+                                "sampling": "serving"}, **sections)
+    report = run_evaluate(cfg)
+
+    assert report["sampling"] == {"temperature": 0.8, "top_p": 0.95, "top_k": 20}
+    figures = report["speculative"]["3"]
+    assert figures["identical_to_greedy"] is None and 0 < figures["same_distribution_as_plain_p"] <= 1
+    assert 1.0 <= figures["mean_accept_length"] <= figures["ceiling_accept_length"]
+    assert run_evaluate(cfg)["speculative"] == report["speculative"]  # the same draws again
+    greedy = run_evaluate(make_config(run_name="train", evaluate={"num_prompts": 8, "max_new_tokens": 24,
+                                                                  "draft_lengths": [3], "promote": False},
+                                      **sections))
+    assert greedy["sampling"] == {"temperature": 0.0, "top_p": 1.0, "top_k": None}
+    assert greedy["speculative"]["3"]["identical_to_greedy"] == "8/8"
+    assert greedy["speculative"]["3"]["cycles"] != figures["cycles"]  # other answers: sampled, not greedy

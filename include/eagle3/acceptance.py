@@ -93,3 +93,31 @@ def interval95(per_prompt: list[tuple[int, int]], resamples: int = 2000, seed: i
     means = 1 + drawn[..., 0].sum(1) / np.maximum(drawn[..., 1].sum(1), 1)
     low, high = np.percentile(means, [2.5, 97.5])
     return float(low), float(high)
+
+
+def same_distribution_p(plain: list[list[int]], drawn: list[list[int]], positions: range = range(1, 9),
+                        permutations: int = 2000, seed: int = 0) -> float:
+    """Whether answers sampled with a drafter follow plain sampling's distribution, from one answer of each per prompt
+    (the same prompts, drawn independently): the p-value of a paired permutation test. Statistic: at each answer
+    position in `positions` (prefill's token 0 is left out: no drafter decides it), the total variation distance
+    between the two sides' token histograms (an answer that ended counts as "ended"), summed. Under the null a
+    prompt's two answers are exchangeable, so swapping them leaves the statistic's distribution as it is; the
+    p-value is the share of random swaps that reach the observed statistic, counting the observation itself.
+    A small p-value says the two differ: a lossy verification rule, or an engine that is not exact."""
+    n = len(plain)
+    if n == 0 or len(drawn) != n:
+        raise ValueError(f"need one answer of each kind per prompt, got {n} plain and {len(drawn)} drawn")
+    rng = np.random.default_rng(seed)
+    signs = np.vstack([np.ones(n), rng.choice([-1.0, 1.0], size=(permutations, n))])  # row 0: as observed
+    rows = np.arange(len(signs))[:, None]
+    statistic = np.zeros(len(signs))
+    for j in positions:
+        tokens = [a[j] if j < len(a) else -1 for a in plain] + [a[j] if j < len(a) else -1 for a in drawn]
+        _, category = np.unique(np.asarray(tokens), return_inverse=True)
+        categories = int(category.max()) + 1
+        ours, theirs = (rows * categories + category[:n]).ravel(), (rows * categories + category[n:]).ravel()
+        weights = np.broadcast_to(signs, signs.shape).ravel()
+        size = len(signs) * categories
+        difference = np.bincount(ours, weights, size) - np.bincount(theirs, weights, size)
+        statistic += 0.5 * np.abs(difference.reshape(len(signs), categories)).sum(1) / n
+    return float((1 + np.sum(statistic[1:] >= statistic[0] - 1e-12)) / (1 + permutations))

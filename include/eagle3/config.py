@@ -686,7 +686,16 @@ class EvaluateConfig(Section):
     )
     max_new_tokens: int = Field(
         256, ge=1, le=MAX_WIDTH, title="Max new tokens per prompt",
-        description="Greedy, on the target with the drafter."
+        description="Answered by the target with and without the drafter; raise it for reasoning answers."
+    )
+    sampling: Literal["greedy", "serving"] = Field(
+        "greedy", title="Answers drawn",
+        description="greedy: temperature 0; every answer with the drafter must equal the plain one token for token. "
+        "serving: the target's serving sampling (generate.temperature, top_p, top_k as init resolved them from its "
+        "generation_config.json), as users are served: a draft is accepted with the target's probability of it and "
+        "a rejected one resampled from the rest (the speculative sampling rule SGLang and vLLM apply), and the "
+        "answers are checked to follow plain sampling's distribution (a permutation test). Greedy when the target "
+        "samples at temperature 0.",
     )
     promote: bool = Field(
         True, title="Promote a better drafter",

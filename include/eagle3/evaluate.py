@@ -5,7 +5,9 @@
 For each draft length k in evaluate.draft_lengths, on held-out prompts (the evaluation part of the run's split by
 first user prompt, eagle3.split; first and later user turns: held_out): greedy chain drafting of k tokens with the
 EXPORTED drafter (RUN_DIR/drafter), verification by the target, accept the longest agreeing prefix plus the target's
-own next token. Where (evaluate.backend):
+own next token. With evaluate.sampling "serving" the answers are drawn at the target's serving temperature instead,
+and each draft is accepted by the speculative sampling rule (speculative_sampled), as SGLang and vLLM verify it. Where
+(evaluate.backend):
   hf      in this process, the target in transformers, the drafter loaded as SGLang would (the export plus the
           target's embedding): the reference, for targets that fit one device
   server  in the serving engine (server.engine: SGLang on a GPU box, vLLM wherever it runs), started once without
@@ -22,9 +24,11 @@ Writes {run dir}/evaluate/:
                 (eagle3.acceptance); beside them the offline figure training picked the checkpoint by (decoding
                 replayed on the validation split); and whether every speculative output equalled plain greedy
                 decoding (of the same target in the same backend) token for token (it must: verification makes
-                speculation lossless). public_sets: the same figures per public set (evaluate.benchmarks) at
-                each published configuration, "3" (3 steps / topk 1 / 4 draft tokens) and "7" (7 / 1 / 8), with
-                the published Kimi drafters' own figures at k=3 beside them (eagle3.public_sets)
+                speculation lossless); sampled, a permutation test's p-value that they follow plain sampling's
+                distribution (eagle3.acceptance.same_distribution_p). public_sets: the same figures per public set
+                (evaluate.benchmarks) at each published configuration, "3" (3 steps / topk 1 / 4 draft tokens)
+                and "7" (7 / 1 / 8), with the published Kimi drafters' own figures at k=3 beside them
+                (eagle3.public_sets)
   acceptance.png  acceptance rate per draft position, one line per k
 
 Public sets (evaluate.benchmarks, none by default) are loaded and rendered before anything is measured, and ride on
@@ -50,14 +54,16 @@ import json
 import logging
 import math
 import time
+import zlib
 from collections import Counter
 from dataclasses import dataclass
 
 import torch
 
 from eagle3 import acceptance
+from eagle3.config import serving_sampling
 from eagle3.data import SampleTokenizer, read_conversations
-from eagle3.engines import Completion, Speculation, engine_for, reached_per_step
+from eagle3.engines import GREEDY, Completion, Sampling, Speculation, engine_for, reached_per_step
 from eagle3.export import load_exported_drafter
 from eagle3.fsutil import atomic_write_text
 from eagle3.lineage import Lineage, weights_digest
@@ -134,6 +140,93 @@ def plain_greedy(target, prompt: list[int], max_new: int, eos: set[int]) -> list
         if token in eos:
             break
     return seq[len(prompt) :]
+
+
+def answer_sampling(cfg) -> Sampling:
+    """evaluate.sampling: greedy, or the target's serving sampling (generate's, as init resolved it)."""
+    if cfg.evaluate.sampling == "greedy":
+        return GREEDY
+    gen = cfg.generate
+    if gen.temperature is None or gen.top_p is None:  # a config init did not resolve: as generate fills it
+        gen = gen.model_copy(update=serving_sampling(gen, cfg.target.model_path))
+    if not gen.temperature:
+        return GREEDY
+    return Sampling(gen.temperature, gen.top_p, gen.top_k or None)
+
+
+def sampling_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """The distribution the target samples from after each row of logits: temperature, then top_k, then top_p (the
+    smallest set of likeliest tokens whose probabilities reach it), as SGLang and vLLM apply them."""
+    logits = logits.float() / sampling.temperature
+    if sampling.top_k:
+        kth = logits.topk(min(sampling.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    probs = torch.softmax(logits, dim=-1)
+    if sampling.top_p < 1:
+        ordered, order = probs.sort(dim=-1, descending=True)
+        beyond = ordered.cumsum(-1) - ordered >= sampling.top_p  # the tokens after the set already reached top_p
+        probs = torch.zeros_like(probs).scatter(-1, order, ordered.masked_fill(beyond, 0.0))
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def speculative_sampled(target, drafter, draft_to_target, prompt: list[int], k: int, max_new: int, eos: set[int],
+                        sampling: Sampling, generator: torch.Generator):
+    """Decoding at a temperature with k-token greedy chain drafts, verified by the speculative sampling rule as SGLang
+    (tree_speculative_sampling_target_only) and vLLM (its rejection sampler without draft probabilities) verify a
+    chain: a draft is a point mass, so draft j is accepted with the target's probability of it, min(1, p/q) with
+    q = 1; the first rejected one is replaced by a token drawn from the target's distribution without it, and after
+    k accepted drafts the target's next token is drawn as usual. Each answer is then a sample of the target's own
+    sampling (Leviathan et al., 2023), whatever the drafter proposes. Returns what speculative_greedy does."""
+    seq = list(prompt)
+    logits, aux = target.logits_and_aux(seq)
+    token = draw(sampling_probs(logits[-1], sampling), generator)
+    accepted = []
+    while len(seq) - len(prompt) < max_new and token not in eos:
+        drafts = draft_chain(drafter, draft_to_target, aux[: len(seq)], seq[1:] + [token], k)
+        logits, aux = target.logits_and_aux(seq + [token] + drafts)
+        probs = sampling_probs(logits[len(seq) :], sampling)  # the target's distribution after each candidate token
+        a = 0
+        while a < k and float(torch.rand((), generator=generator)) < float(probs[a, drafts[a]]):
+            a += 1
+            if drafts[a - 1] in eos:
+                break
+        seq += [token] + drafts[:a]
+        accepted.append(a)
+        if a and drafts[a - 1] in eos:
+            break
+        if a < k:  # draft a was rejected: the target's token comes from what is left of its distribution
+            rest = probs[a].clone()
+            rest[drafts[a]] = 0.0
+            token = draw(rest, generator)
+        else:
+            token = draw(probs[k], generator)
+    else:
+        if token in eos and len(seq) - len(prompt) < max_new:
+            seq.append(token)
+    answer = seq[len(prompt) : len(prompt) + max_new]
+    return answer, reached_per_step(accepted, len(answer))
+
+
+def plain_sampled(target, prompt: list[int], max_new: int, eos: set[int], sampling: Sampling,
+                  generator: torch.Generator) -> list[int]:
+    seq = list(prompt)
+    while len(seq) - len(prompt) < max_new:
+        token = draw(sampling_probs(target.logits_and_aux(seq)[0][-1], sampling), generator)
+        seq.append(token)
+        if token in eos:
+            break
+    return seq[len(prompt) :]
+
+
+def answer_seed(cfg, what: str, index: int) -> int:
+    """The seed of one sampled answer: the run's seed, what is measured (the baseline, each k: independent draws)
+    and the prompt's place, so that a rerun draws the same answers."""
+    return (cfg.seed * 1_000_003 + zlib.crc32(what.encode()) * 10_007 + index) % 2**63
 
 
 LATER_TURN_SHARE = 0.5  # of evaluate.num_prompts, at most: prompts that end at a later user turn
@@ -240,7 +333,7 @@ def run_evaluate(cfg, hold_promotion: bool = False) -> dict:
     held = HeldOutSet(prompts)
 
     with torch.no_grad():
-        answer_greedily(cfg, measurer, held, public, tokenizing)
+        answer_without_drafter(cfg, measurer, held, public, tokenizing)
         results, on_public = measure_drafter(cfg, measurer, drafter_dir, held, public)
         promotion = compare_and_promote(
             cfg, lineage, pinned, results, digest,
@@ -252,6 +345,9 @@ def run_evaluate(cfg, hold_promotion: bool = False) -> dict:
         "prompts": len(prompts),
         "prompt_turns": turns,
         "max_new_tokens": cfg.evaluate.max_new_tokens,
+        # evaluate.sampling: greedy, or the target's serving sampling (verified by the speculative sampling rule)
+        "sampling": {"temperature": measurer.sampling.temperature, "top_p": measurer.sampling.top_p,
+                     "top_k": measurer.sampling.top_k},
         "generated_tokens": sum(len(b) for b in held.baseline),
         "speculative": results,
         # per public set (evaluate.benchmarks), per published configuration k: the same figures (eagle3.public_sets)
@@ -273,21 +369,22 @@ def run_evaluate(cfg, hold_promotion: bool = False) -> dict:
 
 @dataclass
 class HeldOutSet:
-    """The pinned held-out prompts, and the target's greedy answer to each."""
+    """The pinned held-out prompts, and the target's answer to each without a drafter (greedy, or sampled)."""
 
     prompts: list[list[int]]
     baseline: list[list[int]] | None = None
 
 
-def answer_greedily(cfg, measurer, held: HeldOutSet, public: list[LoadedSet], tokenizing) -> None:
-    """The greedy baselines, in one start of the engine: the held-out prompts', then each public set's, turn by turn
-    (an MT-Bench second turn follows the target's own answer to the first)."""
+def answer_without_drafter(cfg, measurer, held: HeldOutSet, public: list[LoadedSet], tokenizing) -> None:
+    """The baselines (greedy, or sampled at evaluate.sampling), in one start of the engine: the held-out prompts',
+    then each public set's, turn by turn (an MT-Bench second turn follows the target's own answer to the first)."""
     end_ids = set(tokenizing.tokenizer.convert_tokens_to_ids(list(tokenizing.end_tokens)))
+    kind = "greedy" if measurer.sampling.greedy else "sampled"
     with measurer.session("server-greedy.log") as complete:
-        held.baseline = [c.output_ids for c in complete(held.prompts, "greedy baseline", cfg.evaluate.max_new_tokens)]
+        held.baseline = [c.output_ids for c in complete(held.prompts, f"{kind} baseline", cfg.evaluate.max_new_tokens)]
         for loaded in public:
             def ask(prompts, turn, title=loaded.spec.title):
-                return [c.output_ids for c in complete(prompts, f"{title}: greedy baseline, turn {turn}",
+                return [c.output_ids for c in complete(prompts, f"{title}: {kind} baseline, turn {turn}",
                                                        cfg.evaluate.benchmark_max_new_tokens)]
             ask_turn_by_turn(loaded, ask, tokenizing, end_ids)
 
@@ -305,14 +402,14 @@ def measure_drafter(cfg, measurer, drafter_dir, held: HeldOutSet, public: list[L
         with measurer.session(log_name, Speculation(drafter_dir, k)) as complete:
             if k in lengths:
                 answers = complete(held.prompts, f"{label}k={k} speculative", cfg.evaluate.max_new_tokens)
-                results[str(k)] = figures_of_completions(answers, held.baseline, k, label)
+                results[str(k)] = figures_of_completions(answers, held.baseline, k, label, measurer.sampling)
             for loaded in public if k in PUBLISHED_CONFIGURATIONS else ():
                 title = loaded.spec.title
                 answers = complete(loaded.prompts, f"{title}: k={k} speculative", cfg.evaluate.benchmark_max_new_tokens)
                 steps, topk, tokens = PUBLISHED_CONFIGURATIONS[k]
                 on_public[loaded.spec.name][str(k)] = {
                     "configuration": {"num_steps": steps, "eagle_topk": topk, "num_draft_tokens": tokens},
-                    **figures_of_completions(answers, loaded.baseline, k, f"{title}, ")}
+                    **figures_of_completions(answers, loaded.baseline, k, f"{title}, ", measurer.sampling)}
     return results, on_public
 
 
@@ -357,23 +454,33 @@ class HfMeasurer:
                                          trust_remote_code=cfg.target.trust_remote_code).eos_token_id
         self.cfg, self.eos = cfg, set(eos if isinstance(eos, list) else [eos])
         self.target = HfCapture(cfg)
+        self.sampling = answer_sampling(cfg)
 
     @contextlib.contextmanager
     def session(self, log_name: str, speculation: Speculation | None = None):
-        """Yields complete(prompts, what, max_new) -> a Completion per prompt: greedy, or with the drafter of
-        `speculation` (greedy chains of its draft length). `log_name` is the engine's (no server here)."""
+        """Yields complete(prompts, what, max_new) -> a Completion per prompt, greedy or sampled (self.sampling; each
+        answer seeded by answer_seed), with the drafter of `speculation` (greedy chains of its draft length) or
+        without. `log_name` is the engine's (no server here)."""
         drafter, draft_to_target = (load_exported_drafter(speculation.drafter, self.cfg.target.model_path)
                                     if speculation else (None, None))
 
         def complete(prompts: list[list[int]], what: str, max_new: int) -> list[Completion]:
             answers, counting = [], progress_log(self.cfg, what, len(prompts))
-            for prompt in prompts:
+            for index, prompt in enumerate(prompts):
+                draws = (self.sampling, torch.Generator().manual_seed(answer_seed(self.cfg, what, index)))
                 if speculation is None:
-                    answers.append(Completion(plain_greedy(self.target, prompt, max_new, self.eos)))
-                else:
+                    answers.append(Completion(plain_greedy(self.target, prompt, max_new, self.eos)
+                                              if self.sampling.greedy else
+                                              plain_sampled(self.target, prompt, max_new, self.eos, *draws)))
+                    counting.update(1, len(answers[-1].output_ids))
+                    continue
+                if self.sampling.greedy:
                     tokens, accepted = speculative_greedy(self.target, drafter, draft_to_target, prompt,
                                                           speculation.draft_length, max_new, self.eos)
-                    answers.append(Completion(tokens, len(accepted), accepted, sum(accepted)))
+                else:
+                    tokens, accepted = speculative_sampled(self.target, drafter, draft_to_target, prompt,
+                                                           speculation.draft_length, max_new, self.eos, *draws)
+                answers.append(Completion(tokens, len(accepted), accepted, sum(accepted)))
                 counting.update(1, len(answers[-1].output_ids))
             counting.emit()
             return answers
@@ -393,6 +500,7 @@ class EngineMeasurer:
     def __init__(self, cfg):
         self.cfg, self.engine = cfg, engine_for(cfg)
         self.name = f"server ({self.engine.name})"
+        self.sampling = answer_sampling(cfg)
 
     @contextlib.contextmanager
     def session(self, log_name: str, speculation: Speculation | None = None):
@@ -407,8 +515,9 @@ class EngineMeasurer:
         async def one_at_a_time(base_url: str, prompts: list[list[int]], what: str, max_new: int) -> list:
             answers, counting = [], progress_log(self.cfg, f"{what} in {self.engine.name}", len(prompts))
             async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0, connect=30.0)) as client:
-                for prompt in prompts:
-                    answers.append(await self.engine.complete(client, base_url, prompt, max_new))
+                for index, prompt in enumerate(prompts):
+                    answers.append(await self.engine.complete(client, base_url, prompt, max_new, self.sampling,
+                                                              answer_seed(self.cfg, what, index)))
                     counting.update(1, len(answers[-1].output_ids))
             counting.emit()
             return answers
@@ -439,48 +548,67 @@ def progress_log(cfg, what: str, total: int) -> ProgressLog:
                        track_bytes=False)
 
 
-def figures_of(answers: list[tuple[list[int], list[int]]], baseline: list[list[int]], k: int, label: str) -> dict:
+def lossless(outputs: list[list[int]], baseline: list[list[int]], sampling: Sampling) -> tuple[dict, str]:
+    """Whether speculation changed the answers, as report figures and a phrase for the log. Greedy: every answer must
+    equal the plain one token for token. Sampled: the answers must follow plain sampling's distribution
+    (acceptance.same_distribution_p; a p-value under 0.01 is logged as a warning)."""
+    if sampling.greedy:
+        identical = f"{sum(tokens == expected for tokens, expected in zip(outputs, baseline))}/{len(baseline)}"
+        return {"identical_to_greedy": identical}, f"{identical} outputs equal greedy"
+    p_value = acceptance.same_distribution_p(baseline, outputs)
+    if p_value < 0.01:
+        log.warning("evaluate: the answers with the drafter do not follow plain sampling's distribution (p=%.4f): the "
+                    "verification is not exact", p_value)
+    return ({"identical_to_greedy": None, "same_distribution_as_plain_p": p_value},
+            f"answers vs plain sampling: p={p_value:.3f} (same distribution)")
+
+
+def figures_of(answers: list[tuple[list[int], list[int]]], baseline: list[list[int]], k: int, label: str,
+               sampling: Sampling = GREEDY) -> dict:
     """Acceptance figures of one draft length from (answer, drafts of each verify step that reached it) per prompt,
-    and how many answers equal the plain greedy ones."""
+    and whether the answers are those of plain decoding (lossless)."""
     cycles = [a for _, accepted in answers for a in accepted]
     first_cycles = [accepted[0] for _, accepted in answers if accepted]
-    identical = sum(tokens == expected for (tokens, _), expected in zip(answers, baseline))
+    checked, checked_text = lossless([tokens for tokens, _ in answers], baseline, sampling)
     figures = acceptance.figures(cycles, first_cycles, k)
     # meta_info's spec_accept_length: completion tokens (prefill's first one too) / verify steps
     figures["completion_tokens_per_verify_step"] = sum(len(tokens) for tokens, _ in answers) / max(len(cycles), 1)
     figures.update(noise_and_ceiling([(sum(accepted), len(accepted)) for _, accepted in answers], baseline, k,
                                      figures["mean_accept_length"]))
-    figures["identical_to_greedy"] = f"{identical}/{len(baseline)}"
-    log.info("evaluate: %sk=%d: mean acceptance length %.3f %s over %d cycles (first cycle %.3f); %s; %d/%d outputs "
-             "equal greedy", label, k, figures["mean_accept_length"], interval_text(figures), len(cycles),
-             figures["first_cycle_accept_length"], ceiling_text(figures), identical, len(baseline))
+    figures.update(checked)
+    log.info("evaluate: %sk=%d: mean acceptance length %.3f %s over %d cycles (first cycle %.3f); %s; %s", label, k,
+             figures["mean_accept_length"], interval_text(figures), len(cycles), figures["first_cycle_accept_length"],
+             ceiling_text(figures), checked_text)
     return figures
 
 
-def figures_of_totals(completions: list, baseline: list[list[int]], k: int, label: str) -> dict:
+def figures_of_totals(completions: list, baseline: list[list[int]], k: int, label: str,
+                      sampling: Sampling = GREEDY) -> dict:
     """The same from each answer's totals (drafts that reached it, verify steps): no per-position rates, no first
     cycle."""
     steps = sum(c.verify_steps or 0 for c in completions)
     tokens = sum(len(c.output_ids) for c in completions)
-    identical = sum(c.output_ids == expected for c, expected in zip(completions, baseline))
+    checked, checked_text = lossless([c.output_ids for c in completions], baseline, sampling)
     figures = {"mean_accept_length": 1 + sum(c.accepted or 0 for c in completions) / max(steps, 1),
                "first_cycle_accept_length": None, "later_cycles_accept_length": None,
                "completion_tokens_per_verify_step": tokens / max(steps, 1), "accept_rate_per_position": None,
-               "cycles": steps, "identical_to_greedy": f"{identical}/{len(baseline)}"}
+               "cycles": steps, **checked}
     figures.update(noise_and_ceiling([(c.accepted or 0, c.verify_steps or 0) for c in completions], baseline, k,
                                      figures["mean_accept_length"]))
     log.info("evaluate: %sk=%d: mean acceptance length %.3f %s over %d cycles (the engine reports totals: no first "
-             "cycle or per-position rates); %s; %d/%d outputs equal greedy", label, k, figures["mean_accept_length"],
-             interval_text(figures), steps, ceiling_text(figures), identical, len(baseline))
+             "cycle or per-position rates); %s; %s", label, k, figures["mean_accept_length"], interval_text(figures),
+             steps, ceiling_text(figures), checked_text)
     return figures
 
 
-def figures_of_completions(completions: list[Completion], baseline: list[list[int]], k: int, label: str) -> dict:
+def figures_of_completions(completions: list[Completion], baseline: list[list[int]], k: int, label: str,
+                           sampling: Sampling = GREEDY) -> dict:
     """Acceptance figures of one draft length from the answers with the drafter: per verify step where the backend
     reports steps (hf, vLLM), from each answer's totals where it reports only those (SGLang)."""
     if all(c.accepted_per_step is not None or not c.verify_steps for c in completions):
-        return figures_of([(c.output_ids, c.accepted_per_step or []) for c in completions], baseline, k, label)
-    return figures_of_totals(completions, baseline, k, label)
+        return figures_of([(c.output_ids, c.accepted_per_step or []) for c in completions], baseline, k, label,
+                          sampling)
+    return figures_of_totals(completions, baseline, k, label, sampling)
 
 
 def noise_and_ceiling(per_prompt: list[tuple[int, int]], baseline: list[list[int]], k: int, measured: float) -> dict:

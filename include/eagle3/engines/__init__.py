@@ -8,22 +8,31 @@ with or without the drafter, and talk to it the same way; `server.engine` in the
         completion = await engine.complete(client, base_url, prompt_ids, max_new_tokens)
 
 Each engine says how it is launched (an argv of `--name=value` tokens, nothing a later token could re-read as a
-flag) and how a greedy completion of token ids comes back with what speculation did, counted the one way this
-project counts: drafts that reached the output. Engines also count drafts they verified after the stop token (or
-past max_tokens), which their schedulers then cut; those are not accepted for anyone reading the answer.
+flag) and how a completion of token ids (greedy, or sampled: Sampling) comes back with what speculation did,
+counted the one way this project counts: drafts that reached the output. Engines also count drafts they verified
+after the stop token (or past max_tokens), which their schedulers then cut; those are not accepted for anyone
+reading the answer.
 
 Light on purpose (no torch): the DAG's plugins may import eagle3.config, which names the engines.
 """
 
 from __future__ import annotations
 
-from eagle3.engines.base import Completion, Speculation, flag_tokens, reached_per_step, reached_total
+from eagle3.engines.base import (
+    GREEDY,
+    Completion,
+    Sampling,
+    Speculation,
+    flag_tokens,
+    reached_per_step,
+    reached_total,
+)
 from eagle3.engines.sglang import SglangEngine
 from eagle3.engines.vllm import VllmEngine
 from eagle3.layer_ids import DEEPSEEK_FAMILY
 
-__all__ = ["Completion", "Speculation", "engine_for", "flag_tokens", "reached_per_step", "reached_total",
-           "served_config_gaps"]
+__all__ = ["GREEDY", "Completion", "Sampling", "Speculation", "engine_for", "flag_tokens", "reached_per_step",
+           "reached_total", "served_config_gaps"]
 
 
 def engine_for(cfg):

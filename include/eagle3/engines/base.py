@@ -15,10 +15,33 @@ class Speculation:
     draft_length: int
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How answers are drawn: greedy (temperature 0, the default), or at a temperature with top_p / top_k (top_k None:
+    no limit), each answer seeded by its request. At a temperature, engines verify a chain of drafts by the
+    speculative sampling rule, which keeps every answer a sample of the target's own sampling (eagle3.evaluate)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def describe(self) -> str:
+        if self.greedy:
+            return "greedy"
+        return f"temperature {self.temperature:g}, top_p {self.top_p:g}, top_k {self.top_k or 'unlimited'}"
+
+
+GREEDY = Sampling()
+
+
 @dataclass
 class Completion:
-    """One greedy answer. With speculation: its verify steps, and the drafts of each that reached the output (where
-    the engine reports steps) or only their sum (where it reports totals)."""
+    """One answer (greedy unless its request sampled). With speculation: its verify steps, and the drafts of each that
+    reached the output (where the engine reports steps) or only their sum (where it reports totals)."""
 
     output_ids: list[int]
     verify_steps: int | None = None

@@ -1,4 +1,5 @@
-"""SGLang: `python -m sglang.launch_server`, greedy completions through its native POST /generate.
+"""SGLang: `python -m sglang.launch_server`, completions through its native POST /generate: greedy, or sampled with a
+seed per request.
 
 /generate takes the prompt as token ids and its meta_info reports what speculation did per request:
 spec_verify_ct (verify steps), spec_num_correct_drafts and completion_tokens (sglang 0.5.23,
@@ -20,7 +21,7 @@ import sys
 import httpx
 
 from eagle3.config import ConfigError
-from eagle3.engines.base import Completion, Speculation, flag_tokens, reached_total
+from eagle3.engines.base import GREEDY, Completion, Sampling, Speculation, flag_tokens, reached_total
 
 
 class SglangEngine:
@@ -66,9 +67,12 @@ class SglangEngine:
         return [python, "-m", "sglang.launch_server"]
 
     async def complete(self, client: httpx.AsyncClient, base_url: str, prompt: list[int],
-                       max_new_tokens: int) -> Completion:
+                       max_new_tokens: int, sampling: Sampling = GREEDY, seed: int | None = None) -> Completion:
+        drawn = {} if sampling.greedy else {"top_p": sampling.top_p, "top_k": sampling.top_k or -1,
+                                            "sampling_seed": seed}
         response = await client.post(f"{base_url}/generate", json={
-            "input_ids": prompt, "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens},
+            "input_ids": prompt,
+            "sampling_params": {"temperature": sampling.temperature, "max_new_tokens": max_new_tokens, **drawn},
         })
         response.raise_for_status()
         answer = response.json()

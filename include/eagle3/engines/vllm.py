@@ -1,5 +1,5 @@
-"""vLLM: its OpenAI-compatible server (`python -m vllm.entrypoints.openai.api_server`), greedy completions through
-POST /v1/completions with the prompt as token ids.
+"""vLLM: its OpenAI-compatible server (`python -m vllm.entrypoints.openai.api_server`), completions through
+POST /v1/completions with the prompt as token ids: greedy, or sampled with a seed per request.
 
 With a drafter (--speculative-config {"method": "eagle3", "model": DRAFTER, "num_speculative_tokens": k}) the server
 runs with --per-request-spec-decode-metrics detailed, and each answer's metrics.speculative_decoding holds
@@ -23,7 +23,7 @@ import sys
 
 import httpx
 
-from eagle3.engines.base import Completion, Speculation, flag_tokens, reached_per_step
+from eagle3.engines.base import GREEDY, Completion, Sampling, Speculation, flag_tokens, reached_per_step
 
 
 class VllmEngine:
@@ -55,9 +55,11 @@ class VllmEngine:
         return [python, "-m", "vllm.entrypoints.openai.api_server", *flag_tokens(flags)]
 
     async def complete(self, client: httpx.AsyncClient, base_url: str, prompt: list[int],
-                       max_new_tokens: int) -> Completion:
+                       max_new_tokens: int, sampling: Sampling = GREEDY, seed: int | None = None) -> Completion:
+        drawn = {} if sampling.greedy else {"top_p": sampling.top_p, "top_k": sampling.top_k or -1, "seed": seed}
         response = await client.post(f"{base_url}/v1/completions", json={
-            "prompt": prompt, "max_tokens": max_new_tokens, "temperature": 0.0, "return_token_ids": True,
+            "prompt": prompt, "max_tokens": max_new_tokens, "temperature": sampling.temperature,
+            "return_token_ids": True, **drawn,
         })
         response.raise_for_status()
         answer = response.json()
