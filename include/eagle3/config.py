@@ -282,8 +282,10 @@ class GenerateConfig(Section):
         description="Sample among the k likeliest tokens. Empty: the target's generation_config.json, else no limit.",
     )
     max_tokens: int = Field(
-        2048, ge=1, le=MAX_WIDTH, title="Max new tokens per turn",
-        description="A longer answer is cut here (SGLang finish_reason length) and kept as cut.",
+        32768, ge=1, le=MAX_WIDTH, title="Max new tokens per turn",
+        description="A longer answer is cut here (SGLang finish_reason length), kept as cut and trained without an "
+        "end of turn. Room for a thinking target's reasoning (Kimi-K2.5 thinks for thousands of tokens, and a cut "
+        "tool-call turn changes the call); other targets end long before it.",
     )
     reasoning: Literal["keep", "drop"] = Field(
         "keep",
@@ -300,9 +302,9 @@ class GenerateConfig(Section):
         description="Conversations in flight; SGLang batches them. Higher keeps the GPUs busier.",
     )
     request_timeout_s: float = Field(
-        600.0, gt=0, le=DAY_S, title="Request timeout (s)",
+        3600.0, gt=0, le=DAY_S, title="Request timeout (s)",
         description="The whole of one turn's request, from connecting to the last byte of the answer; a timeout is "
-        "retried."
+        "retried. An answer of max_tokens at 10-20 tokens/s per request in a full batch takes most of an hour."
     )
     max_retries: int = Field(
         5, ge=0, le=100, title="Retries per request", description="On connection errors, timeouts, 429 and 5xx."
