@@ -27,8 +27,9 @@ re-attaches to while it runs, and restarts (the stage resumes where it stopped) 
 from __future__ import annotations
 
 from datetime import datetime, timedelta
+from pathlib import Path
 
-from airflow.sdk import DAG, Asset, chain, task, task_group
+from airflow.sdk import DAG, Asset, chain, conf, task, task_group
 
 from eagle3_airflow import notify, promotion, tasks
 from eagle3_airflow.deployment import Deployment
@@ -37,8 +38,13 @@ from eagle3_airflow.pools import box_params
 from eagle3_airflow.sensors import BoxReachableSensor, DiskSpaceSensor, GpuIdleSensor
 
 # The deployment's settings without editing code (eagle3_airflow/deployment.py): schedule, form defaults, and
-# which boxes, services, endpoint hosts and box variables a trigger may use. A JSON file named by EAGLE3_DAG_SETTINGS.
-DEPLOYMENT = Deployment.from_env()
+# which boxes, services, endpoint hosts and box variables a trigger may use. A JSON file of the DAG bundle:
+# eagle3_settings.json beside this file, or the one EAGLE3_DAG_SETTINGS names (relative: to this folder). Read here
+# only: validate checks each run against them and seals what later tasks need into the run plan, so a run keeps the
+# settings it started with.
+DEPLOYMENT = Deployment.from_env(Path(__file__).parent)
+# A local reports folder under an executor whose workers share no disk: an import error naming the fix.
+DEPLOYMENT.check_reports_store(conf.get("core", "executor"))
 SENSOR_TIMEOUT = timedelta(hours=DEPLOYMENT.sensor_timeout_h)
 DRAFTER = Asset(DEPLOYMENT.drafter_asset)  # updated when a run promotes its drafter: deployments schedule on it
 PROPOSALS = Asset(promotion.proposals_asset_name(DEPLOYMENT.drafter_asset))  # approve_promotion: what is asked
@@ -93,9 +99,12 @@ for BOX in DEPLOYMENT.resources():
         tags=["eagle3", "llm", "speculative-decoding"],
     ) as dag:
 
+        # The settings reach validate as this parse read them (a default argument: never serialized), and no other
+        # task: what those need of them is in the plan validate seals.
         @task(retries=0, multiple_outputs=True)
         def validate(params=None, dag_run=None, settings=SETTINGS, known=frozenset(PARAMS)) -> dict:
-            """Refuse unknown keys and bad values (fields named, fixes given) before anything runs; seal the plan."""
+            """Refuse unknown keys and bad values (fields named, fixes given) before anything runs; seal the plan,
+            the run config inside it."""
             return tasks.validate_run(dict(params), dict(dag_run.conf or {}), set(known), dag_run, settings)
 
         run = validate()
@@ -104,8 +113,8 @@ for BOX in DEPLOYMENT.resources():
         # What holds the box's GPUs holds them in its pool (pool, pool_slots); the rest holds none.
         box_reachable = BoxReachableSensor(task_id="box_reachable", plan=plan, poke_interval=30,
                                            timeout=SENSOR_TIMEOUT)
-        code_synced = task(tasks.sync_code, task_id="sync_code")(plan, run["config"])
-        config_written = task(tasks.write_config, task_id="write_config")(plan, run["config"])
+        code_synced = task(tasks.sync_code, task_id="sync_code")(plan)
+        config_written = task(tasks.write_config, task_id="write_config")(plan)
         gpus_idle = GpuIdleSensor(task_id="gpus_idle", plan=plan, timeout=SENSOR_TIMEOUT,
                                   **BOX.task_kwargs("gpus_idle"))
         disk_space = DiskSpaceSensor(task_id="disk_space", plan=plan, timeout=SENSOR_TIMEOUT)
@@ -138,10 +147,8 @@ for BOX in DEPLOYMENT.resources():
                 plan, PROPOSALS.name)
         else:
             announce = task(promotion.announce_promotion, task_id="promoted", outlets=[DRAFTER])(plan, DRAFTER.name)
-        # A run whose proposal still awaits approval is kept (a proposal goes unanswered for approval_timeout_h).
-        proposals_kept_h = SETTINGS.approval_timeout_h if SETTINGS.approve_promotion else 0
-        retention = task(tasks.prune_runs, task_id="retention", trigger_rule="none_failed")(
-            plan, SETTINGS.keep_runs, proposals_kept_h)
+        # keep_runs as the plan carries it; a run whose proposal still awaits approval is kept.
+        retention = task(tasks.prune_runs, task_id="retention", trigger_rule="none_failed")(plan)
 
         chain(run, box_reachable, code_synced, config_written, gpus_idle, disk_space, generate, extract,
               gpus_released, vocab, inputs_changed, train, export, evaluate, benchmark, summary, announce, retention)
@@ -170,6 +177,12 @@ if DEPLOYMENT.approve_promotion:
             """The triggering events that are proposals sealed by a drafter DAG's propose task; the rest refused."""
             return promotion.proposals_from_events(triggering_asset_events, PROPOSALS.name)
 
+        @task(task_id="promote")
+        def promote_held(proposal_item: dict, approval, dag_run=None, deployment=DEPLOYMENT) -> dict:
+            """Promote on an Approve by one of the settings' approvers (as this parse read them: no task reads the
+            settings file)."""
+            return promotion.promote_held(proposal_item, approval, dag_run=dag_run, deployment=deployment)
+
         @task_group(group_id="proposal")
         def decide(proposal):
             """One proposal: a person approves (assigned to the settings' approvers, who are told), then the switch."""
@@ -177,7 +190,7 @@ if DEPLOYMENT.approve_promotion:
                 task_id="approve_promotion", proposal=proposal, approvers=DEPLOYMENT.approvers, defaults="Reject",
                 notifiers=promotion.approval_notifiers(DEPLOYMENT),  # the settings' notify channels hear it waits
                 response_timeout=timedelta(hours=DEPLOYMENT.approval_timeout_h))  # no answer: rejected
-            promote = task(promotion.promote_held, task_id="promote")(proposal, approve.output)
+            promote = promote_held(proposal, approve.output)
             promoted = task(promotion.announce_approved_promotion, task_id="promoted", outlets=[DRAFTER])(
                 proposal, DRAFTER.name)
             chain(approve, promote, promoted)

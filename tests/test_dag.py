@@ -127,6 +127,43 @@ print(json.dumps(found))
     assert "['data.path', 'target.model_path']" in error
 
 
+def test_the_settings_travel_in_the_dag_bundle_and_a_local_reports_folder_needs_a_shared_disk(airflow_home,
+                                                                                             tmp_path):
+    """Issue 43: the DAG file reads eagle3_settings.json beside it (its bundle), or the file EAGLE3_DAG_SETTINGS
+    names, relative to the DAG file's folder. Under an executor whose workers share no disk, a local reports folder
+    (the default) is an import error naming the executor, unless the settings say reports_shared_disk."""
+    bundle = tmp_path / "bundle"
+    (bundle / "settings").mkdir(parents=True)
+    shutil.copy(DAG_FILE, bundle / DAG_FILE.name)
+    (bundle / "eagle3_settings.json").write_text(json.dumps({"allowed_boxes": ["gpu_box"],
+                                                             "params": {"box.conn_ids": ["gpu_box"]}}))
+    (bundle / "settings" / "shared.json").write_text(json.dumps({"allowed_boxes": ["box-b"],
+                                                                 "params": {"box.conn_ids": ["box-b"]},
+                                                                 "reports_shared_disk": True}))
+    script = f"""
+import json, os
+from airflow.dag_processing.dagbag import DagBag
+found = []
+for executor, named in (("LocalExecutor", ""), ("LocalExecutor", "settings/shared.json"),
+                        ("CeleryExecutor", ""), ("CeleryExecutor", "settings/shared.json")):
+    os.environ["AIRFLOW__CORE__EXECUTOR"] = executor
+    os.environ["EAGLE3_DAG_SETTINGS"] = named
+    bag = DagBag(dag_folder={str(bundle / DAG_FILE.name)!r})
+    dag = bag.dags.get("eagle3_drafter")
+    found.append({{"errors": list(map(str, bag.import_errors.values())), "box": dag and dag.params["box.conn_ids"]}})
+print(json.dumps(found))
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env=airflow_env(airflow_home))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    beside, named, celery, celery_shared = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert beside == {"errors": [], "box": ["gpu_box"]}
+    assert named == celery_shared == {"errors": [], "box": ["box-b"]}
+    (error,) = celery["errors"]
+    assert f"the settings file {bundle}/eagle3_settings.json (beside the DAG file)" in error
+    assert "the executor CeleryExecutor ([core] executor)" in error and '"reports_shared_disk": true' in error
+
+
 # -- whole runs --------------------------------------------------------------------------------------
 
 

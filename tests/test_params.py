@@ -240,7 +240,7 @@ def test_paths_with_shell_syntax_are_valid_data_not_commands():
     """$(...) and backticks are legal in a POSIX path; they travel as data (argv elements, a JSON file)."""
     path = "/data/$(touch /tmp/pwned)/`id`/x.jsonl"
     run = validate_run(dict(form(**{"data.path": path}).validate()), {}, set(build_params()), RUN, trusted())
-    assert run["config"]["data"]["path"] == path
+    assert run["plan"]["config"]["data"]["path"] == path
 
 
 def test_a_run_needs_a_work_directory_from_the_settings():
@@ -253,8 +253,8 @@ def test_the_notes_and_the_preset_reach_the_plan_not_the_config():
     deployment = trusted(presets={"long": {"train.batch_tokens": 32768}})
     run = validate_under(deployment, **{PRESET: "long", NOTES: "new data from the support queue"})
     assert run["plan"]["notes"] == "new data from the support queue"
-    assert run["config"]["train"]["batch_tokens"] == 32768
-    assert not {PRESET, NOTES} & set(run["config"])
+    assert run["plan"]["config"]["train"]["batch_tokens"] == 32768
+    assert not {PRESET, NOTES} & set(run["plan"]["config"])
 
 
 def test_unflatten_drops_nulls_so_model_defaults_apply():
@@ -341,7 +341,7 @@ def test_generate_talks_only_to_the_deployments_endpoint_hosts():
                 run={**on, "generate.endpoint": "https://collector.example/v1"})
     allowed = trusted(allowed_endpoint_hosts=["sglang.internal"],
                       run={**on, "generate.endpoint": "http://sglang.internal:30000/v1"})
-    assert validate_under(allowed)["config"]["generate"]["endpoint"] == "http://sglang.internal:30000/v1"
+    assert validate_under(allowed)["plan"]["config"]["generate"]["endpoint"] == "http://sglang.internal:30000/v1"
     # Without the list: the loopback and the host the settings' own endpoint names.
     assert trusted(run={"generate.endpoint": "http://sglang.internal:30000/v1"}).endpoint_hosts() == [
         "127.0.0.1", "localhost", "sglang.internal"]

@@ -142,9 +142,9 @@ def test_each_box_runs_with_its_own_facts_over_the_settings():
     assert deployment.workdirs() == ["/data/eagle3", "/scratch/eagle3"]
     assert deployment.pythons() == ["/opt/eagle3/bin/python", "python3"]
     a, b = trigger(box_settings("box-a", settings)), trigger(box_settings("box-b", settings))
-    assert (a["plan"]["workdir"], a["plan"]["python"], a["config"]["target"]["dtype"]) == (
+    assert (a["plan"]["workdir"], a["plan"]["python"], a["plan"]["config"]["target"]["dtype"]) == (
         "/data/eagle3", "python3", "bfloat16")
-    assert (b["plan"]["workdir"], b["plan"]["python"], b["config"]["target"]["dtype"]) == (
+    assert (b["plan"]["workdir"], b["plan"]["python"], b["plan"]["config"]["target"]["dtype"]) == (
         "/scratch/eagle3", "/opt/eagle3/bin/python", "float16")
     assert a["plan"]["poll_interval_s"] == b["plan"]["poll_interval_s"] == 2.0  # the settings' box, under each
 

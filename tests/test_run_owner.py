@@ -113,7 +113,7 @@ def test_the_dags_write_config_refuses_another_airflow_runs_directory(tmp_path, 
                             run={"workdir": str(tmp_path / "work"), "vocab.draft_vocab_size": 512})
     settings = tmp_path / "dag-settings.json"
     settings.write_text(deployment.model_dump_json(exclude_defaults=True))
-    monkeypatch.setenv("EAGLE3_DAG_SETTINGS", str(settings))  # what write_config checks the plan against
+    monkeypatch.setenv("EAGLE3_DAG_SETTINGS", str(settings))  # as the DAG file parses it (no task reads it)
     params = {k: p.value for k, p in deployment.form().items() if p.has_value}
     params.update({"target.model_path": str(tiny_target), "data.path": str(tiny_target / "prompts.jsonl"),
                    "run_name": "alices-run"})
@@ -124,12 +124,12 @@ def test_the_dags_write_config_refuses_another_airflow_runs_directory(tmp_path, 
 
     alice, alice_run = trigger("manual__2026-12-04T08:00:00+00:00", "alice")
     ensure_code(LocalBox(), sys.executable, alice["plan"]["workdir"])
-    written = write_config(alice["plan"], alice["config"], dag_run=alice_run)
-    assert write_config(alice["plan"], alice["config"], dag_run=alice_run) == written  # cleared: resumes
+    written = write_config(alice["plan"], dag_run=alice_run)
+    assert write_config(alice["plan"], dag_run=alice_run) == written  # cleared: resumes
     bob, bob_run = trigger("manual__2026-12-05T08:00:00+00:00", "bob")
     with pytest.raises(AirflowFailException, match=r"alices-run belongs to Airflow run 'manual__2026-12-04T08:00:00"
                                                    r"\+00:00' of DAG 'eagle3_drafter' \(triggered by 'alice'\)"):
-        write_config(bob["plan"], bob["config"], dag_run=bob_run)
+        write_config(bob["plan"], dag_run=bob_run)
     record = json.loads((Path(written).parent / OWNER).read_text())
     assert [(run["run_id"], run["triggered_by"]) for run in record["runs"]] == [(alice_run.run_id, "alice")]
 

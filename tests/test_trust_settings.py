@@ -45,7 +45,7 @@ def test_a_trigger_cannot_set_keep_versions_and_the_run_gets_the_settings_value(
     with pytest.raises(AirflowFailException, match=r"'evaluate.keep_versions': the deployment decides it \(its "
                                                    r"settings file's 'keep_versions'"):
         trigger(deployment, conf={"evaluate.keep_versions": 1})
-    assert trigger(deployment)["config"]["evaluate"]["keep_versions"] == 5
+    assert trigger(deployment)["plan"]["config"]["evaluate"]["keep_versions"] == 5
     with pytest.raises(ParamsError, match=r"params: \['evaluate.keep_versions'\] are not form fields"):
         build_params({"evaluate.keep_versions": 1})
     # Nor a layer of the settings: the top-level keep_versions is the one place it is set.
@@ -195,6 +195,67 @@ def test_the_settings_name_only_the_interpreters_they_allow():
                                                                                       "box": {"python": "/bin/sh"}}})
     vllm = Deployment(run={**WORKDIR, "server.engine": "vllm", "server.python": "/opt/vllm/bin/python"},
                       allowed_pythons=["python3", "/opt/vllm/bin/python"])
-    assert trigger(vllm)["config"]["server"]["python"] == "/opt/vllm/bin/python"
+    assert trigger(vllm)["plan"]["config"]["server"]["python"] == "/opt/vllm/bin/python"
     with pytest.raises(ValidationError, match="allowed_pythons"):
         Deployment(allowed_pythons=["python3; rm -rf /"])
+
+
+# -- the settings file: in the DAG bundle, read when the DAG file is parsed (issue 43) ----------------------------
+
+
+def test_the_settings_are_the_file_beside_the_dag_file_or_the_one_eagle3_dag_settings_names(tmp_path, monkeypatch):
+    """eagle3_settings.json beside the DAG file (in its bundle, deployed and versioned with it); EAGLE3_DAG_SETTINGS
+    names another, a relative path against the DAG file's folder (wherever the bundle is checked out); neither: the
+    built-in settings."""
+    from eagle3_airflow.deployment import SETTINGS_FILE, settings_path
+
+    bundle = tmp_path / "dags"
+    (bundle / "settings").mkdir(parents=True)
+    monkeypatch.delenv("EAGLE3_DAG_SETTINGS", raising=False)
+    assert settings_path(bundle) == (None, "")
+    assert Deployment.from_env(bundle).boxes() == ["local"]  # built-in
+    (bundle / SETTINGS_FILE).write_text(json.dumps({"allowed_boxes": ["gpu_box"], "params": {"box.conn_ids":
+                                                                                              ["gpu_box"]}}))
+    assert Deployment.from_env(bundle).boxes() == ["gpu_box"]
+    (bundle / "settings" / "other.json").write_text(json.dumps({"approve_promotion": True}))
+    monkeypatch.setenv("EAGLE3_DAG_SETTINGS", "settings/other.json")
+    with pytest.raises(ParamsError, match=rf"{bundle}/settings/other.json \(EAGLE3_DAG_SETTINGS, in the DAG folder "
+                                          rf"{bundle}\):\n  approvers: approve_promotion is on"):
+        Deployment.from_env(bundle)
+    monkeypatch.setenv("EAGLE3_DAG_SETTINGS", str(bundle / "settings" / "other.json"))  # absolute: as it says
+    assert settings_path(tmp_path / "elsewhere") == (bundle / "settings" / "other.json", "EAGLE3_DAG_SETTINGS")
+    monkeypatch.setenv("EAGLE3_DAG_SETTINGS", "settings/missing.json")
+    with pytest.raises(ParamsError, match=r"EAGLE3_DAG_SETTINGS, in the DAG folder .*: cannot read .*missing.json"):
+        Deployment.from_env(bundle)
+
+
+@pytest.mark.parametrize("executor, names", [
+    ("LocalExecutor", ["LocalExecutor"]),
+    ("CeleryExecutor,KubernetesExecutor", ["CeleryExecutor", "KubernetesExecutor"]),
+    ("airflow.providers.edge3.executors.EdgeExecutor", ["EdgeExecutor"]),
+    ("fast:my.module.MyExecutor, LocalExecutor", ["MyExecutor", "LocalExecutor"]),
+    ("LocalExecutor;team1=CeleryExecutor", ["LocalExecutor", "CeleryExecutor"]),
+])
+def test_the_executors_are_read_as_airflow_names_them(executor, names):
+    from eagle3_airflow.deployment import executor_names
+
+    assert executor_names(executor) == names
+
+
+def test_a_local_reports_folder_is_refused_under_workers_that_share_no_disk_unless_the_settings_say_they_do():
+    """Issue 43: the default reports_url is a folder on the worker's disk; under Celery (or Kubernetes, Edge, ...)
+    the report task publishes on one worker and the report tab, in the API server, never sees it. Refused when the
+    DAG file is parsed, naming the executor and the two fixes."""
+    for local in (None, "/srv/eagle3-reports", "file:///srv/eagle3-reports"):
+        settings = Deployment(reports_url=local)
+        settings.check_reports_store("LocalExecutor")  # one machine: fine
+        for executor, named in (("CeleryExecutor", "CeleryExecutor"), ("LocalExecutor,KubernetesExecutor",
+                                                                      "KubernetesExecutor")):
+            with pytest.raises(ParamsError, match=rf"reports_url \(.*\) is a folder on each machine's own disk, but "
+                                                  rf"the executor {named} \(\[core\] executor\) runs tasks on workers "
+                                                  r"(?s:.*)object store(?s:.*)\"reports_shared_disk\": true"):
+                settings.check_reports_store(executor)
+        Deployment(reports_url=local, reports_shared_disk=True).check_reports_store("CeleryExecutor")
+    with pytest.raises(ParamsError, match=r"the default, \$AIRFLOW_HOME/eagle3-reports"):
+        Deployment().check_reports_store("EdgeExecutor")
+    Deployment(reports_url="s3://bucket/eagle3", reports_conn_id="aws_reports").check_reports_store("CeleryExecutor")

@@ -1,6 +1,9 @@
 """The deployment's settings file: what whoever runs this Airflow decides, and no trigger can change.
 
-A JSON file named by EAGLE3_DAG_SETTINGS, read when the DAG is parsed:
+A JSON file in the DAG bundle: `eagle3_settings.json` beside the DAG file, deployed with it (a GitDagBundle versions
+it with the DAG), or the file EAGLE3_DAG_SETTINGS names (a relative path: against the DAG file's folder;
+docker-compose.yaml mounts deploy/settings/ into the bundle, so a change needs no image rebuild); without either, the
+built-in settings. Read when the DAG file is parsed (and by the report tab and the stack's init), never by a task:
 
     {"schedule": "@weekly", "retries": 3,
      "params": {"target.model_path": "/models/kimi-k2.5", "data.path": "/data/conversations.jsonl"},
@@ -21,8 +24,14 @@ may name: which machines a run logs in to (the form's box.conn_ids offers only a
 stops, which hosts generate sends conversations to, which interpreters and workdirs it uses, which of the box's
 environment variables reach a stage and, for an API key, the exact endpoints it may go to. Left out, each allows
 only what `run` and `box` use. `keep_versions` (promoted drafters a lineage keeps) and `approvers` (who may approve
-a promotion) are this file's too. Every task checks the run plan against these again before it uses it
-(eagle3_airflow/plan.py), so tightening the settings takes effect at the next task of a run in flight.
+a promotion) are this file's too.
+
+A run is checked against the settings once, by its validate task, which seals what later tasks need of them into the
+run plan (eagle3_airflow/plan.py: the config, the reports store, keep_runs). So a run in flight keeps the settings it
+started with, even where the DAG bundle is not versioned, and a dag-processor and a worker that parsed different
+versions of the file cannot fail it; a changed file applies from the next run on. To stop a run in flight that the
+new settings would refuse, mark it failed (the run's "Mark as failed" in the UI, or the REST API): the job of its
+running stage is killed on the box, as for any task marked failed (eagle3_airflow/jobs.py).
 """
 
 from __future__ import annotations
@@ -82,6 +91,25 @@ AbsDir = Annotated[str, StringConstraints(pattern=ABS_PATH_PATTERN)]
 UserName = Annotated[str, StringConstraints(pattern=r"^[^\x00-\x1f\x7f]{1,256}$")]
 LOOPBACK_HOSTS = ["127.0.0.1", "localhost"]
 DEFAULT_PORTS = {"http": 80, "https": 443}
+SETTINGS_FILE = "eagle3_settings.json"  # beside the DAG file, in its bundle
+SETTINGS_ENV = "EAGLE3_DAG_SETTINGS"  # names another file instead
+# Executors that run every task on the machine of the scheduler (and, in the layouts they are used in, the API server):
+# a local reports folder is seen by the report tab. Any other ([core] executor may list several) runs tasks on workers
+# of their own, which share no disk unless the deployment says so (reports_shared_disk).
+SINGLE_HOST_EXECUTORS = {"LocalExecutor", "SequentialExecutor", "DebugExecutor"}
+LOCAL_STORE_SCHEMES = {"file", "local"}
+
+
+def executor_names(executor: str) -> list[str]:
+    """The executors' class names in an Airflow [core] executor value: "CeleryExecutor", "LocalExecutor,EdgeExecutor",
+    "alias:my.module.MyExecutor", or per team "LocalExecutor;team1=CeleryExecutor" (Airflow's executor_loader)."""
+    names = []
+    for team in executor.split(";"):
+        for entry in team.split("=", 1)[-1].split(","):
+            path = entry.strip().split(":")[-1].strip()
+            if path:
+                names.append(path.rsplit(".", 1)[-1])
+    return names
 
 
 def normal_dir(path: str) -> str:
@@ -149,7 +177,7 @@ class NotifySettings(BaseModel):
 
 
 class Deployment(BaseModel):
-    """EAGLE3_DAG_SETTINGS, validated: an unknown key (a typo) is refused, not ignored. Data and the checks on it
+    """The settings file, validated: an unknown key (a typo) is refused, not ignored. Data and the checks on it
     only: what Airflow runs from it (notifiers, the deadline, the approval's, the schedule, the reports store) is built
     where it is used (notify.py, promotion.py, published.py, the DAG file)."""
 
@@ -250,7 +278,14 @@ class Deployment(BaseModel):
     reports_conn_id: ConnId | None = Field(
         None, description="The Airflow connection reports_url's store is opened with (its provider installed); none: "
         "the local filesystem, or the store's own environment credentials.")
-    _source: str = PrivateAttr("the built-in settings (EAGLE3_DAG_SETTINGS names no file)")
+    reports_shared_disk: bool = Field(
+        False,
+        description="The workers and the API server share reports_url's local folder (a volume every Airflow "
+        "container of one host mounts, NFS). Without it, an executor whose workers share no disk (CeleryExecutor, "
+        "KubernetesExecutor, EdgeExecutor, ...) refuses a local reports_url, the default included: the report tab "
+        "would never see what a worker published.")
+    _source: str = PrivateAttr(f"the built-in settings (no {SETTINGS_FILE} beside the DAG file, and {SETTINGS_ENV} "
+                               "names no file)")
     _resource: BoxResource | None = PrivateAttr(None)  # set on the settings of one generated DAG (for_box)
 
     @field_validator("allowed_workdirs")
@@ -337,19 +372,40 @@ class Deployment(BaseModel):
         return self
 
     @classmethod
-    def from_env(cls) -> Deployment:
-        """The settings file EAGLE3_DAG_SETTINGS names, or the defaults when it names none."""
-        path = os.environ.get("EAGLE3_DAG_SETTINGS")
-        if not path:
+    def from_env(cls, dag_folder: str | os.PathLike | None = None) -> Deployment:
+        """The settings of the DAG file in `dag_folder` (settings_path), or the defaults when there is no file.
+        `dag_folder`: default, Airflow's [core] dags_folder (for what has no DAG file of its own: the report tab,
+        the stack's init)."""
+        path, named_by = settings_path(dag_folder)
+        if path is None:
             return cls()
         try:
-            settings = cls.model_validate(json.loads(Path(path).read_text(encoding="utf-8")))
+            settings = cls.model_validate(json.loads(path.read_text(encoding="utf-8")))
         except ValidationError as err:
-            raise ParamsError(format_validation_error(err, f"the settings file {path} (EAGLE3_DAG_SETTINGS)")) from None
+            raise ParamsError(format_validation_error(err, f"the settings file {path} ({named_by})")) from None
         except (OSError, ValueError) as err:
-            raise ParamsError(f"EAGLE3_DAG_SETTINGS: cannot read {path}: {err}") from None
-        settings._source = f"the settings file {path} (EAGLE3_DAG_SETTINGS)"
+            raise ParamsError(f"{named_by}: cannot read {path}: {err}") from None
+        settings._source = f"the settings file {path} ({named_by})"
         return settings
+
+    def check_reports_store(self, executor: str) -> None:
+        """A local reports folder (the default's too) under an executor whose workers share no disk: the report task
+        would publish on one worker's disk and the report tab never see it. Refused (when the DAG file is parsed:
+        an import error naming the executor and the fix) unless the settings say reports_shared_disk.
+        `executor`: Airflow's [core] executor."""
+        scheme = urlsplit(self.reports_url).scheme if self.reports_url else ""
+        if self.reports_shared_disk or scheme not in LOCAL_STORE_SCHEMES | {""}:
+            return
+        multi_host = [name for name in executor_names(executor) if name not in SINGLE_HOST_EXECUTORS]
+        if multi_host:
+            where = self.reports_url or "the default, $AIRFLOW_HOME/eagle3-reports"
+            raise ParamsError(
+                f"{self._source}: reports_url ({where}) is a folder on each machine's own disk, but the executor "
+                f"{', '.join(multi_host)} ([core] executor) runs tasks on workers that need not share one with each "
+                "other or the API server: the report tab would not find what the report task published. Set "
+                "reports_url to an object store (e.g. \"s3://bucket/eagle3-reports\" with reports_conn_id), or, "
+                "where every worker and the API server mount that folder (one host's volume, NFS), set "
+                "\"reports_shared_disk\": true there.")
 
     # -- a run's config, from the form over the layers ---------------------------------------------------
     def preset_names(self) -> list[str]:
@@ -544,9 +600,10 @@ class Deployment(BaseModel):
         problems = [problem for problem in problems if problem]
         if problems:
             raise ParamsError("\n  ".join([f"{source} reaches past what this deployment allows:", *problems])
-                              + "\nThe deployment sets these in its settings file (EAGLE3_DAG_SETTINGS: allowed_boxes, "
-                              "allowed_services, allowed_endpoint_hosts, api_key_endpoints, allowed_workdirs, "
-                              "allowed_pythons, box_env); ask whoever runs this Airflow.")
+                              + f"\nThe deployment sets these in its settings file ({SETTINGS_FILE} or "
+                              f"{SETTINGS_ENV}: allowed_boxes, allowed_services, allowed_endpoint_hosts, "
+                              "api_key_endpoints, allowed_workdirs, allowed_pythons, box_env); ask whoever runs this "
+                              "Airflow.")
 
     def check_run(self, config: RunConfig, conn_ids: list[str], services: list[str], box_env: list[str] | None = None,
                   source: str = "the run", python: str | None = None) -> None:
@@ -567,6 +624,25 @@ class Deployment(BaseModel):
                               f"drafters than this deployment's keep_versions ({self.keep_versions})")
 
 
+def settings_path(dag_folder: str | os.PathLike | None = None) -> tuple[Path | None, str]:
+    """The settings file of the DAG file in `dag_folder`, and what names it: EAGLE3_DAG_SETTINGS when set (a relative
+    path resolves against `dag_folder`, so that it names a file of the DAG bundle wherever the bundle is checked
+    out), else eagle3_settings.json in `dag_folder` when there is one; (None, ...) for the built-in settings.
+    `dag_folder`: default, Airflow's [core] dags_folder."""
+    named = os.environ.get(SETTINGS_ENV)
+    if named and Path(named).is_absolute():
+        return Path(named), SETTINGS_ENV
+    if dag_folder is None:
+        from airflow.sdk import conf
+
+        dag_folder = conf.get("core", "dags_folder")
+    folder = Path(dag_folder).expanduser()
+    if named:
+        return folder / named, f"{SETTINGS_ENV}, in the DAG folder {folder}"
+    beside = folder / SETTINGS_FILE
+    return (beside, "beside the DAG file") if beside.is_file() else (None, "")
+
+
 def create_pool_argvs(settings: Deployment, airflow: str = "airflow") -> list[list[str]]:
     """`airflow pools set` for each box's pool, its slots the box's GPUs. include_deferred: the remote stages defer
     within seconds of starting and wait in the triggerer for hours; a pool that does not count deferred tasks bounds
@@ -584,8 +660,8 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(
         prog="python -m eagle3_airflow.deployment",
-        description="Create or update the Airflow pools (one per box of box_pools) of the settings file "
-                    "EAGLE3_DAG_SETTINGS names (default "
+        description="Create or update the Airflow pools (one per box of box_pools) of the DAG's settings file "
+                    f"({SETTINGS_FILE} in [core] dags_folder, or the one {SETTINGS_ENV} names; the built-in "
                     "settings without one), counting deferred tasks. make demo, make airflow and the compose file's "
                     "airflow-init run it.")
     parser.add_argument("command", choices=["create-pool"])

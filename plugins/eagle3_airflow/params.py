@@ -210,7 +210,7 @@ def build_params(defaults: dict[str, Any] | None = None, choices: dict[str, list
     defaults, choices = defaults or {}, choices or {}
     unknown = sorted(set(defaults) - set(FORM_FIELDS))
     if unknown:  # a typo, or a field that is the deployment's: the form's default would silently stay
-        raise ParamsError(f"EAGLE3_DAG_SETTINGS params: {unknown} are not form fields; params sets the form's "
+        raise ParamsError(f"the settings' params: {unknown} are not form fields; params sets the form's "
                           f"defaults for {list(FORM_FIELDS)}. A box's facts and the other run-config fields go in "
                           "the settings' \"run\" or a preset, BoxSettings in its \"box\"")
     leaves = model_leaves()
@@ -285,7 +285,7 @@ def check_unknown_keys(conf: dict, known: set[str]) -> None:
     decided = sorted(set(conf) & set(SETTINGS_ONLY))
     if decided:
         raise ParamsError("; ".join(f"{name!r}: the deployment decides it (its settings file's "
-                                    f"{SETTINGS_ONLY[name]!r}, EAGLE3_DAG_SETTINGS), not a trigger; leave it out"
+                                    f"{SETTINGS_ONLY[name]!r}), not a trigger; leave it out"
                                     for name in decided))
     unknown = sorted(set(conf) - known)
     if not unknown:
@@ -303,7 +303,7 @@ def check_unknown_keys(conf: dict, known: set[str]) -> None:
             hints.append(repr(key))
     raise ParamsError(f"not trigger parameters: {', '.join(hints)}. A trigger chooses only the form's fields "
                       f"{sorted(known)}; everything about the box and the recipe is the deployment's settings file "
-                      "(EAGLE3_DAG_SETTINGS), which whoever runs this Airflow reviews.")
+                      "(dags/eagle3_settings.json, or EAGLE3_DAG_SETTINGS), which whoever runs this Airflow reviews.")
 
 
 def unflatten(flat: dict[str, Any]) -> dict[str, Any]:

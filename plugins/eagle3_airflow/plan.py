@@ -1,15 +1,19 @@
-"""The run plan: what every task of one DAG run needs to know, validated once by the first task.
+"""The run plan: what every task of one DAG run needs to know, the run config included, made once by validate.
 
-It travels between tasks as XCom (a plain dict: paths, connection ids, thresholds; never a secret),
-so the remote-job operator and the sensors do not re-read params, and a retried task sees exactly
-what its first try saw.
+It travels between tasks as XCom (a plain dict: paths, connection ids, thresholds, the validated run config; never a
+secret), so the remote-job operator and the sensors do not re-read params, and a retried task sees exactly what its
+first try saw.
 
-XCom is writable by whoever may trigger the DAG, so the plan is sealed (eagle3_airflow/seal.py) together with the
-sha256 of the run config validate wrote beside it, and bound to its run. Every task reads it through
-`verified_plan` (and the config through `verified_config`): the seal must hold, and the plan must still be within
-what the deployment's settings allow (boxes, services, box variables, workdir; run_dir = workdir/runs/run_name).
-`RunPlan.from_trusted` is for what did not come through XCom: a plan built here, or the one a verified task handed
-to its trigger.
+One plan, validated once per side: validate checks the trigger against the deployment's settings and validates the
+run config (the control plane's only validation of it); the box validates the config once more in `eagle3 init`.
+What a later task needs from the settings travels in the plan too (the reports store, keep_runs), so a run in flight
+keeps the settings it was validated with, whatever the settings file says by then and whichever worker parsed which
+version of it: no task reads the settings file (eagle3_airflow/deployment.py says how to stop a run in flight).
+
+XCom is writable by whoever may trigger the DAG, so the plan is sealed (eagle3_airflow/seal.py) and bound to its run.
+Every task reads it through `verified_plan`: the seal must hold for this run, and the plan must have the fields this
+code needs. `RunPlan.from_trusted` is for what did not come through XCom: a plan built here, or the one a verified
+task handed to its trigger.
 
 Keys the plan does not know are tolerated once the seal holds: the seal proves this deployment's validate wrote
 them (newer code, and this worker runs older code after a rollback), and a key that is not a field changes nothing
@@ -19,16 +23,16 @@ this code does. An unsealed plan is refused whole, known keys or not.
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import MISSING, asdict, dataclass, field, fields
-from pathlib import PurePosixPath
 
-from eagle3.config import RUN_NAME_PATTERN, ConfigError, RunConfig, parse_run_config
-from eagle3.runlayout import REDO_OUTPUTS, RUNS
+from airflow.sdk.exceptions import AirflowFailException
+
+from eagle3.config import RunConfig
+from eagle3.runlayout import REDO_OUTPUTS
 from eagle3_airflow.codesync import code_dir, ensure_code, package_archive
 from eagle3_airflow.deployment import Deployment
-from eagle3_airflow.params import BoxSettings, ParamsError
-from eagle3_airflow.seal import TRIGGER_AGAIN, RunRef, Tampered, digest, is_sealed, seal, task_key
+from eagle3_airflow.params import BoxSettings
+from eagle3_airflow.seal import TRIGGER_AGAIN, RunRef, Tampered, is_sealed, seal, task_key
 from eagle3_airflow.transport import Box, box_for
 
 log = logging.getLogger(__name__)
@@ -38,7 +42,9 @@ log = logging.getLogger(__name__)
 # What each writes in the run directory, which a redo renames aside (job start --set-aside): runlayout.REDO_OUTPUTS.
 REDO_ORDER = tuple(REDO_OUTPUTS)
 PLAN_XCOM = "the run plan in XCom (task `validate`, key `plan`)"
-CONFIG_XCOM = "the run config in XCom (task `validate`, key `config`)"
+# Keys of plans made by older code that this code reads no more: ignored without a warning. config_sha256 was the
+# digest of the run config validate kept beside the plan, before the plan carried the config itself.
+RETIRED_KEYS = {"config_sha256"}
 
 
 @dataclass(frozen=True)
@@ -68,14 +74,28 @@ class RunPlan:
     # The package digest the run was validated with; every try of the run uses that code (eagle3_airflow.codesync).
     # Empty in plans made before pinning existed: the worker's current code.
     code_digest: str = ""
-    # sha256 of the run config validate wrote beside the plan (seal.digest): the seal covers the config through it.
-    config_sha256: str = ""
+    # The run config as validate validated it (RunConfig, as JSON): what write_config hands to the box's `init`.
+    # Empty in plans made before the plan carried it (run_config() refuses those).
+    config: dict = field(default_factory=dict)
+    # What later tasks need from the settings, as they were when validate planned the run (see the module docstring):
+    # the store the report task publishes to (None: $AIRFLOW_HOME/eagle3-reports), and the retention task's limits.
+    reports_url: str | None = None
+    reports_conn_id: str | None = None
+    keep_runs: int | None = None  # None: every run directory is kept
+    keep_proposals_h: float = 0.0  # a run whose proposal may still be approved within this many hours is kept
     # box.redo_from: this remote stage and every later one run again from scratch (RemoteJobOperator, job start --redo)
     redo_from: str = ""
     notes: str = ""  # the form's notes: why this run (the run's note shows them)
 
     @classmethod
-    def build(cls, config: RunConfig, box: BoxSettings, box_env: list[str] | None = None, notes: str = "") -> RunPlan:
+    def build(cls, config: RunConfig, box: BoxSettings, box_env: list[str] | None = None, notes: str = "",
+              settings: Deployment | None = None) -> RunPlan:
+        """The plan of a validated run; `settings`: those it was validated under, whose reports store and retention
+        limits the plan carries (none: the fields' defaults)."""
+        carried = {} if settings is None else {
+            "reports_url": settings.reports_url, "reports_conn_id": settings.reports_conn_id,
+            "keep_runs": settings.keep_runs,
+            "keep_proposals_h": settings.approval_timeout_h if settings.approve_promotion else 0.0}
         if config.extract.backend == "sglang":
             gpus_per_shard = config.extract.sglang.tp_size
         else:
@@ -94,16 +114,17 @@ class RunPlan:
             if (config.generate.enabled and config.generate.launch_server) or config.benchmark.enabled else 0,
             box_env=list(box_env or []),
             code_digest=package_archive().digest,
-            config_sha256=digest(config.model_dump(mode="json")),
+            config=config.model_dump(mode="json"),
             redo_from="" if box.redo_from == "none" else box.redo_from,
             notes=notes,
+            **carried,
         )
 
     @classmethod
     def from_trusted(cls, data: dict) -> RunPlan:
         """A plan from a source no user can edit (see the module docstring); never from XCom without verified_plan."""
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known - {"seal"})
+        unknown = sorted(set(data) - known - RETIRED_KEYS - {"seal"})
         if unknown:
             log.warning("the run plan has keys this code does not know (planned by newer code?): %s; ignored", unknown)
         required = [f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING]
@@ -120,6 +141,15 @@ class RunPlan:
         """The plan as validate hands it to XCom: sealed for its run."""
         body = self.to_xcom()
         return {**body, "seal": seal("plan", body, RunRef.of(dag_run), key)}
+
+    def run_config(self) -> dict:
+        """The run config validate validated, for the tasks that use it (sync_code, write_config); a plan made before
+        plans carried it fails the task, saying to trigger again."""
+        if not self.config:
+            raise AirflowFailException(
+                f"{PLAN_XCOM} carries no run config: validate planned this run with older code, which kept the config "
+                "beside the plan; this code takes it from the sealed plan alone. " + TRIGGER_AGAIN)
+        return self.config
 
     @property
     def config_path(self) -> str:
@@ -176,20 +206,10 @@ class RunPlan:
                 "-P", "-m", "eagle3", *args]
 
 
-def check_plan(plan: RunPlan, deployment: Deployment) -> None:
-    """A run plan (validate's, read back from XCom) against the settings as they are now: its boxes, services,
-    box variables and workdir, and the run directory it derives from them. ParamsError names what they refuse."""
-    deployment.check(plan.conn_ids, plan.stop_services, None, None, source="the run plan", workdir=plan.workdir,
-                     box_env=plan.box_env, pythons={"box.python": plan.python})
-    run_dir = str(PurePosixPath(plan.workdir, RUNS, plan.run_name))
-    if not re.match(RUN_NAME_PATTERN, plan.run_name) or plan.run_dir != run_dir:
-        raise ParamsError(f"the run plan: run_dir {plan.run_dir!r} is not workdir/runs/run_name ({run_dir!r})")
-
-
-def verified_plan(data, dag_run, *, key: bytes | None = None, deployment: Deployment | None = None) -> RunPlan:
-    """The plan read from XCom, if validate sealed it for this run and the settings still allow it; Tampered
-    otherwise (the task fails at once, saying what and what to do). `key`: default, the task's (seal.task_key);
-    `deployment`: default, the settings file EAGLE3_DAG_SETTINGS names now."""
+def verified_plan(data, dag_run, *, key: bytes | None = None) -> RunPlan:
+    """The plan read from XCom, if validate sealed it for this run and it has the fields this code needs; Tampered
+    otherwise (the task fails at once, saying what and what to do). `key`: default, the task's (seal.task_key).
+    The settings are not read: validate checked the run against them, and the seal says nothing changed since."""
     if not isinstance(data, dict) or "seal" not in data:
         raise Tampered(f"{PLAN_XCOM} carries no seal: validate did not write it as it is (an XCom edit), or it was "
                        "planned before plans were sealed. " + TRIGGER_AGAIN)
@@ -197,44 +217,4 @@ def verified_plan(data, dag_run, *, key: bytes | None = None, deployment: Deploy
     if not is_sealed("plan", body, RunRef.of(dag_run), key or task_key(), data["seal"]):
         raise Tampered(f"{PLAN_XCOM} does not match its seal: it was edited after validate planned this run, or it "
                        "is another run's plan. " + TRIGGER_AGAIN)
-    plan = RunPlan.from_trusted(body)
-    deployment = deployment or _settings()
-    try:
-        check_plan(plan, deployment)
-    except ParamsError as err:
-        raise Tampered(f"{PLAN_XCOM} is sealed, but the deployment's settings no longer allow it: {err}\n"
-                       + TRIGGER_AGAIN) from None
-    return plan
-
-
-def verified_config(config, plan: RunPlan, *, deployment: Deployment | None = None) -> dict:
-    """The run config read from XCom, if it is the one the verified `plan` records (its sha256) and the settings
-    still allow it; Tampered otherwise."""
-    if not isinstance(config, dict) or not plan.config_sha256:
-        raise Tampered(f"{CONFIG_XCOM} cannot be checked: the plan records no digest of it. " + TRIGGER_AGAIN)
-    try:
-        matches = digest(config) == plan.config_sha256
-    except (TypeError, ValueError):
-        matches = False
-    if not matches:
-        raise Tampered(f"{CONFIG_XCOM} is not the config validate planned this run with (its sha256 differs from the "
-                       "one the sealed plan records): it was edited after validate. " + TRIGGER_AGAIN)
-    try:
-        parsed = parse_run_config(config, CONFIG_XCOM)
-        if (parsed.workdir, parsed.run_name, str(parsed.run_dir)) != (plan.workdir, plan.run_name, plan.run_dir):
-            raise ParamsError(f"its run directory {parsed.run_dir} is not the plan's {plan.run_dir}")
-        (deployment or _settings()).check_run(parsed, plan.conn_ids, plan.stop_services, plan.box_env,
-                                              source=CONFIG_XCOM, python=plan.python)
-    except (ConfigError, ParamsError) as err:
-        raise Tampered(f"{CONFIG_XCOM} is sealed, but not usable now: {err}\n" + TRIGGER_AGAIN) from None
-    return config
-
-
-def _settings() -> Deployment:
-    """The deployment's settings as the file says now; a file that does not load fails the task, saying why."""
-    from airflow.sdk.exceptions import AirflowFailException
-
-    try:
-        return Deployment.from_env()
-    except ParamsError as err:
-        raise AirflowFailException(str(err)) from None
+    return RunPlan.from_trusted(body)

@@ -3,7 +3,7 @@ logs in to a box.
 
 The report task (on a worker, which holds the box's key) reads the run's report files from its box through
 eagle3_airflow.results (only the run's own regular files of the expected names, at most 8 MiB each) and publishes
-them with the run's summary under the settings' `reports_url`:
+them with the run's summary under the `reports_url` its plan carries (the settings' when validate planned the run):
 
     {reports_url}/{dag_id}/{run_id}/report.json        evaluate's report
                                     benchmark.json     the benchmark's, when the run benchmarked
@@ -11,10 +11,13 @@ them with the run's summary under the settings' `reports_url`:
                                     summary.json       written last: what the tab shows, and which files are whole
 
 `reports_url` is an ObjectStoragePath: a local directory by default ($AIRFLOW_HOME/eagle3-reports, which every
-Airflow process of a deployment must share: a volume), or s3://, gs://, ... with `reports_conn_id` (the store's
-provider installed in the image). Each file is written under a temporary name and renamed into place, and
-summary.json names only files already in place, so a reader never takes a half-written publication for a whole
-one; a report task cleared and run again replaces the publication file by file, its summary last.
+Airflow process of a deployment must share: a volume; under an executor whose workers share no disk the DAG file
+refuses a local folder unless the settings say `reports_shared_disk`), or s3://, gs://, ... with `reports_conn_id`
+(the store's provider installed in the image). The report tab reads under the settings' store as they are now: move
+the store, and the runs published before stay where they were. Each file is written under a temporary name and
+renamed into place, and summary.json names only files already in place, so a reader never takes a half-written
+publication for a whole one; a report task cleared and run again replaces the publication file by file, its summary
+last.
 
 dag_id and run_id become one path component each, percent-encoded, dots included: no id can name '..' or a
 folder of another run.
@@ -39,6 +42,8 @@ if TYPE_CHECKING:
     from eagle3_airflow.deployment import Deployment
     from eagle3_airflow.plan import RunPlan
 
+    Store = Deployment | RunPlan  # what names a reports store: reports_url and reports_conn_id
+
 SUMMARY = "summary.json"
 # A publication keeps the reports' own file names (report.json, benchmark.json) and numbers the plots.
 PUBLISHED_REPORT, PUBLISHED_BENCHMARK = PurePosixPath(REPORT).name, PurePosixPath(BENCHMARK_REPORT).name
@@ -57,16 +62,17 @@ def component(value: str) -> str:
     return quote(value, safe="-_~").replace(".", "%2E") or "%00"
 
 
-def reports_root(settings: Deployment) -> ObjectStoragePath:
-    """The object-storage folder runs' reports are published under: the settings' reports_url."""
+def reports_root(settings: Store) -> ObjectStoragePath:
+    """The object-storage folder runs' reports are published under: the reports_url of the settings (the report tab),
+    or of a run's plan (the report task, which publishes where the settings said when the run was validated)."""
     from airflow.sdk import ObjectStoragePath  # fsspec and friends: only when a report is published or read
 
     url = settings.reports_url or str(Path(os.environ.get("AIRFLOW_HOME", "~/airflow")).expanduser() / "eagle3-reports")
     return ObjectStoragePath(url, conn_id=settings.reports_conn_id)
 
 
-def run_folder(settings: Deployment, dag_id: str, run_id: str) -> ObjectStoragePath:
-    """Where the run's publication lives in the settings' store."""
+def run_folder(settings: Store, dag_id: str, run_id: str) -> ObjectStoragePath:
+    """Where the run's publication lives in the store of `settings` (the settings, or a run's plan)."""
     return reports_root(settings) / component(dag_id) / component(run_id)
 
 

@@ -2,10 +2,11 @@
 functions; the promotion's are eagle3_airflow.promotion's.
 
 The DAG file wraps them with @task; keeping them here keeps the DAG file to wiring and lets tests
-call them directly. Each takes the run plan (and config) as validate sealed them into XCom and checks them
-first (eagle3_airflow.plan.verified_plan): `dag_run`, which Airflow passes from the task's context, names the run
-the seal must belong to. What a task reads back from the run (reports, plots) comes from the box through
-eagle3_airflow.results, never from another task's XCom.
+call them directly. validate is the one that reads the deployment's settings (as the DAG file parsed them) and the
+one that validates the run config; every other task takes the run plan, the config inside it, as validate sealed it
+into XCom and checks it first (eagle3_airflow.plan.verified_plan): `dag_run`, which Airflow passes from the task's
+context, names the run the seal must belong to. No task reads the settings file. What a task reads back from the run
+(reports, plots) comes from the box through eagle3_airflow.results, never from another task's XCom.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from airflow.sdk.exceptions import AirflowFailException
 from eagle3_airflow.deployment import Deployment
 from eagle3_airflow.jobs import predates
 from eagle3_airflow.params import DEFAULT_PRESET, NOTES, PRESET, ParamsError, check_unknown_keys, default_run_name
-from eagle3_airflow.plan import RunPlan, verified_config, verified_plan
+from eagle3_airflow.plan import RunPlan, verified_plan
 from eagle3_airflow.results import check_inputs, read_or_fail, report_summary
 from eagle3_airflow.seal import task_key
 from eagle3_airflow.transport import RemoteCommandError
@@ -29,9 +30,10 @@ REQUIRED_BOX_PACKAGES = ["torch", "transformers", "tokenizers", "safetensors", "
 
 
 def validate_run(params: dict, conf: dict, known: set[str], dag_run, deployment: Deployment | None = None) -> dict:
-    """Params -> run plan + run config. Bad input, or a run that reaches past what the deployment allows (another
-    box, service, endpoint, workdir or box variable), fails the task at once (no retries): nothing has started.
-    The plan is sealed for this run (eagle3_airflow.seal) with the config's digest in it."""
+    """Params -> {"plan": the sealed run plan}, the run config inside it. Bad input, or a run that reaches past what
+    the deployment allows (another box, service, endpoint, workdir or box variable), fails the task at once (no
+    retries): nothing has started. `deployment`: the settings as the DAG file parsed them (default: the built-in
+    ones); what later tasks need of them goes into the plan, which is sealed for this run (eagle3_airflow.seal)."""
     deployment = deployment or Deployment()
     try:
         check_unknown_keys(conf, known)
@@ -43,10 +45,10 @@ def validate_run(params: dict, conf: dict, known: set[str], dag_run, deployment:
         deployment.check_run(config, box.conn_ids, box.stop_services, python=box.python)
     except ParamsError as err:
         raise AirflowFailException(str(err)) from None
-    plan = RunPlan.build(config, box, deployment.box_env, notes=form.get(NOTES) or "")
+    plan = RunPlan.build(config, box, deployment.box_env, notes=form.get(NOTES) or "", settings=deployment)
     log.info("run %s in %s on %s, preset %s; %d extraction shard(s)", plan.run_name, plan.run_dir,
              ", ".join(plan.conn_ids), form.get(PRESET) or DEFAULT_PRESET, plan.num_shards)
-    return {"plan": plan.sealed(dag_run, task_key()), "config": config.model_dump(mode="json")}
+    return {"plan": plan.sealed(dag_run, task_key())}
 
 
 def shard_list(plan_dict: dict, dag_run=None) -> list[int]:
@@ -54,10 +56,10 @@ def shard_list(plan_dict: dict, dag_run=None) -> list[int]:
     return list(range(verified_plan(plan_dict, dag_run).num_shards))
 
 
-def sync_code(plan_dict: dict, config: dict, dag_run=None) -> dict:
+def sync_code(plan_dict: dict, dag_run=None) -> dict:
     """Upload the eagle3 package to every box and record what each box has; fail early if a package is missing."""
     plan = verified_plan(plan_dict, dag_run)
-    config = verified_config(config, plan)
+    config = plan.run_config()
     serves = (config["benchmark"]["enabled"] or config["evaluate"]["backend"] == "server"
               or (config["generate"]["enabled"] and config["generate"]["launch_server"]))
     # SGLang in box.python: the sglang capture backend, and a serving engine sglang without an interpreter of its own
@@ -98,11 +100,12 @@ def init_owner_args(plan: RunPlan, dag_run) -> list[str]:
             *([f"--redo-from={plan.redo_from}"] if plan.redo_from else [])]
 
 
-def write_config(plan_dict: dict, config: dict, dag_run=None) -> str:
-    """Write config.json into the run directory on the box (once; the box fills in and checks target facts), and make
-    the directory this Airflow run's: another run's directory is refused (eagle3.runowner)."""
+def write_config(plan_dict: dict, dag_run=None) -> str:
+    """Write the plan's run config into the run directory on the box as config.json (once; the box validates it, fills
+    in and checks target facts), and make the directory this Airflow run's: another run's directory is refused
+    (eagle3.runowner)."""
     plan = verified_plan(plan_dict, dag_run)
-    config = verified_config(config, plan)
+    config = plan.run_config()
     owner = init_owner_args(plan, dag_run)
     result = plan.box().run(plan.eagle3("init", "--config", "-", *owner), input=json.dumps(config).encode(),
                             timeout=300)
@@ -133,30 +136,32 @@ def inputs_changed(plan_dict: dict, dag_run=None) -> bool:
     return False
 
 
-def report(plan_dict: dict, dag_run=None, deployment: Deployment | None = None) -> dict:
+def report(plan_dict: dict, dag_run=None) -> dict:
     """Collect the run's results from the box (figures, and where the drafter, report and plots are) and publish them
-    with its report files to the settings' reports store, where the report tab reads them (eagle3_airflow.published)."""
+    with its report files to the reports store the plan carries (the settings' when validate planned the run), where
+    the report tab reads them (eagle3_airflow.published)."""
     from eagle3_airflow.published import publish, run_folder  # when the task runs: the DAG's parse does without it
 
     plan = verified_plan(plan_dict, dag_run)
     summary = report_summary(plan)
-    deployment = deployment or Deployment.from_env()
-    read_or_fail(lambda: publish(plan, summary, run_folder(deployment, dag_run.dag_id, dag_run.run_id), log))
+    read_or_fail(lambda: publish(plan, summary, run_folder(plan, dag_run.dag_id, dag_run.run_id), log))
     return summary
 
 
-def prune_runs(plan_dict: dict, keep_runs: int | None, keep_proposals_h: float = 0, dag_run=None) -> dict:
-    """The settings' retention: run directories beyond the newest keep_runs go (eagle3.retention); skipped
-    without keep_runs. In the verified plan's workdir, which the settings allow (allowed_workdirs). A run whose
-    proposal the promotion DAG may still approve (within keep_proposals_h: the approval's timeout) is kept."""
+def prune_runs(plan_dict: dict, dag_run=None) -> dict:
+    """The settings' retention, as the plan carries it: run directories beyond the newest keep_runs go
+    (eagle3.retention); skipped without keep_runs. In the verified plan's workdir, which the settings allowed
+    (allowed_workdirs). A run whose proposal the promotion DAG may still approve (within keep_proposals_h: the
+    approval's timeout) is kept."""
     from airflow.sdk.exceptions import AirflowSkipException
 
-    if keep_runs is None:
-        raise AirflowSkipException("keep_runs is not set in the settings file: every run directory is kept")
     plan = verified_plan(plan_dict, dag_run)
-    argv = plan.eagle3("runs", "prune", "--workdir", plan.workdir, "--keep", str(keep_runs),
-                       f"--keep-proposals-h={keep_proposals_h:g}")
+    if plan.keep_runs is None:
+        raise AirflowSkipException("keep_runs was not set in the settings this run was validated with: every run "
+                                   "directory is kept")
+    argv = plan.eagle3("runs", "prune", "--workdir", plan.workdir, "--keep", str(plan.keep_runs),
+                       f"--keep-proposals-h={plan.keep_proposals_h:g}")
     outcome = plan.box().run(argv, timeout=3600).json("python -m eagle3 runs prune")
     log.info("retention: %d run directories, kept the newest %d; removed %s; kept beyond that: %s", outcome["runs"],
-             keep_runs, outcome["removed"] or "none", outcome["kept_beyond_keep"] or "none")
+             plan.keep_runs, outcome["removed"] or "none", outcome["kept_beyond_keep"] or "none")
     return outcome
