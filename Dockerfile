@@ -1,7 +1,9 @@
 # The eagle3-airflow image: the official Airflow image (which already has the Celery, Postgres and Redis
 # providers the compose file relies on), the control plane's pins, and the code. One image for every Airflow
-# component, in docker-compose.yaml or under the KubernetesExecutor: nothing is mounted, and paths come from the
-# environment (PYTHONPATH, EAGLE3_DAG_SETTINGS), with defaults set here.
+# component, in docker-compose.yaml or under the KubernetesExecutor: no code is mounted, and paths come from the
+# environment (PYTHONPATH), with defaults set here. The DAG's settings are not baked in: they belong to the DAG bundle
+# (eagle3_settings.json beside the DAG file in a GitDagBundle) or are mounted (docker-compose.yaml: deploy/settings/,
+# named by EAGLE3_DAG_SETTINGS), so a settings change needs no rebuild; without either, the built-in settings.
 FROM apache/airflow:3.3.2
 
 # The image's default user; pip installs into its user site as the Airflow docs require (never as root).
@@ -26,11 +28,10 @@ RUN if [ -n "$EAGLE3_LOCAL_BOX" ]; then \
     fi
 
 # The code, read-only to the airflow user (owned by root): the DAG, the plugin, the box-side package (which the
-# DAG imports as `eagle3` and syncs to the box) and the compose stack's settings and role files.
+# DAG imports as `eagle3` and syncs to the box) and the compose stack's role script (deploy/fab_roles.py).
 COPY dags/ /opt/airflow/dags/
 COPY plugins/ /opt/airflow/plugins/
 COPY include/ /opt/airflow/include/
 COPY deploy/ /opt/airflow/deploy/
 
-ENV PYTHONPATH=/opt/airflow/include \
-    EAGLE3_DAG_SETTINGS=/opt/airflow/deploy/dag-settings.json
+ENV PYTHONPATH=/opt/airflow/include

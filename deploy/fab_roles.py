@@ -1,8 +1,8 @@
 """The compose stack's FAB roles and first users; airflow-init runs `python /opt/airflow/deploy/fab_roles.py`.
 
 Two roles on top of FAB's Viewer (read DAGs, runs, task instances and their logs; read, never edit, XCom and
-approvals), each allowed to change only the DAGs the deployment's settings (EAGLE3_DAG_SETTINGS, the file the DAG
-file reads) make, by their ids:
+approvals), each allowed to change only the DAGs the deployment's settings (the file the DAG file reads, found here
+through [core] dags_folder: eagle3_drafter.py's folder in the image) make, by their ids:
 
 - Eagle3Trigger, the operators: trigger, clear and mark the runs and tasks of every drafter DAG (eagle3_drafter, and
   eagle3_drafter__<box> for each other box of box_pools) and of eagle3_promotion, which approve_promotion adds
@@ -125,7 +125,7 @@ def main() -> None:
     environ = dict(os.environ)
     wanted_users(environ)  # a name without a password fails before anything is written
     try:
-        settings = Deployment.from_env()  # the DAGs' settings, as the dag-processor reads them
+        settings = Deployment.from_env()  # the DAGs' settings, as the dag-processor reads them ([core] dags_folder)
     except ParamsError as err:
         raise SystemExit(f"fab_roles: {err}") from None
     # The app context FAB's own `airflow roles`/`airflow users` commands use (the same security manager).

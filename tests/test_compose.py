@@ -29,7 +29,8 @@ KEY_TARGET = "/opt/airflow/secrets/gpu_box_key"
 JWT_SECRET = "test-jwt-secret-shared-by-all"
 DB_PASSWORD = "test-db-password-from-env"
 PLAN_SECRET = "test-plan-secret-only-the-worker-holds"
-SETTINGS_DIR = "/opt/airflow/deploy"  # where the Dockerfile copies deploy/
+DEPLOY_DIR = "/opt/airflow/deploy"  # where the Dockerfile copies deploy/ (fab_roles.py)
+SETTINGS_DIR = "/opt/airflow/settings"  # where the compose file mounts deploy/settings/
 CODE_DIRS = ("dags", "plugins", "include", "deploy")
 FAB = "airflow.providers.fab.auth_manager.fab_auth_manager.FabAuthManager"
 FAB_ENV_PYTHON = REPO / ".cache" / "fab-env" / "bin" / "python"
@@ -161,7 +162,7 @@ def test_services_and_commands(rendered):
     assert "airflow db migrate" in script
     assert "python -m eagle3_airflow.deployment create-pool" in script  # the DAG's pool, counting deferred tasks
     # FAB's roles and resources first, then ours and the users from .env (tests below check the roles).
-    assert script.index("airflow sync-perm") < script.index(f"python {SETTINGS_DIR}/fab_roles.py")
+    assert script.index("airflow sync-perm") < script.index(f"python {DEPLOY_DIR}/fab_roles.py")
     assert "SIMPLE_AUTH_MANAGER" not in script
     assert "restart" not in init and "healthcheck" not in init
 
@@ -198,7 +199,7 @@ def test_shared_airflow_environment(rendered):
         # Users and roles: not the SimpleAuthManager, where every user may edit XCom and answer approvals.
         assert env["AIRFLOW__CORE__AUTH_MANAGER"] == FAB, name
         assert not any("SIMPLE_AUTH_MANAGER" in variable for variable in env), name
-        # The settings file baked into the image (Dockerfile: deploy/ -> /opt/airflow/deploy), which allows gpu_box.
+        # The settings file mounted from deploy/settings/ (no rebuild to change it), which allows gpu_box.
         assert env["EAGLE3_DAG_SETTINGS"] == f"{SETTINGS_DIR}/dag-settings.json", name
     for name in AIRFLOW_SERVICES:
         assert services[name]["environment"]["PYTHONPATH"] == "/opt/airflow/include", name
@@ -224,10 +225,12 @@ def test_database_credentials_come_from_the_env_file(rendered):
 
 def test_no_code_is_mounted_and_logs_are_shared(rendered):
     """The code is in the image (test_dockerfile_copies_the_code_and_no_test_tools), so the same image serves a
-    KubernetesExecutor deployment: no service mounts the repository or a code folder."""
+    KubernetesExecutor deployment: no service mounts the repository or a code folder. The one folder of the
+    repository mounted is the settings', read-only: a settings change needs no rebuild (issue 43)."""
     services = rendered["services"]
     for name in [*AIRFLOW_SERVICES, "airflow-init"]:
         mounts = _mounts(services[name])
+        assert mounts.pop(SETTINGS_DIR) == (str(REPO / "deploy" / "settings"), True), name
         for target, (source, _) in mounts.items():
             assert not any(target.startswith(f"/opt/airflow/{folder}") for folder in CODE_DIRS), (name, target)
             assert not source.startswith(str(REPO)), (name, source)
@@ -249,6 +252,7 @@ def test_the_dev_override_mounts_the_code_read_only(tmp_path):
         mounts = _mounts(services[name])
         for folder in CODE_DIRS:
             assert mounts[f"/opt/airflow/{folder}"] == (str(REPO / folder), True), (name, folder)
+        assert mounts[SETTINGS_DIR] == (str(REPO / "deploy" / "settings"), True), name
         assert mounts["/opt/airflow/logs"][0] == "airflow-logs", name
 
 
@@ -348,7 +352,7 @@ def test_dockerfile_copies_the_code_and_no_test_tools():
     for folder in CODE_DIRS:
         assert copies[f"{folder}/"] == f"/opt/airflow/{folder}/", folder
     assert re.search(r"^ENV PYTHONPATH=/opt/airflow/include\b", dockerfile, re.MULTILINE)
-    assert f"EAGLE3_DAG_SETTINGS={SETTINGS_DIR}/dag-settings.json" in dockerfile
+    assert "EAGLE3_DAG_SETTINGS=" not in dockerfile  # no settings baked in: changing them needs no rebuild
     # A slim image: it installs requirements-image.txt, which names no test tool and pins what it names, through
     # requirements.txt (-c) or itself; requirements.txt, which has the test tools, is only a constraint.
     assert re.search(r"pip install --no-cache-dir -r /requirements-image\.txt", dockerfile)
@@ -378,7 +382,7 @@ def test_dockerfile_copies_the_code_and_no_test_tools():
 
 
 def _settings(name: str) -> Deployment:
-    return Deployment.model_validate(json.loads((REPO / "deploy" / name).read_text()))
+    return Deployment.model_validate(json.loads((REPO / "deploy" / "settings" / name).read_text()))
 
 
 def _run_from_the_form(settings: Deployment, **chosen) -> tuple:
@@ -422,11 +426,21 @@ def test_the_local_box_settings_allow_it_besides_gpu_box():
     assert f"EAGLE3_DAG_SETTINGS={SETTINGS_DIR}/dag-settings-local-box.json" in (REPO / ".env.example").read_text()
 
 
+def test_the_stacks_settings_say_its_workers_share_the_reports_volume():
+    """The stack runs CeleryExecutor, under which a local reports folder is refused unless the settings say the
+    workers and the API server share it: they do, the eagle3-reports volume on one Docker host."""
+    for name in ("dag-settings.json", "dag-settings-local-box.json"):
+        settings = _settings(name)
+        assert settings.reports_url is None and settings.reports_shared_disk is True, name
+        settings.check_reports_store("CeleryExecutor")
+
+
 def test_the_dag_parses_under_each_settings_file(airflow_home):
-    """What the stack's dag-processor sees with either file: the DAG, no import error, the form's default box."""
+    """What the stack's dag-processor sees with either file, under the stack's executor: the DAG, no import error,
+    the form's default box."""
     from tests.airflow_env import airflow_env
 
-    files = [str(REPO / "deploy" / name) for name in ("dag-settings.json", "dag-settings-local-box.json")]
+    files = [str(REPO / "deploy" / "settings" / name) for name in ("dag-settings.json", "dag-settings-local-box.json")]
     script = f"""
 import json, os
 from airflow.dag_processing.dagbag import DagBag
@@ -440,7 +454,7 @@ for settings in {files!r}:
 print(json.dumps(found))
 """
     proc = subprocess.run([os.sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                          env=airflow_env(airflow_home))
+                          env=airflow_env(airflow_home, AIRFLOW__CORE__EXECUTOR="CeleryExecutor"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     found = json.loads(proc.stdout.strip().splitlines()[-1])
     assert found == {path: {"errors": [], "box": ["gpu_box"]} for path in files}

@@ -1,9 +1,9 @@
 """The deployment's settings file: what whoever runs this Airflow decides, and no trigger can change.
 
-A JSON file in the DAG bundle: `eagle3_settings.json` beside the DAG file, deployed with it (a GitDagBundle versions
-it with the DAG), or the file EAGLE3_DAG_SETTINGS names (a relative path: against the DAG file's folder;
-docker-compose.yaml mounts deploy/settings/ into the bundle, so a change needs no image rebuild); without either, the
-built-in settings. Read when the DAG file is parsed (and by the report tab and the stack's init), never by a task:
+A JSON file: `eagle3_settings.json` beside the DAG file, in its bundle (a GitDagBundle versions it with the DAG), or
+the file EAGLE3_DAG_SETTINGS names (a relative path: against the DAG file's folder; docker-compose.yaml mounts
+deploy/settings/ and names one, so a change needs no image rebuild); without either, the built-in settings. Read
+when the DAG file is parsed (and by the report tab and the stack's init), never by a task:
 
     {"schedule": "@weekly", "retries": 3,
      "params": {"target.model_path": "/models/kimi-k2.5", "data.path": "/data/conversations.jsonl"},
