@@ -1,4 +1,4 @@
-"""Seals on what tasks hand each other through XCom: the run plan (with its config's digest) and the approval.
+"""Seals on what tasks hand each other through XCom: the run plan (the run config inside it) and the approval.
 
 XCom is not the DAG's own memory: whoever may trigger the DAG (the USER role of Airflow's auth managers) may also
 PATCH any XCom of its runs. So the validate task seals what it planned, HMAC-SHA256 over the canonical JSON of the
