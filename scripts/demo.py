@@ -40,7 +40,9 @@ CONF = {
     "run_name": "demo",
     "target.model_path": str(TINY_TARGET),
     "data.path": str(TINY_TARGET / "prompts.jsonl"),
-    "train.epochs": 4,  # bench/train_recipe.py, 2 seeds: +0.076 / +0.328 at k=3 / 7 over 2 epochs (docs/results.md)
+    # bench/train_recipe.py over 2 seeds each (docs/results.md): 4 epochs over 2 gained +0.076 / +0.328 at k=3 / 7,
+    # 8 over 4 +0.105 / +0.240 (better at both seeds; 88% / 73% of the ceiling where 4 gave 85% / 69%)
+    "train.epochs": 8,
     "train.learning_rate": 1e-3,
     "evaluate.draft_lengths": [3, 7],
     "box.conn_ids": ["local"],
