@@ -98,7 +98,7 @@ def test_hostile_paths_travel_as_data_through_ssh(ssh_box, tmp_path, tiny_target
     monkeypatch.setenv("EAGLE3_DAG_SETTINGS", str(settings))  # what write_config checks the plan against
     run = validate_run(params, {}, set(deployment.form()), RUN, deployment)
     ensure_code(ssh_box, sys.executable, run["plan"]["workdir"])
-    config_path = write_config(run["plan"], run["config"], dag_run=RUN)
+    config_path = write_config(run["plan"], dag_run=RUN)
     written = json.loads(Path(config_path).read_text())
     assert written["data"]["path"] == hostile(tmp_path) and written["vocab"]["reuse_from"] == hostile(tmp_path)
     assert_nothing_executed(tmp_path)
