@@ -1,5 +1,6 @@
 """The remote-job operator's worker phase, in the task SDK's own runner: bounded by an execution_timeout of its own,
-which neither cuts the deferred wait nor kills the job when the worker is what was slow."""
+which neither cuts the deferred wait nor kills the job when the worker is what was slow; and the box's job record as
+the one authority on what a try re-attaches to (no task_state_store beside it)."""
 
 from __future__ import annotations
 
@@ -77,7 +78,7 @@ def test_a_job_killed_under_a_try_that_re_attached_to_it_is_started_again_in_tha
     operator = RemoteJobOperator(task_id="train", stage="train", plan=plan)
     context = {**CONTEXT, "ti": SimpleNamespace(task_id="train", map_index=-1, try_number=2, id="0193a1b3")}
     restarted = []
-    monkeypatch.setattr(operator, "execute_resumable", lambda ctx: restarted.append(ctx) or "deferred again")
+    monkeypatch.setattr(operator, "start_or_attach", lambda ctx: restarted.append(ctx) or "deferred again")
     killed = {"status": "killed", "key": "train", "reason": "the job was killed", "state": {"try": 1}, "log_tail": []}
 
     assert operator.execute_complete(context, {**killed, "started_try": None}) == "deferred again"
@@ -149,3 +150,90 @@ def test_clearing_a_finished_stage_says_how_to_run_it_again(plan, monkeypatch, c
         operator.submit_job(context)
         assert f"{stage} job {stage} finished in try 2 already: clearing a finished stage runs nothing" in caplog.text
         assert how in caplog.text
+
+
+class JobBox:
+    """A stand-in box answering `job start` and `job poll` as the box does for a job of each key's status."""
+
+    def __init__(self, statuses: dict[str, str]):
+        self.statuses = statuses
+        self.sent: list[list[str]] = []
+
+    def run(self, argv, **_):
+        self.sent.append(argv)
+        command, key = argv[argv.index("job") + 1], argv[argv.index("--key") + 1]
+        status = self.statuses.get(key, "absent")
+        if command == "start":
+            answer = {"try": 2, "pid": 7, "log": "log", "status": status if status == "succeeded" else "running",
+                      "attached": status in ("running", "succeeded"), "refused": None}
+        else:
+            answer = {"effective": status, "state": {"try": 1, "status": status, "exit_code": 0}, "log": "",
+                      "log_offset": 0}
+        return SimpleNamespace(returncode=0, stderr="", json=lambda what: answer)
+
+
+class StateStore:
+    """A task_state_store as the Task SDK hands it over (get/set), holding what a REST API caller or an older
+    deployment put there."""
+
+    def __init__(self, values: dict):
+        self.values = dict(values)
+
+    def get(self, key, default=None):
+        return self.values.get(key, default)
+
+    def set(self, key, value, **_):
+        self.values[key] = value
+
+
+@pytest.mark.parametrize("stored", [None, {}, {"eagle3_job_key": "train"}, {"eagle3_job_key": {"not": "a key"}},
+                                    {"eagle3_job_key": "../../other-run/jobs/evaluate"}])
+def test_every_try_asks_the_boxs_job_record_whatever_the_task_state_store_holds(plan, monkeypatch, stored):
+    """The job key is the task's own, and `job start` on the box decides (re-attach, finished, start): an empty or
+    missing task_state_store changes nothing, and one holding another stage's key (the store is writable through
+    the REST API with the permission that clears) neither finishes evaluate on train's succeeded job nor polls
+    another key. (ResumableJobMixin would have polled the stored key and, finding it succeeded, returned without
+    running evaluate.)"""
+    from airflow.sdk.exceptions import TaskDeferred
+
+    box = JobBox({"train": "succeeded"})
+    monkeypatch.setattr(RunPlan, "box", lambda self, conn_id=None: box)
+    monkeypatch.setattr(RunPlan, "ensure_code", lambda self, conn_id=None: "/code")
+    operator = RemoteJobOperator(task_id="evaluate", stage="evaluate", plan=plan)
+    context = {**CONTEXT, "ti": SimpleNamespace(task_id="evaluate", map_index=-1, try_number=2, id="0193a1b6",
+                                                   stats_tags={})}
+    if stored is not None:
+        context["task_state_store"] = StateStore(stored)
+    with pytest.raises(TaskDeferred) as deferred:
+        operator.execute(context)
+    assert deferred.value.trigger.key == "evaluate" and deferred.value.trigger.started_try == 2
+    keys = [argv[argv.index("--key") + 1] for argv in box.sent]
+    commands = [argv[argv.index("job") + 1] for argv in box.sent]
+    assert keys == ["evaluate"] and commands == ["start"]
+    assert stored is None or context["task_state_store"].values == stored  # nothing written there either
+
+
+def test_a_clear_of_a_succeeded_stage_goes_through_job_start_and_says_how_to_redo_it(plan, monkeypatch, caplog):
+    """Through execute, not submit_job alone: a clear of a succeeded stage whose task_state_store still holds its
+    key (a store is kept across clears) asks `job start`, which reports the finished job, and the log says how to
+    redo it; the try then waits for that job's outcome as for any other."""
+    from airflow.sdk.exceptions import TaskDeferred
+
+    box = JobBox({"train": "succeeded"})
+    monkeypatch.setattr(RunPlan, "box", lambda self, conn_id=None: box)
+    monkeypatch.setattr(RunPlan, "ensure_code", lambda self, conn_id=None: "/code")
+    monkeypatch.setattr(RemoteJobOperator, "log", property(lambda self: logging.getLogger("eagle3.test.task")))
+    caplog.set_level("INFO", logger="eagle3.test.task")
+    operator = RemoteJobOperator(task_id="train", stage="train", plan=plan)
+    ti = SimpleNamespace(task_id="train", map_index=-1, try_number=3, id="0193a1b7", stats_tags={})
+    context = {**CONTEXT, "ti": ti, "task_state_store": StateStore({"eagle3_job_key": "train"})}
+    with pytest.raises(TaskDeferred) as deferred:
+        operator.execute(context)
+    assert "clearing a finished stage runs nothing" in caplog.text and "box.redo_from 'train'" in caplog.text
+    assert deferred.value.trigger.started_try is None  # attached to the finished job: its event ends the try
+    assert [argv[argv.index("job") + 1] for argv in box.sent] == ["start"]
+
+
+def test_the_operator_keeps_no_job_id_in_the_task_state_store():
+    """One authority, the box's record: the mixin that kept a second copy in the metadata database is gone."""
+    assert not hasattr(RemoteJobOperator, "execute_resumable") and not hasattr(RemoteJobOperator, "external_id_key")

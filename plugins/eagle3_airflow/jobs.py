@@ -6,9 +6,18 @@ id, heartbeat, exit code, try) and the log. This operator only talks to that:
 
 - The job key is `{task_id}` (plus `.{map_index}`), inside the run directory: stable across retries
   and UI clears of a task instance, and also across DAG runs that share a run directory, so two runs
-  can never have two jobs writing one store. It is kept in `task_state_store` through
-  `airflow.sdk.ResumableJobMixin` as well, but nothing depends on the store surviving: `job start`
-  itself re-attaches under a lock.
+  can never have two jobs writing one store. Every try runs `job start`, which decides under the job's
+  lock: re-attach, report a finished job, or start a new try.
+- Airflow's `ResumableJobMixin` is not used (read in the Task SDK 3.3.2): it keeps the job id in
+  `task_state_store`, and a try that finds a stored id whose job is running or succeeded polls it and
+  skips the submission. Here the id needs no keeping (it is the key), and the box's record is the one
+  that outlives a lost metadata database, a deleted DAG run or `clear_on_success`, which the store does
+  not. Beside it the mixin only added ways to go wrong: a try that skipped `job start` skipped the box's
+  owner check (`--airflow-run-id`), the redo flags and the wait on the lock a dying try's kill holds,
+  and a clear of a succeeded stage said nothing about how to redo it; and the store is writable through
+  the REST API (PUT .../taskInstances/{task_id}/state-store/{key}, a task instance edit: the permission
+  that clears), so a stored key naming another stage's succeeded job would have finished this task
+  without running it.
 - Every try: job alive -> re-attach (same pid); succeeded -> done; failed, killed or dead (process
   gone, heartbeat stale, or another boot id after a reboot) -> start a new try, and the stage resumes
   from what it already wrote. The provider's SSHRemoteJobOperator submits a new job on every try and
@@ -36,7 +45,7 @@ from collections.abc import AsyncIterator
 from datetime import timedelta
 from typing import Any
 
-from airflow.sdk import BaseOperator, ResumableJobMixin
+from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import (
     AirflowException,
     AirflowFailException,
@@ -95,9 +104,11 @@ WORKER_PHASE_TIMEOUT = timedelta(minutes=30)
 
 
 def predates(result, option: str) -> bool:
-    """Whether a `job` command failed because the box's code for this run (pinned when the run was validated, so
-    possibly older than this plugin) does not know `option`: argparse's usage error."""
-    usage_error = result.returncode == USER_ERROR_EXIT and "unrecognized arguments" in result.stderr
+    """Whether a `python -m eagle3` command failed because the box's code for this run (pinned when the run was
+    validated, so possibly older than this plugin) does not know `option`, or the subcommand `option`: argparse's
+    usage error."""
+    usage_error = result.returncode == USER_ERROR_EXIT and (
+        "unrecognized arguments" in result.stderr or "invalid choice" in result.stderr)
     return usage_error and option in result.stderr
 
 
@@ -108,7 +119,7 @@ def log_stream(ti) -> str:
     return f"ti-{ti_id}" if ti_id else f"try-{ti.try_number}"
 
 
-class RemoteJobOperator(ResumableJobMixin, BaseOperator):
+class RemoteJobOperator(BaseOperator):
     """Run `python -m eagle3 <stage> --config RUN_DIR/config.json` on the box as a resumable, detached job.
 
     :param stage: the box-side stage (extract, vocab, train, export, evaluate).
@@ -119,7 +130,6 @@ class RemoteJobOperator(ResumableJobMixin, BaseOperator):
     """
 
     template_fields = ("plan", "shard")
-    external_id_key = "eagle3_job_key"
     ui_color = "#e8eefc"
 
     def __init__(self, *, stage: str, plan: Any, shard: int | None = None, only_if: str | None = None,
@@ -177,7 +187,7 @@ class RemoteJobOperator(ResumableJobMixin, BaseOperator):
     def _job(self, command: str, key: str, *args: str) -> list[str]:
         return job_argv(self.run_plan.eagle3(), self.run_plan.jobs_dir, command, key, *args)
 
-    # -- the resumable-job protocol --------------------------------------------------------------
+    # -- start or re-attach, wait in the triggerer ---------------------------------------------------
     def execute(self, context):
         plan = self.verify_plan(context)
         if self.only_if and not getattr(plan, self.only_if):
@@ -186,13 +196,18 @@ class RemoteJobOperator(ResumableJobMixin, BaseOperator):
         try:
             # A rebooted or reimaged box may have lost the code dir; syncing is a no-op when it is there.
             self._riding_out_outages(lambda: plan.ensure_code(self.conn_id))  # the run's pinned code
-            return self.execute_resumable(context)
+            return self.start_or_attach(context)
         except AirflowTaskTimeout:
             self._timed_out = True  # (the task runner calls on_kill next): see on_kill
             self.log.error("the worker's part of %s (code sync, job start, polls) took longer than its "
                            "execution_timeout %s; the job, if it started, is left running and the next try "
                            "re-attaches to it", self.stage, self.execution_timeout)
             raise
+
+    def start_or_attach(self, context) -> None:
+        """`job start` (it re-attaches to a running job, or reports a finished one), then defer to the trigger,
+        whose event (a finished job's after one poll) comes to execute_complete."""
+        self.poll_until_complete(self.submit_job(context), context)
 
     def _riding_out_outages(self, command):
         """Run an idempotent box command through an outage, as the trigger polls (outage_retry)."""
@@ -248,20 +263,11 @@ class RemoteJobOperator(ResumableJobMixin, BaseOperator):
                       "aside)", plan.redo_from, self.stage, name)
         return ["--redo", name, *outputs]
 
-    def get_job_status(self, external_id, context) -> str:
-        return self._poll(str(external_id))["effective"]
-
-    def is_job_active(self, status: str) -> bool:
-        return status == "running"
-
-    def is_job_succeeded(self, status: str) -> bool:
-        return status == "succeeded"
-
-    def poll_until_complete(self, external_id, context) -> None:
+    def poll_until_complete(self, key, context) -> None:
         plan = self.run_plan
         self.defer(
             trigger=RemoteJobTrigger(
-                conn_id=self.conn_id, eagle3_argv=plan.eagle3(), jobs_dir=plan.jobs_dir, key=str(external_id),
+                conn_id=self.conn_id, eagle3_argv=plan.eagle3(), jobs_dir=plan.jobs_dir, key=str(key),
                 poll_interval_s=plan.poll_interval_s, ssh_grace_s=plan.ssh_grace_s,
                 stale_after_s=plan.stale_after_s, stream=log_stream(context["ti"]), started_try=self._started_try,
             ),
@@ -292,7 +298,7 @@ class RemoteJobOperator(ResumableJobMixin, BaseOperator):
                              "previous try stops its job); starting it again", self.stage, event["key"],
                              state.get("try"))
             self._running_key = self._key(context)
-            return self.execute_resumable(context)
+            return self.start_or_attach(context)
         tail = "\n".join(event.get("log_tail") or [])
         message = (f"{self.stage} job {event['key']} {status} (exit code {state.get('exit_code')}; {event['reason']}) "
                    f"on {self.conn_id}, try {state.get('try')} (job log on the box: {state.get('log')}). "
@@ -303,10 +309,15 @@ class RemoteJobOperator(ResumableJobMixin, BaseOperator):
             raise AirflowFailException(message)
         raise AirflowException(message + "\nA retry (or clearing the task) resumes the stage.")
 
-    def get_job_result(self, external_id, context) -> dict:
-        state = self._poll(str(external_id))["state"] or {}
+    def get_job_status(self, key, context) -> str:
+        """The job's effective status now (one `job poll`): running, succeeded, failed, killed, dead, absent or
+        foreign."""
+        return self._poll(str(key))["effective"]
+
+    def get_job_result(self, key, context) -> dict:
+        state = self._poll(str(key))["state"] or {}
         return {
-            "stage": self.stage, "job": str(external_id), "box": self.conn_id, "try": state.get("try"),
+            "stage": self.stage, "job": str(key), "box": self.conn_id, "try": state.get("try"),
             "pid": state.get("pid"), "exit_code": state.get("exit_code"),
             "seconds": run_seconds(state),
             "log": state.get("log"),
