@@ -127,6 +127,8 @@ class LoopbackSshd:
                     "StrictModes no",
                     "PermitRootLogin prohibit-password",
                     f"PidFile {self.workdir / 'sshd.pid'}",
+                    # as a box's stock sshd_config has it: report files come by SFTP (eagle3_airflow.transport)
+                    "Subsystem sftp internal-sftp",
                     "LogLevel VERBOSE",
                     # the suite's one torch thread per process (tests/conftest.py), for the box's processes too
                     f"SetEnv OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '1')}",

@@ -1,11 +1,13 @@
 """Reaching the box: the local transport and SSH through the provider's hooks against a real sshd on loopback,
-with host keys verified; shell syntax in values stays data; code sync is content-addressed and heals."""
+with host keys verified; shell syntax in values stays data; code sync is content-addressed and heals; files come
+back by SFTP (a local read on the local box), only regular files of the size the box's manifest gave."""
 
 from __future__ import annotations
 
 import asyncio
 import gzip
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -14,8 +16,9 @@ import pytest
 
 from eagle3_airflow.codesync import PACKAGE_DIR, code_dir, ensure_code, package_archive
 from eagle3_airflow.tasks import validate_run, write_config
-from eagle3_airflow.transport import BoxUnreachable, LocalBox, SSHBox
+from eagle3_airflow.transport import BoxUnreachable, FileRefused, LocalBox, RemoteCommandError, SSHBox
 from tests.conftest import RUN
+from tests.sshd import LoopbackSshd
 
 
 @pytest.fixture
@@ -55,6 +58,8 @@ def test_a_wrong_host_key_is_refused(sshd, monkeypatch):
     box = SSHBox("impostor")
     with pytest.raises(BoxUnreachable):
         box.run(["true"])
+    with pytest.raises(BoxUnreachable):  # the report files' SFTP rides the same verified connection
+        box.fetch({str(other_key): 1})
     with pytest.raises(BoxUnreachable):
         asyncio.run(box.arun(["true"]))
 
@@ -243,3 +248,56 @@ def test_a_command_killed_under_the_async_transport_counts_as_an_outage(ssh_box)
     with pytest.raises(BoxUnreachable, match="killed by TERM"):
         asyncio.run(ssh_box.arun(["sh", "-c", "kill -TERM $$"]))
     assert asyncio.run(ssh_box.arun(["sh", "-c", "exit 3"])).returncode == 3  # a plain failure stays one
+
+
+# -- files back from the box: SFTP, or a plain read on the local box -----------------------------------------------
+
+
+@pytest.mark.parametrize("transport", ["local", "ssh"])
+def test_fetch_reads_regular_files_of_the_given_size_and_refuses_links_pipes_and_other_sizes(transport, tmp_path,
+                                                                                           request):
+    """What the report's manifest named is fetched: exactly that many bytes of a regular file (a missing one is
+    None). A link (to a secret), a pipe (no hang), a file of another size than the manifest gave: refused, the
+    link and the larger file without their bytes being read."""
+    box = LocalBox() if transport == "local" else request.getfixturevalue("ssh_box")
+    plot = tmp_path / "loss.png"
+    plot.write_bytes(b"\x89PNG" + bytes(range(256)) * 400)  # > one SFTP read request
+    (tmp_path / "empty.json").write_bytes(b"")
+    secret = tmp_path / "id_ed25519"
+    secret.write_text("SECRET")
+    (tmp_path / "linked.png").symlink_to(secret)
+    os.mkfifo(tmp_path / "pipe.png")
+    size = plot.stat().st_size
+    assert box.fetch({str(plot): size, str(tmp_path / "empty.json"): 0, str(tmp_path / "gone.png"): 3}) == {
+        str(plot): plot.read_bytes(), str(tmp_path / "empty.json"): b"", str(tmp_path / "gone.png"): None}
+    for name, said, refusal in (("linked.png", 6, "link"), ("pipe.png", 0, "not a regular file"),
+                                ("loss.png", size - 1, f"{size} bytes where the box's manifest said {size - 1}"),
+                                ("loss.png", size + 1, "bytes where the box's manifest said")):
+        with pytest.raises(FileRefused, match=refusal):
+            box.fetch({str(tmp_path / name): said}, timeout=10)
+
+
+def test_several_commands_and_fetches_share_one_connection(ssh_box, sshd, tmp_path):
+    """`with box.connected():` runs the manifest command and the SFTP fetch over one SSH connection (sshd logs one
+    accepted key per connection)."""
+    (tmp_path / "a.png").write_bytes(b"a" * 10)
+    before = sshd.log_text().count("Accepted publickey")
+    with ssh_box.connected():
+        assert ssh_box.run(["true"]).returncode == 0
+        assert ssh_box.fetch({str(tmp_path / "a.png"): 10}) == {str(tmp_path / "a.png"): b"a" * 10}
+        assert ssh_box.run(["true"]).returncode == 0
+    assert sshd.log_text().count("Accepted publickey") == before + 1
+    assert ssh_box.run(["true"]).returncode == 0  # after the block: a connection of its own again
+    assert sshd.log_text().count("Accepted publickey") == before + 2
+
+
+def test_a_box_whose_sshd_offers_no_sftp_is_named_as_such(tmp_path, monkeypatch):
+    """A box whose sshd_config lacks `Subsystem sftp` (stock configs have it) fails the read with what to enable."""
+    server = LoopbackSshd(tmp_path / "sshd")
+    server.config.write_text("\n".join(line for line in server.config.read_text().splitlines()
+                                       if not line.startswith("Subsystem")) + "\n")
+    with server:
+        monkeypatch.setenv("AIRFLOW_CONN_NO_SFTP", server.airflow_conn_json())
+        (tmp_path / "a.png").write_bytes(b"a")
+        with pytest.raises(RemoteCommandError, match="offers no SFTP.*Subsystem sftp"):
+            SSHBox("no_sftp").fetch({str(tmp_path / "a.png"): 1})

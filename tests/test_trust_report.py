@@ -2,9 +2,10 @@
 
 Written as the attacks: someone who can write into a shared workdir plants links, pipes and huge files in a run
 directory; someone who can edit XCom names paths outside the run. The box side (eagle3/reportfiles.py, run here
-through the local transport as `python -m eagle3 report`) hands out only regular files of the expected names under
-the real run directory, never through a link, at most 8 MiB; the Airflow side (report task, report tab) never reads
-anything else and never echoes a refused file's content.
+through the local transport as `python -m eagle3 report manifest`) names only regular files of the expected names
+under the real run directory, never through a link, at most 8 MiB, with their sizes and sha256; the Airflow side
+(report task, report tab) fetches only those (SFTP, or a local read here), refuses bytes that differ from the
+manifest, never reads anything else and never echoes a refused file's content.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ import pytest
 from airflow.sdk.exceptions import AirflowFailException
 from fastapi import HTTPException
 
-from eagle3.reportfiles import MAX_FILE_BYTES, ReportFileRefused, list_plots, read_file
-from eagle3_airflow import promotion, tasks
+from eagle3.reportfiles import MAX_FILE_BYTES, ReportFileRefused, list_plots, manifest_command, read_file
+from eagle3_airflow import promotion, results, tasks
 from eagle3_airflow.plan import RunPlan
+from eagle3_airflow.transport import CommandResult, LocalBox
 from tests.conftest import RUN
 
 SECRET = "SECRET-TOKEN-do-not-serve-4b1f"
@@ -117,7 +119,110 @@ def test_a_pipe_in_place_of_a_plot_neither_blocks_nor_is_read(run_dir):
         read_file(str(run_dir), "evaluate/acceptance.png")
 
 
+def test_the_manifest_names_each_file_with_its_size_and_digest_and_refuses_links_one_by_one(run_dir, secret):
+    """What the control plane may fetch, decided on the box: size and sha256 of what the box read through its checks,
+    absent files as absent, a linked or unknown name refused by name (its target's content nowhere), the plots."""
+    import hashlib
+
+    (run_dir / "evaluate" / "acceptance.png").symlink_to(secret)
+    manifest = manifest_command(str(run_dir), ["evaluate/report.json", "train/loss.png", "evaluate/acceptance.png",
+                                               "benchmark/benchmark.json", "config.json"], plots=True)
+    report = (run_dir / "evaluate" / "report.json").read_bytes()
+    assert manifest["files"][:2] == [
+        {"name": "evaluate/report.json", "present": True, "size": len(report),
+         "sha256": hashlib.sha256(report).hexdigest()},
+        {"name": "train/loss.png", "present": True, "size": len(PNG), "sha256": hashlib.sha256(PNG).hexdigest()}]
+    assert "never a symlink" in manifest["files"][2]["refused"]
+    assert manifest["files"][3] == {"name": "benchmark/benchmark.json", "present": False}
+    assert "not a file the report reads" in manifest["files"][4]["refused"]
+    assert manifest["plots"] == ["train/loss.png"] and SECRET not in json.dumps(manifest)
+    with pytest.raises(ReportFileRefused, match="a run directory is never a symlink"):
+        linked = run_dir.with_name("linked")
+        linked.symlink_to(run_dir)
+        manifest_command(str(linked), ["evaluate/report.json"])
+
+
 # -- the Airflow side, through `python -m eagle3 report` on the box ----------------------------------------------
+
+
+def swap_before_fetch(monkeypatch, path: Path, swap) -> None:
+    """Run `swap` between the box's manifest naming `path` and the fetch of its bytes (someone writing the run
+    directory then)."""
+    fetch = LocalBox.fetch
+
+    def swapped(self, files, **kwargs):
+        if str(path) in files:
+            swap()
+        return fetch(self, files, **kwargs)
+
+    monkeypatch.setattr(LocalBox, "fetch", swapped)
+
+
+@pytest.mark.parametrize("swap", ["link", "rewritten", "grown", "pipe"])
+def test_a_file_swapped_between_manifest_and_fetch_is_refused_not_served(run_dir, plan, secret, reports,
+                                                                          monkeypatch, swap):
+    """The box vouches for a file's size and sha256; the bytes come by another channel (SFTP, a local read here)
+    a moment later. A link to a secret, a rewrite of the same size, a file grown past what the manifest said, a pipe:
+    each fails the task naming the file, and nothing of it is published or echoed."""
+    plot = run_dir / "train" / "loss.png"
+
+    def replace():
+        plot.unlink()
+        if swap == "link":
+            plot.symlink_to(secret)
+        elif swap == "rewritten":  # the same size, other bytes: only the digest tells
+            plot.write_bytes(SECRET.encode().ljust(len(PNG), b"\0")[:len(PNG)])
+        elif swap == "grown":
+            plot.write_bytes(PNG + SECRET.encode())
+        else:
+            os.mkfifo(plot)
+
+    swap_before_fetch(monkeypatch, plot, replace)
+    with pytest.raises(AirflowFailException, match=r"train/loss.png") as refused:
+        tasks.report(plan, dag_run=RUN)
+    assert "refused" in str(refused.value) and SECRET not in str(refused.value)
+    assert not [path for path in reports.rglob("*") if path.is_file() and SECRET.encode() in path.read_bytes()]
+
+
+def test_a_box_whose_code_predates_the_manifest_is_read_as_before(run_dir, plan, reports, monkeypatch, caplog):
+    """A run validated before the manifest existed runs its pinned box code, which knows `report list|read` only:
+    its report is read as base64 on stdout, one command per file, with a warning, and published the same."""
+    run = LocalBox.run
+    asked = []
+
+    def old_code(self, argv, **kwargs):
+        asked.append(argv[argv.index("report") + 1] if "report" in argv else argv[0])
+        if "manifest" in argv:  # argparse's answer, as the code before the manifest gives it
+            return CommandResult(argv, 2, "", "usage: python -m eagle3 report [-h] SUBCOMMAND ...\npython -m eagle3 "
+                                 "report: error: argument SUBCOMMAND: invalid choice: 'manifest' (choose from 'list', "
+                                 "'read')\n")
+        return run(self, argv, **kwargs)
+
+    monkeypatch.setattr(LocalBox, "run", old_code)
+    monkeypatch.setattr(LocalBox, "fetch", lambda *a, **k: pytest.fail("no fetch with the old box code"))
+    summary = tasks.report(plan, dag_run=RUN)
+    assert summary["plots"] == [f"{run_dir}/train/loss.png"] and "knows no `report manifest`" in caplog.text
+    folder = reports / "eagle3_drafter" / "manual__2026-12-04T08%3A00%3A00%2B00%3A00"
+    assert json.loads((folder / "report.json").read_text()) == REPORT
+    assert (folder / "plots" / "000.png").read_bytes() == PNG
+    assert "read" in asked and "list" in asked
+
+
+def test_the_report_reads_its_files_in_one_manifest_and_fetch_per_step(run_dir, plan, monkeypatch):
+    """Not one box command per file: the summary asks once (its reports and the plots), the publication once."""
+    (run_dir / "evaluate" / "acceptance.png").write_bytes(PNG)
+    run, fetch = LocalBox.run, LocalBox.fetch
+    commands, fetches = [], []
+    monkeypatch.setattr(LocalBox, "run", lambda self, argv, **k: commands.append(argv) or run(self, argv, **k))
+    monkeypatch.setattr(LocalBox, "fetch", lambda self, files, **k: fetches.append(sorted(files)) or
+                        fetch(self, files, **k))
+    plan_ = box_plan(plan)
+    files, plots = results.read_files(plan_, ["evaluate/report.json"], plots=True)
+    assert plots == ["evaluate/acceptance.png", "train/loss.png"]
+    assert json.loads(files["evaluate/report.json"]) == REPORT
+    files, _ = results.read_files(plan_, plots)
+    assert files == {"evaluate/acceptance.png": PNG, "train/loss.png": PNG}
+    assert len(commands) == 2 and all("manifest" in argv for argv in commands) and len(fetches) == 2
 
 
 def test_the_report_task_reads_figures_and_plots_from_the_box_only(run_dir, plan, secret):

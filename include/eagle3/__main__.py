@@ -197,11 +197,15 @@ def cmd_lineage_promote(args) -> None:
 
 
 def cmd_report(args) -> None:
-    from eagle3.reportfiles import ReportFileRefused, list_plots, read_command
+    from eagle3.reportfiles import ReportFileRefused, list_plots, manifest_command, read_command
 
     try:
-        result = read_command(args.run_dir, args.name) if args.report_command == "read" else {
-            "plots": list_plots(args.run_dir)}
+        if args.report_command == "manifest":
+            result = manifest_command(args.run_dir, args.name or [], plots=args.plots)
+        elif args.report_command == "read":
+            result = read_command(args.run_dir, args.name)
+        else:
+            result = {"plots": list_plots(args.run_dir)}
     except ReportFileRefused as err:  # a link, a non-regular or oversized file, a name outside the run's reports
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -385,15 +389,25 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "report", help="a run's plots and reports for the control plane: regular files only, no links, capped",
-        description="What the report task, the approval and the report tab read back (eagle3/reportfiles.py): "
+        description="What the report task and the approval may read back (eagle3/reportfiles.py): "
         "<stage>/<name>.png and evaluate/report.json, benchmark/benchmark.json, under the real run directory, "
-        "never through a symlink, at most 8 MiB each. JSON on stdout; a refusal exits 2 naming the path.")
+        "never through a symlink, at most 8 MiB each. JSON on stdout; a refusal exits 2 naming the path. The "
+        "control plane fetches the files `manifest` names by SFTP and refuses bytes whose size or sha256 differ.")
     report_sub = p.add_subparsers(dest="report_command", required=True, metavar="SUBCOMMAND")
     r = report_sub.add_parser("list", help="the run's plots: {\"plots\": [\"<stage>/<name>.png\", ...]}")
     r.add_argument("--run-dir", required=True)
     r.set_defaults(func=cmd_report)
-    r = report_sub.add_parser("read", help="one file as base64: {\"present\": true, \"base64\": ...} or "
-                              "{\"present\": false}")
+    r = report_sub.add_parser(
+        "manifest", help="which of the run's files the control plane may fetch: {\"files\": [{\"name\", \"size\", "
+        "\"sha256\"} or {\"name\", \"present\": false} or {\"name\", \"refused\"}], \"plots\": [...] with --plots}; "
+        "the bytes travel by SFTP and are checked against it")
+    r.add_argument("--run-dir", required=True)
+    r.add_argument("--name", action="append", help="<stage>/<name>.png, evaluate/report.json or "
+                   "benchmark/benchmark.json (repeatable)")
+    r.add_argument("--plots", action="store_true", help="also list the run's plots, as `report list` does")
+    r.set_defaults(func=cmd_report)
+    r = report_sub.add_parser("read", help="one file as base64 on stdout, for control planes older than `manifest`: "
+                              "{\"present\": true, \"base64\": ...} or {\"present\": false}")
     r.add_argument("--run-dir", required=True)
     r.add_argument("--name", required=True, help="<stage>/<name>.png, evaluate/report.json or benchmark/benchmark.json")
     r.set_defaults(func=cmd_report)

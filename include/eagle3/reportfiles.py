@@ -1,9 +1,9 @@
 """The files of a run that the control plane may read back: its plots and its reports, and nothing else.
 
-The Airflow side (the report task, the approval, the report tab in the API server) reads a run's results through
-`python -m eagle3 report list|read --run-dir RUN_DIR`, never with `cat` or `find`, because a run directory lies in a
-workdir that other people may write to (a shared NFS workdir): a plot could be a symlink to a secret, a "report" a
-100 MB file, and a path handed over from XCom could climb out with `..`. So this side decides what is readable:
+The Airflow side (the report task, the approval) asks `python -m eagle3 report manifest --run-dir RUN_DIR --name ...`
+which of a run's files it may read, never `cat` or `find`, because a run directory lies in a workdir that other
+people may write to (a shared NFS workdir): a plot could be a symlink to a secret, a "report" a 100 MB file, and a
+path handed over from XCom could climb out with `..`. So this side decides what is readable:
 
 - only these names: `<stage>/<name>.png` (one directory level: evaluate/acceptance.png, train/loss.png) and the
   reports eagle3.runlayout.READABLE_REPORTS names (evaluate's report.json, benchmark's benchmark.json);
@@ -13,14 +13,19 @@ workdir that other people may write to (a shared NFS workdir): a plot could be a
 - only regular files (fstat of the opened descriptor, so nothing is swapped in between a check and the read), and
   at most MAX_FILE_BYTES (8 MiB: a real plot is about 50 KB, a report about 20 KB), counted while reading.
 
-Output is one JSON object on stdout. `read` gives the bytes as base64 (the transport carries text), or
-`"present": false` when the file does not exist (evaluate was skipped); a refusal exits 2 and says why on stderr,
-naming the path.
+Output is one JSON object on stdout. `manifest` names, per file asked for, its size and sha256 (read here through
+the checks above), `"present": false` when it does not exist (evaluate was skipped), or why it is refused; with
+`--plots`, the run's plots as `list` gives them. The bytes themselves travel by the SSH connection's SFTP (or a
+local read on the local box), and the control plane refuses any whose size or sha256 differ from the manifest: a
+file swapped for a link, or rewritten, after the manifest is refused there, never served. `read` (the bytes as
+base64 on stdout) is what control planes before the manifest read with; a refusal exits 2 and says why on stderr,
+naming the path (for `manifest`: only a run directory refused; a refused file is an entry).
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import os
 import re
 import stat
@@ -132,3 +137,23 @@ def read_command(run_dir: str, name: str) -> dict:
     if data is None:
         return {"name": name, "present": False}
     return {"name": name, "present": True, "size": len(data), "base64": base64.b64encode(data).decode("ascii")}
+
+
+def manifest_command(run_dir: str, names: list[str], plots: bool = False) -> dict:
+    """What the control plane may fetch of RUN_DIR: per name, its size and sha256 (read through read_file's
+    checks), `"present": false`, or `"refused"` and why; with `plots`, list_plots too. ReportFileRefused only for a
+    run directory that is refused."""
+    os.close(_open_run_dir(run_dir))
+    files = []
+    for name in names:
+        try:
+            data = read_file(run_dir, name)
+        except ReportFileRefused as err:
+            files.append({"name": name, "refused": str(err)})
+            continue
+        files.append({"name": name, "present": False} if data is None else
+                     {"name": name, "present": True, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()})
+    answer: dict = {"run_dir": run_dir, "files": files}
+    if plots:
+        answer["plots"] = list_plots(run_dir)
+    return answer

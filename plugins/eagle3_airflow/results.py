@@ -2,50 +2,139 @@
 (whether anything changed since the current drafter), and the summary of them that the report task logs, the report
 tab shows and the run's note and the approval's body put in words.
 
-Everything comes from the verified plan (its box, its run directory) and the box, through
-`python -m eagle3 report list|read` (eagle3/reportfiles.py): only the run's own regular files of the expected names,
-never through a symlink, at most 8 MiB each. No path or figure is taken from another task's XCom, which the
-USER role may edit.
+Everything comes from the verified plan (its box, its run directory) and the box. The box's code decides which files
+exist and may be read (`python -m eagle3 report manifest`, eagle3/reportfiles.py: only the run's own regular files of
+the expected names, never through a symlink, at most 8 MiB each) and prints their sizes and sha256; the bytes come
+by the SSH connection's SFTP (a local read on the local box, eagle3_airflow.transport's `fetch`), at most the size
+the manifest gives, and bytes whose size or sha256 differ from it are refused: a file swapped for a link or rewritten
+between the manifest and the fetch is never served. No path or figure is taken from another task's XCom, which the
+USER role may edit. A run whose pinned box code predates the manifest is read as before, base64 on stdout
+(`report read`, one command per file).
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import logging
+import re
 
 from airflow.sdk.exceptions import AirflowFailException
 
+from eagle3.reportfiles import MAX_FILE_BYTES, allowed_name
 from eagle3.runlayout import BENCHMARK_REPORT, DRAFTER_DIR, REPORT
+from eagle3_airflow.jobs import predates
 from eagle3_airflow.plan import RunPlan
+from eagle3_airflow.transport import FileRefused
 
 log = logging.getLogger(__name__)
 
 REFUSED_EXIT = 2  # `python -m eagle3 report` refused the file (a link, not regular, too big, a name it never reads)
 READ_TIMEOUT_S = 120
+SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
 class RunFileRefused(Exception):
     """A file of the run the box would not hand out, or that is not what it should be; the message names it."""
 
 
-def read_file(plan: RunPlan, name: str) -> bytes | None:
-    """RUN_DIR/name from the run's first box, or None if it does not exist."""
+def read_files(plan: RunPlan, names: list[str], plots: bool = False) -> tuple[dict[str, bytes | None], list[str]]:
+    """RUN_DIR/name for each name from the run's first box (None for one that does not exist), and with `plots`
+    the run's plots (list_plots) as of the same moment; one connection for them all."""
+    where = plan.conn_ids[0]
+    for name in names:  # the box refuses them too; a name of ours that is not one is a bug here, said as such
+        if not allowed_name(name):
+            raise ValueError(f"{name!r} is not a report file name")
+    box = plan.box()
+    with box.connected():
+        result = box.run(plan.eagle3("report", "manifest", "--run-dir", plan.run_dir,
+                                     *(arg for name in names for arg in ("--name", name)),
+                                     *(("--plots",) if plots else ())), timeout=READ_TIMEOUT_S)
+        if predates(result, "invalid choice: 'manifest'"):  # the run's pinned box code: base64 on stdout
+            log.warning("the box's code for this run knows no `report manifest`; its files are read as base64 on "
+                        "stdout, one command each")
+            return {name: _read_base64(plan, name) for name in names}, list_plots(plan) if plots else []
+        if result.returncode == REFUSED_EXIT:  # the run directory itself (a link, not absolute, missing)
+            raise RunFileRefused(f"{where}: {_last_error(result)}")
+        manifest = result.json("python -m eagle3 report manifest")
+        entries = _checked_entries(manifest, names, where)
+        run_dir = plan.run_dir.rstrip("/")
+        wanted = {f"{run_dir}/{name}": entry for name, entry in entries.items() if entry["present"]}
+        try:
+            fetched = box.fetch({path: entry["size"] for path, entry in wanted.items()}, timeout=READ_TIMEOUT_S)
+        except FileRefused as err:
+            raise RunFileRefused(f"{where}: {err} (changed since the box's manifest: a link, a pipe or another file "
+                                 "put in its place)") from None
+    files: dict[str, bytes | None] = dict.fromkeys(names)
+    for path, entry in wanted.items():
+        data = fetched.get(path)
+        if data is None:  # removed since the manifest (a retention run): as if it never was
+            continue
+        if len(data) != entry["size"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
+            raise RunFileRefused(f"{path} on {where}: its bytes differ from the box's manifest (size or sha256): it "
+                                 "changed between the manifest and the fetch, or was swapped; refused. Run the task "
+                                 "again once nothing writes the run directory")
+        files[entry["name"]] = data
+    return files, list(manifest.get("plots") or []) if plots else []
+
+
+def _checked_entries(manifest, names: list[str], where: str) -> dict[str, dict]:
+    """The manifest's entry for each name asked for, each the shape `report manifest` prints; a refused one
+    raises RunFileRefused with the box's reason."""
+    try:
+        entries = {entry["name"]: entry for entry in manifest["files"]}
+        if set(entries) != set(names) or (manifest.get("plots") is not None and not all(
+                isinstance(name, str) and allowed_name(name) for name in manifest["plots"])):
+            raise ValueError("other names than asked for")
+        for name in names:
+            entry = entries[name]
+            if "refused" in entry:
+                raise RunFileRefused(f"{where}: {str(entry['refused']).removeprefix('error: ')}")
+            if entry["present"] is not True:
+                entry["present"] = False
+                continue
+            if not (isinstance(entry["size"], int) and 0 <= entry["size"] <= MAX_FILE_BYTES
+                    and isinstance(entry["sha256"], str) and SHA256.match(entry["sha256"])):
+                raise ValueError(f"{name}: no size within {MAX_FILE_BYTES} bytes and sha256")
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        raise RunFileRefused(f"{where}: `python -m eagle3 report manifest` answered what it never prints ({err})") \
+            from None
+    return entries
+
+
+def _read_base64(plan: RunPlan, name: str) -> bytes | None:
+    """RUN_DIR/name through `report read` (box code older than the manifest): base64 on stdout."""
     argv = plan.eagle3("report", "read", "--run-dir", plan.run_dir, "--name", name)
     result = plan.box().run(argv, timeout=READ_TIMEOUT_S)
     if result.returncode == REFUSED_EXIT:
-        reason = result.stderr.strip().splitlines()[-1:] or ["refused"]
-        raise RunFileRefused(f"{plan.conn_ids[0]}: {reason[0].removeprefix('error: ')}")
+        raise RunFileRefused(f"{plan.conn_ids[0]}: {_last_error(result)}")
     answer = result.json(f"python -m eagle3 report read --name {name}")
     if not answer.get("present"):
         return None
-    return base64.b64decode(answer["base64"], validate=True)
+    data = base64.b64decode(answer["base64"], validate=True)
+    if len(data) > MAX_FILE_BYTES:
+        raise RunFileRefused(f"{plan.run_dir}/{name} on {plan.conn_ids[0]}: more than {MAX_FILE_BYTES} bytes; refused")
+    return data
+
+
+def _last_error(result) -> str:
+    reason = result.stderr.strip().splitlines()[-1:] or ["refused"]
+    return reason[0].removeprefix("error: ")
+
+
+def read_file(plan: RunPlan, name: str) -> bytes | None:
+    """RUN_DIR/name from the run's first box, or None if it does not exist (read_files of one)."""
+    return read_files(plan, [name])[0][name]
 
 
 def read_json(plan: RunPlan, name: str) -> dict | None:
     """A report of the run as a JSON object, or None if it does not exist. Its content never goes into an error
     message: a file planted there would otherwise reach the task log."""
-    data = read_file(plan, name)
+    return _json_object(plan, name, read_file(plan, name))
+
+
+def _json_object(plan: RunPlan, name: str, data: bytes | None) -> dict | None:
     if data is None:
         return None
     path = f"{plan.run_dir}/{name} on {plan.conn_ids[0]}"
@@ -65,7 +154,7 @@ def list_plots(plan: RunPlan) -> list[str]:
     argv = plan.eagle3("report", "list", "--run-dir", plan.run_dir)
     result = plan.box().run(argv, timeout=READ_TIMEOUT_S)
     if result.returncode == REFUSED_EXIT:
-        raise RunFileRefused(f"{plan.conn_ids[0]}: {result.stderr.strip().removeprefix('error: ')}")
+        raise RunFileRefused(f"{plan.conn_ids[0]}: {_last_error(result)}")
     return list(result.json("python -m eagle3 report list")["plots"])
 
 
@@ -116,14 +205,16 @@ def summarize(plan: RunPlan, evaluation: dict, plots: list[str], benchmark: dict
 
 def run_summary(plan: RunPlan) -> dict | None:
     """summarize() of what the box holds now, or None when the run has no evaluation report (evaluate skipped)."""
-    evaluation = read_json(plan, REPORT)
+    names = [REPORT, *((BENCHMARK_REPORT,) if plan.benchmark else ())]
+    files, plots = read_files(plan, names, plots=True)  # one manifest, one fetch
+    evaluation = _json_object(plan, REPORT, files[REPORT])
     if evaluation is None:
         return None
-    benchmark = read_json(plan, BENCHMARK_REPORT) if plan.benchmark else None
+    benchmark = _json_object(plan, BENCHMARK_REPORT, files.get(BENCHMARK_REPORT))
     if plan.benchmark and benchmark is None:
         raise RunFileRefused(f"{plan.run_dir}/{BENCHMARK_REPORT} is missing on {plan.conn_ids[0]}, though the run has "
                              "benchmark.enabled: the benchmark stage did not finish")
-    return summarize(plan, evaluation, list_plots(plan), benchmark)
+    return summarize(plan, evaluation, plots, benchmark)
 
 
 def read_or_fail(what):

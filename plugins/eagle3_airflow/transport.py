@@ -1,16 +1,20 @@
-"""How the control plane reaches the GPU box: run one command (argv, optional stdin), get its output.
+"""How the control plane reaches the GPU box: run one command (argv, optional stdin), get its output; and fetch
+files the box's own code named.
 
-That is the whole interface. Files travel as a command's stdin or stdout (code sync pipes a tarball
-into a fixed unpack script; config.json goes to `python -m eagle3 init --config -`), so there is no
-second channel to secure or to keep consistent.
+Files travel to the box as a command's stdin (code sync pipes a tarball into a fixed unpack script; config.json
+goes to `python -m eagle3 init --config -`). From the box, report files (report.json, plots) travel by `fetch`: the
+SSH connection's SFTP on an SSH box, a plain read on the local one. `fetch` is read-only, reads at most the size it
+is told and refuses what is not a regular file of exactly that size; which files and what bytes are what the box's
+own code (`python -m eagle3 report manifest`) decided, and the caller (eagle3_airflow.results) checks each file's
+sha256 against that, so a path followed through a link swapped in afterwards yields bytes that are refused.
 
 Two implementations:
 - `LocalBox` (connection id "local"): the box is this machine; used by `make demo` and fast tests.
 - `SSHBox` (any other id): an Airflow SSH connection through the SSH provider's hooks, `SSHHook`
-  (paramiko) in workers and `SSHHookAsync` (asyncssh) in the triggerer. Host keys are verified: set
-  `host_key` in the connection's extra (or have the host in the worker's known_hosts); the provider
-  refuses unknown hosts unless a connection turns host-key checking off (its no_host_key_check extra),
-  which nothing here does.
+  (paramiko, its SFTP client for `fetch`) in workers and `SSHHookAsync` (asyncssh) in the triggerer. Host keys
+  are verified: set `host_key` in the connection's extra (or have the host in the worker's known_hosts); the
+  provider refuses unknown hosts unless a connection turns host-key checking off (its no_host_key_check extra),
+  which nothing here does. `with box.connected():` runs several commands and fetches over one connection.
 
 Every argv element is quoted with `shlex.join` before it reaches the remote shell, so no value (a
 path with `$(...)` in it, say) is ever interpreted by it.
@@ -19,10 +23,14 @@ path with `$(...)` in it, say) is ever interpreted by it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
 import shlex
+import stat
 import subprocess
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 LOCAL = "local"
@@ -61,6 +69,10 @@ class RemoteCommandError(RuntimeError):
     """A command ran on the box and failed; the message carries its exit code and stderr tail."""
 
 
+class FileRefused(Exception):
+    """A file `fetch` would not read: not a regular file (a link, a pipe) or not of the size it was told."""
+
+
 class Box(ABC):
     """One GPU box (or this machine)."""
 
@@ -77,9 +89,36 @@ class Box(ABC):
     async def aclose(self) -> None:  # noqa: B027 (most boxes hold nothing)
         """Release connections held for `arun`."""
 
+    @abstractmethod
+    def fetch(self, files: dict[str, int], *, timeout: float = 120) -> dict[str, bytes | None]:
+        """The bytes of each absolute path on the box, reading at most the size given for it: None where the path
+        does not exist; FileRefused where it is not a regular file (a link or a pipe included) or not of exactly
+        that size. The caller checks the content (a sha256 the box's code gave). Raises BoxUnreachable if the
+        box cannot be reached."""
+
+    @contextlib.contextmanager
+    def connected(self) -> Iterator[Box]:
+        """The `run`s and `fetch`es inside the block share one connection where the box has one."""
+        yield self
+
 
 class LocalBox(Box):
     conn_id = LOCAL
+
+    def fetch(self, files: dict[str, int], *, timeout: float = 120) -> dict[str, bytes | None]:
+        fetched: dict[str, bytes | None] = {}
+        for path, size in files.items():
+            try:  # never through a link at the last step, never blocking on a pipe
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            except FileNotFoundError:
+                fetched[path] = None
+                continue
+            except OSError as err:
+                raise FileRefused(f"{path}: refused, not read ({os.strerror(err.errno)}: a link?)") from None
+            with os.fdopen(fd, "rb") as file:
+                _check_attributes(path, os.fstat(file.fileno()), size)
+                fetched[path] = file.read(size)
+        return fetched
 
     def run(self, argv: list[str], *, input: bytes | None = None, timeout: float = 600) -> CommandResult:
         proc = subprocess.run(argv, input=input, capture_output=True, timeout=timeout)
@@ -105,16 +144,63 @@ class SSHBox(Box):
         self.conn_id = conn_id
         self.conn_timeout = conn_timeout
         self._async_conn = None  # one asyncssh connection reused across polls (sshd MaxStartups friendly)
+        self._shared_client = None  # the paramiko client of a `connected()` block
 
-    def run(self, argv: list[str], *, input: bytes | None = None, timeout: float = 600) -> CommandResult:
+    def _connect(self):
+        """A paramiko client, the host key verified by the SSH provider's hook."""
         from airflow.providers.ssh.hooks.ssh import SSHHook
 
         hook = SSHHook(ssh_conn_id=self.conn_id, conn_timeout=int(self.conn_timeout), conn_retry_attempts=1)
         try:
-            client = hook.get_conn()
+            return hook.get_conn()
         except Exception as err:  # paramiko raises many types: socket errors, SSHException, BadHostKeyException
             raise BoxUnreachable(f"cannot reach box {self.conn_id!r}: {type(err).__name__}: {err}") from err
-        with client:
+
+    @contextlib.contextmanager
+    def _client(self):
+        """The connection of the enclosing `connected()` block, or one for this call alone."""
+        if self._shared_client is not None:
+            yield self._shared_client
+            return
+        with self._connect() as client:
+            yield client
+
+    @contextlib.contextmanager
+    def connected(self) -> Iterator[Box]:
+        with self._connect() as client:
+            self._shared_client = client
+            try:
+                yield self
+            finally:
+                self._shared_client = None
+
+    def fetch(self, files: dict[str, int], *, timeout: float = 120) -> dict[str, bytes | None]:
+        import paramiko
+
+        fetched: dict[str, bytes | None] = {}
+        with self._client() as client:
+            try:
+                sftp = client.open_sftp()
+            except paramiko.SSHException as err:
+                transport = client.get_transport()
+                if transport is None or not transport.is_active():
+                    raise BoxUnreachable(f"connection to box {self.conn_id!r} lost: {err}") from err
+                # the connection is up and the subsystem request was refused: sshd has no `Subsystem sftp`
+                raise RemoteCommandError(f"box {self.conn_id!r} offers no SFTP ({err}): the report files come by the "
+                                         "SSH connection's SFTP; enable sshd's `Subsystem sftp` on the box") from None
+            except (OSError, EOFError) as err:
+                raise BoxUnreachable(f"connection to box {self.conn_id!r} lost: {err}") from err
+            with sftp:
+                sftp.get_channel().settimeout(timeout)  # a pipe swapped in after the lstat blocks the server's open
+                try:
+                    for path, size in files.items():
+                        fetched[path] = _sftp_read(sftp, path, size)
+                except (EOFError, ConnectionError, TimeoutError, paramiko.SSHException) as err:
+                    raise BoxUnreachable(f"SFTP to box {self.conn_id!r} lost: {type(err).__name__}: {err}") from err
+        return fetched
+
+    def run(self, argv: list[str], *, input: bytes | None = None, timeout: float = 600) -> CommandResult:
+        with self._client() as client:
             try:
                 stdin, stdout, stderr = client.exec_command(shlex.join(argv), timeout=timeout)
                 if input is not None:
@@ -160,6 +246,32 @@ class SSHBox(Box):
                 await conn.wait_closed()
             except Exception:  # a dead connection may fail to close; it is gone either way
                 pass
+
+
+def _check_attributes(path: str, attributes, size: int) -> None:
+    """A regular file of exactly `size` bytes (os.stat_result or paramiko's SFTPAttributes), or FileRefused."""
+    if attributes.st_mode is None or not stat.S_ISREG(attributes.st_mode):
+        raise FileRefused(f"{path}: not a regular file (a link or a pipe?); refused")
+    if attributes.st_size != size:
+        raise FileRefused(f"{path}: {attributes.st_size} bytes where the box's manifest said {size}; refused")
+
+
+def _sftp_read(sftp, path: str, size: int) -> bytes | None:
+    """One file through SFTP: lstat (a link is refused unopened), then the open handle's fstat, then at most `size`
+    bytes, requested ahead (prefetch) rather than one round trip per 32 KiB."""
+    try:
+        _check_attributes(path, sftp.lstat(path), size)
+        with sftp.open(path, "rb") as file:
+            _check_attributes(path, file.stat(), size)
+            if size:
+                file.prefetch(size)
+            return file.read(size)
+    except FileNotFoundError:  # (paramiko raises SFTP's "no such file" as IOError(ENOENT): this class)
+        return None
+    except (ConnectionError, TimeoutError):  # the connection, not the file: the caller's outage
+        raise
+    except OSError as err:  # paramiko's IOError for another SFTP status (permission denied, failure)
+        raise FileRefused(f"{path}: refused, not read ({err})") from None
 
 
 def box_for(conn_id: str) -> Box:
