@@ -28,8 +28,9 @@ A run's config is built in layers, a later one winning (eagle3_airflow/params.py
 
 **The trigger form** holds what a person chooses per run: the twelve fields below. In `dag_run.conf`, the REST API
 and the settings file's `params` (the form's defaults, which a scheduled run takes) the names are these dotted ones;
-a trigger's conf may carry nothing else. **Everything else is the deployment's**, in the settings file
-EAGLE3_DAG_SETTINGS (eagle3_airflow/deployment.py), which whoever runs this Airflow reviews: `run` (the box's facts:
+a trigger's conf may carry nothing else. **Everything else is the deployment's**, in the settings file (the DAG
+bundle's eagle3_settings.json, or EAGLE3_DAG_SETTINGS; eagle3_airflow/deployment.py), which whoever runs this Airflow
+reviews: `run` (the box's facts:
 workdir, engine and flags, endpoints; and any other run-config field), named `presets` (recipes: the training knobs
 a person rarely touches, each a set of the same dotted names over `run`), `box` (how the DAG works the box), and,
 per box, `box_pools.<connection>.run` / `.box` over them. For example:

@@ -34,8 +34,9 @@ The approval is Airflow's human-in-the-loop ApprovalOperator, asked of the setti
   approval's detail at all (ti:self), and the approval's XCom is the USER role's to edit. So the approval checks the
   answer itself (Approve, by one of the approvers, not by the user who triggered the training run, as its sealed
   proposal says) and hands the promote task a sealed record (eagle3_airflow.seal) of who approved which training
-  run's proposal; promote checks the seal, the approver against the settings as they are then, the triggering user,
-  and that the proposal on the box is the one approved (a re-evaluated drafter needs a new approval).
+  run's proposal; promote checks the seal, the approver against the settings the promotion DAG was parsed with (those
+  that assigned the approval), the triggering user, and that the proposal on the box is the one approved (a
+  re-evaluated drafter needs a new approval).
 A task marked successful by hand leaves no sealed record, and promote refuses to promote without one.
 
 Someone is told: with the settings' `notify`, the approval's `notifiers` (ApprovalAsked) send the settings' channels
@@ -368,7 +369,8 @@ def promote_held(proposal_item: dict, approval, dag_run=None, deployment: Deploy
     # The training run's report tab: promoted now. Done is done: a failure here must not fail (and retry) the promote
     # task, whose `promoted` event deployments wait on.
     try:
-        folder = run_folder(deployment, proposal.source.dag_id, proposal.source.run_id)
+        # the store the training run published to: its plan's, as the settings were when it was validated
+        folder = run_folder(plan, proposal.source.dag_id, proposal.source.run_id)
         read_or_fail(lambda: publish(plan, report_summary(plan), folder, log))
     except (AirflowFailException, OSError, ValueError) as err:
         log.warning("the report of %s was not published again (its report tab still says proposed): %s",
