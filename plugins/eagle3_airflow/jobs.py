@@ -32,8 +32,8 @@ id, heartbeat, exit code, try) and the log. This operator only talks to that:
   worker phase that times out fails the try without killing the job: the next try re-attaches to it.
 - The worker's own commands (code sync, `job start`, `job poll`) are idempotent, so they ride out an
   outage the same way: a connection lost mid-`start` is retried and attaches to the job it started.
-- The plan comes from XCom, which the USER role may edit: `execute` and `execute_complete` check its seal and the
-  settings first (eagle3_airflow.plan.verified_plan), and a mapped shard must be one of the plan's. The trigger
+- The plan comes from XCom, which the USER role may edit: `execute` and `execute_complete` check its seal for this
+  run first (eagle3_airflow.plan.verified_plan), and a mapped shard must be one of the plan's. The trigger
   gets its arguments from the verified plan; the triggerer's table is not editable through Airflow's API.
 """
 
@@ -152,7 +152,7 @@ class RemoteJobOperator(BaseOperator):
 
     # -- what this task instance runs where ------------------------------------------------------
     def verify_plan(self, context) -> RunPlan:
-        """Check the plan from XCom (seal, settings) and, for a mapped extract, that its shard is one of the
+        """Check the plan from XCom (its seal for this run) and, for a mapped extract, that its shard is one of the
         plan's; everything this task does on the box uses the plan checked here."""
         plan = verified_plan(self.plan, context.get("dag_run"))
         if self.shard is not None and not (isinstance(self.shard, int) and 0 <= self.shard < plan.num_shards):
