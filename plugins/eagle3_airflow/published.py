@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import quote
 
 from eagle3.runlayout import BENCHMARK_REPORT, REPORT
-from eagle3_airflow.results import read_file
+from eagle3_airflow.results import read_files
 
 if TYPE_CHECKING:
     from airflow.sdk import ObjectStoragePath
@@ -87,24 +87,24 @@ def publish(plan: RunPlan, summary: dict, folder: ObjectStoragePath, log=None) -
     """Copy the run's report, benchmark and plots (those `summary` lists) from its box into `folder`, then its summary;
     return summary.json's content. Files the summary does not name (no report: nothing changed) are not read."""
     folder.mkdir(parents=True, exist_ok=True)
-    files = {}
-    if summary.get("report"):
-        for name, published in ((REPORT, PUBLISHED_REPORT), *(((BENCHMARK_REPORT, PUBLISHED_BENCHMARK),)
-                                                              if summary.get("benchmark") else ())):
-            data = read_file(plan, name)
-            if data is not None:
-                _put(folder / published, data)
-                files[published] = name
-    plots = []
+    reports = [(REPORT, PUBLISHED_REPORT), *(((BENCHMARK_REPORT, PUBLISHED_BENCHMARK),) if summary.get("benchmark")
+                                             else ())] if summary.get("report") else []
     # The plots the summary listed on the box a moment ago (results.summarize: run_dir/<stage>/<name>.png).
     names = [path.removeprefix(f"{plan.run_dir}/") for path in summary.get("plots") or []]
+    wanted = [name for name, _ in reports] + names
+    data = read_files(plan, wanted)[0] if wanted else {}  # one manifest, one SFTP session
+    files = {}
+    for name, published in reports:
+        if data[name] is not None:
+            _put(folder / published, data[name])
+            files[published] = name
+    plots = []
     for index, name in enumerate(names):
-        data = read_file(plan, name)
-        if data is None:  # removed since it was listed (a retention run): leave it out
+        if data[name] is None:  # removed since it was listed (a retention run): leave it out
             continue
         published = f"plots/{index:03d}.png"
         (folder / "plots").mkdir(parents=True, exist_ok=True)
-        _put(folder / published, data)
+        _put(folder / published, data[name])
         plots.append({"file": published, "name": name})
     manifest = {"format": FORMAT, "summary": summary, "files": files, "plots": plots}
     _put(folder / SUMMARY, json.dumps(manifest, indent=1).encode())
