@@ -216,9 +216,8 @@ def test_every_try_asks_the_boxs_job_record_whatever_the_task_state_store_holds(
 def test_a_clear_of_a_succeeded_stage_goes_through_job_start_and_says_how_to_redo_it(plan, monkeypatch, caplog):
     """Through execute, not submit_job alone: a clear of a succeeded stage whose task_state_store still holds its
     key (a store is kept across clears) asks `job start`, which reports the finished job, and the log says how to
-    redo it; the try then waits for that job's outcome as for any other."""
-    from airflow.sdk.exceptions import TaskDeferred
-
+    redo it; the try then ends with that job's result at once, without deferring (a trigger would replay the job's
+    whole log into this try's)."""
     box = JobBox({"train": "succeeded"})
     monkeypatch.setattr(RunPlan, "box", lambda self, conn_id=None: box)
     monkeypatch.setattr(RunPlan, "ensure_code", lambda self, conn_id=None: "/code")
@@ -227,11 +226,10 @@ def test_a_clear_of_a_succeeded_stage_goes_through_job_start_and_says_how_to_red
     operator = RemoteJobOperator(task_id="train", stage="train", plan=plan)
     ti = SimpleNamespace(task_id="train", map_index=-1, try_number=3, id="0193a1b7", stats_tags={})
     context = {**CONTEXT, "ti": ti, "task_state_store": StateStore({"eagle3_job_key": "train"})}
-    with pytest.raises(TaskDeferred) as deferred:
-        operator.execute(context)
+    result = operator.execute(context)  # no TaskDeferred
     assert "clearing a finished stage runs nothing" in caplog.text and "box.redo_from 'train'" in caplog.text
-    assert deferred.value.trigger.started_try is None  # attached to the finished job: its event ends the try
-    assert [argv[argv.index("job") + 1] for argv in box.sent] == ["start"]
+    assert (result["stage"], result["job"]) == ("train", "train")
+    assert [argv[argv.index("job") + 1] for argv in box.sent] == ["start", "poll"]
 
 
 def test_the_operator_keeps_no_job_id_in_the_task_state_store():

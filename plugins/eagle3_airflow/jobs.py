@@ -149,6 +149,7 @@ class RemoteJobOperator(BaseOperator):
         # The job try this Airflow try started itself (None: it re-attached to one it found running): see
         # execute_complete's "killed".
         self._started_try: int | None = None
+        self._finished_already = False  # job start found this stage's job succeeded already (start_or_attach)
 
     # -- what this task instance runs where ------------------------------------------------------
     def verify_plan(self, context) -> RunPlan:
@@ -204,10 +205,15 @@ class RemoteJobOperator(BaseOperator):
                            "re-attaches to it", self.stage, self.execution_timeout)
             raise
 
-    def start_or_attach(self, context) -> None:
+    def start_or_attach(self, context) -> dict | None:
         """`job start` (it re-attaches to a running job, or reports a finished one), then defer to the trigger,
-        whose event (a finished job's after one poll) comes to execute_complete."""
-        self.poll_until_complete(self.submit_job(context), context)
+        whose event comes to execute_complete; a job that had succeeded already (a clear of a finished stage) is
+        this try's result at once, without a deferral that would replay its whole log into this try's."""
+        key = self.submit_job(context)
+        if self._finished_already:
+            return self.get_job_result(key, context)
+        self.poll_until_complete(key, context)
+        return None
 
     def _riding_out_outages(self, command):
         """Run an idempotent box command through an outage, as the trigger polls (outage_retry)."""
@@ -236,7 +242,8 @@ class RemoteJobOperator(BaseOperator):
         if predates(result, "--airflow-dag-id"):  # the run's pinned code on the box knows no owners yet
             result = start()
         state = result.json(f"starting job {key}")
-        if state.get("attached") and state.get("status") == "succeeded":
+        self._finished_already = bool(state.get("attached") and state.get("status") == "succeeded")
+        if self._finished_already:
             # A clear of a finished stage re-attaches to the finished job: nothing runs again, which surprises whoever
             # cleared it to redo the stage. Say how to redo it.
             how = (f"trigger a new run with box.redo_from {self.stage!r} (this stage and every later one run again "
