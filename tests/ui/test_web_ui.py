@@ -41,6 +41,7 @@ from tests.airflow_env import (
 )
 from tests.dagruns import tiny_layers
 from tests.sshd import free_port
+from tests.test_public_sets import GSM8K, MTBENCH, write_jsonl
 
 pytestmark = pytest.mark.slow
 
@@ -63,12 +64,15 @@ CONVERSATIONS, GROWN = 30, 33  # the prompt set, and the same grown by 10 % for 
 REVIEWER = "reviewer"  # the settings' one approver; the admin triggers the runs
 
 
-def settings_for(data: Path, tiny_target: Path, workdir: Path) -> dict:
+def settings_for(data: Path, tiny_target: Path, workdir: Path, public_sets: dict[str, str] | None = None) -> dict:
     """The deployment settings' form defaults and layers: the DAG tests' small run on the tiny target made smaller
     still (the browser only needs a run that succeeds), with `run_name` empty as in a deployment's settings file.
     `data` holds all the conversations the runs use (no max_samples: a run reads all, so the set can grow), and
-    runs warm-start from the lineage's promoted drafter once there is one."""
-    conf, layers = tiny_layers(tiny_target, workdir, run_name="", **{
+    runs warm-start from the lineage's promoted drafter once there is one. `public_sets`: evaluate.benchmarks, each
+    read from the local file named (set -> path)."""
+    public = {"evaluate.benchmarks": list(public_sets), "evaluate.benchmark_files": public_sets,
+              "evaluate.benchmark_max_new_tokens": 8} if public_sets else {}
+    conf, layers = tiny_layers(tiny_target, workdir, run_name="", **public, **{
         "data.path": str(data), "data.max_samples": None, "extract.num_shards": 1,
         "train.val_fraction": 0.2, "train.init_from": "current",  # 30 samples: 6 held out
         "train.epochs": 1,  # what the form test leaves (it enters 0, the form puts the minimum back), so the asset-
@@ -194,8 +198,10 @@ def standalone(chromium, artifacts, tiny_target, tmp_path):
     home, workdir = tmp_path / "airflow", tmp_path / "box"
     home.mkdir()
     write_prompts(tiny_target, tmp_path / "prompts.jsonl", CONVERSATIONS)
+    public_sets = {"gsm8k": write_jsonl(tmp_path / "gsm8k.jsonl", GSM8K),
+                   "mtbench": write_jsonl(tmp_path / "mtbench.jsonl", MTBENCH)}
     settings = tmp_path / "dag-settings.json"
-    settings.write_text(json.dumps({**settings_for(tmp_path / "prompts.jsonl", tiny_target, workdir),
+    settings.write_text(json.dumps({**settings_for(tmp_path / "prompts.jsonl", tiny_target, workdir, public_sets),
                                     "schedule_assets": [PROMPTS_ASSET], "approve_promotion": True,
                                     "approvers": [REVIEWER], "retry_delay_s": 1}))
     port = free_port()
@@ -493,7 +499,8 @@ def test_trigger_form_run_and_clear_in_a_real_browser(standalone, chromium, arti
             expect(try_number).to_have_text(re.compile(rf"Try Number\s*{tries_before['export'] + 1}$"))
             expect(header_state).to_have_text("Success")
             # the remote stage re-attached to its finished job on the box instead of running it again
-            expect(page.get_by_text(re.compile("Job already completed successfully"))).to_be_visible()
+            expect(page.get_by_text(re.compile("finished in try 1 already: clearing a finished stage runs nothing"))
+                   ).to_be_visible()
             for task_id in cleared:
                 grid_state(task_id, "Success")
             shot("export-cleared-and-succeeded")
@@ -510,6 +517,17 @@ def test_trigger_form_run_and_clear_in_a_real_browser(standalone, chromium, arti
             expect(report.locator("#verdict")).to_have_text("promoted")
             expect(report.locator("#acceptance")).to_contain_text("acceptance length")
             expect_report_plots(report)
+            # The public sets of evaluate.benchmarks (local files in each set's format), a row each with the
+            # figures at k=3 and k=7 that report.json holds, the published Kimi drafters' beside GSM8K's.
+            public = json.loads((tmp_path / "box" / "runs" / RUN_NAME / "evaluate" / "report.json").read_text())[
+                "public_sets"]
+            assert list(public) == ["gsm8k", "mtbench"] and all(
+                list(one["speculative"]) == ["3", "7"] for one in public.values()), public
+            for one in public.values():
+                row = report.locator("#public-sets tr", has_text=one["title"])
+                for k in ("3", "7"):
+                    expect(row).to_contain_text(f"{one['speculative'][k]['mean_accept_length']:.3f}")
+            expect(report.locator("#public-sets tr", has_text="GSM8K")).to_contain_text("3.20")
             shot("report-tab")
         except Exception as err:
             try:
