@@ -114,7 +114,10 @@ def stack(tmp_path_factory, request, inbox, tiny_target):
             "box_pools": {box: {"gpus": 8, "run": {"workdir": str(own[box][0])}, "box": {"python": str(own[box][1])}}
                           for box in BOXES},
             "params": {"box.conn_ids": ["gpu_box"]}, "retry_delay_s": 1, "retries": 2,
-            "notify": {"to": ["oncall@example.com"], "smtp_conn_id": "smtp_test", "late_after_h": LATE_AFTER_H}}))
+            "notify": {"to": ["oncall@example.com"], "smtp_conn_id": "smtp_test", "late_after_h": LATE_AFTER_H},
+            # The Celery workers (one in a network namespace) and the API server share this machine's disk: the
+            # default local reports folder is one folder to all of them, which the CeleryExecutor requires saying.
+            "reports_shared_disk": True}))
         boxes = {key: value for box in BOXES for key, value in sshd.airflow_env(box).items()}
         stack = CeleryStack(root, ns, {**boxes, "AIRFLOW_CONN_SMTP_TEST": inbox.connection,
                                        "EAGLE3_DAG_SETTINGS": str(settings)})
