@@ -131,11 +131,12 @@ class Namespace:
 
 
 class StackSshd(LoopbackSshd):
-    """The loopback sshd's box, listening on the stack's address, where the second worker reaches it too."""
+    """The loopback sshd's box, listening on the stack's address, where the second worker reaches it too; `env` in
+    every session (LoopbackSshd)."""
 
-    def __init__(self, workdir: Path, host: str) -> None:
+    def __init__(self, workdir: Path, host: str, env: dict[str, str] | None = None) -> None:
         self.host = host
-        super().__init__(workdir)
+        super().__init__(workdir, env=env)
 
 
 class CeleryStack(AirflowClient):
@@ -169,7 +170,8 @@ class CeleryStack(AirflowClient):
             AIRFLOW__API__WORKERS="1",
             AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION="False",
             AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS="admin:admin",
-            # The DAG file is parsed once: the settings are fixed for the stack (as in tests/ui/test_web_ui.py).
+            # The DAG file is parsed once, and again only when asked (reparse: the REST API's "Reparse DAG", after a
+            # test changed the settings), not every 30 s for nothing.
             AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL="3600",
             # A killed triggerer's triggers go to another after this long without a heartbeat (default 30 s).
             AIRFLOW__TRIGGERER__TRIGGERER_HEALTH_CHECK_THRESHOLD="10",
@@ -186,7 +188,8 @@ class CeleryStack(AirflowClient):
         self.procs[name] = proc
         return proc
 
-    def start(self) -> CeleryStack:
+    def start(self, dag_ids: tuple[str, ...] = (DAG_ID, DAG_ID_2)) -> CeleryStack:
+        """Start every component; ready once each is healthy and the DAG file's `dag_ids` are serialized."""
         started = time.monotonic()
         self._start_postgres()
         self._start_redis()
@@ -203,7 +206,7 @@ class CeleryStack(AirflowClient):
         self.spawn("worker-2", self.ns.argv(WORKER_2_HOSTNAME, [
             AIRFLOW, "celery", "worker", "--celery-hostname", "worker-2@%h", "--skip-serve-logs", "--without-gossip",
             "--without-mingle"]))
-        self._wait_ready()
+        self._wait_ready(dag_ids)
         print(f"Celery stack on {self.url}: ready in {time.monotonic() - started:.1f} s")
         return self
 
@@ -248,18 +251,32 @@ class CeleryStack(AirflowClient):
 
         _wait(answers, "Redis to answer", 30, self.procs, self.logs, every_s=0.2)
 
-    def _wait_ready(self) -> None:
+    def _wait_ready(self, dag_ids: tuple[str, ...]) -> None:
         _wait(lambda: all_healthy(self.url), "every component to report healthy", STARTUP_TIMEOUT_S, self.procs,
               self.logs, every_s=1)
-        _wait(lambda: dags_serialized(self.api, (DAG_ID, DAG_ID_2)), f"the dag-processor to serialize {DAG_ID}",
-              STARTUP_TIMEOUT_S, self.procs, self.logs, 1)
+        self.wait_serialized(dag_ids)
         # The Execution API builds its routes on its first request (tests/ui/test_web_ui.py says why to pay here).
         urllib.request.urlopen(self.url + "/execution/health", timeout=STARTUP_TIMEOUT_S).close()
         for worker in ("worker-1", "worker-2"):
             _wait(lambda worker=worker: " ready." in (self.logs / f"{worker}.log").read_text(errors="replace"),
                   f"Celery {worker} to be ready", STARTUP_TIMEOUT_S, self.procs, self.logs, 1)
+        self.create_pools()
+
+    def wait_serialized(self, dag_ids: tuple[str, ...], timeout: float = STARTUP_TIMEOUT_S) -> None:
+        _wait(lambda: dags_serialized(self.api, dag_ids), f"the dag-processor to serialize {', '.join(dag_ids)}",
+              timeout, self.procs, self.logs, 1)
+
+    def create_pools(self) -> None:
+        """The deployment's pools, one per box of the settings (`python -m eagle3_airflow.deployment create-pool`, the
+        operator's step when a box is added)."""
         subprocess.run([sys.executable, "-m", "eagle3_airflow.deployment", "create-pool", "--airflow", AIRFLOW],
                        env=self.env, check=True, capture_output=True, timeout=120)
+
+    def reparse(self, dag_id: str) -> None:
+        """Ask the dag-processor to parse `dag_id`'s file again now (PUT /parseDagFile/<file token>: the UI's
+        "Reparse DAG"), as after a change to the settings beside it."""
+        token = self.api(f"/dags/{dag_id}/details")["file_token"]
+        self.request(f"/api/v2/parseDagFile/{token}", token=self.token, method="PUT")
 
     def close(self) -> None:
         stop_process_groups(list(self.procs.values()))

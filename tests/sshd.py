@@ -14,6 +14,10 @@ through an outage); without a pty they lose their stdout and die of SIGPIPE on t
 write. close() (fixture teardown) also kills the process trees of the sessions it finds. A command that
 daemonized itself (setsid/nohup ... &, reparented to init) is out of reach and is the test's to clean up.
 
+`env` sets variables in every session (sshd_config SetEnv), as a box's own environment would: e.g. the project's
+stand-ins for the machine's identity (EAGLE3_HOST_ID_FILE, EAGLE3_BOOT_ID_FILE), so that two servers on this machine
+are two hosts to the box code.
+
 Expose the fixtures to the suite from tests/conftest.py with `pytest_plugins = ["tests.sshd"]`.
 """
 
@@ -81,7 +85,8 @@ class LoopbackSshd:
 
     host = "127.0.0.1"
 
-    def __init__(self, workdir: str | os.PathLike | None = None, port: int | None = None) -> None:
+    def __init__(self, workdir: str | os.PathLike | None = None, port: int | None = None,
+                 env: dict[str, str] | None = None) -> None:
         sshd = find_sshd()
         if sshd is None:
             raise FileNotFoundError("sshd not found; install openssh-server (.ci/run does this on CI)")
@@ -99,6 +104,11 @@ class LoopbackSshd:
         self.log_path = self.workdir / "sshd.log"
         self.proc: subprocess.Popen | None = None
         self._orphans: list[psutil.Process] = []  # commands whose sessions stop() killed; close() kills them
+        # the suite's one torch thread per process (tests/conftest.py), for the box's processes too; then `env`
+        self.env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
+        for name, value in self.env.items():  # SetEnv takes NAME=VALUE words, unquoted here
+            if not name.isidentifier() or any(ch.isspace() or ch in "\"'" for ch in value):
+                raise ValueError(f"sshd SetEnv: {name}={value!r} is not a plain NAME=VALUE")
 
         _keygen(self.host_key, "loopback-sshd-host")
         _keygen(self.client_key, "loopback-sshd-client")
@@ -130,8 +140,7 @@ class LoopbackSshd:
                     # as a box's stock sshd_config has it: report files come by SFTP (eagle3_airflow.transport)
                     "Subsystem sftp internal-sftp",
                     "LogLevel VERBOSE",
-                    # the suite's one torch thread per process (tests/conftest.py), for the box's processes too
-                    f"SetEnv OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '1')}",
+                    "SetEnv " + " ".join(f"{name}={value}" for name, value in self.env.items()),
                     "",
                 ]
             )

@@ -14,11 +14,25 @@ One run on the tiny target carries the drills, in the order a bad day brings the
    and starts the job's next try, which resumes training; the run succeeds.
 
 Besides: every run is late (notify.late_after_h is 4 s), and the DeadlineAlert's mail names the run; the second
-worker ran some of the run's tasks; the run's report tab shows the SSH box's plots in chromium; and the settings list
-two boxes in box_pools (the loopback sshd under two connection ids), so a second run, undrilled, goes at the same time
-on the second box's DAG, each run's GPU tasks in its own box's pool.
+worker ran some of the run's tasks; the run's report tab shows the SSH box's plots in chromium.
 
-The tests below each assert one of these on the record the module's run leaves; the stack's and the tasks' logs go
+Two boxes on one shared disk (issue 43, item 4). Each box is an sshd of its own on this machine (gpu_box: box A,
+gpu_box_2: box B) whose sessions name another host to the box code: EAGLE3_HOST_ID_FILE stands in for the machine id,
+and box B's EAGLE3_BOOT_ID_FILE for its kernel's boot id (box B cannot tell box A's processes from dead ones, as a
+second machine could not). Both boxes' settings name one work directory, as two boxes mounting one disk would.
+- The stack starts with box A alone in box_pools. Once the drilled run is triggered, box B is added to the settings
+  file and the dag-processor re-parses it (the REST API's "Reparse DAG"; the operator's create-pool makes its pool):
+  eagle3_drafter keeps its id and its run in flight, and eagle3_drafter__gpu_box_2 appears. Box B's run (run 2, with
+  a preset of its own: its store and lineage are its own, so neither run waits on the other's store or competes
+  with its drafter) then goes at the same time, each run's GPU tasks in its own box's pool.
+- keep_runs is 1: run 2 ends, retention included, while the drilled train job is frozen on box A, so box B's
+  retention meets box A's older run with a live job.
+- After the drills, one event on the settings' schedule Asset (fired through the REST API, as an upstream DAG's
+  update would be) starts exactly one run, on eagle3_drafter.
+- Then box A runs `shared-run` and its extract job freezes as it starts; box B is triggered with the same run name by
+  the same user (a rerun, which takes the run directory over), and its extract stage meets box A's live job.
+
+The tests below each assert one of these on the record the module's runs leave; the stack's and the tasks' logs go
 to test-artifacts/production/ when one fails.
 """
 
@@ -30,6 +44,8 @@ import re
 import signal
 import sys
 import time
+import urllib.error
+import uuid
 from pathlib import Path
 
 import psutil
@@ -46,24 +62,34 @@ RUN_TIMEOUT_S = 600
 RUN_POLL_S = 3.0  # as tests/ui/test_web_ui.py: each REST call costs the api server's one worker CPU
 ARTIFACTS = REPO / "test-artifacts" / "production"
 LATE_AFTER_H = 0.001  # 3.6 s: every run of the module is late
+RUN_2_NAME = "prod-run-2"
+SCHEDULE_ASSET = "eagle3-test-prompts"  # the settings' schedule_assets
+KEEP_RUNS = 1  # box B's retention meets box A's older run (the module docstring)
+# Run 2's recipe: another store (data.max_length is in the capture key) and another lineage (draft_vocab_size is in
+# its key), so that run 2 neither waits on run 1's store (StoreBusy) nor decides whether run 1's drafter is promoted.
+RUN_2_PRESET = "box-2-recipe"
+SHARED_RUN = "shared-run"  # box A's run that box B is triggered on too
+FREEZE_EXTRACT = "freeze-extract"  # while this file is in the stack's root, box A's extract jobs stop as they start
 
 
 def freezing_python(root: Path) -> Path:
     """A box.python that is this interpreter, except that the first `eagle3 train` it runs stops itself (SIGSTOP)
     before it starts: the drill's frozen job, for certain. Freezing the job once it was seen running raced it: on a
     fast machine the tiny target's training ended between two looks (CI, 2026-12-04: "the run ended before train
-    ran"). The job's supervisor has logged its start by then; mkdir makes "first" atomic."""
+    ran"). The job's supervisor has logged its start by then; mkdir makes "first" atomic. Likewise every `eagle3
+    extract` while root/FREEZE_EXTRACT exists: box A's live job that box B meets."""
     wrapper = root / "freezing-python"
     wrapper.write_text(f'#!/bin/sh\nif [ "$4" = train ] && mkdir {root / "train-frozen-once"} 2>/dev/null; then\n'
+                       f'  kill -STOP $$\nfi\nif [ "$4" = extract ] && [ -e {root / FREEZE_EXTRACT} ]; then\n'
                        f'  kill -STOP $$\nfi\nexec {sys.executable} "$@"\n')  # argv: python -P -m eagle3 <stage> ...
     wrapper.chmod(0o755)
     return wrapper
 
 
-def run_conf(tiny_target: Path, box: str = "gpu_box", run_name: str = RUN_NAME) -> dict:
+def run_conf(tiny_target: Path, box: str = "gpu_box", run_name: str = RUN_NAME, **fields) -> dict:
     """The trigger's conf of the UI test's smallest run (tests/ui/test_web_ui.py settings_for) on one SSH box."""
     conf, _ = run_layers(tiny_target)
-    return {**conf, "run_name": run_name, "box.conn_ids": [box]}
+    return {**conf, "run_name": run_name, "box.conn_ids": [box], **fields}
 
 
 def run_layers(tiny_target: Path) -> tuple[dict, dict]:
@@ -71,8 +97,8 @@ def run_layers(tiny_target: Path) -> tuple[dict, dict]:
     conf, layers = tiny_layers(tiny_target, Path("/each/box/its/own"), run_name=RUN_NAME, **{
         "data.max_samples": 30, "extract.num_shards": 1, "train.val_fraction": 0.2, "train.epochs": 1,
         "evaluate.num_prompts": 1, "evaluate.max_new_tokens": 8,
-        # The job is frozen through the drills (about a minute): it must not look dead meanwhile.
-        "box.stale_after_s": 600,
+        # The job is frozen through the drills and until run 2 has ended (minutes): it must not look dead meanwhile.
+        "box.stale_after_s": 1800,
     })
     del layers["run"]["workdir"], layers["box"]["python"]
     return conf, layers
@@ -96,33 +122,57 @@ def inbox():
     controller.stop()
 
 
+def deployment_settings(root: Path, tiny_target: Path, boxes: tuple[str, ...]) -> dict:
+    """The stack's settings file with `boxes` in box_pools: a DAG and a pool of 8 slots for each, all of them on the
+    one shared work directory; box A's python freezes jobs (freezing_python), box B's is this interpreter. The form's
+    defaults make a valid run, for the schedule (one Asset); late runs are mailed; keep_runs KEEP_RUNS."""
+    conf, layers = run_layers(tiny_target)
+    python = {"gpu_box": str(freezing_python(root)), "gpu_box_2": sys.executable}
+    settings = {
+        **layers, "allowed_boxes": list(boxes),
+        "box_pools": {box: {"gpus": 8, "run": {"workdir": str(root / "box")}, "box": {"python": python[box]}}
+                      for box in boxes},
+        "params": {"box.conn_ids": ["gpu_box"], "target.model_path": conf["target.model_path"],
+                   "data.path": conf["data.path"]},
+        "presets": {RUN_2_PRESET: {"data.max_length": 2048, "vocab.draft_vocab_size": 256}},
+        "schedule_assets": [SCHEDULE_ASSET], "keep_runs": KEEP_RUNS, "retry_delay_s": 1, "retries": 2,
+        "notify": {"to": ["oncall@example.com"], "smtp_conn_id": "smtp_test", "late_after_h": LATE_AFTER_H},
+        # The Celery workers (one in a network namespace) and the API server share this machine's disk: the default
+        # local reports folder is one folder to all of them, which the CeleryExecutor requires the settings to say.
+        "reports_shared_disk": True}
+    return settings
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, request, inbox, tiny_target):
-    """The stack, with a settings file that allows the SSH box and mails late runs; its logs kept on failure."""
+    """The stack with box A alone in its settings (box B's connection is there already: the drilled run adds the box
+    to the settings), each box an sshd of its own that is another host to the box code; logs kept on failure."""
     root = tmp_path_factory.mktemp("production")
     ns = Namespace().create()
-    sshd = stack = None
+    sshds: list[StackSshd] = []
+    stack = None
     failed_before = request.session.testsfailed
     try:
-        sshd = StackSshd(root / "sshd", ns.host_ip).start()
+        # Each box's identity, as the box code reads it: the host id of each, and box B's kernel's boot id.
+        host_ids = {box: f"{box}-host-{uuid.uuid4().hex[:8]}" for box in BOXES}
+        for box, host_id in host_ids.items():
+            (root / f"{box}.host-id").write_text(host_id + "\n")
+        (root / "gpu_box_2.boot-id").write_text(f"{uuid.uuid4()}\n")
+        identity = {"gpu_box": {"EAGLE3_HOST_ID_FILE": str(root / "gpu_box.host-id")},
+                    "gpu_box_2": {"EAGLE3_HOST_ID_FILE": str(root / "gpu_box_2.host-id"),
+                                  "EAGLE3_BOOT_ID_FILE": str(root / "gpu_box_2.boot-id")}}
+        connections = {}
+        for index, box in enumerate(BOXES):
+            sshds.append(StackSshd(root / ("sshd" if index == 0 else f"sshd-{index + 1}"), ns.host_ip,
+                                   env=identity[box]).start())
+            connections.update(sshds[-1].airflow_env(box))
         settings = root / "dag-settings.json"
-        # A DAG and a pool of 8 slots for each box, each box with a workdir of its own; the first box's python
-        # freezes the run's first train job (the drills).
-        own = {"gpu_box": (root / "box", freezing_python(root)), "gpu_box_2": (root / "box-2", sys.executable)}
-        settings.write_text(json.dumps({
-            **run_layers(tiny_target)[1], "allowed_boxes": list(BOXES),
-            "box_pools": {box: {"gpus": 8, "run": {"workdir": str(own[box][0])}, "box": {"python": str(own[box][1])}}
-                          for box in BOXES},
-            "params": {"box.conn_ids": ["gpu_box"]}, "retry_delay_s": 1, "retries": 2,
-            "notify": {"to": ["oncall@example.com"], "smtp_conn_id": "smtp_test", "late_after_h": LATE_AFTER_H},
-            # The Celery workers (one in a network namespace) and the API server share this machine's disk: the
-            # default local reports folder is one folder to all of them, which the CeleryExecutor requires saying.
-            "reports_shared_disk": True}))
-        boxes = {key: value for box in BOXES for key, value in sshd.airflow_env(box).items()}
-        stack = CeleryStack(root, ns, {**boxes, "AIRFLOW_CONN_SMTP_TEST": inbox.connection,
+        settings.write_text(json.dumps(deployment_settings(root, tiny_target, BOXES[:1])))
+        stack = CeleryStack(root, ns, {**connections, "AIRFLOW_CONN_SMTP_TEST": inbox.connection,
                                        "EAGLE3_DAG_SETTINGS": str(settings)})
+        stack.settings_file, stack.host_ids = settings, host_ids
         try:
-            stack.start()
+            stack.start(dag_ids=(DAG_ID,))
         except BaseException:
             print(f"stack logs: {stack.keep_logs(ARTIFACTS)}")
             raise
@@ -132,7 +182,7 @@ def stack(tmp_path_factory, request, inbox, tiny_target):
     finally:
         if stack is not None:
             stack.close()
-        if sshd is not None:
+        for sshd in sshds:
             sshd.close()
         ns.delete()
 
@@ -157,11 +207,19 @@ def poll(stack: CeleryStack, ready, what: str, timeout: float = RUN_TIMEOUT_S, e
         time.sleep(every_s)
 
 
-def task_log(stack: CeleryStack, run_id: str, task_id: str, try_number: int) -> str:
-    """A try's task log as the UI shows it: its events' messages, one a line."""
-    content = stack.api(f"/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances/{task_id}/logs/{try_number}"
-                        "?full_content=true")["content"]
-    return "\n".join(item.get("event", "") if isinstance(item, dict) else str(item) for item in content)
+def task_log(stack: CeleryStack, run_id: str, task_id: str, try_number: int, dag_id: str = DAG_ID,
+             map_index: int = -1) -> str:
+    """A try's task log as the UI shows it: its events' messages, one a line, and a failure's exception."""
+    content = stack.api(f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances/{task_id}/logs/{try_number}"
+                        f"?full_content=true&map_index={map_index}")["content"]
+
+    def lines(item) -> list[str]:
+        if not isinstance(item, dict):
+            return [str(item)]
+        return [item.get("event", ""), *(f"{error.get('exc_type')}: {error.get('exc_value')}"
+                                         for error in item.get("error_detail") or [] if isinstance(error, dict))]
+
+    return "\n".join(line for item in content for line in lines(item))
 
 
 def job_lines(log: str) -> list[str]:
@@ -169,19 +227,71 @@ def job_lines(log: str) -> list[str]:
     return re.findall(r"\[train\] (.+?)\s*$", log, flags=re.M)
 
 
+def read(stack: CeleryStack, path: str, tries: int = 4) -> dict:
+    """GET a REST path, again when the API server's one worker did not answer in time (2 cores, the components and
+    the runs' tasks all busy: a read is safe to repeat)."""
+    for attempt in range(tries):
+        try:
+            return stack.api(path)
+        except (TimeoutError, urllib.error.URLError) as err:
+            if isinstance(err, urllib.error.HTTPError) or attempt == tries - 1:
+                raise
+            time.sleep(2)
+    raise AssertionError("unreachable")
+
+
+def drafter_dags(stack: CeleryStack) -> dict[str, dict]:
+    """The drafter DAGs the API server lists: dag id -> the DAG."""
+    return {dag["dag_id"]: dag for dag in read(stack, f"/dags?dag_id_pattern={DAG_ID}&limit=100")["dags"]}
+
+
+def dag_runs(stack: CeleryStack, dag_id: str) -> dict[str, dict]:
+    """run id -> the DAG run, every run of `dag_id`."""
+    return {run["dag_run_id"]: run for run in read(stack, f"/dags/{dag_id}/dagRuns?limit=100")["dag_runs"]}
+
+
+def add_second_box(stack: CeleryStack, tiny_target: Path, run_id: str) -> dict:
+    """Box B added to the settings file while eagle3_drafter has `run_id` in flight, as an operator adds a box: the
+    file changed, create-pool for its pool, the DAG file re-parsed. What the REST API lists before and after."""
+    started = time.monotonic()
+    seen = {"dags_before": drafter_dags(stack), "runs_before": dag_runs(stack, DAG_ID)}
+    stack.settings_file.write_text(json.dumps(deployment_settings(stack.root, tiny_target, BOXES)))
+    stack.create_pools()
+    stack.reparse(DAG_ID)
+    stack.wait_serialized((DAG_ID_2,), timeout=RUN_TIMEOUT_S)
+    seen.update(dags_after=drafter_dags(stack), runs_after=dag_runs(stack, DAG_ID),
+                run_state_after=read(stack, f"/dags/{DAG_ID}/dagRuns/{run_id}")["state"])
+    print(f"box B added, its DAG serialized, in {time.monotonic() - started:.0f} s")
+    return seen
+
+
+def xcom(stack: CeleryStack, dag_id: str, run_id: str, task_id: str):
+    """A task's return value, as the REST API gives it."""
+    value = read(stack, f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances/{task_id}/xcomEntries/return_value")["value"]
+    return json.loads(value) if isinstance(value, str) else value
+
+
 @pytest.fixture(scope="module")
-def drilled_run(stack, tiny_target):
-    """The module's one run and what the drills saw (module docstring)."""
+def box_b_added(stack, tiny_target):
+    """The drilled run triggered on eagle3_drafter while box A is the settings' only box; then box B added to the
+    settings (add_second_box) while that run is in flight."""
+    started = time.monotonic()
+    run_id = stack.api(f"/dags/{DAG_ID}/dagRuns", {"logical_date": None, "conf": run_conf(tiny_target)})["dag_run_id"]
+    return {"run_id": run_id, "started": started, **add_second_box(stack, tiny_target, run_id)}
+
+
+@pytest.fixture(scope="module")
+def drilled_run(stack, tiny_target, box_b_added):
+    """The module's one run and what the drills saw, and box B's run beside it (module docstring)."""
     workdir = stack.root / "box"
     run_dir = workdir / "runs" / RUN_NAME
-    started = time.monotonic()
-    conf = run_conf(tiny_target)
-    run = stack.api(f"/dags/{DAG_ID}/dagRuns", {"logical_date": None, "conf": conf})
-    run_id = run["dag_run_id"]
+    started, run_id = box_b_added["started"], box_b_added["run_id"]
     record: dict = {"run_id": run_id, "run_dir": run_dir}
-    # The second box's DAG runs at the same time, undrilled, in a work directory of its own.
+    # Box B's run 2 goes at the same time, undrilled, once run 1 has written its config.json (retention orders run
+    # directories by it: run 2's is the newer).
+    wait_for(lambda: (run_dir / "config.json").exists(), RUN_TIMEOUT_S, "run 1's config.json", interval=0.5)
     record["run_2_id"] = stack.api(f"/dags/{DAG_ID_2}/dagRuns", {
-        "logical_date": None, "conf": run_conf(tiny_target, "gpu_box_2", "prod-run-2")},
+        "logical_date": None, "conf": run_conf(tiny_target, "gpu_box_2", RUN_2_NAME, preset=RUN_2_PRESET)},
     )["dag_run_id"]
 
     # 1. train's job stopped itself as it started (freezing_python); once its log has its header, the drill freezes
@@ -236,6 +346,18 @@ def drilled_run(stack, tiny_target):
     record["job_after_restart"] = job_state(run_dir, "train")
     record["log_after_restart"] = task_log(stack, run_id, "train", record["train_try"])
 
+    # Box B's run 2 ends, its retention included, while train's job still runs on box A (frozen, and run 1's
+    # directory the older of the two): the retention that keep_runs 1 gives meets another host's live job.
+    poll(stack, lambda: _ended(stack, record["run_2_id"], DAG_ID_2), f"the run {record['run_2_id']} to end")
+    record["run_2"] = stack.api(f"/dags/{DAG_ID_2}/dagRuns/{record['run_2_id']}")
+    record["tis_2"] = task_instances(stack, record["run_2_id"], DAG_ID_2)
+    record["retention_2"] = xcom(stack, DAG_ID_2, record["run_2_id"], "retention") \
+        if record["tis_2"]["retention"]["state"] == "success" else None
+    record["run_dir_after_retention_2"] = (run_dir / "config.json").exists()
+    record["job_after_retention_2"] = job_state(run_dir, "train") if record["run_dir_after_retention_2"] else None
+    assert record["job_after_retention_2"], ("box B's retention removed run 1's directory from under its live train "
+                                             f"job: {record['retention_2']}")
+
     # 3. Clear train while it is deferred: its trigger's on_kill kills the job; the task runs again.
     stack.api(f"/dags/{DAG_ID}/clearTaskInstances", {
         "dry_run": False, "task_ids": ["train"], "dag_run_id": run_id, "only_failed": False,
@@ -247,9 +369,6 @@ def drilled_run(stack, tiny_target):
     record["tis"] = task_instances(stack, run_id)
     record["job_final"] = job_state(run_dir, "train")
     record["log_of_cleared_try"] = task_log(stack, run_id, "train", record["train_try"])
-    poll(stack, lambda: _ended(stack, record["run_2_id"], DAG_ID_2), f"the run {record['run_2_id']} to end")
-    record["run_2"] = stack.api(f"/dags/{DAG_ID_2}/dagRuns/{record['run_2_id']}")
-    record["tis_2"] = task_instances(stack, record["run_2_id"], DAG_ID_2)
     record["seconds"] = time.monotonic() - started
     print(f"the drilled run took {record['seconds']:.0f} s: {record['run']['state']}")
     return record
@@ -343,7 +462,8 @@ def test_the_report_tab_shows_the_ssh_boxs_plots_in_a_real_browser(drilled_run, 
 
 def test_two_boxes_run_two_runs_at_once_each_holding_its_own_pool(drilled_run):
     """Issue 36: a box is a resource. With two boxes in box_pools, each has a DAG and a pool whose slots are its
-    GPUs; the two runs overlap in time, and every task that holds GPUs holds them in its own box's pool."""
+    GPUs; the two runs overlap in time, and every task that holds GPUs holds them in its own box's pool. (Box B is
+    another sshd on this machine, a host of its own to the box code; both boxes share the work directory.)"""
     runs = {DAG_ID: (drilled_run["run"], drilled_run["tis"]), DAG_ID_2: (drilled_run["run_2"], drilled_run["tis_2"])}
     for (run, tis), box in zip(runs.values(), BOXES):
         assert run["state"] == "success", ({task: ti["state"] for task, ti in tis.items()}, run)
@@ -355,3 +475,141 @@ def test_two_boxes_run_two_runs_at_once_each_holding_its_own_pool(drilled_run):
     assert first["start_date"] < second["end_date"] and second["start_date"] < first["end_date"]
     # The GPU stages themselves overlapped: run 2's train ran while run 1 was still going.
     assert first["start_date"] < second_tis["train"]["end_date"] < first["end_date"]
+
+
+# -- two boxes on one schedule and one shared disk (issue 43, item 4) ----------------------------------------------
+
+
+def test_a_box_added_to_the_settings_renames_no_dag_and_keeps_its_runs(box_b_added):
+    """Real: the settings file gains box B while eagle3_drafter has the drilled run in flight; the operator's
+    create-pool; the dag-processor re-parses the DAG file on the REST API's request. eagle3_drafter keeps its id, its
+    run (listed in flight under it; that it then succeeds, test_a_run_triggered_... asserts) and its schedule; box
+    B's DAG is added beside it, named after the box. Before box_pools kept the default box's DAG id, adding a second
+    box renamed it eagle3_drafter__gpu_box, orphaning history, FAB permissions and runs in flight."""
+    seen, run_id = box_b_added, box_b_added["run_id"]
+    assert set(seen["dags_before"]) == {DAG_ID}, sorted(seen["dags_before"])
+    assert set(seen["dags_after"]) == {DAG_ID, DAG_ID_2}, sorted(seen["dags_after"])
+    assert not seen["dags_after"][DAG_ID]["is_stale"] and not seen["dags_after"][DAG_ID]["is_paused"]
+    assert run_id in seen["runs_before"] and run_id in seen["runs_after"], (sorted(seen["runs_after"]), run_id)
+    assert seen["run_state_after"] in ("queued", "running"), seen["run_state_after"]
+    # The schedule stays with eagle3_drafter; box B's DAG is triggered only.
+    assert seen["dags_after"][DAG_ID]["timetable_summary"] == seen["dags_before"][DAG_ID]["timetable_summary"]
+    assert seen["dags_after"][DAG_ID_2]["timetable_summary"] in (None, "None"), seen["dags_after"][DAG_ID_2]
+
+
+def test_box_bs_retention_keeps_box_as_older_run_while_its_job_is_live(drilled_run):
+    """Real: box B's run 2 ran its retention task (keep_runs 1, `eagle3 runs prune` over box B's sshd) on the shared
+    work directory while box A's train job of the older run prod-run was live (frozen for the drills, its heartbeat
+    old; box B sees box A's host id in its state.json). Box B cannot see box A's processes (another boot id stands
+    in for another machine), so without the host in the job's record the job looked dead and its run was removed
+    from under it. It keeps it, saying why, and the job is the same one after."""
+    outcome = drilled_run["retention_2"]
+    assert outcome is not None, drilled_run["tis_2"]["retention"]
+    assert RUN_NAME not in outcome["removed"], outcome
+    assert "runs on another host" in outcome["kept_beyond_keep"].get(RUN_NAME, ""), outcome
+    assert drilled_run["run_dir_after_retention_2"]
+    before, after = drilled_run["job_before"], drilled_run["job_after_retention_2"]
+    assert (after["pid"], after["try"], after["status"]) == (before["pid"], before["try"], "running"), (before, after)
+
+
+@pytest.fixture(scope="module")
+def schedule_tick(stack, drilled_run):
+    """One event on the schedule's Asset through the REST API (as an upstream DAG's update, or a person's "Create
+    Asset Event", makes one) once neither box's DAG has a run in flight; the runs it made on each box's DAG. Its run is
+    then marked failed: it would run the whole pipeline on the form's defaults."""
+    started = time.monotonic()
+    asset = read(stack, f"/assets?name_pattern={SCHEDULE_ASSET}")["assets"][0]
+    before = {dag_id: set(dag_runs(stack, dag_id)) for dag_id in (DAG_ID, DAG_ID_2)}
+    stack.api("/assets/events", {"asset_id": asset["id"]})
+
+    def new_runs() -> dict[str, list[dict]]:
+        return {dag_id: [run for run_id, run in dag_runs(stack, dag_id).items() if run_id not in before[dag_id]]
+                for dag_id in (DAG_ID, DAG_ID_2)}
+
+    poll(stack, lambda: new_runs()[DAG_ID], "the Asset event's run", timeout=120, every_s=1)
+    # The scheduler creates the runs of every DAG an event is queued for in one pass; a few more passes, and what
+    # is still queued for box B's DAG (an Asset event it would be waiting on), show that none more comes.
+    time.sleep(5)
+    made = new_runs()
+    try:
+        queued_2 = read(stack, f"/dags/{DAG_ID_2}/assets/queuedEvents")["queued_events"]
+    except urllib.error.HTTPError as err:
+        if err.code != 404:
+            raise
+        queued_2 = []
+    for run in made[DAG_ID] + made[DAG_ID_2]:
+        stack.api(f"/dags/{run['dag_id']}/dagRuns/{run['dag_run_id']}", {"state": "failed"}, method="PATCH")
+    print(f"the schedule tick took {time.monotonic() - started:.0f} s")
+    return {"runs": made, "queued_2": queued_2, "asset": read(stack, f"/assets/{asset['id']}")}
+
+
+def test_one_schedule_tick_makes_one_run_on_the_default_boxs_dag_alone(schedule_tick):
+    """Real: the scheduler, with two boxes in the settings, each box's DAG parsed by the dag-processor; one event on
+    the settings' schedule_assets Asset created through the REST API stands in for the tick (a cron schedule takes
+    the same path in the DAG file: only the default box's DAG gets `schedule` and `schedule_assets`). One run, on
+    eagle3_drafter; box B's DAG neither runs nor waits on the event. Every box's DAG used to get the schedule: one
+    tick, a run per box, all of them in one run directory."""
+    runs = schedule_tick["runs"]
+    assert [run["run_type"] for run in runs[DAG_ID]] == ["asset_triggered"], runs[DAG_ID]
+    assert runs[DAG_ID_2] == [] and schedule_tick["queued_2"] == [], (runs[DAG_ID_2], schedule_tick["queued_2"])
+    assert [dag["dag_id"] for dag in schedule_tick["asset"]["scheduled_dags"]] == [DAG_ID], schedule_tick["asset"]
+
+
+@pytest.fixture(scope="module")
+def foreign_job(stack, tiny_target, schedule_tick):
+    """Box A's run SHARED_RUN, its extract job frozen as it starts (FREEZE_EXTRACT); then box B's run with the same
+    run name, triggered by the same user (so it takes the run directory over: a rerun from another box after the
+    Airflow side lost sight of box A's), to its end. What box A's job and box B's tasks were before and after."""
+    started = time.monotonic()
+    run_dir = stack.root / "box" / "runs" / SHARED_RUN
+    (stack.root / FREEZE_EXTRACT).touch()
+    run_a = stack.api(f"/dags/{DAG_ID}/dagRuns", {
+        "logical_date": None, "conf": run_conf(tiny_target, "gpu_box", SHARED_RUN)})["dag_run_id"]
+
+    def job_live() -> bool:
+        try:
+            state = job_state(run_dir, "extract.0")
+        except (OSError, ValueError):
+            return False
+        return state["status"] == "running" and Path(state["log"]).exists()
+
+    asked, deadline = time.monotonic(), time.monotonic() + RUN_TIMEOUT_S
+    while not job_live():
+        if time.monotonic() - asked > RUN_POLL_S:
+            asked = time.monotonic()
+            assert not _ended(stack, run_a), f"box A's run ended before its extract ran: {task_instances(stack, run_a)}"
+        assert time.monotonic() < deadline, f"box A's extract job did not start in {RUN_TIMEOUT_S} s"
+        time.sleep(0.2)
+    record = {"run_a": run_a, "run_dir": run_dir, "job_before": job_state(run_dir, "extract.0")}
+    record["run_b"] = stack.api(f"/dags/{DAG_ID_2}/dagRuns", {
+        "logical_date": None, "conf": run_conf(tiny_target, "gpu_box_2", SHARED_RUN)})["dag_run_id"]
+    poll(stack, lambda: _ended(stack, record["run_b"], DAG_ID_2), f"box B's run {record['run_b']} to end")
+    record["tis_b"] = tis = task_instances(stack, record["run_b"], DAG_ID_2)
+    record["extract_b_log"] = task_log(stack, record["run_b"], "extract", tis["extract[0]"]["try_number"], DAG_ID_2,
+                                       map_index=0) if "extract[0]" in tis else ""
+    record["owners"] = json.loads((run_dir / "owner.json").read_text())["runs"]
+    record["job_after"] = job_state(run_dir, "extract.0")
+    record["extract_a"] = task_instances(stack, run_a)["extract[0]"]
+    print(f"box A's live job and box B's run on it took {time.monotonic() - started:.0f} s")
+    return record
+
+
+def test_box_bs_stage_meets_box_as_live_job_as_foreign_and_starts_nothing(foreign_job, stack):
+    """Real: both boxes' DAGs, runs, workers and triggerer; box A's extract job live (its stage stopped as it started,
+    its supervisor heartbeating) in the shared work directory; box B's run with the same run name, which takes the
+    directory over at init (the same user's rerun). Box B's extract finds the job recorded on box A's host: it ends
+    naming that host and starts nothing (the same pid, the same try, still running, box A's task still waiting on
+    it). Before job records named their host, box B judged box A's job by its own boot id and pids, took it for dead
+    and started a second extract beside it in one run directory."""
+    tis, before, after = foreign_job["tis_b"], foreign_job["job_before"], foreign_job["job_after"]
+    assert before["host_id"] == stack.host_ids["gpu_box"], before
+    # Box B got as far as the stage: the directory is its run's now, and its extract task ran and failed there.
+    assert [owner["dag_id"] for owner in foreign_job["owners"]] == [DAG_ID, DAG_ID_2], foreign_job["owners"]
+    assert tis["write_config"]["state"] == "success", tis["write_config"]
+    assert tis["extract[0]"]["state"] == "failed", {task: ti["state"] for task, ti in tis.items()}
+    log = foreign_job["extract_b_log"]
+    assert "running on another host" in log and stack.host_ids["gpu_box"] in log, log[-3000:]
+    assert (after["pid"], after["try"], after["status"], after["host_id"]) == \
+        (before["pid"], before["try"], "running", before["host_id"]), (before, after)
+    assert psutil.pid_exists(before["pid"])
+    assert foreign_job["extract_a"]["state"] == "deferred", foreign_job["extract_a"]
