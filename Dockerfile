@@ -28,10 +28,11 @@ RUN if [ -n "$EAGLE3_LOCAL_BOX" ]; then \
     fi
 
 # The code, read-only to the airflow user (owned by root): the DAG, the plugin, the box-side package (which the
-# DAG imports as `eagle3` and syncs to the box) and the compose stack's role script (deploy/fab_roles.py).
+# DAG imports as `eagle3` and syncs to the box) and the compose stack's role script. Of deploy/, only that script:
+# deploy/settings/ is mounted, and a copy in the image would be a second, stale one.
 COPY dags/ /opt/airflow/dags/
 COPY plugins/ /opt/airflow/plugins/
 COPY include/ /opt/airflow/include/
-COPY deploy/ /opt/airflow/deploy/
+COPY deploy/fab_roles.py /opt/airflow/deploy/
 
 ENV PYTHONPATH=/opt/airflow/include

@@ -349,8 +349,9 @@ def test_dockerfile_copies_the_code_and_no_test_tools():
     assert "USER root" not in dockerfile
     # The code and the settings, into the folders the compose environment names (and a Kubernetes pod would).
     copies = dict(re.findall(r"^COPY (\S+) (\S+)$", dockerfile, re.MULTILINE))
-    for folder in CODE_DIRS:
+    for folder in ("dags", "plugins", "include"):
         assert copies[f"{folder}/"] == f"/opt/airflow/{folder}/", folder
+    assert copies["deploy/fab_roles.py"] == f"{DEPLOY_DIR}/"  # of deploy/, the role script alone: settings are mounted
     assert re.search(r"^ENV PYTHONPATH=/opt/airflow/include\b", dockerfile, re.MULTILINE)
     assert "EAGLE3_DAG_SETTINGS=" not in dockerfile  # no settings baked in: changing them needs no rebuild
     # A slim image: it installs requirements-image.txt, which names no test tool and pins what it names, through
@@ -376,6 +377,7 @@ def test_dockerfile_copies_the_code_and_no_test_tools():
     copied = set(re.findall(r"^COPY (\S+) ", dockerfile, re.MULTILINE)) | {"requirements-image.txt"}
     assert patterns[0] == "*"
     assert {p[1:] for p in patterns if p.startswith("!")} == {c.rstrip("/") for c in copied}
+    assert "deploy/settings" not in " ".join(patterns + list(copied))  # mounted, never a stale copy in the image
 
 
 # -- the DAG's settings in the stack ---------------------------------------------------------------------------
