@@ -865,8 +865,10 @@ def as_host(monkeypatch, tmp_path: Path, name: str) -> None:
 
 def test_a_job_running_on_another_host_is_foreign_never_started_again_killed_or_redone(jobs, tmp_path, monkeypatch):
     """Box A runs the job; box B shares the work directory. B's poll says "foreign" naming A, B's start and redo
-    refuse (exit 1: once A's job ends a start goes on), and B's kill signals nothing and records nothing: A's job
-    runs on untouched, same pid, try 1. A itself still polls and kills it."""
+    refuse with an exit status of their own (FOREIGN_EXIT: the control plane fails the task without spending its
+    retries, each of which would be refused again; not 2, which also means argparse's usage errors), and B's kill
+    signals nothing and records nothing: A's job runs on untouched, same pid, try 1. A itself still polls and kills
+    it."""
     as_host(monkeypatch, tmp_path, "gpu-box-1")
     started = start(jobs, "train", "import time; time.sleep(60)")
     assert started["host_id"] == "machine-id-of-gpu-box-1"
@@ -876,7 +878,7 @@ def test_a_job_running_on_another_host_is_foreign_never_started_again_killed_or_
     for redo in ([], ["--redo", "run-0123"]):
         again = run_eagle3("job", "start", "--jobs-dir", str(jobs), "--key", "train", *redo, "--", PY, "-c", "1",
                            check=False, timeout=60)
-        assert again.returncode == 1 and "running on another host" in again.stderr, again.stderr
+        assert again.returncode == job.FOREIGN_EXIT == 3 and "running on another host" in again.stderr, again.stderr
     proc, killed = kill_cli(jobs, "train")
     assert proc.returncode == 1 and "not killed from this host" in killed["refused"] and not killed["signalled"]
     state = job.read_state(jobs / "train")
@@ -898,7 +900,7 @@ def test_another_hosts_job_is_foreign_however_old_its_heartbeat(jobs, tmp_path, 
     assert poll(jobs, "train")["effective"] == "foreign"
     refused = run_eagle3("job", "start", "--jobs-dir", str(jobs), "--key", "train", "--", PY, "-c", "1",
                          check=False, timeout=60)
-    assert refused.returncode == 1 and "gpu-box-1" in refused.stderr
+    assert refused.returncode == job.FOREIGN_EXIT and "gpu-box-1" in refused.stderr
     assert job.read_state(jobs / "train")["pid"] == gone  # nothing launched over it
     state = json.loads((jobs / "train" / "state.json").read_text())
     (jobs / "train" / "state.json").write_text(json.dumps({**state, "host_id": "machine-id-of-gpu-box-2"}))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import sys
 from datetime import timedelta
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -235,3 +236,52 @@ def test_a_clear_of_a_succeeded_stage_goes_through_job_start_and_says_how_to_red
 def test_the_operator_keeps_no_job_id_in_the_task_state_store():
     """One authority, the box's record: the mixin that kept a second copy in the metadata database is gone."""
     assert not hasattr(RemoteJobOperator, "execute_resumable") and not hasattr(RemoteJobOperator, "external_id_key")
+
+
+def test_a_start_refused_for_good_fails_the_task_without_spending_its_retries(plan, tmp_path, monkeypatch):
+    """`job start` run for real on the local box. A job that another host sharing the work directory runs
+    (FOREIGN_EXIT), or a run directory another Airflow run owns (exit 2), is refused again by every retry: the task
+    fails at once (AirflowFailException), saying which host runs the job and what to do. A start that failed in a way
+    a retry may mend (exit 1: the supervisor did not come up) is still an error Airflow retries."""
+    import json
+    import time
+
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from eagle3_airflow.transport import CommandResult, RemoteCommandError
+
+    this_host = tmp_path / "machine-id"
+    this_host.write_text("machine-id-of-gpu-box-2\n")
+    monkeypatch.setenv("EAGLE3_HOST_ID_FILE", str(this_host))
+    operator = RemoteJobOperator(task_id="train", stage="train", plan=plan)
+    context = {**CONTEXT, "ti": SimpleNamespace(task_id="train", map_index=-1, try_number=1, id="0193a1b8")}
+    verified = operator.verify_plan(context)
+    job_dir = Path(verified.jobs_dir) / "train"
+    job_dir.mkdir(parents=True, mode=0o700)
+    (job_dir / "state.json").write_text(json.dumps({
+        "key": "train", "try": 1, "status": "running", "pid": 4_000_000, "pgid": 4_000_000, "pid_start_ticks": 1,
+        "boot_id": "boot-of-gpu-box-1", "host": "gpu-box-1", "host_id": "machine-id-of-gpu-box-1", "argv": ["x"],
+        "started_at": "2026-01-01T00:00:00Z", "heartbeat_at": time.time(), "exit_code": None, "ended_at": None}))
+    with pytest.raises(AirflowFailException) as foreign:
+        operator.submit_job(context)
+    said = str(foreign.value)
+    assert said.startswith("train job train was not started on local: it runs on another host"), said
+    assert "'gpu-box-1' (host id machine-id-of-gpu-box-1)" in said and "this task does not retry" in said
+    assert f"job kill --jobs-dir {verified.jobs_dir} --key train" in said and "then clear this task" in said
+    assert json.loads((job_dir / "state.json").read_text())["pid"] == 4_000_000  # nothing launched beside it
+
+    (job_dir / "state.json").unlink()
+    (Path(verified.run_dir) / "owner.json").write_text(json.dumps({"runs": [
+        {"dag_id": "eagle3_drafter", "run_id": "scheduled__2026-12-01", "triggered_by": None}]}))
+    with pytest.raises(AirflowFailException, match=r"refused it \(exit 2\), and retrying cannot help") as owned:
+        operator.submit_job(context)
+    assert "belongs to Airflow run 'scheduled__2026-12-01'" in str(owned.value)
+    assert not (job_dir / "state.json").exists()
+
+    class FailingBox:
+        def run(self, argv, **_):
+            return CommandResult(argv, 1, "", "error: the job supervisor exited with code 1 before reporting")
+
+    monkeypatch.setattr(RunPlan, "box", lambda self, conn_id=None: FailingBox())
+    with pytest.raises(RemoteCommandError, match="exit 1"):  # not AirflowFailException: retried
+        operator.submit_job(context)

@@ -251,6 +251,9 @@ def cmd_job(args) -> None:
             owner = AirflowRun(args.airflow_dag_id, args.airflow_run_id) if args.airflow_dag_id is not None else None
             result = job.start_job(args.jobs_dir, args.key, argv, args.heartbeat_s, args.stale_after_s,
                                    args.pass_env, stall, args.redo, args.set_aside, owner)
+        except job.ForeignJob as err:  # another host runs it: no retry from here helps while it does
+            print(f"error: {err}", file=sys.stderr)
+            raise SystemExit(job.FOREIGN_EXIT) from None
         except job.JobLaunchError as err:  # not a usage error: a retry may well succeed
             print(f"error: {err}", file=sys.stderr)
             raise SystemExit(1) from None
@@ -438,7 +441,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="run a command detached from the SSH session; re-attach, poll and kill it by key",
         description="Jobs live in JOBS_DIR/KEY/ (state.json, log, spec.json, lock), private to this user (0700). "
         "Each command prints one JSON object. start is idempotent: it attaches to a live or succeeded job and "
-        "relaunches a dead one; an unreadable state.json counts as dead.",
+        "relaunches a dead one; an unreadable state.json counts as dead. start exits 1 when a retry may do (the "
+        "supervisor did not come up), 2 when retrying cannot help (a usage error; the run directory is another "
+        "Airflow run's; a job file that is a link or another user's) and 3 when the job runs on another host "
+        "sharing the work directory (neither started again nor redone from here).",
     )
     job_sub = p.add_subparsers(dest="job_command", required=True, metavar="SUBCOMMAND")
     start = job_sub.add_parser("start", help="start the job unless it is alive: job start ... -- CMD ARG...")

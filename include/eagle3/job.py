@@ -12,7 +12,8 @@ dropped connection, a dead worker or a new Airflow try finds the job again inste
 A running job is alive only if its boot id is this boot's, its supervisor's pid exists with the recorded start
 time, and its heartbeat is fresh; a dead one is relaunched by the next start, and the stage resumes. A job recorded
 running on another host (its host id, read_host_id, differs: two boxes sharing a work directory) is "foreign": this
-host cannot see its processes, so it is never declared dead, started again, killed or recorded as killed from here.
+host cannot see its processes, so it is never declared dead, started again (start exits FOREIGN_EXIT, 3: the
+control plane then fails the task without a retry), killed or recorded as killed from here.
 A signal goes only to a group the job provably owns (group_ownership_problem). The stage sees an allowlisted
 environment (STAGE_ENV_NAMES, STAGE_ENV_PREFIXES, `start --pass-env`). Why: docs/architecture.md, "Detached jobs".
 
@@ -113,7 +114,14 @@ class CorruptState(Exception):
 
 
 class ForeignJob(JobLaunchError):
-    """The job is recorded running on another host: nothing is started, redone or killed beside it from here."""
+    """The job is recorded running on another host: nothing is started, redone or killed beside it from here.
+    `job start` exits FOREIGN_EXIT for it."""
+
+
+# `job start`'s exit status for a ForeignJob: retrying from this host cannot help while the other host runs the job,
+# so the control plane fails the task without a retry. Not 1 (JobLaunchError: a retry may do) and not 2 (a usage
+# error or a refusal; argparse's own usage errors are 2 as well, which the control plane reads as older box code).
+FOREIGN_EXIT = 3
 
 
 class SignalRefused(Exception):

@@ -55,7 +55,7 @@ from airflow.sdk.exceptions import (
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 from tenacity import AsyncRetrying, Retrying, retry_if_exception_type, stop_after_delay, wait_exponential_jitter
 
-from eagle3.job import run_seconds
+from eagle3.job import FOREIGN_EXIT, run_seconds
 from eagle3.runlayout import REDO_OUTPUTS
 from eagle3_airflow.plan import RunPlan, verified_plan
 from eagle3_airflow.transport import BoxUnreachable, box_for
@@ -64,6 +64,17 @@ from eagle3_airflow.transport import BoxUnreachable, box_for
 # neither wait on its processes nor start a second copy, so the task ends with the reason.
 TERMINAL = {"succeeded", "failed", "killed", "dead", "absent", "foreign"}
 USER_ERROR_EXIT = 2  # `python -m eagle3` exits 2 when the config, data or a file is wrong
+
+
+def foreign_advice(jobs_dir: str, key: str) -> str:
+    """What to do about a job another host runs (the box's message names the host): this box can neither wait on
+    its processes nor start a second copy beside it, so retrying from here cannot help while it runs."""
+    return (f"Retrying from this box cannot help while that host runs it, so this task does not retry. Either let it "
+            f"finish there, then clear this task (a job that succeeded is this task's result then, one that failed "
+            f"runs again here); or stop it there: mark failed the Airflow task that runs it on that host (its kill "
+            f"stops the job), or on that host run `python -m eagle3 job kill --jobs-dir {jobs_dir} --key {key}`, "
+            f"then clear this task. If that host is gone for good, and its job with it, move "
+            f"{jobs_dir}/{key}/state.json aside, then clear this task")
 
 
 def job_key(task_id: str, map_index: int) -> str:
@@ -241,6 +252,7 @@ class RemoteJobOperator(BaseOperator):
         result = start(*owner)
         if predates(result, "--airflow-dag-id"):  # the run's pinned code on the box knows no owners yet
             result = start()
+        self._refuse_without_retry(result, key)
         state = result.json(f"starting job {key}")
         self._finished_already = bool(state.get("attached") and state.get("status") == "succeeded")
         if self._finished_already:
@@ -256,6 +268,22 @@ class RemoteJobOperator(BaseOperator):
         self.log.info("%s %s job %s on %s: try %s, pid %s (log: %s)", verb, self.stage, key, self.conn_id,
                       state.get("try"), state.get("pid"), state.get("log"))
         return key
+
+    def _refuse_without_retry(self, result, key: str) -> None:
+        """Fail the task without a retry (AirflowFailException) where `job start` says that retrying cannot help:
+        the job runs on another host (FOREIGN_EXIT), or the start was refused (exit 2: the run directory is another
+        Airflow run's, a job file is a link or another user's, a usage error such as an option the run's pinned code
+        on the box does not know). Exit 1, a supervisor that did not come up, stays an error Airflow retries."""
+        if result.returncode not in (FOREIGN_EXIT, USER_ERROR_EXIT):
+            return
+        said = "\n".join(result.stderr.strip().splitlines()[-20:])
+        where = f"{self.stage} job {key} was not started on {self.conn_id}"
+        if result.returncode == FOREIGN_EXIT:
+            raise AirflowFailException(f"{where}: it runs on another host sharing the work directory.\n{said}\n"
+                                       f"{foreign_advice(self.run_plan.jobs_dir, key)}")
+        raise AirflowFailException(f"{where}: `job start` refused it (exit {USER_ERROR_EXIT}), and retrying cannot "
+                                   f"help, so this task does not retry. Fix what the box says, then clear this "
+                                   f"task:\n{said}")
 
     def _redo(self, context) -> list[str]:
         """`job start`'s redo flags when this run redoes this stage (box.redo_from): once per DAG run, its earlier
@@ -310,9 +338,11 @@ class RemoteJobOperator(BaseOperator):
         message = (f"{self.stage} job {event['key']} {status} (exit code {state.get('exit_code')}; {event['reason']}) "
                    f"on {self.conn_id}, try {state.get('try')} (job log on the box: {state.get('log')}). "
                    f"Last log lines:\n{tail}")
-        if state.get("exit_code") == USER_ERROR_EXIT or status == "foreign":
-            # The stage refused its input (the message above says which field or file), or the job is another
-            # host's: retrying cannot help. Fix the cause, then clear the task.
+        if status == "foreign":  # the job became another host's while this try waited on it: see foreign_advice
+            raise AirflowFailException(f"{message}\n{foreign_advice(self.run_plan.jobs_dir, event['key'])}")
+        if state.get("exit_code") == USER_ERROR_EXIT:
+            # The stage refused its input (the message above says which field or file): retrying cannot help. Fix
+            # the cause, then clear the task.
             raise AirflowFailException(message)
         raise AirflowException(message + "\nA retry (or clearing the task) resumes the stage.")
 
