@@ -1056,6 +1056,14 @@ def resolve_target_facts(cfg: RunConfig) -> RunConfig:
 GREEDY = {"temperature": 0.0, "top_p": 1.0, "top_k": None}
 
 
+def with_serving_sampling(gen: GenerateConfig, model_path: str | Path) -> GenerateConfig:
+    """`gen` with its sampling resolved as init resolves it (serving_sampling), for a config that skipped init: a
+    null temperature would otherwise reach the engines as their own default (1)."""
+    if gen.temperature is not None and gen.top_p is not None:
+        return gen
+    return gen.model_copy(update=serving_sampling(gen, model_path))
+
+
 def serving_sampling(gen: GenerateConfig, model_path: str | Path) -> dict:
     """generate.temperature / top_p / top_k with the empty ones filled from the target's generation_config.json,
     the sampling SGLang (--sampling-defaults model) and vLLM (--generation-config auto) serve it with when a request

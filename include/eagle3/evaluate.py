@@ -6,7 +6,7 @@ For each draft length k in evaluate.draft_lengths, on held-out prompts (the eval
 first user prompt, eagle3.split; first and later user turns: held_out): greedy chain drafting of k tokens with the
 EXPORTED drafter (RUN_DIR/drafter), verification by the target, accept the longest agreeing prefix plus the target's
 own next token. With evaluate.sampling "serving" the answers are drawn at the target's serving temperature instead,
-and each draft is accepted by the speculative sampling rule (speculative_sampled), as SGLang and vLLM verify it. Where
+and each draft is accepted by the speculative sampling rule (SamplingRule), as SGLang and vLLM verify it. Where
 (evaluate.backend):
   hf      in this process, the target in transformers, the drafter loaded as SGLang would (the export plus the
           target's embedding): the reference, for targets that fit one device
@@ -61,7 +61,7 @@ from dataclasses import dataclass
 import torch
 
 from eagle3 import acceptance
-from eagle3.config import serving_sampling
+from eagle3.config import with_serving_sampling
 from eagle3.data import SampleTokenizer, read_conversations
 from eagle3.engines import GREEDY, Completion, Sampling, Speculation, engine_for, reached_per_step
 from eagle3.export import load_exported_drafter
@@ -104,27 +104,72 @@ def draft_chain(drafter, draft_to_target, aux, next_ids, k: int) -> list[int]:
     return drafts
 
 
-def speculative_greedy(target, drafter, draft_to_target, prompt: list[int], k: int, max_new: int, eos: set[int]):
-    """Greedy decoding with k-token chain drafts. Returns (new tokens, drafts of each cycle that reached them)."""
+class GreedyRule:
+    """Greedy verification: the target's token is its likeliest; a draft is accepted where it is that token."""
+
+    def first(self, logits: torch.Tensor) -> int:
+        """The target's token after a context, from the last position's logits."""
+        return int(logits.argmax())
+
+    def verify(self, logits: torch.Tensor, drafts: list[int], eos: set[int]) -> tuple[int, int | None]:
+        """(drafts accepted, the target's own token after them; None when an accepted end of turn ends the answer)
+        from the logits after the committed token and after each draft ([k + 1, V])."""
+        predictions = logits.argmax(-1).tolist()  # the target's token after each candidate token
+        a = 0
+        while a < len(drafts) and drafts[a] == predictions[a]:
+            a += 1
+            if drafts[a - 1] in eos:  # an accepted end of turn is committed, as SGLang does, and ends the answer
+                return a, None
+        return a, predictions[a]
+
+
+class SamplingRule:
+    """Verification at a temperature, as SGLang (tree_speculative_sampling_target_only) and vLLM (its rejection
+    sampler without draft probabilities) verify a chain: a draft is a point mass, so draft j is accepted with the
+    target's probability of it, min(1, p/q) with q = 1; the first rejected one is replaced by a token drawn from the
+    target's distribution without it, and after k accepted drafts the target's next token is drawn as usual. Each
+    answer is then a sample of the target's own sampling (Leviathan et al., 2023), whatever the drafter proposes."""
+
+    def __init__(self, sampling: Sampling, generator: torch.Generator):
+        self.sampling, self.generator = sampling, generator
+
+    def draw(self, probs: torch.Tensor) -> int:
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+    def first(self, logits: torch.Tensor) -> int:
+        return self.draw(sampling_probs(logits, self.sampling))
+
+    def verify(self, logits: torch.Tensor, drafts: list[int], eos: set[int]) -> tuple[int, int | None]:
+        probs = sampling_probs(logits, self.sampling)
+        a = 0
+        while a < len(drafts) and float(torch.rand((), generator=self.generator)) < float(probs[a, drafts[a]]):
+            a += 1
+            if drafts[a - 1] in eos:
+                return a, None
+        if a == len(drafts):
+            return a, self.draw(probs[a])
+        rest = probs[a].clone()  # draft a was rejected: the target's token comes from the rest of its distribution
+        rest[drafts[a]] = 0.0
+        return a, self.draw(rest)
+
+
+def speculative_decode(target, drafter, draft_to_target, prompt: list[int], k: int, max_new: int, eos: set[int],
+                       rule: GreedyRule | SamplingRule):
+    """Decoding with k-token greedy chain drafts, each verify step judged by `rule`. Returns (new tokens, drafts of
+    each cycle that reached them)."""
     seq = list(prompt)
     logits, aux = target.logits_and_aux(seq)
-    token = int(logits[-1].argmax())
+    token = rule.first(logits[-1])
     accepted = []
     while len(seq) - len(prompt) < max_new and token not in eos:
         drafts = draft_chain(drafter, draft_to_target, aux[: len(seq)], seq[1:] + [token], k)
-        candidate = seq + [token] + drafts
-        logits, aux = target.logits_and_aux(candidate)
-        predictions = logits[len(seq) :].argmax(-1).tolist()  # the target's token after each candidate token
-        a = 0
-        while a < k and drafts[a] == predictions[a]:
-            a += 1
-            if drafts[a - 1] in eos:  # an accepted end of turn is committed, as SGLang does, and ends the answer
-                break
+        logits, aux = target.logits_and_aux(seq + [token] + drafts)
+        a, following = rule.verify(logits[len(seq) :], drafts, eos)
         seq += [token] + drafts[:a]
         accepted.append(a)
-        if a and drafts[a - 1] in eos:
+        if following is None:  # an accepted end of turn
             break
-        token = predictions[a]
+        token = following
     else:
         if token in eos and len(seq) - len(prompt) < max_new:
             seq.append(token)
@@ -132,23 +177,43 @@ def speculative_greedy(target, drafter, draft_to_target, prompt: list[int], k: i
     return answer, reached_per_step(accepted, len(answer))  # a last cycle cut at max_new counts what reached it
 
 
-def plain_greedy(target, prompt: list[int], max_new: int, eos: set[int]) -> list[int]:
+def plain_decode(target, prompt: list[int], max_new: int, eos: set[int], rule: GreedyRule | SamplingRule) -> list[int]:
     seq = list(prompt)
     while len(seq) - len(prompt) < max_new:
-        token = int(target.logits_and_aux(seq)[0][-1].argmax())
+        token = rule.first(target.logits_and_aux(seq)[0][-1])
         seq.append(token)
         if token in eos:
             break
     return seq[len(prompt) :]
 
 
+GREEDY_RULE = GreedyRule()
+
+
+def speculative_greedy(target, drafter, draft_to_target, prompt: list[int], k: int, max_new: int, eos: set[int]):
+    return speculative_decode(target, drafter, draft_to_target, prompt, k, max_new, eos, GREEDY_RULE)
+
+
+def plain_greedy(target, prompt: list[int], max_new: int, eos: set[int]) -> list[int]:
+    return plain_decode(target, prompt, max_new, eos, GREEDY_RULE)
+
+
+def speculative_sampled(target, drafter, draft_to_target, prompt: list[int], k: int, max_new: int, eos: set[int],
+                        sampling: Sampling, generator: torch.Generator):
+    return speculative_decode(target, drafter, draft_to_target, prompt, k, max_new, eos,
+                              SamplingRule(sampling, generator))
+
+
+def plain_sampled(target, prompt: list[int], max_new: int, eos: set[int], sampling: Sampling,
+                  generator: torch.Generator) -> list[int]:
+    return plain_decode(target, prompt, max_new, eos, SamplingRule(sampling, generator))
+
+
 def answer_sampling(cfg) -> Sampling:
     """evaluate.sampling: greedy, or the target's serving sampling (generate's, as init resolved it)."""
     if cfg.evaluate.sampling == "greedy":
         return GREEDY
-    gen = cfg.generate
-    if gen.temperature is None or gen.top_p is None:  # a config init did not resolve: as generate fills it
-        gen = gen.model_copy(update=serving_sampling(gen, cfg.target.model_path))
+    gen = with_serving_sampling(cfg.generate, cfg.target.model_path)
     if not gen.temperature:
         return GREEDY
     return Sampling(gen.temperature, gen.top_p, gen.top_k or None)
@@ -168,59 +233,6 @@ def sampling_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
         probs = torch.zeros_like(probs).scatter(-1, order, ordered.masked_fill(beyond, 0.0))
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
-
-
-def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
-    return int(torch.multinomial(probs, 1, generator=generator))
-
-
-def speculative_sampled(target, drafter, draft_to_target, prompt: list[int], k: int, max_new: int, eos: set[int],
-                        sampling: Sampling, generator: torch.Generator):
-    """Decoding at a temperature with k-token greedy chain drafts, verified by the speculative sampling rule as SGLang
-    (tree_speculative_sampling_target_only) and vLLM (its rejection sampler without draft probabilities) verify a
-    chain: a draft is a point mass, so draft j is accepted with the target's probability of it, min(1, p/q) with
-    q = 1; the first rejected one is replaced by a token drawn from the target's distribution without it, and after
-    k accepted drafts the target's next token is drawn as usual. Each answer is then a sample of the target's own
-    sampling (Leviathan et al., 2023), whatever the drafter proposes. Returns what speculative_greedy does."""
-    seq = list(prompt)
-    logits, aux = target.logits_and_aux(seq)
-    token = draw(sampling_probs(logits[-1], sampling), generator)
-    accepted = []
-    while len(seq) - len(prompt) < max_new and token not in eos:
-        drafts = draft_chain(drafter, draft_to_target, aux[: len(seq)], seq[1:] + [token], k)
-        logits, aux = target.logits_and_aux(seq + [token] + drafts)
-        probs = sampling_probs(logits[len(seq) :], sampling)  # the target's distribution after each candidate token
-        a = 0
-        while a < k and float(torch.rand((), generator=generator)) < float(probs[a, drafts[a]]):
-            a += 1
-            if drafts[a - 1] in eos:
-                break
-        seq += [token] + drafts[:a]
-        accepted.append(a)
-        if a and drafts[a - 1] in eos:
-            break
-        if a < k:  # draft a was rejected: the target's token comes from what is left of its distribution
-            rest = probs[a].clone()
-            rest[drafts[a]] = 0.0
-            token = draw(rest, generator)
-        else:
-            token = draw(probs[k], generator)
-    else:
-        if token in eos and len(seq) - len(prompt) < max_new:
-            seq.append(token)
-    answer = seq[len(prompt) : len(prompt) + max_new]
-    return answer, reached_per_step(accepted, len(answer))
-
-
-def plain_sampled(target, prompt: list[int], max_new: int, eos: set[int], sampling: Sampling,
-                  generator: torch.Generator) -> list[int]:
-    seq = list(prompt)
-    while len(seq) - len(prompt) < max_new:
-        token = draw(sampling_probs(target.logits_and_aux(seq)[0][-1], sampling), generator)
-        seq.append(token)
-        if token in eos:
-            break
-    return seq[len(prompt) :]
 
 
 def answer_seed(cfg, what: str, index: int) -> int:
@@ -467,19 +479,14 @@ class HfMeasurer:
         def complete(prompts: list[list[int]], what: str, max_new: int) -> list[Completion]:
             answers, counting = [], progress_log(self.cfg, what, len(prompts))
             for index, prompt in enumerate(prompts):
-                draws = (self.sampling, torch.Generator().manual_seed(answer_seed(self.cfg, what, index)))
+                rule = GREEDY_RULE if self.sampling.greedy else SamplingRule(
+                    self.sampling, torch.Generator().manual_seed(answer_seed(self.cfg, what, index)))
                 if speculation is None:
-                    answers.append(Completion(plain_greedy(self.target, prompt, max_new, self.eos)
-                                              if self.sampling.greedy else
-                                              plain_sampled(self.target, prompt, max_new, self.eos, *draws)))
+                    answers.append(Completion(plain_decode(self.target, prompt, max_new, self.eos, rule)))
                     counting.update(1, len(answers[-1].output_ids))
                     continue
-                if self.sampling.greedy:
-                    tokens, accepted = speculative_greedy(self.target, drafter, draft_to_target, prompt,
-                                                          speculation.draft_length, max_new, self.eos)
-                else:
-                    tokens, accepted = speculative_sampled(self.target, drafter, draft_to_target, prompt,
-                                                           speculation.draft_length, max_new, self.eos, *draws)
+                tokens, accepted = speculative_decode(self.target, drafter, draft_to_target, prompt,
+                                                      speculation.draft_length, max_new, self.eos, rule)
                 answers.append(Completion(tokens, len(accepted), accepted, sum(accepted)))
                 counting.update(1, len(answers[-1].output_ids))
             counting.emit()

@@ -41,7 +41,7 @@ from pathlib import Path
 import httpx
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential_jitter
 
-from eagle3.config import ConfigError, redact_url, serving_sampling
+from eagle3.config import ConfigError, redact_url, with_serving_sampling
 from eagle3.data import Conversation, SampleTokenizer, read_conversations
 from eagle3.fsutil import atomic_write_text, try_exclusive_lock
 from eagle3.identity import attach_generated
@@ -582,9 +582,7 @@ async def check_endpoint(base_url: str, api_key: str | None = None) -> None:
 def run_generate(cfg) -> dict:
     # init fills the target's sampling in; a config that skipped it must not send a null temperature, which the
     # engines would read as their own default (1) and the answers cache would file under "unset"
-    if cfg.generate.temperature is None or cfg.generate.top_p is None:
-        cfg = cfg.model_copy(update={"generate": cfg.generate.model_copy(
-            update=serving_sampling(cfg.generate, cfg.target.model_path))})
+    cfg = cfg.model_copy(update={"generate": with_serving_sampling(cfg.generate, cfg.target.model_path)})
     gen = cfg.generate
     started = time.monotonic()
     # Read first, so that a missing key fails the stage before anything else. Sent whenever it is set, also to a
