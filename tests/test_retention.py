@@ -289,3 +289,65 @@ def test_a_run_whose_job_runs_on_another_host_is_never_pruned(tmp_path, monkeypa
     assert outcome["removed"] == ["box-2-old"]
     assert outcome["kept_beyond_keep"] == {"box-1-run": "job train of it runs on another host"}
     assert (runs["box-1-run"] / "jobs" / "train" / "state.json").exists()
+
+
+def as_host(monkeypatch, tmp_path: Path, name: str) -> None:
+    """Run from here as host `name` (EAGLE3_HOST_ID_FILE): one machine, two boxes by their records."""
+    path = tmp_path / f"machine-id-{name}"
+    path.write_text(f"machine-id-of-{name}\n")
+    monkeypatch.setenv("EAGLE3_HOST_ID_FILE", str(path))
+
+
+def owned_by_this_host(run_dir: Path, run_id: str) -> None:
+    """Record an Airflow run as the run directory's owner, as `eagle3 init` does on the host it runs on."""
+    from eagle3.runowner import AirflowRun, write_owners
+
+    write_owners(run_dir, [AirflowRun("eagle3_drafter", run_id).record()])
+
+
+def test_a_run_another_host_made_is_never_pruned_here_even_between_two_stages(tmp_path, monkeypatch):
+    """Two boxes share the work directory. Box A's run is between two stages (extract done, train not started yet):
+    no job of it runs, so the live-job rule alone let box B's retention remove it under box A. Its owner.json says
+    box A made it: box B keeps it, saying so, and prunes its own old run and the run directories that record no
+    host (made before hosts were recorded, or by init by hand: pruned as they always were). Box A's retention
+    prunes box A's run."""
+    workdir = tmp_path / "work"
+    runs = {name: make_run(workdir, name, age_s=age) for name, age in [
+        ("box-1-between-stages", 3000), ("no-owner", 2600), ("owner-without-host", 2400), ("box-2-old", 2000),
+        ("box-2-new", 0)]}
+    as_host(monkeypatch, tmp_path, "gpu-box-1")
+    owned_by_this_host(runs["box-1-between-stages"], "scheduled__box-1")
+    done = runs["box-1-between-stages"] / "jobs" / "extract.0"
+    done.mkdir(parents=True, mode=0o700)
+    (done / "state.json").write_text(json.dumps({
+        **another_hosts_running_job(runs["box-1-between-stages"], "unused"), "key": "extract.0", "status": "succeeded",
+        "exit_code": 0}))
+    (runs["owner-without-host"] / "owner.json").write_text(json.dumps({"runs": [
+        {"dag_id": "eagle3_drafter", "run_id": "manual__old", "triggered_by": None, "redo_from": None}]}))
+    as_host(monkeypatch, tmp_path, "gpu-box-2")
+    for name in ("box-2-old", "box-2-new"):
+        owned_by_this_host(runs[name], f"scheduled__{name}")
+
+    outcome = prune_runs(workdir, keep=1)
+    assert outcome["removed"] == ["box-2-old", "no-owner", "owner-without-host"]
+    kept = outcome["kept_beyond_keep"]
+    assert list(kept) == ["box-1-between-stages"]
+    assert kept["box-1-between-stages"].startswith("owned by host ") and \
+        "(host id machine-id-of-gpu-box-1), which made it: only that host's retention prunes it" in \
+        kept["box-1-between-stages"]
+    assert (runs["box-1-between-stages"] / "jobs" / "extract.0" / "state.json").exists()
+
+    as_host(monkeypatch, tmp_path, "gpu-box-1")
+    assert prune_runs(workdir, keep=1)["removed"] == ["box-1-between-stages"]  # its own old run
+
+
+def test_a_run_whose_owner_json_cannot_be_read_is_kept_naming_it(tmp_path):
+    """Which host made it cannot be told: kept for a person to look at, never removed on a guess."""
+    workdir = tmp_path / "work"
+    old = make_run(workdir, "old", age_s=1000)
+    make_run(workdir, "new", age_s=0)
+    (old / "owner.json").write_text("{not json")
+    outcome = prune_runs(workdir, keep=1)
+    assert outcome["removed"] == [] and old.is_dir()
+    reason = outcome["kept_beyond_keep"]["old"]
+    assert reason.startswith("its owner.json is not JSON: which host's it is cannot be told"), reason

@@ -79,6 +79,42 @@ def test_the_same_users_later_run_takes_the_directory_over_and_every_run_that_wr
     assert init(draft, "eagle3_drafter", "manual__2026-12-08T08:00:00+00:00", "bob").returncode == 2
 
 
+def as_host(monkeypatch, tmp_path: Path, name: str) -> None:
+    """Run from here as host `name` (EAGLE3_HOST_ID_FILE, which the init processes inherit)."""
+    path = tmp_path / f"machine-id-{name}"
+    path.write_text(f"machine-id-of-{name}\n")
+    monkeypatch.setenv("EAGLE3_HOST_ID_FILE", str(path))
+
+
+def test_init_records_the_host_of_each_run_and_the_owners_init_adds_or_moves_it(draft, tmp_path, monkeypatch):
+    """Boxes may share a work directory, and only the box that made a run directory prunes it (eagle3.retention):
+    init records its host beside the run. An owner.json from before hosts were recorded gains the host when the
+    owner's init runs again (a clear of write_config), and a clear run on another box moves it there, where the
+    run's stages now run; a refused run changes no host."""
+    as_host(monkeypatch, tmp_path, "gpu-box-1")
+    assert init(draft, *ALICE_RUN).returncode == 0
+    path = tmp_path / "work" / "runs" / "shared-name" / OWNER
+
+    def hosts() -> list:
+        return [run.get("host_id") for run in json.loads(path.read_text())["runs"]]
+
+    assert hosts() == ["machine-id-of-gpu-box-1"]
+    record = json.loads(path.read_text())
+    path.write_text(json.dumps({"runs": [{key: value for key, value in run.items() if key not in ("host", "host_id")}
+                                         for run in record["runs"]]}))  # as written before hosts were recorded
+    assert init(draft, *ALICE_RUN).returncode == 0
+    assert hosts() == ["machine-id-of-gpu-box-1"]
+    as_host(monkeypatch, tmp_path, "gpu-box-2")
+    assert init(draft, "eagle3_drafter", "manual__2026-12-05T08:00:00+00:00", "bob").returncode == 2
+    assert hosts() == ["machine-id-of-gpu-box-1"]
+    assert init(draft, *ALICE_RUN).returncode == 0
+    assert hosts() == ["machine-id-of-gpu-box-2"] and owners(tmp_path) == [(*ALICE_RUN, None)]
+    redo = ("eagle3_drafter", "manual__2026-12-07T08:00:00+00:00", "alice")
+    as_host(monkeypatch, tmp_path, "gpu-box-1")
+    assert init(draft, *redo, "train").returncode == 0
+    assert hosts() == ["machine-id-of-gpu-box-2", "machine-id-of-gpu-box-1"]
+
+
 def test_init_by_hand_and_airflow_runs_never_share_a_directory(draft, tmp_path):
     """By hand (no Airflow run named) init works as it always did where no Airflow run owns the directory; it is
     refused in one an Airflow run owns, and an Airflow run refuses a directory made by hand: whose it is is unknown."""

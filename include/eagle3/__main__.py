@@ -353,11 +353,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("runs", help="the run directories of a work directory")
     runs_sub = p.add_subparsers(dest="runs_command", required=True, metavar="SUBCOMMAND")
     r = runs_sub.add_parser("prune", help="remove run directories beyond the newest --keep, except promoted "
-                            "drafters', those with a live job and those awaiting approval",
+                            "drafters', another host's, those with a live job and those awaiting approval",
                             description="A run directory is one whose config.json names it (workdir and run_name, "
-                            "compared resolved); other entries of runs/ are listed, never removed. A symlinked work "
-                            "directory, runs/ or drafters/, and a promotion.json that names no run directory, are "
-                            "refused (exit 2), naming the path.")
+                            "compared resolved); other entries of runs/ are listed, never removed. One whose "
+                            "owner.json records that another host made it (boxes sharing a work directory) is kept: "
+                            "only that host's prune removes it. A symlinked work directory, runs/ or drafters/, and a "
+                            "promotion.json that names no run directory, are refused (exit 2), naming the path.")
     r.add_argument("--workdir", required=True)
     r.add_argument("--keep", type=int, required=True, help="how many of the newest run directories to keep")
     r.add_argument("--keep-proposals-h", type=float, default=0.0, metavar="H",
@@ -507,11 +508,12 @@ def exit_code_for(err: Exception) -> int | None:
     None: a bug, shown with its traceback. The error classes are imported only now, for light commands' sake."""
     from eagle3.config import ConfigError
     from eagle3.data import DataError
+    from eagle3.hostid import HostIdError
     from eagle3.job import JobError
     from eagle3.layer_ids import LayerIdError
     from eagle3.runowner import RunDirOwned
 
-    if isinstance(err, (ConfigError, DataError, JobError, LayerIdError, RunDirOwned)):
+    if isinstance(err, (ConfigError, DataError, HostIdError, JobError, LayerIdError, RunDirOwned)):
         return 2
     from eagle3.generate import GenerateAborted
     from eagle3.server import ServerError

@@ -11,7 +11,7 @@ dropped connection, a dead worker or a new Airflow try finds the job again inste
 
 A running job is alive only if its boot id is this boot's, its supervisor's pid exists with the recorded start
 time, and its heartbeat is fresh; a dead one is relaunched by the next start, and the stage resumes. A job recorded
-running on another host (its host id, read_host_id, differs: two boxes sharing a work directory) is "foreign": this
+running on another host (its host id, eagle3.hostid, differs: two boxes sharing a work directory) is "foreign": this
 host cannot see its processes, so it is never declared dead, started again (start exits FOREIGN_EXIT, 3: the
 control plane then fails the task without a retry), killed or recorded as killed from here.
 A signal goes only to a group the job provably owns (group_ownership_problem). The stage sees an allowlisted
@@ -50,6 +50,7 @@ from pathlib import Path
 from stat import S_IMODE, S_ISDIR, S_ISREG, S_ISVTX, S_IWOTH
 
 from eagle3.fsutil import atomic_write_text, file_kind, private_opener
+from eagle3.hostid import read_host_id
 from eagle3.progress import PROGRESS_FILE_VAR
 from eagle3.runlayout import REDO_OUTPUTS
 from eagle3.runowner import AirflowRun, check_owner
@@ -59,9 +60,6 @@ REDONE_OUTPUTS = frozenset(output for outputs in REDO_OUTPUTS.values() for outpu
 KEY_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 ENV_NAME_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
-# Where a host's own id is (systemd's, then D-Bus's copy): unique per installed system and kept across reboots, where
-# the boot id changes at each. Without either, the hostname stands in.
-MACHINE_ID_PATHS = ("/etc/machine-id", "/var/lib/dbus/machine-id")
 GROUP_MARK_VAR = "EAGLE3_JOB_GROUP"  # in the stage's environment: "pid:start ticks" of its supervisor
 JOB_DIR_VAR = "EAGLE3_JOB_DIR"  # in the supervisor's and the stage's environment: the job's directory, resolved
 DEFAULT_HEARTBEAT_S = 10.0
@@ -140,22 +138,6 @@ class UnsafeJobFile(JobError):
 def read_boot_id() -> str:
     """This boot's id; it changes at every reboot. EAGLE3_BOOT_ID_FILE overrides the path (tests fake a reboot)."""
     return Path(os.environ.get("EAGLE3_BOOT_ID_FILE", BOOT_ID_PATH)).read_text().strip()
-
-
-def read_host_id() -> str:
-    """This host's id: what tells two boxes that share a work directory apart, whatever their boot ids. The machine id
-    (machine-id(5)), else the hostname. EAGLE3_HOST_ID_FILE overrides the path (tests make one machine two hosts)."""
-    override = os.environ.get("EAGLE3_HOST_ID_FILE")
-    for path in (override,) if override else MACHINE_ID_PATHS:
-        try:
-            host_id = Path(path).read_text().strip()
-        except OSError:
-            continue
-        if host_id:
-            return host_id
-    if override:  # a test's stand-in must be there: a typo would quietly make the host "this one" again
-        raise JobError(f"EAGLE3_HOST_ID_FILE {override}: no host id in it")
-    return socket.gethostname()
 
 
 def process_stat(pid: int) -> tuple[str, int, int] | None:

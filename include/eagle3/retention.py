@@ -6,10 +6,13 @@
 A weekly run writes a run directory (checkpoints, logs, a drafter copy: hundreds of GB at Kimi scale) and
 shares its hidden states in {workdir}/stores/. `runs prune` keeps the newest N run directories (by their
 config.json's time) and every run directory a promoted drafter came from (its promotion.json names it), and never
-one with a live job, on this host or recorded running on another (a work directory two boxes share); the DAG's
-`retention` task runs it with the settings file's keep_runs. `store gc` removes the stores and answers caches
-({workdir}/generated/) that no remaining run directory links to: it is never run by the DAG, because a store is
-what makes the next rerun cheap; a person decides when to give it up.
+one with a live job, on this host or recorded running on another (a work directory two boxes share), nor one whose
+owner.json says another host made it (eagle3.runowner: a run of that box between two stages has no live job, and
+only its own box's retention prunes it); the DAG's `retention` task runs it with the settings file's keep_runs. A run
+directory with no host recorded (made before hosts were recorded, or by `eagle3 init` by hand) is pruned as before:
+keeping those would keep every run from before the upgrade until a person removed it. `store gc` removes the stores
+and answers caches ({workdir}/generated/) that no remaining run directory links to: it is never run by the DAG,
+because a store is what makes the next rerun cheap; a person decides when to give it up.
 
 The work directory may be one a trigger chose, and anyone who can write there can put things in it: what is
 removed must carry the project's own marker, and nothing is removed through a symbolic link.
@@ -39,6 +42,7 @@ from pathlib import Path
 
 from eagle3.config import ConfigError
 from eagle3.fsutil import remove_tree_in
+from eagle3.hostid import read_host_id
 from eagle3.identity import capture_key
 from eagle3.job import DEFAULT_STALE_AFTER_S, liveness, read_state
 from eagle3.runlayout import (
@@ -49,6 +53,7 @@ from eagle3.runlayout import (
     HIDDEN_STATES,
     JOBS,
     KEY_RECORD,
+    OWNER,
     PROMOTION_RECORD,
     REPORT,
     RUNS,
@@ -56,6 +61,7 @@ from eagle3.runlayout import (
     VERSIONS,
     run_dir_of,
 )
+from eagle3.runowner import owner_host
 
 MARKER_MAX_BYTES = 1 << 20  # a run's config.json, a store's key.json or a promotion.json: a few KB each
 
@@ -150,6 +156,24 @@ def live_job(run_dir: Path) -> str | None:
     return None
 
 
+def other_hosts_run(run_dir: Path) -> str | None:
+    """Why the run directory is not this host's to remove, or None: its owner.json records that another host made it
+    (several boxes sharing the work directory), or cannot be read (whose it is cannot be told: a person looks at it).
+    None also where no owner or no host is recorded."""
+    if not (run_dir / OWNER).exists() and not (run_dir / OWNER).is_symlink():
+        return None
+    record, problem = read_marker(run_dir / OWNER)
+    runs = record.get("runs") if isinstance(record, dict) else None
+    if problem or not (isinstance(runs, list) and runs and all(isinstance(entry, dict) for entry in runs)):
+        return (f"{problem or 'its owner.json is not a record of the Airflow runs that wrote it'}: which host's it is "
+                "cannot be told; look at it, then remove the directory by hand if it is to go")
+    host = owner_host(runs)
+    if host is None or host["host_id"] == read_host_id():
+        return None
+    return (f"owned by host {host['host']!r} (host id {host['host_id']}), which made it: only that host's retention "
+            "prunes it (if that host is gone for good, remove the directory by hand)")
+
+
 def awaits_approval(run_dir: Path, hold_s: float) -> bool:
     """The run's evaluate holds a promotion for approval (approve_promotion: the promotion DAG asks a person after
     the run ended) proposed less than `hold_s` ago; after that the approval has timed out, and the run goes as any."""
@@ -162,10 +186,11 @@ def awaits_approval(run_dir: Path, hold_s: float) -> bool:
 
 
 def prune_runs(workdir: str | Path, keep: int, dry_run: bool = False, proposal_hold_s: float = 0) -> dict:
-    """Remove run directories beyond the newest `keep`, except promoted drafters', those with a live job and those
-    whose proposal may still be approved (proposed less than `proposal_hold_s` ago). "not_run_dirs" lists the
-    entries of runs/ that are not the project's run directories, each with the reason: never removed, never
-    counted."""
+    """Remove run directories beyond the newest `keep`, except promoted drafters', another host's (other_hosts_run),
+    those with a live job and those whose proposal may still be approved (proposed less than `proposal_hold_s` ago);
+    "kept_beyond_keep" says why each of those stays. Every run directory counts towards `keep`, another host's too
+    (the disk is one). "not_run_dirs" lists the entries of runs/ that are not the project's run directories, each
+    with the reason: never removed, never counted."""
     if keep < 1:
         raise ConfigError(f"--keep {keep}: keep at least the newest run directory (1)")
     workdir = Path(workdir)
@@ -184,6 +209,8 @@ def prune_runs(workdir: str | Path, keep: int, dry_run: bool = False, proposal_h
     for run_dir in runs[keep:]:
         if run_dir.resolve() in promoted:
             kept_for[run_dir.name] = "its drafter is a promoted version"
+        elif others := other_hosts_run(run_dir):
+            kept_for[run_dir.name] = others
         elif live := live_job(run_dir):
             kept_for[run_dir.name] = live
         elif awaits_approval(run_dir, proposal_hold_s):

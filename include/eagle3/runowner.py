@@ -21,9 +21,12 @@ run: check_owner), so a run refused at init, or one taken over, writes nothing b
 owners were recorded; it refuses one that an Airflow run owns. An Airflow run refuses a directory that holds a run
 config and no owner (made by hand, or before owners were recorded): whose it is cannot be told.
 
-owner.json: {"runs": [{"dag_id", "run_id", "triggered_by", "redo_from", "recorded_at"}, ...]}, replaced atomically
-under RUN_DIR/owner.lock, so two runs that init one new directory at once cannot both own it. Light (no pydantic):
-job start imports it.
+owner.json: {"runs": [{"dag_id", "run_id", "triggered_by", "redo_from", "recorded_at", "host", "host_id"}, ...]},
+replaced atomically under RUN_DIR/owner.lock, so two runs that init one new directory at once cannot both own it.
+"host" and "host_id" (eagle3.hostid) name the box whose init recorded the run: several boxes may share a work
+directory, and `runs prune` on one never removes a run directory whose owner another host recorded (owner_host;
+eagle3.retention). An entry written before hosts were recorded has neither; the owner's own init run again (a clear
+of write_config) adds them, or moves them to the box it now runs on. Light (no pydantic): job start imports it.
 """
 
 from __future__ import annotations
@@ -32,12 +35,14 @@ import dataclasses
 import fcntl
 import json
 import re
+import socket
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from eagle3.fsutil import atomic_write_text
+from eagle3.hostid import read_host_id
 from eagle3.runlayout import CONFIG, OWNER, OWNER_LOCK, REDO_OUTPUTS
 
 DAG_ID_PATTERN = re.compile(r"^[A-Za-z0-9_.-]{1,250}$")  # Airflow's own rule for a DAG id
@@ -74,8 +79,25 @@ class AirflowRun:
         return (entry.get("dag_id"), entry.get("run_id")) == (self.dag_id, self.run_id)
 
     def record(self) -> dict:
+        """Its owner.json entry, made on this host."""
         return {"dag_id": self.dag_id, "run_id": self.run_id, "triggered_by": self.triggered_by,
-                "redo_from": self.redo_from, "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+                "redo_from": self.redo_from, "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                **this_host()}
+
+
+def this_host() -> dict:
+    """{"host", "host_id"} of the host this runs on, as owner.json records it."""
+    return {"host": socket.gethostname(), "host_id": read_host_id()}
+
+
+def owner_host(runs: list[dict]) -> dict | None:
+    """{"host", "host_id"} of the box that recorded the owner (the last of `runs`), or None where its entry was written
+    before hosts were recorded."""
+    host_id = runs[-1].get("host_id")
+    if not isinstance(host_id, str) or not host_id:
+        return None
+    host = runs[-1].get("host")
+    return {"host": host if isinstance(host, str) else None, "host_id": host_id}
 
 
 def describe(entry: dict) -> str:
@@ -167,3 +189,7 @@ def claimed(run_dir: Path, run: AirflowRun | None) -> Iterator[None]:
         yield
         if run is not None and not run.same_run(runs[-1]):  # the same user's later run: listed after the rest
             write_owners(run_dir, [*runs, run.record()])
+        elif run is not None and owner_host(runs) != (host := this_host()):
+            # The owner's init again, on a box that is not the one recorded (an entry from before hosts were recorded,
+            # or the run's box changed): its stages run here now, and this host's retention is the one that may prune.
+            write_owners(run_dir, [*runs[:-1], {**runs[-1], **host}])
