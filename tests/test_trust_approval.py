@@ -18,8 +18,10 @@ import sys
 from datetime import UTC, datetime
 from pathlib import Path
 from types import SimpleNamespace
+from typing import ClassVar
 
 import pytest
+from airflow.sdk import BaseNotifier
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException, TaskAwaitingInput
 from markdown_it import MarkdownIt
 
@@ -331,24 +333,38 @@ def test_the_same_proposal_asked_twice_is_promoted_once_and_the_second_approval_
 
 # -- someone is told ---------------------------------------------------------------------------------------------
 
+class Heard(BaseNotifier):
+    """A notify channel (one of the settings' `notify.notifiers`, as a provider's notifier class) that records the
+    message it is made with."""
+
+    messages: ClassVar[list[tuple[str, str]]] = []
+    template_fields = ("subject", "body")  # as a provider's: rendering them would evaluate the body's braces
+
+    def __init__(self, *, subject: str, body: str):
+        super().__init__()
+        self.subject, self.body = subject, body
+
+    def notify(self, context):
+        Heard.messages.append((self.subject, self.body))
+
+
 def test_a_waiting_approval_tells_the_settings_channels_who_may_answer_where_and_the_figures_as_text(proposed,
                                                                                                       monkeypatch):
     """The issue: a pending approval told nobody. The settings' notify channels hear it, and a template in a value
     from the box is sent as the characters it is, never evaluated."""
     write_proposal(proposed["plan"]["run_dir"], reason="better {{ 6 * 7 }}")
     (proposed,) = received(event(propose(proposed["plan"])))  # the same run, its proposal made anew
-    heard = []  # a notify channel (`notify.callables`, module:function) that records what it is sent
-    monkeypatch.setitem(sys.modules, "eagle3_test_channel",
-                        SimpleNamespace(heard=lambda *message: heard.append(message)))
+    monkeypatch.setattr(Heard, "messages", [])
     monkeypatch.setattr("airflow.providers.standard.operators.hitl.upsert_hitl_detail", lambda **request: None)
     deployment = Deployment(approve_promotion=True, approvers=["bob", "carol"], approval_timeout_h=24,
-                            notify={"callables": ["eagle3_test_channel:heard"]})
+                            notify={"notifiers": [{"class": f"{Heard.__module__}.Heard",
+                                                   "kwargs": {"subject": "{subject}", "body": "{body}"}}]})
     assert promotion.approval_notifiers(Deployment(approve_promotion=True, approvers=["bob"])) == []  # no notify
     task = PromotionApproval(task_id="approve_promotion", proposal=proposed, approvers=deployment.approvers,
                              defaults="Reject", notifiers=promotion.approval_notifiers(deployment))
     with pytest.raises(TaskAwaitingInput):
         task.execute({**CONTEXT_TI, "task": task})
-    ((subject, body),) = heard
+    ((subject, body),) = Heard.messages
     assert RUN.run_id in subject and RUN.dag_id in subject
     assert "bob, carol" in body and "24 h" in body
     assert (f"/dags/{PROMOTION_RUN.dag_id}/runs/{PROMOTION_RUN.run_id}/tasks/approve_promotion/mapped/0"

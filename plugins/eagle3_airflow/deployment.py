@@ -36,6 +36,7 @@ running stage is killed on the box, as for any task marked failed (eagle3_airflo
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import posixpath
@@ -50,6 +51,7 @@ from pydantic import (
     PrivateAttr,
     StringConstraints,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -153,9 +155,72 @@ class Approver(BaseModel):
 AssetName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:/-]{1,1500}$")]
 PresetName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
 MailAddress = Annotated[str, StringConstraints(pattern=r"^[^@\s<>,;]+@[^@\s<>,;]+$")]
-DottedCallable = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")]
+# A class by its dotted import path: package.module.Class.
+DottedClass = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")]
 # An absolute directory, or scheme://bucket/prefix (no credentials in it: they belong in reports_conn_id).
 ReportsUrl = Annotated[str, StringConstraints(max_length=4096, pattern=r"^(/[^\x00-\x1f]*|[a-z][a-z0-9+.-]*://[^\s@]+)$")]
+
+
+EXAMPLE_NOTIFIER = ('{"class": "airflow.providers.slack.notifications.slack.SlackNotifier", "kwargs": '
+                    '{"slack_conn_id": "slack_api_default", "channel": "#eagle3", "text": "{subject}\\n{body}"}}')
+
+
+class NotifierEntry(BaseModel):
+    """One of notify.notifiers: an Airflow notifier class (any provider's) and the keyword arguments it is made with.
+    The message reaches it through markers in those arguments (eagle3_airflow/notify.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    notifier_class: DottedClass = Field(
+        alias="class", description="A subclass of airflow.sdk.BaseNotifier by dotted path, e.g. "
+        "airflow.providers.slack.notifications.slack.SlackNotifier; its provider installed wherever Airflow reads "
+        "these settings.")
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Its keyword arguments, a JSON object; in any string among them, {subject}, "
+        "{body} and {body_html} are replaced by the message (plain substitution, never a template).")
+
+    @field_validator("notifier_class")
+    @classmethod
+    def _is_a_notifier(cls, path: str) -> str:
+        from airflow.sdk import BaseNotifier
+        from airflow.sdk.module_loading import import_string
+
+        try:
+            found = import_string(path)
+        except Exception as err:  # noqa: BLE001 - a module that fails on import is as unusable as a missing one
+            raise ValueError(f"cannot import {path!r} ({type(err).__name__}: {err}); install the provider that has it "
+                             "on every Airflow machine that reads these settings, or fix the path") from None
+        if not (isinstance(found, type) and issubclass(found, BaseNotifier)):
+            raise ValueError(f"{path!r} is not an Airflow notifier (a subclass of airflow.sdk.BaseNotifier); name a "
+                             "notifier class, such as airflow.providers.slack.notifications.slack.SlackNotifier or "
+                             "airflow.providers.smtp.notifications.smtp.SmtpNotifier")
+        return path
+
+    @field_validator("kwargs")
+    @classmethod
+    def _fit_the_class(cls, kwargs: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        """JSON (the lateness callback carries them through Airflow's database), and taken by the class's __init__:
+        a misspelt argument is refused here, not at the first failure."""
+        try:
+            json.dumps(kwargs, allow_nan=False)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"not a JSON object ({err})") from None
+        if "notifier_class" not in info.data:  # the class was refused: that error says why
+            return kwargs
+        from airflow.sdk.module_loading import import_string
+
+        try:
+            signature = inspect.signature(import_string(info.data["notifier_class"]))
+        except (TypeError, ValueError):  # no signature to check against
+            return kwargs
+        try:
+            signature.bind(**kwargs)
+        except TypeError as err:
+            named = [name for name, parameter in signature.parameters.items()
+                     if parameter.kind not in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD)]
+            raise ValueError(f"{info.data['notifier_class']} cannot be made with these arguments ({err}); it takes "
+                             f"{named}") from None
+        return kwargs
 
 
 class NotifySettings(BaseModel):
@@ -166,14 +231,26 @@ class NotifySettings(BaseModel):
     to: list[MailAddress] = Field(default_factory=list, description="Mail addresses; none: no mail.")
     smtp_conn_id: ConnId = Field("smtp_default", description="The Airflow SMTP connection the mail goes through.")
     from_email: MailAddress | None = Field(None, description="Sender; default: the SMTP connection's from_email.")
-    callables: list[DottedCallable] = Field(
-        default_factory=list, description="Other channels: module:function, called with (subject, body).")
+    notifiers: list[NotifierEntry] = Field(
+        default_factory=list,
+        description="Other channels: Airflow notifier classes, each {\"class\": dotted path, \"kwargs\": {...}}, "
+        "made anew for each message, the message in their string kwargs' {subject}, {body}, {body_html}.")
     late_after_h: float | None = Field(
         None, gt=0, le=24 * 60, description="Warn when a run is not done this many hours after it was queued.")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_callables(cls, data):
+        if isinstance(data, dict) and "callables" in data:
+            raise ValueError("`callables` (module:function channels) is no longer read: each channel is now an Airflow "
+                             f"notifier class in `notifiers`, e.g. \"notifiers\": [{EXAMPLE_NOTIFIER}] "
+                             "(docs/deployment.md); move each callable's channel there, then remove `callables`")
+        return data
+
     def kwargs(self) -> dict:
+        """What notify.py's senders take: plain JSON (the lateness callback's kwargs are stored by Airflow)."""
         return {"smtp_conn_id": self.smtp_conn_id, "to": self.to, "from_email": self.from_email,
-                "callables": self.callables}
+                "notifiers": [entry.model_dump(by_alias=True) for entry in self.notifiers]}
 
 
 class Deployment(BaseModel):

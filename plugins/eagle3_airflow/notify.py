@@ -9,19 +9,31 @@ DeadlineAlert on the run (still not done that long after it was queued).
 A message names the run, the task and its try, the box, the task log's URL (on the API server's [api] base_url),
 the job log's path on the box and the last lines the task reported (the remote-job operator puts the job's log tail
 and path in its failure). It carries nothing else: no params, no environment, nothing a secret could hide in.
-SMTP goes through the smtp provider's SmtpNotifier and the deployment's SMTP connection; `notify.callables` adds any
-other channel, each a `module:function` called with (subject, body).
+SMTP goes through the smtp provider's SmtpNotifier and the deployment's SMTP connection (`notify.to`); every other
+channel is an Airflow notifier class of any provider, listed in `notify.notifiers` with the keyword arguments it is
+made with, e.g.
 
-The message is handed to SmtpNotifier.notify() directly, never through the notifier's __call__, which would first
-render its fields as Jinja templates: log lines are not templates, and a `{{ ... }}` in one must not be evaluated.
+    {"class": "airflow.providers.slack.notifications.slack.SlackNotifier",
+     "kwargs": {"slack_conn_id": "slack_api_default", "channel": "#eagle3", "text": "*{subject}*\\n```{body}```"}}
+
+The message reaches a notifier through markers in the strings among its kwargs (nested ones too): `{subject}`,
+`{body}` (plain text) and `{body_html}` (the body escaped, in <pre>, as the mail has it). Each is replaced by plain
+substitution in one pass: never str.format, never Jinja, so a `{{ ... }}`, a `{0}` or a `{body}` in a log line is
+sent as written. The settings check each class (it imports, it is a BaseNotifier) and its kwargs when they are read
+(eagle3_airflow/deployment.py); a notifier is made anew for each message.
+
+Every notifier, SmtpNotifier included, gets the message through notify() directly, never through its __call__, which
+would first render its template fields with the DAG's Jinja environment (which a DAG-level callback's serialized DAG
+lacks in Airflow 3.3) and evaluate a template in a log line. Each channel is on its own: one that fails is logged
+(its class and the message's subject, never its kwargs, where a token may be) and the others still go.
 """
 
 from __future__ import annotations
 
 import asyncio
 import html
-import importlib
 import logging
+import re
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +45,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAX_BODY_LINES = 60
+MARKERS = re.compile(r"\{(subject|body|body_html)\}")
 
 
 def _describe_exception(context) -> str:
@@ -92,13 +105,13 @@ class FailureNotifier(BaseNotifier):
     template_fields = ()
 
     def __init__(self, *, scope: str, smtp_conn_id: str | None, to: list[str], from_email: str | None,
-                 callables: list[str]):
+                 notifiers: list[dict]):
         super().__init__()
         self.scope = scope  # "task" or "run"
         self.smtp_conn_id = smtp_conn_id
         self.to = list(to)
         self.from_email = from_email
-        self.callables = list(callables)
+        self.notifiers = list(notifiers)
 
     def render_template_fields(self, context, jinja_env=None) -> None:
         """Nothing here is a template. (BaseNotifier's own asks the DAG for a Jinja environment, which a DAG-level
@@ -109,30 +122,51 @@ class FailureNotifier(BaseNotifier):
             log.info("run failed by a task: that task's failure mail was the one sent")
             return
         subject, body = (task_failure_message if self.scope == "task" else run_failure_message)(context)
-        send(subject, body, context, self.smtp_conn_id, self.to, self.from_email, self.callables)
+        send(subject, body, context, self.smtp_conn_id, self.to, self.from_email, self.notifiers)
+
+
+def fill(value, message: dict[str, str]):
+    """A notifier's kwarg from the settings with each marker in its strings replaced by the message's text, in one
+    pass (a `{body}` in the subject stays as written)."""
+    if isinstance(value, str):
+        return MARKERS.sub(lambda found: message[found.group(1)], value)
+    if isinstance(value, list):
+        return [fill(item, message) for item in value]
+    if isinstance(value, dict):
+        return {key: fill(item, message) for key, item in value.items()}
+    return value
 
 
 def send(subject: str, body: str, context, smtp_conn_id: str | None, to: list[str], from_email: str | None,
-         callables: list[str]) -> None:
-    """Every channel gets the message; one that fails is logged and does not stop the others."""
+         notifiers: list[dict]) -> None:
+    """Every channel gets the message: a mail to `to`, and each of the settings' `notify.notifiers` ({"class": dotted
+    path, "kwargs": {...}}, NotifySettings.kwargs()). One that fails is logged and does not stop the others."""
+    html_body = f"<pre>{html.escape(body)}</pre>"
     if to:
         from airflow.providers.smtp.notifications.smtp import SmtpNotifier
 
         # Every field given: SmtpNotifier renders the ones left None (from_email included) as templates, asking the
         # DAG for a Jinja environment that a DAG-level callback's serialized DAG does not have.
         mail = SmtpNotifier(to=to, from_email=from_email or _connection_sender(smtp_conn_id), subject=subject,
-                            smtp_conn_id=smtp_conn_id, html_content=f"<pre>{html.escape(body)}</pre>")
+                            smtp_conn_id=smtp_conn_id, html_content=html_body)
         try:
             mail.notify(context)  # not mail(context): that would render subject and body as Jinja first
             log.info("sent '%s' to %s", subject, to)
         except Exception:
             log.exception("could not send '%s' by SMTP (connection %s)", subject, smtp_conn_id)
-    for dotted in callables:
+    if not notifiers:
+        return
+    from airflow.sdk.module_loading import import_string
+
+    message = {"subject": subject, "body": body, "body_html": html_body}
+    for index, entry in enumerate(notifiers):
+        path = entry["class"]
         try:
-            module, _, name = dotted.partition(":")
-            getattr(importlib.import_module(module), name)(subject, body)
-        except Exception:
-            log.exception("notify callable %s failed for '%s'", dotted, subject)
+            notifier = import_string(path)(**fill(entry.get("kwargs") or {}, message))
+            notifier.notify(context)  # not notifier(context): that would render its fields as Jinja first
+            log.info("sent '%s' through %s", subject, path)
+        except Exception:  # its kwargs are not logged: a token or a webhook URL may be among them
+            log.exception("notifier %s (notify.notifiers[%d]) failed for '%s'", path, index, subject)
 
 
 def _connection_sender(smtp_conn_id: str | None) -> str:
@@ -148,9 +182,10 @@ def _connection_sender(smtp_conn_id: str | None) -> str:
     return sender or f"eagle3-airflow@{socket.getfqdn()}"
 
 
-async def late_run(smtp_conn_id: str | None, to: list[str], from_email: str | None, callables: list[str],
-                   late_after_h: float, context: dict | None = None, **_: Any) -> None:
-    """The DeadlineAlert's callback (it runs in the triggerer): the run is still not done.
+async def late_run(smtp_conn_id: str | None, to: list[str], from_email: str | None, late_after_h: float,
+                   notifiers: list[dict] | None = None, context: dict | None = None, **_: Any) -> None:
+    """The DeadlineAlert's callback (it runs in the triggerer): the run is still not done. (A deadline stored before
+    `notify.notifiers` carries `callables` instead, which is ignored: its mail still goes.)
 
     Airflow 3.3's Deadline.handle_miss hands it {"dag_run": <the run as the REST API returns it>, "deadline": ...}:
     a dict, whose run id is `dag_run_id` (DAGRunResponse's name for it), not `run_id`."""
@@ -163,7 +198,7 @@ async def late_run(smtp_conn_id: str | None, to: list[str], from_email: str | No
     subject = f"[eagle3] {dag_id or 'eagle3_drafter'}: run {run_id} is late"
     body = (f"Run {dag_id} / {run_id} is not done {timedelta(hours=late_after_h)} after it was queued "
             "(notify.late_after_h in the DAG settings). It may be waiting for a box, GPUs or disk, or a stage is slow.")
-    await asyncio.to_thread(send, subject, body, context, smtp_conn_id, to, from_email, callables)
+    await asyncio.to_thread(send, subject, body, context, smtp_conn_id, to, from_email, notifiers or [])
 
 
 # -- what the DAG file hands Airflow, from the settings' `notify` --------------------------------------------------

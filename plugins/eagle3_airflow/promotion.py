@@ -235,12 +235,12 @@ class ApprovalAsked(BaseNotifier):
     template_fields = ()
 
     def __init__(self, *, approvers: list, response_timeout_h: float, smtp_conn_id: str | None, to: list[str],
-                 from_email: str | None, callables: list[str]):
+                 from_email: str | None, notifiers: list[dict]):
         super().__init__()
         self.approvers = [approver.name for approver in approvers]
         self.response_timeout_h = response_timeout_h
         self.smtp_conn_id, self.to, self.from_email = smtp_conn_id, list(to), from_email
-        self.callables = list(callables)
+        self.notifiers = list(notifiers)
 
     def render_template_fields(self, context, jinja_env=None) -> None:
         """Nothing here is a template: the body holds values from the box (eagle3_airflow/notify.py says why)."""
@@ -257,7 +257,7 @@ class ApprovalAsked(BaseNotifier):
             f"Answer in the Airflow UI: /dags/{dag_run.dag_id}/runs/{dag_run.run_id}/tasks/{task.task_id}{mapped}"
             "/required_actions (Browse > Required Actions).",
             "", task.body or ""])
-        send(subject, body, context, self.smtp_conn_id, self.to, self.from_email, self.callables)
+        send(subject, body, context, self.smtp_conn_id, self.to, self.from_email, self.notifiers)
 
 
 def approval_notifiers(settings: Deployment) -> list:
