@@ -843,6 +843,20 @@ def test_a_slow_stage_that_keeps_making_progress_is_not_killed(jobs):
     assert result["state"]["progress_line"] == "step 7"
 
 
+def test_a_stage_that_waited_before_loading_gets_the_first_progress_limit_again(jobs):
+    """A stage that waits for something before it loads its model (extract, for a shard another writer holds) beats
+    while it waits, which leaves it the limit between beats for the load that follows. The supervisor hands it the
+    first-progress limit (FIRST_PROGRESS_VAR), which it announces as its allowance once the wait is over: a load
+    longer than the limit between beats, within the first one, is not killed."""
+    code = (f"import os, time\nfrom eagle3.progress import beat\nfor i in range(4):\n    beat(f'waiting {{i}}')\n"
+            f"    time.sleep(0.3)\nbeat('loading', allowance_s=float(os.environ[{job.FIRST_PROGRESS_VAR!r}]))\n"
+            "time.sleep(3.5)\nbeat('step 0')\ntime.sleep(1)\n")
+    start(jobs, "waited", code, "--heartbeat-s", "0.5", "--stall-timeout-s", "1.5", "--first-progress-timeout-s", "6")
+    result = wait_until(lambda: (r := job.poll_job(jobs, "waited"))["effective"] != "running" and r, "its end")
+    assert result["effective"] == "succeeded", (result["reason"], result["log_tail"])
+    assert result["state"]["progress_line"] == "step 0"
+
+
 def test_a_stage_that_never_reports_progress_is_killed_after_the_first_limit(jobs):
     """A stage that hangs while loading (before any progress) is caught by --first-progress-timeout-s."""
     start(jobs, "loading", "import time; time.sleep(600)", "--heartbeat-s", "0.5", "--stall-timeout-s", "60",

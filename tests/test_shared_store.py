@@ -104,20 +104,109 @@ def test_a_run_whose_extract_has_not_finished_is_not_read(make_config):
         open_run_store(cfg)
 
 
-def test_a_run_that_finds_another_writing_its_shard_fails_retryably(make_config):
-    """Two scheduled runs extracting the same store at once: the second's retry finds the states stored."""
+# `python -m eagle3 extract` as the job runs it, except that it waits for a file to appear before it loads the target:
+# the first writer holds the shard's lock (taken before the model loads) until the test lets it go on.
+HELD_EXTRACT = """
+import os, sys, time
+from eagle3 import capture
+open_backend = capture.open_backend
+def open_when_told(*args, **kwargs):
+    while not os.path.exists(sys.argv[2]):
+        time.sleep(0.05)
+    return open_backend(*args, **kwargs)
+capture.open_backend = open_when_told
+from eagle3.__main__ import main
+sys.exit(main(["extract", "--config", sys.argv[1]]))
+"""
+
+
+def test_a_run_that_finds_another_writing_its_shard_waits_for_it_and_finds_its_samples_stored(
+        make_config, tmp_path, monkeypatch, caplog):
+    """Two runs of one capture extract the same shard of the shared store at once (on two boxes sharing the disk, or
+    one): the second waits for the first's lock instead of failing (a retry came back refused while the first wrote
+    for hours, until the retries ran out), naming the holder in its log and beating progress meanwhile, so the job's
+    stall watch does not take it for hung. Once the first is done, the second finds its samples stored: it computes
+    none and loads no target, and it gives the stage the first-progress allowance again for what follows."""
+    import threading
+
+    from eagle3 import store
+    from eagle3.job import FIRST_PROGRESS_VAR
+    from eagle3.store import read_holder, shard_dir
+
+    first = make_config(run_name="first", data={"max_samples": 8})
+    second = make_config(run_name="second", data={"max_samples": 8})
+    for cfg in (first, second):
+        write_run_config(cfg)
+        attach_store(cfg)
+    assert first.store_dir.resolve() == second.store_dir.resolve()
+    go_on = tmp_path / "go-on"
+    env = {name: value for name, value in os.environ.items() if not name.startswith("EAGLE3_")}
+    holder = subprocess.Popen([sys.executable, "-c", HELD_EXTRACT, str(first.config_path), str(go_on)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lock = shard_dir(first.store_dir, 0) / ".lock"
+        deadline = time.monotonic() + 120
+        while read_holder(lock).get("pid") != holder.pid:
+            assert holder.poll() is None, holder.stderr.read()[-3000:]
+            assert time.monotonic() < deadline, "the first writer did not take the shard's lock"
+            time.sleep(0.05)
+        beats = tmp_path / "progress.json"
+        monkeypatch.setenv("EAGLE3_PROGRESS_FILE", str(beats))  # as the job's supervisor gives its stage
+        monkeypatch.setenv(FIRST_PROGRESS_VAR, "3600")
+        monkeypatch.setattr(store, "LOCK_POLL_MAX_S", 0.2)
+        from eagle3 import extract, progress
+
+        allowances = []  # (line, allowance_s) of the stage's beats that announce a silence
+        monkeypatch.setattr(extract, "beat", lambda line, allowance_s=None: (
+            allowance_s is not None and allowances.append((line, allowance_s)), progress.beat(line, allowance_s)))
+        caplog.set_level("INFO", logger="eagle3.extract")
+        outcome = {}
+        waiter = threading.Thread(target=lambda: outcome.update(run_extract(second)))
+        waiter.start()
+        while "waiting for the shard" not in (beats.read_text() if beats.exists() else ""):
+            assert waiter.is_alive() and time.monotonic() < deadline, outcome
+            time.sleep(0.05)
+        assert f"pid {holder.pid} on host" in beats.read_text() and "run first" in beats.read_text()
+        time.sleep(1)
+        assert waiter.is_alive()  # still waiting, not failed
+        go_on.touch()
+        waiter.join(300)
+        assert holder.wait(60) == 0, holder.stderr.read()[-3000:]
+    finally:
+        go_on.touch()
+        holder.kill()
+        holder.wait()
+    assert not waiter.is_alive()
+    stored = len(conversation_ids(first))
+    assert (outcome["samples_extracted"], outcome["samples_stored_before"]) == (0, stored)
+    assert outcome["samples_stored"] == stored and outcome["capture_path"] is None  # no target loaded
+    logged = caplog.text
+    assert f"extract shard 0: waiting for the shard, which another writer holds (pid {holder.pid} on host " in logged
+    assert "the shard is free after waiting about" in logged
+    # the target's load comes next, as at a stage's start: the first-progress limit again, not the one between beats
+    assert [allowance for line, allowance in allowances if "the shard is free after waiting" in line] == [3600]
+    assert set(open_run_store(second).sample_ids) == set(conversation_ids(second))
+
+
+def test_a_writer_that_does_not_wait_gets_store_busy_naming_the_holder_and_is_retried(make_config):
+    """ShardWriter without on_busy (the default) refuses a busy shard at once; `python -m eagle3` exits 1 for it (a
+    retry may do). A shard this very process holds is refused even by a writer that waits: it would wait forever."""
     from eagle3.__main__ import exit_code_for
     from eagle3.store import ShardWriter, StoreBusy, read_meta
 
     first = make_config(run_name="first", data={"max_samples": 8})
     run_extract(first)
-    writing = ShardWriter(first.store_dir, 0, read_meta(first.store_dir))  # the other run, mid-extraction
-    second = make_config(run_name="second", data={"max_samples": 8})
-    with pytest.raises(StoreBusy, match="another process is writing this shard") as refused:
-        run_extract(second)
-    assert exit_code_for(refused.value) == 1  # retried, unlike a store that does not match (exit 2)
-    writing.release()
-    assert run_extract(second)["samples_extracted"] == 0
+    writing = ShardWriter(first.store_dir, 0, read_meta(first.store_dir), writer="run first")
+    try:
+        with pytest.raises(StoreBusy, match=rf"another process is writing this shard \(pid {os.getpid()} on host "
+                                            r".*'run first'") as refused:
+            ShardWriter(first.store_dir, 0, read_meta(first.store_dir))
+        assert exit_code_for(refused.value) == 1
+        with pytest.raises(StoreBusy, match="holds the shard's lock already, in a writer it has not released"):
+            run_extract(make_config(run_name="second", data={"max_samples": 8}))
+    finally:
+        writing.release()
+    assert run_extract(make_config(run_name="third", data={"max_samples": 8}))["samples_extracted"] == 0
 
 
 @pytest.mark.slow

@@ -520,7 +520,7 @@ def exit_code_for(err: Exception) -> int | None:
     from eagle3.store import StoreBusy, StoreError  # torch-heavy
     from eagle3.vocab import VocabError
 
-    if isinstance(err, StoreBusy):  # another run writes the shard now: the retry finds its samples stored
+    if isinstance(err, StoreBusy):  # a writer that does not wait (extract does): the retry finds the samples stored
         return 1
     if isinstance(err, (StoreError, VocabError)):
         return 2

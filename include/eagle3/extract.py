@@ -13,6 +13,14 @@ bounded queue (extract.writer_queue_depth) holds compute back only when the disk
 A backend may need a pass over the whole shard before capturing (sglang: its final-state pass, see
 eagle3/capture/sglang.py): it gets the same planned batches first, tokenised a second time rather than
 held in memory.
+
+Two writers on one shard of a shared store (two runs of one capture, on one box or on two boxes sharing the disk):
+the second waits for the shard's lock before it loads the target, naming the holder (pid, host, run) and how long it
+has waited in its log every extract.progress_interval_s, and beating progress meanwhile, so that the job's stall
+watch takes it for waiting, not hung (BusyShardWait). Once it has the lock it finds the first one's samples stored
+and computes only what the store still lacks. It does not fail for a retry instead: the first writer may take
+hours, longer than the retries last, and each retry would load the target for nothing. The wait is bounded by the
+stage's own timeout (box.stage_timeout_h); a writer that holds the lock hung is named in the log, to be stopped.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -39,7 +48,8 @@ from eagle3.data import (
 )
 from eagle3.fsutil import atomic_write_text
 from eagle3.identity import attach_store
-from eagle3.progress import ProgressLog
+from eagle3.job import FIRST_PROGRESS_VAR
+from eagle3.progress import ProgressLog, beat, human_duration
 from eagle3.runlayout import run_samples_path, run_stats_path
 from eagle3.store import ShardWriter, StoreMeta
 
@@ -73,6 +83,40 @@ def _pack(window: list[TokenizedSample], batch_tokens: int) -> Iterator[list[Tok
         batch.append(sample)
     if batch:
         yield batch
+
+
+class BusyShardWait:
+    """ShardWriter's on_busy for a stage: while another writer holds the shard's lock, a log line naming it every
+    `interval_s` and a progress beat at each look, so the job's stall watch sees a stage that waits, not one that hung.
+    took_lock() then gives the stage the first-progress allowance again (the job's FIRST_PROGRESS_VAR): loading the
+    target comes next, as at a stage's start, and the beats of the wait would otherwise leave it the shorter limit
+    between two beats."""
+
+    def __init__(self, label: str, interval_s: float, logger: logging.Logger):
+        self.label, self.interval_s, self.log = label, interval_s, logger
+        self.waited_s: float | None = None  # None: the lock was free
+        self.logged_at: float | None = None
+
+    def __call__(self, holder: str, waited_s: float) -> None:
+        self.waited_s = waited_s
+        line = f"{self.label}: waiting for the shard, which another writer holds ({holder}); waited " \
+               f"{human_duration(waited_s)}"
+        now = time.monotonic()
+        if self.logged_at is None or now - self.logged_at >= self.interval_s:
+            self.logged_at = now
+            self.log.info("%s. The samples it stores are not computed again here", line)
+        beat(line)
+
+    def took_lock(self) -> None:
+        if self.waited_s is None:
+            return
+        line = f"{self.label}: the shard is free after waiting about {human_duration(self.waited_s)}"
+        self.log.info("%s; reading what the other writer stored", line)
+        try:
+            allowance = float(os.environ[FIRST_PROGRESS_VAR])
+        except (KeyError, ValueError):
+            allowance = None  # not a job's stage, or no stall limit: nothing watches the silence
+        beat(line, allowance_s=allowance)
 
 
 class BackgroundWriter:
@@ -136,7 +180,10 @@ def run_extract(cfg, shard: int = 0, num_shards: int | None = None, gpu_group: i
 
     store = attach_store(cfg)  # shared by every run of the same capture: only what it lacks is computed
     meta = StoreMeta(cfg.target.hidden_size, tuple(cfg.resolved_aux_layers()), cfg.extract.state_dtype)
-    writer = ShardWriter(cfg.store_dir, shard, meta, chunk_bytes=cfg.extract.chunk_mib << 20)
+    waiting = BusyShardWait(f"extract shard {shard}", cfg.extract.progress_interval_s, log)
+    writer = ShardWriter(cfg.store_dir, shard, meta, chunk_bytes=cfg.extract.chunk_mib << 20, on_busy=waiting,
+                         writer=f"run {cfg.run_name}")
+    waiting.took_lock()
     done_before = sum(conversation_id_of(sid) in mine_ids for sid in [*writer.done_ids, *writer.rejected])
     stored_conversations = {conversation_id_of(sid) for sid in writer.done_ids} & mine_ids
     log.info(

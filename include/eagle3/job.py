@@ -62,6 +62,9 @@ ENV_NAME_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
 GROUP_MARK_VAR = "EAGLE3_JOB_GROUP"  # in the stage's environment: "pid:start ticks" of its supervisor
 JOB_DIR_VAR = "EAGLE3_JOB_DIR"  # in the supervisor's and the stage's environment: the job's directory, resolved
+# In the stage's environment under a stall limit: the first-progress limit in seconds (StallLimits.first_s), which a
+# stage that waited (beating progress) before loading its model announces again as its allowance (eagle3.extract).
+FIRST_PROGRESS_VAR = "EAGLE3_FIRST_PROGRESS_TIMEOUT_S"
 DEFAULT_HEARTBEAT_S = 10.0
 DEFAULT_STALE_AFTER_S = 120.0
 SUPERVISOR_REPORT_TIMEOUT_S = 10.0  # how long start waits for a new supervisor's first state.json
@@ -1120,6 +1123,8 @@ def supervise(jobs_dir: str | Path, key: str) -> None:
         progress_file.unlink(missing_ok=True)  # an earlier try's beats say nothing of this one
         stage_env[PROGRESS_FILE_VAR] = str(progress_file)
         watch = StallWatch(StallLimits(**spec["stall"]), progress_file) if spec.get("stall") else None
+        if watch is not None:
+            stage_env[FIRST_PROGRESS_VAR] = f"{watch.limits.first_s:g}"
         try:
             # Same process group as the supervisor (the default), so that kill's killpg reaches the whole stage.
             child = subprocess.Popen(

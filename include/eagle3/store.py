@@ -15,7 +15,9 @@
                       offsets            int64 [S+1]: sample s is rows offsets[s]:offsets[s+1]
                     States are bf16, or in an fp8 store float8_e4m3fn with a float32 scale per token and layer
                     (aux_scales [N, 3], last_scale [N, 1]; scale = amax of the layer's H values / 448, 1 for zeros).
-    .lock           the writer's flock: one writer per shard (StoreBusy for the second)
+    .lock           the writer's flock: one writer per shard. It holds {"host", "host_id", "pid", "since", "writer"}
+                    of the writer that has it, for the others to name; a second writer waits for it (on_busy: extract,
+                    which then finds the first one's samples stored) or gets StoreBusy
 
 A chunk is written under a temporary name, fsynced, renamed, and only then recorded in the manifest: a chunk not in
 it does not exist, and the next writer deletes such leftovers and a torn last line. Samples whose states are not
@@ -32,6 +34,8 @@ import json
 import os
 import re
 import shutil
+import socket
+import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +53,7 @@ from eagle3.fsutil import (
     tmp_path_for,
     try_exclusive_lock,
 )
+from eagle3.hostid import read_host_id
 from eagle3.progress import format_bytes
 from eagle3.runlayout import run_samples_path
 
@@ -72,7 +77,15 @@ class StoreError(RuntimeError):
 
 
 class StoreBusy(StoreError):
-    """Another process writes the shard: another run on the same shared store, most likely. A retry may do."""
+    """Another process writes the shard (another run on the same shared store, most likely), and the writer was not
+    asked to wait for it (ShardWriter's on_busy). A retry may do."""
+
+
+# While another writer holds a shard's lock, a waiting writer looks again after 1 s, then twice as long each time, up
+# to 30 s: a shard's extraction takes minutes to hours, and a flock on a shared filesystem costs a round trip.
+LOCK_POLL_FIRST_S = 1.0
+LOCK_POLL_MAX_S = 30.0
+HOLDER_MAX_BYTES = 4096
 
 
 @dataclass(frozen=True)
@@ -319,17 +332,23 @@ def _damaged(manifest: Path, what: str) -> str:
 class ShardWriter:
     """Appends whole samples to one shard; buffers them into chunks of about `chunk_bytes`.
 
-    Opening recovers from a crash (torn manifest line, unrecorded chunk files, temp files) and takes an
-    exclusive lock, so two processes can never write the same shard.
+    Opening takes an exclusive lock, so two processes can never write the same shard, and then recovers from a crash
+    (torn manifest line, unrecorded chunk files, temp files): what it reads is what every writer before it committed.
+
+    on_busy: where another writer holds the lock, called as on_busy(who holds it, seconds waited so far) before each
+    look again (LOCK_POLL_FIRST_S doubling to LOCK_POLL_MAX_S) until the lock is free; None: StoreBusy at once. A lock
+    this very process holds is StoreBusy either way (a writer not released would be waited for forever). `writer`:
+    who this writer is, for the others' on_busy (a run's name).
     """
 
-    def __init__(self, store_dir: Path, shard: int, meta: StoreMeta, chunk_bytes: int = 256 << 20):
+    def __init__(self, store_dir: Path, shard: int, meta: StoreMeta, chunk_bytes: int = 256 << 20,
+                 on_busy: Callable[[str, float], None] | None = None, writer: str = ""):
         self.dir = shard_dir(store_dir, shard)
         self.dir.mkdir(parents=True, exist_ok=True)
         ensure_meta(store_dir, meta)
         self.meta = meta
         self.chunk_tokens = max(1, chunk_bytes // meta.bytes_per_token)
-        self._lock = self._take_lock()
+        self._lock = self._take_lock(on_busy, writer)
         self.manifest = self.dir / "manifest.jsonl"
         records = self._recover()
         self.done_ids = {sid for r in records for sid, _ in r.get("samples", ())}
@@ -340,11 +359,25 @@ class ShardWriter:
         self._pending_tokens = 0
         self.bytes_written = 0
 
-    def _take_lock(self):
-        lock = try_exclusive_lock(self.dir / ".lock")
-        if lock is None:
-            raise StoreBusy(f"{self.dir}: another process is writing this shard (another run sharing this store, or "
-                            "a stray extract); the retry waits for it, or stop it")
+    def _take_lock(self, on_busy: Callable[[str, float], None] | None, writer: str):
+        path, started, delay = self.dir / ".lock", time.monotonic(), LOCK_POLL_FIRST_S
+        while (lock := try_exclusive_lock(path)) is None:
+            holder = read_holder(path)
+            if on_busy is None:
+                raise StoreBusy(f"{self.dir}: another process is writing this shard ({describe_holder(holder)}): "
+                                "another run sharing this store, or a stray extract. A retry waits for it, or stop it")
+            if holder.get("pid") == os.getpid() and holder.get("host_id") == read_host_id():
+                raise StoreBusy(f"{self.dir}: this process (pid {os.getpid()}) holds the shard's lock already, in a "
+                                "writer it has not released: waiting for it would never end")
+            on_busy(describe_holder(holder), time.monotonic() - started)
+            time.sleep(delay)
+            delay = min(2 * delay, LOCK_POLL_MAX_S)
+        record = {"host": socket.gethostname(), "host_id": read_host_id(), "pid": os.getpid(),
+                  "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "writer": writer}
+        lock.seek(0)
+        lock.truncate()
+        lock.write(json.dumps(record) + "\n")
+        lock.flush()
         return lock
 
     def _recover(self) -> list[dict]:
@@ -461,6 +494,29 @@ class ShardWriter:
     def close(self) -> None:
         self.flush()
         self.release()
+
+
+def read_holder(lock_path: Path) -> dict:
+    """What the writer holding a shard's lock recorded of itself in the lock file ({} when nothing readable: a writer
+    of older code, or one that has just taken the lock)."""
+    try:
+        with open(lock_path, "rb") as f:
+            record = json.loads(f.read(HOLDER_MAX_BYTES))
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def describe_holder(holder: dict) -> str:
+    """A lock holder's record as a waiter names it: pid, host, writer, since when."""
+    if not holder:
+        return "a writer that recorded nothing of itself (older code, or it has just taken the lock)"
+    parts = [f"pid {_shown(holder.get('pid'))} on host {_shown(holder.get('host'))}"]
+    if holder.get("writer"):
+        parts.append(_shown(holder["writer"]))
+    if holder.get("since"):
+        parts.append(f"since {_shown(holder['since'])}")
+    return ", ".join(parts)
 
 
 # -- reading ---------------------------------------------------------------------------------
