@@ -320,8 +320,7 @@ def test_a_run_another_host_made_is_never_pruned_here_even_between_two_stages(tm
     done = runs["box-1-between-stages"] / "jobs" / "extract.0"
     done.mkdir(parents=True, mode=0o700)
     (done / "state.json").write_text(json.dumps({
-        **another_hosts_running_job(runs["box-1-between-stages"], "unused"), "key": "extract.0", "status": "succeeded",
-        "exit_code": 0}))
+        **another_hosts_running_job(tmp_path / "scratch", "extract.0"), "status": "succeeded", "exit_code": 0}))
     (runs["owner-without-host"] / "owner.json").write_text(json.dumps({"runs": [
         {"dag_id": "eagle3_drafter", "run_id": "manual__old", "triggered_by": None, "redo_from": None}]}))
     as_host(monkeypatch, tmp_path, "gpu-box-2")

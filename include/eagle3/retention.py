@@ -209,10 +209,10 @@ def prune_runs(workdir: str | Path, keep: int, dry_run: bool = False, proposal_h
     for run_dir in runs[keep:]:
         if run_dir.resolve() in promoted:
             kept_for[run_dir.name] = "its drafter is a promoted version"
+        elif live := live_job(run_dir):  # (first: a job running now says more than who made the run)
+            kept_for[run_dir.name] = live
         elif others := other_hosts_run(run_dir):
             kept_for[run_dir.name] = others
-        elif live := live_job(run_dir):
-            kept_for[run_dir.name] = live
         elif awaits_approval(run_dir, proposal_hold_s):
             kept_for[run_dir.name] = "its drafter awaits approval"
         else:
