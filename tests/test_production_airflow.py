@@ -29,6 +29,8 @@ second machine could not). Both boxes' settings name one work directory, as two 
   retention meets box A's older run with a live job.
 - After the drills, one event on the settings' schedule Asset (fired through the REST API, as an upstream DAG's
   update would be) starts exactly one run, on eagle3_drafter.
+- Then the settings' `schedule` becomes a cron of one minute a year, about a minute ahead, and the DAG file is
+  re-parsed: the scheduler's tick of it makes exactly one scheduled run, on eagle3_drafter.
 - Then box A runs `shared-run` and its extract job freezes as it starts; box B is triggered with the same run name by
   the same user (a rerun, which takes the run directory over), and its extract stage meets box A's live job.
 
@@ -46,6 +48,7 @@ import sys
 import time
 import urllib.error
 import uuid
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import psutil
@@ -69,6 +72,7 @@ KEEP_RUNS = 1  # box B's retention meets box A's older run (the module docstring
 # its key), so that run 2 neither waits on run 1's store (StoreBusy) nor decides whether run 1's drafter is promoted.
 RUN_2_PRESET = "box-2-recipe"
 SHARED_RUN = "shared-run"  # box A's run that box B is triggered on too
+CRON_LEAD_S = 20  # the cron's tick: the first whole minute at least this long after the settings gain it
 FREEZE_EXTRACT = "freeze-extract"  # while this file is in the stack's root, box A's extract jobs stop as they start
 
 
@@ -545,8 +549,7 @@ def schedule_tick(stack, drilled_run):
 
 def test_one_schedule_tick_makes_one_run_on_the_default_boxs_dag_alone(schedule_tick):
     """Real: the scheduler, with two boxes in the settings, each box's DAG parsed by the dag-processor; one event on
-    the settings' schedule_assets Asset created through the REST API stands in for the tick (a cron schedule takes
-    the same path in the DAG file: only the default box's DAG gets `schedule` and `schedule_assets`). One run, on
+    the settings' schedule_assets Asset created through the REST API (a cron's tick: the next test). One run, on
     eagle3_drafter; box B's DAG neither runs nor waits on the event. Every box's DAG used to get the schedule: one
     tick, a run per box, all of them in one run directory."""
     runs = schedule_tick["runs"]
@@ -555,8 +558,66 @@ def test_one_schedule_tick_makes_one_run_on_the_default_boxs_dag_alone(schedule_
     assert [dag["dag_id"] for dag in schedule_tick["asset"]["scheduled_dags"]] == [DAG_ID], schedule_tick["asset"]
 
 
+def one_minute_a_year(after: datetime) -> tuple[datetime, str]:
+    """The first whole minute at or after `after` (UTC), and the cron of that minute of that day of the year: the
+    one tick a test can wait for, with the next a year away."""
+    tick = (after + timedelta(seconds=59)).replace(second=0, microsecond=0)
+    return tick, f"{tick.minute} {tick.hour} {tick.day} {tick.month} *"
+
+
 @pytest.fixture(scope="module")
-def foreign_job(stack, tiny_target, schedule_tick):
+def cron_tick(stack, tiny_target, schedule_tick):
+    """The settings' `schedule` made a cron of one minute a year (one_minute_a_year, CRON_LEAD_S from now), both
+    boxes in box_pools, and the DAG file re-parsed once neither box's DAG has a run in flight (max_active_runs 1
+    would hold the tick back); the runs the scheduler made on each box's DAG by that tick. The DAG's catchup is off:
+    the scheduler makes a run of the latest tick alone, this one whether the parse lands before it (the scheduler
+    waits for it) or after (it makes the missed tick's run at once), so exactly one run is expected; no run of the
+    module is scheduled before (the last scheduled run would be the tick's reference). The run is then marked failed:
+    it would run the whole pipeline on the form's defaults. The cron stays in the settings: its next tick is a year
+    away."""
+    started = time.monotonic()
+    before = {dag_id: set(dag_runs(stack, dag_id)) for dag_id in (DAG_ID, DAG_ID_2)}
+    tick, cron = one_minute_a_year(datetime.now(UTC) + timedelta(seconds=CRON_LEAD_S))
+    settings = {**deployment_settings(stack.root, tiny_target, BOXES), "schedule": cron}
+    stack.settings_file.write_text(json.dumps(settings))
+    stack.reparse(DAG_ID)
+    poll(stack, lambda: cron in (drafter_dags(stack)[DAG_ID]["timetable_summary"] or ""),
+         f"the DAG file re-parsed with the schedule {cron!r}", timeout=180, every_s=1)
+    parsed, dags = datetime.now(UTC), drafter_dags(stack)
+
+    def new_runs() -> dict[str, list[dict]]:
+        return {dag_id: [run for run_id, run in dag_runs(stack, dag_id).items() if run_id not in before[dag_id]]
+                for dag_id in (DAG_ID, DAG_ID_2)}
+
+    poll(stack, lambda: new_runs()[DAG_ID], f"the run of the tick at {tick:%H:%M} UTC",
+         timeout=max(0.0, (tick - datetime.now(UTC)).total_seconds()) + 90, every_s=1)
+    # The scheduler makes the runs of every DAG due at a tick in one pass; a few passes more: none more comes.
+    time.sleep(5)
+    made = new_runs()
+    for run in made[DAG_ID] + made[DAG_ID_2]:
+        stack.api(f"/dags/{run['dag_id']}/dagRuns/{run['dag_run_id']}", {"state": "failed"}, method="PATCH")
+    print(f"the cron tick took {time.monotonic() - started:.0f} s; the DAG file was parsed "
+          f"{(tick - parsed).total_seconds():.0f} s before the tick")
+    return {"tick": tick, "cron": cron, "dags": dags, "runs": made}
+
+
+def test_one_cron_tick_makes_one_scheduled_run_on_the_default_boxs_dag_alone(cron_tick):
+    """Real: the scheduler's own clock, the settings' `schedule` a cron (beside schedule_assets: Airflow's
+    AssetOrTimeSchedule), two boxes in box_pools, each box's DAG parsed by the dag-processor and unpaused. At the tick,
+    one scheduled run, of that tick, on eagle3_drafter; box B's DAG has no time schedule (no next run) and no run. Every
+    box's DAG used to get the schedule: one tick, a run per box, all of them in one run directory."""
+    dags, runs, tick = cron_tick["dags"], cron_tick["runs"], cron_tick["tick"]
+    assert not dags[DAG_ID]["is_paused"] and not dags[DAG_ID_2]["is_paused"], dags
+    assert dags[DAG_ID]["timetable_summary"] == f"Asset or {cron_tick['cron']}", dags[DAG_ID]
+    assert [(run["run_type"], datetime.fromisoformat(run["run_after"])) for run in runs[DAG_ID]] == \
+        [("scheduled", tick)], runs[DAG_ID]
+    assert runs[DAG_ID_2] == [], runs[DAG_ID_2]
+    assert dags[DAG_ID_2]["timetable_summary"] in (None, "None"), dags[DAG_ID_2]
+    assert dags[DAG_ID_2]["next_dagrun_run_after"] is None, dags[DAG_ID_2]
+
+
+@pytest.fixture(scope="module")
+def foreign_job(stack, tiny_target, cron_tick):
     """Box A's run SHARED_RUN, its extract job frozen as it starts (FREEZE_EXTRACT); then box B's run with the same
     run name, triggered by the same user (so it takes the run directory over: a rerun from another box after the
     Airflow side lost sight of box A's), to its end. What box A's job and box B's tasks were before and after."""
