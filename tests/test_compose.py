@@ -342,15 +342,21 @@ def _requirements(path: Path) -> dict[str, str | None]:
 
 def test_dockerfile_copies_the_code_and_no_test_tools():
     dockerfile = (REPO / "Dockerfile").read_text()
-    instructions = [line for line in dockerfile.splitlines() if line.strip() and not line.startswith("#")]
     airflow_pin = re.search(r"^apache-airflow==(\S+)$", (REPO / "requirements.txt").read_text(), re.MULTILINE)
-    assert instructions[0] == "FROM apache/airflow:3.3.2"
+    stages = re.findall(r"^FROM (\S+)", dockerfile, re.MULTILINE)
+    assert stages == ["apache/airflow:3.3.2"] * 2, stages  # the code's stage (bytecode) and the image
     assert airflow_pin and airflow_pin.group(1) == "3.3.2", "the image tag and requirements.txt's Airflow pin differ"
     assert "USER root" not in dockerfile
     # The code and the settings, into the folders the compose environment names (and a Kubernetes pod would).
     copies = dict(re.findall(r"^COPY (\S+) (\S+)$", dockerfile, re.MULTILINE))
+    compiled = dict(re.findall(r"^COPY --chown=airflow:root (\S+) (\S+)$", dockerfile, re.MULTILINE))
+    final = dict(re.findall(r"^COPY --from=code (\S+) (\S+)$", dockerfile, re.MULTILINE))
     for folder in ("dags", "plugins", "include"):
-        assert copies[f"{folder}/"] == f"/opt/airflow/{folder}/", folder
+        # compiled in the code stage, then copied owned by root (no --chown): read-only to the airflow user
+        assert compiled[f"{folder}/"] == f"/opt/airflow/{folder}/", folder
+        assert final[f"/opt/airflow/{folder}/"] == f"/opt/airflow/{folder}/", folder
+    assert re.search(r"^RUN python -m compileall .*--invalidation-mode checked-hash "
+                     r"/opt/airflow/dags /opt/airflow/plugins /opt/airflow/include$", dockerfile, re.MULTILINE)
     assert copies["deploy/fab_roles.py"] == f"{DEPLOY_DIR}/"  # of deploy/, the role script alone: settings are mounted
     assert re.search(r"^ENV PYTHONPATH=/opt/airflow/include\b", dockerfile, re.MULTILINE)
     assert "EAGLE3_DAG_SETTINGS=" not in dockerfile  # no settings baked in: changing them needs no rebuild
@@ -374,7 +380,9 @@ def test_dockerfile_copies_the_code_and_no_test_tools():
     # The build context is an allowlist: only what the Dockerfile copies gets in (never .env, secrets/, tests/).
     patterns = [line.strip() for line in (REPO / ".dockerignore").read_text().splitlines()
                 if line.strip() and not line.startswith("#")]
-    copied = set(re.findall(r"^COPY (\S+) ", dockerfile, re.MULTILINE)) | {"requirements-image.txt"}
+    # (COPY --from=code copies from the code stage, not from the context)
+    copied = set(re.findall(r"^COPY (?:--chown=\S+ )?([^-\s]\S*) ", dockerfile, re.MULTILINE))
+    copied |= {"requirements-image.txt"}
     assert patterns[0] == "*"
     assert {p[1:] for p in patterns if p.startswith("!")} == {c.rstrip("/") for c in copied}
     assert "deploy/settings" not in " ".join(patterns + list(copied))  # mounted, never a stale copy in the image
