@@ -356,6 +356,7 @@ def test_a_waiting_approval_tells_the_settings_channels_who_may_answer_where_and
     (proposed,) = received(event(propose(proposed["plan"])))  # the same run, its proposal made anew
     monkeypatch.setattr(Heard, "messages", [])
     monkeypatch.setattr("airflow.providers.standard.operators.hitl.upsert_hitl_detail", lambda **request: None)
+    monkeypatch.setenv("AIRFLOW__API__BASE_URL", "https://airflow.example/")
     deployment = Deployment(approve_promotion=True, approvers=["bob", "carol"], approval_timeout_h=24,
                             notify={"notifiers": [{"class": f"{Heard.__module__}.Heard",
                                                    "kwargs": {"subject": "{subject}", "body": "{body}"}}]})
@@ -367,7 +368,8 @@ def test_a_waiting_approval_tells_the_settings_channels_who_may_answer_where_and
     ((subject, body),) = Heard.messages
     assert RUN.run_id in subject and RUN.dag_id in subject
     assert "bob, carol" in body and "24 h" in body
-    assert (f"/dags/{PROMOTION_RUN.dag_id}/runs/{PROMOTION_RUN.run_id}/tasks/approve_promotion/mapped/0"
-            "/required_actions") in body
+    # absolute, on [api] base_url, the run id quoted as in the Task SDK's log_url (its ':' and '+')
+    assert (f"https://airflow.example/dags/{PROMOTION_RUN.dag_id}/runs/asset_triggered__2026-12-04T09%3A00%3A00%2B00"
+            "%3A00/tasks/approve_promotion/mapped/0/required_actions") in body
     assert "| 3 | 1.870 | 1.700 |" in body  # the figures, as the approval's body shows them
     assert r"better \{\{ 6 \* 7 \}\}" in body and "42" not in body  # escaped as in the body, never rendered

@@ -47,9 +47,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from urllib.parse import quote
 
 from airflow.providers.standard.operators.hitl import ApprovalOperator
-from airflow.sdk import Asset, BaseNotifier
+from airflow.sdk import Asset, BaseNotifier, conf
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
 from eagle3.runlayout import DRAFTER_DIR, REPORT
@@ -250,12 +251,15 @@ class ApprovalAsked(BaseNotifier):
         source = task.source  # the training run, which PromotionApproval.execute verified before it asks
         subject = f"eagle3: approve the promotion of run {source.run_id}? ({source.dag_id})"
         mapped = f"/mapped/{ti.map_index}" if getattr(ti, "map_index", -1) not in (None, -1) else ""
+        # Absolute, on the API server's [api] base_url, as the Task SDK builds a task's log_url: a mail reader has no
+        # page to resolve a relative link against.
+        base_url = conf.get("api", "base_url", fallback="http://localhost:8080/").rstrip("/")
         body = "\n".join([
             f"Run {source.run_id} of DAG {source.dag_id} proposes its drafter for promotion.",
             f"Who may approve: {', '.join(self.approvers)} (not the user who triggered the run).",
             f"Unanswered for {self.response_timeout_h:g} h, it is rejected.",
-            f"Answer in the Airflow UI: /dags/{dag_run.dag_id}/runs/{dag_run.run_id}/tasks/{task.task_id}{mapped}"
-            "/required_actions (Browse > Required Actions).",
+            f"Answer in the Airflow UI: {base_url}/dags/{dag_run.dag_id}/runs/{quote(dag_run.run_id)}/tasks/"
+            f"{task.task_id}{mapped}/required_actions (Browse > Required Actions).",
             "", task.body or ""])
         send(subject, body, context, self.smtp_conn_id, self.to, self.from_email, self.notifiers)
 
