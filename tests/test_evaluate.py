@@ -215,10 +215,11 @@ def sample_both_ways(monkeypatch, sampling, answers: int = 600):
     monkeypatch.setattr(evaluate, "draft_chain", likeliest_chain)
     plain, drawn, cycles = [], [], []
     for i in range(answers):
-        plain.append(evaluate.plain_sampled(target, prompt, 12, {MarkovTarget.EOS}, sampling,
-                                            torch.Generator().manual_seed(2 * i)))
-        tokens, accepted = evaluate.speculative_sampled(target, None, None, prompt, 3, 12, {MarkovTarget.EOS},
-                                                        sampling, torch.Generator().manual_seed(2 * i + 1))
+        plain.append(evaluate.plain_decode(target, prompt, 12, {MarkovTarget.EOS},
+                                           evaluate.SamplingRule(sampling, torch.Generator().manual_seed(2 * i))))
+        tokens, accepted = evaluate.speculative_decode(
+            target, None, None, prompt, 3, 12, {MarkovTarget.EOS},
+            evaluate.SamplingRule(sampling, torch.Generator().manual_seed(2 * i + 1)))
         drawn.append(tokens)
         cycles += accepted
     return plain, drawn, cycles

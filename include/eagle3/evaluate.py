@@ -191,22 +191,12 @@ GREEDY_RULE = GreedyRule()
 
 
 def speculative_greedy(target, drafter, draft_to_target, prompt: list[int], k: int, max_new: int, eos: set[int]):
+    """speculative_decode with greedy verification (the reference others are compared with: bench, stand-ins)."""
     return speculative_decode(target, drafter, draft_to_target, prompt, k, max_new, eos, GREEDY_RULE)
 
 
 def plain_greedy(target, prompt: list[int], max_new: int, eos: set[int]) -> list[int]:
     return plain_decode(target, prompt, max_new, eos, GREEDY_RULE)
-
-
-def speculative_sampled(target, drafter, draft_to_target, prompt: list[int], k: int, max_new: int, eos: set[int],
-                        sampling: Sampling, generator: torch.Generator):
-    return speculative_decode(target, drafter, draft_to_target, prompt, k, max_new, eos,
-                              SamplingRule(sampling, generator))
-
-
-def plain_sampled(target, prompt: list[int], max_new: int, eos: set[int], sampling: Sampling,
-                  generator: torch.Generator) -> list[int]:
-    return plain_decode(target, prompt, max_new, eos, SamplingRule(sampling, generator))
 
 
 def answer_sampling(cfg) -> Sampling:
