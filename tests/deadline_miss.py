@@ -1,7 +1,8 @@
 """Miss a DeadlineAlert the way Airflow does, then run its callback the way the triggerer does; prints the events.
 
 Run as a script in a throwaway Airflow home (tests/airflow_env.py), never imported by a test: it opens Airflow's
-metadata DB. argv[1]: the DAG's DeadlineAlert callback as JSON ({"path", "kwargs"}), as the settings make it.
+metadata DB. argv[1]: the DAG's DeadlineAlert callback as JSON ({"path", "kwargs"}), as the settings make it;
+argv[2] (default: running): the run's state when the scheduler sees its deadline missed.
 
 Nothing of the context is written here: a DagRun row goes into the DB, Airflow's own Deadline.handle_miss builds
 the context and queues the CallbackTrigger, and that trigger, rebuilt from its row as the triggerer rebuilds it,
@@ -36,12 +37,13 @@ async def events(trigger) -> list[dict]:
 def main() -> None:
     definition = json.loads(sys.argv[1])
     callback = AsyncCallback(definition["path"], kwargs=definition["kwargs"])
+    state = DagRunState(sys.argv[2] if len(sys.argv) > 2 else "running")
     queued = datetime(2026, 12, 4, 10, tzinfo=UTC)
     with create_session() as session:
         session.merge(DagBundleModel(name="dags-folder"))
         session.flush()  # (the DAG row refers to its bundle's)
         session.merge(DagModel(dag_id=DAG_ID, bundle_name="dags-folder"))
-        run = DagRun(dag_id=DAG_ID, run_id=RUN_ID, run_type=DagRunType.MANUAL, state=DagRunState.RUNNING,
+        run = DagRun(dag_id=DAG_ID, run_id=RUN_ID, run_type=DagRunType.MANUAL, state=state,
                      queued_at=queued, run_after=queued)
         session.add(run)
         session.flush()

@@ -49,8 +49,9 @@ def test_each_fenced_name_has_what_the_project_uses():
 
     assert sorted(fenced.__all__) == sorted(
         name for name, _ in imported_names(FENCE)), "every fenced name is listed in __all__"
-    # report_view: select(DagRun.id).where(DagRun.dag_id == ..., DagRun.run_id == ...); run_note: dag_run.note
-    for column in ("id", "dag_id", "run_id", "note"):
+    # report_view: select(DagRun.id).where(DagRun.dag_id == ..., DagRun.run_id == ...); run_note: dag_run.note;
+    # notify.RunFirstQueuedAt: select(DagRun.queued_at)
+    for column in ("id", "dag_id", "run_id", "note", "queued_at"):
         assert hasattr(fenced.DagRun, column), f"DagRun.{column}"
     assert parameters(fenced.DagRun.get_task_instances)[:2] == ["self", "state"]
     assert "session" in parameters(fenced.DagRun.get_task_instances)
@@ -87,3 +88,5 @@ def test_the_public_extension_points_used_are_where_the_public_interface_says(mo
         for method in ("serialize", "run", "on_kill", "cleanup"):
             assert hasattr(imported.BaseTrigger, method), f"BaseTrigger.{method}"
         assert imported.TriggerEvent({"status": "ok"}).payload == {"status": "ok"}
+    if module == "airflow.plugins_manager":  # plugins/eagle3_ui.py registers the lateness deadline's reference
+        assert isinstance(imported.AirflowPlugin.deadline_references, list)

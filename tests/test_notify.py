@@ -137,29 +137,36 @@ print(report_view.report_page("example_bash_operator", "manual__1", None))
     assert "example_bash_operator is not an EAGLE-3 drafter DAG" in proc.stdout
 
 
-def test_a_deadline_warns_of_a_late_run_naming_it_only_when_the_settings_ask_for_it(smtp_server, tmp_path):
-    """notify.late_after_h becomes the DAG's DeadlineAlert (queued-at + interval). Missed, Airflow's own
+@pytest.mark.parametrize("state", ["running", "queued", "failed", "success"])
+def test_a_deadline_warns_of_a_late_run_naming_it_only_while_it_runs(smtp_server, tmp_path, state):
+    """notify.late_after_h becomes the DAG's DeadlineAlert (first queued + interval). Missed, Airflow's own
     Deadline.handle_miss builds the callback's context and queues it, and Airflow's CallbackTrigger runs it as the
-    triggerer does (tests/deadline_miss.py): the mail names the run (Airflow 3.3 passes its id as `dag_run_id`)."""
+    triggerer does (tests/deadline_miss.py): the mail names the run (Airflow 3.3 passes its id as `dag_run_id`).
+    Airflow misses the deadline of a run that failed too (it drops deadlines only when a run succeeds in time): that
+    run, and one that ended since, gets no mail."""
     from datetime import timedelta
 
     from eagle3_airflow.deployment import Deployment
-    from eagle3_airflow.notify import deadline
+    from eagle3_airflow.notify import RunFirstQueuedAt, deadline
 
     inbox, connection = smtp_server
     assert deadline(Deployment()) is None and deadline(Deployment(notify=NOTIFY)) is None
     alert = deadline(Deployment(notify={**NOTIFY, "late_after_h": 30}))
     assert alert.interval == timedelta(hours=30) and alert.callback.path == "eagle3_airflow.notify.late_run"
+    assert isinstance(alert.reference, RunFirstQueuedAt)
     callback = json.dumps({"path": alert.callback.path, "kwargs": alert.callback.kwargs})
     env = airflow_env(migrated_airflow_home(tmp_path / "home"), AIRFLOW_CONN_SMTP_TEST=connection,
                       PYTHONPATH=f"{REPO / 'include'}:{REPO / 'plugins'}:{REPO}")
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "deadline_miss.py"), callback], env=env,
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "deadline_miss.py"), callback, state], env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.splitlines()[-1])[-1] == {"state": "success", "body": None}, proc.stdout
+    if state in ("failed", "success"):
+        assert inbox.messages == [], [message["Subject"] for message in inbox.messages]
+        return
     (message,) = inbox.messages
     assert message["Subject"] == "[eagle3] eagle3_drafter: run manual__2026-12-04T10:00:00+00:00 is late"
-    assert "not done 1 day, 6:00:00 after it was queued" in inbox.bodies()[0]
+    assert "still running 1 day, 6:00:00 after it was first queued" in inbox.bodies()[0]
 
 
 # -- notify.notifiers: any provider's notifier class ---------------------------------------------------------------
@@ -266,7 +273,7 @@ def test_a_late_run_reaches_the_notifiers_through_the_deadline_kwargs(heard):
     asyncio.run(late_run(**kwargs, context=run))
     ((got,),) = [heard]
     assert got["title"] == "[eagle3] eagle3_drafter: run manual__r2 is late"
-    assert "not done 2:00:00 after it was queued" in got["text"]
+    assert "still running 2:00:00 after it was first queued" in got["text"]
     asyncio.run(late_run(smtp_conn_id="smtp_default", to=[], from_email=None, callables=["old:channel"],
                          late_after_h=2, context=run))
     assert len(heard) == 1

@@ -25,8 +25,9 @@ from airflow.api_fastapi.common.db.common import SessionDep
 # (DagAccessEntity's companion: the dependency that checks it.)
 from airflow.api_fastapi.core_api.security import requires_access_dag
 
-# Whether a run exists, asked of the metadata DB by the report tab (a request, not a task); the listener gets its
-# run from Airflow.
+# Whether a run exists, asked of the metadata DB by the report tab (a request, not a task); when a run was queued,
+# asked by the lateness deadline's reference (notify.RunFirstQueuedAt, in the scheduler or API server creating the
+# run: Airflow hands a custom reference a session and ids, no run). The listener gets its run from Airflow.
 from airflow.models.dagrun import DagRun
 
 # The report task's XCom, read by the listener that writes a finished run's note (in the scheduler, within the

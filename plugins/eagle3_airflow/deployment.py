@@ -236,7 +236,9 @@ class NotifySettings(BaseModel):
         description="Other channels: Airflow notifier classes, each {\"class\": dotted path, \"kwargs\": {...}}, "
         "made anew for each message, the message in their string kwargs' {subject}, {body}, {body_html}.")
     late_after_h: float | None = Field(
-        None, gt=0, le=24 * 60, description="Warn when a run is not done this many hours after it was queued.")
+        None, gt=0, le=24 * 60,
+        description="Warn when a run is still running this many hours after it was first queued (a clear does not "
+        "restart the clock).")
 
     @model_validator(mode="before")
     @classmethod

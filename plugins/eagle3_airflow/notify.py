@@ -4,7 +4,7 @@ marked failed), and one when a run is late.
 Configured in the deployment's settings file (`notify`, eagle3_airflow/deployment.py), never by a trigger. Airflow
 calls these through its notifier interface: the DAG's on_failure_callback (the run failed), every task's
 on_failure_callback (a task failed with no retry left: retries go by silently) and, with `notify.late_after_h`, a
-DeadlineAlert on the run (still not done that long after it was queued).
+DeadlineAlert on the run (still running that long after it was first queued: RunFirstQueuedAt).
 
 A message names the run, the task and its try, the box, the task log's URL (on the API server's [api] base_url),
 the job log's path on the box and the last lines the task reported (the remote-job operator puts the job's log tail
@@ -37,7 +37,7 @@ import re
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from airflow.sdk import BaseNotifier
+from airflow.sdk import BaseDeadlineReference, BaseNotifier
 
 if TYPE_CHECKING:
     from eagle3_airflow.deployment import Deployment
@@ -184,21 +184,48 @@ def _connection_sender(smtp_conn_id: str | None) -> str:
 
 async def late_run(smtp_conn_id: str | None, to: list[str], from_email: str | None, late_after_h: float,
                    notifiers: list[dict] | None = None, context: dict | None = None, **_: Any) -> None:
-    """The DeadlineAlert's callback (it runs in the triggerer): the run is still not done. (A deadline stored before
-    `notify.notifiers` carries `callables` instead, which is ignored: its mail still goes.)
+    """The DeadlineAlert's callback (it runs in the triggerer): the run is late, if it is still running. Airflow
+    misses a deadline whatever the run's state (it drops a deadline only when its run succeeds in time), so a run that
+    failed, or ended after the deadline but before the scheduler noticed, is not mailed as late. (A deadline stored
+    before `notify.notifiers` carries `callables` instead, which is ignored: its mail still goes.)
 
     Airflow 3.3's Deadline.handle_miss hands it {"dag_run": <the run as the REST API returns it>, "deadline": ...}:
-    a dict, whose run id is `dag_run_id` (DAGRunResponse's name for it), not `run_id`."""
+    a dict, whose run id is `dag_run_id` (DAGRunResponse's name for it), not `run_id`, and whose `state` is the run's
+    when the scheduler saw the deadline missed."""
     context = context or {}
     dag_run = context.get("dag_run") or {}
     if isinstance(dag_run, dict):
-        run_id, dag_id = dag_run.get("dag_run_id") or dag_run.get("run_id"), dag_run.get("dag_id")
+        run_id, dag_id, state = dag_run.get("dag_run_id") or dag_run.get("run_id"), dag_run.get("dag_id"), \
+            dag_run.get("state")
     else:  # (a DagRun, should a later Airflow pass the full context)
-        run_id, dag_id = getattr(dag_run, "run_id", None), getattr(dag_run, "dag_id", None)
+        run_id, dag_id, state = getattr(dag_run, "run_id", None), getattr(dag_run, "dag_id", None), \
+            getattr(dag_run, "state", None)
+    if state in ENDED_RUN_STATES:
+        log.info("run %s / %s is %s, not late: no lateness message", dag_id, run_id, state)
+        return
     subject = f"[eagle3] {dag_id or 'eagle3_drafter'}: run {run_id} is late"
-    body = (f"Run {dag_id} / {run_id} is not done {timedelta(hours=late_after_h)} after it was queued "
+    body = (f"Run {dag_id} / {run_id} is still running {timedelta(hours=late_after_h)} after it was first queued "
             "(notify.late_after_h in the DAG settings). It may be waiting for a box, GPUs or disk, or a stage is slow.")
     await asyncio.to_thread(send, subject, body, context, smtp_conn_id, to, from_email, notifiers or [])
+
+
+ENDED_RUN_STATES = ("success", "failed")
+
+
+class RunFirstQueuedAt(BaseDeadlineReference):
+    """When the run was first queued: the lateness deadline's reference. Airflow's own DAGRUN_QUEUED_AT moves with
+    every clear, and in Airflow 3.3 that move fails the clear itself (HTTP 500 inside the deadline:
+    apache/airflow#70368, docs/deployment.md); Airflow moves no custom reference. Registered by the plugin
+    (plugins/eagle3_ui.py); a run created running (`airflow dags test`) is never queued and has no deadline."""
+
+    required_kwargs = {"dag_id", "run_id"}
+
+    def _evaluate_with(self, *, session, dag_id: str, run_id: str, **_: Any):
+        from sqlalchemy import select
+
+        from eagle3_airflow.airflow_internals import DagRun
+
+        return session.scalar(select(DagRun.queued_at).where(DagRun.dag_id == dag_id, DagRun.run_id == run_id))
 
 
 # -- what the DAG file hands Airflow, from the settings' `notify` --------------------------------------------------
@@ -217,12 +244,13 @@ def task_failure_callbacks(settings: Deployment) -> list:
 
 
 def deadline(settings: Deployment):
-    """A DeadlineAlert that warns when a run is not done `notify.late_after_h` after it was queued, or None."""
+    """A DeadlineAlert that warns when a run is still running `notify.late_after_h` after it was first queued, or
+    None."""
     if settings.notify is None or settings.notify.late_after_h is None:
         return None
-    from airflow.sdk import AsyncCallback, DeadlineAlert, DeadlineReference
+    from airflow.sdk import AsyncCallback, DeadlineAlert
 
     return DeadlineAlert(
-        reference=DeadlineReference.DAGRUN_QUEUED_AT, interval=timedelta(hours=settings.notify.late_after_h),
+        reference=RunFirstQueuedAt(), interval=timedelta(hours=settings.notify.late_after_h),
         callback=AsyncCallback("eagle3_airflow.notify.late_run",
                                kwargs={**settings.notify.kwargs(), "late_after_h": settings.notify.late_after_h}))
