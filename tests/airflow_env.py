@@ -6,6 +6,7 @@ so nothing of Airflow's global state leaks between tests or into the test proces
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import json
 import os
@@ -15,6 +16,8 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -128,6 +131,19 @@ class AirflowClient:
         """Any path of the API server (a plugin's), with the admin's token or without any."""
         return self.request(path, token=self.token if authorized else None)
 
+    def task_log(self, dag_id: str, run_id: str, task_id: str, try_number: int, map_index: int = -1) -> str:
+        """A try's task log as the UI shows it: its events' messages, one a line, and a failure's exception."""
+        content = self.api(f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances/{task_id}/logs/{try_number}"
+                           f"?full_content=true&map_index={map_index}")["content"]
+
+        def lines(item) -> list[str]:
+            if not isinstance(item, dict):
+                return [str(item)]
+            return [item.get("event", ""), *(f"{error.get('exc_type')}: {error.get('exc_value')}"
+                                             for error in item.get("error_detail") or [] if isinstance(error, dict))]
+
+        return "\n".join(line for item in content for line in lines(item))
+
 
 HEALTH_PARTS = ("metadatabase", "scheduler", "triggerer", "dag_processor")
 
@@ -207,3 +223,127 @@ def stop_process_groups(procs: list[subprocess.Popen], wait_s: float = 20) -> No
         except ProcessLookupError:
             pass
         proc.wait(timeout=30)
+
+
+# -- `airflow standalone`: SQLite, LocalExecutor, every component, the local box ---------------------------------
+
+def _processes() -> dict[int, tuple[int, str, str]]:
+    """pid -> (parent pid, start time in clock ticks, command line) for every process we can read."""
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
+        out[int(entry.name)] = (int(fields[1]), fields[19], cmdline)
+    return out
+
+
+def _ours(root_pid: int, marker: str) -> dict[int, str]:
+    """pid -> start time of root_pid's descendants and of every process whose command line names `marker` (the
+    test's own temp dir: the box-side jobs detach into their own sessions, out of standalone's tree)."""
+    procs = _processes()
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _, _) in procs.items():
+        children.setdefault(ppid, []).append(pid)
+    found, todo = {}, [root_pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found[child] = procs[child][1]
+                todo.append(child)
+    for pid, (_, started, cmdline) in procs.items():
+        if marker in cmdline and pid != os.getpid():
+            found[pid] = started
+    return found
+
+
+def _kill_all(proc: subprocess.Popen, marker: str) -> None:
+    """Stop standalone's process group, then SIGKILL whatever of ours is left (same pid and start time)."""
+    ours = _ours(proc.pid, marker)
+    stop_process_groups([proc], wait_s=30)
+    ours.update(_ours(proc.pid, marker))
+    alive = _processes()
+    for pid, started in ours.items():
+        if pid in alive and alive[pid][1] == started:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+class Standalone(AirflowClient):
+    """A running `airflow standalone`: its URL, home, log, and a REST client for setup and final checks."""
+
+    def __init__(self, url: str, home: Path, log: Path, proc: subprocess.Popen) -> None:
+        super().__init__(url, home)
+        self.log, self.proc = log, proc
+
+    def tail(self, lines: int = 60) -> str:
+        """The log's last lines, without the api server's access log (one line per request the UI makes)."""
+        text = self.log.read_text(errors="replace") if self.log.exists() else ""
+        kept = [line for line in text.splitlines() if "[http.access]" not in line]
+        return f"--- last {lines} lines of {self.log} (access log left out) ---\n" + "\n".join(kept[-lines:])
+
+    def wait_until(self, ready, what: str, deadline: float, every_s: float = 0.5) -> None:
+        """Poll `ready()` every `every_s` until it is true, failing if standalone exits or `deadline` (a
+        time.monotonic() value) passes."""
+        poll_until(ready, what, deadline, lambda: None if self.proc.poll() is None else
+                   f"airflow standalone exited ({self.proc.returncode})", self.tail, every_s)
+
+
+
+
+@contextlib.contextmanager
+def airflow_standalone(root: Path, log: Path, dag_ids: list[str], startup_timeout_s: float,
+                       **env_extra: str) -> Iterator[Standalone]:
+    """`airflow standalone` (SQLite, LocalExecutor: api server, scheduler, dag-processor, triggerer) with this repo's
+    DAGs, its home in root/airflow, its output in `log`, `env_extra` in its environment (EAGLE3_DAG_SETTINGS...):
+    yielded once every component is healthy, `dag_ids` are serialized, the Execution API's routes are built and the
+    DAG's pool exists. At the end it is killed with everything it started, and every process whose command line
+    names `root` (the box-side jobs detach into sessions of their own), pass or fail."""
+    from tests.sshd import free_port
+
+    home = root / "airflow"
+    home.mkdir()
+    port = free_port()
+    env = airflow_env(
+        home,
+        AIRFLOW__API__PORT=str(port),
+        AIRFLOW__CORE__EXECUTION_API_SERVER_URL=f"http://localhost:{port}/execution/",
+        AIRFLOW__CORE__PARALLELISM="4",  # LocalExecutor forks this many workers: 32 by default, on 2 cores
+        # The settings file is fixed for the test, so the DAG file needs parsing once: every 30 s (the default)
+        # the dag-processor forked a parse of it, for nothing, through a test's minutes under load.
+        AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL="3600",
+        **env_extra,
+    )
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # it spawns `airflow ...`
+    started = time.monotonic()
+    with open(log, "w") as out:
+        proc = subprocess.Popen([AIRFLOW, "standalone"], env=env, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True, cwd=root)
+    server = Standalone(f"http://localhost:{port}", home, log, proc)
+    try:
+        deadline = time.monotonic() + startup_timeout_s
+        server.wait_until(lambda: all_healthy(server.url),
+                          "the api server's health endpoint to report every component healthy", deadline)
+        server.wait_until(lambda: dags_serialized(server.api, dag_ids, server.tail),
+                          f"the dag-processor to serialize {', '.join(dag_ids)}", deadline)
+        # The Execution API builds its versioned routes (Cadwyn) on its first request, holding the api server's
+        # one worker for about 10 CPU-seconds. The first task's start call paid for it: inside the suite the whole
+        # api server stood still for 40 s, the call's five tries at 5 s each timed out and `validate` failed. Pay
+        # for it here, as a deployment's health check would, before anything runs (with time to spare: under
+        # load it is the 40 s above, more than the REST client's 30 s). Any first request builds every version's
+        # routes, as `make airflow` and the compose healthcheck rely on too.
+        urllib.request.urlopen(server.url + "/execution/health", timeout=startup_timeout_s).close()
+        # The DAG's pool, as make airflow and the compose init create it: its tasks wait for a pool that exists.
+        subprocess.run([sys.executable, "-m", "eagle3_airflow.deployment", "create-pool", "--airflow", AIRFLOW],
+                       env=env, check=True, capture_output=True, timeout=120)
+        print(f"airflow standalone on {server.url}: ready in {time.monotonic() - started:.1f} s")
+        yield server
+    finally:
+        _kill_all(proc, str(root))

@@ -7,8 +7,8 @@ Registered as a plugin in tests/conftest.py, so every test file gets the fixture
                 comparison uses (bit-identical drafter, equal store digest), computed once
 
 and the helpers tiny_layers and tiny_run (a small run's conf and settings), job_state, sha256, assert_succeeded,
-wait_for, start_dag_run and copy_through_vocab (a run directory where extract and vocab already succeeded, for
-drills about training).
+wait_for, killing_python (a box whose training dies on every try), start_dag_run and copy_through_vocab (a run
+directory where extract and vocab already succeeded, for drills about training).
 """
 
 from __future__ import annotations
@@ -127,6 +127,26 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.1) -> Non
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
         time.sleep(interval)
+
+
+def killing_python(wrapper: Path, while_exists: Path, checkpoints: Path) -> Path:
+    """Write `wrapper`, a box.python that is this interpreter, except that while `while_exists` exists, each `eagle3
+    train` is SIGKILLed as soon as `checkpoints` holds a checkpoint (at once when it holds one already): a box whose
+    training dies on every try, after the first one saved what a later try resumes from."""
+    wrapper.write_text(
+        "#!/bin/sh\n"  # argv: python -P -m eagle3 <stage> ...
+        f'if [ "$4" = train ] && [ -e {while_exists} ]; then\n'
+        f'  {sys.executable} "$@" &\n'
+        "  stage=$!\n"
+        f'  until [ -n "$(ls -d {checkpoints}/step-* 2>/dev/null)" ] || ! kill -0 $stage 2>/dev/null; do\n'
+        "    sleep 0.2\n"
+        "  done\n"
+        "  kill -9 $stage\n"
+        "  exit 137\n"
+        "fi\n"
+        f'exec {sys.executable} "$@"\n')
+    wrapper.chmod(0o755)
+    return wrapper
 
 
 def start_dag_run(home: Path, conf: dict, output: Path, *, logical_date: str | None = None,

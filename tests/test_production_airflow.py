@@ -13,8 +13,9 @@ One run on the tiny target carries the drills, in the order a bad day brings the
 3. Clear `train` while it is deferred: the trigger's on_kill kills the job's process group, the task runs again
    and starts the job's next try, which resumes training; the run succeeds.
 
-Besides: every run is late (notify.late_after_h is 4 s), and the DeadlineAlert's mail names the run; the second
-worker ran some of the run's tasks; the run's report tab shows the SSH box's plots in chromium.
+Besides: the drilled run is late (notify.late_after_h is 90 s until the cron tick below) and the DeadlineAlert's
+mail names it, while the schedule tick's run, failed within seconds, gets no lateness mail; the second worker ran
+some of the run's tasks; the run's report tab shows the SSH box's plots in chromium.
 
 Two boxes on one shared disk (issue 43, item 4). Each box is an sshd of its own on this machine (gpu_box: box A,
 gpu_box_2: box B) whose sessions name another host to the box code: EAGLE3_HOST_ID_FILE stands in for the machine id,
@@ -33,6 +34,9 @@ second machine could not). Both boxes' settings name one work directory, as two 
   re-parsed: the scheduler's tick of it makes exactly one scheduled run, on eagle3_drafter.
 - Then box A runs `shared-run` and its extract job freezes as it starts; box B is triggered with the same run name by
   the same user (a rerun, which takes the run directory over), and its extract stage meets box A's live job.
+- Last, clear must always resume (issue 51): box B's run `cleared-run` has its train killed on every try until its
+  retries are spent and the run fails; its lateness deadline (an hour since the cron tick's settings) still ahead,
+  train and what follows are cleared through the REST API, and train resumes from the checkpoint.
 
 The tests below each assert one of these on the record the module's runs leave; the stack's and the tasks' logs go
 to test-artifacts/production/ when one fails.
@@ -56,7 +60,7 @@ import pytest
 
 from tests.airflow_env import REPO, expect_report_plots
 from tests.celery_stack import BOXES, DAG_ID, DAG_ID_2, WORKER_2_HOSTNAME, CeleryStack, Namespace, StackSshd
-from tests.dagruns import job_state, tiny_layers, wait_for
+from tests.dagruns import job_state, killing_python, tiny_layers, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("production_airflow")]
 
@@ -64,7 +68,11 @@ RUN_NAME = "prod-run"
 RUN_TIMEOUT_S = 600
 RUN_POLL_S = 3.0  # as tests/ui/test_web_ui.py: each REST call costs the api server's one worker CPU
 ARTIFACTS = REPO / "test-artifacts" / "production"
-LATE_AFTER_H = 0.001  # 3.6 s: every run of the module is late
+# Until the cron tick, a run is late 90 s after it was first queued: the drilled run is (its train is frozen for
+# minutes), the schedule tick's run is not (it is marked failed within seconds). From the cron tick on, an hour: the
+# last run is cleared inside its deadline.
+LATE_AFTER_H = 1 / 40
+LATE_AFTER_H_FROM_CRON = 1.0
 RUN_2_NAME = "prod-run-2"
 SCHEDULE_ASSET = "eagle3-test-prompts"  # the settings' schedule_assets
 KEEP_RUNS = 1  # box B's retention meets box A's older run (the module docstring)
@@ -74,6 +82,8 @@ RUN_2_PRESET = "box-2-recipe"
 SHARED_RUN = "shared-run"  # box A's run that box B is triggered on too
 CRON_LEAD_S = 20  # the cron's tick: the first whole minute at least this long after the settings gain it
 FREEZE_EXTRACT = "freeze-extract"  # while this file is in the stack's root, box A's extract jobs stop as they start
+CLEARED_RUN = "cleared-run"  # box B's run whose train dies on every try, then is cleared inside its deadline
+KILL_TRAIN = "kill-train"  # while this file is in the stack's root, box B's train jobs die (killing_python)
 
 
 def freezing_python(root: Path) -> Path:
@@ -126,12 +136,16 @@ def inbox():
     controller.stop()
 
 
-def deployment_settings(root: Path, tiny_target: Path, boxes: tuple[str, ...]) -> dict:
+def deployment_settings(root: Path, tiny_target: Path, boxes: tuple[str, ...],
+                        late_after_h: float = LATE_AFTER_H) -> dict:
     """The stack's settings file with `boxes` in box_pools: a DAG and a pool of 8 slots for each, all of them on the
-    one shared work directory; box A's python freezes jobs (freezing_python), box B's is this interpreter. The form's
-    defaults make a valid run, for the schedule (one Asset); late runs are mailed; keep_runs KEEP_RUNS."""
+    one shared work directory; box A's python freezes jobs (freezing_python), box B's kills CLEARED_RUN's train
+    (killing_python). The form's defaults make a valid run, for the schedule (one Asset); runs late by
+    `late_after_h` are mailed; keep_runs KEEP_RUNS."""
     conf, layers = run_layers(tiny_target)
-    python = {"gpu_box": str(freezing_python(root)), "gpu_box_2": sys.executable}
+    python = {"gpu_box": str(freezing_python(root)),
+              "gpu_box_2": str(killing_python(root / "killing-python", root / KILL_TRAIN,
+                                              root / "box" / "runs" / CLEARED_RUN / "train" / "checkpoints"))}
     settings = {
         **layers, "allowed_boxes": list(boxes),
         "box_pools": {box: {"gpus": 8, "run": {"workdir": str(root / "box")}, "box": {"python": python[box]}}
@@ -140,7 +154,7 @@ def deployment_settings(root: Path, tiny_target: Path, boxes: tuple[str, ...]) -
                    "data.path": conf["data.path"]},
         "presets": {RUN_2_PRESET: {"data.max_length": 2048, "vocab.draft_vocab_size": 256}},
         "schedule_assets": [SCHEDULE_ASSET], "keep_runs": KEEP_RUNS, "retry_delay_s": 1, "retries": 2,
-        "notify": {"to": ["oncall@example.com"], "smtp_conn_id": "smtp_test", "late_after_h": LATE_AFTER_H},
+        "notify": {"to": ["oncall@example.com"], "smtp_conn_id": "smtp_test", "late_after_h": late_after_h},
         # The Celery workers (one in a network namespace) and the API server share this machine's disk: the default
         # local reports folder is one folder to all of them, which the CeleryExecutor requires the settings to say.
         "reports_shared_disk": True}
@@ -213,17 +227,8 @@ def poll(stack: CeleryStack, ready, what: str, timeout: float = RUN_TIMEOUT_S, e
 
 def task_log(stack: CeleryStack, run_id: str, task_id: str, try_number: int, dag_id: str = DAG_ID,
              map_index: int = -1) -> str:
-    """A try's task log as the UI shows it: its events' messages, one a line, and a failure's exception."""
-    content = stack.api(f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances/{task_id}/logs/{try_number}"
-                        f"?full_content=true&map_index={map_index}")["content"]
-
-    def lines(item) -> list[str]:
-        if not isinstance(item, dict):
-            return [str(item)]
-        return [item.get("event", ""), *(f"{error.get('exc_type')}: {error.get('exc_value')}"
-                                         for error in item.get("error_detail") or [] if isinstance(error, dict))]
-
-    return "\n".join(line for item in content for line in lines(item))
+    """A try's task log as the UI shows it (AirflowClient.task_log)."""
+    return stack.task_log(dag_id, run_id, task_id, try_number, map_index)
 
 
 def job_lines(log: str) -> list[str]:
@@ -574,11 +579,11 @@ def cron_tick(stack, tiny_target, schedule_tick):
     waits for it) or after (it makes the missed tick's run at once), so exactly one run is expected; no run of the
     module is scheduled before (the last scheduled run would be the tick's reference). The run is then marked failed:
     it would run the whole pipeline on the form's defaults. The cron stays in the settings: its next tick is a year
-    away."""
+    away. From these settings on, a run is late an hour after it was first queued (LATE_AFTER_H_FROM_CRON)."""
     started = time.monotonic()
     before = {dag_id: set(dag_runs(stack, dag_id)) for dag_id in (DAG_ID, DAG_ID_2)}
     tick, cron = one_minute_a_year(datetime.now(UTC) + timedelta(seconds=CRON_LEAD_S))
-    settings = {**deployment_settings(stack.root, tiny_target, BOXES), "schedule": cron}
+    settings = {**deployment_settings(stack.root, tiny_target, BOXES, LATE_AFTER_H_FROM_CRON), "schedule": cron}
     stack.settings_file.write_text(json.dumps(settings))
     stack.reparse(DAG_ID)
     poll(stack, lambda: cron in (drafter_dags(stack)[DAG_ID]["timetable_summary"] or ""),
@@ -614,6 +619,30 @@ def test_one_cron_tick_makes_one_scheduled_run_on_the_default_boxs_dag_alone(cro
     assert runs[DAG_ID_2] == [], runs[DAG_ID_2]
     assert dags[DAG_ID_2]["timetable_summary"] in (None, "None"), dags[DAG_ID_2]
     assert dags[DAG_ID_2]["next_dagrun_run_after"] is None, dags[DAG_ID_2]
+
+
+def deadlines(stack: CeleryStack, dag_id: str, run_id: str) -> list[dict]:
+    """A run's deadlines, as the UI's run page reads them (its private /ui API: the public one has none)."""
+    return json.loads(stack.request(f"/ui/dags/{dag_id}/dagRuns/{run_id}/deadlines", token=stack.token))["deadlines"]
+
+
+def test_a_run_that_failed_before_its_deadline_gets_no_lateness_mail(stack, inbox, schedule_tick, cron_tick):
+    """Real: the schedule tick's run was marked failed within seconds of being queued, its lateness deadline
+    (LATE_AFTER_H) still ahead. Airflow misses a failed run's deadline all the same (it drops a deadline only when
+    its run succeeds in time), and the triggerer runs the callback, which sends nothing for a run that is not
+    running. It used to mail that the failed run "is not done"."""
+    (run,) = schedule_tick["runs"][DAG_ID]
+    run_id = run["dag_run_id"]
+    ended = datetime.fromisoformat(read(stack, f"/dags/{DAG_ID}/dagRuns/{run_id}")["end_date"])
+    (deadline,) = deadlines(stack, DAG_ID, run_id)
+    assert ended < datetime.fromisoformat(deadline["deadline_time"]), (run, deadline)
+    poll(stack, lambda: all(deadline["missed"] for deadline in deadlines(stack, DAG_ID, run_id)),
+         f"the scheduler to miss {run_id}'s deadline", timeout=180, every_s=2)
+    skipped = f"{run_id} is failed, not late"
+    poll(stack, lambda: any(skipped in log.read_text(errors="replace") for log in stack.logs.glob("triggerer*.log")),
+         "the triggerer to run the lateness callback", timeout=120, every_s=2)
+    subjects = [message["Subject"] for message in inbox.messages]
+    assert not [subject for subject in subjects if run_id in subject], subjects
 
 
 @pytest.fixture(scope="module")
@@ -674,3 +703,59 @@ def test_box_bs_stage_meets_box_as_live_job_as_foreign_and_starts_nothing(foreig
         (before["pid"], before["try"], "running", before["host_id"]), (before, after)
     assert psutil.pid_exists(before["pid"])
     assert foreign_job["extract_a"]["state"] == "deferred", foreign_job["extract_a"]
+
+
+# -- clear must always resume, inside the lateness deadline too (issue 51) --------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cleared_inside_deadline(stack, tiny_target, foreign_job):
+    """Box B's run CLEARED_RUN (seed 1: inputs new to the lineage, so it trains), its train killed on every try while
+    KILL_TRAIN is in the stack's root (box B's python, killing_python), until its retries are spent and the run
+    fails; then, the run's lateness deadline (LATE_AFTER_H_FROM_CRON) still ahead, train and what follows cleared
+    through the REST API as the UI's clear dialog does; the run to its end. What the REST API answered and showed."""
+    started = time.monotonic()
+    run_dir = stack.root / "box" / "runs" / CLEARED_RUN
+    (stack.root / KILL_TRAIN).touch()
+    run_id = stack.api(f"/dags/{DAG_ID_2}/dagRuns", {
+        "logical_date": None, "conf": run_conf(tiny_target, "gpu_box_2", CLEARED_RUN, seed=1)})["dag_run_id"]
+    poll(stack, lambda: _ended(stack, run_id, DAG_ID_2), f"the run {run_id} to fail at train")
+    record = {"run_id": run_id, "run_dir": run_dir, "failed_run": stack.api(f"/dags/{DAG_ID_2}/dagRuns/{run_id}"),
+              "failed_train": task_instances(stack, run_id, DAG_ID_2)["train"],
+              "checkpoints": sorted(path.name for path in (run_dir / "train" / "checkpoints").glob("step-*")),
+              "deadlines": deadlines(stack, DAG_ID_2, run_id), "cleared_at": datetime.now(UTC)}
+    (stack.root / KILL_TRAIN).unlink()
+    try:
+        answer = stack.request(f"/api/v2/dags/{DAG_ID_2}/clearTaskInstances", {
+            "dry_run": False, "dag_run_id": run_id, "task_ids": ["train"], "only_failed": False,
+            "include_downstream": True, "include_upstream": False, "reset_dag_runs": True}, token=stack.token)
+        record["clear"] = (200, json.loads(answer))
+    except urllib.error.HTTPError as err:
+        record["clear"] = (err.code, err.read().decode(errors="replace"))
+    print(f"the clear of {run_id}'s failed train answered HTTP {record['clear'][0]}")
+    if record["clear"][0] == 200:
+        poll(stack, lambda: _ended(stack, run_id, DAG_ID_2), f"the cleared run {run_id} to end")
+    record["run"] = stack.api(f"/dags/{DAG_ID_2}/dagRuns/{run_id}")
+    record["train"] = train = task_instances(stack, run_id, DAG_ID_2)["train"]
+    record["train_log"] = task_log(stack, run_id, "train", train["try_number"], DAG_ID_2)
+    print(f"the failed train's clear inside its deadline took {time.monotonic() - started:.0f} s")
+    return record
+
+
+def test_a_failed_train_cleared_inside_its_lateness_deadline_resumes_from_its_checkpoint(cleared_inside_deadline):
+    """Real: box B's SSH box, the Celery workers, the triggerer, the REST API. Train died on its three tries, after a
+    checkpoint; the run failed an hour before its lateness deadline. The REST clear of train and its downstream
+    answers 200 (Airflow 3.3's DAGRUN_QUEUED_AT: HTTP 500, apache/airflow#70368), train's next try resumes from the
+    checkpoint the dead tries left, and the run succeeds."""
+    record = cleared_inside_deadline
+    failed_train, (deadline,) = record["failed_train"], record["deadlines"]
+    assert (record["failed_run"]["state"], failed_train["state"], failed_train["try_number"]) == \
+        ("failed", "failed", 3), (record["failed_run"], failed_train)
+    assert not deadline["missed"] and datetime.fromisoformat(deadline["deadline_time"]) > record["cleared_at"]
+    status, answer = record["clear"]
+    assert status == 200, answer
+    assert record["checkpoints"], "the dead tries left no checkpoint"
+    resumed = f"train: resumed from {record['run_dir'] / 'train' / 'checkpoints' / record['checkpoints'][-1]}"
+    assert resumed in record["train_log"], record["train_log"][-3000:]
+    assert (record["run"]["state"], record["train"]["state"]) == ("success", "success"), (record["run"],
+                                                                                         record["train"])
