@@ -211,7 +211,7 @@ def trained_config(trained_run, make_config, tmp_path):
     from eagle3.config import write_run_config
 
     run_config = trained_run[0] / "runs" / "train" / "config.json"
-    shutil.copytree(trained_run[0], tmp_path / "work",
+    shutil.copytree(trained_run[0], tmp_path / "work", symlinks=True,  # hidden_states: the link into stores/
                     ignore=lambda directory, names: ["config.json"] if Path(directory) == run_config.parent else [])
     cfg = make_config(run_name="train", train=TRAIN_SETTINGS)
     write_run_config(cfg)  # (the copy's own: the trained run's names the other workdir)
@@ -240,8 +240,53 @@ def sealed(plan, dag_run=RUN) -> dict:
     from eagle3_airflow.seal import task_key
 
     if isinstance(plan, dict):
-        plan = RunPlan.from_trusted({key: value for key, value in plan.items() if key != "seal"})
+        plan = RunPlan.from_trusted(plan)
     return plan.sealed(dag_run, task_key())
+
+
+def run_dir_of(plan: dict) -> Path:
+    """The run directory of a plan's XCom dict."""
+    from eagle3_airflow.plan import RunPlan
+
+    return Path(RunPlan.from_trusted(plan).run_dir)
+
+
+def edited(plan: dict, edits: dict) -> dict:
+    """The XCom dict of a plan with each dotted field of `edits` set, as a PATCH of the XCom would leave it (its seal
+    untouched: `sealed` seals it again, as validate would have)."""
+    import copy
+
+    plan = copy.deepcopy(plan)
+    for dotted, value in edits.items():
+        *parents, leaf = dotted.split(".")
+        node = plan
+        for part in parents:
+            node = node[part]
+        node[leaf] = value
+    return plan
+
+
+def plain_config(workdir, run_name: str = "r", **sections):
+    """A RunConfig that names a target and data it never reads: for the control plane's tests, where no stage runs."""
+    from eagle3.config import parse_run_config
+
+    data = {"run_name": run_name, "workdir": str(workdir), "target": {"model_path": "/models/target"},
+            "data": {"path": "/data/conversations.jsonl"}}
+    for section, values in sections.items():
+        data.setdefault(section, {}).update(values)
+    return parse_run_config(data)
+
+
+def run_plan(config, **box) -> object:
+    """The RunPlan validate would make of `config` on this machine's box (BoxSettings `box` over conn_ids
+    ["local"] and this interpreter), pinned to this worker's code."""
+    from eagle3.contracts import PROTOCOL
+    from eagle3_airflow.codesync import package_archive
+    from eagle3_airflow.params import BoxSettings
+    from eagle3_airflow.plan import RunPlan
+
+    return RunPlan(protocol=PROTOCOL, code_digest=package_archive().digest, config=config,
+                   box=BoxSettings(**{"conn_ids": ["local"], "python": sys.executable, **box}))
 
 
 @pytest.fixture
@@ -264,15 +309,12 @@ def plan(tmp_path, make_config, trust_settings) -> dict:
     as the validate task seals it."""
     from eagle3.config import write_run_config
     from eagle3_airflow.codesync import ensure_code
-    from eagle3_airflow.plan import RunPlan
     from eagle3_airflow.transport import LocalBox
 
     cfg = make_config(workdir=tmp_path / "work")
     write_run_config(cfg)
     ensure_code(LocalBox(), sys.executable, cfg.workdir)
-    return sealed(RunPlan(run_name=cfg.run_name, workdir=cfg.workdir, run_dir=str(cfg.run_dir), conn_ids=["local"],
-                          python=sys.executable, num_shards=1, generate=False, benchmark=False, require_gpus=True,
-                          gpu_max_used_mib=1024))
+    return sealed(run_plan(cfg))
 
 
 @pytest.fixture

@@ -47,10 +47,9 @@ def test_shards_sharing_a_box_take_gpus_of_their_own(monkeypatch, tmp_path):
     from eagle3.capture.hf import pick_device
     from eagle3.config import ConfigError
     from eagle3_airflow.jobs import RemoteJobOperator
-    from eagle3_airflow.plan import RunPlan
+    from tests.conftest import plain_config, run_plan
 
-    plan = RunPlan(run_name="r", workdir="/w", run_dir="/w/runs/r", conn_ids=["box_a", "box_b"], python="python",
-                   num_shards=5, generate=False, benchmark=False, require_gpus=True, gpu_max_used_mib=1024)
+    plan = run_plan(plain_config("/w", extract={"num_shards": 5}), conn_ids=["box_a", "box_b"], python="python")
     settings = tmp_path / "dag-settings.json"  # under which the plan verifies
     settings.write_text(json.dumps({"allowed_workdirs": ["/w"], "allowed_boxes": ["local", "box_a", "box_b"],
                                     "allowed_pythons": ["python"]}))

@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 
 from eagle3 import job
+from eagle3.contracts import Exit
+from eagle3.hostid import read_host_id
 from tests.conftest import run_eagle3
 
 PY = sys.executable
@@ -251,8 +253,8 @@ def hand_written_state(jobs_dir: Path, key: str, pid: int, **fields) -> dict:
     state = {
         "key": key, "try": 1, "status": "running", "pid": pid, "pgid": pid,
         "pid_start_ticks": job.pid_start_ticks(pid), "boot_id": job.read_boot_id(), "host": "box",
-        "argv": ["x"], "started_at": "2026-01-01T00:00:00Z", "heartbeat_at": time.time(),
-        "exit_code": None, "ended_at": None, "log": str(directory / "log"), **fields,
+        "host_id": read_host_id(), "argv": ["x"], "started_at": "2026-01-01T00:00:00Z", "heartbeat_at": time.time(),
+        "exit_code": None, "ended_at": None, "log": str(directory / "log"), "log_start": 0, **fields,
     }
     (directory / "state.json").write_text(json.dumps(state))
     return state
@@ -721,7 +723,7 @@ def link_in_place(path: Path, target: Path) -> None:
     path.symlink_to(target)
 
 
-def test_a_finished_jobs_files_are_read_as_before(jobs, stranger):
+def test_a_finished_jobs_own_files_are_read_and_streamed(jobs, stranger):
     """The ordinary case the checks below must leave alone: the job's own files, read and streamed."""
     finished_job(jobs, "own", stranger)
     polled = job.poll_job(jobs, "own", None, stream="ti-a")
@@ -879,7 +881,7 @@ def as_host(monkeypatch, tmp_path: Path, name: str) -> None:
 
 def test_a_job_running_on_another_host_is_foreign_never_started_again_killed_or_redone(jobs, tmp_path, monkeypatch):
     """Box A runs the job; box B shares the work directory. B's poll says "foreign" naming A, B's start and redo
-    refuse with an exit status of their own (FOREIGN_EXIT: the control plane fails the task without spending its
+    refuse with an exit status of their own (Exit.FOREIGN: the control plane fails the task without spending its
     retries, each of which would be refused again; not 2, which also means argparse's usage errors), and B's kill
     signals nothing and records nothing: A's job runs on untouched, same pid, try 1. A itself still polls and kills
     it."""
@@ -892,7 +894,7 @@ def test_a_job_running_on_another_host_is_foreign_never_started_again_killed_or_
     for redo in ([], ["--redo", "run-0123"]):
         again = run_eagle3("job", "start", "--jobs-dir", str(jobs), "--key", "train", *redo, "--", PY, "-c", "1",
                            check=False, timeout=60)
-        assert again.returncode == job.FOREIGN_EXIT == 3 and "running on another host" in again.stderr, again.stderr
+        assert again.returncode == Exit.FOREIGN == 3 and "running on another host" in again.stderr, again.stderr
     proc, killed = kill_cli(jobs, "train")
     assert proc.returncode == 1 and "not killed from this host" in killed["refused"] and not killed["signalled"]
     state = job.read_state(jobs / "train")
@@ -914,7 +916,7 @@ def test_another_hosts_job_is_foreign_however_old_its_heartbeat(jobs, tmp_path, 
     assert poll(jobs, "train")["effective"] == "foreign"
     refused = run_eagle3("job", "start", "--jobs-dir", str(jobs), "--key", "train", "--", PY, "-c", "1",
                          check=False, timeout=60)
-    assert refused.returncode == job.FOREIGN_EXIT and "gpu-box-1" in refused.stderr
+    assert refused.returncode == Exit.FOREIGN and "gpu-box-1" in refused.stderr
     assert job.read_state(jobs / "train")["pid"] == gone  # nothing launched over it
     state = json.loads((jobs / "train" / "state.json").read_text())
     (jobs / "train" / "state.json").write_text(json.dumps({**state, "host_id": "machine-id-of-gpu-box-2"}))

@@ -294,7 +294,7 @@ def validate_under(deployment, **overrides) -> dict:
 def test_a_trigger_cannot_send_the_run_to_another_stored_connection():
     """Any Airflow connection id is a valid name (a database bastion's, say); only the deployment's boxes pass."""
     deployment = trusted(allowed_boxes=["gpu-box-1", "gpu-box-2"], params={"box.conn_ids": ["gpu-box-1"]})
-    assert validate_under(deployment, **{"box.conn_ids": ["gpu-box-2"]})["plan"]["conn_ids"] == ["gpu-box-2"]
+    assert validate_under(deployment, **{"box.conn_ids": ["gpu-box-2"]})["plan"]["box"]["conn_ids"] == ["gpu-box-2"]
     with pytest.raises(AirflowFailException, match=r"box.conn_ids: \['db_bastion'\] not allowed here; this "
                        r"deployment allows \['gpu-box-1', 'gpu-box-2'\]"):
         validate_under(deployment, **{"box.conn_ids": ["gpu-box-1", "db_bastion"]})
@@ -321,9 +321,9 @@ def test_the_form_offers_only_the_deployments_boxes_and_presets():
 
 def test_the_services_a_run_stops_are_the_settings_and_allowed():
     deployment = trusted(allowed_services=["vllm.service"], box={"stop_services": ["vllm.service"]})
-    assert validate_under(deployment)["plan"]["stop_services"] == ["vllm.service"]
+    assert validate_under(deployment)["plan"]["box"]["stop_services"] == ["vllm.service"]
     assert trusted(box={"stop_services": ["vllm.service"]}).services() == ["vllm.service"]  # default: what box names
-    assert validate_under(trusted())["plan"]["stop_services"] == []  # none unless the settings name some
+    assert validate_under(trusted())["plan"]["box"]["stop_services"] == []  # none unless the settings name some
     with pytest.raises(ValidationError, match=r"box.stop_services: \['sshd.service'\] not allowed here"):
         trusted(allowed_services=["vllm.service"], box={"stop_services": ["sshd.service"]})
     with pytest.raises(ValidationError, match=r"box_pools.gpu-box-1 \(over run and box\) reaches past what this "

@@ -44,7 +44,7 @@ def test_each_box_gets_a_dag_and_a_pool_whose_slots_are_its_gpus():
     assert all(is_drafter_dag(r.dag_id) for r in deployment.resources()) and not is_drafter_dag("eagle3_drafterx")
 
 
-def test_old_settings_files_keep_one_dag_named_eagle3_drafter_in_their_pool():
+def test_settings_without_box_pools_make_one_dag_named_eagle3_drafter_in_their_pool():
     for settings, pool, gpus in (({}, "eagle3_box", 8), ({"pool": "gpu_box", "pool_slots": 3}, "gpu_box", 3)):
         (resource,) = Deployment.model_validate(settings).resources()
         assert (resource.dag_id, resource.conn_id, resource.pool, resource.gpus) == ("eagle3_drafter", None, pool,
@@ -142,11 +142,12 @@ def test_each_box_runs_with_its_own_facts_over_the_settings():
     assert deployment.workdirs() == ["/data/eagle3", "/scratch/eagle3"]
     assert deployment.pythons() == ["/opt/eagle3/bin/python", "python3"]
     a, b = trigger(box_settings("box-a", settings)), trigger(box_settings("box-b", settings))
-    assert (a["plan"]["workdir"], a["plan"]["python"], a["plan"]["config"]["target"]["dtype"]) == (
+    a, b = a["plan"], b["plan"]
+    assert (a["config"]["workdir"], a["box"]["python"], a["config"]["target"]["dtype"]) == (
         "/data/eagle3", "python3", "bfloat16")
-    assert (b["plan"]["workdir"], b["plan"]["python"], b["plan"]["config"]["target"]["dtype"]) == (
+    assert (b["config"]["workdir"], b["box"]["python"], b["config"]["target"]["dtype"]) == (
         "/scratch/eagle3", "/opt/eagle3/bin/python", "float16")
-    assert a["plan"]["poll_interval_s"] == b["plan"]["poll_interval_s"] == 2.0  # the settings' box, under each
+    assert a["box"]["poll_interval_s"] == b["box"]["poll_interval_s"] == 2.0  # the settings' box, under each
 
 
 # -- the DAGs as the dag-processor makes them ---------------------------------------------------------------------

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -14,7 +13,7 @@ from eagle3.runlayout import REDO_OUTPUTS
 from eagle3_airflow.jobs import RemoteJobOperator
 from eagle3_airflow.params import BoxSettings
 from eagle3_airflow.plan import REDO_ORDER
-from tests.conftest import CONTEXT, sealed
+from tests.conftest import CONTEXT, edited, run_dir_of, sealed
 
 WRITE = "import os, sys\nos.makedirs(sys.argv[1], exist_ok=True)\n" \
         "open(os.path.join(sys.argv[1], 'model'), 'a').write(sys.argv[2])\n"
@@ -44,13 +43,13 @@ def run_stage(plan: dict, stage: str, marker: str) -> dict:
 
 
 def test_redo_from_runs_that_stage_and_every_later_one_again_with_the_old_outputs_set_aside(plan):
-    run_dir = Path(plan["run_dir"])
+    run_dir = run_dir_of(plan)
     for stage in ("vocab", "train", "export"):
         run_stage(plan, stage, "old")
     run_stage(plan, "train", "cleared")  # a clear of a succeeded stage: re-attaches, runs nothing
     assert (run_dir / "train" / "model").read_text() == "old"
 
-    redo = sealed({**plan, "redo_from": "train"})
+    redo = sealed(edited(plan, {"box.redo_from": "train"}))
     assert [run_stage(redo, stage, "new")["try"] for stage in ("vocab", "train", "export")] == [1, 1, 1]
     assert (run_dir / "vocab_mapping" / "model").read_text() == "old"  # before redo_from: kept
     for output in ("train", "drafter"):
@@ -67,7 +66,7 @@ def test_redo_skips_no_stage_as_nothing_changed_and_names_only_known_stages(plan
     monkeypatch.setattr(tasks, "check_inputs", lambda plan: {"changed": False, "unchanged_since": "earlier",
                                                              "current_drafter": "v1", "current_accept_length": 2.5})
     assert tasks.inputs_changed(plan, dag_run=CONTEXT["dag_run"]) is False
-    assert tasks.inputs_changed(sealed({**plan, "redo_from": "evaluate"}), dag_run=CONTEXT["dag_run"]) is True
+    assert tasks.inputs_changed(sealed(edited(plan, {"box.redo_from": "evaluate"})), dag_run=CONTEXT["dag_run"]) is True
     assert BoxSettings.model_fields["redo_from"].annotation.__args__ == ("none", *REDO_ORDER)
     with pytest.raises(ValueError, match="redo_from"):
         BoxSettings(redo_from="extract")
@@ -84,7 +83,7 @@ def test_redo_from_is_the_forms_choice_and_reaches_the_plan():
     deployment = Deployment(run={"workdir": "/data/eagle3"})
     form = {name: param.value for name, param in deployment.form().items() if param.has_value}
     form.update({"target.model_path": "/models/kimi", "data.path": "/data/conversations.jsonl"})
-    assert validate_run(form, {}, set(build_params()), RUN, deployment)["plan"]["redo_from"] == ""
+    assert validate_run(form, {}, set(build_params()), RUN, deployment)["plan"]["box"]["redo_from"] == "none"
     redo = validate_run({**form, "box.redo_from": "train"}, {"box.redo_from": "train"}, set(build_params()), RUN,
                         deployment)
-    assert redo["plan"]["redo_from"] == "train"
+    assert redo["plan"]["box"]["redo_from"] == "train"

@@ -18,7 +18,7 @@ import pytest
 from eagle3_airflow.codesync import ensure_code
 from eagle3_airflow.jobs import RemoteJobTrigger, job_argv
 from eagle3_airflow.transport import SSHBox
-from tests.conftest import CONTEXT, sealed
+from tests.conftest import CONTEXT, plain_config, run_plan, sealed
 
 pytestmark = pytest.mark.slow
 
@@ -49,15 +49,13 @@ async def first_event(trigger: RemoteJobTrigger):
         return event.payload
 
 
-def test_trigger_round_trips_through_serialize_and_a_newer_codes_arguments_are_ignored():
-    """A trigger row outlives the code that wrote it: after a rollback, older code rebuilds a trigger that newer
-    code serialized, with arguments it does not know."""
+def test_trigger_round_trips_through_serialize():
+    """The triggerer rebuilds a trigger from its serialized arguments: the same trigger."""
     trigger = RemoteJobTrigger(conn_id="c", eagle3_argv=["python"], jobs_dir="/w/jobs", key="train", log_offset=7,
                                stream="ti-1")
     classpath, kwargs = trigger.serialize()
     assert classpath == "eagle3_airflow.jobs.RemoteJobTrigger"
     assert RemoteJobTrigger(**kwargs).serialize() == (classpath, kwargs)
-    assert RemoteJobTrigger(**kwargs, log_cursor_v2=True).serialize() == (classpath, kwargs)
 
 
 def test_ssh_outage_during_a_job_is_ridden_out_and_the_job_is_not_restarted(box, fresh_sshd):
@@ -127,16 +125,13 @@ def test_the_workers_job_start_rides_out_an_outage_and_starts_the_job_once(box, 
     from types import SimpleNamespace
 
     from eagle3_airflow.jobs import RemoteJobOperator
-    from eagle3_airflow.plan import RunPlan
 
     class SleepingStage(RemoteJobOperator):
         def _stage_argv(self) -> list[str]:
             return [sys.executable, "-c", "import time; time.sleep(1)"]
 
     work = tmp_path / "work"
-    plan = sealed(RunPlan(run_name="r", workdir=str(work), run_dir=str(work / "runs" / "r"), conn_ids=["gpu_box"],
-                          python=sys.executable, num_shards=1, generate=False, benchmark=False, require_gpus=False,
-                          gpu_max_used_mib=1024, ssh_grace_s=60))
+    plan = sealed(run_plan(plain_config(work), conn_ids=["gpu_box"], require_gpus=False, ssh_grace_s=60))
     operator = SleepingStage(task_id="train", stage="train", plan=plan)
     context = {**CONTEXT, "ti": SimpleNamespace(task_id="train", map_index=-1)}
     operator.verify_plan(context)  # what execute() does first
@@ -245,41 +240,6 @@ def test_a_trigger_rebuilt_after_a_triggerer_restart_streams_only_the_new_lines(
     assert streamed()[:3] == ["after 0", "after 1", "after 2"] and "try 1 succeeded" in streamed()[3]
     assert len(streamed()) == 4
 
-# The box-side CLI of a run validated before `poll --stream` and `kill --detach` existed (a run pins its code):
-# argparse's answer to an option it does not know.
-OLD_BOX_CODE = """
-import os, sys
-new = [arg for arg in sys.argv[1:] if arg in ("--stream", "--detach")]
-if new:
-    print(f"usage: python -m eagle3 [-h] COMMAND ...\\npython -m eagle3: error: unrecognized arguments: {new[0]}",
-          file=sys.stderr)
-    sys.exit(2)
-os.execv(sys.executable, [sys.executable, "-m", "eagle3", *sys.argv[1:]])
-"""
-
-
-def test_a_run_whose_box_code_predates_cursors_and_detached_kills_streams_and_kills_as_before(tmp_path, caplog):
-    """A run keeps the code it was validated with: the trigger of newer plugin code falls back to what that code
-    knows (a poll without --stream, a kill without --detach) instead of failing the task."""
-    from eagle3 import job
-    from eagle3_airflow.transport import LocalBox
-
-    old_code = tmp_path / "old_eagle3.py"
-    old_code.write_text(OLD_BOX_CODE)
-    eagle3, jobs_dir = [sys.executable, str(old_code)], str(tmp_path / "jobs")
-    for key, code in (("done", "print('hello from old code')"), ("long", "import time; time.sleep(30)")):
-        LocalBox().run(job_argv(eagle3, jobs_dir, "start", key, "--heartbeat-s", "0.5", "--", sys.executable, "-c",
-                                code)).check("job start")
-    trigger = RemoteJobTrigger(conn_id="local", eagle3_argv=eagle3, jobs_dir=jobs_dir, key="done", poll_interval_s=0.2,
-                               stream="ti-1")
-    trigger._log = logging.getLogger("test.trigger")
-    with caplog.at_level("INFO", logger="test.trigger"):
-        event = asyncio.run(first_event(trigger))
-    assert event["status"] == "succeeded" and "[done] hello from old code" in caplog.text
-    assert "knows no `job poll --stream`" in caplog.text
-
-    asyncio.run(RemoteJobTrigger(conn_id="local", eagle3_argv=eagle3, jobs_dir=jobs_dir, key="long").on_kill())
-    assert job.poll_job(jobs_dir, "long")["effective"] == "killed"  # (the plain kill waits for it)
 
 def test_the_triggers_kill_ends_well_inside_the_triggerers_on_kill_timeout(tmp_path):
     """The triggerer cancels a trigger's on_kill after [triggerer] on_kill_timeout (30 s by default) and says

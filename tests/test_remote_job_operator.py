@@ -5,7 +5,6 @@ the one authority on what a try re-attaches to (no task_state_store beside it)."
 from __future__ import annotations
 
 import logging
-import sys
 from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
@@ -16,7 +15,7 @@ from airflow.sdk.exceptions import AirflowTaskTimeout, TaskDeferred
 
 from eagle3_airflow.jobs import WORKER_PHASE_TIMEOUT, RemoteJobOperator
 from eagle3_airflow.plan import RunPlan
-from tests.conftest import CONTEXT, sealed
+from tests.conftest import CONTEXT, plain_config, run_plan, sealed
 
 
 def test_the_worker_phase_has_an_execution_timeout_and_the_deferred_wait_the_stage_timeout(plan):
@@ -35,7 +34,7 @@ def test_the_worker_phase_has_an_execution_timeout_and_the_deferred_wait_the_sta
     verified = operator.verify_plan(context)
     with pytest.raises(TaskDeferred) as deferred:
         operator.poll_until_complete("train", context)
-    assert deferred.value.timeout == timedelta(hours=verified.stage_timeout_h) > WORKER_PHASE_TIMEOUT
+    assert deferred.value.timeout == timedelta(hours=verified.box.stage_timeout_h) > WORKER_PHASE_TIMEOUT
     assert deferred.value.trigger.stream == "ti-0193a1b2"  # the box keeps this try's place in the log
 
 
@@ -47,9 +46,7 @@ def test_a_worker_phase_that_times_out_fails_the_try_but_leaves_the_job_running(
     from airflow.sdk.execution_time.task_runner import _run_execute_callable
 
     work = tmp_path / "work"
-    plan = sealed(RunPlan(run_name="r", workdir=str(work), run_dir=str(work / "runs" / "r"), conn_ids=["local"],
-                          python=sys.executable, num_shards=1, generate=False, benchmark=False, require_gpus=False,
-                          gpu_max_used_mib=1024))
+    plan = sealed(run_plan(plain_config(work), require_gpus=False))
     box_commands = []
 
     class Box:
@@ -60,7 +57,7 @@ def test_a_worker_phase_that_times_out_fails_the_try_but_leaves_the_job_running(
 
                 time.sleep(30)  # the sync that never ends
 
-    monkeypatch.setattr(RunPlan, "box", lambda self, conn_id=None: Box())
+    monkeypatch.setattr(RunPlan, "remote", lambda self, conn_id=None: Box())
     monkeypatch.setattr(RunPlan, "ensure_code", lambda self, conn_id=None: Box().run(["ensure"]))
     operator = RemoteJobOperator(task_id="train", stage="train", plan=plan, execution_timeout=timedelta(seconds=1))
     context = {**CONTEXT, "ti": SimpleNamespace(task_id="train", map_index=-1, try_number=1, id="0193a1b2")}
@@ -91,8 +88,8 @@ def test_a_job_killed_under_a_try_that_re_attached_to_it_is_started_again_in_tha
 
 def test_a_stage_starts_as_its_own_airflow_run_and_a_job_on_another_host_fails_the_task(plan, monkeypatch):
     """`job start` is told the Airflow run from the task's own context (never XCom), so the box refuses a stage of
-    a run that does not own the run directory (eagle3.runowner), even one whose write_config was marked successful;
-    a box whose pinned code predates the option is asked without it. A job that runs on another host sharing the
+    a run that does not own the run directory (eagle3.runowner), even one whose write_config was marked successful.
+    A job that runs on another host sharing the
     work directory ("foreign") fails the task with the reason, without a retry: this box can neither wait on it
     nor start a second copy. (The box is a stand-in here: the refusals themselves run for real in test_run_owner
     and test_job.)"""
@@ -101,29 +98,18 @@ def test_a_stage_starts_as_its_own_airflow_run_and_a_job_on_another_host_fails_t
     sent = []
 
     class Box:
-        def __init__(self, knows_owners: bool):
-            self.knows_owners = knows_owners
-
         def run(self, argv, **_):
             sent.append(argv)
-            if "--airflow-dag-id" in argv and not self.knows_owners:
-                return SimpleNamespace(returncode=2, stderr="error: unrecognized arguments: --airflow-dag-id",
-                                       json=lambda what: pytest.fail("json of a usage error"))
             return SimpleNamespace(returncode=0, stderr="", json=lambda what: {"try": 1, "pid": 7, "log": "log"})
 
     operator = RemoteJobOperator(task_id="train", stage="train", plan=plan)
     context = {**CONTEXT, "ti": SimpleNamespace(task_id="train", map_index=-1, try_number=1, id="0193a1b4")}
     operator.verify_plan(context)
-    for knows_owners in (True, False):
-        sent.clear()
-        box = Box(knows_owners)
-        monkeypatch.setattr(RunPlan, "box", lambda self, conn_id=None, box=box: box)
-        operator.submit_job(context)
-        owner = ["--airflow-dag-id", CONTEXT["dag_run"].dag_id, "--airflow-run-id", CONTEXT["dag_run"].run_id]
-        first = sent[0]
-        assert any(first[i : i + 4] == owner for i in range(len(first))), first
-        assert len(sent) == (1 if knows_owners else 2)  # asked again, without the option, only where it is unknown
-        assert ("--airflow-dag-id" in sent[-1]) == knows_owners
+    monkeypatch.setattr(RunPlan, "remote", lambda self, conn_id=None: Box())
+    operator.submit_job(context)
+    owner = ["--airflow-dag-id", CONTEXT["dag_run"].dag_id, "--airflow-run-id", CONTEXT["dag_run"].run_id]
+    (start,) = sent
+    assert any(start[i : i + 4] == owner for i in range(len(start))), start
 
     foreign = {"status": "foreign", "key": "train", "reason": "it runs on host gpu-box-2 (machine id 3f2a...)",
                "state": {"try": 1}, "log_tail": [], "started_try": 1}
@@ -140,7 +126,7 @@ def test_clearing_a_finished_stage_says_how_to_run_it_again(plan, monkeypatch, c
             return SimpleNamespace(returncode=0, stderr="", json=lambda what: {
                 "try": 2, "pid": 7, "log": "log", "status": "succeeded", "attached": True, "refused": None})
 
-    monkeypatch.setattr(RunPlan, "box", lambda self, conn_id=None: Box())
+    monkeypatch.setattr(RunPlan, "remote", lambda self, conn_id=None: Box())
     # the task log as a plain logger (Airflow's own goes through structlog, which caplog does not see)
     monkeypatch.setattr(RemoteJobOperator, "log", property(lambda self: logging.getLogger("eagle3.test.task")))
     caplog.set_level("INFO", logger="eagle3.test.task")
@@ -198,7 +184,7 @@ def test_every_try_asks_the_boxs_job_record_whatever_the_task_state_store_holds(
     from airflow.sdk.exceptions import TaskDeferred
 
     box = JobBox({"train": "succeeded"})
-    monkeypatch.setattr(RunPlan, "box", lambda self, conn_id=None: box)
+    monkeypatch.setattr(RunPlan, "remote", lambda self, conn_id=None: box)
     monkeypatch.setattr(RunPlan, "ensure_code", lambda self, conn_id=None: "/code")
     operator = RemoteJobOperator(task_id="evaluate", stage="evaluate", plan=plan)
     context = {**CONTEXT, "ti": SimpleNamespace(task_id="evaluate", map_index=-1, try_number=2, id="0193a1b6",
@@ -220,7 +206,7 @@ def test_a_clear_of_a_succeeded_stage_goes_through_job_start_and_says_how_to_red
     redo it; the try then ends with that job's result at once, without deferring (a trigger would replay the job's
     whole log into this try's)."""
     box = JobBox({"train": "succeeded"})
-    monkeypatch.setattr(RunPlan, "box", lambda self, conn_id=None: box)
+    monkeypatch.setattr(RunPlan, "remote", lambda self, conn_id=None: box)
     monkeypatch.setattr(RunPlan, "ensure_code", lambda self, conn_id=None: "/code")
     monkeypatch.setattr(RemoteJobOperator, "log", property(lambda self: logging.getLogger("eagle3.test.task")))
     caplog.set_level("INFO", logger="eagle3.test.task")
@@ -261,7 +247,8 @@ def test_a_start_refused_for_good_fails_the_task_without_spending_its_retries(pl
     (job_dir / "state.json").write_text(json.dumps({
         "key": "train", "try": 1, "status": "running", "pid": 4_000_000, "pgid": 4_000_000, "pid_start_ticks": 1,
         "boot_id": "boot-of-gpu-box-1", "host": "gpu-box-1", "host_id": "machine-id-of-gpu-box-1", "argv": ["x"],
-        "started_at": "2026-01-01T00:00:00Z", "heartbeat_at": time.time(), "exit_code": None, "ended_at": None}))
+        "started_at": "2026-01-01T00:00:00Z", "heartbeat_at": time.time(), "exit_code": None, "ended_at": None,
+        "log_start": 0}))
     with pytest.raises(AirflowFailException) as foreign:
         operator.submit_job(context)
     said = str(foreign.value)
@@ -273,7 +260,7 @@ def test_a_start_refused_for_good_fails_the_task_without_spending_its_retries(pl
     (job_dir / "state.json").unlink()
     (Path(verified.run_dir) / "owner.json").write_text(json.dumps({"runs": [
         {"dag_id": "eagle3_drafter", "run_id": "scheduled__2026-12-01", "triggered_by": None}]}))
-    with pytest.raises(AirflowFailException, match=r"refused it \(exit 2\), and retrying cannot help") as owned:
+    with pytest.raises(AirflowFailException, match=r"refused it, and retrying cannot help") as owned:
         operator.submit_job(context)
     assert "belongs to Airflow run 'scheduled__2026-12-01'" in str(owned.value)
     assert not (job_dir / "state.json").exists()
@@ -282,6 +269,6 @@ def test_a_start_refused_for_good_fails_the_task_without_spending_its_retries(pl
         def run(self, argv, **_):
             return CommandResult(argv, 1, "", "error: the job supervisor exited with code 1 before reporting")
 
-    monkeypatch.setattr(RunPlan, "box", lambda self, conn_id=None: FailingBox())
+    monkeypatch.setattr(RunPlan, "remote", lambda self, conn_id=None: FailingBox())
     with pytest.raises(RemoteCommandError, match="exit 1"):  # not AirflowFailException: retried
         operator.submit_job(context)

@@ -126,7 +126,8 @@ def test_the_public_sets_show_in_the_note_and_the_report_tab_beside_the_publishe
                                   "speculative": {"3": figures(3.104, 3.01, 3.2), "7": figures(4.2, 3.9, 4.5)},
                                   "published_k3": {"TorchSpec K2.5": 3.2, "AQ-MedAI K2": 3.27}}},
     }
-    summary = summarize(SimpleNamespace(run_dir="/data/runs/r", conn_ids=["gpu-box"]), evaluation, [])
+    plan = SimpleNamespace(run_dir="/data/runs/r", box=SimpleNamespace(conn_ids=["gpu-box"]))
+    summary = summarize(plan, evaluation, [])
     row = "| GSM8K | 200, 3 cut at max tokens | 3.104 (3.010-3.200) | 4.200 (3.900-4.500) | TorchSpec K2.5 3.20, " \
           "AQ-MedAI K2 3.27 |"
     assert row in note_markdown(summary)
@@ -134,6 +135,5 @@ def test_the_public_sets_show_in_the_note_and_the_report_tab_beside_the_publishe
     assert "<table id='public-sets'>" in page and "<td>3.104 (3.010-3.200)</td>" in page
     assert "<td>TorchSpec K2.5 3.20, AQ-MedAI K2 3.27</td>" in page
 
-    without = summarize(SimpleNamespace(run_dir="/data/runs/r", conn_ids=["gpu-box"]),
-                        {k: v for k, v in evaluation.items() if k != "public_sets"}, [])
+    without = summarize(plan, {**evaluation, "public_sets": {}}, [])
     assert "public set" not in note_markdown(without) and "public-sets" not in _summary_html(without, {})

@@ -13,7 +13,7 @@ import pytest
 from airflow.sdk.exceptions import AirflowFailException
 
 from eagle3_airflow.sensors import BoxReachableSensor, DiskSpaceSensor, GpuIdleSensor
-from tests.conftest import CONTEXT, H200, VLLM, poke, sealed
+from tests.conftest import CONTEXT, H200, VLLM, edited, poke, run_plan, sealed
 
 # A TEST STAND-IN for systemctl (no systemd in a container): `is-active` answers from a state file,
 # `stop` empties it and records the call. It takes the unit only after "--" (anything else exits 2), as the
@@ -49,17 +49,18 @@ def test_no_gpu_on_a_box_that_needs_them(plan, gpus, capsys):
 
 def test_a_box_with_too_few_gpus_for_the_shards_fails_at_once(plan, gpus, capsys):
     gpus([{**H200, "index": i, "uuid": f"GPU-{i}", "memory.used": 1} for i in range(4)])
-    assert poke(GpuIdleSensor, sealed({**plan, "num_shards": 2, "gpus_per_shard": 2}), capsys)[0]  # 2 x 2 = 4 GPUs
+    sglang = {"config.extract.backend": "sglang", "config.extract.sglang.tp_size": 2}
+    assert poke(GpuIdleSensor, sealed(edited(plan, {**sglang, "config.extract.num_shards": 2})), capsys)[0]  # 2 x 2
     with pytest.raises(AirflowFailException, match=r"local has 4 GPUs, this run needs 6 there for 3 extraction "
                                                    r"shard\(s\) x 2 GPU\(s\) each \(extract.num_shards"):
-        poke(GpuIdleSensor, sealed({**plan, "num_shards": 3, "gpus_per_shard": 2}), capsys)
+        poke(GpuIdleSensor, sealed(edited(plan, {**sglang, "config.extract.num_shards": 3})), capsys)
     with pytest.raises(AirflowFailException, match=r"needs 8 there for training"):
-        poke(GpuIdleSensor, sealed({**plan, "train_gpus": 8}), capsys)
+        poke(GpuIdleSensor, sealed(edited(plan, {"config.train.nproc_per_node": 8})), capsys)
 
 
 def test_cpu_runs_skip_the_gpu_check(plan, gpus, capsys):
     gpus(error="No devices were found", exit_code=6)
-    idle, log = poke(GpuIdleSensor, sealed({**plan, "require_gpus": False}), capsys)
+    idle, log = poke(GpuIdleSensor, sealed(edited(plan, {"box.require_gpus": False})), capsys)
     assert idle and "GPU check off" in log
 
 
@@ -76,7 +77,8 @@ def test_the_gpu_check_is_the_settings_never_a_triggers():
     form = {name: param.value for name, param in deployment.form().items() if param.has_value}
     form.update({"target.model_path": "/models/kimi", "data.path": "/data/conversations.jsonl"})
     plan = validate_run(form, {}, set(build_params()), RUN, deployment)["plan"]
-    assert (plan["require_gpus"], plan["gpu_max_used_mib"], plan["stop_services"]) == (True, 512, ["vllm.service"])
+    box = plan["box"]
+    assert (box["require_gpus"], box["gpu_max_used_mib"], box["stop_services"]) == (True, 512, ["vllm.service"])
     for key, value in (("box.require_gpus", False), ("box.gpu_max_used_mib", 1 << 20), ("box.stop_services", [])):
         with pytest.raises(AirflowFailException, match=rf"not trigger parameters: '{key}' \(the deployment's"):
             validate_run({**form, key: value}, {key: value}, set(build_params()), RUN, deployment)
@@ -90,22 +92,32 @@ def test_configured_services_are_stopped_before_the_check(plan, gpus, tmp_path, 
     units.write_text("vllm.service\n")
     monkeypatch.setenv("FAKE_SYSTEMCTL_STATE", str(units))
     gpus([{**H200, "memory.used": 2}])
-    idle, log = poke(GpuIdleSensor, sealed({**plan, "stop_services": ["vllm.service", "other.service"]}), capsys)
+    services = sealed(edited(plan, {"box.stop_services": ["vllm.service", "other.service"]}))
+    idle, log = poke(GpuIdleSensor, services, capsys)
     assert idle
     assert "stopped service vllm.service" in log
     assert Path(f"{units}.stopped").read_text() == "vllm.service\n"  # the inactive unit was left alone
 
 
 def test_disk_space_below_and_above_the_estimate(plan, capsys):
+    import json
+
+    from eagle3.boxinfo import TOKEN_CACHE_NAME
+    from eagle3_airflow.plan import RunPlan
+
     enough, log = poke(DiskSpaceSensor, plan, capsys)
     assert enough and "free on" in log
-    enough, log = poke(DiskSpaceSensor, sealed({**plan, "disk_margin": 1e9}), capsys)  # a run that cannot fit
-    assert not enough and "need" in log
+    # The same run on data of a thousand trillion tokens, as the box's cached count says: it cannot fit.
+    cache = Path(RunPlan.from_trusted(plan).run_dir) / TOKEN_CACHE_NAME
+    counted = json.loads(cache.read_text())
+    cache.write_text(json.dumps({**counted, "counts": {**counted["counts"], "tokens": 10**15}}))
+    enough, log = poke(DiskSpaceSensor, plan, capsys)
+    assert not enough and "not enough disk: need" in log
 
 
 def test_box_reachable_waits_for_an_ssh_box_that_does_not_answer(plan, capsys, monkeypatch, fresh_sshd):
     monkeypatch.setenv("AIRFLOW_CONN_GPU_BOX", fresh_sshd.airflow_conn_json())
-    ssh_plan = sealed({**plan, "conn_ids": ["gpu_box"]})
+    ssh_plan = sealed(edited(plan, {"box.conn_ids": ["gpu_box"]}))
     assert poke(BoxReachableSensor, ssh_plan, capsys)[0]
     fresh_sshd.stop()
     reachable, log = poke(BoxReachableSensor, ssh_plan, capsys)
@@ -118,8 +130,13 @@ def test_this_runs_own_job_on_the_gpu_is_not_foreign(plan, gpus, capsys):
     """A GPU process in the process group of a live job of this run (say train, still running when a cleared
     run checks the GPUs again) is ours: the sensor names it and does not wait for it."""
     from eagle3.job import kill_job, start_job
+    from eagle3_airflow.plan import RunPlan
 
-    job = start_job(plan["run_dir"] + "/jobs", "train", [sys.executable, "-c", "import time; time.sleep(60)"])
+    def run_plan_of(sealed_plan: dict) -> RunPlan:
+        return RunPlan.from_trusted(sealed_plan)
+
+    jobs_dir = run_plan_of(plan).jobs_dir
+    job = start_job(jobs_dir, "train", [sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         ours = {**VLLM, "pid": job["child_pid"], "process_name": "python -m eagle3 train"}
         gpus([{**H200, "memory.used": 70500}], [ours])
@@ -130,24 +147,24 @@ def test_this_runs_own_job_on_the_gpu_is_not_foreign(plan, gpus, capsys):
         idle, log = poke(GpuIdleSensor, plan, capsys)
         assert not idle and "pid 4242 python3 -m vllm" in log
     finally:
-        kill_job(plan["run_dir"] + "/jobs", "train", grace_s=1)
+        kill_job(jobs_dir, "train", grace_s=1)
 
 
 def test_the_plan_knows_how_many_gpus_each_box_needs(make_config):
-    from eagle3_airflow.params import BoxSettings
-    from eagle3_airflow.plan import RunPlan
-
     sglang = make_config(extract={"backend": "sglang", "num_shards": 3, "sglang": {"tp_size": 4}},
                          train={"gpus": [0, 5]})
-    plan = RunPlan.build(sglang, BoxSettings(conn_ids=["a", "b"]))
+    plan = run_plan(sglang, conn_ids=["a", "b"])
     assert plan.gpus_needed("a") == (8, "2 extraction shard(s) x 4 GPU(s) each (extract.num_shards, "
                                         "extract.sglang.tp_size with the sglang backend)")
     assert plan.gpus_needed("b")[0] == 4  # one shard, and no training there
-    assert plan.train_gpus == 6  # GPU index 5 must exist on the first box
-    # (tp 4: the tiny drafter's 4 heads must split across the benchmark's server, which loads it)
-    served = RunPlan.build(make_config(benchmark={"enabled": True}, server={"tp_size": 4}), BoxSettings())
-    assert served.gpus_needed("local") == (4, "the SGLang servers of generate / benchmark (server.tp_size)")
-    named = RunPlan.build(make_config(extract={"device": "cuda:0", "num_shards": 4}), BoxSettings())
+    assert plan.config.train_gpus == 6  # GPU index 5 must exist on the first box
+    # (tp 4: the tiny drafter's 4 heads must split across the server that loads it)
+    engine = "the serving engine that generate, evaluate or benchmark start (server.tp_size)"
+    for served in (make_config(benchmark={"enabled": True}, server={"tp_size": 4}),
+                   make_config(evaluate={"backend": "server"}, server={"tp_size": 4}),
+                   make_config(generate={"enabled": True, "launch_server": True}, server={"tp_size": 4})):
+        assert run_plan(served).gpus_needed("local") == (4, engine)
+    named = run_plan(make_config(extract={"device": "cuda:0", "num_shards": 4}))
     assert named.gpus_needed("local")[0] == 1  # a device the user named: only training's rank counts
 
 
@@ -203,7 +220,7 @@ def test_what_waiting_cannot_fix_fails_the_deferred_sensor(plan, gpus):
     from eagle3_airflow.sensors import BoxCheckTrigger
 
     gpus([{**H200, "memory.used": 1}])
-    trigger = BoxCheckTrigger(check="gpus", plan={**plan, "train_gpus": 8}, poke_interval_s=0.1)
+    trigger = BoxCheckTrigger(check="gpus", plan=edited(plan, {"config.train.nproc_per_node": 8}), poke_interval_s=0.1)
     event = asyncio.run(trigger.run().__anext__())
     assert event.payload["status"] == "failed" and "needs 8 there for training" in event.payload["message"]
     with pytest.raises(AirflowFailException, match="needs 8 there for training"):

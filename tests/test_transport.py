@@ -102,7 +102,7 @@ def test_hostile_paths_travel_as_data_through_ssh(ssh_box, tmp_path, tiny_target
     settings.write_text(deployment.model_dump_json(exclude_defaults=True))
     monkeypatch.setenv("EAGLE3_DAG_SETTINGS", str(settings))  # what write_config checks the plan against
     run = validate_run(params, {}, set(deployment.form()), RUN, deployment)
-    ensure_code(ssh_box, sys.executable, run["plan"]["workdir"])
+    ensure_code(ssh_box, sys.executable, run["plan"]["config"]["workdir"])
     config_path = write_config(run["plan"], dag_run=RUN)
     written = json.loads(Path(config_path).read_text())
     assert written["data"]["path"] == hostile(tmp_path) and written["vocab"]["reuse_from"] == hostile(tmp_path)
@@ -113,11 +113,9 @@ def test_hostile_paths_travel_as_data_through_ssh(ssh_box, tmp_path, tiny_target
 
 
 def plan_for(workdir: Path):
-    from eagle3_airflow.plan import RunPlan
+    from tests.conftest import plain_config, run_plan
 
-    return RunPlan(run_name="r", workdir=str(workdir), run_dir=f"{workdir}/runs/r", conn_ids=["local"],
-                   python=sys.executable, num_shards=1, generate=False, benchmark=False, require_gpus=False,
-                   gpu_max_used_mib=0)
+    return run_plan(plain_config(workdir), require_gpus=False, gpu_max_used_mib=0)
 
 
 PLANTED = 'open({marker!r}, "w").write("planted code ran")\n'
@@ -209,12 +207,11 @@ def deploy(tmp_path, monkeypatch):
 def test_a_retry_after_a_deploy_runs_the_code_its_run_was_validated_with(tmp_path, deploy, caplog):
     """The code dir used to be named by the worker's package on every try: a retry after a deploy resumed a
     half-done stage under new code. The plan pins the digest at validate; the box's kept archive serves later tries."""
-    from dataclasses import replace
-
     from airflow.sdk.exceptions import AirflowFailException
 
     pinned = package_archive().digest
-    plan = replace(plan_for(tmp_path / "work"), code_digest=pinned)  # what validate records
+    plan = plan_for(tmp_path / "work")  # validate pins the worker's code
+    assert plan.code_digest == pinned
     first = plan.ensure_code()
     assert first.endswith(pinned)
     assert deploy() != pinned
@@ -238,7 +235,8 @@ def test_a_retry_after_a_deploy_runs_the_code_its_run_was_validated_with(tmp_pat
                        "clear this run's validate task with its downstream tasks"):
         plan.ensure_code()
     # Clearing validate pins the new code: a run validated now syncs and runs it.
-    assert replace(plan, code_digest=package_archive().digest).ensure_code().endswith(package_archive().digest)
+    assert plan.model_copy(update={"code_digest": package_archive().digest}).ensure_code().endswith(
+        package_archive().digest)
 
 
 def test_a_command_killed_under_the_async_transport_counts_as_an_outage(ssh_box):

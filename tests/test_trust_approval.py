@@ -28,11 +28,10 @@ from markdown_it import MarkdownIt
 from eagle3_airflow import plan as plan_module
 from eagle3_airflow import promotion
 from eagle3_airflow.deployment import Approver, Deployment
-from eagle3_airflow.plan import RunPlan
 from eagle3_airflow.promotion import PROPOSE_TASK, PromotionApproval, proposals_from_events
 from eagle3_airflow.seal import Tampered
 from eagle3_airflow.transport import CommandResult, LocalBox
-from tests.conftest import RUN, sealed
+from tests.conftest import RUN, plain_config, run_dir_of, run_plan, sealed
 
 APPROVERS = [Approver.model_validate("bob"), Approver.model_validate("trigger-user")]  # RUN's trigger is one too
 PROPOSALS = "eagle3_drafter.proposals"
@@ -107,7 +106,7 @@ def received(*events) -> list[dict]:
 @pytest.fixture
 def proposed(plan) -> dict:
     """A proposal as the promotion DAG's `proposals` task hands it to its approval and promote tasks."""
-    write_proposal(plan["run_dir"])
+    write_proposal(str(run_dir_of(plan)))
     (proposal,) = received(event(propose(plan)))
     return proposal
 
@@ -136,9 +135,9 @@ def approve(proposal: dict, user: str) -> dict:
 
 
 def test_the_promotion_dag_takes_only_proposals_a_training_runs_propose_task_sealed(plan, caplog):
-    write_proposal(plan["run_dir"])
+    write_proposal(str(run_dir_of(plan)))
     extra = propose(plan)
-    assert extra["triggered_by"] == RUN.triggering_user_name and extra["run_dir"] == plan["run_dir"]
+    assert extra["triggered_by"] == RUN.triggering_user_name and extra["run_dir"] == str(run_dir_of(plan))
     (proposal,) = received(event(extra), event(extra))  # the same proposal twice: asked once
     assert proposal["source"] == {"dag_id": RUN.dag_id, "run_id": RUN.run_id}
     other_run = SimpleNamespace(dag_id=RUN.dag_id, run_id="manual__other", triggering_user_name="x")
@@ -158,7 +157,7 @@ def test_the_promotion_dag_takes_only_proposals_a_training_runs_propose_task_sea
 
 
 def test_a_run_that_proposes_nothing_puts_no_event(plan):
-    write_proposal(plan["run_dir"], pending_approval=False, reason="not better")
+    write_proposal(str(run_dir_of(plan)), pending_approval=False, reason="not better")
     with pytest.raises(AirflowSkipException, match="nothing proposed for promotion"):
         propose(plan)
 
@@ -192,11 +191,9 @@ def test_a_workdir_with_a_backtick_stays_a_path_in_the_body(tmp_path, trust_sett
     from eagle3_airflow.codesync import ensure_code
 
     workdir = tmp_path / "w`![x](collector.example/p.png)`**approve**"
-    plan = sealed(RunPlan(run_name="r", workdir=str(workdir), run_dir=str(workdir / "runs" / "r"),
-                          conn_ids=["local"], python=sys.executable, num_shards=1, generate=False, benchmark=False,
-                          require_gpus=False, gpu_max_used_mib=0))
+    plan = sealed(run_plan(plain_config(workdir), require_gpus=False, gpu_max_used_mib=0))
     ensure_code(LocalBox(), sys.executable, str(workdir))
-    write_proposal(plan["run_dir"])
+    write_proposal(str(run_dir_of(plan)))
     (proposal,) = received(event(propose(plan)))
     asked = {}
     monkeypatch.setattr("airflow.providers.standard.operators.hitl.upsert_hitl_detail",
@@ -223,7 +220,7 @@ def test_an_approve_by_an_approver_who_did_not_trigger_the_run_is_sealed_for_pro
     outcome = promote(proposed, record)
     assert outcome["promoted"]
     (argv,) = promote_calls
-    assert argv[-6:] == ["lineage", "promote", "--config", f"{proposed['plan']['run_dir']}/config.json",
+    assert argv[-6:] == ["lineage", "promote", "--config", f"{run_dir_of(proposed['plan'])}/config.json",
                          "--approved-by=bob", f"--approved-files={'f' * 64}"]  # the files the approval covered
 
 
@@ -285,13 +282,13 @@ def test_an_approval_of_another_training_runs_proposal_promotes_nothing(proposed
 
 def test_an_approval_holds_for_the_proposal_it_approved_only(proposed, promote_calls):
     record = approve(proposed, "bob")
-    write_proposal(proposed["plan"]["run_dir"], accept_length={"3": 1.2})  # evaluate ran again: another drafter
+    write_proposal(str(run_dir_of(proposed["plan"])), accept_length={"3": 1.2})  # evaluate ran again: another drafter
     with pytest.raises(Tampered, match="approved another proposal than the one"):
         promote(proposed, record)
     assert promote_calls == []
     # Issue 43's attack: the drafter and its proposal rewritten after the Approve, the figures kept. The approval
     # covers the held promotion's drafter files (what `lineage promote --approved-files` then insists on).
-    write_proposal(proposed["plan"]["run_dir"], drafter_files_sha256="e" * 64)
+    write_proposal(str(run_dir_of(proposed["plan"])), drafter_files_sha256="e" * 64)
     with pytest.raises(Tampered, match="approved another proposal than the one"):
         promote(proposed, record)
     assert promote_calls == []
@@ -308,7 +305,7 @@ def test_a_retry_after_the_switch_still_matches_its_approval(proposed, promote_c
     """`lineage promote` rewrites the report's promotion (promoted, the version) and keeps what was proposed: a
     retry of promote whose first try died after the switch goes through again (the box answers it idempotently)."""
     record = approve(proposed, "bob")
-    write_proposal(proposed["plan"]["run_dir"], promoted=True, pending_approval=False, version="r-1a2b3c4d",
+    write_proposal(str(run_dir_of(proposed["plan"])), promoted=True, pending_approval=False, version="r-1a2b3c4d",
                    reason=PROPOSAL["reason"] + "; approved")
     promote(proposed, record)
     assert len(promote_calls) == 1
@@ -318,13 +315,13 @@ def test_the_same_proposal_asked_twice_is_promoted_once_and_the_second_approval_
     """The training run proposed again after a clear (same drafter, same digest) while the first promotion run still
     waited: two promotion runs ask the same question. The first Approve promotes; the second question, asked or
     answered after that, is skipped, not failed: nothing is left to do."""
-    write_proposal(proposed["plan"]["run_dir"], promoted=True, pending_approval=False, version="r-1a2b3c4d",
+    write_proposal(str(run_dir_of(proposed["plan"])), promoted=True, pending_approval=False, version="r-1a2b3c4d",
                    approved_by="bob", reason=PROPOSAL["reason"] + "; approved")
     with pytest.raises(AirflowSkipException, match=r"this proposal was promoted already \(approved by bob\)"):
         approval_task(proposed).execute(CONTEXT_TI)
     with pytest.raises(AirflowSkipException, match="promoted already"):
         approve(proposed, "bob")
-    write_proposal(proposed["plan"]["run_dir"], pending_approval=False, reason="not better by the margin")
+    write_proposal(str(run_dir_of(proposed["plan"])), pending_approval=False, reason="not better by the margin")
     with pytest.raises(AirflowFailException, match=r"holds no promotion for approval \(not better by the margin\): "
                                                    r"no promotion"):  # an approval in hand, and nothing to approve
         approve(proposed, "bob")
@@ -352,7 +349,7 @@ def test_a_waiting_approval_tells_the_settings_channels_who_may_answer_where_and
                                                                                                       monkeypatch):
     """The issue: a pending approval told nobody. The settings' notify channels hear it, and a template in a value
     from the box is sent as the characters it is, never evaluated."""
-    write_proposal(proposed["plan"]["run_dir"], reason="better {{ 6 * 7 }}")
+    write_proposal(str(run_dir_of(proposed["plan"])), reason="better {{ 6 * 7 }}")
     (proposed,) = received(event(propose(proposed["plan"])))  # the same run, its proposal made anew
     monkeypatch.setattr(Heard, "messages", [])
     monkeypatch.setattr("airflow.providers.standard.operators.hitl.upsert_hitl_detail", lambda **request: None)

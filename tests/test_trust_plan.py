@@ -2,9 +2,10 @@
 
 Written as the attack: a USER-role user PATCHes the `plan` XCom of a running run after validate (its config
 included). Each task that reads it (here called directly, as the DAG's @task wrappers call them) fails before it
-touches a box, with a message that names what was edited and says to trigger a new run; a retry of the same plan, a
-cleared validate, and a plan from newer code still work. Issue 43: one plan, validated once: no config beside it in
-XCom, and no task reads the settings again, so a run keeps the settings it was validated with.
+touches a box, with a message that names what was edited and says to trigger a new run; a retry of the same plan and a
+cleared validate still work, and a plan of another protocol (a deploy since the run was validated) is refused with
+what to do. Issue 43: one plan, validated once: no config beside it in XCom, and no task reads the settings again, so
+a run keeps the settings it was validated with.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from eagle3_airflow.jobs import RemoteJobOperator
 from eagle3_airflow.seal import NoSealingKey, Tampered, task_key
 from eagle3_airflow.sensors import GpuIdleSensor
 from tests.airflow_env import AIRFLOW, PLAN_SECRET_ENV, airflow_env, migrated_airflow_home
-from tests.conftest import CONTEXT, RUN, sealed
+from tests.conftest import CONTEXT, RUN, edited, sealed
 
 EDITED = "does not match its seal: it was edited after validate planned this run"
 TRIGGER_AGAIN = "Trigger a new run"
@@ -50,40 +51,40 @@ def run(trust_settings, tmp_path) -> dict:
     params.update({"target.model_path": "/models/kimi", "data.path": "/data/conversations.jsonl"})
     run = tasks.validate_run(params, {}, set(deployment.form()), RUN, deployment)
     assert set(run) == {"plan"}  # no second copy of the config, and no digest of one
-    assert (run["plan"]["workdir"], run["plan"]["python"]) == (str(tmp_path / "work"), sys.executable)
-    assert run["plan"]["config"]["data"]["path"] == "/data/conversations.jsonl" and "config_sha256" not in run["plan"]
+    assert (run["plan"]["config"]["workdir"], run["plan"]["box"]["python"]) == (str(tmp_path / "work"), sys.executable)
+    assert run["plan"]["config"]["data"]["path"] == "/data/conversations.jsonl"
     return run
 
 
 def test_a_plan_edited_to_use_another_connection_fails_sync_code_before_any_login(run, no_box):
     """The issue's attack: conn_ids edited to a connection the settings do not allow (`prod-db`)."""
-    edited = {**run["plan"], "conn_ids": ["prod-db"]}
     with pytest.raises(Tampered, match=rf"the run plan in XCom \(task `validate`, key `plan`\) {EDITED}") as refused:
-        tasks.sync_code(edited, dag_run=RUN)
+        tasks.sync_code(edited(run["plan"], {"box.conn_ids": ["prod-db"]}), dag_run=RUN)
     assert TRIGGER_AGAIN in str(refused.value)
 
 
 def test_an_edited_plan_never_reaches_systemctl_through_the_gpu_sensor(run, no_box):
     """... and the GPU sensor would have run `systemctl stop -- sshd.service` there."""
-    edited = {**run["plan"], "conn_ids": ["prod-db"], "stop_services": ["sshd.service"]}
+    plan = edited(run["plan"], {"box.conn_ids": ["prod-db"], "box.stop_services": ["sshd.service"]})
     with pytest.raises(Tampered, match=EDITED):
-        GpuIdleSensor(task_id="gpus_idle", plan=edited).poke(CONTEXT)
+        GpuIdleSensor(task_id="gpus_idle", plan=plan).poke(CONTEXT)
 
 
 @pytest.mark.parametrize("field, value", [
-    ("python", "/tmp/evil/python"), ("run_dir", "/"), ("workdir", "/"), ("code_digest", "0123456789abcdef"),
-    ("box_env", ["AIRFLOW__CORE__FERNET_KEY"]), ("num_shards", 64), ("config", {}), ("reports_url", "/tmp/mine"),
-    ("keep_runs", 1), ("keep_proposals_h", 999)])
+    ("box.python", "/tmp/evil/python"), ("config.run_name", "other"), ("config.workdir", "/"),
+    ("code_digest", "0123456789abcdef"), ("box_env", ["AIRFLOW__CORE__FERNET_KEY"]),
+    ("config.extract.num_shards", 64), ("config", {}), ("reports_url", "/tmp/mine"), ("keep_runs", 1),
+    ("keep_proposals_h", 999), ("protocol", 0)])
 def test_any_edited_field_fails_every_kind_of_task(run, no_box, field, value):
-    edited = {**run["plan"], field: value}
-    for call in (lambda: tasks.write_config(edited, dag_run=RUN),
-                 lambda: tasks.sync_code(edited, dag_run=RUN),
-                 lambda: tasks.inputs_changed(edited, dag_run=RUN),
-                 lambda: tasks.report(edited, dag_run=RUN),
-                 lambda: promotion.propose_promotion(edited, "eagle3_drafter.proposals", outlet_events={}, dag_run=RUN),
-                 lambda: tasks.prune_runs(edited, dag_run=RUN),
-                 lambda: tasks.shard_list(edited, dag_run=RUN),
-                 lambda: RemoteJobOperator(task_id="train", stage="train", plan=edited).execute(CONTEXT)):
+    plan = edited(run["plan"], {field: value})
+    for call in (lambda: tasks.write_config(plan, dag_run=RUN),
+                 lambda: tasks.sync_code(plan, dag_run=RUN),
+                 lambda: tasks.inputs_changed(plan, dag_run=RUN),
+                 lambda: tasks.report(plan, dag_run=RUN),
+                 lambda: promotion.propose_promotion(plan, "eagle3_drafter.proposals", outlet_events={}, dag_run=RUN),
+                 lambda: tasks.prune_runs(plan, dag_run=RUN),
+                 lambda: tasks.shard_list(plan, dag_run=RUN),
+                 lambda: RemoteJobOperator(task_id="train", stage="train", plan=plan).execute(CONTEXT)):
         with pytest.raises(Tampered, match=EDITED):
             call()
 
@@ -91,32 +92,12 @@ def test_any_edited_field_fails_every_kind_of_task(run, no_box, field, value):
 def test_an_edited_config_in_the_plan_fails_write_config_and_sync_code(run, no_box):
     """The plan's config is what `write_config` writes to the box as the run's config: a changed data path, endpoint
     or keep_versions would reach every stage. The seal covers it with the rest of the plan."""
-    config = run["plan"]["config"]
-    for edit in ({"data": {**config["data"], "path": "/home/alice/.ssh/id_ed25519"}},
-                 {"evaluate": {**config["evaluate"], "keep_versions": 1}}):
-        edited = {**run["plan"], "config": {**config, **edit}}
+    for field, value in (("config.data.path", "/home/alice/.ssh/id_ed25519"), ("config.evaluate.keep_versions", 1)):
         for call in (tasks.write_config, tasks.sync_code):
             with pytest.raises(Tampered, match=rf"the run plan in XCom \(task `validate`, key `plan`\) {EDITED}") \
                     as refused:
-                call(edited, dag_run=RUN)
+                call(edited(run["plan"], {field: value}), dag_run=RUN)
             assert TRIGGER_AGAIN in str(refused.value)
-
-
-def test_a_plan_sealed_by_the_previous_code_fails_where_it_needs_the_config(run, no_box, caplog):
-    """A run in flight when this code was deployed: its plan, sealed by the previous validate, has the digest of a
-    config kept beside it (config_sha256) and no config. Tasks that need no config go on; sync_code and write_config
-    fail without a retry, saying to trigger again, never with a KeyError."""
-    body = {key: value for key, value in run["plan"].items() if key not in ("seal", "config", "reports_url",
-                                                                           "reports_conn_id", "keep_runs",
-                                                                           "keep_proposals_h")}
-    previous = sealed_as_is({**body, "config_sha256": "0" * 64})
-    with caplog.at_level("WARNING", logger="eagle3_airflow.plan"):
-        assert tasks.shard_list(previous, dag_run=RUN) == [0]
-    assert "does not know" not in caplog.text  # a retired key, not one of newer code
-    for call in (tasks.write_config, tasks.sync_code):
-        with pytest.raises(AirflowFailException, match=r"carries no run config: validate planned this run with "
-                                                       r"older code(?s:.*)Trigger a new run"):
-            call(previous, dag_run=RUN)
 
 
 def test_a_plan_without_its_seal_or_another_runs_sealed_plan_is_refused(run, no_box):
@@ -132,37 +113,50 @@ def test_a_plan_without_its_seal_or_another_runs_sealed_plan_is_refused(run, no_
 
 def sealed_as_is(body: dict) -> dict:
     """`body` sealed for RUN exactly as it is, as validate of other code would seal it (conftest's `sealed` goes
-    through this code's RunPlan, which would drop a key it does not know and refuse one missing)."""
+    through this code's RunPlan, which refuses a key it does not know and one missing)."""
     from eagle3_airflow.seal import RunRef, seal
 
     return {**body, "seal": seal("plan", body, RunRef.of(RUN), task_key())}
 
 
-def test_a_retry_a_cleared_validate_and_a_newer_codes_plan_verify(run, caplog):
-    """A retry reads the same sealed plan: it verifies again. Clearing validate seals the plan again for the same
-    run. A key this code does not know, in a plan sealed by newer code (the DAG code rolled back during a run), is
-    logged and ignored; the same key added by an XCom edit breaks the seal, which covers the whole dict."""
+def test_a_retry_and_a_cleared_validate_verify(run):
+    """A retry reads the same sealed plan: it verifies again, through XCom's JSON round trip. Clearing validate seals
+    the plan again for the same run."""
     verified = plan_module.verified_plan(run["plan"], RUN)
-    assert plan_module.verified_plan(json.loads(json.dumps(run["plan"])), RUN) == verified  # XCom's JSON round trip
-    assert verified.run_config() == run["plan"]["config"]
-    assert plan_module.verified_plan(sealed(verified), RUN) == verified  # validate cleared and run again
+    assert plan_module.verified_plan(json.loads(json.dumps(run["plan"])), RUN) == verified
+    assert verified.config.model_dump(mode="json") == run["plan"]["config"]
+    assert plan_module.verified_plan(sealed(verified), RUN) == verified
+
+
+def test_a_plan_of_another_protocol_is_refused_saying_to_clear_validate(run, no_box):
+    """A run validated before a deploy that changed the plan or the box commands (eagle3.contracts.PROTOCOL): its
+    sealed plan holds, but this worker cannot drive the run's pinned code. Every task refuses it before any box
+    command, saying what to clear; a plan of this protocol with another layout (the protocol not bumped) is refused
+    naming the fields."""
     body = {key: value for key, value in run["plan"].items() if key != "seal"}
-    newer = sealed_as_is({**body, "gpu_numa_policy": "interleave"})
-    with caplog.at_level("WARNING", logger="eagle3_airflow.plan"):
-        assert plan_module.verified_plan(newer, RUN) == verified
-    assert "keys this code does not know (planned by newer code?): ['gpu_numa_policy']; ignored" in caplog.text
-    with pytest.raises(Tampered, match=EDITED):
-        plan_module.verified_plan({**newer, "gpu_numa_policy": "first-touch"}, RUN)
-    with pytest.raises(Tampered, match=EDITED):
-        plan_module.verified_plan({**run["plan"], "gpu_numa_policy": "interleave"}, RUN)
+    other = sealed_as_is({**body, "protocol": 0, "gpu_numa_policy": "interleave"})
+    for call in (tasks.shard_list, tasks.sync_code, tasks.write_config, tasks.inputs_changed):
+        with pytest.raises(AirflowFailException, match=r"whose plan and box commands are protocol 0; this worker's "
+                                                       r"code speaks protocol 1\. Clear the run's validate task with "
+                                                       r"its downstream tasks") as refused:
+            call(other, dag_run=RUN)
+        assert not isinstance(refused.value, Tampered)
+    for layout in ({**body, "gpu_numa_policy": "interleave"},
+                   {key: value for key, value in body.items() if key != "box"}):
+        with pytest.raises(AirflowFailException, match=r"is not a plan this code reads \((box|gpu_numa_policy)"):
+            plan_module.verified_plan(sealed_as_is(layout), RUN)
 
 
-def test_a_plan_of_older_code_that_lacks_a_field_fails_naming_it(run):
-    """Sealed, but planned by code that had no `num_shards` yet: refused, naming what is missing, before any use."""
-    body = {key: value for key, value in run["plan"].items() if key not in ("seal", "num_shards", "conn_ids")}
-    with pytest.raises(Tampered, match=r"lacks conn_ids, num_shards, which this code needs \(planned by older "
-                                       r"code\?\)\. Nothing was run on the box"):
-        plan_module.verified_plan(sealed_as_is(body), RUN)
+def test_sync_code_refuses_a_box_whose_code_speaks_another_protocol(run, monkeypatch):
+    """Real: the local box, the run's code synced and its `box info` run. The box reports the protocol its code speaks
+    (eagle3.contracts); where this worker expects another, sync_code fails before any stage, saying what to do."""
+    monkeypatch.setattr(tasks, "PROTOCOL", 2)  # a worker of the next protocol, against the run's code on the box
+    with pytest.raises(AirflowFailException, match=r"box local: this run's code there \(.*/code/\w+\) speaks protocol "
+                                                   r"1, this worker's 2(?s:.*)Clear the run's validate task with its "
+                                                   r"downstream tasks"):
+        tasks.sync_code(run["plan"], dag_run=RUN)
+    monkeypatch.setattr(tasks, "PROTOCOL", 1)
+    assert tasks.sync_code(run["plan"], dag_run=RUN)["local"]["protocol"] == 1
 
 
 def test_a_run_in_flight_keeps_the_settings_it_was_validated_with(run, trust_settings, monkeypatch):
@@ -180,7 +174,7 @@ def test_a_run_in_flight_keeps_the_settings_it_was_validated_with(run, trust_set
 
     monkeypatch.setattr(Deployment, "from_env", read)
     plan = plan_module.verified_plan(run["plan"], RUN)
-    assert (plan.conn_ids, plan.keep_runs) == (["local"], None)
+    assert (plan.box.conn_ids, plan.keep_runs) == (["local"], None)
     assert tasks.shard_list(run["plan"], dag_run=RUN) == [0]
     with pytest.raises(AirflowSkipException, match="keep_runs was not set in the settings this run was validated"):
         tasks.prune_runs(run["plan"], dag_run=RUN)
@@ -235,9 +229,9 @@ def test_a_mapped_shard_the_plan_does_not_have_is_refused(run, no_box):
 
 
 def test_retention_prunes_only_in_the_verified_plans_workdir(run, no_box):
-    """`runs prune` runs in plan.workdir: an edit that points it at another directory is refused first."""
+    """`runs prune` runs in the plan's workdir: an edit that points it at another directory is refused first."""
     with pytest.raises(Tampered, match=EDITED):
-        tasks.prune_runs({**run["plan"], "workdir": "/srv/other-team"}, dag_run=RUN)
+        tasks.prune_runs(edited(run["plan"], {"config.workdir": "/srv/other-team"}), dag_run=RUN)
 
 
 def test_the_report_publishes_to_the_store_the_run_was_validated_with(trust_settings, tmp_path, monkeypatch):

@@ -21,8 +21,8 @@ from fastapi import HTTPException
 from eagle3.reportfiles import MAX_FILE_BYTES, ReportFileRefused, list_plots, manifest_command, read_file
 from eagle3_airflow import promotion, results, tasks
 from eagle3_airflow.plan import RunPlan
-from eagle3_airflow.transport import CommandResult, LocalBox
-from tests.conftest import RUN
+from eagle3_airflow.transport import LocalBox
+from tests.conftest import RUN, run_dir_of
 
 SECRET = "SECRET-TOKEN-do-not-serve-4b1f"
 PNG = b"\x89PNG\r\n\x1a\n" + b"\0" * 64
@@ -31,6 +31,7 @@ REPORT = {
     "val_acc_per_position": [0.61, 0.42],
     "offline_accept_length": {"3": 1.91},
     "speculative": {"3": {"mean_accept_length": 1.87}},
+    "public_sets": {},
     "hidden_states": {"store": "/w/stores/ab", "samples": 48, "extracted": 48, "reused": 0},
     "promotion": {"promoted": True, "reason": "the lineage's first drafter (k=3: 1.870)", "lineage": "f209",
                   "version": "r-1a2b3c4d", "current": "/w/drafters/f209/current", "accept_length": {"3": 1.87},
@@ -41,7 +42,7 @@ REPORT = {
 @pytest.fixture
 def run_dir(plan) -> Path:
     """The plan fixture's run directory, with a real plot and a real report in it."""
-    run_dir = Path(plan["run_dir"])
+    run_dir = run_dir_of(plan)
     (run_dir / "evaluate").mkdir(parents=True, exist_ok=True)
     (run_dir / "evaluate" / "report.json").write_text(json.dumps(REPORT))
     (run_dir / "train").mkdir(exist_ok=True)
@@ -182,30 +183,6 @@ def test_a_file_swapped_between_manifest_and_fetch_is_refused_not_served(run_dir
         tasks.report(plan, dag_run=RUN)
     assert "refused" in str(refused.value) and SECRET not in str(refused.value)
     assert not [path for path in reports.rglob("*") if path.is_file() and SECRET.encode() in path.read_bytes()]
-
-
-def test_a_box_whose_code_predates_the_manifest_is_read_as_before(run_dir, plan, reports, monkeypatch, caplog):
-    """A run validated before the manifest existed runs its pinned box code, which knows `report list|read` only:
-    its report is read as base64 on stdout, one command per file, with a warning, and published the same."""
-    run = LocalBox.run
-    asked = []
-
-    def old_code(self, argv, **kwargs):
-        asked.append(argv[argv.index("report") + 1] if "report" in argv else argv[0])
-        if "manifest" in argv:  # argparse's answer, as the code before the manifest gives it
-            return CommandResult(argv, 2, "", "usage: python -m eagle3 report [-h] SUBCOMMAND ...\npython -m eagle3 "
-                                 "report: error: argument SUBCOMMAND: invalid choice: 'manifest' (choose from 'list', "
-                                 "'read')\n")
-        return run(self, argv, **kwargs)
-
-    monkeypatch.setattr(LocalBox, "run", old_code)
-    monkeypatch.setattr(LocalBox, "fetch", lambda *a, **k: pytest.fail("no fetch with the old box code"))
-    summary = tasks.report(plan, dag_run=RUN)
-    assert summary["plots"] == [f"{run_dir}/train/loss.png"] and "knows no `report manifest`" in caplog.text
-    folder = reports / "eagle3_drafter" / "manual__2026-12-04T08%3A00%3A00%2B00%3A00"
-    assert json.loads((folder / "report.json").read_text()) == REPORT
-    assert (folder / "plots" / "000.png").read_bytes() == PNG
-    assert "read" in asked and "list" in asked
 
 
 def test_the_report_reads_its_files_in_one_manifest_and_fetch_per_step(run_dir, plan, monkeypatch):

@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from eagle3_airflow.deployment import Deployment
 from eagle3_airflow.params import ParamsError, build_params
 from eagle3_airflow.tasks import validate_run
-from tests.conftest import RUN
+from tests.conftest import RUN, run_dir_of
 
 GOOD = {"target.model_path": "/models/kimi", "data.path": "/data/conversations.jsonl"}
 WORKDIR = {"workdir": "/data/eagle3"}
@@ -64,14 +64,15 @@ def test_a_trigger_cannot_choose_the_workdir():
     for workdir in ("/home/alice", "/data/eagle3/team-a"):
         with pytest.raises(AirflowFailException, match=r"not trigger parameters: 'workdir' \(the deployment's"):
             trigger(deployment, conf={"workdir": workdir})
-    assert trigger(deployment)["plan"]["workdir"] == "/data/eagle3"
+    assert trigger(deployment)["plan"]["config"]["workdir"] == "/data/eagle3"
 
 
 def test_by_default_only_the_settings_workdir_is_allowed():
     assert Deployment(run={"workdir": "/data/eagle3/"}).workdirs() == ["/data/eagle3"]
-    assert trigger(Deployment(run={"workdir": "/data/eagle3/"}))["plan"]["workdir"] == "/data/eagle3"  # one spelling
+    spelled = trigger(Deployment(run={"workdir": "/data/eagle3/"}))["plan"]["config"]["workdir"]
+    assert spelled == "/data/eagle3"  # one spelling
     team = Deployment(run={"workdir": "/data/eagle3/team-a"}, allowed_workdirs=["/data/eagle3"])
-    assert trigger(team)["plan"]["run_dir"].startswith("/data/eagle3/team-a/")
+    assert str(run_dir_of(trigger(team)["plan"])).startswith("/data/eagle3/team-a/")
     for elsewhere in ("/home/alice", "/data/eagle3-other", "/data"):
         with pytest.raises(ValidationError, match=rf"workdir: '{elsewhere}' is not under a directory this "
                                                   r"deployment allows; it allows \['/data/eagle3'\]"):
@@ -98,7 +99,7 @@ def test_a_workdir_the_settings_no_longer_allow_is_refused_by_validate():
     """Every task checks against the settings as they are now: tightened after the DAG was parsed, they refuse a
     workdir they allowed then."""
     deployment = Deployment(run={"workdir": "/data/eagle3/team-a"}, allowed_workdirs=["/data/eagle3"])
-    assert trigger(deployment)["plan"]["workdir"] == "/data/eagle3/team-a"
+    assert trigger(deployment)["plan"]["config"]["workdir"] == "/data/eagle3/team-a"
     tightened = deployment.model_copy(update={"allowed_workdirs": ["/data/eagle3/team-b"]})
     with pytest.raises(AirflowFailException, match=r"workdir: '/data/eagle3/team-a' is not under a directory this "
                                                    r"deployment allows; it allows \['/data/eagle3/team-b'\]"):
@@ -108,7 +109,7 @@ def test_a_workdir_the_settings_no_longer_allow_is_refused_by_validate():
 def test_allowed_workdirs_in_the_settings_replace_the_default():
     deployment = Deployment(run={"workdir": "/nfs/team/run-a"}, allowed_workdirs=["/scratch/eagle3/", "/nfs/./team"])
     assert deployment.workdirs() == ["/scratch/eagle3", "/nfs/team"]
-    assert trigger(deployment)["plan"]["workdir"] == "/nfs/team/run-a"
+    assert trigger(deployment)["plan"]["config"]["workdir"] == "/nfs/team/run-a"
     with pytest.raises(ValidationError, match="not under a directory this deployment allows"):
         Deployment(run=WORKDIR, allowed_workdirs=["/scratch/eagle3/", "/nfs/./team"])
     with pytest.raises(ValidationError, match=r"'\.\.' component"):
@@ -180,7 +181,7 @@ def test_the_settings_name_only_the_interpreters_they_allow():
     would run it with the stage's arguments. Both are the settings' now, checked against allowed_pythons."""
     deployment = Deployment(run=WORKDIR, box={"python": "/opt/eagle3/bin/python"})
     assert deployment.pythons() == ["/opt/eagle3/bin/python"]  # default: the interpreter the settings name
-    assert trigger(deployment)["plan"]["python"] == "/opt/eagle3/bin/python"
+    assert trigger(deployment)["plan"]["box"]["python"] == "/opt/eagle3/bin/python"
     for key, value in (("box.python", "/bin/sh"), ("server.python", "/home/alice/venv/bin/python")):
         with pytest.raises(AirflowFailException, match=rf"not trigger parameters: '{key}' \(the deployment's"):
             trigger(deployment, conf={key: value})

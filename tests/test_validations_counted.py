@@ -1,13 +1,16 @@
-"""Issue 43, item 2: one plan, validated once per side, and the settings read once, when the DAG file is parsed.
+"""One typed trip for the run config (issues 43 and 52): validated once per side, and the settings read once, when
+the DAG file is parsed.
 
-One run's control plane, counted: the run config's validations (RunConfig, however it is reached: the trigger's
-form, the settings' own checks of their layers) and the settings file's reads, in validate and in every task that
-uses the plan (the small tasks called as the DAG's @task wrappers call them; the sensors, remote jobs and announce
-through verified_plan, which each of them calls first). The box is a stand-in that answers each command: what is
-counted happens before any command runs.
+One run's control plane, counted: the run config's validations from the form (RunConfig, however it is reached: the
+trigger's form, the settings' own checks of their layers), the loads of the sealed plan (RunPlan, the RunConfig inside
+it: a task's one typed read of what validate sealed) and the settings file's reads, in validate and in every task
+that uses the plan (the small tasks called as the DAG's @task wrappers call them; the sensors, remote jobs and
+announce through verified_plan, which each of them calls first). The box is a stand-in that answers each command:
+what is counted happens before any command runs.
 
-Before (the plan with a digest of a config kept beside it, checked again at every task against the settings file
-re-read): 24 validations and 21 reads of the settings file for a one-shard run. Now: 1 and 0.
+Before issue 43 (the plan with a digest of a config kept beside it, checked again at every task against the settings
+file re-read): 24 validations and 21 reads of the settings file for a one-shard run. Now: the form's config validated
+once, in validate; each task loads the plan once; the settings file read by no task.
 """
 
 from __future__ import annotations
@@ -19,16 +22,19 @@ from types import SimpleNamespace
 import pytest
 
 from eagle3.config import RunConfig
+from eagle3.contracts import PROTOCOL
 from eagle3_airflow import plan as plan_module
 from eagle3_airflow import tasks
 from eagle3_airflow.deployment import Deployment
+from eagle3_airflow.plan import RunPlan
 from eagle3_airflow.transport import CommandResult
 from tests.conftest import RUN
 
 # The tasks of a one-shard run that verify the plan before anything else (sensors, remote jobs, announce).
 VERIFYING_TASKS = ("box_reachable", "gpus_idle", "disk_space", "generate", "extract[0]", "gpus_released", "vocab",
                    "train", "export", "evaluate", "benchmark", "promoted")
-REPLIES = {"box info": {"python": "3.11", "packages": {}, "cuda": None, "gpus": [], "missing": []},
+REPLIES = {"box info": {"protocol": PROTOCOL, "python": "3.11", "packages": {}, "cuda": None, "gpus": [],
+                        "missing": []},
            "runs prune": {"runs": 1, "removed": [], "kept_beyond_keep": []},
            "lineage check": {"changed": True}}
 
@@ -62,9 +68,11 @@ def reply(argv, input=None, timeout=0) -> CommandResult:
 def counts(trust_settings, monkeypatch) -> dict:
     settings = json.loads(trust_settings.read_text())
     trust_settings.write_text(json.dumps({**settings, "keep_runs": 3, "reports_url": str(trust_settings.parent)}))
-    counts = {"config validations": 0, "settings reads": 0}
+    counts = {"config validations": 0, "plan loads": 0, "settings reads": 0}
     monkeypatch.setattr(RunConfig, "__pydantic_validator__", Counted(RunConfig.__pydantic_validator__, counts,
                                                                      "config validations"))
+    monkeypatch.setattr(RunPlan, "__pydantic_validator__", Counted(RunPlan.__pydantic_validator__, counts,
+                                                                   "plan loads"))
     read_text = pathlib.Path.read_text
 
     def read(path, *args, **kwargs):
@@ -103,6 +111,7 @@ def test_one_run_validates_its_config_once_and_no_task_reads_the_settings(counts
     for name in VERIFYING_TASKS:
         run(name, lambda: plan_module.verified_plan(plan, RUN))
     print(json.dumps({"parse": parsed, **per_task}))
-    assert per_task.pop("validate") == {"config validations": 1, "settings reads": 0}
-    assert {name: figures for name, figures in per_task.items() if any(figures.values())} == {}
+    assert per_task.pop("validate") == {"config validations": 1, "plan loads": 1, "settings reads": 0}
+    once = {"config validations": 0, "plan loads": 1, "settings reads": 0}
+    assert {name: figures for name, figures in per_task.items() if figures != once} == {}
     assert len(per_task) == 6 + len(VERIFYING_TASKS)

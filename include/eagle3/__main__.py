@@ -18,6 +18,8 @@ import sys
 import tokenize
 from pathlib import Path
 
+from eagle3.contracts import Exit
+
 log = logging.getLogger("eagle3")
 
 # Each command imports what it runs inside its own function: `job poll`, which the trigger runs every few seconds for
@@ -25,11 +27,15 @@ log = logging.getLogger("eagle3")
 
 
 def load_config(path: str):
-    """The run config with the target's facts filled in. Imported here, not at the top: `job poll`, which the
-    trigger runs every few seconds for hours, must not pay for pydantic."""
-    from eagle3.config import load_run_config, resolve_target_facts
+    """The run config as `init` wrote it, the target's facts resolved: one read, one validation. Imported here, not
+    at the top: `job poll`, which the trigger runs every few seconds for hours, must not pay for pydantic."""
+    from eagle3.config import ConfigError, load_run_config
 
-    return resolve_target_facts(load_run_config(path))
+    cfg = load_run_config(path)
+    if cfg.target.num_hidden_layers is None:
+        raise ConfigError(f"{path}: the target's facts are not filled in; write the run's config with "
+                          "`python -m eagle3 init --config FILE` first, which resolves them")
+    return cfg
 
 
 def cmd_make_tiny_target(args) -> None:
@@ -197,18 +203,13 @@ def cmd_lineage_promote(args) -> None:
 
 
 def cmd_report(args) -> None:
-    from eagle3.reportfiles import ReportFileRefused, list_plots, manifest_command, read_command
+    from eagle3.reportfiles import ReportFileRefused, manifest_command
 
     try:
-        if args.report_command == "manifest":
-            result = manifest_command(args.run_dir, args.name or [], plots=args.plots)
-        elif args.report_command == "read":
-            result = read_command(args.run_dir, args.name)
-        else:
-            result = {"plots": list_plots(args.run_dir)}
-    except ReportFileRefused as err:  # a link, a non-regular or oversized file, a name outside the run's reports
+        result = manifest_command(args.run_dir, args.name or [], plots=args.plots)
+    except ReportFileRefused as err:  # the run directory is a link, not absolute, or missing
         print(f"error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
+        raise SystemExit(Exit.REFUSED) from None
     print(json.dumps(result))
 
 
@@ -253,10 +254,10 @@ def cmd_job(args) -> None:
                                    args.pass_env, stall, args.redo, args.set_aside, owner)
         except job.ForeignJob as err:  # another host runs it: no retry from here helps while it does
             print(f"error: {err}", file=sys.stderr)
-            raise SystemExit(job.FOREIGN_EXIT) from None
+            raise SystemExit(Exit.FOREIGN) from None
         except job.JobLaunchError as err:  # not a usage error: a retry may well succeed
             print(f"error: {err}", file=sys.stderr)
-            raise SystemExit(1) from None
+            raise SystemExit(Exit.FAILED) from None
     elif args.job_command == "poll":
         if args.from_try_start or (args.stream and args.log_offset is None):
             offset = None  # the try's first line, or the stream's cursor
@@ -270,7 +271,7 @@ def cmd_job(args) -> None:
         # run on, and whoever asked for the kill must hear it.
         if result["refused"] and (result["state"] or {}).get("status", "running") == "running":
             print(f"error: job {args.key} was not killed: {result['refused']}", file=sys.stderr)
-            raise SystemExit(1)
+            raise SystemExit(Exit.FAILED)
         return
     print(json.dumps(result))
 
@@ -398,9 +399,6 @@ def build_parser() -> argparse.ArgumentParser:
         "never through a symlink, at most 8 MiB each. JSON on stdout; a refusal exits 2 naming the path. The "
         "control plane fetches the files `manifest` names by SFTP and refuses bytes whose size or sha256 differ.")
     report_sub = p.add_subparsers(dest="report_command", required=True, metavar="SUBCOMMAND")
-    r = report_sub.add_parser("list", help="the run's plots: {\"plots\": [\"<stage>/<name>.png\", ...]}")
-    r.add_argument("--run-dir", required=True)
-    r.set_defaults(func=cmd_report)
     r = report_sub.add_parser(
         "manifest", help="which of the run's files the control plane may fetch: {\"files\": [{\"name\", \"size\", "
         "\"sha256\"} or {\"name\", \"present\": false} or {\"name\", \"refused\"}], \"plots\": [...] with --plots}; "
@@ -408,12 +406,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--run-dir", required=True)
     r.add_argument("--name", action="append", help="<stage>/<name>.png, evaluate/report.json or "
                    "benchmark/benchmark.json (repeatable)")
-    r.add_argument("--plots", action="store_true", help="also list the run's plots, as `report list` does")
-    r.set_defaults(func=cmd_report)
-    r = report_sub.add_parser("read", help="one file as base64 on stdout, for control planes older than `manifest`: "
-                              "{\"present\": true, \"base64\": ...} or {\"present\": false}")
-    r.add_argument("--run-dir", required=True)
-    r.add_argument("--name", required=True, help="<stage>/<name>.png, evaluate/report.json or benchmark/benchmark.json")
+    r.add_argument("--plots", action="store_true", help="also list the run's plots: <stage>/<name>.png")
     r.set_defaults(func=cmd_report)
 
     p = sub.add_parser(
@@ -503,9 +496,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def exit_code_for(err: Exception) -> int | None:
-    """2: the input is wrong (a field or file, named in the message); 1: the server failed us, a retry may do;
-    None: a bug, shown with its traceback. The error classes are imported only now, for light commands' sake."""
+def exit_code_for(err: Exception) -> Exit | None:
+    """REFUSED: the input is wrong (a field or file, named in the message); FAILED: the server failed us, a retry may
+    do; None: a bug, shown with its traceback. The error classes are imported only now, for light commands' sake."""
     from eagle3.config import ConfigError
     from eagle3.data import DataError
     from eagle3.hostid import HostIdError
@@ -514,18 +507,18 @@ def exit_code_for(err: Exception) -> int | None:
     from eagle3.runowner import RunDirOwned
 
     if isinstance(err, (ConfigError, DataError, HostIdError, JobError, LayerIdError, RunDirOwned)):
-        return 2
+        return Exit.REFUSED
     from eagle3.generate import GenerateAborted
     from eagle3.server import ServerError
     from eagle3.store import StoreBusy, StoreError  # torch-heavy
     from eagle3.vocab import VocabError
 
     if isinstance(err, StoreBusy):  # a writer that does not wait (extract does): the retry finds the samples stored
-        return 1
+        return Exit.FAILED
     if isinstance(err, (StoreError, VocabError)):
-        return 2
+        return Exit.REFUSED
     if isinstance(err, (GenerateAborted, ServerError)):
-        return 1
+        return Exit.FAILED
     return None
 
 

@@ -6,7 +6,8 @@ person must fix (a bad run config, unreadable data) raise, and the CLI turns tho
 
   gpus   nvidia-smi's view: GPUs with memory used/total and MIG mode, and the compute processes on them.
          `judge_gpus` turns a report into (idle, problems) for a sensor that waits for free GPUs.
-  info   python, host, boot id, versions of the packages the stages need, torch's CUDA view, the GPUs.
+  info   the protocol this code speaks (eagle3.contracts), python, host, boot id, versions of the packages the
+         stages need, torch's CUDA view, the GPUs.
   disk   whether the run's extraction fits on its disk: tokens x bytes per token x margin, less what the
          store already holds, against the free space of the run directory's file system.
 
@@ -31,6 +32,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from eagle3.config import ConfigError
+from eagle3.contracts import PROTOCOL
 from eagle3.data import (
     TOKENIZING_VERSION,
     DataError,
@@ -357,6 +359,7 @@ def box_info(require: Iterable[str] = (), nvidia_smi: str | None = None) -> dict
         packages["sglang"] = f"stand-in {launcher}"
     gpus = gpu_report(nvidia_smi)["gpus"]
     return {
+        "protocol": PROTOCOL,  # what the control plane checks before it drives this code (eagle3.contracts)
         "python": sys.version,
         "executable": sys.executable,
         "hostname": socket.gethostname(),
@@ -437,10 +440,10 @@ def cached_token_count(cfg, cache_path: Path) -> dict:
     return counts
 
 
-def store_held_bytes(store_dir: Path, conversation_ids: set[str] | None = None) -> int:
-    """Bytes of the chunks the store's manifests record (0 without a store): what extraction has done.
-    `conversation_ids`: count only those conversations' samples (a store shared with other runs' data), each
-    sample at its share of its chunk's bytes by tokens."""
+def store_held_bytes(store_dir: Path, conversation_ids: set[str]) -> int:
+    """Bytes of the chunks the store's manifests record (0 without a store) for the samples of `conversation_ids`
+    (the store is shared with other runs' data), each sample at its share of its chunk's bytes by tokens: what
+    extraction has done of this run."""
     shard_dirs = sorted(Path(store_dir).glob("shard-*"))
     if not shard_dirs:
         return 0
@@ -451,9 +454,6 @@ def store_held_bytes(store_dir: Path, conversation_ids: set[str] | None = None) 
         records, _ = read_manifest(shard / "manifest.jsonl")
         for record in records:
             if not record.get("chunk"):
-                continue
-            if conversation_ids is None:
-                held += record["bytes"]
                 continue
             lengths = [n for _, n in record["samples"]]
             ours = sum(n for sid, n in record["samples"] if conversation_id_of(sid) in conversation_ids)
@@ -481,10 +481,9 @@ def disk_estimate(cfg, margin: float = 1.2) -> dict:
     state_bytes_per_token = states_per_token * (hidden_size * STATE_BYTES[dtype] + SCALE_BYTES[dtype])
     tokens = counts["tokens"]
     estimate = math.ceil(tokens * (state_bytes_per_token * margin + IDS_AND_MASK_BYTES))
-    # A shared store (RUN_DIR/hidden_states links into {workdir}/stores/) also holds other runs' data: only this
+    # The shared store (RUN_DIR/hidden_states links into {workdir}/stores/) also holds other runs' data: only this
     # data's samples are done. With generate on, data.path's ids stand in for answers not yet written: none held.
-    shared = cfg.store_dir.is_symlink()
-    held = store_held_bytes(cfg.store_dir, set(counts.get("conversation_ids", ())) if shared else None)
+    held = store_held_bytes(cfg.store_dir, set(counts["conversation_ids"]))
     needed = max(0, estimate - held)
     where = nearest_existing(cfg.run_dir)
     fs = os.statvfs(where)

@@ -872,11 +872,9 @@ class RunConfig(Section):
     def _check_served_tp(self) -> None:
         """Every TP size the drafter is served at splits its attention heads evenly, and its KV heads evenly or
         replicates them evenly (tp a multiple of them): what SGLang's and vLLM's tensor-parallel attention need.
-        Those are serve.tp_sizes, and server.tp_size where this run serves the drafter itself (evaluate.backend
-        server, benchmark)."""
+        Those are serve.tp_sizes, and server.tp_size where this run serves the drafter itself."""
         heads, kv = self.drafter.num_attention_heads, self.drafter.num_key_value_heads
-        served_here = self.evaluate.backend == "server" or self.benchmark.enabled
-        for tp in sorted(set(self.serve.tp_sizes) | ({self.server.tp_size} if served_here else set())):
+        for tp in sorted(set(self.serve.tp_sizes) | ({self.server.tp_size} if self.serves_drafter else set())):
             where = f"serve.tp_sizes {self.serve.tp_sizes}" if tp in self.serve.tp_sizes else "server.tp_size"
             if heads is not None and heads % tp:
                 fits = next((h for h in range(heads, 4097) if h % tp == 0 and (kv is None or h % kv == 0)), None)
@@ -889,6 +887,43 @@ class RunConfig(Section):
             if kv is not None and kv % tp and tp % kv:
                 raise ValueError(f"drafter.num_key_value_heads: {kv} KV heads neither split across nor replicate "
                                  f"evenly over tp {tp} ({where}); pick a divisor or a multiple of {tp}")
+
+    # -- derived facts, defined here alone: the control plane (the GPU sensor, the pools, code sync) and the box read
+    #    these, never the fields they come from.
+    @property
+    def serves_drafter(self) -> bool:
+        """A stage serves the drafter itself with server.engine: evaluate (backend server) or benchmark."""
+        return self.evaluate.backend == "server" or self.benchmark.enabled
+
+    @property
+    def starts_server(self) -> bool:
+        """A stage starts server.engine on the run's first box: generate (launch_server), evaluate or benchmark."""
+        return (self.generate.enabled and self.generate.launch_server) or self.serves_drafter
+
+    @property
+    def server_gpus(self) -> int:
+        """GPUs the serving engine takes on the first box: server.tp_size, when a stage starts one."""
+        return self.server.tp_size if self.starts_server else 0
+
+    @property
+    def needs_sglang(self) -> bool:
+        """box.python must have sglang: the sglang capture backend, or an SGLang server started from box.python
+        (without a server.python of its own)."""
+        return self.extract.backend == "sglang" or (
+            self.starts_server and self.server.engine == "sglang" and not self.server.python)
+
+    @property
+    def gpus_per_shard(self) -> int:
+        """GPUs each extraction shard takes: extract.sglang.tp_size (sglang), 1 (hf on device auto), 0 (hf on the
+        device extract.device names)."""
+        if self.extract.backend == "sglang":
+            return self.extract.sglang.tp_size
+        return 1 if self.extract.device == "auto" else 0
+
+    @property
+    def train_gpus(self) -> int:
+        """GPUs the first box must have for training: the highest train.gpus index + 1, or its ranks."""
+        return max(self.train.gpus) + 1 if self.train.gpus else self.train.ranks
 
     # -- derived paths: all outputs live under run_dir, so a copy of the config with another
     #    workdir/run_name is a new, independent run.
@@ -1132,12 +1167,6 @@ def check_layers_served(cfg: RunConfig, architecture: str) -> None:
         raise ConfigError(str(err)) from None
 
 
-def _target_scales_rope(cfg: RunConfig) -> bool:
-    from eagle3.rope import target_rope  # (here: rope imports torch, and the DAG parses this module)
-
-    return target_rope(read_text_config(cfg.target.model_path))[1] is not None
-
-
 def write_run_config(cfg: RunConfig) -> Path:
     """Write config.json into the run directory, once.
 
@@ -1146,17 +1175,7 @@ def write_run_config(cfg: RunConfig) -> Path:
     """
     path = cfg.config_path
     if path.exists():
-        # Compared as validated models, so a config written by an older version (lacking a newer key whose
-        # default applies) still counts as the same; one written before the drafter's shape was recorded
-        # trains the shape it derives the same way, and one written before its RoPE was recorded too, where the
-        # target scales no RoPE (before, the drafter never carried a scaling).
-        written = load_run_config(path)
-        if written == cfg or (written.drafter == DrafterConfig() and written.model_copy(
-                update={"drafter": cfg.drafter}) == cfg):
-            return path
-        rope = {"rope_theta": cfg.drafter.rope_theta, "rope_scaling": cfg.drafter.rope_scaling}
-        if written.drafter.rope_theta is None and written.model_copy(update={
-                "drafter": written.drafter.model_copy(update=rope)}) == cfg and not _target_scales_rope(cfg):
+        if load_run_config(path) == cfg:  # compared as validated models: key order and spelling do not matter
             return path
         raise ConfigError(
             f"{path} already exists with different values; its outputs were made with those. "

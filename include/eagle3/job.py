@@ -12,7 +12,7 @@ dropped connection, a dead worker or a new Airflow try finds the job again inste
 A running job is alive only if its boot id is this boot's, its supervisor's pid exists with the recorded start
 time, and its heartbeat is fresh; a dead one is relaunched by the next start, and the stage resumes. A job recorded
 running on another host (its host id, eagle3.hostid, differs: two boxes sharing a work directory) is "foreign": this
-host cannot see its processes, so it is never declared dead, started again (start exits FOREIGN_EXIT, 3: the
+host cannot see its processes, so it is never declared dead, started again (start exits Exit.FOREIGN: the
 control plane then fails the task without a retry), killed or recorded as killed from here.
 A signal goes only to a group the job provably owns (group_ownership_problem). The stage sees an allowlisted
 environment (STAGE_ENV_NAMES, STAGE_ENV_PREFIXES, `start --pass-env`). Why: docs/architecture.md, "Detached jobs".
@@ -116,13 +116,7 @@ class CorruptState(Exception):
 
 class ForeignJob(JobLaunchError):
     """The job is recorded running on another host: nothing is started, redone or killed beside it from here.
-    `job start` exits FOREIGN_EXIT for it."""
-
-
-# `job start`'s exit status for a ForeignJob: retrying from this host cannot help while the other host runs the job,
-# so the control plane fails the task without a retry. Not 1 (JobLaunchError: a retry may do) and not 2 (a usage
-# error or a refusal; argparse's own usage errors are 2 as well, which the control plane reads as older box code).
-FOREIGN_EXIT = 3
+    `job start` exits Exit.FOREIGN for it (eagle3.contracts)."""
 
 
 class SignalRefused(Exception):
@@ -343,10 +337,9 @@ def kill_leftovers(state: dict, wait_s: float = LEFTOVER_WAIT_S, directory: Path
 
 
 def foreign_host(state: dict) -> str | None:
-    """Why a running job is another host's, or None when it is this host's. A state.json from before host ids were
-    recorded is taken as this host's, as it always was."""
-    recorded = state.get("host_id")
-    if recorded is None or recorded == read_host_id():
+    """Why a running job is another host's, or None when it is this host's."""
+    recorded = state["host_id"]
+    if recorded == read_host_id():
         return None
     age = time.time() - state["heartbeat_at"]
     return (f"running on another host, {state.get('host')!r} (host id {recorded}), as pid {state['pid']}: this host "
@@ -401,7 +394,8 @@ def job_dir(jobs_dir: str | Path, key: str) -> Path:
 
 
 def make_private_dirs(directory: Path) -> None:
-    """Create the jobs dir and the job's dir, both 0700, and make existing ones 0700 too (older code made 0755).
+    """Create the jobs dir and the job's dir, both 0700, and make existing ones 0700 too (made by hand, or under
+    another umask).
 
     The job's dir must be this user's: one that another user made could be read, or swapped, by them. A shared
     jobs dir (world-writable and sticky, like /tmp) keeps its mode: the job's own dir is private all the same."""
@@ -482,7 +476,7 @@ def read_job_file(path: Path) -> bytes:
 
 
 STATE_FIELDS = {"key": str, "try": int, "status": str, "pid": int, "pgid": int, "pid_start_ticks": int,
-                "boot_id": str, "heartbeat_at": (int, float)}
+                "boot_id": str, "host_id": str, "heartbeat_at": (int, float), "log_start": int}
 STATUSES = ("running", "succeeded", "failed", "killed")
 
 
@@ -508,8 +502,6 @@ def state_problem(state, key: str) -> str | None:
         return f"status {state['status']!r} is none of {', '.join(STATUSES)}"
     if state["try"] < 1:
         return f"try {state['try']} is not a try number"
-    if not isinstance(state.get("host_id", ""), str):  # (absent: written before host ids were recorded)
-        return f"host_id is {json_kind(state['host_id'])}, {state['host_id']!r}"
     return group_fields_problem(state)
 
 
@@ -552,7 +544,7 @@ def locked(directory: Path) -> Iterator[None]:
     """Hold the job's exclusive flock, waiting for the current holder if there is one."""
     fd = open_job_file(directory / "lock", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     with open(fd, "a") as lock_file:  # closing the file releases the lock
-        os.fchmod(fd, 0o600)  # (also if an older version made it with a wider mode)
+        os.fchmod(fd, 0o600)  # (whatever mode it was made with)
         fcntl.flock(lock_file, fcntl.LOCK_EX)
         yield
 
@@ -858,7 +850,7 @@ def poll_job(
         # "dead", as a crashed job: nothing shows that the job runs, and a caller that sees a dead job starts it
         # again, which relaunches it over the file. (A status of its own would be one more for every caller.)
         state, effective, reason = None, "dead", f"{err}; the next job start relaunches the job over it"
-    try_start = state.get("log_start", 0) if state else 0  # (a state from before log_start: the whole log)
+    try_start = state["log_start"] if state else 0
     if stream is not None and state is not None:
         if log_offset is None:
             log_offset = stream_cursor(directory, stream, state["try"], try_start)

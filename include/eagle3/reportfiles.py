@@ -15,16 +15,14 @@ path handed over from XCom could climb out with `..`. So this side decides what 
 
 Output is one JSON object on stdout. `manifest` names, per file asked for, its size and sha256 (read here through
 the checks above), `"present": false` when it does not exist (evaluate was skipped), or why it is refused; with
-`--plots`, the run's plots as `list` gives them. The bytes themselves travel by the SSH connection's SFTP (or a
-local read on the local box), and the control plane refuses any whose size or sha256 differ from the manifest: a
-file swapped for a link, or rewritten, after the manifest is refused there, never served. `read` (the bytes as
-base64 on stdout) is what control planes before the manifest read with; a refusal exits 2 and says why on stderr,
-naming the path (for `manifest`: only a run directory refused; a refused file is an entry).
+`--plots`, the run's plots (list_plots). The bytes themselves travel by the SSH connection's SFTP (or a local read on
+the local box), and the control plane refuses any whose size or sha256 differ from the manifest: a file swapped for
+a link, or rewritten, after the manifest is refused there, never served. A refused run directory exits 2 and says
+why on stderr, naming the path; a refused file is an entry of the manifest.
 """
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import os
 import re
@@ -109,7 +107,7 @@ def read_file(run_dir: str, name: str) -> bytes | None:
 
 def list_plots(run_dir: str) -> list[str]:
     """`<stage>/<name>.png` of every regular file of that form and size, sorted; links, other files, files deeper
-    down and files over MAX_FILE_BYTES are left out (`read` would refuse them)."""
+    down and files over MAX_FILE_BYTES are left out (read_file would refuse them)."""
     run_fd = _open_run_dir(run_dir)
     plots = []
     try:
@@ -130,13 +128,6 @@ def list_plots(run_dir: str) -> list[str]:
     finally:
         os.close(run_fd)
     return sorted(plots)
-
-
-def read_command(run_dir: str, name: str) -> dict:
-    data = read_file(run_dir, name)
-    if data is None:
-        return {"name": name, "present": False}
-    return {"name": name, "present": True, "size": len(data), "base64": base64.b64encode(data).decode("ascii")}
 
 
 def manifest_command(run_dir: str, names: list[str], plots: bool = False) -> dict:

@@ -55,7 +55,8 @@ from airflow.sdk.exceptions import (
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 from tenacity import AsyncRetrying, Retrying, retry_if_exception_type, stop_after_delay, wait_exponential_jitter
 
-from eagle3.job import FOREIGN_EXIT, run_seconds
+from eagle3.contracts import Exit
+from eagle3.job import run_seconds
 from eagle3.runlayout import REDO_OUTPUTS
 from eagle3_airflow.plan import RunPlan, verified_plan
 from eagle3_airflow.transport import BoxUnreachable, box_for
@@ -63,7 +64,6 @@ from eagle3_airflow.transport import BoxUnreachable, box_for
 # "foreign": the job runs on another host sharing the work directory (eagle3.job.foreign_host); this box can
 # neither wait on its processes nor start a second copy, so the task ends with the reason.
 TERMINAL = {"succeeded", "failed", "killed", "dead", "absent", "foreign"}
-USER_ERROR_EXIT = 2  # `python -m eagle3` exits 2 when the config, data or a file is wrong
 
 
 def foreign_advice(jobs_dir: str, key: str) -> str:
@@ -114,15 +114,6 @@ def outage_retry(conn_id: str, grace_s: float, log) -> dict:
 WORKER_PHASE_TIMEOUT = timedelta(minutes=30)
 
 
-def predates(result, option: str) -> bool:
-    """Whether a `python -m eagle3` command failed because the box's code for this run (pinned when the run was
-    validated, so possibly older than this plugin) does not know `option`, or the subcommand `option`: argparse's
-    usage error."""
-    usage_error = result.returncode == USER_ERROR_EXIT and (
-        "unrecognized arguments" in result.stderr or "invalid choice" in result.stderr)
-    return usage_error and option in result.stderr
-
-
 def log_stream(ti) -> str:
     """The name under which the box keeps a trigger's place in the job log (`job poll --stream`): one per Airflow
     try, whose task log the trigger writes. Airflow 3 gives every try its own task instance id."""
@@ -167,9 +158,10 @@ class RemoteJobOperator(BaseOperator):
         """Check the plan from XCom (its seal for this run) and, for a mapped extract, that its shard is one of the
         plan's; everything this task does on the box uses the plan checked here."""
         plan = verified_plan(self.plan, context.get("dag_run"))
-        if self.shard is not None and not (isinstance(self.shard, int) and 0 <= self.shard < plan.num_shards):
+        shards = plan.config.extract.num_shards
+        if self.shard is not None and not (isinstance(self.shard, int) and 0 <= self.shard < shards):
             raise AirflowFailException(f"shard {self.shard!r} (from the `shards` task's XCom) is not a shard of this "
-                                       f"run, which has {plan.num_shards}: the XCom was edited. Trigger a new run.")
+                                       f"run, which has {shards}: the XCom was edited. Trigger a new run.")
         self._verified = plan
         return plan
 
@@ -181,7 +173,7 @@ class RemoteJobOperator(BaseOperator):
 
     @property
     def conn_id(self) -> str:
-        return self.run_plan.conn_for_shard(self.shard) if self.shard is not None else self.run_plan.conn_ids[0]
+        return self.run_plan.conn_for_shard(self.shard) if self.shard is not None else self.run_plan.box.conn_ids[0]
 
     def _key(self, context) -> str:
         ti = context["ti"]
@@ -189,10 +181,10 @@ class RemoteJobOperator(BaseOperator):
 
     def _stage_argv(self) -> list[str]:
         plan = self.run_plan
-        argv = [plan.python, "-P", "-m", "eagle3", self.stage, "--config", plan.config_path,  # -P: see RunPlan.eagle3
+        argv = [plan.box.python, "-P", "-m", "eagle3", self.stage, "--config", plan.config_path,  # -P: RunPlan.eagle3
                 *self.stage_args]
         if self.shard is not None:
-            argv += ["--shard", str(self.shard), "--num-shards", str(plan.num_shards),
+            argv += ["--shard", str(self.shard), "--num-shards", str(plan.config.extract.num_shards),
                      "--gpu-group", str(plan.gpu_group_for_shard(self.shard))]
         return argv
 
@@ -202,7 +194,7 @@ class RemoteJobOperator(BaseOperator):
     # -- start or re-attach, wait in the triggerer ---------------------------------------------------
     def execute(self, context):
         plan = self.verify_plan(context)
-        if self.only_if and not getattr(plan, self.only_if):
+        if self.only_if and not getattr(plan.config, self.only_if).enabled:
             raise AirflowSkipException(f"{self.only_if}.enabled is off for this run")
         self._running_key = self._key(context)  # for on_kill, which gets no context
         try:
@@ -228,30 +220,25 @@ class RemoteJobOperator(BaseOperator):
 
     def _riding_out_outages(self, command):
         """Run an idempotent box command through an outage, as the trigger polls (outage_retry)."""
-        return Retrying(**outage_retry(self.conn_id, self.run_plan.ssh_grace_s, self.log))(command)
+        return Retrying(**outage_retry(self.conn_id, self.run_plan.box.ssh_grace_s, self.log))(command)
 
     def submit_job(self, context) -> str:
         key = self._key(context)
-        heartbeat_s = max(1.0, min(30.0, self.run_plan.stale_after_s / 4))
-        plan = self.run_plan
+        plan, box_settings = self.run_plan, self.run_plan.box
+        heartbeat_s = max(1.0, min(30.0, box_settings.stale_after_s / 4))
         passed_env = [arg for name in plan.box_env for arg in ("--pass-env", name)]
-        stall = ["--stall-timeout-s", f"{plan.stall_timeout_s:g}",
-                 "--first-progress-timeout-s", f"{plan.first_progress_timeout_s or plan.stall_timeout_s:g}"]
+        stall = ["--stall-timeout-s", f"{box_settings.stall_timeout_s:g}", "--first-progress-timeout-s",
+                 f"{box_settings.first_progress_timeout_s or box_settings.stall_timeout_s:g}"]
         # The Airflow run this stage belongs to, from the task's own context (never XCom): the box refuses a stage
         # of a run that does not own the run directory (eagle3.runowner), as init did
         dag_run = context["dag_run"]
         owner = ["--airflow-dag-id", str(dag_run.dag_id), "--airflow-run-id", str(dag_run.run_id)]
 
-        def start(*owner_args: str):
-            argv = self._job("start", key, "--heartbeat-s", f"{heartbeat_s:g}", "--stale-after-s",
-                             f"{plan.stale_after_s:g}", *stall, *passed_env, *self._redo(context), *owner_args, "--",
-                             *self._stage_argv())
-            return self._riding_out_outages(lambda: box.run(argv, timeout=120))
-
-        box = self.run_plan.box(self.conn_id)
-        result = start(*owner)
-        if predates(result, "--airflow-dag-id"):  # the run's pinned code on the box knows no owners yet
-            result = start()
+        argv = self._job("start", key, "--heartbeat-s", f"{heartbeat_s:g}", "--stale-after-s",
+                         f"{box_settings.stale_after_s:g}", *stall, *passed_env, *self._redo(context), *owner, "--",
+                         *self._stage_argv())
+        box = plan.remote(self.conn_id)
+        result = self._riding_out_outages(lambda: box.run(argv, timeout=120))
         self._refuse_without_retry(result, key)
         state = result.json(f"starting job {key}")
         self._finished_already = bool(state.get("attached") and state.get("status") == "succeeded")
@@ -271,19 +258,18 @@ class RemoteJobOperator(BaseOperator):
 
     def _refuse_without_retry(self, result, key: str) -> None:
         """Fail the task without a retry (AirflowFailException) where `job start` says that retrying cannot help:
-        the job runs on another host (FOREIGN_EXIT), or the start was refused (exit 2: the run directory is another
-        Airflow run's, a job file is a link or another user's, a usage error such as an option the run's pinned code
-        on the box does not know). Exit 1, a supervisor that did not come up, stays an error Airflow retries."""
-        if result.returncode not in (FOREIGN_EXIT, USER_ERROR_EXIT):
+        the job runs on another host (Exit.FOREIGN), or the start was refused (Exit.REFUSED: the run directory is
+        another Airflow run's, a job file is a link or another user's). Exit.FAILED, a supervisor that did not come
+        up, stays an error Airflow retries."""
+        if result.returncode not in (Exit.FOREIGN, Exit.REFUSED):
             return
         said = "\n".join(result.stderr.strip().splitlines()[-20:])
         where = f"{self.stage} job {key} was not started on {self.conn_id}"
-        if result.returncode == FOREIGN_EXIT:
+        if result.returncode == Exit.FOREIGN:
             raise AirflowFailException(f"{where}: it runs on another host sharing the work directory.\n{said}\n"
                                        f"{foreign_advice(self.run_plan.jobs_dir, key)}")
-        raise AirflowFailException(f"{where}: `job start` refused it (exit {USER_ERROR_EXIT}), and retrying cannot "
-                                   f"help, so this task does not retry. Fix what the box says, then clear this "
-                                   f"task:\n{said}")
+        raise AirflowFailException(f"{where}: `job start` refused it, and retrying cannot help, so this task does not "
+                                   f"retry. Fix what the box says, then clear this task:\n{said}")
 
     def _redo(self, context) -> list[str]:
         """`job start`'s redo flags when this run redoes this stage (box.redo_from): once per DAG run, its earlier
@@ -303,12 +289,12 @@ class RemoteJobOperator(BaseOperator):
         self.defer(
             trigger=RemoteJobTrigger(
                 conn_id=self.conn_id, eagle3_argv=plan.eagle3(), jobs_dir=plan.jobs_dir, key=str(key),
-                poll_interval_s=plan.poll_interval_s, ssh_grace_s=plan.ssh_grace_s,
-                stale_after_s=plan.stale_after_s, stream=log_stream(context["ti"]), started_try=self._started_try,
+                poll_interval_s=plan.box.poll_interval_s, ssh_grace_s=plan.box.ssh_grace_s,
+                stale_after_s=plan.box.stale_after_s, stream=log_stream(context["ti"]), started_try=self._started_try,
             ),
             method_name="execute_complete",
             # However it progresses, a stage this long is not waited for (a retry re-attaches, or resumes it).
-            timeout=timedelta(hours=plan.stage_timeout_h),
+            timeout=timedelta(hours=plan.box.stage_timeout_h),
         )
 
     def execute_complete(self, context, event: dict) -> dict:
@@ -319,7 +305,7 @@ class RemoteJobOperator(BaseOperator):
         if status == "unreachable":
             raise AirflowException(
                 f"{self.stage} job {event['key']}: box {self.conn_id!r} unreachable for more than "
-                f"{self.run_plan.ssh_grace_s:g} s ({event['reason']}). The job may still be running: "
+                f"{self.run_plan.box.ssh_grace_s:g} s ({event['reason']}). The job may still be running: "
                 "a retry (or clearing this task) re-attaches to it."
             )
         state = event.get("state") or {}
@@ -340,7 +326,7 @@ class RemoteJobOperator(BaseOperator):
                    f"Last log lines:\n{tail}")
         if status == "foreign":  # the job became another host's while this try waited on it: see foreign_advice
             raise AirflowFailException(f"{message}\n{foreign_advice(self.run_plan.jobs_dir, event['key'])}")
-        if state.get("exit_code") == USER_ERROR_EXIT:
+        if state.get("exit_code") == Exit.REFUSED:
             # The stage refused its input (the message above says which field or file): retrying cannot help. Fix
             # the cause, then clear the task.
             raise AirflowFailException(message)
@@ -368,16 +354,14 @@ class RemoteJobOperator(BaseOperator):
         if getattr(self, "_timed_out", False):
             return  # the worker was slow (an outage, a hung command), not the job wrong: the next try re-attaches
         try:
-            box = self.run_plan.box(self.conn_id)
-            if predates(box.run(self._job("kill", key, "--detach"), timeout=ON_KILL_BUDGET_S), "--detach"):
-                box.run(self._job("kill", key), timeout=ON_KILL_BUDGET_S)
+            self.run_plan.remote(self.conn_id).run(self._job("kill", key, "--detach"), timeout=ON_KILL_BUDGET_S)
         except Exception as err:  # best effort: the task is being killed anyway
             self.log.warning("could not kill job %s: %s", key, err)
 
     def _poll(self, key: str) -> dict:
         argv = self._job("poll", key, "--max-log-bytes", "0", "--stale-after-s",
-                         f"{self.run_plan.stale_after_s:g}")
-        box = self.run_plan.box(self.conn_id)
+                         f"{self.run_plan.box.stale_after_s:g}")
+        box = self.run_plan.remote(self.conn_id)
         return self._riding_out_outages(lambda: box.run(argv, timeout=60)).json(f"polling job {key}")
 
 
@@ -386,11 +370,8 @@ class RemoteJobTrigger(BaseTrigger):
 
     def __init__(self, *, conn_id: str, eagle3_argv: list[str], jobs_dir: str, key: str, log_offset: int | None = None,
                  poll_interval_s: float = 10.0, ssh_grace_s: float = 900.0, stale_after_s: float = 120.0,
-                 stream: str | None = None, started_try: int | None = None, **unknown: Any):
+                 stream: str | None = None, started_try: int | None = None):
         super().__init__()
-        if unknown:  # a trigger row written by newer code, run by this code after a rollback: nothing here uses them
-            self.log.warning("RemoteJobTrigger arguments this code does not know (serialized by newer code?): %s; "
-                             "ignored", sorted(unknown))
         self.stream = stream  # the Airflow try whose task log this trigger writes: the box keeps its place (poll_job)
         self.started_try = started_try  # the job try the deferring Airflow try started; None: one it re-attached to
         self.conn_id = conn_id
@@ -433,13 +414,6 @@ class RemoteJobTrigger(BaseTrigger):
                 except OUTAGE_ERRORS as err:
                     yield TriggerEvent({"status": "unreachable", "key": self.key, "reason": str(err)})
                     return
-                if self.stream and predates(result, "--stream"):
-                    # The run's pinned code on the box predates log cursors: stream as before (a triggerer restart
-                    # then repeats the try's log).
-                    self.log.warning("the box's code for this run knows no `job poll --stream`; the log is streamed "
-                                     "without a cursor on the box")
-                    self.stream = None
-                    continue
                 poll = result.json(f"polling job {self.key}")
                 for line in poll["log"].splitlines():
                     if line.strip():
@@ -478,8 +452,6 @@ class RemoteJobTrigger(BaseTrigger):
         async def kill() -> str:
             try:
                 result = await box.arun(self._argv("kill", "--detach"), timeout=ON_KILL_BUDGET_S)
-                if predates(result, "--detach"):  # the run's code on the box: a plain kill, in what time is left
-                    result = await box.arun(self._argv("kill"), timeout=ON_KILL_BUDGET_S)
                 return result.stdout
             finally:
                 await box.aclose()

@@ -8,18 +8,15 @@ each box's own (a box = an SSH connection + its settings):
 
 and the DAG file makes one DAG per box, each running its runs on that box alone, in that box's pool
 (`eagle3_box_gpu-box-1`, or the entry's `pool`). Two boxes run two runs at once; two DAGs, or any other DAG, that use
-one box share its pool. Without `box_pools` (old settings files) there is one DAG, `eagle3_drafter`, whose runs may
-use any allowed box, in the pool `pool` of `pool_slots` GPUs.
+one box share its pool. Without `box_pools` there is one DAG, `eagle3_drafter`, whose runs may use any allowed box, in
+the pool `pool` of `pool_slots` GPUs.
 
 DAG ids are stable as boxes come and go. The default box (the form's default box.conn_ids, else the first of
-box_pools) keeps `eagle3_drafter`, the id of the one DAG before box_pools; every other box's DAG is
+box_pools) keeps `eagle3_drafter`, the id of the DAG without box_pools; every other box's DAG is
 `eagle3_drafter__<box>`. Adding a box adds a DAG and renames none: the first DAG's history, its permissions (FAB
 grants them per DAG id) and its runs in flight stay where they are. Only the default box's DAG runs the settings'
-`schedule` and `schedule_assets`: one tick, or one Asset update, makes one run, never one per box (each box's DAG
-would start one, and before run directories were named by DAG id, all of them in one directory). The other boxes'
-DAGs are triggered by hand. (Settings that listed two or more boxes before this rule named every DAG
-`eagle3_drafter__<box>`: there the default box's DAG becomes `eagle3_drafter` once, its earlier runs staying under
-the old id.)
+`schedule` and `schedule_assets`: one tick, or one Asset update, makes one run, never one per box. The other boxes'
+DAGs are triggered by hand.
 
 What a task holds, in GPUs (Airflow fixes a task's pool_slots when the DAG is parsed, not per run):
 - generate, train, evaluate, benchmark: the whole box. Each may use every GPU of it (train's ranks, the serving
@@ -66,8 +63,9 @@ class BoxPool(BaseModel):
 
 
 class BoxResource(BaseModel):
-    """What one generated DAG holds: its id, the box its runs use (None: any allowed box, the old single DAG), the
-    pool, the GPUs each task holds in it, and whether the settings' schedule starts its runs (one DAG does)."""
+    """What one generated DAG holds: its id, the box its runs use (None: any allowed box, the one DAG without
+    box_pools), the pool, the GPUs each task holds in it, and whether the settings' schedule starts its runs (one DAG
+    does)."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -87,21 +85,17 @@ class BoxResource(BaseModel):
 
     def overuse(self, config: RunConfig) -> list[str]:
         """Why a run would use more GPUs than this DAG's tasks hold in the pool; empty when it fits."""
-        if self.conn_id is None:  # the old single DAG: its runs may span boxes, the pool bounds what it can
+        if self.conn_id is None:  # the one DAG without box_pools: its runs may span boxes, the pool bounds them
             return []
         where = f"box_pools.{self.conn_id} in the settings file"
         problems = []
-        train = max(config.train.gpus) + 1 if config.train.gpus else config.train.ranks
-        if train > self.gpus:
-            problems.append(f"train: uses {train} GPUs (train.gpus / train.nproc_per_node) but box {self.conn_id} "
-                            f"has {self.gpus} ({where}.gpus)")
-        shard = config.extract.sglang.tp_size if config.extract.backend == "sglang" else 1
-        if shard > self.shard_gpus:
-            problems.append(f"extract: each shard uses {shard} GPUs (extract.sglang.tp_size) but holds "
-                            f"{self.shard_gpus} in the pool ({where}.shard_gpus): set it to {shard}")
-        serves = (config.generate.enabled and config.generate.launch_server) or config.benchmark.enabled \
-            or config.evaluate.backend == "server"
-        if serves and config.server.tp_size > self.gpus:
+        if config.train_gpus > self.gpus:
+            problems.append(f"train: uses {config.train_gpus} GPUs (train.gpus / train.nproc_per_node) but box "
+                            f"{self.conn_id} has {self.gpus} ({where}.gpus)")
+        if config.gpus_per_shard > self.shard_gpus:
+            problems.append(f"extract: each shard uses {config.gpus_per_shard} GPUs (extract.sglang.tp_size) but holds "
+                            f"{self.shard_gpus} in the pool ({where}.shard_gpus): set it to {config.gpus_per_shard}")
+        if config.server_gpus > self.gpus:
             problems.append(f"server.tp_size: {config.server.tp_size} GPUs but box {self.conn_id} has {self.gpus} "
                             f"({where}.gpus)")
         return problems

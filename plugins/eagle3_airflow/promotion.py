@@ -104,13 +104,14 @@ def proposed_promotion(plan: RunPlan) -> dict | None:
     return promotion
 
 
-def sealed_proposal(plan_dict: dict, promotion: dict, dag_run) -> dict:
-    """The proposal event's extra: the sealed plan, who triggered the run and the digest of the proposal held on the
-    box, sealed for the training run (dag_run); the figures, for a person reading the event, are not sealed."""
+def sealed_proposal(plan_dict: dict, plan: RunPlan, promotion: dict, dag_run) -> dict:
+    """The proposal event's extra: the sealed plan (plan_dict, which `plan` verified), who triggered the run and the
+    digest of the proposal held on the box, sealed for the training run (dag_run); the figures, for a person reading
+    the event, are not sealed."""
     body = {"plan": plan_dict, "triggered_by": getattr(dag_run, "triggering_user_name", None),
             "proposal_sha256": proposal_digest(promotion)}
     return {**body, "seal": seal("proposal", body, RunRef.of(dag_run), task_key()),
-            "run_dir": plan_dict.get("run_dir"), "accept_length": promotion.get("accept_length")}
+            "run_dir": plan.run_dir, "accept_length": promotion.get("accept_length")}
 
 
 def propose_promotion(plan_dict: dict, asset_name: str, outlet_events=None, dag_run=None) -> dict:
@@ -121,7 +122,7 @@ def propose_promotion(plan_dict: dict, asset_name: str, outlet_events=None, dag_
     promotion = proposed_promotion(plan)
     if promotion is None:
         raise AirflowSkipException("nothing proposed for promotion: no approval asked")
-    extra = sealed_proposal(plan_dict, promotion, dag_run)
+    extra = sealed_proposal(plan_dict, plan, promotion, dag_run)
     outlet_events[Asset(asset_name)].extra = extra
     log.info("proposed %s for promotion: event on asset %s; the promotion DAG asks the approvers", plan.run_dir,
              asset_name)
@@ -363,11 +364,11 @@ def promote_held(proposal_item: dict, approval, dag_run=None, deployment: Deploy
     approver = verified_approval(approval, proposal, promotion, dag_run, deployment)
     files = promotion.get("drafter_files_sha256")
     if not isinstance(files, str):
-        raise AirflowFailException(f"{plan.run_dir}/{REPORT}: the held promotion names no drafter files (held by an "
-                                   "evaluate from before approvals covered them); evaluate again and approve that")
+        raise AirflowFailException(f"{plan.run_dir}/{REPORT}: the held promotion names no drafter files; evaluate "
+                                   "again and approve that")
     argv = plan.eagle3("lineage", "promote", "--config", plan.config_path, f"--approved-by={approver}",
                        f"--approved-files={files}")
-    outcome = plan.box().run(argv, timeout=3600).json("python -m eagle3 lineage promote")
+    outcome = plan.remote().run(argv, timeout=3600).json("python -m eagle3 lineage promote")
     log.info("%s: %s (approved by %s)", "promoted" if outcome["promoted"] else "not promoted", outcome["reason"],
              approver)
     # The training run's report tab: promoted now. Done is done: a failure here must not fail (and retry) the promote

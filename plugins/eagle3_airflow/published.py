@@ -54,7 +54,7 @@ PUBLISHED_NAME = re.compile(
 
 
 class NotPublished(Exception):
-    """The run has no (whole) publication: its report task has not run yet, or ran before reports were published."""
+    """The run has no (whole) publication: its report task has not run yet."""
 
 
 def component(value: str) -> str:

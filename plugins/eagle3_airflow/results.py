@@ -8,13 +8,11 @@ the expected names, never through a symlink, at most 8 MiB each) and prints thei
 by the SSH connection's SFTP (a local read on the local box, eagle3_airflow.transport's `fetch`), at most the size
 the manifest gives, and bytes whose size or sha256 differ from it are refused: a file swapped for a link or rewritten
 between the manifest and the fetch is never served. No path or figure is taken from another task's XCom, which the
-USER role may edit. A run whose pinned box code predates the manifest is read as before, base64 on stdout
-(`report read`, one command per file).
+USER role may edit.
 """
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import json
 import logging
@@ -22,15 +20,14 @@ import re
 
 from airflow.sdk.exceptions import AirflowFailException
 
+from eagle3.contracts import Exit
 from eagle3.reportfiles import MAX_FILE_BYTES, allowed_name
 from eagle3.runlayout import BENCHMARK_REPORT, DRAFTER_DIR, REPORT
-from eagle3_airflow.jobs import predates
 from eagle3_airflow.plan import RunPlan
 from eagle3_airflow.transport import FileRefused
 
 log = logging.getLogger(__name__)
 
-REFUSED_EXIT = 2  # `python -m eagle3 report` refused the file (a link, not regular, too big, a name it never reads)
 READ_TIMEOUT_S = 120
 SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
@@ -41,21 +38,17 @@ class RunFileRefused(Exception):
 
 def read_files(plan: RunPlan, names: list[str], plots: bool = False) -> tuple[dict[str, bytes | None], list[str]]:
     """RUN_DIR/name for each name from the run's first box (None for one that does not exist), and with `plots`
-    the run's plots (list_plots) as of the same moment; one connection for them all."""
-    where = plan.conn_ids[0]
+    the run's plots (`<stage>/<name>.png`, sorted) as of the same moment; one connection for them all."""
+    where = plan.box.conn_ids[0]
     for name in names:  # the box refuses them too; a name of ours that is not one is a bug here, said as such
         if not allowed_name(name):
             raise ValueError(f"{name!r} is not a report file name")
-    box = plan.box()
+    box = plan.remote()
     with box.connected():
         result = box.run(plan.eagle3("report", "manifest", "--run-dir", plan.run_dir,
                                      *(arg for name in names for arg in ("--name", name)),
                                      *(("--plots",) if plots else ())), timeout=READ_TIMEOUT_S)
-        if predates(result, "invalid choice: 'manifest'"):  # the run's pinned box code: base64 on stdout
-            log.warning("the box's code for this run knows no `report manifest`; its files are read as base64 on "
-                        "stdout, one command each")
-            return {name: _read_base64(plan, name) for name in names}, list_plots(plan) if plots else []
-        if result.returncode == REFUSED_EXIT:  # the run directory itself (a link, not absolute, missing)
+        if result.returncode == Exit.REFUSED:  # the run directory itself (a link, not absolute, missing)
             raise RunFileRefused(f"{where}: {_last_error(result)}")
         manifest = result.json("python -m eagle3 report manifest")
         entries = _checked_entries(manifest, names, where)
@@ -103,21 +96,6 @@ def _checked_entries(manifest, names: list[str], where: str) -> dict[str, dict]:
     return entries
 
 
-def _read_base64(plan: RunPlan, name: str) -> bytes | None:
-    """RUN_DIR/name through `report read` (box code older than the manifest): base64 on stdout."""
-    argv = plan.eagle3("report", "read", "--run-dir", plan.run_dir, "--name", name)
-    result = plan.box().run(argv, timeout=READ_TIMEOUT_S)
-    if result.returncode == REFUSED_EXIT:
-        raise RunFileRefused(f"{plan.conn_ids[0]}: {_last_error(result)}")
-    answer = result.json(f"python -m eagle3 report read --name {name}")
-    if not answer.get("present"):
-        return None
-    data = base64.b64decode(answer["base64"], validate=True)
-    if len(data) > MAX_FILE_BYTES:
-        raise RunFileRefused(f"{plan.run_dir}/{name} on {plan.conn_ids[0]}: more than {MAX_FILE_BYTES} bytes; refused")
-    return data
-
-
 def _last_error(result) -> str:
     reason = result.stderr.strip().splitlines()[-1:] or ["refused"]
     return reason[0].removeprefix("error: ")
@@ -137,7 +115,7 @@ def read_json(plan: RunPlan, name: str) -> dict | None:
 def _json_object(plan: RunPlan, name: str, data: bytes | None) -> dict | None:
     if data is None:
         return None
-    path = f"{plan.run_dir}/{name} on {plan.conn_ids[0]}"
+    path = f"{plan.run_dir}/{name} on {plan.box.conn_ids[0]}"
     try:
         value = json.loads(data)
     except (ValueError, UnicodeDecodeError) as err:
@@ -147,15 +125,6 @@ def _json_object(plan: RunPlan, name: str, data: bytes | None) -> dict | None:
     if not isinstance(value, dict):
         raise RunFileRefused(f"{path} is not a JSON object; run the stage that writes it again (clear its task)")
     return value
-
-
-def list_plots(plan: RunPlan) -> list[str]:
-    """The run's plots, `<stage>/<name>.png`, sorted."""
-    argv = plan.eagle3("report", "list", "--run-dir", plan.run_dir)
-    result = plan.box().run(argv, timeout=READ_TIMEOUT_S)
-    if result.returncode == REFUSED_EXIT:
-        raise RunFileRefused(f"{plan.conn_ids[0]}: {_last_error(result)}")
-    return list(result.json("python -m eagle3 report list")["plots"])
 
 
 def summarize(plan: RunPlan, evaluation: dict, plots: list[str], benchmark: dict | None = None) -> dict:
@@ -174,7 +143,7 @@ def summarize(plan: RunPlan, evaluation: dict, plots: list[str], benchmark: dict
             "ceiling_accept_length": {k: v.get("ceiling_accept_length") for k, v in evaluation["speculative"].items()},
             "offline_accept_length": evaluation.get("offline_accept_length"),
             # per public set (evaluate.benchmarks): the figures at each published configuration, the published
-            # drafters' own at k=3 beside them (absent from reports written before public sets existed)
+            # drafters' own at k=3 beside them
             "public_sets": {name: {"title": report.get("title", name), "prompts": report.get("prompts"),
                                    "answers_cut": report.get("answers_cut_at_max_new_tokens"),
                                    "accept_length": {k: v["mean_accept_length"]
@@ -182,7 +151,7 @@ def summarize(plan: RunPlan, evaluation: dict, plots: list[str], benchmark: dict
                                    "interval95": {k: v.get("accept_length_interval95")
                                                   for k, v in report["speculative"].items()},
                                    "published_k3": report.get("published_k3")}
-                            for name, report in (evaluation.get("public_sets") or {}).items()},
+                            for name, report in evaluation["public_sets"].items()},
             # samples extracted by this run, and reused from the store runs with the same capture share
             "hidden_states": evaluation.get("hidden_states"),
             # measured against the lineage's current drafter on its pinned prompts; promoted or not, and why
@@ -190,7 +159,7 @@ def summarize(plan: RunPlan, evaluation: dict, plots: list[str], benchmark: dict
         }
         if benchmark is not None:
             summary["benchmark"] = {
-                "engine": benchmark.get("engine", "sglang"),  # (benchmarks before vLLM were SGLang's)
+                "engine": benchmark["engine"],
                 "report": f"{plan.run_dir}/{BENCHMARK_REPORT}",
                 "accept_length": benchmark["mean_accept_length"],
                 "output_tokens_per_s": {name: benchmark[name]["output_tokens_per_s"]
@@ -198,22 +167,22 @@ def summarize(plan: RunPlan, evaluation: dict, plots: list[str], benchmark: dict
                 "speedup": benchmark["speedup"],
             }
     except (KeyError, TypeError, ValueError, AttributeError) as err:
-        raise RunFileRefused(f"{plan.run_dir}/{REPORT} (or {BENCHMARK_REPORT}) on {plan.conn_ids[0]} lacks what a "
+        raise RunFileRefused(f"{plan.run_dir}/{REPORT} (or {BENCHMARK_REPORT}) on {plan.box.conn_ids[0]} lacks what a "
                              f"report has ({type(err).__name__}: {err}); run evaluate again (clear its task)") from None
     return summary
 
 
 def run_summary(plan: RunPlan) -> dict | None:
     """summarize() of what the box holds now, or None when the run has no evaluation report (evaluate skipped)."""
-    names = [REPORT, *((BENCHMARK_REPORT,) if plan.benchmark else ())]
+    names = [REPORT, *((BENCHMARK_REPORT,) if plan.config.benchmark.enabled else ())]
     files, plots = read_files(plan, names, plots=True)  # one manifest, one fetch
     evaluation = _json_object(plan, REPORT, files[REPORT])
     if evaluation is None:
         return None
     benchmark = _json_object(plan, BENCHMARK_REPORT, files.get(BENCHMARK_REPORT))
-    if plan.benchmark and benchmark is None:
-        raise RunFileRefused(f"{plan.run_dir}/{BENCHMARK_REPORT} is missing on {plan.conn_ids[0]}, though the run has "
-                             "benchmark.enabled: the benchmark stage did not finish")
+    if plan.config.benchmark.enabled and benchmark is None:
+        raise RunFileRefused(f"{plan.run_dir}/{BENCHMARK_REPORT} is missing on {plan.box.conn_ids[0]}, though the run "
+                             "has benchmark.enabled: the benchmark stage did not finish")
     return summarize(plan, evaluation, plots, benchmark)
 
 
@@ -227,7 +196,7 @@ def read_or_fail(what):
 
 def check_inputs(plan: RunPlan) -> dict:
     """`python -m eagle3 lineage check`: whether the run's inputs changed since the lineage's current drafter."""
-    result = plan.box().run(plan.eagle3("lineage", "check", "--config", plan.config_path), timeout=600)
+    result = plan.remote().run(plan.eagle3("lineage", "check", "--config", plan.config_path), timeout=600)
     return result.json("python -m eagle3 lineage check")
 
 

@@ -38,7 +38,7 @@ class CannotWaitThisOut(Exception):
 
 async def boxes_reachable(plan: RunPlan, run: RunOnBox, log) -> bool:
     """Every box answers over SSH (a rebooting VM, a box still being provisioned)."""
-    for conn_id in plan.conn_ids:
+    for conn_id in plan.box.conn_ids:
         try:
             (await run(conn_id, ["true"], 30)).check("true")
         except BoxUnreachable as err:
@@ -52,11 +52,11 @@ async def gpus_idle(plan: RunPlan, run: RunOnBox, log) -> bool:
     """No GPU on any box holds memory or compute processes that are not this run's (GpuIdleSensor)."""
     from eagle3.boxinfo import judge_gpus
 
-    if not plan.require_gpus:
+    if not plan.box.require_gpus:
         log.info("GPU check off (box.require_gpus is false: a CPU run)")
         return True
     idle = True
-    for conn_id in plan.conn_ids:
+    for conn_id in plan.box.conn_ids:
         await _stop_services(plan, conn_id, run, log)
         argv = plan.eagle3("box", "gpus", "--jobs-dir", plan.jobs_dir)
         report = (await run(conn_id, argv, 900)).json("python -m eagle3 box gpus")
@@ -70,7 +70,7 @@ async def gpus_idle(plan: RunPlan, run: RunOnBox, log) -> bool:
         for process in ours:
             log.info("%s: pid %s %s (%s MiB) belongs to this run's job %s: not foreign", conn_id,
                      process["pid"], process["name"], process["used_mib"], process["job"])
-        box_idle, problems = judge_gpus(report, plan.gpu_max_used_mib, [p["pid"] for p in ours])
+        box_idle, problems = judge_gpus(report, plan.box.gpu_max_used_mib, [p["pid"] for p in ours])
         for gpu in report.get("gpus", []):
             log.info("%s GPU %s %s: %s of %s MiB used", conn_id, gpu.get("index"), gpu.get("name"),
                      gpu.get("memory_used_mib"), gpu.get("memory_total_mib"))
@@ -81,7 +81,7 @@ async def gpus_idle(plan: RunPlan, run: RunOnBox, log) -> bool:
 
 
 async def _stop_services(plan: RunPlan, conn_id: str, run: RunOnBox, log) -> None:
-    for unit in plan.stop_services:
+    for unit in plan.box.stop_services:
         # "--": the unit is a name, never an option, whatever it looks like (validate allows only the
         # deployment's units, and none starts with '-').
         if (await run(conn_id, ["systemctl", "is-active", "--quiet", "--", unit], 60)).returncode != 0:
@@ -96,8 +96,8 @@ async def _stop_services(plan: RunPlan, conn_id: str, run: RunOnBox, log) -> Non
 
 async def disk_enough(plan: RunPlan, run: RunOnBox, log) -> bool:
     """The work directory's filesystem has room for what this run will still write (DiskSpaceSensor)."""
-    argv = plan.eagle3("box", "disk", "--config", plan.config_path, "--margin", f"{plan.disk_margin:g}")
-    estimate = (await run(plan.conn_ids[0], argv, 900)).json("python -m eagle3 box disk")
+    argv = plan.eagle3("box", "disk", "--config", plan.config_path, "--margin", f"{plan.box.disk_margin:g}")
+    estimate = (await run(plan.box.conn_ids[0], argv, 900)).json("python -m eagle3 box disk")
     (log.info if estimate["enough"] else log.warning)("disk: %s", estimate["message"])
     return bool(estimate["enough"])
 
@@ -123,7 +123,7 @@ class _BoxSensor(BaseSensorOperator):
         plan = verified_plan(self.plan, context.get("dag_run"))  # XCom, which the USER role may edit: checked first
 
         async def run(conn_id: str, argv: list[str], timeout: float) -> CommandResult:
-            return plan.box(conn_id).run(argv, timeout=timeout)
+            return plan.remote(conn_id).run(argv, timeout=timeout)
 
         try:
             return asyncio.run(CHECKS[self.check](plan, run, self.log))
@@ -159,7 +159,7 @@ class GpuIdleSensor(_BoxSensor):
     are stopped first. Foreign processes are named in the log with pid, name and MiB, so the person on
     call knows what to kill. Runs before extraction and again after it (the GPUs must be released
     before training starts). A box with fewer GPUs than the run will use there (extraction shards x
-    GPUs per shard, training's GPUs, the SGLang servers' tp_size) fails the task at once: waiting
+    GPUs per shard, training's GPUs, the serving engine's tp_size) fails the task at once: waiting
     cannot add GPUs, and finding out when extraction starts may be hours of generation later.
     """
 
@@ -197,7 +197,7 @@ class BoxCheckTrigger(BaseTrigger):
 
         async def run(conn_id: str, argv: list[str], timeout: float) -> CommandResult:
             if conn_id not in boxes:
-                boxes[conn_id] = plan.box(conn_id)
+                boxes[conn_id] = plan.remote(conn_id)
             return await boxes[conn_id].arun(argv, timeout=timeout)
 
         try:

@@ -11,13 +11,12 @@ context, names the run the seal must belong to. No task reads the settings file.
 
 from __future__ import annotations
 
-import json
 import logging
 
 from airflow.sdk.exceptions import AirflowFailException
 
+from eagle3.contracts import PROTOCOL, Exit
 from eagle3_airflow.deployment import Deployment
-from eagle3_airflow.jobs import predates
 from eagle3_airflow.params import DEFAULT_PRESET, NOTES, PRESET, ParamsError, check_unknown_keys, default_run_name
 from eagle3_airflow.plan import RunPlan, verified_plan
 from eagle3_airflow.results import check_inputs, read_or_fail, report_summary
@@ -45,45 +44,44 @@ def validate_run(params: dict, conf: dict, known: set[str], dag_run, deployment:
         deployment.check_run(config, box.conn_ids, box.stop_services, python=box.python)
     except ParamsError as err:
         raise AirflowFailException(str(err)) from None
-    plan = RunPlan.build(config, box, deployment.box_env, notes=form.get(NOTES) or "", settings=deployment)
-    log.info("run %s in %s on %s, preset %s; %d extraction shard(s)", plan.run_name, plan.run_dir,
-             ", ".join(plan.conn_ids), form.get(PRESET) or DEFAULT_PRESET, plan.num_shards)
+    plan = RunPlan.build(config, box, deployment, notes=form.get(NOTES) or "")
+    log.info("run %s in %s on %s, preset %s; %d extraction shard(s)", config.run_name, plan.run_dir,
+             ", ".join(box.conn_ids), form.get(PRESET) or DEFAULT_PRESET, config.extract.num_shards)
     return {"plan": plan.sealed(dag_run, task_key())}
 
 
 def shard_list(plan_dict: dict, dag_run=None) -> list[int]:
     """One extract task per shard (Airflow maps only over a task's whole return value)."""
-    return list(range(verified_plan(plan_dict, dag_run).num_shards))
+    return list(range(verified_plan(plan_dict, dag_run).config.extract.num_shards))
 
 
 def sync_code(plan_dict: dict, dag_run=None) -> dict:
     """Upload the eagle3 package to every box and record what each box has; fail early if a package is missing."""
     plan = verified_plan(plan_dict, dag_run)
-    config = plan.run_config()
-    serves = (config["benchmark"]["enabled"] or config["evaluate"]["backend"] == "server"
-              or (config["generate"]["enabled"] and config["generate"]["launch_server"]))
-    # SGLang in box.python: the sglang capture backend, and a serving engine sglang without an interpreter of its own
-    # (server.python; that one, or a vLLM, shows whether it starts when its stage starts it).
-    needs_sglang = config["extract"]["backend"] == "sglang" or (
-        serves and config["server"]["engine"] == "sglang" and not config["server"]["python"])
-    require = ["--require", "sglang"] if needs_sglang else []
+    # (A server.python of its own, or a vLLM, shows whether it starts when its stage starts it.)
+    require = ["--require", "sglang"] if plan.config.needs_sglang else []
     facts = {}
-    for conn_id in plan.conn_ids:
-        box = plan.box(conn_id)
+    for conn_id in plan.box.conn_ids:
         where = plan.ensure_code(conn_id)
-        result = box.run(plan.eagle3("box", "info", *require), timeout=300)
+        result = plan.remote(conn_id).run(plan.eagle3("box", "info", *require), timeout=300)
         try:
             info = result.json(f"python -m eagle3 box info on {conn_id}")
         except RemoteCommandError as err:
             raise AirflowFailException(
-                f"{err}\nIs box.python ({plan.python!r}) the interpreter with requirements-box.txt installed?"
+                f"{err}\nIs box.python ({plan.box.python!r}) the interpreter with requirements-box.txt installed?"
             ) from None
+        if info.get("protocol") != PROTOCOL:
+            raise AirflowFailException(
+                f"box {conn_id}: this run's code there ({where}) speaks protocol {info.get('protocol')!r}, this "
+                f"worker's {PROTOCOL}: the run was validated with other code than this worker runs. Clear the run's "
+                "validate task with its downstream tasks (validate pins this worker's code; stages that finished stay "
+                "finished), or let workers of the run's own version finish it")
         log.info("%s: code in %s; python %s; packages %s; cuda %s; gpus %s", conn_id, where,
                  info["python"].split()[0], info["packages"], info.get("cuda"),
                  [(g.get("name"), g.get("memory_total_mib")) for g in info.get("gpus", [])])
         if info["missing"]:
             raise AirflowFailException(
-                f"box {conn_id}: {plan.python} lacks {', '.join(info['missing'])}; install requirements-box.txt "
+                f"box {conn_id}: {plan.box.python} lacks {', '.join(info['missing'])}; install requirements-box.txt "
                 "into it, or point box.python at the interpreter that has them"
             )
         facts[conn_id] = info
@@ -105,15 +103,10 @@ def write_config(plan_dict: dict, dag_run=None) -> str:
     in and checks target facts), and make the directory this Airflow run's: another run's directory is refused
     (eagle3.runowner)."""
     plan = verified_plan(plan_dict, dag_run)
-    config = plan.run_config()
     owner = init_owner_args(plan, dag_run)
-    result = plan.box().run(plan.eagle3("init", "--config", "-", *owner), input=json.dumps(config).encode(),
-                            timeout=300)
-    if predates(result, "--airflow-dag-id"):  # the run's pinned code on the box records no owner (validated before)
-        log.warning("the box's code for this run records no owner of its run directory (it predates them); "
-                    "initialising it as before")
-        result = plan.box().run(plan.eagle3("init", "--config", "-"), input=json.dumps(config).encode(), timeout=300)
-    if result.returncode == 2:  # a configuration the box refuses, or another run's directory: retrying cannot help
+    result = plan.remote().run(plan.eagle3("init", "--config", "-", *owner),
+                               input=plan.config.model_dump_json().encode(), timeout=300)
+    if result.returncode == Exit.REFUSED:  # a configuration the box refuses, or another run's directory
         raise AirflowFailException(result.stderr.strip().removeprefix("error: "))
     path = result.check("python -m eagle3 init").stdout.strip()
     log.info("run config: %s", path)
@@ -159,9 +152,9 @@ def prune_runs(plan_dict: dict, dag_run=None) -> dict:
     if plan.keep_runs is None:
         raise AirflowSkipException("keep_runs was not set in the settings this run was validated with: every run "
                                    "directory is kept")
-    argv = plan.eagle3("runs", "prune", "--workdir", plan.workdir, "--keep", str(plan.keep_runs),
+    argv = plan.eagle3("runs", "prune", "--workdir", plan.config.workdir, "--keep", str(plan.keep_runs),
                        f"--keep-proposals-h={plan.keep_proposals_h:g}")
-    outcome = plan.box().run(argv, timeout=3600).json("python -m eagle3 runs prune")
+    outcome = plan.remote().run(argv, timeout=3600).json("python -m eagle3 runs prune")
     log.info("retention: %d run directories, kept the newest %d; removed %s; kept beyond that: %s", outcome["runs"],
              plan.keep_runs, outcome["removed"] or "none", outcome["kept_beyond_keep"] or "none")
     return outcome
