@@ -30,7 +30,7 @@ EVALUATE = {"num_prompts": 6, "max_new_tokens": 16, "draft_lengths": [3]}
 
 def run_like(trained, make_config, name: str, noise: float = 0.0, **evaluate):
     """A run of the same lineage with the trained run's drafter (its weights disturbed by `noise`: a worse one)."""
-    shutil.copytree(trained.run_dir, trained.run_dir.with_name(name),  # all but its config.json, written below
+    shutil.copytree(trained.run_dir, trained.run_dir.with_name(name), symlinks=True,  # all but its config.json
                     ignore=lambda directory, names: ["config.json"] if directory == str(trained.run_dir) else [])
     cfg = make_config(run_name=name, evaluate={**EVALUATE, **evaluate},
                       **{k: trained.model_dump()[k] for k in ("train", "vocab", "extract")})

@@ -265,7 +265,7 @@ def another_hosts_running_job(run_dir: Path, key: str = "train") -> dict:
     state = {"key": key, "try": 1, "status": "running", "pid": 4_000_000, "pgid": 4_000_000,
              "pid_start_ticks": 123, "boot_id": "boot-of-gpu-box-1", "host": "gpu-box-1",
              "host_id": "machine-id-of-gpu-box-1", "argv": ["x"], "started_at": "2026-01-01T00:00:00Z",
-             "heartbeat_at": time.time() - 3600, "exit_code": None, "ended_at": None}
+             "heartbeat_at": time.time() - 3600, "exit_code": None, "ended_at": None, "log_start": 0}
     (directory / "state.json").write_text(json.dumps(state))
     directory.chmod(0o700)
     return state
@@ -308,27 +308,23 @@ def owned_by_this_host(run_dir: Path, run_id: str) -> None:
 def test_a_run_another_host_made_is_never_pruned_here_even_between_two_stages(tmp_path, monkeypatch):
     """Two boxes share the work directory. Box A's run is between two stages (extract done, train not started yet):
     no job of it runs, so the live-job rule alone let box B's retention remove it under box A. Its owner.json says
-    box A made it: box B keeps it, saying so, and prunes its own old run and the run directories that record no
-    host (made before hosts were recorded, or by init by hand: pruned as they always were). Box A's retention
-    prunes box A's run."""
+    box A made it: box B keeps it, saying so, and prunes its own old run and the run directory no Airflow run owns
+    (init by hand). Box A's retention prunes box A's run."""
     workdir = tmp_path / "work"
     runs = {name: make_run(workdir, name, age_s=age) for name, age in [
-        ("box-1-between-stages", 3000), ("no-owner", 2600), ("owner-without-host", 2400), ("box-2-old", 2000),
-        ("box-2-new", 0)]}
+        ("box-1-between-stages", 3000), ("no-owner", 2600), ("box-2-old", 2000), ("box-2-new", 0)]}
     as_host(monkeypatch, tmp_path, "gpu-box-1")
     owned_by_this_host(runs["box-1-between-stages"], "scheduled__box-1")
     done = runs["box-1-between-stages"] / "jobs" / "extract.0"
     done.mkdir(parents=True, mode=0o700)
     (done / "state.json").write_text(json.dumps({
         **another_hosts_running_job(tmp_path / "scratch", "extract.0"), "status": "succeeded", "exit_code": 0}))
-    (runs["owner-without-host"] / "owner.json").write_text(json.dumps({"runs": [
-        {"dag_id": "eagle3_drafter", "run_id": "manual__old", "triggered_by": None, "redo_from": None}]}))
     as_host(monkeypatch, tmp_path, "gpu-box-2")
     for name in ("box-2-old", "box-2-new"):
         owned_by_this_host(runs[name], f"scheduled__{name}")
 
     outcome = prune_runs(workdir, keep=1)
-    assert outcome["removed"] == ["box-2-old", "no-owner", "owner-without-host"]
+    assert outcome["removed"] == ["box-2-old", "no-owner"]
     kept = outcome["kept_beyond_keep"]
     assert list(kept) == ["box-1-between-stages"]
     assert kept["box-1-between-stages"].startswith("owned by host ") and \

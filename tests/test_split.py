@@ -18,7 +18,6 @@ from eagle3.split import (
     VALIDATION,
     SplitError,
     normalise_prompt,
-    part_of_key,
     prompt_key,
     run_split,
 )
@@ -147,33 +146,3 @@ def test_the_pinned_sets_keys_keep_their_conversations_out_of_training_and_valid
     for i in validating + trained:
         assert after.part_of_conversation(conversations[i].sample_id) == EVALUATION
     assert after.pinned_out([conversations[i].sample_id for i in validating + trained]) == 6
-
-
-def test_a_set_pinned_before_the_split_by_prompt_is_kept_and_its_keys_are_recorded(make_config, tmp_path):
-    """A lineage's eval_set.json from before issue 37 (conversation ids, first-turn prompts): its prompts stay, so
-    figures still compare; its conversations' first prompts are found in the run's data and recorded, so that
-    a later run, whose (regenerated) data holds other conversations that open with them, trains on none."""
-    rows, members = shared_first_prompts()
-    data = tmp_path / "shared.jsonl"
-    write_jsonl(data, rows)
-    cfg = make_config(data={"path": str(data), "max_samples": None}, train={"val_fraction": 0.5})
-    conversations, _ = read_conversations(data)
-    ids = [c.sample_id for c in conversations]
-    trained = next(g for g in members if part_of_key(run_split(cfg).keys[ids[g[0]]], 0.5) == TRAINING)
-    old = {"conversation_ids": [ids[trained[0]]], "prompts": [[5, 6, 7]]}
-    pin_by_hand(cfg, old)
-    split = run_split(cfg)
-    assert [split.part_of_conversation(ids[i]) for i in trained] == [EVALUATION] * 3
-    lineage = Lineage(cfg)
-    recorded = lineage.eval_set()
-    assert recorded["derived_split_keys"] == {ids[trained[0]]: split.keys[ids[trained[0]]]}
-    assert recorded["split_keys_derived_by"] == cfg.run_name
-    assert lineage.pin_eval_set({}, "new-run")["prompts"] == old["prompts"]  # the old prompts are measured still
-
-    # A later run of the lineage: the pinned conversation itself is gone from its data, its siblings are not.
-    later_data = tmp_path / "later.jsonl"
-    write_jsonl(later_data, [rows[i] for i in range(len(rows)) if i != trained[0]])
-    later = make_config(run_name="later", data={"path": str(later_data), "max_samples": None},
-                        train={"val_fraction": 0.5})
-    split = run_split(later)
-    assert [split.part_of_conversation(ids[i]) for i in trained[1:]] == [EVALUATION] * 2

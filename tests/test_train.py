@@ -177,9 +177,11 @@ def test_the_trainer_reads_an_fp8_store_as_it_reads_a_bf16_one(trained_config):
     val_ids = [sid for sid, _ in bf16.val_ids]
     bf16_batch, bf16_val = bf16.store.batch(val_ids, "cpu"), bf16.validate()
 
-    bf16_dir = cfg.store_dir.with_name("hidden_states-bf16")
-    cfg.store_dir.rename(bf16_dir)
-    stored_again(bf16_dir, cfg.store_dir, "fp8_e4m3")
+    bf16_dir = cfg.store_dir.resolve()  # (the run's link into {workdir}/stores/)
+    fp8_dir = bf16_dir.with_name(bf16_dir.name + "-fp8")
+    stored_again(bf16_dir, fp8_dir, "fp8_e4m3")
+    cfg.store_dir.unlink()
+    cfg.store_dir.symlink_to(fp8_dir)
     fp8 = train.Trainer(cfg)
     assert fp8.store.meta.state_dtype == "fp8_e4m3" and fp8.val_ids == bf16.val_ids
     fp8.resume()

@@ -327,7 +327,7 @@ def run_evaluate(cfg, hold_promotion: bool = False) -> dict:
     lineage = Lineage(cfg)
     pinned = lineage.pin_eval_set(eval_set_record(candidates), cfg.run_name)
     prompts = pinned["prompts"]
-    kinds = pinned.get("kinds", ["first"] * len(prompts))  # (a set pinned before issue 37: first turns only)
+    kinds = pinned["kinds"]
     turns = {"first": kinds.count("first"), "later": kinds.count("later")}
     log.info("evaluate: %d prompts (%d first user turns, %d later ones) of lineage %s's evaluation set (pinned by "
              "run %s)", len(prompts), turns["first"], turns["later"], lineage.key, pinned["pinned_by"])
@@ -676,11 +676,11 @@ def extraction_summary(cfg) -> dict:
     """What extract did for this run: how many samples it computed, how many it found in the shared store."""
     shards = [json.loads(path.read_text()) for shard in range(cfg.extract.num_shards)
               if (path := run_stats_path(cfg.run_dir, shard)).exists()]
-    def total(key: str, part: str | None = None) -> int:  # stats written before a key existed count 0
-        return sum((s.get(key) or {}).get(part, 0) if part else s.get(key, 0) for s in shards)
+    def total(key: str, part: str | None = None) -> int:
+        return sum(s[key][part] if part else s[key] for s in shards)
 
     def per_reason(key: str) -> dict[str, int]:
-        return dict(sum((Counter(s.get(key) or {}) for s in shards), Counter()))
+        return dict(sum((Counter(s[key]) for s in shards), Counter()))
 
     turns, tokens = total("assistant_turns"), total("turn_tokens")
     dropped_turns, dropped_tokens = per_reason("turns_dropped"), per_reason("turn_tokens_dropped")

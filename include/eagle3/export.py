@@ -177,8 +177,8 @@ def run_export(cfg) -> dict:
 
 def aux_layers_of(drafter_dir: Path, config: dict, architecture: str) -> list[int]:
     """The HF layers an exported drafter was trained on, as the first engine its export.json serves reads them from
-    its config.json (SGLang's reading for an export from before export.json said)."""
-    engines = json.loads((drafter_dir / EXPORT_RECORD).read_text()).get("engines") or {"sglang": {"served": True}}
+    its config.json."""
+    engines = json.loads((drafter_dir / EXPORT_RECORD).read_text())["engines"]
     engine = next(name for name, reading in engines.items() if reading["served"])
     found = ids_read_by(config, engine)
     if found is None:

@@ -642,8 +642,7 @@ def _generate(cfg, out: Path, conversations: list[Conversation], read_stats, wri
         "answers_cache": cache,  # {workdir}/generated/<this>, shared by runs with the same target and settings
         "failed": len(failed),
         "failed_lines": dict(list(failed.items())[:50]),
-        # Rows written before reasons were recorded count as "unrecorded".
-        "failure_reasons": dict(Counter(row.get("reason", "unrecorded") for row in failed_rows.values())),
+        "failure_reasons": dict(Counter(row["reason"] for row in failed_rows.values())),
         "bad_records": len(read_stats.bad),
         "duplicates": read_stats.duplicates,
         "truncated_now": outcome["truncated"],

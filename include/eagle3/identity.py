@@ -136,9 +136,7 @@ def shared_store_dir(workdir: str | Path, key: str) -> Path:
 def attach_store(cfg) -> Path:
     """Point the run's store (`RUN_DIR/hidden_states`) at the shared store of its capture key; returns the key's
     directory. Idempotent. Refuses a run whose link names another key: its target or a capture field changed
-    since the run started, and one store must never hold two captures.
-
-    A run directory whose hidden_states is a directory of its own (made before stores were shared) keeps it."""
+    since the run started, and one store must never hold two captures."""
     fields = capture_fields(cfg)
     return link_shared(cfg.store_dir, shared_store_dir(cfg.workdir, capture_key(fields)), fields,
                        "hidden states were captured into store", "target or capture settings")
@@ -160,8 +158,7 @@ def generation_fields(cfg) -> dict:
         "target_dtype": cfg.target.dtype if gen.backend == "hf" else None,
         "temperature": gen.temperature,
         "top_p": gen.top_p,
-        # absent while unset, so that the answers cached before top_k existed (none applied one) keep their key
-        **({"top_k": gen.top_k} if gen.top_k else {}),
+        "top_k": gen.top_k,
         "max_tokens": gen.max_tokens,
         "reasoning": gen.reasoning,
         "chat_template_kwargs": cfg.data.chat_template_kwargs,
@@ -178,10 +175,7 @@ def attach_generated(cfg) -> Path:
 
 
 def link_shared(link: Path, shared: Path, fields: dict, made_into: str, what_changed: str) -> Path:
-    """`link` -> `shared` (relative), made atomically, with `shared/key.json` listing `fields`. A real directory at
-    `link` (made before outputs were shared) is kept as it is."""
-    if link.is_dir() and not link.is_symlink():
-        return link
+    """`link` -> `shared` (relative), made atomically, with `shared/key.json` listing `fields`."""
     shared.mkdir(parents=True, exist_ok=True)
     if not (shared / KEY_RECORD).exists():  # what the key covers, for a person choosing what to delete
         atomic_write_text(shared / KEY_RECORD, json.dumps(fields, indent=2, sort_keys=True) + "\n")

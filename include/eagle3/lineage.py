@@ -8,8 +8,7 @@ Everything of a lineage lives in {workdir}/drafters/<lineage key>/ (eagle3.runla
   eval_set.json     the pinned evaluation prompts (EVAL_SET_FIELDS): chosen by the lineage's first evaluation and
                     kept, so that every later run measures the same thing; their conversations, and every
                     conversation that opens with one of the set's split keys, are in the evaluation part of every
-                    later run's split (eagle3.split). A set pinned before issue 37 (first turns, by conversation id)
-                    is kept as it is; its keys are derived from the runs' conversations (note_split_keys)
+                    later run's split (eagle3.split)
   versions/<name>/  promoted drafters (the export's files, and promotion.json: figures, run, previous version,
                     lineage, who approved it), named <run_name>-<first 8 hex of the weights' sha256>
   current           a link to the promoted version, switched atomically (a new link renamed over the old)
@@ -131,16 +130,14 @@ class Lineage:
     # -- the pinned evaluation set ------------------------------------------------------------------------
 
     def eval_set(self) -> dict | None:
-        """The pinned set (EVAL_SET_FIELDS and pinned_by, pinned_at), or None before the first. A set pinned before
-        issue 37 has conversation_ids and prompts only (first turns), and derived_split_keys once a run found its
-        conversations' keys (note_split_keys)."""
+        """The pinned set (EVAL_SET_FIELDS and pinned_by, pinned_at), or None before the first."""
         try:
             return json.loads((self.dir / EVAL_SET).read_text())
         except FileNotFoundError:
             return None
 
     def pin_eval_set(self, chosen: dict, run_name: str) -> dict:
-        """The pinned set: the one already there (whatever its format: its figures are the lineage's), or `chosen`
+        """The pinned set: the one already there (its figures are the lineage's), or `chosen`
         (eagle3.evaluate.eval_set_record: EVAL_SET_FIELDS), pinned now."""
         with self.locked():
             pinned = self.eval_set()
@@ -149,18 +146,6 @@ class Lineage:
                           "pinned_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
                 atomic_write_text(self.dir / EVAL_SET, json.dumps(pinned) + "\n")
             return pinned
-
-    def note_split_keys(self, found: dict[str, str], run_name: str) -> dict[str, str]:
-        """Record the split keys of a set pinned before issue 37 ({conversation id: key}, as a run's conversations
-        give them: eagle3.split.pinned_set), merged with those recorded before; returns them all. Its prompts stay as
-        they are: only what training leaves out grows."""
-        with self.locked():
-            pinned = self.eval_set()
-            derived = {**pinned.get("derived_split_keys", {}), **found}
-            if derived != pinned.get("derived_split_keys"):
-                pinned = {**pinned, "derived_split_keys": derived, "split_keys_derived_by": run_name}
-                atomic_write_text(self.dir / EVAL_SET, json.dumps(pinned) + "\n")
-            return derived
 
     # -- versions ------------------------------------------------------------------------------------------
 
@@ -228,11 +213,9 @@ class Lineage:
                     f"{drafter_dir}: {', '.join(changed[:5])}{' ...' if len(changed) > 5 else ''} differ from what "
                     f"evaluate measured (files added, removed or changed since). {again}")
 
-    def also_made_from(self, version: Version, digest: str | None) -> None:
+    def also_made_from(self, version: Version, digest: str) -> None:
         """Record that inputs with `digest` trained `version`'s exact weights too (a run whose drafter was the current
         one already), so that a later run with those inputs is seen as unchanged."""
-        if digest is None:
-            return
         with self.locked():
             record = version.record
             if digest != record.get("inputs_digest") and digest not in record.get("also_made_from", []):
@@ -249,8 +232,8 @@ class Lineage:
             return str(err)
         if record.get("version") != path.name:
             return f"its {PROMOTION_RECORD} describes version {record.get('version')!r}, not {path.name!r}"
-        if record.get("lineage", self.key) != self.key:  # (records from before the lineage was written have none)
-            return f"its {PROMOTION_RECORD} is of lineage {record['lineage']!r}, not {self.key!r}"
+        if record.get("lineage") != self.key:
+            return f"its {PROMOTION_RECORD} is of lineage {record.get('lineage')!r}, not {self.key!r}"
         return None
 
     def _prune(self, keep: int, current: str) -> None:

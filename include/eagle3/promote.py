@@ -40,7 +40,7 @@ def training_inputs(cfg) -> dict:
     for shard in range(cfg.extract.num_shards):
         samples.update(run_samples_path(cfg.run_dir, shard).read_bytes())
     pinned = Lineage(cfg).eval_set()
-    kept_out = sorted(pinned.get("split_keys", pinned.get("derived_split_keys", {}).values())) if pinned else []
+    kept_out = sorted(pinned["split_keys"]) if pinned else []
     return {
         "store": cfg.store_dir.resolve().name,
         "samples": samples.hexdigest(),
@@ -57,14 +57,9 @@ def training_inputs(cfg) -> dict:
     }
 
 
-def inputs_digest(cfg) -> str | None:
-    """The digest of training_inputs; None for a run directory from before stores were shared (it lists no
-    samples), which is never taken as unchanged."""
-    try:
-        inputs = training_inputs(cfg)
-    except FileNotFoundError:
-        return None
-    return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
+def inputs_digest(cfg) -> str:
+    """The digest of training_inputs."""
+    return hashlib.sha256(json.dumps(training_inputs(cfg), sort_keys=True).encode()).hexdigest()
 
 
 def check_inputs(cfg) -> dict:
@@ -74,7 +69,7 @@ def check_inputs(cfg) -> dict:
     lineage = Lineage(cfg)
     current = lineage.current()
     record = current.record if current else {}
-    unchanged = digest is not None and digest in [record.get("inputs_digest"), *record.get("also_made_from", [])]
+    unchanged = digest in [record.get("inputs_digest"), *record.get("also_made_from", [])]
     return {
         "changed": not unchanged,
         "inputs_digest": digest,

@@ -9,8 +9,7 @@ config.json's time) and every run directory a promoted drafter came from (its pr
 one with a live job, on this host or recorded running on another (a work directory two boxes share), nor one whose
 owner.json says another host made it (eagle3.runowner: a run of that box between two stages has no live job, and
 only its own box's retention prunes it); the DAG's `retention` task runs it with the settings file's keep_runs. A run
-directory with no host recorded (made before hosts were recorded, or by `eagle3 init` by hand) is pruned as before:
-keeping those would keep every run from before the upgrade until a person removed it. `store gc` removes the stores
+directory no Airflow run owns (`eagle3 init` by hand) is any host's to prune. `store gc` removes the stores
 and answers caches ({workdir}/generated/) that no remaining run directory links to: it is never run by the DAG,
 because a store is what makes the next rerun cheap; a person decides when to give it up.
 
@@ -159,7 +158,7 @@ def live_job(run_dir: Path) -> str | None:
 def other_hosts_run(run_dir: Path) -> str | None:
     """Why the run directory is not this host's to remove, or None: its owner.json records that another host made it
     (several boxes sharing the work directory), or cannot be read (whose it is cannot be told: a person looks at it).
-    None also where no owner or no host is recorded."""
+    None also where no owner is recorded (init by hand)."""
     if not (run_dir / OWNER).exists() and not (run_dir / OWNER).is_symlink():
         return None
     record, problem = read_marker(run_dir / OWNER)
@@ -168,7 +167,7 @@ def other_hosts_run(run_dir: Path) -> str | None:
         return (f"{problem or 'its owner.json is not a record of the Airflow runs that wrote it'}: which host's it is "
                 "cannot be told; look at it, then remove the directory by hand if it is to go")
     host = owner_host(runs)
-    if host is None or host["host_id"] == read_host_id():
+    if host["host_id"] == read_host_id():
         return None
     return (f"owned by host {host['host']!r} (host id {host['host_id']}), which made it: only that host's retention "
             "prunes it (if that host is gone for good, remove the directory by hand)")

@@ -17,16 +17,16 @@ owner last, all of them triggered by the one user the approval refuses. A schedu
 user (None): such runs are one "user" among themselves. Only the owner's stages start there (`job start` names its
 run: check_owner), so a run refused at init, or one taken over, writes nothing by another way.
 
-`eagle3 init` by hand (no --airflow-dag-id) records and checks nothing in a directory no Airflow run owns, as before
-owners were recorded; it refuses one that an Airflow run owns. An Airflow run refuses a directory that holds a run
-config and no owner (made by hand, or before owners were recorded): whose it is cannot be told.
+`eagle3 init` by hand (no --airflow-dag-id) records and checks nothing in a directory no Airflow run owns; it refuses
+one that an Airflow run owns. An Airflow run refuses a directory that holds a run config and no owner (made by hand):
+whose it is cannot be told.
 
 owner.json: {"runs": [{"dag_id", "run_id", "triggered_by", "redo_from", "recorded_at", "host", "host_id"}, ...]},
 replaced atomically under RUN_DIR/owner.lock, so two runs that init one new directory at once cannot both own it.
 "host" and "host_id" (eagle3.hostid) name the box whose init recorded the run: several boxes may share a work
 directory, and `runs prune` on one never removes a run directory whose owner another host recorded (owner_host;
-eagle3.retention). An entry written before hosts were recorded has neither; the owner's own init run again (a clear
-of write_config) adds them, or moves them to the box it now runs on. Light (no pydantic): job start imports it.
+eagle3.retention). The owner's own init run again on another box (a clear of write_config after the run's box
+changed) moves them to that box. Light (no pydantic): job start imports it.
 """
 
 from __future__ import annotations
@@ -90,14 +90,9 @@ def this_host() -> dict:
     return {"host": socket.gethostname(), "host_id": read_host_id()}
 
 
-def owner_host(runs: list[dict]) -> dict | None:
-    """{"host", "host_id"} of the box that recorded the owner (the last of `runs`), or None where its entry was written
-    before hosts were recorded."""
-    host_id = runs[-1].get("host_id")
-    if not isinstance(host_id, str) or not host_id:
-        return None
-    host = runs[-1].get("host")
-    return {"host": host if isinstance(host, str) else None, "host_id": host_id}
+def owner_host(runs: list[dict]) -> dict:
+    """{"host", "host_id"} of the box that recorded the owner (the last of `runs`)."""
+    return {"host": runs[-1].get("host"), "host_id": runs[-1].get("host_id")}
 
 
 def describe(entry: dict) -> str:
@@ -177,8 +172,8 @@ def claimed(run_dir: Path, run: AirflowRun | None) -> Iterator[None]:
         if runs is None:
             if run is not None and (run_dir / CONFIG).exists():
                 raise RunDirOwned(f"{run_dir} holds a run config but no record of the Airflow run that owns it (made "
-                                  "by `eagle3 init` by hand, or before owners were recorded): whose it is cannot be "
-                                  "told. Trigger with another run_name")
+                                  "by `eagle3 init` by hand): whose it is cannot be told. Trigger with another "
+                                  "run_name")
             if run is not None:
                 write_owners(run_dir, [run.record()])
             yield
@@ -190,6 +185,6 @@ def claimed(run_dir: Path, run: AirflowRun | None) -> Iterator[None]:
         if run is not None and not run.same_run(runs[-1]):  # the same user's later run: listed after the rest
             write_owners(run_dir, [*runs, run.record()])
         elif run is not None and owner_host(runs) != (host := this_host()):
-            # The owner's init again, on a box that is not the one recorded (an entry from before hosts were recorded,
-            # or the run's box changed): its stages run here now, and this host's retention is the one that may prune.
+            # The owner's init again, on a box that is not the one recorded (the run's box changed): its stages run
+            # here now, and this host's retention is the one that may prune.
             write_owners(run_dir, [*runs[:-1], {**runs[-1], **host}])

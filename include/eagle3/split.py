@@ -3,10 +3,8 @@
 A conversation's split key is a hash of its first user message, normalised (prompt_key); a conversation without a
 user message keys on its own id. Every sample of a conversation (its own, and its per-turn samples "<id>.<turn>")
 takes the conversation's part, and conversations with the same key take the same part, so no first prompt is on two
-sides. (Keyed on the conversation id, as before issue 37, conversations that open with the same prompt landed on
-both sides: with generate at temperature 0 the target answers that prompt the same way in each, so the evaluated
-continuation was trained on. On the tiny target's first 1000 prompts: 74 of 976 conversations share a first prompt,
-and 3 of the 48 first prompts held out at train.val_fraction 0.05 also opened a training conversation.)
+sides: with generate at temperature 0 the target answers a prompt the same way wherever it opens a conversation, so a
+key per conversation would train on evaluated continuations (docs/architecture.md, "Split by first prompt").
 
 Three disjoint parts, by the key's bucket (its 64 bits mod BUCKETS) against train.val_fraction:
   evaluation  bucket < val_fraction / 2: evaluate's prompts (pinned per lineage: eagle3.lineage) and benchmark's
@@ -154,33 +152,16 @@ def conversation_keys(cfg, conversations=None) -> dict[str, str]:
     return keys
 
 
-def pinned_set(cfg, keys: dict[str, str]) -> tuple[frozenset[str], frozenset[str]]:
-    """(conversation ids, keys) of the lineage's pinned evaluation set. A set pinned before this split (it has
-    conversation ids and first-turn prompts only) is kept as it is, so that its figures compare with the lineage's
-    earlier ones; the keys of its conversations are taken from this run's conversations where they are found, and
-    recorded in it (eagle3.lineage.Lineage.note_split_keys) for later runs whose data no longer holds them."""
-    lineage = Lineage(cfg)
-    pinned = lineage.eval_set()
+def pinned_set(cfg) -> tuple[frozenset[str], frozenset[str]]:
+    """(conversation ids, keys) of the lineage's pinned evaluation set; empty before its first run pins one."""
+    pinned = Lineage(cfg).eval_set()
     if pinned is None:
         return frozenset(), frozenset()
-    ids = frozenset(pinned["conversation_ids"])
-    if "split_keys" in pinned:
-        return ids, frozenset(pinned["split_keys"])
-    found = {cid: keys[cid] for cid in ids if cid in keys}
-    derived = pinned.get("derived_split_keys", {})
-    if not found.items() <= derived.items():
-        derived = lineage.note_split_keys(found, cfg.run_name)
-    missing = len(ids - derived.keys())
-    if missing:
-        log.warning("split: %d of the %d conversations of lineage %s's evaluation set (pinned before evaluation sets "
-                    "recorded their first prompts) are not in %s, and no earlier run recorded their first prompts: "
-                    "other conversations that open with those prompts are not kept out of training", missing,
-                    len(ids), lineage.key, cfg.conversations_path)
-    return ids, frozenset(derived.values())
+    return frozenset(pinned["conversation_ids"]), frozenset(pinned["split_keys"])
 
 
 def run_split(cfg, conversations=None) -> Split:
     """The run's split, with the lineage's pinned evaluation set as it stands now."""
     keys = conversation_keys(cfg, conversations)
-    pinned_ids, pinned_keys = pinned_set(cfg, keys)
+    pinned_ids, pinned_keys = pinned_set(cfg)
     return Split(keys, cfg.train.val_fraction, pinned_ids, pinned_keys, Path(cfg.conversations_path))

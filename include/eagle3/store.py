@@ -497,8 +497,8 @@ class ShardWriter:
 
 
 def read_holder(lock_path: Path) -> dict:
-    """What the writer holding a shard's lock recorded of itself in the lock file ({} when nothing readable: a writer
-    of older code, or one that has just taken the lock)."""
+    """What the writer holding a shard's lock recorded of itself in the lock file ({} when nothing readable yet: the
+    writer has just taken the lock)."""
     try:
         with open(lock_path, "rb") as f:
             record = json.loads(f.read(HOLDER_MAX_BYTES))
@@ -510,7 +510,7 @@ def read_holder(lock_path: Path) -> dict:
 def describe_holder(holder: dict) -> str:
     """A lock holder's record as a waiter names it: pid, host, writer, since when."""
     if not holder:
-        return "a writer that recorded nothing of itself (older code, or it has just taken the lock)"
+        return "a writer that has recorded nothing of itself yet (it has just taken the lock)"
     parts = [f"pid {_shown(holder.get('pid'))} on host {_shown(holder.get('host'))}"]
     if holder.get("writer"):
         parts.append(_shown(holder["writer"]))
@@ -680,11 +680,11 @@ class HiddenStateStore:
 
 
 def open_run_store(cfg) -> HiddenStateStore:
-    """The run's samples of its store. A store shared by runs (RUN_DIR/hidden_states is a link into
-    {workdir}/stores/) holds every run's samples, so the run's own are those its extract shards listed; a run
-    directory with a store of its own (made before stores were shared) uses all of it."""
+    """The run's samples of its store. The store is shared by runs (RUN_DIR/hidden_states is a link into
+    {workdir}/stores/, made by `eagle3 init`) and holds every run's samples, so the run's own are those its extract
+    shards listed."""
     if not cfg.store_dir.is_symlink():
-        return HiddenStateStore(cfg.store_dir)
+        raise StoreError(f"{cfg.store_dir}: not the link to the run's shared store; `python -m eagle3 init` makes it")
     ids: set[str] = set()
     for shard in range(cfg.extract.num_shards):
         path = run_samples_path(cfg.run_dir, shard)
