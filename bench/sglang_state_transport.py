@@ -12,7 +12,8 @@ time it. Per step, tokens/s for one sample of --tokens tokens:
   to tensor     states_from_output: lists -> fp32 tensor -> bf16 (our side)
   copy          a plain tensor copy of the same bytes, for scale
 for the aux pass (W = 3H) and the final-state pass (W = H), and the hours one pass over 87.8M tokens (the
-real run's dataset, ARCHITECTURE.md) would spend in these steps alone, on one core.
+real run's dataset, docs/decisions/2026-12-01-sglang-capture-plugin.md) would spend in these steps alone, on one
+core.
 
 The plugin's hand-off, for the same sample, is what happens between the model's output and a tensor the store
 takes: the plugin's writer (the request's aux [T, 3H] and final [T, H] rows into one safetensors file in the sink),

@@ -4,7 +4,7 @@ A conversation's split key is a hash of its first user message, normalised (prom
 user message keys on its own id. Every sample of a conversation (its own, and its per-turn samples "<id>.<turn>")
 takes the conversation's part, and conversations with the same key take the same part, so no first prompt is on two
 sides: with generate at temperature 0 the target answers a prompt the same way wherever it opens a conversation, so a
-key per conversation would train on evaluated continuations (docs/architecture.md, "Split by first prompt").
+key per conversation would train on evaluated continuations (docs/decisions/2026-12-04-split-by-first-prompt.md).
 
 Three disjoint parts, by the key's bucket (its 64 bits mod BUCKETS) against train.val_fraction:
   evaluation  bucket < val_fraction / 2: evaluate's prompts (pinned per lineage: eagle3.lineage) and benchmark's

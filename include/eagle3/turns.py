@@ -10,7 +10,8 @@ ends when laid over the rendered turn's opening, markup piece by markup piece (a
 the template leaves out goes where it writes the same turn's reasoning given a tool call (reasoning_slot), or right
 after a served prompt that opened a block; a turn cut at generate.max_tokens ends after its last field. The sample is
 `served` followed by that text, tokenised apart (data.SampleTokenizer): the prompt ids are what the server feeds the
-target, the trained ids what it generated. The templates this answers: docs/architecture.md, "Thinking models".
+target, the trained ids what it generated. The templates this answers:
+docs/decisions/2026-12-04-thinking-turns-derived.md.
 
 A turn that cannot be placed raises TurnNotPlaced; it is dropped and counted by reason:
   NOT_PLACED              the generation prompt's first piece of markup does not occur in the turn's opening, or

@@ -1,7 +1,7 @@
 """The sglang capture backend: SGLang's own EAGLE-3 capture for TP-sharded giants, with no source patch.
 
-Written against sglang 0.5.23's source (../shared notes, docs/architecture.md) and NOT yet run on a GPU:
-bench/gpu_capture_check.py compares it with the hf backend on a small model, in one command.
+Written against sglang 0.5.23's source (../shared notes, docs/decisions/2026-12-01-sglang-capture-plugin.md) and NOT
+yet run on a GPU: bench/gpu_capture_check.py compares it with the hf backend on a small model, in one command.
 
 Every engine captures with enable_return_aux_hidden_states=True + speculative_algorithm="EAGLE3" (the algorithm
 only names the capture convention: no draft is loaded) and return_aux_hidden_state_layer_ids from
