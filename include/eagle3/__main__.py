@@ -18,7 +18,7 @@ import sys
 import tokenize
 from pathlib import Path
 
-from eagle3.contracts import Exit
+from eagle3.contracts import STALE_AFTER_S, Exit
 
 log = logging.getLogger("eagle3")
 
@@ -455,7 +455,7 @@ def build_parser() -> argparse.ArgumentParser:
         q.add_argument("--key", required=True, help="the job's name: [A-Za-z0-9][A-Za-z0-9._-]{0,199}")
         q.set_defaults(func=cmd_job)
     for q in (start, poll):
-        q.add_argument("--stale-after-s", type=float, default=120.0,
+        q.add_argument("--stale-after-s", type=float, default=STALE_AFTER_S,
                        help="a running job whose heartbeat is older counts as dead")
     start.add_argument("--heartbeat-s", type=float, default=10.0, help="how often the supervisor updates state.json")
     start.add_argument("--stall-timeout-s", type=float, default=0.0,

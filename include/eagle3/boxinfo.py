@@ -32,7 +32,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from eagle3.config import ConfigError
-from eagle3.contracts import PROTOCOL
+from eagle3.contracts import PROTOCOL, BoxInfo
 from eagle3.data import (
     TOKENIZING_VERSION,
     DataError,
@@ -347,7 +347,7 @@ def cuda_info() -> dict | None:
         return {"torch_cuda": torch.version.cuda, "available": False, "device_count": 0, "error": str(err)}
 
 
-def box_info(require: Iterable[str] = (), nvidia_smi: str | None = None) -> dict:
+def box_info(require: Iterable[str] = (), nvidia_smi: str | None = None) -> BoxInfo:
     """Python, host, boot id, package versions, CUDA and GPUs. `missing` lists the required packages
     (REQUIRED_PACKAGES plus `require`, e.g. "sglang") that are not installed. `cuda` is torch's view where
     nvidia-smi lists a GPU, else None: without one there is nothing for torch to see, and asking costs

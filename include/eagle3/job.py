@@ -15,7 +15,7 @@ running on another host (its host id, eagle3.hostid, differs: two boxes sharing 
 host cannot see its processes, so it is never declared dead, started again (start exits Exit.FOREIGN: the
 control plane then fails the task without a retry), killed or recorded as killed from here.
 A signal goes only to a group the job provably owns (group_ownership_problem). The stage sees an allowlisted
-environment (STAGE_ENV_NAMES, STAGE_ENV_PREFIXES, `start --pass-env`). Why: docs/architecture.md, "Detached jobs".
+environment (STAGE_ENV_NAMES, STAGE_ENV_PREFIXES, `start --pass-env`). Why: docs/decisions/2026-11-29-detached-jobs.md.
 
 {jobs_dir}/{key}/ (the DAG's: RUN_DIR/jobs/<task id>[.<map index>]/; directories 0700, files 0600):
   spec.json      argv, cwd, env names (never values), heartbeat_s, the try, the redo it belongs to (start --redo)
@@ -49,6 +49,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from stat import S_IMODE, S_ISDIR, S_ISREG, S_ISVTX, S_IWOTH
 
+from eagle3.contracts import STALE_AFTER_S, Effective, JobPoll, JobStart, JobState
 from eagle3.fsutil import atomic_write_text, file_kind, private_opener
 from eagle3.hostid import read_host_id
 from eagle3.progress import PROGRESS_FILE_VAR
@@ -66,7 +67,6 @@ JOB_DIR_VAR = "EAGLE3_JOB_DIR"  # in the supervisor's and the stage's environmen
 # stage that waited (beating progress) before loading its model announces again as its allowance (eagle3.extract).
 FIRST_PROGRESS_VAR = "EAGLE3_FIRST_PROGRESS_TIMEOUT_S"
 DEFAULT_HEARTBEAT_S = 10.0
-DEFAULT_STALE_AFTER_S = 120.0
 SUPERVISOR_REPORT_TIMEOUT_S = 10.0  # how long start waits for a new supervisor's first state.json
 CHILD_GRACE_S = 20.0  # after SIGTERM, how long the supervisor lets the stage shut down before SIGKILL
 LEFTOVER_WAIT_S = 10.0  # how long to wait for SIGKILLed processes to vanish (a GPU process can take seconds)
@@ -348,7 +348,7 @@ def foreign_host(state: dict) -> str | None:
             "host is gone for good and the job with it, move this job's state.json aside and start it again")
 
 
-def liveness(state: dict | None, stale_after_s: float) -> tuple[str, str]:
+def liveness(state: JobState | None, stale_after_s: float) -> tuple[Effective, str]:
     """(effective status, reason): the recorded status, except that a "running" job failing a check is "dead", and
     one recorded on another host is "foreign" (foreign_host), never dead."""
     if state is None:
@@ -505,7 +505,7 @@ def state_problem(state, key: str) -> str | None:
     return group_fields_problem(state)
 
 
-def read_state(directory: Path) -> dict | None:
+def read_state(directory: Path) -> JobState | None:
     """The job's state.json, or None if there is none. Raises CorruptState for a file no supervisor wrote, and
     UnsafeJobFile for a link or another user's file (open_job_file)."""
     path = directory / "state.json"
@@ -635,13 +635,13 @@ def start_job(
     key: str,
     argv: list[str],
     heartbeat_s: float = DEFAULT_HEARTBEAT_S,
-    stale_after_s: float = DEFAULT_STALE_AFTER_S,
+    stale_after_s: float = STALE_AFTER_S,
     pass_env: Iterable[str] = (),
     stall: StallLimits | None = None,
     redo: str | None = None,
     set_aside: Iterable[str] = (),
     owner: AirflowRun | None = None,
-) -> dict:
+) -> JobStart:
     """Make sure the job runs: attach to a live (or succeeded) try, or launch a new one. Returns its state plus
     "attached" (True: nothing was launched) and "refused" (why nothing of the last try was signalled before the
     relaunch, or None). pass_env: names of environment variables the stage gets beyond the allowlist. stall: when
@@ -792,7 +792,7 @@ def launch_supervisor(
         )
 
 
-def wait_for_report(directory: Path, supervisor: subprocess.Popen, try_number: int) -> dict:
+def wait_for_report(directory: Path, supervisor: subprocess.Popen, try_number: int) -> JobState:
     """The first state the new supervisor writes: usually "running", finished already if the command was quick."""
     deadline = time.monotonic() + SUPERVISOR_REPORT_TIMEOUT_S
     while True:
@@ -822,9 +822,9 @@ def poll_job(
     key: str,
     log_offset: int | None = 0,
     max_log_bytes: int = 65536,
-    stale_after_s: float = DEFAULT_STALE_AFTER_S,
+    stale_after_s: float = STALE_AFTER_S,
     stream: str | None = None,
-) -> dict:
+) -> JobPoll:
     """The job's effective status and the log from log_offset on (None: from the recorded try's first line, its
     log_start). log_size says how much log there is, so that a caller can read on to its end once the job is over.
     Changes nothing, unless `stream` is given.

@@ -28,6 +28,7 @@ import os
 import re
 import stat
 
+from eagle3.contracts import FileManifest, ManifestEntry
 from eagle3.runlayout import READABLE_REPORTS
 
 MAX_FILE_BYTES = 8 << 20
@@ -130,12 +131,12 @@ def list_plots(run_dir: str) -> list[str]:
     return sorted(plots)
 
 
-def manifest_command(run_dir: str, names: list[str], plots: bool = False) -> dict:
+def manifest_command(run_dir: str, names: list[str], plots: bool = False) -> FileManifest:
     """What the control plane may fetch of RUN_DIR: per name, its size and sha256 (read through read_file's
     checks), `"present": false`, or `"refused"` and why; with `plots`, list_plots too. ReportFileRefused only for a
     run directory that is refused."""
     os.close(_open_run_dir(run_dir))
-    files = []
+    files: list[ManifestEntry] = []
     for name in names:
         try:
             data = read_file(run_dir, name)
@@ -144,7 +145,7 @@ def manifest_command(run_dir: str, names: list[str], plots: bool = False) -> dic
             continue
         files.append({"name": name, "present": False} if data is None else
                      {"name": name, "present": True, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()})
-    answer: dict = {"run_dir": run_dir, "files": files}
+    answer: FileManifest = {"run_dir": run_dir, "files": files}
     if plots:
         answer["plots"] = list_plots(run_dir)
     return answer

@@ -40,10 +40,11 @@ import time
 from pathlib import Path
 
 from eagle3.config import ConfigError
+from eagle3.contracts import STALE_AFTER_S
 from eagle3.fsutil import remove_tree_in
 from eagle3.hostid import read_host_id
 from eagle3.identity import capture_key
-from eagle3.job import DEFAULT_STALE_AFTER_S, liveness, read_state
+from eagle3.job import liveness, read_state
 from eagle3.runlayout import (
     CONFIG,
     DRAFTERS,
@@ -145,7 +146,7 @@ def live_job(run_dir: Path) -> str | None:
     whose state cannot be read (a person looks at it)."""
     for job in sorted((run_dir / JOBS).glob("*")):
         try:
-            status, _ = liveness(read_state(job), DEFAULT_STALE_AFTER_S)
+            status, _ = liveness(read_state(job), STALE_AFTER_S)
         except Exception:  # noqa: BLE001 - an unreadable job: keep the run, a person looks at it
             return f"the state of job {job.name} cannot be read"
         if status == "running":

@@ -55,7 +55,7 @@ from airflow.sdk.exceptions import (
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 from tenacity import AsyncRetrying, Retrying, retry_if_exception_type, stop_after_delay, wait_exponential_jitter
 
-from eagle3.contracts import Exit
+from eagle3.contracts import STALE_AFTER_S, Exit, JobPoll, JobStart
 from eagle3.job import run_seconds
 from eagle3.runlayout import REDO_OUTPUTS
 from eagle3_airflow.plan import RunPlan, verified_plan
@@ -240,7 +240,7 @@ class RemoteJobOperator(BaseOperator):
         box = plan.remote(self.conn_id)
         result = self._riding_out_outages(lambda: box.run(argv, timeout=120))
         self._refuse_without_retry(result, key)
-        state = result.json(f"starting job {key}")
+        state: JobStart = result.json(f"starting job {key}")
         self._finished_already = bool(state.get("attached") and state.get("status") == "succeeded")
         if self._finished_already:
             # A clear of a finished stage re-attaches to the finished job: nothing runs again, which surprises whoever
@@ -358,7 +358,7 @@ class RemoteJobOperator(BaseOperator):
         except Exception as err:  # best effort: the task is being killed anyway
             self.log.warning("could not kill job %s: %s", key, err)
 
-    def _poll(self, key: str) -> dict:
+    def _poll(self, key: str) -> JobPoll:
         argv = self._job("poll", key, "--max-log-bytes", "0", "--stale-after-s",
                          f"{self.run_plan.box.stale_after_s:g}")
         box = self.run_plan.remote(self.conn_id)
@@ -369,7 +369,7 @@ class RemoteJobTrigger(BaseTrigger):
     """Polls a box-side job from the triggerer until it ends; streams its log into the task log."""
 
     def __init__(self, *, conn_id: str, eagle3_argv: list[str], jobs_dir: str, key: str, log_offset: int | None = None,
-                 poll_interval_s: float = 10.0, ssh_grace_s: float = 900.0, stale_after_s: float = 120.0,
+                 poll_interval_s: float = 10.0, ssh_grace_s: float = 900.0, stale_after_s: float = STALE_AFTER_S,
                  stream: str | None = None, started_try: int | None = None):
         super().__init__()
         self.stream = stream  # the Airflow try whose task log this trigger writes: the box keeps its place (poll_job)

@@ -28,6 +28,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
 from eagle3.config import ABS_PATH_PATTERN, RUN_NAME_PATTERN, RunConfig, format_validation_error, parse_run_config
+from eagle3.contracts import STALE_AFTER_S
 from eagle3_airflow import DAG_ID
 
 ConnId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]{1,200}$")]
@@ -79,7 +80,8 @@ class BoxSettings(BaseModel):
         "(the job keeps running; a retry re-attaches).",
     )
     stale_after_s: float = Field(
-        120.0, ge=1, le=24 * 3600, title="Heartbeat timeout (s)", description="A job whose heartbeat is older is dead."
+        STALE_AFTER_S, ge=1, le=24 * 3600, title="Heartbeat timeout (s)",
+        description="A job whose heartbeat is older is dead."
     )
     stall_timeout_s: float = Field(
         900.0, ge=0, le=7 * 24 * 3600, title="Stall limit (s)",

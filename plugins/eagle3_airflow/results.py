@@ -20,7 +20,7 @@ import re
 
 from airflow.sdk.exceptions import AirflowFailException
 
-from eagle3.contracts import Exit
+from eagle3.contracts import Exit, FileManifest, ManifestEntry
 from eagle3.reportfiles import MAX_FILE_BYTES, allowed_name
 from eagle3.runlayout import BENCHMARK_REPORT, DRAFTER_DIR, REPORT
 from eagle3_airflow.plan import RunPlan
@@ -50,7 +50,7 @@ def read_files(plan: RunPlan, names: list[str], plots: bool = False) -> tuple[di
                                      *(("--plots",) if plots else ())), timeout=READ_TIMEOUT_S)
         if result.returncode == Exit.REFUSED:  # the run directory itself (a link, not absolute, missing)
             raise RunFileRefused(f"{where}: {_last_error(result)}")
-        manifest = result.json("python -m eagle3 report manifest")
+        manifest: FileManifest = result.json("python -m eagle3 report manifest")
         entries = _checked_entries(manifest, names, where)
         run_dir = plan.run_dir.rstrip("/")
         wanted = {f"{run_dir}/{name}": entry for name, entry in entries.items() if entry["present"]}
@@ -72,7 +72,7 @@ def read_files(plan: RunPlan, names: list[str], plots: bool = False) -> tuple[di
     return files, list(manifest.get("plots") or []) if plots else []
 
 
-def _checked_entries(manifest, names: list[str], where: str) -> dict[str, dict]:
+def _checked_entries(manifest: FileManifest, names: list[str], where: str) -> dict[str, ManifestEntry]:
     """The manifest's entry for each name asked for, each the shape `report manifest` prints; a refused one
     raises RunFileRefused with the box's reason."""
     try:

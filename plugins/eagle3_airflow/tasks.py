@@ -15,7 +15,7 @@ import logging
 
 from airflow.sdk.exceptions import AirflowFailException
 
-from eagle3.contracts import PROTOCOL, Exit
+from eagle3.contracts import PROTOCOL, BoxInfo, Exit
 from eagle3_airflow.deployment import Deployment
 from eagle3_airflow.params import DEFAULT_PRESET, NOTES, PRESET, ParamsError, check_unknown_keys, default_run_name
 from eagle3_airflow.plan import RunPlan, verified_plan
@@ -60,12 +60,12 @@ def sync_code(plan_dict: dict, dag_run=None) -> dict:
     plan = verified_plan(plan_dict, dag_run)
     # (A server.python of its own, or a vLLM, shows whether it starts when its stage starts it.)
     require = ["--require", "sglang"] if plan.config.needs_sglang else []
-    facts = {}
+    facts: dict[str, BoxInfo] = {}
     for conn_id in plan.box.conn_ids:
         where = plan.ensure_code(conn_id)
         result = plan.remote(conn_id).run(plan.eagle3("box", "info", *require), timeout=300)
         try:
-            info = result.json(f"python -m eagle3 box info on {conn_id}")
+            info: BoxInfo = result.json(f"python -m eagle3 box info on {conn_id}")
         except RemoteCommandError as err:
             raise AirflowFailException(
                 f"{err}\nIs box.python ({plan.box.python!r}) the interpreter with requirements-box.txt installed?"
