@@ -299,10 +299,16 @@ def test_disk_estimate_subtracts_the_store_and_recounts_when_the_data_changes(di
     cfg, _ = disk_config
     first = boxinfo.disk_estimate(cfg, margin=1.0)
 
-    # What the store's manifests record as written counts as done; null-chunk lines (rejects only) hold nothing.
-    shard = cfg.store_dir / "shard-00000"
+    # What the store's manifests record as written of this data counts as done, each sample at its share of its
+    # chunk by tokens (the store is shared: another run's sample counts nothing); null-chunk lines (rejects only)
+    # hold nothing.
+    from eagle3.identity import attach_store
+
+    ours = json.loads((cfg.run_dir / boxinfo.TOKEN_CACHE_NAME).read_text())["counts"]["conversation_ids"][0]
+    shard = attach_store(cfg) / "shard-00000"
     shard.mkdir(parents=True)
-    records = [{"chunk": "chunk-000000.safetensors", "bytes": 1000, "samples": [["a", 10]], "rejected": []},
+    records = [{"chunk": "chunk-000000.safetensors", "bytes": 1000, "samples": [[ours, 30], ["0" * 16, 10]],
+                "rejected": []},
                {"chunk": None, "bytes": 0, "samples": [], "rejected": [["b", "non-finite hidden state"]]}]
     (shard / "manifest.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
 
@@ -311,7 +317,7 @@ def test_disk_estimate_subtracts_the_store_and_recounts_when_the_data_changes(di
 
     monkeypatch.setattr(boxinfo, "count_tokens", count_tokens_must_not_run)
     second = boxinfo.disk_estimate(cfg, margin=1.0)
-    assert second["held_bytes"] == 1000 and second["needed_bytes"] == first["estimate_bytes"] - 1000
+    assert second["held_bytes"] == 750 and second["needed_bytes"] == first["estimate_bytes"] - 750
 
     monkeypatch.undo()
     data = Path(cfg.data.path)

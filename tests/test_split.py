@@ -87,10 +87,10 @@ def test_on_the_tiny_targets_prompts_no_first_prompt_is_on_two_sides(make_config
     for c in conversations:
         first = normalise_prompt(next(m["content"] for m in c.messages if m["role"] == "user"))
         sides[first].add(split.part_of_conversation(c.sample_id))
-        old_sides[first].add(int(c.sample_id, 16) % 10_000 < 0.05 * 10_000)  # the split before issue 37
+        old_sides[first].add(int(c.sample_id, 16) % 10_000 < 0.05 * 10_000)  # the control: a key per conversation
         opened[first] += 1
     shared = [first for first, n in opened.items() if n > 1]
-    assert len(conversations) == 5387 and len(shared) == 238  # (the figures in docs/architecture.md)
+    assert len(conversations) == 5387 and len(shared) == 238  # the tiny target's prompts, as built
     assert sum(len(parts) > 1 for parts in old_sides.values()) == 30
     assert not [first for first, parts in sides.items() if len(parts) > 1]
     assert {part for parts in sides.values() for part in parts} == {TRAINING, VALIDATION, EVALUATION}

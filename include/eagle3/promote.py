@@ -18,6 +18,7 @@ import hashlib
 import json
 import re
 import time
+from pathlib import Path
 
 from eagle3.config import ConfigError
 from eagle3.fsutil import UnsafeTree, atomic_write_text, tree_digests
@@ -29,6 +30,14 @@ from eagle3.split import SPLIT_RULE
 APPROVER_PATTERN = re.compile(r"[^\x00-\x1f\x7f]{1,256}")
 
 
+def stage_output(path: Path, stage: str) -> bytes:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: missing, so this run's {stage} stage has not finished; run it first (clear its "
+                          "task)") from None
+
+
 def training_inputs(cfg) -> dict:
     """Everything the drafter is made from, but the code: the run's samples (by id, in its shared store), the
     vocab mapping, the training, drafter and export settings, the seed, the split rule and the pinned evaluation set
@@ -38,13 +47,13 @@ def training_inputs(cfg) -> dict:
     train task (or changes the seed)."""
     samples = hashlib.sha256()
     for shard in range(cfg.extract.num_shards):
-        samples.update(run_samples_path(cfg.run_dir, shard).read_bytes())
+        samples.update(stage_output(run_samples_path(cfg.run_dir, shard), "extract"))
     pinned = Lineage(cfg).eval_set()
     kept_out = sorted(pinned["split_keys"]) if pinned else []
     return {
         "store": cfg.store_dir.resolve().name,
         "samples": samples.hexdigest(),
-        "vocab": hashlib.sha256((cfg.run_dir / MAPPING_D2T).read_bytes()).hexdigest(),
+        "vocab": hashlib.sha256(stage_output(cfg.run_dir / MAPPING_D2T, "vocab")).hexdigest(),
         # Not init_from: warm-starting from the current drafter on the data it was trained on is no new work.
         "train": cfg.train.model_dump(mode="json", exclude={"progress_interval_s", "keep_last", "init_from"}),
         "drafter": cfg.drafter.model_dump(mode="json"),
