@@ -31,10 +31,10 @@ from pathlib import Path
 
 from airflow.sdk import DAG, Asset, chain, conf, task, task_group
 
-from eagle3_airflow import notify, promotion, tasks
+from eagle3_airflow import approvals, notify, tasks
 from eagle3_airflow.deployment import Deployment
-from eagle3_airflow.jobs import RemoteJobOperator
 from eagle3_airflow.pools import BoxResource, box_params
+from eagle3_airflow.remote_job import RemoteJobOperator
 from eagle3_airflow.sensors import BoxReachableSensor, DiskSpaceSensor, GpuIdleSensor
 
 # The deployment's settings without editing code (eagle3_airflow/deployment.py): schedule, form defaults, and
@@ -47,7 +47,7 @@ DEPLOYMENT = Deployment.from_env(Path(__file__).parent)
 DEPLOYMENT.check_reports_store(conf.get("core", "executor"))
 SENSOR_TIMEOUT = timedelta(hours=DEPLOYMENT.sensor_timeout_h)
 DRAFTER = Asset(DEPLOYMENT.drafter_asset)  # updated when a run promotes its drafter: deployments schedule on it
-PROPOSALS = Asset(promotion.proposals_asset_name(DEPLOYMENT.drafter_asset))  # approve_promotion: what is asked
+PROPOSALS = Asset(approvals.proposals_asset_name(DEPLOYMENT.drafter_asset))  # approve_promotion: what is asked
 
 
 def dag_schedule(settings: Deployment):
@@ -138,10 +138,10 @@ def drafter_dag(box: BoxResource, settings: Deployment, form: dict) -> DAG:
                                       **box.task_kwargs("benchmark"))
         summary = task(tasks.report, task_id="report", trigger_rule="none_failed")(plan)
         if settings.approve_promotion:  # evaluate only proposed: the promotion DAG below asks a person
-            announce = task(promotion.propose_promotion, task_id=promotion.PROPOSE_TASK, outlets=[PROPOSALS])(
+            announce = task(approvals.propose_promotion, task_id=approvals.PROPOSE_TASK, outlets=[PROPOSALS])(
                 plan, PROPOSALS.name)
         else:
-            announce = task(promotion.announce_promotion, task_id="promoted", outlets=[DRAFTER])(plan, DRAFTER.name)
+            announce = task(approvals.announce_promotion, task_id="promoted", outlets=[DRAFTER])(plan, DRAFTER.name)
         # keep_runs as the plan carries it; a run whose proposal still awaits approval is kept.
         retention = task(tasks.prune_runs, task_id="retention", trigger_rule="none_failed")(plan)
 
@@ -168,37 +168,37 @@ def promotion_dag(settings: Deployment) -> DAG:
     """eagle3_promotion: a person approves each drafter a training run proposes (the settings' approve_promotion),
     then the lineage switches to it."""
     with DAG(
-        dag_id=promotion.PROMOTION_DAG_ID,
+        dag_id=approvals.PROMOTION_DAG_ID,
         description="Approve and promote the drafters training runs propose (the settings' approve_promotion)",
         schedule=[PROPOSALS],  # a training run's propose_promotion
         start_date=datetime(2026, 1, 1),
         catchup=False,
         default_args={"retries": settings.retries, "retry_delay": timedelta(seconds=settings.retry_delay_s),
                       "on_failure_callback": notify.task_failure_callbacks(settings) or None},
-        doc_md=promotion.__doc__,
+        doc_md=approvals.__doc__,
         tags=["eagle3", "llm", "speculative-decoding"],
     ) as dag:
 
         @task(retries=0)
         def proposals(triggering_asset_events=None) -> list[dict]:
             """The triggering events that are proposals sealed by a drafter DAG's propose task; the rest refused."""
-            return promotion.proposals_from_events(triggering_asset_events, PROPOSALS.name)
+            return approvals.proposals_from_events(triggering_asset_events, PROPOSALS.name)
 
         @task(task_id="promote")
-        def promote_held(proposal_item: dict, approval, dag_run=None, deployment=settings) -> dict:
+        def promote_held(proposal_item: dict, answer, dag_run=None, deployment=settings) -> dict:
             """Promote on an Approve by one of the settings' approvers (as this parse read them: no task reads the
             settings file)."""
-            return promotion.promote_held(proposal_item, approval, dag_run=dag_run, deployment=deployment)
+            return approvals.promote_held(proposal_item, answer, dag_run=dag_run, deployment=deployment)
 
         @task_group(group_id="proposal")
         def decide(proposal):
             """One proposal: a person approves (assigned to the settings' approvers, who are told), then the switch."""
-            approve = promotion.PromotionApproval(
+            approve = approvals.PromotionApproval(
                 task_id="approve_promotion", proposal=proposal, approvers=settings.approvers, defaults="Reject",
-                notifiers=promotion.approval_notifiers(settings),  # the settings' notify channels hear it waits
+                notifiers=approvals.approval_notifiers(settings),  # the settings' notify channels hear it waits
                 response_timeout=timedelta(hours=settings.approval_timeout_h))  # no answer: rejected
             promote = promote_held(proposal, approve.output)
-            promoted = task(promotion.announce_approved_promotion, task_id="promoted", outlets=[DRAFTER])(
+            promoted = task(approvals.announce_approved_promotion, task_id="promoted", outlets=[DRAFTER])(
                 proposal, DRAFTER.name)
             chain(approve, promote, promoted)
 

@@ -28,9 +28,9 @@ from __future__ import annotations
 import os
 import sys
 
+from eagle3_airflow.approvals import PROMOTION_DAG_ID
 from eagle3_airflow.deployment import Deployment
 from eagle3_airflow.params import ParamsError
-from eagle3_airflow.promotion import PROMOTION_DAG_ID
 
 BASE_ROLE = "Viewer"
 TRIGGER_ROLE = "Eagle3Trigger"

@@ -46,7 +46,7 @@ def test_shards_sharing_a_box_take_gpus_of_their_own(monkeypatch, tmp_path):
     from eagle3.capture import check_gpu_group
     from eagle3.capture.hf import pick_device
     from eagle3.config import ConfigError
-    from eagle3_airflow.jobs import RemoteJobOperator
+    from eagle3_airflow.remote_job import RemoteJobOperator
     from tests.conftest import plain_config, run_plan
 
     plan = run_plan(plain_config("/w", extract={"num_shards": 5}), conn_ids=["box_a", "box_b"], python="python")

@@ -405,24 +405,24 @@ def _run_from_the_form(settings: Deployment, **chosen) -> tuple:
 def test_the_stacks_settings_allow_gpu_box_and_make_it_the_default():
     """The quickstart triggers with gpu_box: the built-in settings allow only `local`, so the stack has its own."""
     settings = _settings("dag-settings.json")
-    assert settings.boxes() == ["gpu_box"]
+    assert settings.allowed.boxes() == ["gpu_box"]
     assert settings.params == {"box.conn_ids": ["gpu_box"]}  # the form's defaults: form fields only
     params = settings.form()
     assert params["box.conn_ids"].value == ["gpu_box"]  # the form's default
     # The box's facts are the settings' run: every run works in /data/eagle3 on the box.
-    assert settings.run == {"workdir": "/data/eagle3"} and settings.workdirs() == ["/data/eagle3"]
+    assert settings.run == {"workdir": "/data/eagle3"} and settings.allowed.workdirs() == ["/data/eagle3"]
     config, box = _run_from_the_form(settings)
     assert (config.workdir, box.conn_ids) == ("/data/eagle3", ["gpu_box"])
-    settings.check_run(config, box.conn_ids, box.stop_services, python=box.python)
+    settings.allowed.check_run(config, box.conn_ids, box.stop_services, python=box.python)
     # The worker itself is a box only when the deployment says so.
     with pytest.raises(ParamsError, match=r"box.conn_ids: \['local'\] not allowed here; this deployment allows "
                                           r"\['gpu_box'\]"):
-        settings.check(["local"], [], None, None, workdir=settings.run["workdir"])
+        settings.allowed.check(["local"], [], None, None, workdir=settings.run["workdir"])
 
 
 def test_the_local_box_settings_allow_it_besides_gpu_box():
     settings = _settings("dag-settings-local-box.json")
-    assert settings.boxes() == ["gpu_box", "local"]
+    assert settings.allowed.boxes() == ["gpu_box", "local"]
     assert settings.params["box.conn_ids"] == ["gpu_box"]
     assert settings.form()["preset"].schema["enum"] == ["default", "local-box"]
     # On gpu_box, the work directory of the settings' run; on `local`, its preset's: the volume the worker and the
@@ -431,7 +431,7 @@ def test_the_local_box_settings_allow_it_besides_gpu_box():
     assert (config.workdir, box.conn_ids) == ("/data/eagle3", ["gpu_box"])
     config, box = _run_from_the_form(settings, preset="local-box", **{"box.conn_ids": ["local"]})
     assert config.workdir == "/opt/airflow/eagle3-work"
-    settings.check_run(config, box.conn_ids, box.stop_services, python=box.python)
+    settings.allowed.check_run(config, box.conn_ids, box.stop_services, python=box.python)
     # .env.example names it where the image has it.
     assert f"EAGLE3_DAG_SETTINGS={SETTINGS_DIR}/dag-settings-local-box.json" in (REPO / ".env.example").read_text()
 

@@ -67,8 +67,8 @@ def test_a_stage_that_failed_for_good_mails_its_run_task_box_log_path_and_last_l
     A log line that looks like a Jinja template arrives as written, not evaluated."""
     from types import SimpleNamespace
 
-    from eagle3_airflow.jobs import RemoteJobOperator
     from eagle3_airflow.notify import FailureNotifier
+    from eagle3_airflow.remote_job import RemoteJobOperator
 
     inbox, _ = smtp_server
     operator = RemoteJobOperator(task_id="train", stage="train", plan=plan)

@@ -322,7 +322,8 @@ def test_the_form_offers_only_the_deployments_boxes_and_presets():
 def test_the_services_a_run_stops_are_the_settings_and_allowed():
     deployment = trusted(allowed_services=["vllm.service"], box={"stop_services": ["vllm.service"]})
     assert validate_under(deployment)["plan"]["box"]["stop_services"] == ["vllm.service"]
-    assert trusted(box={"stop_services": ["vllm.service"]}).services() == ["vllm.service"]  # default: what box names
+    # default: what box names
+    assert trusted(box={"stop_services": ["vllm.service"]}).allowed.services() == ["vllm.service"]
     assert validate_under(trusted())["plan"]["box"]["stop_services"] == []  # none unless the settings name some
     with pytest.raises(ValidationError, match=r"box.stop_services: \['sshd.service'\] not allowed here"):
         trusted(allowed_services=["vllm.service"], box={"stop_services": ["sshd.service"]})
@@ -343,7 +344,7 @@ def test_generate_talks_only_to_the_deployments_endpoint_hosts():
                       run={**on, "generate.endpoint": "http://sglang.internal:30000/v1"})
     assert validate_under(allowed)["plan"]["config"]["generate"]["endpoint"] == "http://sglang.internal:30000/v1"
     # Without the list: the loopback and the host the settings' own endpoint names.
-    assert trusted(run={"generate.endpoint": "http://sglang.internal:30000/v1"}).endpoint_hosts() == [
+    assert trusted(run={"generate.endpoint": "http://sglang.internal:30000/v1"}).allowed.endpoint_hosts() == [
         "127.0.0.1", "localhost", "sglang.internal"]
 
 
@@ -380,7 +381,7 @@ def test_a_settings_file_with_a_typo_or_a_default_it_does_not_allow_is_refused(t
     with pytest.raises(ParamsError, match=r"box.conn_ids: \['local'\] not allowed here"):
         Deployment.from_env()
     settings.write_text(json.dumps({"allowed_boxes": ["gpu-box-1"], "params": {"box.conn_ids": ["gpu-box-1"]}}))
-    assert Deployment.from_env().boxes() == ["gpu-box-1"]
+    assert Deployment.from_env().allowed.boxes() == ["gpu-box-1"]
     # A file written for the 107-field form: its workdir is the settings' run now, and the message says so.
     settings.write_text(json.dumps({"params": {"workdir": "/data/eagle3"}}))
     with pytest.raises(ParamsError, match=rf"{settings} \(EAGLE3_DAG_SETTINGS\):\n  params: \['workdir'\] are not "

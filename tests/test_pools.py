@@ -37,7 +37,7 @@ def test_each_box_gets_a_dag_and_a_pool_whose_slots_are_its_gpus():
     deployment = Deployment.model_validate(TWO_BOXES)
     assert [(r.dag_id, r.pool, r.gpus) for r in deployment.resources()] == [
         ("eagle3_drafter", "eagle3_box_box-a", 4), ("eagle3_drafter__box-b", "eagle3_box_box-b", 8)]
-    assert deployment.boxes() == ["box-a", "box-b"]  # box_pools alone allows its boxes
+    assert deployment.allowed.boxes() == ["box-a", "box-b"]  # box_pools alone allows its boxes
     argvs = create_pool_argvs(deployment, "airflow")
     assert [argv[3:5] for argv in argvs] == [["eagle3_box_box-a", "4"], ["eagle3_box_box-b", "8"]]
     assert all(argv[-1] == "--include-deferred" for argv in argvs)
@@ -139,8 +139,8 @@ def test_each_box_runs_with_its_own_facts_over_the_settings():
         "box-b": {"gpus": 8, "run": {"workdir": "/scratch/eagle3", "target.dtype": "float16"},
                   "box": {"python": "/opt/eagle3/bin/python"}}}}
     deployment = Deployment.model_validate(settings)
-    assert deployment.workdirs() == ["/data/eagle3", "/scratch/eagle3"]
-    assert deployment.pythons() == ["/opt/eagle3/bin/python", "python3"]
+    assert deployment.allowed.workdirs() == ["/data/eagle3", "/scratch/eagle3"]
+    assert deployment.allowed.pythons() == ["/opt/eagle3/bin/python", "python3"]
     a, b = trigger(box_settings("box-a", settings)), trigger(box_settings("box-b", settings))
     a, b = a["plan"], b["plan"]
     assert (a["config"]["workdir"], a["box"]["python"], a["config"]["target"]["dtype"]) == (

@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import pytest
 
 from eagle3.runlayout import REDO_OUTPUTS
-from eagle3_airflow.jobs import RemoteJobOperator
 from eagle3_airflow.params import BoxSettings
 from eagle3_airflow.plan import REDO_ORDER
+from eagle3_airflow.remote_job import RemoteJobOperator
 from tests.conftest import CONTEXT, edited, run_dir_of, sealed
 
 WRITE = "import os, sys\nos.makedirs(sys.argv[1], exist_ok=True)\n" \

@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from eagle3_airflow.codesync import ensure_code
-from eagle3_airflow.jobs import RemoteJobTrigger, job_argv
+from eagle3_airflow.remote_job import RemoteJobTrigger, job_argv
 from eagle3_airflow.transport import SSHBox
 from tests.conftest import CONTEXT, plain_config, run_plan, sealed
 
@@ -54,7 +54,7 @@ def test_trigger_round_trips_through_serialize():
     trigger = RemoteJobTrigger(conn_id="c", eagle3_argv=["python"], jobs_dir="/w/jobs", key="train", log_offset=7,
                                stream="ti-1")
     classpath, kwargs = trigger.serialize()
-    assert classpath == "eagle3_airflow.jobs.RemoteJobTrigger"
+    assert classpath == "eagle3_airflow.remote_job.RemoteJobTrigger"
     assert RemoteJobTrigger(**kwargs).serialize() == (classpath, kwargs)
 
 
@@ -124,7 +124,7 @@ def test_the_workers_job_start_rides_out_an_outage_and_starts_the_job_once(box, 
     import threading
     from types import SimpleNamespace
 
-    from eagle3_airflow.jobs import RemoteJobOperator
+    from eagle3_airflow.remote_job import RemoteJobOperator
 
     class SleepingStage(RemoteJobOperator):
         def _stage_argv(self) -> list[str]:
@@ -248,7 +248,7 @@ def test_the_triggers_kill_ends_well_inside_the_triggerers_on_kill_timeout(tmp_p
     from airflow.configuration import conf
 
     from eagle3 import job
-    from eagle3_airflow.jobs import ON_KILL_BUDGET_S
+    from eagle3_airflow.remote_job import ON_KILL_BUDGET_S
     from eagle3_airflow.transport import LocalBox
 
     assert ON_KILL_BUDGET_S <= conf.getint("triggerer", "on_kill_timeout") - 5

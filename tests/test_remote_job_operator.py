@@ -13,8 +13,8 @@ import pytest
 from airflow.sdk import DAG
 from airflow.sdk.exceptions import AirflowTaskTimeout, TaskDeferred
 
-from eagle3_airflow.jobs import WORKER_PHASE_TIMEOUT, RemoteJobOperator
 from eagle3_airflow.plan import RunPlan
+from eagle3_airflow.remote_job import WORKER_PHASE_TIMEOUT, RemoteJobOperator
 from tests.conftest import CONTEXT, plain_config, run_plan, sealed
 
 

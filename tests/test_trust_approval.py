@@ -25,10 +25,10 @@ from airflow.sdk import BaseNotifier
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException, TaskAwaitingInput
 from markdown_it import MarkdownIt
 
+from eagle3_airflow import approvals
 from eagle3_airflow import plan as plan_module
-from eagle3_airflow import promotion
+from eagle3_airflow.approvals import PROPOSE_TASK, PromotionApproval, proposals_from_events
 from eagle3_airflow.deployment import Approver, Deployment
-from eagle3_airflow.promotion import PROPOSE_TASK, PromotionApproval, proposals_from_events
 from eagle3_airflow.seal import Tampered
 from eagle3_airflow.transport import CommandResult, LocalBox
 from tests.conftest import RUN, plain_config, run_dir_of, run_plan, sealed
@@ -87,7 +87,7 @@ class Outlets:
 def propose(plan: dict, dag_run=RUN) -> dict:
     """The training run's propose_promotion task: the extra of its event on the proposals Asset."""
     outlets = Outlets()
-    promotion.propose_promotion(plan, PROPOSALS, outlet_events=outlets, dag_run=dag_run)
+    approvals.propose_promotion(plan, PROPOSALS, outlet_events=outlets, dag_run=dag_run)
     return outlets.events[PROPOSALS].extra
 
 
@@ -210,7 +210,7 @@ def test_a_workdir_with_a_backtick_stays_a_path_in_the_body(tmp_path, trust_sett
 
 def promote(proposal: dict, approval, deployment=None) -> dict:
     """The promotion DAG's promote task for `proposal`, given `approval` (its approval task's XCom)."""
-    return promotion.promote_held(proposal, approval, dag_run=PROMOTION_RUN,
+    return approvals.promote_held(proposal, approval, dag_run=PROMOTION_RUN,
                                   deployment=deployment or Deployment(approvers=APPROVERS))
 
 
@@ -256,7 +256,7 @@ def test_promote_refuses_without_a_sealed_approval(proposed, promote_calls):
     """The approval task marked successful by hand leaves no record; a hand-written XCom has no valid seal."""
     deployment = Deployment(approvers=APPROVERS)
     forged = {"chosen_options": ["Approve"], "approved_by": "bob", "approver_id": "bob", "responded_at": None,
-              "proposal_sha256": promotion.proposal_digest(PROPOSAL)}
+              "proposal_sha256": approvals.proposal_digest(PROPOSAL)}
     for approval, why in ((None, "is no sealed approval"), (forged, "is no sealed approval"),
                           ({**forged, "seal": "0" * 64}, "does not match its seal")):
         with pytest.raises(Tampered, match=why):
@@ -266,7 +266,7 @@ def test_promote_refuses_without_a_sealed_approval(proposed, promote_calls):
         promote(proposed, {**record, "approved_by": "trigger-user", "approver_id": "trigger-user"}, deployment)
     other_run = SimpleNamespace(dag_id=PROMOTION_RUN.dag_id, run_id="asset_triggered__other")
     with pytest.raises(Tampered, match="or it is another run's"):  # bob's approval in another promotion run
-        promotion.promote_held(proposed, record, dag_run=other_run, deployment=deployment)
+        approvals.promote_held(proposed, record, dag_run=other_run, deployment=deployment)
     assert promote_calls == []
 
 
@@ -357,9 +357,9 @@ def test_a_waiting_approval_tells_the_settings_channels_who_may_answer_where_and
     deployment = Deployment(approve_promotion=True, approvers=["bob", "carol"], approval_timeout_h=24,
                             notify={"notifiers": [{"class": f"{Heard.__module__}.Heard",
                                                    "kwargs": {"subject": "{subject}", "body": "{body}"}}]})
-    assert promotion.approval_notifiers(Deployment(approve_promotion=True, approvers=["bob"])) == []  # no notify
+    assert approvals.approval_notifiers(Deployment(approve_promotion=True, approvers=["bob"])) == []  # no notify
     task = PromotionApproval(task_id="approve_promotion", proposal=proposed, approvers=deployment.approvers,
-                             defaults="Reject", notifiers=promotion.approval_notifiers(deployment))
+                             defaults="Reject", notifiers=approvals.approval_notifiers(deployment))
     with pytest.raises(TaskAwaitingInput):
         task.execute({**CONTEXT_TI, "task": task})
     ((subject, body),) = Heard.messages

@@ -19,9 +19,9 @@ from types import SimpleNamespace
 import pytest
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
+from eagle3_airflow import approvals, tasks
 from eagle3_airflow import plan as plan_module
-from eagle3_airflow import promotion, tasks
-from eagle3_airflow.jobs import RemoteJobOperator
+from eagle3_airflow.remote_job import RemoteJobOperator
 from eagle3_airflow.seal import NoSealingKey, Tampered, task_key
 from eagle3_airflow.sensors import GpuIdleSensor
 from tests.airflow_env import AIRFLOW, PLAN_SECRET_ENV, airflow_env, migrated_airflow_home
@@ -81,7 +81,7 @@ def test_any_edited_field_fails_every_kind_of_task(run, no_box, field, value):
                  lambda: tasks.sync_code(plan, dag_run=RUN),
                  lambda: tasks.inputs_changed(plan, dag_run=RUN),
                  lambda: tasks.report(plan, dag_run=RUN),
-                 lambda: promotion.propose_promotion(plan, "eagle3_drafter.proposals", outlet_events={}, dag_run=RUN),
+                 lambda: approvals.propose_promotion(plan, "eagle3_drafter.proposals", outlet_events={}, dag_run=RUN),
                  lambda: tasks.prune_runs(plan, dag_run=RUN),
                  lambda: tasks.shard_list(plan, dag_run=RUN),
                  lambda: RemoteJobOperator(task_id="train", stage="train", plan=plan).execute(CONTEXT)):

@@ -19,7 +19,7 @@ from airflow.sdk.exceptions import AirflowFailException
 from fastapi import HTTPException
 
 from eagle3.reportfiles import MAX_FILE_BYTES, ReportFileRefused, list_plots, manifest_command, read_file
-from eagle3_airflow import promotion, results, tasks
+from eagle3_airflow import approvals, results, tasks
 from eagle3_airflow.plan import RunPlan
 from eagle3_airflow.transport import LocalBox
 from tests.conftest import RUN, run_dir_of
@@ -230,7 +230,7 @@ def test_the_approval_reads_the_proposal_through_the_same_refusals(run_dir, plan
     report.unlink()
     report.symlink_to(secret)
     with pytest.raises(AirflowFailException, match="refused") as refused:
-        promotion.propose_promotion(plan, "eagle3_drafter.proposals", outlet_events={}, dag_run=RUN)
+        approvals.propose_promotion(plan, "eagle3_drafter.proposals", outlet_events={}, dag_run=RUN)
     assert SECRET not in str(refused.value)
 
 

@@ -68,7 +68,7 @@ def test_a_trigger_cannot_choose_the_workdir():
 
 
 def test_by_default_only_the_settings_workdir_is_allowed():
-    assert Deployment(run={"workdir": "/data/eagle3/"}).workdirs() == ["/data/eagle3"]
+    assert Deployment(run={"workdir": "/data/eagle3/"}).allowed.workdirs() == ["/data/eagle3"]
     spelled = trigger(Deployment(run={"workdir": "/data/eagle3/"}))["plan"]["config"]["workdir"]
     assert spelled == "/data/eagle3"  # one spelling
     team = Deployment(run={"workdir": "/data/eagle3/team-a"}, allowed_workdirs=["/data/eagle3"])
@@ -90,7 +90,7 @@ def test_by_default_only_the_settings_workdir_is_allowed():
     with pytest.raises(ValidationError, match=r"workdir: '/data/eagle3/x:/tmp/mine' has a ':'"):
         Deployment(run={"workdir": "/data/eagle3/x:/tmp/mine"}, allowed_workdirs=["/data/eagle3"])
     # No workdir in the settings: none is allowed, and a run says where to set one.
-    assert Deployment().workdirs() == []
+    assert Deployment().allowed.workdirs() == []
     with pytest.raises(AirflowFailException, match=r"workdir: .* name no work directory on the box; set \"run\""):
         trigger(Deployment())
 
@@ -108,7 +108,7 @@ def test_a_workdir_the_settings_no_longer_allow_is_refused_by_validate():
 
 def test_allowed_workdirs_in_the_settings_replace_the_default():
     deployment = Deployment(run={"workdir": "/nfs/team/run-a"}, allowed_workdirs=["/scratch/eagle3/", "/nfs/./team"])
-    assert deployment.workdirs() == ["/scratch/eagle3", "/nfs/team"]
+    assert deployment.allowed.workdirs() == ["/scratch/eagle3", "/nfs/team"]
     assert trigger(deployment)["plan"]["config"]["workdir"] == "/nfs/team/run-a"
     with pytest.raises(ValidationError, match="not under a directory this deployment allows"):
         Deployment(run=WORKDIR, allowed_workdirs=["/scratch/eagle3/", "/nfs/./team"])
@@ -180,7 +180,7 @@ def test_the_settings_name_only_the_interpreters_they_allow():
     """box.python runs every stage and server.python the serving engine: a trigger naming any executable on the box
     would run it with the stage's arguments. Both are the settings' now, checked against allowed_pythons."""
     deployment = Deployment(run=WORKDIR, box={"python": "/opt/eagle3/bin/python"})
-    assert deployment.pythons() == ["/opt/eagle3/bin/python"]  # default: the interpreter the settings name
+    assert deployment.allowed.pythons() == ["/opt/eagle3/bin/python"]  # default: the interpreter the settings name
     assert trigger(deployment)["plan"]["box"]["python"] == "/opt/eagle3/bin/python"
     for key, value in (("box.python", "/bin/sh"), ("server.python", "/home/alice/venv/bin/python")):
         with pytest.raises(AirflowFailException, match=rf"not trigger parameters: '{key}' \(the deployment's"):
@@ -214,10 +214,10 @@ def test_the_settings_are_the_file_beside_the_dag_file_or_the_one_eagle3_dag_set
     (bundle / "settings").mkdir(parents=True)
     monkeypatch.delenv("EAGLE3_DAG_SETTINGS", raising=False)
     assert settings_path(bundle) == (None, "")
-    assert Deployment.from_env(bundle).boxes() == ["local"]  # built-in
+    assert Deployment.from_env(bundle).allowed.boxes() == ["local"]  # built-in
     (bundle / SETTINGS_FILE).write_text(json.dumps({"allowed_boxes": ["gpu_box"], "params": {"box.conn_ids":
                                                                                               ["gpu_box"]}}))
-    assert Deployment.from_env(bundle).boxes() == ["gpu_box"]
+    assert Deployment.from_env(bundle).allowed.boxes() == ["gpu_box"]
     (bundle / "settings" / "other.json").write_text(json.dumps({"approve_promotion": True}))
     monkeypatch.setenv("EAGLE3_DAG_SETTINGS", "settings/other.json")
     with pytest.raises(ParamsError, match=rf"{bundle}/settings/other.json \(EAGLE3_DAG_SETTINGS, in the DAG folder "

@@ -29,7 +29,7 @@ class Exit(IntEnum):
     FOREIGN = 3  # the job runs on another host sharing the work directory: this box can neither wait on it nor start it
 
 
-# -- jobs: `job start`, `job poll` (eagle3.job; eagle3_airflow.jobs) ----------------------------------------------
+# -- jobs: `job start`, `job poll` (eagle3.job; eagle3_airflow.remote_job) ------------------------------------
 
 JobStatus = Literal["running", "succeeded", "failed", "killed"]
 # What a poll makes of the record: running only while alive; "dead" for a running record whose process is gone or

@@ -6,7 +6,7 @@ A run directory is one user's (issue 43, item 6). The Airflow run whose init mad
 clears (resume = clear the failed task) are that run, the same DAG id and run id, and go on in it. A run triggered by
 another user is refused at init, before it writes anything, naming the run that owns the directory and the fix:
 clear that run's failed task, or trigger with another run_name. Why: the approval of a promotion is refused to the
-user who triggered the training run (eagle3_airflow.promotion), and that holds only if no one else made any part of
+user who triggered the training run (eagle3_airflow.approvals), and that holds only if no one else made any part of
 the drafter. An approver who triggered a run with someone else's run_name and box.redo_from would otherwise re-make
 the drafter in that user's directory, clear that user's propose task, and approve her own drafter as theirs.
 

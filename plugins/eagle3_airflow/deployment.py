@@ -31,7 +31,7 @@ run plan (eagle3_airflow/plan.py: the config, the reports store, keep_runs). So 
 started with, even where the DAG bundle is not versioned, and a dag-processor and a worker that parsed different
 versions of the file cannot fail it; a changed file applies from the next run on. To stop a run in flight that the
 new settings would refuse, mark it failed (the run's "Mark as failed" in the UI, or the REST API): the job of its
-running stage is killed on the box, as for any task marked failed (eagle3_airflow/jobs.py).
+running stage is killed on the box, as for any task marked failed (eagle3_airflow/remote_job.py).
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ from __future__ import annotations
 import inspect
 import json
 import os
-import posixpath
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 from urllib.parse import urlsplit
@@ -59,11 +58,10 @@ from pydantic import (
 from eagle3.config import (
     ABS_PATH_PATTERN,
     ENDPOINT_PATTERN,
-    GenerateConfig,
     format_validation_error,
-    redact_url,
 )
 from eagle3_airflow import DAG_ID
+from eagle3_airflow.allowlist import Allowlist, normal_dir
 from eagle3_airflow.params import (
     DEFAULT_PRESET,
     FORM_FIELDS,
@@ -91,8 +89,6 @@ Endpoint = Annotated[str, StringConstraints(pattern=ENDPOINT_PATTERN)]
 AbsDir = Annotated[str, StringConstraints(pattern=ABS_PATH_PATTERN)]
 # An Airflow user as its auth manager names it; passed to the box as one `--approved-by=NAME` token.
 UserName = Annotated[str, StringConstraints(pattern=r"^[^\x00-\x1f\x7f]{1,256}$")]
-LOOPBACK_HOSTS = ["127.0.0.1", "localhost"]
-DEFAULT_PORTS = {"http": 80, "https": 443}
 SETTINGS_FILE = "eagle3_settings.json"  # beside the DAG file, in its bundle
 SETTINGS_ENV = "EAGLE3_DAG_SETTINGS"  # names another file instead
 # Executors that run every task on the machine of the scheduler (and, in the layouts they are used in, the API server):
@@ -112,26 +108,6 @@ def executor_names(executor: str) -> list[str]:
             if path:
                 names.append(path.rsplit(".", 1)[-1])
     return names
-
-
-def normal_dir(path: str) -> str:
-    """An absolute directory as the box's kernel would name it, without following links: '.' and repeated or
-    trailing slashes gone. Refuses '..', which only the box could resolve."""
-    if ".." in path.split("/"):
-        raise ValueError(f"{path!r} has a '..' component; name the directory itself")
-    return "/" + posixpath.normpath(path).lstrip("/")
-
-
-def endpoint_key(url: str) -> tuple[str, str, int | None, str]:
-    """(scheme, host, port, path) with the scheme's default port filled in and no trailing slash: two spellings of
-    one endpoint compare equal."""
-    parts = urlsplit(url)
-    try:
-        port = parts.port
-    except ValueError:  # a port beyond 65535
-        port = None
-    return parts.scheme.lower(), parts.hostname or "", port or DEFAULT_PORTS.get(parts.scheme.lower()), \
-        parts.path.rstrip("/")
 
 
 class Approver(BaseModel):
@@ -258,7 +234,7 @@ class NotifySettings(BaseModel):
 class Deployment(BaseModel):
     """The settings file, validated: an unknown key (a typo) is refused, not ignored. Data and the checks on it
     only: what Airflow runs from it (notifiers, the deadline, the approval's, the schedule, the reports store) is built
-    where it is used (notify.py, promotion.py, published.py, the DAG file)."""
+    where it is used (notify.py, approvals.py, published.py, the DAG file); the allow-lists' checks in allowlist.py."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -429,9 +405,10 @@ class Deployment(BaseModel):
         if unused:
             raise ValueError(f"api_key_endpoints: {unused} not in box_env {self.box_env}, so no stage gets them; add "
                              "them to box_env or remove them")
-        outside = [conn_id for conn_id in self.box_pools if conn_id not in self.boxes()]
+        outside = [conn_id for conn_id in self.box_pools if conn_id not in self.allowed.boxes()]
         if outside:
-            raise ValueError(f"box_pools: {outside} not in the allowed boxes {self.boxes()}; add them to allowed_boxes "
+            raise ValueError(f"box_pools: {outside} not in the allowed boxes {self.allowed.boxes()}; add them to "
+                             "allowed_boxes "
                              "or remove them from box_pools")
         narrow = [f"{conn_id}: shard_gpus {box.shard_gpus} > gpus {box.gpus}" for conn_id, box in self.box_pools.items()
                   if box.shard_gpus > box.gpus]
@@ -443,7 +420,7 @@ class Deployment(BaseModel):
         # What every run gets (the settings' run and box, each box's own over them) must pass the deployment's own
         # check, with the form's default boxes (with box_pools, each box's DAG makes that box its runs' default).
         for where, name, run, box in self.layered_runs():  # a preset may name what `run` does: checked with each
-            self.check(self._default("box.conn_ids", list(self.box_pools)[:1] or BoxSettings().conn_ids),
+            self.allowed.check(self.default_list("box.conn_ids", list(self.box_pools)[:1] or BoxSettings().conn_ids),
                        list(box.get("stop_services") or []), run.get("generate.endpoint"),
                        run.get("generate.api_key_env"), source=f"a run with the preset {name!r} on {where}",
                        workdir=run.get("workdir"),
@@ -511,7 +488,7 @@ class Deployment(BaseModel):
         schedule: the new box gets a DAG of its own beside it (eagle3_airflow/pools.py)."""
         if not self.box_pools:
             return None
-        chosen = self._default("box.conn_ids", [])[:1]
+        chosen = self.default_list("box.conn_ids", [])[:1]
         return chosen[0] if chosen and chosen[0] in self.box_pools else next(iter(self.box_pools))
 
     def resources(self) -> list[BoxResource]:
@@ -561,74 +538,25 @@ class Deployment(BaseModel):
         except ParamsError as err:
             raise ParamsError(f"{why}, and they do not make a valid run: {err}") from None
 
+    @property
+    def source(self) -> str:
+        """Where these settings come from, as a message names them."""
+        return self._source
+
+    @property
+    def resource(self) -> BoxResource | None:
+        """The box and pool of the DAG these settings are for (for_box); None for the settings as a whole."""
+        return self._resource
+
+    @property
+    def allowed(self) -> Allowlist:
+        """What runs of these settings may reach (eagle3_airflow/allowlist.py)."""
+        return Allowlist(self)
+
     # -- what the trigger may choose -------------------------------------------------------------
-    def _default(self, dotted: str, model_default: list[str]) -> list[str]:
+    def default_list(self, dotted: str, model_default: list[str]) -> list[str]:
         """The form's default for a list param: the settings file's, or the model's."""
         return list(self.params.get(dotted) or model_default)
-
-    def boxes(self) -> list[str]:
-        if self.allowed_boxes is not None:
-            return self.allowed_boxes
-        return list(self.box_pools) if self.box_pools else self._default("box.conn_ids", BoxSettings().conn_ids)
-
-    def services(self) -> list[str]:
-        if self.allowed_services is not None:
-            return self.allowed_services
-        return sorted({unit for _, _, box in self.box_layers() for unit in box.get("stop_services") or []})
-
-    def endpoint_hosts(self) -> list[str]:
-        if self.allowed_endpoint_hosts is not None:
-            return self.allowed_endpoint_hosts
-        endpoints = {run.get("generate.endpoint") or GenerateConfig().endpoint for _, run, _ in self.box_layers()}
-        return sorted({*LOOPBACK_HOSTS, *(urlsplit(url).hostname or "" for url in endpoints)} - {""})
-
-    def pythons(self) -> list[str]:
-        if self.allowed_pythons is not None:
-            return self.allowed_pythons
-        return sorted({box.get("python") or BoxSettings().python for _, _, box in self.box_layers()})
-
-    def workdirs(self) -> list[str]:
-        if self.allowed_workdirs is not None:
-            return self.allowed_workdirs
-        workdirs = set()
-        for _, run, _ in self.box_layers():
-            try:
-                if isinstance(run.get("workdir"), str) and run["workdir"].startswith("/"):
-                    workdirs.add(normal_dir(run["workdir"]))
-            except ValueError:
-                pass
-        return sorted(workdirs)
-
-    def workdir_problem(self, workdir: str) -> str | None:
-        """Why a run may not use `workdir`, or None."""
-        try:
-            normal = normal_dir(workdir)
-        except ValueError as err:
-            return f"workdir: {err}"
-        if ":" in workdir:  # the stages run with PYTHONPATH={workdir}/code/<digest>: a ':' would add other entries
-            return (f"workdir: {workdir!r} has a ':', which would split the stages' PYTHONPATH ({workdir}/code/...) "
-                    "into entries that are not the synced code; name a directory without one")
-        if any(normal == allowed or normal.startswith(allowed.rstrip("/") + "/") for allowed in self.workdirs()):
-            return None
-        return f"workdir: {workdir!r} is not under a directory this deployment allows; it allows {self.workdirs()}"
-
-    def endpoint_allowed(self, endpoint: str) -> bool:
-        """The endpoint's host is allowed, on any port or on the port its entry names."""
-        scheme, host, port, _ = endpoint_key(endpoint)
-        for entry in self.endpoint_hosts():
-            name, _, only_port = entry.partition(":")
-            if name.lower() == host and (not only_port or int(only_port) == port):
-                return True
-        return False
-
-    def key_endpoint_problem(self, api_key_env: str, endpoint: str) -> str | None:
-        """Why the key in `api_key_env` may not go to `endpoint`, or None."""
-        allowed = self.api_key_endpoints.get(api_key_env, [])
-        if endpoint_key(endpoint) in {endpoint_key(url) for url in allowed}:
-            return None
-        where = f"only to {allowed}" if allowed else "to no endpoint (api_key_endpoints lists none for it)"
-        return (f"generate.api_key_env: the key in {api_key_env} may be sent {where}, not to generate.endpoint "
-                f"{redact_url(endpoint)}")
 
     def settle(self, config: RunConfig) -> RunConfig:
         """What the deployment, not the trigger, decides in a run config: its workdir spelled as normal_dir spells
@@ -643,64 +571,12 @@ class Deployment(BaseModel):
 
     def form_choices(self) -> dict[str, list[str]]:
         """The values the trigger form offers for the list params whose items the deployment chooses."""
-        return {"box.conn_ids": self.boxes()}
+        return {"box.conn_ids": self.allowed.boxes()}
 
     def form(self) -> dict:
         """The trigger form's Params under these settings."""
         return build_params(self.params, self.form_choices(), self.preset_names())
 
-    def check(self, conn_ids: list[str], services: list[str], endpoint: str | None, api_key_env: str | None,
-              source: str = "the run", workdir: str | None = None, box_env: list[str] | None = None,
-              pythons: dict[str, str | None] | None = None) -> None:
-        """Refuse a run that reaches past what this deployment allows; the message names the field, the allowed
-        values and where they are set. `endpoint`: the one generate sends conversations to (None when the stage
-        starts its own server); `box_env`: the variables a plan passes to the stages; `pythons`: field -> the
-        interpreter it names (box.python, server.python)."""
-        problems = []
-        for field, chosen, allowed in (("box.conn_ids", conn_ids, self.boxes()),
-                                       ("box.stop_services", services, self.services()),
-                                       ("box_env", box_env or [], self.box_env),
-                                       *((field, [python], self.pythons())
-                                         for field, python in (pythons or {}).items() if python)):
-            outside = [value for value in chosen if value not in allowed]
-            if outside:
-                problems.append(f"{field}: {outside} not allowed here; this deployment allows {allowed}")
-        if endpoint is not None and not self.endpoint_allowed(endpoint):
-            scheme, host, port, _ = endpoint_key(endpoint)
-            problems.append(f"generate.endpoint: {host}:{port} not allowed here; this deployment allows "
-                            f"{self.endpoint_hosts()}")
-        if api_key_env is not None and api_key_env not in self.box_env:
-            problems.append(f"generate.api_key_env: {api_key_env!r} is not a variable this deployment passes to the "
-                            f"stages; it passes {self.box_env}")
-        elif api_key_env is not None and endpoint is not None:
-            problems.append(self.key_endpoint_problem(api_key_env, endpoint))
-        if workdir is not None:
-            problems.append(self.workdir_problem(workdir))
-        problems = [problem for problem in problems if problem]
-        if problems:
-            raise ParamsError("\n  ".join([f"{source} reaches past what this deployment allows:", *problems])
-                              + f"\nThe deployment sets these in its settings file ({SETTINGS_FILE} or "
-                              f"{SETTINGS_ENV}: allowed_boxes, allowed_services, allowed_endpoint_hosts, "
-                              "api_key_endpoints, allowed_workdirs, allowed_pythons, box_env); ask whoever runs this "
-                              "Airflow.")
-
-    def check_run(self, config: RunConfig, conn_ids: list[str], services: list[str], box_env: list[str] | None = None,
-                  source: str = "the run", python: str | None = None) -> None:
-        """`check` for a whole run config (and `python`, the plan's box.python); the keep_versions it carries must
-        keep at least the settings' versions."""
-        gen = config.generate
-        uses_endpoint = gen.enabled and gen.backend == "server" and not gen.launch_server
-        self.check(conn_ids, services, gen.endpoint if uses_endpoint else None, gen.api_key_env, source=source,
-                   workdir=config.workdir, box_env=box_env,
-                   pythons={"box.python": python, "server.python": config.server.python})
-        overuse = self._resource.overuse(config) if self._resource else []
-        if overuse:
-            raise ParamsError("\n  ".join([f"{source} uses more GPUs than the DAG {self._resource.dag_id} holds in the "
-                                           f"pool {self._resource.pool}:", *overuse])
-                              + "\nChange the run, or ask whoever runs this Airflow to change box_pools.")
-        if config.evaluate.keep_versions < self.keep_versions:
-            raise ParamsError(f"{source}: evaluate.keep_versions {config.evaluate.keep_versions} keeps fewer promoted "
-                              f"drafters than this deployment's keep_versions ({self.keep_versions})")
 
 
 def settings_path(dag_folder: str | os.PathLike | None = None) -> tuple[Path | None, str]:

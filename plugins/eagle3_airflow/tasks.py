@@ -1,5 +1,5 @@
 """The DAG's small tasks (validate, shards, sync code, write config, inputs changed, report, retention) as plain
-functions; the promotion's are eagle3_airflow.promotion's.
+functions; the promotion's are eagle3_airflow.approvals's.
 
 The DAG file wraps them with @task; keeping them here keeps the DAG file to wiring and lets tests
 call them directly. validate is the one that reads the deployment's settings (as the DAG file parsed them) and the
@@ -41,7 +41,7 @@ def validate_run(params: dict, conf: dict, known: set[str], dag_run, deployment:
             form["run_name"] = default_run_name(dag_run.dag_id, dag_run.run_id)
         config, box = deployment.configs(form, dag_run.run_id)
         config = deployment.settle(config)  # the normalised workdir, the settings' keep_versions
-        deployment.check_run(config, box.conn_ids, box.stop_services, python=box.python)
+        deployment.allowed.check_run(config, box.conn_ids, box.stop_services, python=box.python)
     except ParamsError as err:
         raise AirflowFailException(str(err)) from None
     plan = RunPlan.build(config, box, deployment, notes=form.get(NOTES) or "")
@@ -117,7 +117,7 @@ def inputs_changed(plan_dict: dict, dag_run=None) -> bool:
     """After vocab: False (training, export and evaluation are skipped) when the run's samples, vocab mapping and
     settings equal those the lineage's current drafter was trained from (eagle3.promote.check_inputs)."""
     plan = verified_plan(plan_dict, dag_run)
-    if plan.redo_from:  # asked for by name: run whatever changed (eagle3_airflow.jobs, RemoteJobOperator._redo)
+    if plan.redo_from:  # asked for by name: run whatever changed (eagle3_airflow.remote_job, RemoteJobOperator._redo)
         log.info("box.redo_from %s: training, export and evaluation run, changed inputs or not", plan.redo_from)
         return True
     check = check_inputs(plan)

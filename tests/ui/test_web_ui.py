@@ -122,7 +122,7 @@ def standalone(chromium, artifacts, tiny_target, tmp_path):
     with airflow_standalone(
             tmp_path, artifacts / "standalone.log", [DAG_ID, PROMOTION_DAG_ID], STARTUP_TIMEOUT_S,
             # The admin triggers; the reviewer (role user), the settings' approver, approves: nobody approves a run
-            # of their own (eagle3_airflow/promotion.py).
+            # of their own (eagle3_airflow/approvals.py).
             AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS=f"admin:admin,{REVIEWER}:user",
             EAGLE3_DAG_SETTINGS=str(settings)) as server:
         # The admin deploying turns the promotion DAG on (a DAG is paused when it first appears); the drafter DAG

@@ -384,7 +384,7 @@ class RemoteJobTrigger(BaseTrigger):
         self.stale_after_s = stale_after_s
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
-        return "eagle3_airflow.jobs.RemoteJobTrigger", {
+        return "eagle3_airflow.remote_job.RemoteJobTrigger", {
             "conn_id": self.conn_id, "eagle3_argv": self.eagle3_argv, "jobs_dir": self.jobs_dir, "key": self.key,
             "log_offset": self.log_offset,
             "poll_interval_s": self.poll_interval_s, "ssh_grace_s": self.ssh_grace_s,
