@@ -149,16 +149,13 @@ def test_a_supervisor_that_dies_at_once_is_reported_with_the_log(tmp_path):
 def test_kill_ends_the_whole_process_group(jobs, tmp_path):
     pid_file = tmp_path / "grandchild.pid"
     # The stage spawns a grandchild that even ignores SIGTERM: only the final SIGKILL of the group gets it.
-    code = (
-        "import subprocess, sys, time\n"
-        "grandchild = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
-        "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)'])\n"
-        f"open({str(pid_file)!r}, 'w').write(str(grandchild.pid))\n"
-        "time.sleep(60)\n"
-    )
+    # (It writes its pid once its SIGTERM handler is in place: the pid file is the readiness check.)
+    ignoring = (f"import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                f"open({str(pid_file)!r} + '.tmp', 'w').write(str(os.getpid())); "
+                f"os.rename({str(pid_file)!r} + '.tmp', {str(pid_file)!r}); time.sleep(60)")
+    code = f"import subprocess, sys, time\nsubprocess.Popen([sys.executable, '-c', {ignoring!r}])\ntime.sleep(60)\n"
     started = start(jobs, "victim", code)
     grandchild = int(wait_until(lambda: pid_file.exists() and pid_file.read_text(), "the grandchild's pid"))
-    time.sleep(0.3)  # let the grandchild install its SIGTERM handler
     processes = [started["pid"], started["child_pid"], grandchild]
     assert all(is_running(pid) for pid in processes)
 
@@ -289,9 +286,9 @@ def test_a_hung_supervisor_is_dead_and_replaced_without_a_second_copy(jobs, tmp_
     wait_until(lambda: job.read_state(jobs / "hung")["heartbeat_at"] > beat, "a heartbeat")
 
     os.kill(first["pid"], signal.SIGSTOP)  # the supervisor hangs; its stage works on
-    time.sleep(1.5)
-    dead = poll(jobs, "hung", "--stale-after-s", "1")
-    assert dead["effective"] == "dead" and "heartbeat" in dead["reason"] and "limit 1 s" in dead["reason"]
+    dead = wait_until(lambda: (answer := poll(jobs, "hung", "--stale-after-s", "1"))["effective"] == "dead" and answer,
+                      "the silent supervisor's heartbeat to go stale")
+    assert "heartbeat" in dead["reason"] and "limit 1 s" in dead["reason"]
 
     second = start(jobs, "hung", code, *timing)
     assert second["try"] == 2 and second["attached"] is False
