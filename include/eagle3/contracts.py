@@ -13,7 +13,7 @@ to the same keys (`make check`).
 from __future__ import annotations
 
 from enum import IntEnum
-from typing import Literal, NotRequired, TypedDict
+from typing import Any, Literal, NotRequired, TypedDict
 
 PROTOCOL = 1
 STALE_AFTER_S = 120.0  # a running job whose heartbeat is older is dead (box.stale_after_s, `job poll` by hand)
@@ -76,8 +76,8 @@ class BoxInfo(TypedDict):
     hostname: str
     boot_id: str | None
     packages: dict[str, str | None]
-    cuda: dict | None
-    gpus: list[dict]
+    cuda: dict[str, Any] | None  # the torch/CUDA facts and each GPU as the box reports them: free-form JSON
+    gpus: list[dict[str, Any]]
     missing: list[str]  # required packages that are not installed
 
 

@@ -151,7 +151,7 @@ class Allowlist:
         values and where they are set. `endpoint`: the one generate sends conversations to (None when the stage
         starts its own server); `box_env`: the variables a plan passes to the stages; `pythons`: field -> the
         interpreter it names (box.python, server.python)."""
-        problems = []
+        problems: list[str | None] = []  # None: a check that found nothing
         for field, chosen, allowed in (("box.conn_ids", conn_ids, self.boxes()),
                                        ("box.stop_services", services, self.services()),
                                        ("box_env", box_env or [], self.settings.box_env),
@@ -171,9 +171,9 @@ class Allowlist:
             problems.append(self.key_endpoint_problem(api_key_env, endpoint))
         if workdir is not None:
             problems.append(self.workdir_problem(workdir))
-        problems = [problem for problem in problems if problem]
-        if problems:
-            raise ParamsError("\n  ".join([f"{source} reaches past what this deployment allows:", *problems])
+        found = [problem for problem in problems if problem]
+        if found:
+            raise ParamsError("\n  ".join([f"{source} reaches past what this deployment allows:", *found])
                               + f"\nThe deployment sets these in {self.settings.source} ({SETTINGS_KEYS}); ask "
                               "whoever runs this Airflow.")
 
@@ -188,7 +188,7 @@ class Allowlist:
                    pythons={"box.python": python, "server.python": config.server.python})
         resource = self.settings.resource
         overuse = resource.overuse(config) if resource else []
-        if overuse:
+        if resource is not None and overuse:
             raise ParamsError("\n  ".join([f"{source} uses more GPUs than the DAG {resource.dag_id} holds in the "
                                            f"pool {resource.pool}:", *overuse])
                               + "\nChange the run, or ask whoever runs this Airflow to change box_pools.")

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 from airflow.providers.standard.operators.hitl import ApprovalOperator
@@ -54,12 +55,16 @@ from airflow.sdk import Asset, BaseNotifier, conf
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
 from eagle3.runlayout import DRAFTER_DIR, REPORT
-from eagle3_airflow.deployment import Deployment
+from eagle3_airflow.deployment import Approver, Deployment
 from eagle3_airflow.notify import send
 from eagle3_airflow.plan import RunPlan, verified_plan
 from eagle3_airflow.pools import is_drafter_dag
 from eagle3_airflow.results import read_json, read_or_fail, report_summary
-from eagle3_airflow.seal import RunRef, Tampered, digest, is_sealed, seal, task_key
+from eagle3_airflow.seal import RunIds, RunRef, Tampered, digest, is_sealed, seal, task_key
+
+if TYPE_CHECKING:
+    from airflow.sdk import Context
+    from jinja2 import Environment
 
 log = logging.getLogger(__name__)
 
@@ -80,11 +85,13 @@ def proposals_asset_name(drafter_asset: str) -> str:
     return f"{drafter_asset}.proposals"
 
 
-def proposal_digest(promotion: dict) -> str:
+# A promotion, a proposal, an approval: JSON objects (from the box's report, or XCom), dict[str, Any], each value
+# checked where it is read. outlet_events and triggering_asset_events: the task's, from Airflow's context.
+def proposal_digest(promotion: dict[str, Any]) -> str:
     return digest({key: promotion.get(key) for key in PROPOSAL_KEYS})
 
 
-def report_promotion(plan: RunPlan) -> dict | None:
+def report_promotion(plan: RunPlan) -> dict[str, Any] | None:
     """The promotion in the run's report on the box (held, made or refused); None without one."""
     evaluation = read_or_fail(lambda: read_json(plan, REPORT))
     if evaluation is None:  # evaluate was skipped: nothing changed
@@ -94,7 +101,7 @@ def report_promotion(plan: RunPlan) -> dict | None:
 
 
 # -- the proposal: a training run's, and what the promotion DAG takes for one ---------------------------------------
-def proposed_promotion(plan: RunPlan) -> dict | None:
+def proposed_promotion(plan: RunPlan) -> dict[str, Any] | None:
     """The promotion evaluate held for approval, from the run's report on the box; None if there is none."""
     promotion = report_promotion(plan)
     if promotion is None or promotion.get("pending_approval") is not True:
@@ -104,7 +111,8 @@ def proposed_promotion(plan: RunPlan) -> dict | None:
     return promotion
 
 
-def sealed_proposal(plan_dict: dict, plan: RunPlan, promotion: dict, dag_run) -> dict:
+def sealed_proposal(plan_dict: dict[str, Any], plan: RunPlan, promotion: dict[str, Any],
+                    dag_run: RunIds | None) -> dict[str, Any]:
     """The proposal event's extra: the sealed plan (plan_dict, which `plan` verified), who triggered the run and the
     digest of the proposal held on the box, sealed for the training run (dag_run); the figures, for a person reading
     the event, are not sealed."""
@@ -114,7 +122,8 @@ def sealed_proposal(plan_dict: dict, plan: RunPlan, promotion: dict, dag_run) ->
             "run_dir": plan.run_dir, "accept_length": promotion.get("accept_length")}
 
 
-def propose_promotion(plan_dict: dict, asset_name: str, outlet_events=None, dag_run=None) -> dict:
+def propose_promotion(plan_dict: dict[str, Any], asset_name: str, outlet_events: Any = None,
+                      dag_run: RunIds | None = None) -> dict[str, Any]:
     """With the settings' approve_promotion: an event on the proposals Asset when evaluate held a promotion for
     approval, which starts the promotion DAG; skipped (no event) when it holds none. The event's extra is sealed for
     this run; its proposal is read from the box, never from another task's XCom."""
@@ -143,7 +152,7 @@ class Proposal:
         return f"run {self.source.run_id} of {self.source.dag_id}"
 
 
-def verified_proposal(item) -> Proposal:
+def verified_proposal(item: object) -> Proposal:
     """A proposal handed from task to task (XCom: {"source": {dag_id, run_id}, **the event's extra}), if its seal
     holds for its source run and the plan inside is that run's; Tampered otherwise."""
     if not isinstance(item, dict) or not isinstance(item.get("source"), dict) or "seal" not in item:
@@ -158,13 +167,13 @@ def verified_proposal(item) -> Proposal:
                     str(body["proposal_sha256"]))
 
 
-def proposals_from_events(triggering_asset_events, asset_name: str) -> list[dict]:
+def proposals_from_events(triggering_asset_events: Any, asset_name: str) -> list[dict[str, Any]]:
     """The promotion run's proposals: each of its triggering events on the proposals Asset (`asset_name`) that a
     drafter DAG's propose task emitted and sealed, once per training run and proposal. An event that is none is
     left out, saying why in the log; with none left (a manual run, too) the run is skipped."""
     events = [event for asset in triggering_asset_events or {} for event in triggering_asset_events[asset]
               if event.asset.name == asset_name]
-    found: dict[tuple, dict] = {}
+    found: dict[tuple[RunRef, str], dict[str, Any]] = {}
     for event in events:
         extra = dict(event.extra or {})
         where = f"event of {event.timestamp:%Y-%m-%d %H:%M:%S} (from {event.source_dag_id}.{event.source_task_id})"
@@ -187,7 +196,7 @@ def proposals_from_events(triggering_asset_events, asset_name: str) -> list[dict
 
 
 # -- the approval --------------------------------------------------------------------------------------------------
-def approval_body(plan: RunPlan, promotion: dict) -> str:
+def approval_body(plan: RunPlan, promotion: dict[str, Any]) -> str:
     """The approval's markdown: both drafters' figures and why evaluate proposes the switch, every value escaped."""
     from eagle3_airflow.run_note import note_markdown  # when the task runs: the DAG's parse does without it
 
@@ -196,7 +205,7 @@ def approval_body(plan: RunPlan, promotion: dict) -> str:
     return note_markdown(summary, headline="proposed for promotion")
 
 
-def check_approver(user_id: str, user_name: str, approvers: list, triggering_user: str | None) -> None:
+def check_approver(user_id: str, user_name: str, approvers: list[Approver], triggering_user: str | None) -> None:
     """Refuse an Approve that does not come from one of `approvers` (Approver models) or that comes from the user
     who triggered the run."""
     names = [approver.name for approver in approvers]
@@ -211,7 +220,7 @@ def check_approver(user_id: str, user_name: str, approvers: list, triggering_use
                                    f"({others or 'none listed'}). " + ASK_AGAIN)
 
 
-def held_proposal(proposal: Proposal, fail: bool = False) -> dict:
+def held_proposal(proposal: Proposal, fail: bool = False) -> dict[str, Any]:
     """The promotion the proposal's run holds on the box for approval, if it is still the one proposed. Otherwise
     the task is skipped: this very proposal was promoted already (approved in another promotion run: the training
     run proposed it again after a clear), or, before anyone answered, there is nothing to ask (evaluate ran again and
@@ -236,19 +245,20 @@ class ApprovalAsked(BaseNotifier):
 
     template_fields = ()
 
-    def __init__(self, *, approvers: list, response_timeout_h: float, smtp_conn_id: str | None, to: list[str],
-                 from_email: str | None, notifiers: list[dict]):
+    def __init__(self, *, approvers: list[Approver], response_timeout_h: float, smtp_conn_id: str | None,
+                 to: list[str], from_email: str | None, notifiers: list[dict[str, Any]]) -> None:
         super().__init__()
         self.approvers = [approver.name for approver in approvers]
         self.response_timeout_h = response_timeout_h
         self.smtp_conn_id, self.to, self.from_email = smtp_conn_id, list(to), from_email
         self.notifiers = list(notifiers)
 
-    def render_template_fields(self, context, jinja_env=None) -> None:
+    def render_template_fields(self, context: Context, jinja_env: Environment | None = None) -> None:
         """Nothing here is a template: the body holds values from the box (eagle3_airflow/notify.py says why)."""
 
-    def notify(self, context) -> None:
+    def notify(self, context: Context) -> None:
         dag_run, task, ti = context["dag_run"], context["task"], context["ti"]
+        assert isinstance(task, PromotionApproval) and task.source is not None  # (its notifier, called from execute)
         source = task.source  # the training run, which PromotionApproval.execute verified before it asks
         subject = f"eagle3: approve the promotion of run {source.run_id}? ({source.dag_id})"
         mapped = f"/mapped/{ti.map_index}" if getattr(ti, "map_index", -1) not in (None, -1) else ""
@@ -265,7 +275,7 @@ class ApprovalAsked(BaseNotifier):
         send(subject, body, context, self.smtp_conn_id, self.to, self.from_email, self.notifiers)
 
 
-def approval_notifiers(settings: Deployment) -> list:
+def approval_notifiers(settings: Deployment) -> list[ApprovalAsked]:
     """The promotion approval's notifiers: the settings' notify channels hear that an approval is waiting."""
     if settings.notify is None:
         return []
@@ -282,14 +292,15 @@ class PromotionApproval(ApprovalOperator):
 
     template_fields = ("proposal",)  # the subject and body are made in execute, from the box; never templates
 
-    def __init__(self, *, proposal, approvers: list, **kwargs):
+    # proposal: an XComArg, a dict once rendered (verified_proposal checks it); kwargs: ApprovalOperator's
+    def __init__(self, *, proposal: Any, approvers: list[Approver], **kwargs: Any) -> None:
         super().__init__(subject="Promote a drafter?", assigned_users=[approver.hitl_user() for approver in approvers],
                          **kwargs)
         self.proposal = proposal
         self.approvers = list(approvers)
         self.source: RunRef | None = None
 
-    def execute(self, context):
+    def execute(self, context: Context) -> object:  # (what ApprovalOperator.execute returns: it waits for the answer)
         proposal = verified_proposal(self.proposal)
         promotion = held_proposal(proposal)
         self.source = proposal.source
@@ -297,10 +308,10 @@ class PromotionApproval(ApprovalOperator):
         self.body = approval_body(proposal.plan, promotion)
         return super().execute(context)
 
-    def execute_complete(self, context, event):
+    def execute_complete(self, context: Context, event: dict[str, Any]) -> dict[str, Any]:
         dag_run = context["dag_run"]
         proposal = verified_proposal(self.proposal)
-        answer = super().execute_complete(context=context, event=event)  # on Reject: downstream skipped
+        answer: dict[str, Any] = super().execute_complete(context=context, event=event)  # on Reject: downstream skipped
         if list(answer["chosen_options"]) != [self.APPROVE]:
             return answer
         user = event.get("responded_by_user")  # the API server's: the authenticated user who answered
@@ -310,17 +321,19 @@ class PromotionApproval(ApprovalOperator):
         user_id, user_name = str(user["id"]), str(user["name"])
         check_approver(user_id, user_name, self.approvers, proposal.triggered_by)
         promotion = held_proposal(proposal, fail=True)
-        responded_at = event.get("responded_at")
-        record = {"chosen_options": [self.APPROVE], "approved_by": user_name, "approver_id": user_id,
-                  "responded_at": responded_at.isoformat() if hasattr(responded_at, "isoformat") else None,
-                  "source": {"dag_id": proposal.source.dag_id, "run_id": proposal.source.run_id},
-                  "proposal_sha256": proposal_digest(promotion)}
+        responded_at: object = event.get("responded_at")
+        record: dict[str, Any] = {
+            "chosen_options": [self.APPROVE], "approved_by": user_name, "approver_id": user_id,
+            "responded_at": responded_at.isoformat() if hasattr(responded_at, "isoformat") else None,
+            "source": {"dag_id": proposal.source.dag_id, "run_id": proposal.source.run_id},
+            "proposal_sha256": proposal_digest(promotion)}
         log.info("approved by %s (id %s), one of the approvers: %s, proposal %s", user_name, user_id, proposal.label,
                  record["proposal_sha256"][:16])
         return {**record, "seal": seal("approval", record, RunRef.of(dag_run), task_key())}
 
 
-def verified_approval(approval, proposal: Proposal, promotion: dict, dag_run, deployment: Deployment) -> str:
+def verified_approval(approval: object, proposal: Proposal, promotion: dict[str, Any], dag_run: RunIds | None,
+                      deployment: Deployment) -> str:
     """The approver's name, if `approval` (the approval task's XCom) is a sealed Approve, in this promotion run, of
     this proposal's `promotion` by one of the settings' approvers who did not trigger the training run; otherwise
     the promote task fails, saying why."""
@@ -345,7 +358,8 @@ def verified_approval(approval, proposal: Proposal, promotion: dict, dag_run, de
 
 
 # -- the switch, and the event that announces it --------------------------------------------------------------------
-def promote_held(proposal_item: dict, approval, dag_run=None, deployment: Deployment | None = None) -> dict:
+def promote_held(proposal_item: dict[str, Any], approval: object, dag_run: RunIds | None = None,
+                 deployment: Deployment | None = None) -> dict[str, Any]:
     """Approved (the promotion DAG): make the switch the training run's evaluate held (`python -m eagle3 lineage
     promote --approved-by USER`, safe to retry), only on an Approve the approval task sealed in this run for this
     proposal, by one of the settings' approvers who did not trigger the training run; then publish the training
@@ -355,7 +369,7 @@ def promote_held(proposal_item: dict, approval, dag_run=None, deployment: Deploy
     proposal = verified_proposal(proposal_item)
     plan = proposal.plan
     evaluation = read_or_fail(lambda: read_json(plan, REPORT)) or {}
-    promotion = evaluation.get("promotion") if isinstance(evaluation.get("promotion"), dict) else {}
+    promotion: dict[str, Any] = evaluation["promotion"] if isinstance(evaluation.get("promotion"), dict) else {}
     # Held for approval; or promoted already, by a try of this task that died before it returned (lineage promote
     # rewrote the report, keeping what was proposed, so the approval's seal still matches).
     if promotion.get("pending_approval") is not True and promotion.get("promoted") is not True:
@@ -368,7 +382,7 @@ def promote_held(proposal_item: dict, approval, dag_run=None, deployment: Deploy
                                    "again and approve that")
     argv = plan.eagle3("lineage", "promote", "--config", plan.config_path, f"--approved-by={approver}",
                        f"--approved-files={files}")
-    outcome = plan.remote().run(argv, timeout=3600).json("python -m eagle3 lineage promote")
+    outcome: dict[str, Any] = plan.remote().run(argv, timeout=3600).json("python -m eagle3 lineage promote")
     log.info("%s: %s (approved by %s)", "promoted" if outcome["promoted"] else "not promoted", outcome["reason"],
              approver)
     # The training run's report tab: promoted now. Done is done: a failure here must not fail (and retry) the promote
@@ -383,26 +397,29 @@ def promote_held(proposal_item: dict, approval, dag_run=None, deployment: Deploy
     return outcome
 
 
-def announce_promotion(plan_dict: dict, asset_name: str, outlet_events=None, dag_run=None) -> dict:
+def announce_promotion(plan_dict: dict[str, Any], asset_name: str, outlet_events: Any = None,
+                       dag_run: RunIds | None = None) -> dict[str, Any]:
     """An event on the drafter Asset when the run's drafter was promoted, for a deployment DAG scheduled on it;
     skipped (no event) when it was not, with the reason. The event's extra comes from the run's report on the box
     and the verified plan, never from the report task's XCom."""
     return _announce(verified_plan(plan_dict, dag_run), asset_name, outlet_events)
 
 
-def announce_approved_promotion(proposal_item: dict, asset_name: str, outlet_events=None) -> dict:
+def announce_approved_promotion(proposal_item: dict[str, Any], asset_name: str,
+                                outlet_events: Any = None) -> dict[str, Any]:
     """announce_promotion, in the promotion DAG: for the training run of a verified proposal."""
     return _announce(verified_proposal(proposal_item).plan, asset_name, outlet_events)
 
 
-def _announce(plan: RunPlan, asset_name: str, outlet_events) -> dict:
+def _announce(plan: RunPlan, asset_name: str, outlet_events: Any) -> dict[str, Any]:
     evaluation = read_or_fail(lambda: read_json(plan, REPORT))
     if evaluation is None:
         raise AirflowSkipException("not promoted: evaluate did not run (nothing changed since the current drafter)")
-    promotion = evaluation.get("promotion") if isinstance(evaluation.get("promotion"), dict) else {}
+    promotion: dict[str, Any] = evaluation["promotion"] if isinstance(evaluation.get("promotion"), dict) else {}
     if promotion.get("promoted") is not True:
         raise AirflowSkipException(f"not promoted: {promotion.get('reason', 'no promotion in the report')}")
-    states = evaluation.get("hidden_states") if isinstance(evaluation.get("hidden_states"), dict) else {}
+    states: dict[str, Any] = \
+        evaluation["hidden_states"] if isinstance(evaluation.get("hidden_states"), dict) else {}
     try:
         extra = {
             "run_dir": plan.run_dir,

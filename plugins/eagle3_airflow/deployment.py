@@ -39,6 +39,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 from urllib.parse import urlsplit
@@ -79,6 +80,8 @@ from eagle3_airflow.params import (
 from eagle3_airflow.pools import BoxPool, BoxResource
 
 if TYPE_CHECKING:
+    from airflow.sdk import Param
+
     from eagle3.config import RunConfig
 
 EnvName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")]
@@ -121,10 +124,10 @@ class Approver(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _from_a_name(cls, value):
+    def _from_a_name(cls, value: Any) -> Any:  # the settings' JSON, before validation
         return {"id": value, "name": value} if isinstance(value, str) else value
 
-    def hitl_user(self) -> dict:
+    def hitl_user(self) -> dict[str, str]:
         return {"id": self.id, "name": self.name}
 
 
@@ -218,14 +221,14 @@ class NotifySettings(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _no_callables(cls, data):
+    def _no_callables(cls, data: Any) -> Any:  # the settings' JSON, before validation
         if isinstance(data, dict) and "callables" in data:
             raise ValueError("`callables` (module:function channels) is no longer read: each channel is now an Airflow "
                              f"notifier class in `notifiers`, e.g. \"notifiers\": [{EXAMPLE_NOTIFIER}] "
                              "(docs/deployment.md); move each callable's channel there, then remove `callables`")
         return data
 
-    def kwargs(self) -> dict:
+    def kwargs(self) -> dict[str, Any]:
         """What notify.py's senders take: plain JSON (the lateness callback's kwargs are stored by Airflow)."""
         return {"smtp_conn_id": self.smtp_conn_id, "to": self.to, "from_email": self.from_email,
                 "notifiers": [entry.model_dump(by_alias=True) for entry in self.notifiers]}
@@ -386,13 +389,13 @@ class Deployment(BaseModel):
                 raise ValueError(f"{where} with the preset {name!r} do not make a valid run: {err}") from None
         return self
 
-    def box_layers(self) -> list[tuple[str, dict, dict]]:
+    def box_layers(self) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
         """(where, run, box) for the settings and, under box_pools, each box: its own facts over the settings'."""
         return [("the settings' run and box", self.run, self.box),
                 *((f"box_pools.{conn_id} (over run and box)", {**self.run, **pool.run}, {**self.box, **pool.box})
                   for conn_id, pool in self.box_pools.items())]
 
-    def layered_runs(self):
+    def layered_runs(self) -> Iterator[tuple[str, str, dict[str, Any], dict[str, Any]]]:
         """(where, preset name, run layers with the preset over them, box) for every box and preset: what the
         settings can make of a run, before the form."""
         for where, run, box in self.box_layers():
@@ -428,7 +431,7 @@ class Deployment(BaseModel):
         return self
 
     @classmethod
-    def from_env(cls, dag_folder: str | os.PathLike | None = None) -> Deployment:
+    def from_env(cls, dag_folder: str | os.PathLike[str] | None = None) -> Deployment:
         """The settings of the DAG file in `dag_folder` (settings_path), or the defaults when there is no file.
         `dag_folder`: default, Airflow's [core] dags_folder (for what has no DAG file of its own: the report tab,
         the stack's init)."""
@@ -468,7 +471,7 @@ class Deployment(BaseModel):
         """What the form's preset field offers: 'default' first, then the settings' presets."""
         return [DEFAULT_PRESET, *(name for name in self.presets if name != DEFAULT_PRESET)]
 
-    def configs(self, params: dict, run_id: str) -> tuple[RunConfig, BoxSettings]:
+    def configs(self, params: dict[str, Any], run_id: str) -> tuple[RunConfig, BoxSettings]:
         """The run config and box settings of a trigger's form values: the form over the chosen preset over `run`
         (eagle3_airflow.params); errors name the field, or the preset, and the fix."""
         preset = params.get(PRESET) or DEFAULT_PRESET
@@ -519,7 +522,7 @@ class Deployment(BaseModel):
         settings._resource = resource
         return settings
 
-    def check_schedulable(self, params: dict) -> None:
+    def check_schedulable(self, params: dict[str, Param]) -> None:
         """A schedule starts runs from the form's defaults alone, so every required param needs one and together
         they must make a valid run. Otherwise the scheduler fails to create a run on every loop ('Failed creating
         DagRun', in its log only) and the UI shows nothing; raised while the DAG file is parsed, this is an import
@@ -527,7 +530,7 @@ class Deployment(BaseModel):
         if self.schedule is None and not self.schedule_assets:
             return
         what = " and ".join(filter(None, [self.schedule and f"schedule {self.schedule!r}",
-                                          self.schedule_assets and f"schedule_assets {self.schedule_assets}"]))
+                                          f"schedule_assets {self.schedule_assets}" if self.schedule_assets else None]))
         why = f"{self._source}: {what} starts runs with the trigger form's defaults"
         missing = [name for name in required_params() if self.params.get(name) is None]
         if missing:
@@ -573,13 +576,13 @@ class Deployment(BaseModel):
         """The values the trigger form offers for the list params whose items the deployment chooses."""
         return {"box.conn_ids": self.allowed.boxes()}
 
-    def form(self) -> dict:
+    def form(self) -> dict[str, Param]:
         """The trigger form's Params under these settings."""
         return build_params(self.params, self.form_choices(), self.preset_names())
 
 
 
-def settings_path(dag_folder: str | os.PathLike | None = None) -> tuple[Path | None, str]:
+def settings_path(dag_folder: str | os.PathLike[str] | None = None) -> tuple[Path | None, str]:
     """The settings file of the DAG file in `dag_folder`, and what names it: EAGLE3_DAG_SETTINGS when set (a relative
     path resolves against `dag_folder`, so that it names a file of the DAG bundle wherever the bundle is checked
     out), else eagle3_settings.json in `dag_folder` when there is one; (None, ...) for the built-in settings.

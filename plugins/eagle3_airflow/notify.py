@@ -34,13 +34,23 @@ import asyncio
 import html
 import logging
 import re
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from airflow.sdk import BaseDeadlineReference, BaseNotifier
+from airflow.sdk import BaseNotifier
 
 if TYPE_CHECKING:
+    # airflow.sdk exports these, but its stub (airflow/sdk/__init__.pyi, Task SDK 1.3.2) leaves them out: the type
+    # checker reads them from the modules airflow.sdk imports them from.
+    from airflow.sdk import Context
+    from airflow.sdk.definitions.callback import AsyncCallback
+    from airflow.sdk.definitions.deadline import BaseDeadlineReference, DeadlineAlert
+    from jinja2 import Environment
+    from sqlalchemy.orm import Session
+
     from eagle3_airflow.deployment import Deployment
+else:
+    from airflow.sdk import AsyncCallback, BaseDeadlineReference, DeadlineAlert
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +58,7 @@ MAX_BODY_LINES = 60
 MARKERS = re.compile(r"\{(subject|body|body_html)\}")
 
 
-def _describe_exception(context) -> str:
+def _describe_exception(context: Context) -> str:
     error = context.get("exception")
     if error is None:
         return "(no error message)"
@@ -56,7 +66,7 @@ def _describe_exception(context) -> str:
     return "\n".join(lines[-MAX_BODY_LINES:])
 
 
-def task_failure_message(context) -> tuple[str, str]:
+def task_failure_message(context: Context) -> tuple[str, str]:
     ti = context["ti"]
     task = context.get("task")
     run_id = getattr(context.get("dag_run"), "run_id", None) or context.get("run_id")
@@ -80,7 +90,7 @@ def task_failure_message(context) -> tuple[str, str]:
     return subject, body
 
 
-def run_failure_message(context) -> tuple[str, str]:
+def run_failure_message(context: Context) -> tuple[str, str]:
     dag_run = context.get("dag_run")
     dag_id = getattr(context.get("dag"), "dag_id", None) or getattr(dag_run, "dag_id", "?")
     run_id = getattr(dag_run, "run_id", None) or context.get("run_id")
@@ -105,7 +115,7 @@ class FailureNotifier(BaseNotifier):
     template_fields = ()
 
     def __init__(self, *, scope: str, smtp_conn_id: str | None, to: list[str], from_email: str | None,
-                 notifiers: list[dict]):
+                 notifiers: list[dict[str, Any]]):
         super().__init__()
         self.scope = scope  # "task" or "run"
         self.smtp_conn_id = smtp_conn_id
@@ -113,11 +123,11 @@ class FailureNotifier(BaseNotifier):
         self.from_email = from_email
         self.notifiers = list(notifiers)
 
-    def render_template_fields(self, context, jinja_env=None) -> None:
+    def render_template_fields(self, context: Context, jinja_env: Environment | None = None) -> None:
         """Nothing here is a template. (BaseNotifier's own asks the DAG for a Jinja environment, which a DAG-level
         callback's serialized DAG lacks in Airflow 3.3: the run-failure mail was never sent.)"""
 
-    def notify(self, context) -> None:
+    def notify(self, context: Context) -> None:
         if self.scope == "run" and context.get("reason") == TASK_FAILURE:
             log.info("run failed by a task: that task's failure mail was the one sent")
             return
@@ -125,7 +135,7 @@ class FailureNotifier(BaseNotifier):
         send(subject, body, context, self.smtp_conn_id, self.to, self.from_email, self.notifiers)
 
 
-def fill(value, message: dict[str, str]):
+def fill(value: Any, message: dict[str, str]) -> Any:  # any JSON value
     """A notifier's kwarg from the settings with each marker in its strings replaced by the message's text, in one
     pass (a `{body}` in the subject stays as written)."""
     if isinstance(value, str):
@@ -137,10 +147,11 @@ def fill(value, message: dict[str, str]):
     return value
 
 
-def send(subject: str, body: str, context, smtp_conn_id: str | None, to: list[str], from_email: str | None,
-         notifiers: list[dict]) -> None:
+def send(subject: str, body: str, context: Any, smtp_conn_id: str | None, to: list[str], from_email: str | None,
+         notifiers: list[dict[str, Any]]) -> None:
     """Every channel gets the message: a mail to `to`, and each of the settings' `notify.notifiers` ({"class": dotted
-    path, "kwargs": {...}}, NotifySettings.kwargs()). One that fails is logged and does not stop the others."""
+    path, "kwargs": {...}}, NotifySettings.kwargs()). One that fails is logged and does not stop the others.
+    `context`: Airflow's, handed on to each notifier: a task's or a run's Context, or late_run's dict."""
     html_body = f"<pre>{html.escape(body)}</pre>"
     if to:
         from airflow.providers.smtp.notifications.smtp import SmtpNotifier
@@ -183,7 +194,8 @@ def _connection_sender(smtp_conn_id: str | None) -> str:
 
 
 async def late_run(smtp_conn_id: str | None, to: list[str], from_email: str | None, late_after_h: float,
-                   notifiers: list[dict] | None = None, context: dict | None = None, **_: Any) -> None:
+                   notifiers: list[dict[str, Any]] | None = None, context: dict[str, Any] | None = None,
+                   **_: Any) -> None:
     """The DeadlineAlert's callback (it runs in the triggerer): the run is late, if it is still running. Airflow
     misses a deadline whatever the run's state (it drops a deadline only when its run succeeds in time), so a run that
     failed, or ended after the deadline but before the scheduler noticed, is not mailed as late. (A deadline stored
@@ -220,7 +232,7 @@ class RunFirstQueuedAt(BaseDeadlineReference):
 
     required_kwargs = {"dag_id", "run_id"}
 
-    def _evaluate_with(self, *, session, dag_id: str, run_id: str, **_: Any):
+    def _evaluate_with(self, *, session: Session, dag_id: str, run_id: str, **_: Any) -> datetime | None:
         from sqlalchemy import select
 
         from eagle3_airflow.airflow_internals import DagRun
@@ -229,27 +241,25 @@ class RunFirstQueuedAt(BaseDeadlineReference):
 
 
 # -- what the DAG file hands Airflow, from the settings' `notify` --------------------------------------------------
-def run_failure_callbacks(settings: Deployment) -> list:
+def run_failure_callbacks(settings: Deployment) -> list[FailureNotifier]:
     """The DAG's on_failure_callback: the run failed."""
     if settings.notify is None:
         return []
     return [FailureNotifier(scope="run", **settings.notify.kwargs())]
 
 
-def task_failure_callbacks(settings: Deployment) -> list:
+def task_failure_callbacks(settings: Deployment) -> list[FailureNotifier]:
     """Every task's on_failure_callback: it failed with no retry left (a retry itself is silent)."""
     if settings.notify is None:
         return []
     return [FailureNotifier(scope="task", **settings.notify.kwargs())]
 
 
-def deadline(settings: Deployment):
+def deadline(settings: Deployment) -> DeadlineAlert | None:
     """A DeadlineAlert that warns when a run is still running `notify.late_after_h` after it was first queued, or
     None."""
     if settings.notify is None or settings.notify.late_after_h is None:
         return None
-    from airflow.sdk import AsyncCallback, DeadlineAlert
-
     return DeadlineAlert(
         reference=RunFirstQueuedAt(), interval=timedelta(hours=settings.notify.late_after_h),
         callback=AsyncCallback("eagle3_airflow.notify.late_run",

@@ -23,13 +23,16 @@ import difflib
 import functools
 import hashlib
 import re
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
 from eagle3.config import ABS_PATH_PATTERN, RUN_NAME_PATTERN, RunConfig, format_validation_error, parse_run_config
 from eagle3.contracts import STALE_AFTER_S
 from eagle3_airflow import DAG_ID
+
+if TYPE_CHECKING:
+    from airflow.sdk import Param
 
 ConnId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]{1,200}$")]
 # Not starting with '-': a unit name reaches systemctl after "--" all the same, but "--all" is never a unit.
@@ -131,12 +134,13 @@ SECTIONS = {"run_name": RUN, PRESET: RUN, NOTES: RUN, "target.model_path": DATA,
 # -- model -> params ---------------------------------------------------------------------------
 
 
-def _resolve(schema: dict, defs: dict) -> dict:
+# JSON schemas (pydantic's, Airflow's form's) are JSON objects: dict[str, Any].
+def _resolve(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
     ref = schema.get("$ref")
     return defs[ref.rsplit("/", 1)[1]] if ref else schema
 
 
-def _leaf_schema(prop: dict) -> dict:
+def _leaf_schema(prop: dict[str, Any]) -> dict[str, Any]:
     """A pydantic property schema as Airflow's form likes it: `anyOf [X, null]` becomes X with a nullable type."""
     prop = dict(prop)
     for key in ("title", "description", "default"):
@@ -152,13 +156,13 @@ def _leaf_schema(prop: dict) -> dict:
     return prop
 
 
-def _walk(model: type[BaseModel], prefix: str, section_of_top: str) -> list[tuple[str, str, dict, Any]]:
+def _walk(model: type[BaseModel], prefix: str, section_of_top: str) -> list[tuple[str, str, dict[str, Any], Any]]:
     """(dotted name, section title, property schema, default or ...) for every leaf field."""
     schema = model.model_json_schema()
     defs = schema.get("$defs", {})
-    out = []
+    out: list[tuple[str, str, dict[str, Any], Any]] = []
 
-    def visit(obj: dict, path: str, section: str) -> None:
+    def visit(obj: dict[str, Any], path: str, section: str) -> None:
         for name, prop in obj["properties"].items():
             dotted = f"{path}.{name}" if path else name
             target = _resolve(prop, defs)
@@ -178,13 +182,16 @@ def _field_default(model: type[BaseModel], dotted: str) -> Any:
     """The default of a nested field, default factories included (the JSON schema leaves those out)."""
     *parents, leaf = dotted.split(".")
     for part in parents:
-        model = model.model_fields[part].annotation
+        nested = model.model_fields[part].annotation
+        if not (isinstance(nested, type) and issubclass(nested, BaseModel)):  # _walk descends into models alone
+            raise TypeError(f"{dotted}: {part} is not a model")
+        model = nested
     value = model.model_fields[leaf].get_default(call_default_factory=True)
     return value.model_dump(mode="json") if isinstance(value, BaseModel) else value
 
 
 @functools.cache  # the models' JSON schemas, built once per process: each build costs the DAG parse ~15 ms
-def model_leaves() -> dict[str, tuple[str, dict, Any]]:
+def model_leaves() -> dict[str, tuple[str, dict[str, Any], Any]]:
     """Every leaf of RunConfig, and of BoxSettings under box.: dotted name -> (section, schema, default or ...).
     Shared: copy a schema before changing it."""
     leaves = _walk(RunConfig, "", "run") + _walk(BoxSettings, BOX_PREFIX, BOX_PREFIX)
@@ -202,8 +209,8 @@ def box_layer_fields() -> list[str]:
     return [name for name in BoxSettings.model_fields if name not in BOX_FORM_FIELDS]
 
 
-def build_params(defaults: dict[str, Any] | None = None, choices: dict[str, list] | None = None,
-                 presets: list[str] | None = None) -> dict[str, Any]:
+def build_params(defaults: dict[str, Any] | None = None, choices: dict[str, list[str]] | None = None,
+                 presets: list[str] | None = None) -> dict[str, Param]:
     """Airflow Params for the trigger form (FORM_FIELDS); `defaults` (dotted names) override the models' defaults,
     `choices` (dotted names of list params) limit what their items may be (the deployment's allowed boxes), and
     `presets` are the names the preset field offers."""
@@ -216,8 +223,10 @@ def build_params(defaults: dict[str, Any] | None = None, choices: dict[str, list
                           f"defaults for {list(FORM_FIELDS)}. A box's facts and the other run-config fields go in "
                           "the settings' \"run\" or a preset, BoxSettings in its \"box\"")
     leaves = model_leaves()
-    params: dict[str, Any] = {}
+    params: dict[str, Param] = {}
     for dotted in FORM_FIELDS:
+        schema: dict[str, Any]
+        prop: dict[str, Any]
         if dotted == PRESET:
             names = presets or [DEFAULT_PRESET]
             schema = {"type": "string", "enum": names}
@@ -252,7 +261,8 @@ def build_params(defaults: dict[str, Any] | None = None, choices: dict[str, list
         description = _describe(prop, default is ...)
         if dotted == "run_name":
             description += " Empty: named after its DAG id and Airflow run id."
-        kwargs = dict(title=prop.get("title", dotted), description=description, section=SECTIONS.get(dotted, RECIPE))
+        kwargs: dict[str, Any] = dict(title=prop.get("title", dotted), description=description,
+                                      section=SECTIONS.get(dotted, RECIPE))
         # A required field with no default (a path on the box) gets no default: the form then demands a
         # value, and a scheduled run needs one from the settings file's params.
         params[dotted] = Param(**kwargs, **schema) if default is ... else Param(default, **kwargs, **schema)
@@ -266,7 +276,7 @@ def required_params() -> list[str]:
     return sorted(name for name in FORM_FIELDS if name in leaves and leaves[name][2] is ... and name != "run_name")
 
 
-def _describe(prop: dict, required: bool) -> str:
+def _describe(prop: dict[str, Any], required: bool) -> str:
     text = prop.get("description") or ""
     if prop.get("pattern") == ABS_PATH_PATTERN:
         text = (text + " Absolute path on the box.").strip()
@@ -282,7 +292,7 @@ class ParamsError(ValueError):
     """Trigger parameters that cannot make a run; the message names every bad key and the fix."""
 
 
-def check_unknown_keys(conf: dict, known: set[str]) -> None:
+def check_unknown_keys(conf: dict[str, Any], known: set[str]) -> None:
     """Airflow merges conf keys that are not params into params unvalidated: refuse them here, saying whose they are."""
     decided = sorted(set(conf) & set(SETTINGS_ONLY))
     if decided:

@@ -14,6 +14,8 @@ what the run's pinned box code understands).
 
 from __future__ import annotations
 
+from typing import Any
+
 from airflow.sdk.exceptions import AirflowFailException
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -23,7 +25,7 @@ from eagle3.runlayout import REDO_OUTPUTS
 from eagle3_airflow.codesync import code_dir, ensure_code, package_archive
 from eagle3_airflow.deployment import Deployment
 from eagle3_airflow.params import BoxSettings
-from eagle3_airflow.seal import TRIGGER_AGAIN, RunRef, Tampered, is_sealed, seal, task_key
+from eagle3_airflow.seal import TRIGGER_AGAIN, RunIds, RunRef, Tampered, is_sealed, seal, task_key
 from eagle3_airflow.transport import Box, box_for
 
 # The remote stages a run may redo (box.redo_from), in pipeline order: redoing one redoes every later one, so that no
@@ -63,12 +65,12 @@ class RunPlan(BaseModel):
                    keep_proposals_h=settings.approval_timeout_h if settings.approve_promotion else 0.0)
 
     @classmethod
-    def from_trusted(cls, data: dict) -> RunPlan:
+    def from_trusted(cls, data: dict[str, Any]) -> RunPlan:
         """A plan from a source no user can edit (the one a verified task handed its trigger); never from XCom
         without verified_plan."""
         return cls.model_validate({key: value for key, value in data.items() if key != "seal"})
 
-    def sealed(self, dag_run, key: bytes) -> dict:
+    def sealed(self, dag_run: RunIds | None, key: bytes) -> dict[str, Any]:
         """The plan as validate hands it to XCom: sealed for its run."""
         body = self.model_dump(mode="json")
         return {**body, "seal": seal("plan", body, RunRef.of(dag_run), key)}
@@ -143,7 +145,7 @@ class RunPlan(BaseModel):
                 self.box.python, "-P", "-m", "eagle3", *args]
 
 
-def verified_plan(data, dag_run, *, key: bytes | None = None) -> RunPlan:
+def verified_plan(data: object, dag_run: RunIds | None, *, key: bytes | None = None) -> RunPlan:
     """The plan read from XCom, if validate sealed it for this run and it speaks this worker's protocol; Tampered
     otherwise (the task fails at once, saying what and what to do). `key`: default, the task's (seal.task_key).
     The settings are not read: validate checked the run against them, and the seal says nothing changed since."""

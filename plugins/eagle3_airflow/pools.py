@@ -41,6 +41,8 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 from eagle3_airflow import DAG_ID
 
 if TYPE_CHECKING:
+    from airflow.sdk import Param
+
     from eagle3.config import RunConfig
 
 PoolName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.-]{1,256}$")]
@@ -79,7 +81,7 @@ class BoxResource(BaseModel):
     def slots(self, task_id: str) -> int:
         return self.gpus if task_id in WHOLE_BOX else self.shard_gpus
 
-    def task_kwargs(self, task_id: str) -> dict:
+    def task_kwargs(self, task_id: str) -> dict[str, Any]:
         """pool and pool_slots for a task that holds GPUs of the box (see the module docstring)."""
         return {"pool": self.pool, "pool_slots": self.slots(task_id)}
 
@@ -101,7 +103,7 @@ class BoxResource(BaseModel):
         return problems
 
 
-def box_params(params: dict, conn_id: str | None) -> dict:
+def box_params(params: dict[str, Param], conn_id: str | None) -> dict[str, Param]:
     """The form's Params for one box's DAG: `params` (built once for all of them: about 20 ms of the parse each)
     with box.conn_ids offering and defaulting to that box alone."""
     if conn_id is None:

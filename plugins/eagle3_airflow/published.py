@@ -26,11 +26,12 @@ folder of another run.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import uuid
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 from eagle3.runlayout import BENCHMARK_REPORT, REPORT
@@ -83,7 +84,8 @@ def _put(path: ObjectStoragePath, data: bytes) -> None:
     temporary.rename(path)
 
 
-def publish(plan: RunPlan, summary: dict, folder: ObjectStoragePath, log=None) -> dict:
+def publish(plan: RunPlan, summary: dict[str, Any], folder: ObjectStoragePath,
+            log: logging.Logger | None = None) -> dict[str, Any]:
     """Copy the run's report, benchmark and plots (those `summary` lists) from its box into `folder`, then its summary;
     return summary.json's content. Files the summary does not name (no report: nothing changed) are not read."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -93,27 +95,29 @@ def publish(plan: RunPlan, summary: dict, folder: ObjectStoragePath, log=None) -
     names = [path.removeprefix(f"{plan.run_dir}/") for path in summary.get("plots") or []]
     wanted = [name for name, _ in reports] + names
     data = read_files(plan, wanted)[0] if wanted else {}  # one manifest, one SFTP session
-    files = {}
+    files: dict[str, str] = {}
     for name, published in reports:
-        if data[name] is not None:
-            _put(folder / published, data[name])
+        content = data[name]
+        if content is not None:
+            _put(folder / published, content)
             files[published] = name
-    plots = []
+    plots: list[dict[str, str]] = []
     for index, name in enumerate(names):
-        if data[name] is None:  # removed since it was listed (a retention run): leave it out
+        content = data[name]
+        if content is None:  # removed since it was listed (a retention run): leave it out
             continue
         published = f"plots/{index:03d}.png"
         (folder / "plots").mkdir(parents=True, exist_ok=True)
-        _put(folder / published, data[name])
+        _put(folder / published, content)
         plots.append({"file": published, "name": name})
-    manifest = {"format": FORMAT, "summary": summary, "files": files, "plots": plots}
+    manifest: dict[str, Any] = {"format": FORMAT, "summary": summary, "files": files, "plots": plots}
     _put(folder / SUMMARY, json.dumps(manifest, indent=1).encode())
     if log is not None:
         log.info("published the report: %s (%d plots, %s)", folder, len(plots), ", ".join(files) or "no report files")
     return manifest
 
 
-def read_manifest(folder: ObjectStoragePath) -> dict:
+def read_manifest(folder: ObjectStoragePath) -> dict[str, Any]:
     """summary.json of a publication; NotPublished when there is none (or it is not ours)."""
     path = folder / SUMMARY
     try:
@@ -128,7 +132,7 @@ def read_manifest(folder: ObjectStoragePath) -> dict:
     return manifest
 
 
-def read_published(folder: ObjectStoragePath, manifest: dict, file: str) -> bytes | None:
+def read_published(folder: ObjectStoragePath, manifest: dict[str, Any], file: str) -> bytes | None:
     """A file the manifest names, of a publication's names (never another), or None when it names none such or it is
     gone."""
     if not PUBLISHED_NAME.match(file):

@@ -41,9 +41,9 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import (
@@ -53,13 +53,26 @@ from airflow.sdk.exceptions import (
     AirflowTaskTimeout,
 )
 from airflow.triggers.base import BaseTrigger, TriggerEvent
-from tenacity import AsyncRetrying, Retrying, retry_if_exception_type, stop_after_delay, wait_exponential_jitter
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    Retrying,
+    retry_if_exception_type,
+    stop_after_delay,
+    wait_exponential_jitter,
+)
 
-from eagle3.contracts import STALE_AFTER_S, Exit, JobPoll, JobStart
+from eagle3.contracts import STALE_AFTER_S, Exit, JobPoll, JobStart, JobState
 from eagle3.job import run_seconds
 from eagle3.runlayout import REDO_OUTPUTS
 from eagle3_airflow.plan import RunPlan, verified_plan
-from eagle3_airflow.transport import BoxUnreachable, box_for
+from eagle3_airflow.transport import BoxUnreachable, CommandResult, box_for
+
+if TYPE_CHECKING:
+    from airflow.sdk import Context
+    from airflow.sdk.types import RuntimeTaskInstanceProtocol
+
+T = TypeVar("T")
 
 # "foreign": the job runs on another host sharing the work directory (eagle3.job.foreign_host); this box can
 # neither wait on its processes nor start a second copy, so the task ends with the reason.
@@ -77,8 +90,8 @@ def foreign_advice(jobs_dir: str, key: str) -> str:
             f"{jobs_dir}/{key}/state.json aside, then clear this task")
 
 
-def job_key(task_id: str, map_index: int) -> str:
-    return task_id if map_index < 0 else f"{task_id}.{map_index}"
+def job_key(task_id: str, map_index: int | None) -> str:
+    return task_id if map_index is None or map_index < 0 else f"{task_id}.{map_index}"
 
 
 def job_argv(eagle3_argv: list[str], jobs_dir: str, command: str, key: str, *args: str) -> list[str]:
@@ -95,14 +108,21 @@ OUTAGE_ERRORS = (BoxUnreachable, TimeoutError)  # TimeoutError: asyncssh's, when
 ON_KILL_BUDGET_S = 20.0
 
 
-def outage_retry(conn_id: str, grace_s: float, log) -> dict:
+class RetryLog(Protocol):
+    """Where outage retries are told: the operator's log or the trigger's (Airflow's loggers)."""
+
+    def warning(self, event: str, *args: object) -> object: ...
+
+
+def outage_retry(conn_id: str, grace_s: float, log: RetryLog) -> dict[str, Any]:
     """tenacity's arguments for a box command that is safe to repeat: retried while the box is unreachable,
     with exponential backoff and jitter capped at OUTAGE_BACKOFF_MAX_S, for up to `grace_s`; then the last
     error is raised. One policy for the worker's commands and the trigger's polls. A command that ran and
     failed is not an outage and is not retried."""
-    def log_retry(state) -> None:
+    def log_retry(state: RetryCallState) -> None:
+        error = state.outcome.exception() if state.outcome is not None else None  # (set before a retry's sleep)
         log.warning("box %s unreachable for %.0f s (tolerated for %.0f s); retrying in %.0f s: %s",
-                    conn_id, state.seconds_since_start, grace_s, state.upcoming_sleep, state.outcome.exception())
+                    conn_id, state.seconds_since_start, grace_s, state.upcoming_sleep, error)
 
     return {"retry": retry_if_exception_type(OUTAGE_ERRORS), "stop": stop_after_delay(grace_s),
             "wait": wait_exponential_jitter(initial=1, max=OUTAGE_BACKOFF_MAX_S), "before_sleep": log_retry,
@@ -114,7 +134,7 @@ def outage_retry(conn_id: str, grace_s: float, log) -> dict:
 WORKER_PHASE_TIMEOUT = timedelta(minutes=30)
 
 
-def log_stream(ti) -> str:
+def log_stream(ti: RuntimeTaskInstanceProtocol) -> str:
     """The name under which the box keeps a trigger's place in the job log (`job poll --stream`): one per Airflow
     try, whose task log the trigger writes. Airflow 3 gives every try its own task instance id."""
     ti_id = getattr(ti, "id", None)
@@ -135,7 +155,7 @@ class RemoteJobOperator(BaseOperator):
     ui_color = "#e8eefc"
 
     def __init__(self, *, stage: str, plan: Any, shard: int | None = None, only_if: str | None = None,
-                 stage_args: list[str] | None = None, **kwargs):
+                 stage_args: list[str] | None = None, **kwargs: Any) -> None:
         # The worker's part only (sync, `job start`, the polls around the deferral): in Airflow 3.3 the task runner
         # times each worker run of a task on its own, and the wait in the triggerer is not one (the deferral's own
         # timeout, stage_timeout_h, governs it). default_args or the task may set another.
@@ -154,7 +174,7 @@ class RemoteJobOperator(BaseOperator):
         self._finished_already = False  # job start found this stage's job succeeded already (start_or_attach)
 
     # -- what this task instance runs where ------------------------------------------------------
-    def verify_plan(self, context) -> RunPlan:
+    def verify_plan(self, context: Context) -> RunPlan:
         """Check the plan from XCom (its seal for this run) and, for a mapped extract, that its shard is one of the
         plan's; everything this task does on the box uses the plan checked here."""
         plan = verified_plan(self.plan, context.get("dag_run"))
@@ -175,7 +195,7 @@ class RemoteJobOperator(BaseOperator):
     def conn_id(self) -> str:
         return self.run_plan.conn_for_shard(self.shard) if self.shard is not None else self.run_plan.box.conn_ids[0]
 
-    def _key(self, context) -> str:
+    def _key(self, context: Context) -> str:
         ti = context["ti"]
         return job_key(ti.task_id, ti.map_index)
 
@@ -192,7 +212,7 @@ class RemoteJobOperator(BaseOperator):
         return job_argv(self.run_plan.eagle3(), self.run_plan.jobs_dir, command, key, *args)
 
     # -- start or re-attach, wait in the triggerer ---------------------------------------------------
-    def execute(self, context):
+    def execute(self, context: Context) -> dict[str, Any] | None:
         plan = self.verify_plan(context)
         if self.only_if and not getattr(plan.config, self.only_if).enabled:
             raise AirflowSkipException(f"{self.only_if}.enabled is off for this run")
@@ -208,7 +228,7 @@ class RemoteJobOperator(BaseOperator):
                            "re-attaches to it", self.stage, self.execution_timeout)
             raise
 
-    def start_or_attach(self, context) -> dict | None:
+    def start_or_attach(self, context: Context) -> dict[str, Any] | None:
         """`job start` (it re-attaches to a running job, or reports a finished one), then defer to the trigger,
         whose event comes to execute_complete; a job that had succeeded already (a clear of a finished stage) is
         this try's result at once, without a deferral that would replay its whole log into this try's."""
@@ -218,11 +238,11 @@ class RemoteJobOperator(BaseOperator):
         self.poll_until_complete(key, context)
         return None
 
-    def _riding_out_outages(self, command):
+    def _riding_out_outages(self, command: Callable[[], T]) -> T:
         """Run an idempotent box command through an outage, as the trigger polls (outage_retry)."""
         return Retrying(**outage_retry(self.conn_id, self.run_plan.box.ssh_grace_s, self.log))(command)
 
-    def submit_job(self, context) -> str:
+    def submit_job(self, context: Context) -> str:
         key = self._key(context)
         plan, box_settings = self.run_plan, self.run_plan.box
         heartbeat_s = max(1.0, min(30.0, box_settings.stale_after_s / 4))
@@ -256,7 +276,7 @@ class RemoteJobOperator(BaseOperator):
                       state.get("try"), state.get("pid"), state.get("log"))
         return key
 
-    def _refuse_without_retry(self, result, key: str) -> None:
+    def _refuse_without_retry(self, result: CommandResult, key: str) -> None:
         """Fail the task without a retry (AirflowFailException) where `job start` says that retrying cannot help:
         the job runs on another host (Exit.FOREIGN), or the start was refused (Exit.REFUSED: the run directory is
         another Airflow run's, a job file is a link or another user's). Exit.FAILED, a supervisor that did not come
@@ -271,7 +291,7 @@ class RemoteJobOperator(BaseOperator):
         raise AirflowFailException(f"{where}: `job start` refused it, and retrying cannot help, so this task does not "
                                    f"retry. Fix what the box says, then clear this task:\n{said}")
 
-    def _redo(self, context) -> list[str]:
+    def _redo(self, context: Context) -> list[str]:
         """`job start`'s redo flags when this run redoes this stage (box.redo_from): once per DAG run, its earlier
         tries and outputs set aside; every try of this run passes the same name, so a retry resumes the redo."""
         plan = self.run_plan
@@ -284,7 +304,7 @@ class RemoteJobOperator(BaseOperator):
                       "aside)", plan.redo_from, self.stage, name)
         return ["--redo", name, *outputs]
 
-    def poll_until_complete(self, key, context) -> None:
+    def poll_until_complete(self, key: str, context: Context) -> None:
         plan = self.run_plan
         self.defer(
             trigger=RemoteJobTrigger(
@@ -297,7 +317,7 @@ class RemoteJobOperator(BaseOperator):
             timeout=timedelta(hours=plan.box.stage_timeout_h),
         )
 
-    def execute_complete(self, context, event: dict) -> dict:
+    def execute_complete(self, context: Context, event: dict[str, Any]) -> dict[str, Any] | None:
         self.verify_plan(context)  # a new process: the plan is read from XCom again
         status = event["status"]
         if status == "succeeded":
@@ -332,17 +352,17 @@ class RemoteJobOperator(BaseOperator):
             raise AirflowFailException(message)
         raise AirflowException(message + "\nA retry (or clearing the task) resumes the stage.")
 
-    def get_job_status(self, key, context) -> str:
+    def get_job_status(self, key: str, context: Context) -> str:
         """The job's effective status now (one `job poll`): running, succeeded, failed, killed, dead, absent or
         foreign."""
         return self._poll(str(key))["effective"]
 
-    def get_job_result(self, key, context) -> dict:
-        state = self._poll(str(key))["state"] or {}
+    def get_job_result(self, key: str, context: Context) -> dict[str, Any]:
+        state: JobState | dict[str, Any] = self._poll(str(key))["state"] or {}
         return {
             "stage": self.stage, "job": str(key), "box": self.conn_id, "try": state.get("try"),
             "pid": state.get("pid"), "exit_code": state.get("exit_code"),
-            "seconds": run_seconds(state),
+            "seconds": run_seconds(dict(state)),  # (a plain dict, which eagle3.job reads)
             "log": state.get("log"),
         }
 
@@ -362,7 +382,8 @@ class RemoteJobOperator(BaseOperator):
         argv = self._job("poll", key, "--max-log-bytes", "0", "--stale-after-s",
                          f"{self.run_plan.box.stale_after_s:g}")
         box = self.run_plan.remote(self.conn_id)
-        return self._riding_out_outages(lambda: box.run(argv, timeout=60)).json(f"polling job {key}")
+        poll: JobPoll = self._riding_out_outages(lambda: box.run(argv, timeout=60)).json(f"polling job {key}")
+        return poll
 
 
 class RemoteJobTrigger(BaseTrigger):
@@ -370,8 +391,8 @@ class RemoteJobTrigger(BaseTrigger):
 
     def __init__(self, *, conn_id: str, eagle3_argv: list[str], jobs_dir: str, key: str, log_offset: int | None = None,
                  poll_interval_s: float = 10.0, ssh_grace_s: float = 900.0, stale_after_s: float = STALE_AFTER_S,
-                 stream: str | None = None, started_try: int | None = None):
-        super().__init__()
+                 stream: str | None = None, started_try: int | None = None) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]  # BaseTrigger.__init__ has no annotations (Airflow 3.3)
         self.stream = stream  # the Airflow try whose task log this trigger writes: the box keeps its place (poll_job)
         self.started_try = started_try  # the job try the deferring Airflow try started; None: one it re-attached to
         self.conn_id = conn_id
@@ -414,7 +435,7 @@ class RemoteJobTrigger(BaseTrigger):
                 except OUTAGE_ERRORS as err:
                     yield TriggerEvent({"status": "unreachable", "key": self.key, "reason": str(err)})
                     return
-                poll = result.json(f"polling job {self.key}")
+                poll: JobPoll = result.json(f"polling job {self.key}")
                 for line in poll["log"].splitlines():
                     if line.strip():
                         self.log.info("[%s] %s", self.key, line)

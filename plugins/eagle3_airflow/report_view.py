@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import html
 import json
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import Depends, FastAPI, HTTPException, Response
 from fastapi.responses import HTMLResponse
@@ -40,6 +40,9 @@ from eagle3_airflow.run_note import (
     public_set_rows,
     verdict,
 )
+
+if TYPE_CHECKING:
+    from airflow.sdk import ObjectStoragePath
 
 app = FastAPI(title="EAGLE-3 run report", docs_url=None, redoc_url=None, openapi_url=None)  # pages, not an API
 CanReadRuns = [Depends(requires_access_dag("GET", DagAccessEntity.RUN))]
@@ -63,7 +66,9 @@ def _failed_tasks(session: Session, dag_id: str, run_id: str) -> list[str]:
     dag_run = session.scalars(select(DagRun).where(DagRun.dag_id == dag_id, DagRun.run_id == run_id)).first()
     if dag_run is None:
         return []
-    tis = dag_run.get_task_instances(state=[TaskInstanceState.FAILED], session=session)
+    # airflow.sdk's TaskInstanceState, the public one: another str enum than the ORM's that get_task_instances names,
+    # of the same values, which the query compares as strings.
+    tis = dag_run.get_task_instances(state=[TaskInstanceState.FAILED], session=session)  # type: ignore[list-item]
     return sorted(ti.task_id if ti.map_index < 0 else f"{ti.task_id}[{ti.map_index}]" for ti in tis)
 
 
@@ -81,7 +86,7 @@ def _unpublished_html(session: Session | None, dag_id: str, run_id: str, why: st
     return f"<p id='unpublished'>{e(why)}.</p>"
 
 
-def publication(session: Session | None, dag_id: str, run_id: str):
+def publication(session: Session | None, dag_id: str, run_id: str) -> tuple[ObjectStoragePath, dict[str, Any]]:
     """(folder, manifest) of a run's publication; 404 with the reason when there is none, 500 when the settings
     file does not load, 502 when the store cannot be read."""
     if session is not None:
@@ -98,7 +103,7 @@ def publication(session: Session | None, dag_id: str, run_id: str):
         raise HTTPException(502, f"reading the run's report from {folder} failed: {str(err)[-300:]}") from None
 
 
-def _read(folder, manifest: dict, file: str | None, missing: str) -> bytes:
+def _read(folder: ObjectStoragePath, manifest: dict[str, Any], file: str | None, missing: str) -> bytes:
     try:
         data = read_published(folder, manifest, file) if file else None
     except OSError as err:
@@ -141,9 +146,10 @@ def report_json(dag_id: str, run_id: str, session: SessionDep) -> Response:
 Escaped = Annotated[str, "html-escaped"]
 
 
-def _summary_html(summary: dict, manifest: dict) -> Escaped:
+# summary.json's (eagle3_airflow.published): JSON, each value checked or escaped where it is shown.
+def _summary_html(summary: dict[str, Any], manifest: dict[str, Any]) -> Escaped:
     e = html.escape
-    promotion = summary.get("promotion") if isinstance(summary.get("promotion"), dict) else {}
+    promotion: dict[str, Any] = summary["promotion"] if isinstance(summary.get("promotion"), dict) else {}
     parts = [f"<h2 id='verdict'>{e(verdict(summary))}</h2>"]
     if promotion.get("reason"):
         parts.append(f"<p id='reason'>{e(promotion['reason'])}</p>")
@@ -161,7 +167,7 @@ def _summary_html(summary: dict, manifest: dict) -> Escaped:
         rows = "".join("<tr>" + "".join(f"<td>{e(cell)}</td>" for cell in row) + "</tr>" for row in public)
         parts.append("<table id='public-sets'><tr><th>public set</th>"
                      + "".join(f"<th>{e(name)}</th>" for name in PUBLIC_SET_COLUMNS) + f"</tr>{rows}</table>")
-    states = summary.get("hidden_states") if isinstance(summary.get("hidden_states"), dict) else None
+    states = summary["hidden_states"] if isinstance(summary.get("hidden_states"), dict) else None
     facts = {
         "val accuracy per position": summary.get("val_acc_per_position"),
         "hidden states": states and (f"{states.get('samples')} samples: {states.get('extracted')} extracted by this "
@@ -181,7 +187,7 @@ def _summary_html(summary: dict, manifest: dict) -> Escaped:
     return "\n".join(parts)
 
 
-def _text(value) -> str:
+def _text(value: object) -> str:
     return value if isinstance(value, str) else json.dumps(value)
 
 

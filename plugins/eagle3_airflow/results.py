@@ -17,6 +17,8 @@ import hashlib
 import json
 import logging
 import re
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from airflow.sdk.exceptions import AirflowFailException
 
@@ -24,12 +26,13 @@ from eagle3.contracts import Exit, FileManifest, ManifestEntry
 from eagle3.reportfiles import MAX_FILE_BYTES, allowed_name
 from eagle3.runlayout import BENCHMARK_REPORT, DRAFTER_DIR, REPORT
 from eagle3_airflow.plan import RunPlan
-from eagle3_airflow.transport import FileRefused
+from eagle3_airflow.transport import CommandResult, FileRefused
 
 log = logging.getLogger(__name__)
 
 READ_TIMEOUT_S = 120
 SHA256 = re.compile(r"^[0-9a-f]{64}$")
+T = TypeVar("T")
 
 
 class RunFileRefused(Exception):
@@ -96,7 +99,7 @@ def _checked_entries(manifest: FileManifest, names: list[str], where: str) -> di
     return entries
 
 
-def _last_error(result) -> str:
+def _last_error(result: CommandResult) -> str:
     reason = result.stderr.strip().splitlines()[-1:] or ["refused"]
     return reason[0].removeprefix("error: ")
 
@@ -106,13 +109,13 @@ def read_file(plan: RunPlan, name: str) -> bytes | None:
     return read_files(plan, [name])[0][name]
 
 
-def read_json(plan: RunPlan, name: str) -> dict | None:
+def read_json(plan: RunPlan, name: str) -> dict[str, Any] | None:
     """A report of the run as a JSON object, or None if it does not exist. Its content never goes into an error
     message: a file planted there would otherwise reach the task log."""
     return _json_object(plan, name, read_file(plan, name))
 
 
-def _json_object(plan: RunPlan, name: str, data: bytes | None) -> dict | None:
+def _json_object(plan: RunPlan, name: str, data: bytes | None) -> dict[str, Any] | None:
     if data is None:
         return None
     path = f"{plan.run_dir}/{name} on {plan.box.conn_ids[0]}"
@@ -127,10 +130,11 @@ def _json_object(plan: RunPlan, name: str, data: bytes | None) -> dict | None:
     return value
 
 
-def summarize(plan: RunPlan, evaluation: dict, plots: list[str], benchmark: dict | None = None) -> dict:
+def summarize(plan: RunPlan, evaluation: dict[str, Any], plots: list[str],
+              benchmark: dict[str, Any] | None = None) -> dict[str, Any]:
     """The run's figures, promotion and files (evaluate's report read from the box; paths from the plan)."""
     try:
-        summary = {
+        summary: dict[str, Any] = {
             "run_dir": plan.run_dir,
             "drafter": f"{plan.run_dir}/{DRAFTER_DIR}",
             "report": f"{plan.run_dir}/{REPORT}",
@@ -172,7 +176,7 @@ def summarize(plan: RunPlan, evaluation: dict, plots: list[str], benchmark: dict
     return summary
 
 
-def run_summary(plan: RunPlan) -> dict | None:
+def run_summary(plan: RunPlan) -> dict[str, Any] | None:
     """summarize() of what the box holds now, or None when the run has no evaluation report (evaluate skipped)."""
     names = [REPORT, *((BENCHMARK_REPORT,) if plan.config.benchmark.enabled else ())]
     files, plots = read_files(plan, names, plots=True)  # one manifest, one fetch
@@ -186,7 +190,7 @@ def run_summary(plan: RunPlan) -> dict | None:
     return summarize(plan, evaluation, plots, benchmark)
 
 
-def read_or_fail(what):
+def read_or_fail(what: Callable[[], T]) -> T:
     """A file of the run the box refused, or one that is not what it should be, fails the task without a retry."""
     try:
         return what()
@@ -194,16 +198,17 @@ def read_or_fail(what):
         raise AirflowFailException(str(err)) from None
 
 
-def check_inputs(plan: RunPlan) -> dict:
+def check_inputs(plan: RunPlan) -> dict[str, Any]:
     """`python -m eagle3 lineage check`: whether the run's inputs changed since the lineage's current drafter."""
     result = plan.remote().run(plan.eagle3("lineage", "check", "--config", plan.config_path), timeout=600)
-    return result.json("python -m eagle3 lineage check")
+    check: dict[str, Any] = result.json("python -m eagle3 lineage check")
+    return check
 
 
-def report_summary(plan: RunPlan) -> dict:
+def report_summary(plan: RunPlan) -> dict[str, Any]:
     """The summary the report task returns and publishes (and promote publishes again): run_summary with the form's
     notes, or, when evaluate was skipped, what the lineage check says stayed current. Logged line by line."""
-    summary = _with_notes(read_or_fail(lambda: run_summary(plan)), plan)
+    summary = read_or_fail(lambda: run_summary(plan))
     if summary is None:  # evaluate was skipped: say why
         report_path = f"{plan.run_dir}/{REPORT}"
         check = check_inputs(plan)
@@ -216,6 +221,7 @@ def report_summary(plan: RunPlan) -> dict:
         log.info("nothing changed since run %s; the lineage's drafter stays %s (measured acceptance %s)",
                  check["unchanged_since"], check["current_drafter"], check["current_accept_length"])
         return summary
+    summary = _with_notes(summary, plan)
     if (summary["promotion"] or {}).get("pending_approval"):  # the promotion DAG asks; its promote republishes
         summary["promotion"]["reason"] += "; proposed for approval (the promotion DAG asks the approvers)"
     for key, value in summary.items():
@@ -223,6 +229,6 @@ def report_summary(plan: RunPlan) -> dict:
     return summary
 
 
-def _with_notes(summary: dict | None, plan: RunPlan) -> dict | None:
+def _with_notes(summary: dict[str, Any], plan: RunPlan) -> dict[str, Any]:
     """The form's notes (why this run) beside the figures, for the run's note."""
-    return {**summary, "notes": plan.notes} if summary is not None and plan.notes else summary
+    return {**summary, "notes": plan.notes} if plan.notes else summary

@@ -20,8 +20,13 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from airflow.listeners import hookimpl
+
+if TYPE_CHECKING:
+    from eagle3_airflow.airflow_internals import DagRun
 
 log = logging.getLogger(__name__)
 
@@ -37,14 +42,14 @@ MARKUP = re.compile(r"([\\`*_\[\]<>!|~#{}])")
 BLOCK_START = re.compile(r"^(\s*)([-+=]|\d+(?=[.)]))")
 
 
-def text(value) -> str:
+def text(value: object) -> str:
     """Any value as markdown that renders as exactly its characters, on one line."""
     flat = " ".join(str(value).split())  # newlines would start new blocks: a heading, a list, a table row
     return BLOCK_START.sub(lambda m: m.group(1) + "\\" + m.group(2) if not m.group(2)[0].isdigit()
                           else m.group(1) + m.group(2) + "\\", MARKUP.sub(r"\\\1", flat))
 
 
-def code(value) -> str:
+def code(value: object) -> str:
     """A value (a path) as a code span: literal whatever it holds, backticks included, on one line."""
     flat = " ".join(str(value).split())
     fence = "`" * (max((len(run) for run in re.findall(r"`+", flat)), default=0) + 1)
@@ -52,14 +57,15 @@ def code(value) -> str:
     return f"{fence}{pad}{flat}{pad}{fence}"
 
 
-def number(value, spec: str = ".3f") -> str:
+def number(value: object, spec: str = ".3f") -> str:
     """A figure; anything that is not a number (a forged XCom) is shown as escaped text instead."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return format(value, spec)
     return text(value)
 
 
-def note_markdown(summary: dict, failed_tasks: list[str] | None = None, headline: str | None = None) -> str:
+# A summary is JSON from XCom (the report task's, or a forged one): dict[str, Any], every value checked where read.
+def note_markdown(summary: dict[str, Any], failed_tasks: list[str] | None = None, headline: str | None = None) -> str:
     """The report task's summary (eagle3_airflow.tasks.report) as a short markdown note; `failed_tasks` when a
     task after the report failed the run. Every value is escaped (see the module docstring)."""
     promotion = _mapping(summary.get("promotion"))
@@ -106,7 +112,7 @@ def failure_markdown(failed_tasks: list[str]) -> str:
                  "Clear a failed task to resume: the stage picks up where it stopped."])
 
 
-def verdict(summary: dict) -> str:
+def verdict(summary: dict[str, Any]) -> str:
     """The outcome in three words or so: the note's headline and the report tab's (plain text: each escapes it)."""
     if summary.get("nothing_changed_since"):
         return f"nothing changed since run {summary['nothing_changed_since']}"
@@ -120,12 +126,12 @@ def verdict(summary: dict) -> str:
 BESIDE_MEASURED = ("95% interval over prompts", "ceiling (share reached)", "offline (validation split)")
 
 
-def beside_measured(summary: dict, k: str) -> list[str]:
+def beside_measured(summary: dict[str, Any], k: str) -> list[str]:
     """What puts the measured acceptance length at k in proportion (BESIDE_MEASURED): its noise over prompts, what a
     drafter that always agrees with the target would reach, and what training predicted offline."""
-    measured = _mapping(summary.get("measured_accept_length")).get(k)
+    measured: Any = _mapping(summary.get("measured_accept_length")).get(k)  # JSON: `numeric` checks both
     interval = _mapping(summary.get("accept_length_interval95")).get(k)
-    ceiling = _mapping(summary.get("ceiling_accept_length")).get(k)
+    ceiling: Any = _mapping(summary.get("ceiling_accept_length")).get(k)
     numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (measured, ceiling))
     return [
         f"{number(interval[0])}-{number(interval[1])}" if isinstance(interval, list) and len(interval) == 2 else "-",
@@ -138,7 +144,7 @@ def beside_measured(summary: dict, k: str) -> list[str]:
 PUBLIC_SET_COLUMNS = ("prompts", "k=3 (95% interval)", "k=7 (95% interval)", "published at k=3")
 
 
-def public_set_rows(summary: dict, escape=str) -> list[list[str]]:
+def public_set_rows(summary: dict[str, Any], escape: Callable[[object], str] = str) -> list[list[str]]:
     """One row per public set of evaluate.benchmarks (PUBLIC_SET_COLUMNS after the set's title). Names from the
     report go through `escape` (the note's `text`; the report tab escapes whole cells as HTML); figures are
     number()'s, which shows anything that is not a number as escaped text."""
@@ -155,19 +161,19 @@ def public_set_rows(summary: dict, escape=str) -> list[list[str]]:
     return rows
 
 
-def _spread(interval) -> str:
+def _spread(interval: object) -> str:
     """ (low-high), or nothing where the report has no interval."""
     if isinstance(interval, list) and len(interval) == 2:
         return f" ({number(interval[0])}-{number(interval[1])})"
     return ""
 
 
-def figure(value) -> str:
+def figure(value: object) -> str:
     """An acceptance length as both views print it; '-' where there is none (no current drafter yet)."""
     return "-" if value is None else number(value)
 
 
-def _mapping(value) -> dict:
+def _mapping(value: object) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
@@ -178,7 +184,7 @@ def _fit(lines: list[str]) -> str:
     return text[:NOTE_LIMIT]
 
 
-def publish(dag_run) -> None:
+def publish(dag_run: DagRun) -> None:
     """Write the note of a finished run of this project's DAG, in the session that holds the run."""
     from airflow.sdk import TaskInstanceState
     from sqlalchemy import select
@@ -198,8 +204,10 @@ def publish(dag_run) -> None:
     row = session.scalars(select(XComModel).where(
         XComModel.dag_run_id == dag_run.id, XComModel.task_id == "report", XComModel.map_index == -1,
         XComModel.key == "return_value")).first()
-    failed = sorted({ti.task_id for ti in dag_run.get_task_instances(state=[TaskInstanceState.FAILED],
-                                                                      session=session)})
+    # airflow.sdk's TaskInstanceState, the public one: another str enum than the ORM's that get_task_instances names,
+    # of the same values, which the query compares as strings.
+    failed = sorted({ti.task_id for ti in dag_run.get_task_instances(
+        state=[TaskInstanceState.FAILED], session=session)})  # type: ignore[list-item]
     if row is not None:
         dag_run.note = note_markdown(XComModel.deserialize_value(row), failed)
     else:
@@ -207,10 +215,10 @@ def publish(dag_run) -> None:
 
 
 @hookimpl
-def on_dag_run_success(dag_run, msg: str) -> None:
+def on_dag_run_success(dag_run: DagRun, msg: str) -> None:
     publish(dag_run)
 
 
 @hookimpl
-def on_dag_run_failed(dag_run, msg: str) -> None:
+def on_dag_run_failed(dag_run: DagRun, msg: str) -> None:
     publish(dag_run)

@@ -21,6 +21,7 @@ import hashlib
 import hmac
 import json
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from airflow.sdk.exceptions import AirflowFailException
 
@@ -45,6 +46,16 @@ class NoSealingKey(AirflowFailException):
     """The deployment sets no usable key: no task can seal or check anything, and retrying cannot change that."""
 
 
+class RunIds(Protocol):
+    """What names a run: a context's dag_run (the Task SDK's), a DagRun row (the API server's), a RunRef."""
+
+    @property
+    def dag_id(self) -> str: ...
+
+    @property
+    def run_id(self) -> str: ...
+
+
 @dataclass(frozen=True)
 class RunRef:
     """The run a seal belongs to."""
@@ -53,31 +64,31 @@ class RunRef:
     run_id: str
 
     @classmethod
-    def of(cls, dag_run) -> RunRef:
+    def of(cls, dag_run: RunIds | None) -> RunRef:
         """From a context's dag_run (the Task SDK's) or a DagRun row (the API server's)."""
         if dag_run is None:
             raise Tampered("no DAG run in the task's context to check the run plan's seal against")
         return cls(str(dag_run.dag_id), str(dag_run.run_id))
 
 
-def canonical(value) -> bytes:
+def canonical(value: Any) -> bytes:  # any JSON value
     """One byte string per JSON value: sorted keys, no spaces, no NaN (XCom stores JSON, so what comes back
     serializes the same)."""
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
 
 
-def digest(value) -> str:
+def digest(value: Any) -> str:
     return hashlib.sha256(canonical(value)).hexdigest()
 
 
-def seal(kind: str, body: dict, run: RunRef, key: bytes) -> str:
+def seal(kind: str, body: dict[str, Any], run: RunRef, key: bytes) -> str:
     """`kind` keeps a plan's seal from passing for an approval's, and the run keeps one run's from passing for
     another's."""
     message = canonical({"kind": kind, "dag_id": run.dag_id, "run_id": run.run_id, "body": body})
     return hmac.new(key, message, hashlib.sha256).hexdigest()
 
 
-def is_sealed(kind: str, body: dict, run: RunRef, key: bytes, claimed) -> bool:
+def is_sealed(kind: str, body: dict[str, Any], run: RunRef, key: bytes, claimed: object) -> bool:
     if not isinstance(claimed, str):
         return False
     try:
@@ -94,7 +105,7 @@ def deployment_key() -> str | None:
     from airflow.sdk.configuration import ensure_secrets_loaded
 
     for backend in ensure_secrets_loaded(default_backends=KEY_SOURCES):
-        value = backend.get_variable(key=SECRET_VARIABLE)
+        value: str | None = backend.get_variable(key=SECRET_VARIABLE)
         if value:
             return value
     return None

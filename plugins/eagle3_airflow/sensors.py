@@ -15,18 +15,31 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from airflow.sdk import BaseSensorOperator
 from airflow.sdk.exceptions import AirflowFailException
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from eagle3_airflow.plan import RunPlan, verified_plan
-from eagle3_airflow.transport import BoxUnreachable, CommandResult
+from eagle3_airflow.transport import Box, BoxUnreachable, CommandResult
+
+if TYPE_CHECKING:
+    from airflow.sdk import Context
 
 # (conn_id, argv, timeout) -> the command's result on that box: the worker's blocking transport wrapped, or the
 # triggerer's asyncssh one.
 RunOnBox = Callable[[str, list[str], float], Awaitable[CommandResult]]
+
+
+class Log(Protocol):
+    """What the checks write to: the sensor's log, or the trigger's (Airflow's loggers)."""
+
+    def info(self, event: str, *args: object) -> object: ...
+
+    def warning(self, event: str, *args: object) -> object: ...
+
+    def error(self, event: str, *args: object) -> object: ...
 
 
 class CannotWaitThisOut(Exception):
@@ -36,7 +49,7 @@ class CannotWaitThisOut(Exception):
 # -- the checks, shared by the worker's poke and the triggerer ---------------------------------------------------
 
 
-async def boxes_reachable(plan: RunPlan, run: RunOnBox, log) -> bool:
+async def boxes_reachable(plan: RunPlan, run: RunOnBox, log: Log) -> bool:
     """Every box answers over SSH (a rebooting VM, a box still being provisioned)."""
     for conn_id in plan.box.conn_ids:
         try:
@@ -48,7 +61,7 @@ async def boxes_reachable(plan: RunPlan, run: RunOnBox, log) -> bool:
     return True
 
 
-async def gpus_idle(plan: RunPlan, run: RunOnBox, log) -> bool:
+async def gpus_idle(plan: RunPlan, run: RunOnBox, log: Log) -> bool:
     """No GPU on any box holds memory or compute processes that are not this run's (GpuIdleSensor)."""
     from eagle3.boxinfo import judge_gpus
 
@@ -80,7 +93,7 @@ async def gpus_idle(plan: RunPlan, run: RunOnBox, log) -> bool:
     return idle
 
 
-async def _stop_services(plan: RunPlan, conn_id: str, run: RunOnBox, log) -> None:
+async def _stop_services(plan: RunPlan, conn_id: str, run: RunOnBox, log: Log) -> None:
     for unit in plan.box.stop_services:
         # "--": the unit is a name, never an option, whatever it looks like (validate allows only the
         # deployment's units, and none starts with '-').
@@ -94,7 +107,7 @@ async def _stop_services(plan: RunPlan, conn_id: str, run: RunOnBox, log) -> Non
                       "(root, or a polkit/sudo rule)", conn_id, unit, result.returncode, result.stderr.strip())
 
 
-async def disk_enough(plan: RunPlan, run: RunOnBox, log) -> bool:
+async def disk_enough(plan: RunPlan, run: RunOnBox, log: Log) -> bool:
     """The work directory's filesystem has room for what this run will still write (DiskSpaceSensor)."""
     argv = plan.eagle3("box", "disk", "--config", plan.config_path, "--margin", f"{plan.box.disk_margin:g}")
     estimate = (await run(plan.box.conn_ids[0], argv, 900)).json("python -m eagle3 box disk")
@@ -112,14 +125,15 @@ class _BoxSensor(BaseSensorOperator):
     template_fields = ("plan",)
     check: str  # a key of CHECKS
 
-    def __init__(self, *, plan: Any, deferrable: bool = True, **kwargs):
+    # plan: validate's XComArg, a dict once rendered (verified_plan checks it); kwargs: BaseSensorOperator's
+    def __init__(self, *, plan: Any, deferrable: bool = True, **kwargs: Any) -> None:
         kwargs.setdefault("mode", "reschedule")  # when not deferrable: no slot held between pokes either
         kwargs.setdefault("poke_interval", 60)
         super().__init__(**kwargs)
         self.plan = plan
         self.deferrable = deferrable
 
-    def poke(self, context) -> bool:
+    def poke(self, context: Context) -> bool:
         plan = verified_plan(self.plan, context.get("dag_run"))  # XCom, which the USER role may edit: checked first
 
         async def run(conn_id: str, argv: list[str], timeout: float) -> CommandResult:
@@ -130,7 +144,7 @@ class _BoxSensor(BaseSensorOperator):
         except CannotWaitThisOut as err:
             raise AirflowFailException(str(err)) from None
 
-    def execute(self, context) -> None:
+    def execute(self, context: Context) -> object:  # (not deferrable: what BaseSensorOperator.execute returns)
         if not self.deferrable:
             return super().execute(context)
         if self.poke(context):  # the usual case: ready now, no deferral
@@ -140,7 +154,7 @@ class _BoxSensor(BaseSensorOperator):
         self.defer(trigger=BoxCheckTrigger(check=self.check, plan=self.plan, poke_interval_s=self.poke_interval),
                    method_name="execute_complete", timeout=timedelta(seconds=self.timeout))
 
-    def execute_complete(self, context, event: dict) -> None:
+    def execute_complete(self, context: Context, event: dict[str, Any]) -> None:
         if event["status"] == "failed":
             raise AirflowFailException(event["message"])
         self.log.info("%s: ready", self.task_id)
@@ -181,8 +195,8 @@ class BoxCheckTrigger(BaseTrigger):
     """Runs one of the sensors' checks from the triggerer every `poke_interval_s` until it passes, over one
     connection per box for the whole wait; its log lines go to the task log."""
 
-    def __init__(self, *, check: str, plan: dict, poke_interval_s: float = 60.0):
-        super().__init__()
+    def __init__(self, *, check: str, plan: dict[str, Any], poke_interval_s: float = 60.0) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]  # BaseTrigger.__init__ has no annotations (Airflow 3.3)
         self.check = check
         self.plan = plan
         self.poke_interval_s = poke_interval_s
@@ -193,7 +207,7 @@ class BoxCheckTrigger(BaseTrigger):
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         plan = RunPlan.from_trusted(self.plan)  # the plan the sensor verified before it deferred
-        boxes = {}
+        boxes: dict[str, Box] = {}
 
         async def run(conn_id: str, argv: list[str], timeout: float) -> CommandResult:
             if conn_id not in boxes:

@@ -12,6 +12,7 @@ context, names the run the seal must belong to. No task reads the settings file.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from airflow.sdk.exceptions import AirflowFailException
 
@@ -20,7 +21,7 @@ from eagle3_airflow.deployment import Deployment
 from eagle3_airflow.params import DEFAULT_PRESET, NOTES, PRESET, ParamsError, check_unknown_keys, default_run_name
 from eagle3_airflow.plan import RunPlan, verified_plan
 from eagle3_airflow.results import check_inputs, read_or_fail, report_summary
-from eagle3_airflow.seal import task_key
+from eagle3_airflow.seal import RunIds, task_key
 from eagle3_airflow.transport import RemoteCommandError
 
 log = logging.getLogger(__name__)
@@ -28,7 +29,8 @@ log = logging.getLogger(__name__)
 REQUIRED_BOX_PACKAGES = ["torch", "transformers", "tokenizers", "safetensors", "numpy", "pydantic"]
 
 
-def validate_run(params: dict, conf: dict, known: set[str], dag_run, deployment: Deployment | None = None) -> dict:
+def validate_run(params: dict[str, Any], conf: dict[str, Any], known: set[str], dag_run: RunIds,
+                 deployment: Deployment | None = None) -> dict[str, Any]:
     """Params -> {"plan": the sealed run plan}, the run config inside it. Bad input, or a run that reaches past what
     the deployment allows (another box, service, endpoint, workdir or box variable), fails the task at once (no
     retries): nothing has started. `deployment`: the settings as the DAG file parsed them (default: the built-in
@@ -50,12 +52,14 @@ def validate_run(params: dict, conf: dict, known: set[str], dag_run, deployment:
     return {"plan": plan.sealed(dag_run, task_key())}
 
 
-def shard_list(plan_dict: dict, dag_run=None) -> list[int]:
+# plan_dict: the plan as validate sealed it into XCom (verified_plan checks it); dag_run: the task's, from its context
+# (None only where Airflow gave none, which verified_plan refuses).
+def shard_list(plan_dict: dict[str, Any], dag_run: RunIds | None = None) -> list[int]:
     """One extract task per shard (Airflow maps only over a task's whole return value)."""
     return list(range(verified_plan(plan_dict, dag_run).config.extract.num_shards))
 
 
-def sync_code(plan_dict: dict, dag_run=None) -> dict:
+def sync_code(plan_dict: dict[str, Any], dag_run: RunIds | None = None) -> dict[str, BoxInfo]:
     """Upload the eagle3 package to every box and record what each box has; fail early if a package is missing."""
     plan = verified_plan(plan_dict, dag_run)
     # (A server.python of its own, or a vLLM, shows whether it starts when its stage starts it.)
@@ -88,7 +92,7 @@ def sync_code(plan_dict: dict, dag_run=None) -> dict:
     return facts
 
 
-def init_owner_args(plan: RunPlan, dag_run) -> list[str]:
+def init_owner_args(plan: RunPlan, dag_run: RunIds) -> list[str]:
     """`eagle3 init`'s arguments naming the Airflow run that inits the run directory, which it then belongs to
     (eagle3.runowner): from the task's own DAG run, never XCom; each one `--name=value` argument, so that no value
     (a run id is the API caller's choice) can read as an option."""
@@ -98,11 +102,12 @@ def init_owner_args(plan: RunPlan, dag_run) -> list[str]:
             *([f"--redo-from={plan.redo_from}"] if plan.redo_from else [])]
 
 
-def write_config(plan_dict: dict, dag_run=None) -> str:
+def write_config(plan_dict: dict[str, Any], dag_run: RunIds | None = None) -> str:
     """Write the plan's run config into the run directory on the box as config.json (once; the box validates it, fills
     in and checks target facts), and make the directory this Airflow run's: another run's directory is refused
     (eagle3.runowner)."""
     plan = verified_plan(plan_dict, dag_run)
+    assert dag_run is not None  # (verified_plan refuses a missing one)
     owner = init_owner_args(plan, dag_run)
     result = plan.remote().run(plan.eagle3("init", "--config", "-", *owner),
                                input=plan.config.model_dump_json().encode(), timeout=300)
@@ -113,7 +118,7 @@ def write_config(plan_dict: dict, dag_run=None) -> str:
     return path
 
 
-def inputs_changed(plan_dict: dict, dag_run=None) -> bool:
+def inputs_changed(plan_dict: dict[str, Any], dag_run: RunIds | None = None) -> bool:
     """After vocab: False (training, export and evaluation are skipped) when the run's samples, vocab mapping and
     settings equal those the lineage's current drafter was trained from (eagle3.promote.check_inputs)."""
     plan = verified_plan(plan_dict, dag_run)
@@ -129,19 +134,20 @@ def inputs_changed(plan_dict: dict, dag_run=None) -> bool:
     return False
 
 
-def report(plan_dict: dict, dag_run=None) -> dict:
+def report(plan_dict: dict[str, Any], dag_run: RunIds | None = None) -> dict[str, Any]:
     """Collect the run's results from the box (figures, and where the drafter, report and plots are) and publish them
     with its report files to the reports store the plan carries (the settings' when validate planned the run), where
     the report tab reads them (eagle3_airflow.published)."""
     from eagle3_airflow.published import publish, run_folder  # when the task runs: the DAG's parse does without it
 
     plan = verified_plan(plan_dict, dag_run)
+    assert dag_run is not None  # (verified_plan refuses a missing one)
     summary = report_summary(plan)
     read_or_fail(lambda: publish(plan, summary, run_folder(plan, dag_run.dag_id, dag_run.run_id), log))
     return summary
 
 
-def prune_runs(plan_dict: dict, dag_run=None) -> dict:
+def prune_runs(plan_dict: dict[str, Any], dag_run: RunIds | None = None) -> dict[str, Any]:
     """The settings' retention, as the plan carries it: run directories beyond the newest keep_runs go
     (eagle3.retention); skipped without keep_runs. In the verified plan's workdir, which the settings allowed
     (allowed_workdirs). A run whose proposal the promotion DAG may still approve (within keep_proposals_h: the
@@ -154,7 +160,7 @@ def prune_runs(plan_dict: dict, dag_run=None) -> dict:
                                    "directory is kept")
     argv = plan.eagle3("runs", "prune", "--workdir", plan.config.workdir, "--keep", str(plan.keep_runs),
                        f"--keep-proposals-h={plan.keep_proposals_h:g}")
-    outcome = plan.remote().run(argv, timeout=3600).json("python -m eagle3 runs prune")
+    outcome: dict[str, Any] = plan.remote().run(argv, timeout=3600).json("python -m eagle3 runs prune")
     log.info("retention: %d run directories, kept the newest %d; removed %s; kept beyond that: %s", outcome["runs"],
              plan.keep_runs, outcome["removed"] or "none", outcome["kept_beyond_keep"] or "none")
     return outcome

@@ -32,6 +32,11 @@ import subprocess
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from asyncssh import SSHClientConnection
+    from paramiko import SFTPAttributes, SFTPClient, SSHClient
 
 LOCAL = "local"
 
@@ -56,8 +61,9 @@ class CommandResult:
             )
         return self
 
-    def json(self, what: str):
-        """The command's stdout as JSON, after `check`; a command that printed something else is an error."""
+    def json(self, what: str) -> Any:
+        """The command's stdout as JSON, after `check`; a command that printed something else is an error. (Any JSON:
+        the caller names its shape, a TypedDict of eagle3.contracts where there is one.)"""
         self.check(what)
         try:
             return json.loads(self.stdout)
@@ -114,7 +120,7 @@ class LocalBox(Box):
                 fetched[path] = None
                 continue
             except OSError as err:
-                raise FileRefused(f"{path}: refused, not read ({os.strerror(err.errno)}: a link?)") from None
+                raise FileRefused(f"{path}: refused, not read ({err.strerror}: a link?)") from None
             with os.fdopen(fd, "rb") as file:
                 _check_attributes(path, os.fstat(file.fileno()), size)
                 fetched[path] = file.read(size)
@@ -134,6 +140,7 @@ class LocalBox(Box):
             proc.kill()
             await proc.wait()
             raise
+        assert proc.returncode is not None  # communicate() waited for the process to exit
         return CommandResult(argv, proc.returncode, _text(stdout), _text(stderr))
 
 
@@ -143,10 +150,11 @@ class SSHBox(Box):
     def __init__(self, conn_id: str, conn_timeout: float = 30):
         self.conn_id = conn_id
         self.conn_timeout = conn_timeout
-        self._async_conn = None  # one asyncssh connection reused across polls (sshd MaxStartups friendly)
-        self._shared_client = None  # the paramiko client of a `connected()` block
+        # one asyncssh connection reused across polls (sshd MaxStartups friendly)
+        self._async_conn: SSHClientConnection | None = None
+        self._shared_client: SSHClient | None = None  # the paramiko client of a `connected()` block
 
-    def _connect(self):
+    def _connect(self) -> SSHClient:
         """A paramiko client, the host key verified by the SSH provider's hook."""
         from airflow.providers.ssh.hooks.ssh import SSHHook
 
@@ -157,7 +165,7 @@ class SSHBox(Box):
             raise BoxUnreachable(f"cannot reach box {self.conn_id!r}: {type(err).__name__}: {err}") from err
 
     @contextlib.contextmanager
-    def _client(self):
+    def _client(self) -> Iterator[SSHClient]:
         """The connection of the enclosing `connected()` block, or one for this call alone."""
         if self._shared_client is not None:
             yield self._shared_client
@@ -222,7 +230,8 @@ class SSHBox(Box):
         try:
             if self._async_conn is None:
                 hook = SSHHookAsync(ssh_conn_id=self.conn_id)
-                self._async_conn = await asyncio.wait_for(hook.get_conn(), self.conn_timeout)
+                connection: SSHClientConnection = await asyncio.wait_for(hook.get_conn(), self.conn_timeout)
+                self._async_conn = connection
             result = await self._async_conn.run(shlex.join(argv), timeout=timeout, check=False)
         except (OSError, asyncssh.Error, TimeoutError) as err:
             await self.aclose()
@@ -248,7 +257,7 @@ class SSHBox(Box):
                 pass
 
 
-def _check_attributes(path: str, attributes, size: int) -> None:
+def _check_attributes(path: str, attributes: os.stat_result | SFTPAttributes, size: int) -> None:
     """A regular file of exactly `size` bytes (os.stat_result or paramiko's SFTPAttributes), or FileRefused."""
     if attributes.st_mode is None or not stat.S_ISREG(attributes.st_mode):
         raise FileRefused(f"{path}: not a regular file (a link or a pipe?); refused")
@@ -256,7 +265,7 @@ def _check_attributes(path: str, attributes, size: int) -> None:
         raise FileRefused(f"{path}: {attributes.st_size} bytes where the box's manifest said {size}; refused")
 
 
-def _sftp_read(sftp, path: str, size: int) -> bytes | None:
+def _sftp_read(sftp: SFTPClient, path: str, size: int) -> bytes | None:
     """One file through SFTP: lstat (a link is refused unopened), then the open handle's fstat, then at most `size`
     bytes, requested ahead (prefetch) rather than one round trip per 32 KiB."""
     try:
@@ -265,7 +274,8 @@ def _sftp_read(sftp, path: str, size: int) -> bytes | None:
             _check_attributes(path, file.stat(), size)
             if size:
                 file.prefetch(size)
-            return file.read(size)
+            data: bytes = file.read(size)
+            return data
     except FileNotFoundError:  # (paramiko raises SFTP's "no such file" as IOError(ENOENT): this class)
         return None
     except (ConnectionError, TimeoutError):  # the connection, not the file: the caller's outage
