@@ -41,6 +41,7 @@ def parameters(function) -> list[str]:
     return list(inspect.signature(function).parameters)
 
 
+@pytest.mark.slow
 def test_each_fenced_name_has_what_the_project_uses():
     from fastapi.params import Depends
     from sqlalchemy.orm import Session

@@ -176,6 +176,7 @@ def test_judge_mig_gpu_from_its_processes():
 # -- `box gpus` through the stand-in ----------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_box_gpus_cli_reads_the_stand_in(tmp_path):
     out, _ = box_json("gpus", env=scenario(tmp_path, h200_state()))
     assert out["error"] is None and len(out["gpus"]) == 8
@@ -187,6 +188,7 @@ def test_box_gpus_cli_reads_the_stand_in(tmp_path):
     assert judge_gpus(out, 1024) == (True, [])
 
 
+@pytest.mark.slow
 def test_box_gpus_cli_no_devices_failure_and_not_installed(tmp_path):
     out, _ = box_json("gpus", env=scenario(tmp_path, {"error": "No devices were found", "exit_code": 6}))
     assert out == {"gpus": [], "processes": [], "error": None}
@@ -203,6 +205,7 @@ def test_box_gpus_cli_no_devices_failure_and_not_installed(tmp_path):
     assert out["gpus"] == [] and "not found at" in out["error"]
 
 
+@pytest.mark.slow
 def test_box_gpus_cli_with_an_explicit_path_and_units_in_the_stand_in(tmp_path):
     env = scenario(tmp_path, h200_state())
     plain_path = [Path(d) for d in os.environ["PATH"].split(os.pathsep)]  # without fakes/: the flag must win
@@ -213,6 +216,7 @@ def test_box_gpus_cli_with_an_explicit_path_and_units_in_the_stand_in(tmp_path):
     assert fake.stdout.splitlines()[:2] == ["index, memory.used [MiB]", "0, 1 MiB"]
 
 
+@pytest.mark.slow
 def test_the_stand_in_refuses_what_it_does_not_know(tmp_path):
     env = {**os.environ, **scenario(tmp_path, h200_state())}
     for args in (["-L"], ["--query-gpu=index", "--format=json"], ["--query-gpu=index"]):
@@ -223,6 +227,7 @@ def test_the_stand_in_refuses_what_it_does_not_know(tmp_path):
 # -- `box info` --------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_box_info_reports_packages_cuda_where_a_gpu_is_listed_boot_id_and_missing(tmp_path):
     boot_id = tmp_path / "boot_id"
     boot_id.write_text("0d6a3a4e-1111-2222-3333-444455556666\n")
@@ -354,6 +359,7 @@ def test_disk_estimate_follows_the_state_dtype(disk_config, make_config):
     assert f"x {cfg.target.hidden_size} x 2 B x 1 +" in bf16["message"] and "scale" not in bf16["message"]
 
 
+@pytest.mark.slow
 def test_box_disk_user_errors_exit_2(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "eagle3", "box", "disk", "--config", str(tmp_path / "none.json")],
                           capture_output=True, text=True, timeout=120)
@@ -366,6 +372,7 @@ def test_format_helpers():
     assert format_count(87_812_345) == "87.8M" and format_count(512) == "512"
 
 
+@pytest.mark.slow
 def test_boxinfo_does_not_import_torch_at_module_level():
     code = "import sys, eagle3.boxinfo; assert 'torch' not in sys.modules and 'airflow' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

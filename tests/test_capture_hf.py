@@ -12,6 +12,7 @@ from eagle3.data import TokenizedSample
 from tests.conftest import CONTEXT, sealed
 
 
+@pytest.mark.slow
 def test_hf_capture_equals_transformers_output_hidden_states(make_config, tiny_target, tiny_tokenizer):
     from transformers import AutoModelForCausalLM
 

@@ -92,6 +92,7 @@ def test_wrong_row_count_is_an_error_that_suggests_the_cause():
 LISTS = {"backend": "sglang", "sglang": {"capture": "lists"}}
 
 
+@pytest.mark.slow
 def test_two_passes_one_engine_at_a_time_store_what_the_hf_backend_stores(make_config, fake_engine):
     cfg = make_config(data={"max_samples": 60}, extract={**LISTS, "batch_tokens": 256})
     staged_parts_seen_by_aux_pass = []
@@ -109,6 +110,7 @@ def test_two_passes_one_engine_at_a_time_store_what_the_hf_backend_stores(make_c
     assert not staging_dir(cfg.run_dir, 0).exists()
 
 
+@pytest.mark.slow
 def test_layer_ids_not_starting_at_1_are_converted_for_deepseek(make_config, fake_engine):
     """DeepSeek-family sglang adds 1 to the ids only when the first is 1: [2, 4, 5] must go as [3, 5, 6]."""
     cfg = make_config(data={"max_samples": 12}, extract={"backend": "sglang", "aux_layers": [2, 4, 5]})
@@ -116,6 +118,7 @@ def test_layer_ids_not_starting_at_1_are_converted_for_deepseek(make_config, fak
     assert digest(cfg.store_dir) == hf_digest(make_config, 12, aux_layers=[2, 4, 5])
 
 
+@pytest.mark.slow
 def test_the_plugin_path_runs_one_engine_and_one_prefill_and_stores_what_the_hf_backend_stores(
         make_config, fake_engine):
     cfg = make_config(data={"max_samples": 60}, extract={"backend": "sglang", "batch_tokens": 256, "chunk_mib": 2})
@@ -142,6 +145,7 @@ def test_the_plugin_path_runs_one_engine_and_one_prefill_and_stores_what_the_hf_
     assert json.loads(run_stats_path(cfg.run_dir, 0).read_text())["capture_path"] == "plugin"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("failure", ["gate", "probe"])
 def test_auto_falls_back_to_the_list_path_and_says_why(make_config, fake_engine, monkeypatch, caplog, failure):
     """The version gate refuses the installed sglang, or the hook never ran in the engine (HookRegistry only logs
@@ -163,6 +167,7 @@ def test_auto_falls_back_to_the_list_path_and_says_why(make_config, fake_engine,
     assert not sink_dir(cfg.run_dir, 0).exists()
 
 
+@pytest.mark.slow
 def test_capture_plugin_insists_and_names_the_setting_when_the_plugin_cannot_run(make_config, fake_engine,
                                                                                  monkeypatch):
     monkeypatch.setenv("FAKE_SGLANG_PLUGIN_SILENT", "1")
@@ -172,6 +177,7 @@ def test_capture_plugin_insists_and_names_the_setting_when_the_plugin_cannot_run
     assert fake_engine.started == {"last": 0, "aux": 1}  # and that engine is shut down (the fixture checks)
 
 
+@pytest.mark.slow
 def test_a_crash_on_the_plugin_path_resumes_and_a_dead_try_s_files_are_not_taken(make_config, fake_engine):
     cfg = make_config(data={"max_samples": 60}, extract={"backend": "sglang", "batch_tokens": 256})
     fake_engine.crash_after_batches = 6  # the probe and five batches
@@ -194,6 +200,7 @@ def test_a_crash_on_the_plugin_path_resumes_and_a_dead_try_s_files_are_not_taken
     assert not sink.exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("crash_in", ["final-state pass", "aux pass"])
 def test_a_crash_in_either_pass_resumes_without_computing_anything_twice(make_config, fake_engine, crash_in,
                                                                         tmp_path):
@@ -224,6 +231,7 @@ def test_a_crash_in_either_pass_resumes_without_computing_anything_twice(make_co
     assert not staging_dir(cfg.run_dir, 0).exists()
 
 
+@pytest.mark.slow
 def test_kill_9_in_either_pass_then_finish_stores_what_the_hf_backend_stores(make_config, monkeypatch):
     """SIGKILL the extract process mid final-state pass (twice) and mid aux pass, then let it finish."""
     monkeypatch.setenv("EAGLE3_SGLANG_ENGINE", "tests.fakes.sglang_engine:FakeSglangEngine")
@@ -261,6 +269,7 @@ def test_kill_9_in_either_pass_then_finish_stores_what_the_hf_backend_stores(mak
     assert not staging.exists()
 
 
+@pytest.mark.slow
 def test_no_sample_is_ever_in_neither_the_store_nor_the_staging(make_config, fake_engine):
     """A part may go only once the store has COMMITTED its batch, not when the writer merely holds it:
     checked before every batch of the aux pass, with chunks big enough to keep batches pending for long."""
@@ -288,6 +297,7 @@ def test_no_sample_is_ever_in_neither_the_store_nor_the_staging(make_config, fak
     assert checks[0] == (60, 0) and any(0 < stored < 60 for _, stored in checks)
 
 
+@pytest.mark.slow
 def test_a_partly_stored_batch_after_a_plan_change_is_captured_whole(make_config, fake_engine):
     """The data (here: the batch budget) changed after a crash in the aux pass, so a new batch mixes stored
     and unstored samples: captured whole, nothing missing or doubled."""
@@ -305,6 +315,7 @@ def test_a_partly_stored_batch_after_a_plan_change_is_captured_whole(make_config
     assert verify(replanned.store_dir)["samples"] == 60
     assert not staging_dir(replanned.run_dir, 0).exists()
 
+@pytest.mark.slow
 def test_a_stored_sample_whose_part_is_gone_comes_back_without_a_final_state(make_config, fake_engine):
     """After a replan, a later batch can hold a sample stored long ago whose staged part release_stored has
     deleted in the meantime: the aux pass must not ask the staging for it (extract drops it anyway)."""
@@ -380,6 +391,7 @@ def test_staged_parts_go_oldest_first_once_stored_and_names_are_never_reused(tmp
     assert (tmp_path / "staging" / "part-000003.safetensors").exists() and len(reopened) == 5
 
 
+@pytest.mark.slow
 def test_gpu_capture_check_runs_and_reports_agreement(tiny_target):
     """The one command that validates a box's sglang, run here against the stand-in engine (its states
     are transformers' own, so the check must report agreement; on a GPU box the real engine is compared)."""

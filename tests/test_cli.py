@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import REPO, run_eagle3
 
 
@@ -17,6 +19,7 @@ def test_help_lists_every_command():
         assert command in out
 
 
+@pytest.mark.slow
 def test_a_stages_help_is_its_modules_docstring_and_loads_no_torch():
     """One place describes a stage: its module's docstring is what `python -m eagle3 STAGE --help` prints, read without
     importing the stage (the parser is built for every command, `job poll` too)."""
@@ -31,6 +34,7 @@ def test_a_stages_help_is_its_modules_docstring_and_loads_no_torch():
                           cwd=REPO).stdout.strip() == "False"
 
 
+@pytest.mark.slow
 def test_init_writes_the_run_config_with_target_facts(tmp_path, tiny_target):
     draft = tmp_path / "draft.json"
     draft.write_text(json.dumps({
@@ -44,6 +48,7 @@ def test_init_writes_the_run_config_with_target_facts(tmp_path, tiny_target):
     assert written["target"]["num_hidden_layers"] == 8 and written["extract"]["backend"] == "hf"
 
 
+@pytest.mark.slow
 def test_bad_config_exits_2_with_the_field_named(tmp_path):
     draft = tmp_path / "draft.json"
     draft.write_text(json.dumps({"run_name": "x; touch /tmp/pwned", "workdir": "relative/dir",
@@ -55,6 +60,7 @@ def test_bad_config_exits_2_with_the_field_named(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_store_verify_on_a_non_store_says_so(tmp_path):
     proc = run_eagle3("store", "verify", str(tmp_path), check=False)
     assert proc.returncode == 2 and "is not a hidden-state store" in proc.stderr

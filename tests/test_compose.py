@@ -147,6 +147,7 @@ def _published(service: dict) -> list[str]:
             for port in service.get("ports", [])]
 
 
+@pytest.mark.slow
 def test_services_and_commands(rendered):
     services = rendered["services"]
     assert set(services) == {"postgres", "redis", "airflow-init", *AIRFLOW_SERVICES}
@@ -167,6 +168,7 @@ def test_services_and_commands(rendered):
     assert "restart" not in init and "healthcheck" not in init
 
 
+@pytest.mark.slow
 def test_healthchecks(rendered):
     services = rendered["services"]
     for name, expected in HEALTHCHECKS.items():
@@ -243,6 +245,7 @@ def test_no_code_is_mounted_and_logs_are_shared(rendered):
         assert _mounts(services[name])["/opt/airflow/eagle3-work"][0] == "local-box-work", name
 
 
+@pytest.mark.slow
 def test_the_dev_override_mounts_the_code_read_only(tmp_path):
     """deploy/docker-compose.dev.yaml, named with a second -f, is the only way code gets mounted."""
     proc = _compose_config(_env_file(tmp_path), tmp_path, REPO / "deploy" / "docker-compose.dev.yaml")
@@ -294,6 +297,7 @@ def test_the_sealing_key_comes_from_the_env_file_to_the_worker_alone(rendered):
     assert holding == []
 
 
+@pytest.mark.slow
 def test_the_api_server_listens_on_this_machine_unless_the_env_file_widens_it(tmp_path):
     """The API server speaks plain HTTP: by default only this machine reaches it (an SSH tunnel, or a TLS proxy on
     the host); AIRFLOW_API_BIND_IP widens it on purpose."""
@@ -302,6 +306,7 @@ def test_the_api_server_listens_on_this_machine_unless_the_env_file_widens_it(tm
     assert _published(yaml.safe_load(proc.stdout)["services"]["airflow-apiserver"]) == ["0.0.0.0:8080:8080"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variable", ["AIRFLOW_JWT_SECRET", "AIRFLOW_FERNET_KEY", "AIRFLOW_CONN_GPU_BOX",
                                       "GPU_BOX_SSH_KEY", "AIRFLOW_API_SECRET_KEY", "POSTGRES_USER",
                                       "POSTGRES_PASSWORD", "POSTGRES_DB", "AIRFLOW_ADMIN_PASSWORD",
@@ -445,6 +450,7 @@ def test_the_stacks_settings_say_its_workers_share_the_reports_volume():
         settings.check_reports_store("CeleryExecutor")
 
 
+@pytest.mark.slow
 def test_the_dag_parses_under_each_settings_file(airflow_home):
     """What the stack's dag-processor sees with either file, under the stack's executor: the DAG, no import error,
     the form's default box."""
@@ -625,6 +631,7 @@ print(json.dumps(found))
 """
 
 
+@pytest.mark.slow
 def test_the_roles_through_fabs_own_authorization(tmp_path):
     """airflow-init's steps on a fresh DB, with settings that make two drafter DAGs and the promotion DAG, then the
     questions the API server asks FAB for each endpoint: the trigger role triggers and clears every drafter DAG (and

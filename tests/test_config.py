@@ -189,6 +189,7 @@ def test_loading_names_the_file(tmp_path):
         load_run_config(bad)
 
 
+@pytest.mark.slow
 def test_importing_the_config_stays_light():
     """The DAG imports eagle3.config at parse time: it must not pull in torch or transformers."""
     code = "import sys, eagle3.config; print([m for m in ('torch', 'transformers', 'airflow') if m in sys.modules])"
@@ -204,6 +205,7 @@ KIMI_K25_CONFIG = {  # the shape of Kimi-K2.5's config.json (language model unde
 }
 
 
+@pytest.mark.slow
 def test_init_derives_a_drafter_shape_sglang_serves_for_a_kimi_shaped_target(tmp_path):
     """hidden / heads would give head_dim 112 with 64 full K/V heads: neither what the published drafters use
     nor a head dim flashinfer runs. init records head_dim 128, 56 heads, 8 KV heads, the dense MLP width, and
@@ -229,6 +231,7 @@ def test_init_derives_a_drafter_shape_sglang_serves_for_a_kimi_shaped_target(tmp
     assert exported["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 30, 58]  # inputs of layers 2, 30, 58
 
 
+@pytest.mark.slow
 def test_init_names_what_a_target_config_lacks_for_the_serving_engines(tmp_path):
     """A config.json written by transformers' DeepseekV3Config lacks the router fields SGLang and vLLM read with no
     default (vLLM then fails to load the weights, SGLang does not start): init says so, naming them, before any
@@ -252,6 +255,7 @@ def test_init_names_what_a_target_config_lacks_for_the_serving_engines(tmp_path)
             assert not warned
 
 
+@pytest.mark.slow
 def test_init_refuses_layers_an_engine_of_the_run_cannot_be_told(tmp_path):
     from tests.conftest import run_eagle3
 
@@ -456,6 +460,7 @@ def test_absurd_integers_are_refused_with_the_field_named(section, values, field
     assert f"{field}: Input should be less than or equal to" in error_of(with_changes(**{section: values}))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hidden_size", ["7168", 7168.5, True, 10**12, -1, None])
 def test_a_target_config_with_a_bad_size_is_a_clear_error_not_a_traceback(tmp_path, hidden_size):
     """A model directory whose config.json says hidden_size "7168" (a string), 10**12 or null: init exits 2 with
@@ -503,6 +508,7 @@ KIMI_K2_ROPE = {"rope_scaling": {"type": "yarn", "factor": 32.0, "original_max_p
                 "max_position_embeddings": 131072}
 
 
+@pytest.mark.slow
 def test_the_drafter_carries_the_targets_rope_scaling_and_refuses_one_it_cannot(tmp_path):
     from eagle3.model import DraftConfig
 
@@ -521,6 +527,7 @@ def test_the_drafter_carries_the_targets_rope_scaling_and_refuses_one_it_cannot(
     assert knowingly.returncode == 0 and "drafter.rope_scaling is none: the target scales its RoPE" in knowingly.stderr
 
 
+@pytest.mark.slow
 def test_the_drafters_heads_must_split_across_every_serving_tp_size(tmp_path):
     """Kimi-K2.5 is served at tp 8 and 16; the derived 56 heads split across 8 but not 16 (SGLang asserts it when it
     loads the drafter): refused at init with the fix, not when the box loads it."""

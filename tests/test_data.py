@@ -790,6 +790,7 @@ def no_probe_left_running() -> bool:
 
 # method="thread": pytest-timeout's default holds SIGALRM for the whole test, and the probe's timer needs it (a
 # stage's main thread always has it free).
+@pytest.mark.slow
 @pytest.mark.timeout(300, method="thread")
 def test_a_generation_template_that_loops_is_stopped_and_refused(make_config, tmp_path, monkeypatch):
     """Attack: data.generation_chat_template with two nested loops of 10^5 steps, each within the sandbox's
@@ -802,6 +803,7 @@ def test_a_generation_template_that_loops_is_stopped_and_refused(make_config, tm
     assert no_probe_left_running()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300, method="thread")  # (as above)
 def test_a_target_chat_template_that_escapes_or_loops_is_refused(make_config, tmp_path, tiny_target, monkeypatch):
     """Attack: the tokenizer directory's own chat_template.jinja replaced by one that reaches for Python's

@@ -136,6 +136,7 @@ def read_by(engine: str, bodies: list[dict]) -> list[dict]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine, seed_field", [("sglang", "sampling_seed"), ("vllm", "seed")])
 def test_each_engine_reads_the_sampling_evaluate_asks_for(make_config, engine, seed_field):
     """evaluate.sampling "serving" sends the target's temperature, top_p, top_k and a seed per answer; each engine's own

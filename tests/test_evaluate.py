@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from eagle3.evaluate import run_evaluate
 from eagle3.export import run_export
 
 
+@pytest.mark.slow
 def test_speculation_is_lossless_and_reports_acceptance(trained_config, make_config):
     train_config = trained_config
     run_export(train_config)
@@ -28,6 +31,7 @@ def test_speculation_is_lossless_and_reports_acceptance(trained_config, make_con
     assert (out / "acceptance.png").stat().st_size > 10_000
 
 
+@pytest.mark.slow
 def test_public_sets_are_measured_at_the_published_configurations_beside_the_held_out_figure(trained_config,
                                                                                                make_config, tmp_path):
     """evaluate.benchmarks, each set's records from a local file in the set's own format (made up): every set is
@@ -131,6 +135,7 @@ def questions(part: str, count: int, start: int = 0) -> list[str]:
     return found
 
 
+@pytest.mark.slow
 def test_held_out_prompts_mix_first_and_later_turns_deterministically(make_config, tmp_path):
     """evaluate's prompts end at the first user turn or, up to half of them, at a later one (the conversation
     before it as context, the generation prompt after it), from evaluation-part conversations only, in an order the
@@ -225,6 +230,7 @@ def sample_both_ways(monkeypatch, sampling, answers: int = 600):
     return plain, drawn, cycles
 
 
+@pytest.mark.slow
 def test_speculative_sampling_draws_the_answers_plain_sampling_draws(monkeypatch):
     """At a temperature, a chain of drafts verified by the speculative sampling rule (accept a draft with the target's
     probability of it, resample a rejected one from the rest) gives answers distributed as plain sampling's: the
@@ -281,6 +287,7 @@ def test_sampling_probabilities_follow_temperature_top_k_and_top_p():
     assert torch.allclose(cold, torch.tensor([0.25, 0.0625, 0.0225, 0.01]) / 0.345)
 
 
+@pytest.mark.slow
 def test_evaluate_at_the_serving_temperature_reports_sampled_figures(trained_config, make_config):
     """evaluate.sampling "serving": the target's sampling (here set on generate, as init fills it from the target's
     generation_config.json) draws the baseline and the speculative answers; the report says how they were drawn,

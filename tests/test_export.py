@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from safetensors import safe_open
 
@@ -26,6 +27,7 @@ def test_the_config_tells_each_engine_the_trained_layers_in_its_own_ids():
     assert llama["eagle_aux_hidden_state_layer_ids"] == [3, 30, 58]  # vLLM reads this key first, as given
 
 
+@pytest.mark.slow
 def test_export_has_exactly_the_keys_sglang_loads_and_round_trips(trained_config, tiny_target):
     train_config = trained_config
     report = run_export(train_config)
@@ -66,6 +68,7 @@ def test_export_has_exactly_the_keys_sglang_loads_and_round_trips(trained_config
     assert run_export(train_config) == report  # a retry finds it done
 
 
+@pytest.mark.slow
 def test_eagle31_norms_are_exported_as_the_engines_name_them_and_round_trip(trained_config, tiny_target):
     """drafter.fc_norm / norm_output (EAGLE-3.1): the per-aux norms go out as fc_norm.<i>.weight and config.json
     says fc_norm / norm_output, the names sglang 0.5.23 and vllm 0.32 read (llama_eagle3.py); the export alone gives

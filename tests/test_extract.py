@@ -32,6 +32,7 @@ def test_plan_batches_respects_the_token_budget_and_keeps_every_sample():
     assert batches == list(plan_batches(samples, batch_tokens=64))  # deterministic
 
 
+@pytest.mark.slow
 def test_extract_stores_every_sample_and_a_rerun_computes_nothing(make_config, caplog):
     caplog.set_level(logging.INFO, logger="eagle3")
     cfg = make_config()
@@ -53,6 +54,7 @@ def test_extract_stores_every_sample_and_a_rerun_computes_nothing(make_config, c
     assert json.loads(run_stats_path(cfg.run_dir, 0).read_text()) == again
 
 
+@pytest.mark.slow
 def test_shards_partition_the_samples(make_config):
     whole = make_config(run_name="whole")
     run_extract(whole)
@@ -64,6 +66,7 @@ def test_shards_partition_the_samples(make_config):
         run_extract(split, shard=3)
 
 
+@pytest.mark.slow
 def test_extract_by_hand_without_shard_does_every_shard_and_says_so(make_config):
     """`python -m eagle3 extract --config F` on a sharded config used to extract shard 0 only, silently."""
     whole = make_config(run_name="whole", data={"max_samples": 40})
@@ -76,6 +79,7 @@ def test_extract_by_hand_without_shard_does_every_shard_and_says_so(make_config)
     assert sorted(HiddenStateStore(cfg.store_dir).sample_ids) == sorted(HiddenStateStore(whole.store_dir).sample_ids)
 
 
+@pytest.mark.slow
 def test_bad_records_stop_extract_with_line_numbers(make_config, tmp_path):
     data = tmp_path / "bad.jsonl"
     data.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n'
@@ -91,6 +95,7 @@ def test_bad_records_stop_extract_with_line_numbers(make_config, tmp_path):
     assert stats["bad_records"] == 1 and stats["bad_record_lines"] == [2] and stats["samples_stored"] == 1
 
 
+@pytest.mark.slow
 def test_the_background_writer_leaves_the_forward_pass_all_its_threads():
     """torch.set_num_threads is process-wide: a writer thread that set it to 1 made a model that starts
     later (the sglang backend's) compute single-threaded. Checked in a fresh interpreter, as a stage runs."""
@@ -136,6 +141,7 @@ def target_with_template(tiny_target, directory, template: str):
     return directory
 
 
+@pytest.mark.slow
 def test_multi_turn_thinking_conversations_are_trained_turn_by_turn_not_skipped(make_config, tiny_target, tmp_path):
     """A template that drops earlier reasoning: each earlier turn becomes a sample of its own, rendered as the
     target served it (with its reasoning), in the same shard and on the same side of the train/val split."""
@@ -186,6 +192,7 @@ def kimi_shaped_conversations(n: int) -> list[dict]:
     return conversations
 
 
+@pytest.mark.slow
 def test_a_kimi_shaped_set_trains_every_turn_with_its_reasoning_by_default(make_config, tiny_target, tmp_path):
     """Issue 37's bar: multi-turn thinking with tool calls, Kimi-K2.5's blanking template (a look-alike), no
     data.generation_chat_template. Every assistant turn is stored, trained with its own reasoning and tool calls,
@@ -224,6 +231,7 @@ UNPLACEABLE_TEMPLATE = (
 )
 
 
+@pytest.mark.slow
 def test_a_template_that_cannot_be_placed_is_refused_not_trained_on_nothing(make_config, tiny_target, tmp_path):
     """Issue 37: with templates whose turns could not be placed, extract stored 0 of 14 conversations, printed no
     warning and exited 0: a whole run could train on nothing. Now the stage refuses (exit 2), naming the counts,
@@ -262,6 +270,7 @@ def test_the_refusal_comes_before_the_target_is_loaded(make_config, tiny_target,
         run_extract(cfg)
 
 
+@pytest.mark.slow
 def test_turns_dropped_within_the_fraction_are_counted_and_the_rest_trained(make_config, tiny_target, tmp_path):
     """A turn the template cannot give its reasoning a place (the tiny target's template writes none): dropped and
     counted per reason, in the stats and the evaluate report's summary; the run goes on within the fraction."""

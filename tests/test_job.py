@@ -79,6 +79,7 @@ def wait_for_file(path: Path) -> str:
     return f"import os, time\nwhile not os.path.exists({str(path)!r}):\n    time.sleep(0.05)\n"
 
 
+@pytest.mark.slow
 def test_start_poll_and_success_with_the_output_in_the_log(jobs, tmp_path):
     go_on = tmp_path / "go-on"
     started = start(jobs, "ok", "print('hello from the stage')\n" + wait_for_file(go_on) + "print('done')")
@@ -105,6 +106,7 @@ def test_start_poll_and_success_with_the_output_in_the_log(jobs, tmp_path):
     assert "must not run" not in (jobs / "ok" / "log").read_text()
 
 
+@pytest.mark.slow
 def test_a_failing_command_is_failed_with_its_exit_code_and_log_tail(jobs):
     start(jobs, "bad", "import sys; print('about to fail'); sys.exit(3)")
     wait_for_effective(jobs, "bad", "failed")
@@ -113,6 +115,7 @@ def test_a_failing_command_is_failed_with_its_exit_code_and_log_tail(jobs):
     assert "about to fail" in polled["log_tail"]
 
 
+@pytest.mark.slow
 def test_a_missing_program_fails_with_127(jobs):
     result = eagle3_job("start", "--jobs-dir", str(jobs), "--key", "nope", "--", "/no/such/program")
     result = result if result["status"] == "failed" else wait_for_effective(jobs, "nope", "failed")["state"]
@@ -120,6 +123,7 @@ def test_a_missing_program_fails_with_127(jobs):
     assert "cannot start '/no/such/program'" in (jobs / "nope" / "log").read_text()
 
 
+@pytest.mark.slow
 def test_start_twice_attaches_to_the_running_job(jobs):
     # (start returns at once while the job runs on: the supervisor does not hold start's stdout pipe open)
     first = start(jobs, "twice", "import time; time.sleep(30)")
@@ -128,6 +132,7 @@ def test_start_twice_attaches_to_the_running_job(jobs):
     assert (jobs / "twice" / "log").read_text().count("==== eagle3 job twice try") == 1
 
 
+@pytest.mark.slow
 def test_concurrent_starts_launch_one_try(jobs):
     argv = [PY, "-m", "eagle3", "job", "start", "--jobs-dir", str(jobs), "--key", "race", "--",
             PY, "-c", "import time; time.sleep(30)"]
@@ -146,6 +151,7 @@ def test_a_supervisor_that_dies_at_once_is_reported_with_the_log(tmp_path):
         job.wait_for_report(directory, crashing, try_number=1)
 
 
+@pytest.mark.slow
 def test_kill_ends_the_whole_process_group(jobs, tmp_path):
     pid_file = tmp_path / "grandchild.pid"
     # The stage spawns a grandchild that even ignores SIGTERM: only the final SIGKILL of the group gets it.
@@ -176,6 +182,7 @@ STUBBORN = ("import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\
             "print('ignoring SIGTERM', flush=True)\ntime.sleep(60)\n")
 
 
+@pytest.mark.slow
 def test_a_detached_kill_answers_at_once_and_a_start_meanwhile_waits_for_it_then_relaunches(jobs):
     """`job kill --detach` (the trigger's on_kill, which the triggerer cuts at 30 s) answers once the SIGTERM is
     sent, though the stage ignores it; the rest of the kill goes on in a detached process that holds the job's
@@ -209,6 +216,7 @@ RESUMING = (
 )
 
 
+@pytest.mark.slow
 def test_a_crashed_job_is_dead_and_the_next_start_relaunches_it(jobs, tmp_path):
     marker = tmp_path / "checkpoint"
     code = RESUMING.format(marker=str(marker))
@@ -229,6 +237,7 @@ def test_a_crashed_job_is_dead_and_the_next_start_relaunches_it(jobs, tmp_path):
     assert "resumed from the checkpoint" in done["log"]
 
 
+@pytest.mark.slow
 def test_a_reboot_makes_the_job_dead(jobs, tmp_path, monkeypatch):
     boot_id_file = tmp_path / "boot_id"
     boot_id_file.write_text("boot-a\n")
@@ -267,6 +276,7 @@ def stranger():
     process.wait()
 
 
+@pytest.mark.slow
 def test_an_old_heartbeat_makes_the_job_dead(tmp_path, stranger):
     # A hand-written state whose "supervisor" is a stand-in: alive, right start time, silent for 300 s.
     hand_written_state(tmp_path / "jobs", "stale", stranger.pid, heartbeat_at=time.time() - 300)
@@ -276,6 +286,7 @@ def test_an_old_heartbeat_makes_the_job_dead(tmp_path, stranger):
     assert poll(tmp_path / "jobs", "stale", "--stale-after-s", "1000")["effective"] == "running"
 
 
+@pytest.mark.slow
 def test_a_hung_supervisor_is_dead_and_replaced_without_a_second_copy(jobs, tmp_path):
     marker = tmp_path / "checkpoint"
     code = RESUMING.format(marker=str(marker))
@@ -296,6 +307,7 @@ def test_a_hung_supervisor_is_dead_and_replaced_without_a_second_copy(jobs, tmp_
     wait_for_effective(jobs, "hung", "succeeded", stale_after_s=1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("key", ["../escape", "a b", "", ".hidden", "-x", "x" * 201, "bad\nkey", "a/b"])
 def test_an_invalid_key_exits_2_naming_it(tmp_path, key):
     for command in (["start", f"--key={key}", "--", "true"], ["poll", f"--key={key}"], ["kill", f"--key={key}"]):
@@ -305,6 +317,7 @@ def test_an_invalid_key_exits_2_naming_it(tmp_path, key):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_the_log_streams_by_offset_without_overlap_or_half_lines(jobs, tmp_path):
     go_on = tmp_path / "go-on"
     code = (
@@ -344,6 +357,7 @@ def test_the_log_streams_by_offset_without_overlap_or_half_lines(jobs, tmp_path)
     assert "".join(pieces) == log_path.read_text()
 
 
+@pytest.mark.slow
 def test_a_stream_goes_on_from_its_cursor_and_another_stream_or_try_starts_at_the_try(jobs):
     """poll --stream: the box records how far a stream has copied the log (the offset it asks from), and a poll of
     that stream without an offset reads on from there; another stream (another Airflow try) and a new job try start
@@ -365,6 +379,7 @@ def test_a_stream_goes_on_from_its_cursor_and_another_stream_or_try_starts_at_th
         job.poll_job(jobs, "cursor", None, stream="../x")
 
 
+@pytest.mark.slow
 def test_a_redo_runs_a_finished_job_again_from_scratch_once_with_its_outputs_set_aside(tmp_path):
     """start --redo NAME: a succeeded job runs again, as try 1, with its earlier tries' files in redone/<time>/ and
     the outputs named by --set-aside renamed aside whole (a stage resumes from what it finds: it must find nothing
@@ -410,6 +425,7 @@ def test_a_redo_runs_a_finished_job_again_from_scratch_once_with_its_outputs_set
     job.kill_job(jobs, "live", grace_s=1)
 
 
+@pytest.mark.slow
 def test_job_help_hides_supervise_and_the_module_stays_light():
     assert "supervise" not in run_eagle3("job", "--help").stdout
     check = "import sys, eagle3.job; assert not {'torch', 'airflow'} & set(sys.modules), sys.modules.keys()"
@@ -437,6 +453,7 @@ def signals_sent(monkeypatch) -> list:
     return sent
 
 
+@pytest.mark.slow
 def test_a_pgid_tampered_to_name_another_group_gets_that_group_neither_killed_nor_in_the_way(jobs, stranger):
     """Attack: state.json keeps a live supervisor's pid but its pgid names a stranger's process group."""
     stand_in = subprocess.Popen(["sleep", "60"], start_new_session=True)  # the "supervisor" the file names
@@ -460,6 +477,7 @@ def test_a_pgid_tampered_to_name_another_group_gets_that_group_neither_killed_no
         stand_in.wait()
 
 
+@pytest.mark.slow
 def test_pid_1_or_0_in_state_json_is_never_signalled(jobs, signals_sent):
     """Attack: state.json names init (pid and pgid 1), which would have had `killpg(1, SIGKILL)` sent to it."""
     state = hand_written_state(jobs, "init", 1)
@@ -490,6 +508,7 @@ def test_pid_1_refused_by_the_cli_too(jobs):
     assert killed["signalled"] is False
 
 
+@pytest.mark.slow
 def test_a_reused_pid_is_not_signalled(jobs, stranger):
     """Attack (or just a stale file): the recorded pid is alive, but it is another process: it started later."""
     ticks = job.pid_start_ticks(stranger.pid)
@@ -507,6 +526,7 @@ def test_a_reused_pid_is_not_signalled(jobs, stranger):
     assert is_running(stranger.pid)
 
 
+@pytest.mark.slow
 def test_a_live_stranger_leading_its_own_group_is_not_signalled(jobs, stranger):
     """Attack: state.json names a live process that leads a group of its own (a shell, a daemon), with its true start
     time, this boot's id and a fresh heartbeat: every check on the file's numbers passes, yet nothing marks it as
@@ -525,6 +545,7 @@ def test_a_live_stranger_leading_its_own_group_is_not_signalled(jobs, stranger):
     assert is_running(stranger.pid)
 
 
+@pytest.mark.slow
 def test_another_jobs_live_supervisor_named_in_a_tampered_state_is_not_signalled(jobs, tmp_path):
     """Attack: state.json copies another live job's pid and start time. That group does carry a supervisor's mark,
     but the other job's: its directory is not this one."""
@@ -560,6 +581,7 @@ def test_a_group_whose_leader_is_gone_is_signalled_only_if_it_carries_the_jobs_m
         os.kill(orphan, signal.SIGKILL)
 
 
+@pytest.mark.slow
 def test_a_supervisor_killed_alone_has_its_stage_stopped_before_the_relaunch(jobs, tmp_path):
     """The other side of the mark: the stage that outlived its supervisor is the job's, and is SIGKILLed."""
     marker = tmp_path / "checkpoint"
@@ -576,6 +598,7 @@ def test_a_supervisor_killed_alone_has_its_stage_stopped_before_the_relaunch(job
     assert "resumed from the checkpoint" in wait_for_effective(jobs, "alone", "succeeded")["log"]
 
 
+@pytest.mark.slow
 def test_a_permission_error_from_the_kernel_is_reported_not_raised(jobs, monkeypatch, capsys):
     """Attack: the job's group holds a process this user may not signal (here: killpg raises EPERM)."""
     from eagle3.__main__ import main
@@ -601,6 +624,7 @@ def test_a_permission_error_from_the_kernel_is_reported_not_raised(jobs, monkeyp
     assert job.read_state(jobs / "perm")["try"] == 1 and is_running(started["child_pid"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("content, problem", [
     ('{"key": "torn", "sta', "not valid JSON"),
     ("{}", "no key, try, status, pid"),
@@ -627,6 +651,7 @@ def test_a_torn_or_keyless_state_json_is_reported_and_relaunched_over(jobs, cont
     assert "ran again" in wait_for_effective(jobs, "torn", "succeeded")["log"]
 
 
+@pytest.mark.slow
 def test_a_corrupt_state_json_with_its_supervisor_alive_launches_no_second_copy(jobs):
     """Attack: state.json is overwritten while the job runs. Its supervisor still runs and repairs the file at its
     next heartbeat; a relaunch meanwhile would run the stage twice."""
@@ -653,6 +678,7 @@ SECRETS = {
 }
 
 
+@pytest.mark.slow
 def test_the_callers_secrets_reach_neither_the_stage_nor_spec_json(jobs, monkeypatch):
     """Attack: `job start` runs on an Airflow worker whose environment holds the Fernet key, the JWT secret and
     the database URL; the stage gets only the allowlist and --pass-env names, and spec.json holds no value."""
@@ -681,6 +707,7 @@ def test_the_callers_secrets_reach_neither_the_stage_nor_spec_json(jobs, monkeyp
         assert (jobs / "env" / name).stat().st_mode & 0o777 == 0o600, name
 
 
+@pytest.mark.slow
 def test_pass_env_takes_names_only(jobs):
     proc = run_eagle3("job", "start", "--jobs-dir", str(jobs), "--key", "bad", "--pass-env", "A=B", "--", "true",
                       check=False)
@@ -727,6 +754,7 @@ def test_a_finished_jobs_own_files_are_read_and_streamed(jobs, stranger):
     assert (polled["effective"], polled["log"], polled["log_size"]) == ("succeeded", "line 1\n", 14)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["state.json", "log", job.CURSOR_FILE])
 def test_a_job_file_that_is_a_link_is_not_followed_by_poll_or_its_stream(jobs, tmp_path, stranger, name):
     """Attack: the job's state.json, log or stream cursor made a link (the log to a file of secrets, which poll
@@ -754,6 +782,7 @@ def test_a_log_that_is_a_fifo_is_refused_without_waiting_for_a_writer(jobs, stra
         job.poll_job(jobs, "fifo")
 
 
+@pytest.mark.slow
 def test_kill_acts_on_no_state_json_that_is_a_link_and_makes_no_lock_through_one(jobs, tmp_path, stranger,
                                                                                  signals_sent):
     """Attack: state.json a link (kill would act on what it points at, and record the kill over the link); the lock
@@ -815,6 +844,7 @@ for step in range({steps}):
 """
 
 
+@pytest.mark.slow
 def test_a_stage_that_stops_making_progress_is_killed_and_its_try_failed(jobs):
     """Attack on an unattended weekend: the stage's process is stopped (SIGSTOP) after three progress beats. The
     supervisor keeps heartbeating, so the job looked alive forever; now the stage is killed within the stall limit
@@ -832,6 +862,7 @@ def test_a_stage_that_stops_making_progress_is_killed_and_its_try_failed(jobs):
     assert job_state["try"] == 1 and result["state"]["stalled"]
 
 
+@pytest.mark.slow
 def test_a_slow_stage_that_keeps_making_progress_is_not_killed(jobs):
     """Eight beats 0.8 s apart (6 s in all) under a 2 s stall limit, and a first beat only after 1.5 s, under
     --first-progress-timeout-s 3: never more silent than allowed, so it runs to success."""
@@ -842,6 +873,7 @@ def test_a_slow_stage_that_keeps_making_progress_is_not_killed(jobs):
     assert result["state"]["progress_line"] == "step 7"
 
 
+@pytest.mark.slow
 def test_a_stage_that_waited_before_loading_gets_the_first_progress_limit_again(jobs):
     """A stage that waits for something before it loads its model (extract, for a shard another writer holds) beats
     while it waits, which leaves it the limit between beats for the load that follows. The supervisor hands it the
@@ -856,6 +888,7 @@ def test_a_stage_that_waited_before_loading_gets_the_first_progress_limit_again(
     assert result["state"]["progress_line"] == "step 0"
 
 
+@pytest.mark.slow
 def test_a_stage_that_never_reports_progress_is_killed_after_the_first_limit(jobs):
     """A stage that hangs while loading (before any progress) is caught by --first-progress-timeout-s."""
     start(jobs, "loading", "import time; time.sleep(600)", "--heartbeat-s", "0.5", "--stall-timeout-s", "60",
@@ -876,6 +909,7 @@ def as_host(monkeypatch, tmp_path: Path, name: str) -> None:
     monkeypatch.setenv("EAGLE3_HOST_ID_FILE", str(path))
 
 
+@pytest.mark.slow
 def test_a_job_running_on_another_host_is_foreign_never_started_again_killed_or_redone(jobs, tmp_path, monkeypatch):
     """Box A runs the job; box B shares the work directory. B's poll says "foreign" naming A, B's start and redo
     refuse with an exit status of their own (Exit.FOREIGN: the control plane fails the task without spending its
@@ -902,6 +936,7 @@ def test_a_job_running_on_another_host_is_foreign_never_started_again_killed_or_
     assert kill_cli(jobs, "train")[1]["signalled"]
 
 
+@pytest.mark.slow
 def test_another_hosts_job_is_foreign_however_old_its_heartbeat(jobs, tmp_path, monkeypatch):
     """This host cannot see another host's processes, so a recorded pid that is gone here, another boot id and an
     old heartbeat (a slow shared filesystem, a clock apart) never make that host's job dead: it is not relaunched.

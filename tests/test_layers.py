@@ -12,6 +12,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 from tests.import_graphs import cycles, layers
 
 REPO = Path(__file__).resolve().parents[1]
@@ -44,6 +46,7 @@ def import_graph(root: Path) -> dict[str, set[str]]:
     return graph
 
 
+@pytest.mark.slow
 def test_the_box_side_library_has_no_import_circle():
     graph = import_graph(BOX_PACKAGE)
     found = cycles(graph)
@@ -65,6 +68,7 @@ def test_the_records_stand_below_the_stages():
         assert not reached & stages, f"{record} depends on the stages {sorted(reached & stages)}"
 
 
+@pytest.mark.slow
 def test_paths_inside_a_run_directory_are_spelled_only_in_runlayout():
     """The run directory's layout is named once (eagle3.runlayout): a path such as evaluate/report.json written out
     again elsewhere, box side or control plane, would keep the old name when the layout changes."""

@@ -62,6 +62,7 @@ def smtp_server(monkeypatch):
 NOTIFY = {"to": ["oncall@example.com"], "smtp_conn_id": "smtp_test"}
 
 
+@pytest.mark.slow
 def test_a_stage_that_failed_for_good_mails_its_run_task_box_log_path_and_last_lines(smtp_server, plan):
     """The remote-job operator's failure (exit code, box, try, job log path, log tail) reaches the on-call person.
     A log line that looks like a Jinja template arrives as written, not evaluated."""
@@ -137,6 +138,7 @@ print(report_view.report_page("example_bash_operator", "manual__1", None))
     assert "example_bash_operator is not an EAGLE-3 drafter DAG" in proc.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("state", ["running", "queued", "failed", "success"])
 def test_a_deadline_warns_of_a_late_run_naming_it_only_while_it_runs(smtp_server, tmp_path, state):
     """notify.late_after_h becomes the DAG's DeadlineAlert (first queued + interval). Missed, Airflow's own

@@ -261,6 +261,7 @@ def test_unflatten_drops_nulls_so_model_defaults_apply():
     assert unflatten({"a.b": 1, "a.c": None, "d": 2}) == {"a": {"b": 1}, "d": 2}
 
 
+@pytest.mark.slow
 def test_the_params_reference_in_docs_is_the_forms():
     """docs/params.md is generated from the same params as the form; regenerate it with `make docs`."""
     proc = subprocess.run([sys.executable, "scripts/params_reference.py", "--check"], cwd=REPO, capture_output=True,
@@ -420,6 +421,7 @@ def test_a_schedule_needs_a_default_for_every_required_param_and_a_valid_run(tmp
     Deployment().check_schedulable(build_params())  # unscheduled: triggers fill the form in
 
 
+@pytest.mark.slow
 def test_create_pool_makes_the_settings_pool_and_counts_deferred_tasks(airflow_home, tmp_path):
     """The remote stages defer within seconds and wait in the triggerer: a pool that leaves deferred tasks out
     bounds nothing. make demo, make airflow and the compose init create it with this command."""

@@ -46,6 +46,7 @@ def run_like(trained, make_config, name: str, noise: float = 0.0, **evaluate):
     return cfg
 
 
+@pytest.mark.slow
 def test_the_better_drafter_is_promoted_on_the_pinned_set_and_a_worse_one_is_not(trained_config, make_config):
     run_export(trained_config)
     weak = run_like(trained_config, make_config, "weak", noise=3.0)
@@ -92,6 +93,7 @@ def test_the_better_drafter_is_promoted_on_the_pinned_set_and_a_worse_one_is_not
     assert not run_evaluate(better_by_a_margin)["promotion"]["promoted"]  # no drafter is 5 tokens better
 
 
+@pytest.mark.slow
 def test_a_promotion_held_for_approval_switches_only_when_promoted_and_never_over_a_newer_drafter(
         trained_config, make_config):
     """The deployment's approve_promotion: `evaluate --hold-promotion` decides but switches nothing; `lineage promote`
@@ -123,6 +125,7 @@ def test_a_promotion_held_for_approval_switches_only_when_promoted_and_never_ove
         promote_held(good, "alice", approved(good))
 
 
+@pytest.mark.slow
 def test_old_versions_beyond_keep_versions_are_removed(trained_config, make_config):
     run_export(trained_config)
     lineage = Lineage(trained_config)
@@ -133,6 +136,7 @@ def test_old_versions_beyond_keep_versions_are_removed(trained_config, make_conf
     assert lineage.current().name.startswith("new-") and (lineage.current().path / "model.safetensors").exists()
 
 
+@pytest.mark.slow
 def test_training_and_validation_leave_the_pinned_evaluation_prompts_out(trained_config, make_config):
     """Pinned from a wide split (first and later user turns), then trained with a narrow one: the pinned conversations,
     and every conversation that opens with a pinned prompt, neither train nor pick the checkpoint."""
@@ -164,6 +168,7 @@ def promote_by_hand(cfg, drafter_dir, run_name: str, expected_current: str | Non
     return Lineage(cfg).promote(drafter_dir, run_name, record, keep=5, expected_current=expected_current)
 
 
+@pytest.mark.slow
 def test_a_warm_start_begins_from_the_current_drafter_and_every_try_from_the_same_one(trained_config, make_config):
     """train.init_from current: training starts from the lineage's promoted drafter (its first step's loss is
     already far below a fresh start's), and the weights it starts from are the ones its first try pinned: a try
@@ -201,6 +206,7 @@ def test_a_warm_start_begins_from_the_current_drafter_and_every_try_from_the_sam
     assert all(torch.equal(finished[key], again[key]) for key in finished)
 
 
+@pytest.mark.slow
 def test_a_warm_start_takes_each_draft_vocab_row_by_the_token_it_stands_for(trained_config):
     """A rebuilt vocab mapping may hold other tokens, in other rows: lm_head rows follow their tokens, and a token
     new to the draft vocabulary keeps its fresh row; every other weight is copied as it is."""
@@ -248,6 +254,7 @@ def approved(cfg) -> str:
     return json.loads((cfg.run_dir / "evaluate" / "report.json").read_text())["promotion"]["drafter_files_sha256"]
 
 
+@pytest.mark.slow
 def test_lineage_promote_without_an_approver_is_refused_naming_the_flag(make_config):
     """Attack: `lineage promote` switched the lineage's drafter with no approval recorded at all."""
     cfg = make_config()
@@ -267,6 +274,7 @@ def test_lineage_promote_without_an_approver_is_refused_naming_the_flag(make_con
     assert Lineage(cfg).current().record["approved_by"] == "alice"
 
 
+@pytest.mark.slow
 def test_a_drafter_changed_after_it_was_measured_is_not_promoted(make_config):
     """Attack: the drafter's weights were swapped after evaluate measured them; promotion copied the drafter as it was
     then, while promotion.json kept the measured digest. Refused, naming the drafter and both digests; nothing
@@ -311,6 +319,7 @@ def test_a_proposal_rewritten_after_the_approval_is_not_promoted(make_config):
     assert (drafter / "model.safetensors").read_bytes() == b"weights nobody approved"
 
 
+@pytest.mark.slow
 def test_a_link_in_the_drafter_refuses_the_promotion_and_copies_nothing_it_points_at(make_config, tmp_path):
     """Attack: a link in the drafter directory (here in an engine's subdirectory) had its target, any file this user
     may read, copied into versions/ for everyone who deploys the lineage."""

@@ -42,6 +42,7 @@ def run_stage(plan: dict, stage: str, marker: str) -> dict:
     return operator._poll(key)["state"]
 
 
+@pytest.mark.slow
 def test_redo_from_runs_that_stage_and_every_later_one_again_with_the_old_outputs_set_aside(plan):
     run_dir = run_dir_of(plan)
     for stage in ("vocab", "train", "export"):
@@ -60,6 +61,7 @@ def test_redo_from_runs_that_stage_and_every_later_one_again_with_the_old_output
     assert (run_dir / "train" / "model").read_text() == "new"
 
 
+@pytest.mark.slow
 def test_redo_skips_no_stage_as_nothing_changed_and_names_only_known_stages(plan, monkeypatch):
     from eagle3_airflow import tasks
 

@@ -18,6 +18,7 @@ from eagle3_airflow.remote_job import WORKER_PHASE_TIMEOUT, RemoteJobOperator
 from tests.conftest import CONTEXT, plain_config, run_plan, sealed
 
 
+@pytest.mark.slow
 def test_the_worker_phase_has_an_execution_timeout_and_the_deferred_wait_the_stage_timeout(plan):
     """30 minutes for sync, job start and the polls, unless default_args or the task say otherwise. The wait in
     the triggerer is the deferral's: its timeout is stage_timeout_h (Airflow 3.3 does not cap it at the
@@ -38,6 +39,7 @@ def test_the_worker_phase_has_an_execution_timeout_and_the_deferred_wait_the_sta
     assert deferred.value.trigger.stream == "ti-0193a1b2"  # the box keeps this try's place in the log
 
 
+@pytest.mark.slow
 def test_a_worker_phase_that_times_out_fails_the_try_but_leaves_the_job_running(tmp_path, trust_settings,
                                                                                  monkeypatch):
     """Airflow's task runner interrupts execute at the execution_timeout and calls on_kill. A slow worker (an SSH
@@ -66,6 +68,7 @@ def test_a_worker_phase_that_times_out_fails_the_try_but_leaves_the_job_running(
     assert box_commands == [["ensure"]]  # no `job kill` after it
 
 
+@pytest.mark.slow
 def test_a_job_killed_under_a_try_that_re_attached_to_it_is_started_again_in_that_try(plan, monkeypatch):
     """Clearing a deferred task: the old try's trigger sends `job kill` from its on_kill while Airflow already runs
     the next try, whose `job start` may find the job still alive and re-attach to it (the production lane saw it
@@ -86,6 +89,7 @@ def test_a_job_killed_under_a_try_that_re_attached_to_it_is_started_again_in_tha
     assert restarted == [context] and "A retry (or clearing the task) resumes the stage" in str(failed.value)
 
 
+@pytest.mark.slow
 def test_a_stage_starts_as_its_own_airflow_run_and_a_job_on_another_host_fails_the_task(plan, monkeypatch):
     """`job start` is told the Airflow run from the task's own context (never XCom), so the box refuses a stage of
     a run that does not own the run directory (eagle3.runowner), even one whose write_config was marked successful.
@@ -224,6 +228,7 @@ def test_the_operator_keeps_no_job_id_in_the_task_state_store():
     assert not hasattr(RemoteJobOperator, "execute_resumable") and not hasattr(RemoteJobOperator, "external_id_key")
 
 
+@pytest.mark.slow
 def test_a_start_refused_for_good_fails_the_task_without_spending_its_retries(plan, tmp_path, monkeypatch):
     """`job start` run for real on the local box. A job that another host sharing the work directory runs
     (FOREIGN_EXIT), or a run directory another Airflow run owns (exit 2), is refused again by every retry: the task

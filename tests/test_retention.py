@@ -48,6 +48,7 @@ def promote(workdir: Path, version: str, run_dir: str) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_prune_keeps_the_newest_and_every_promoted_or_live_run(tmp_path):
     workdir = tmp_path / "work"
     runs = {name: make_run(workdir, name, age_s=age) for name, age in
@@ -77,6 +78,7 @@ def propose(run_dir: Path, age_s: float) -> None:
     os.utime(report, (then, then))
 
 
+@pytest.mark.slow
 def test_a_run_whose_proposal_may_still_be_approved_is_kept_until_the_approval_times_out(tmp_path):
     """approve_promotion: the training run ends before a person approves (in the promotion DAG), and a later run's
     retention must not remove the drafter awaiting approval; once the approval has timed out, it goes as any."""
@@ -91,6 +93,7 @@ def test_a_run_whose_proposal_may_still_be_approved_is_kept_until_the_approval_t
     assert timed_out["removed"] == ["waiting"] and not runs["waiting"].exists()
 
 
+@pytest.mark.slow
 def test_store_gc_removes_only_what_no_run_links_to(tmp_path):
     workdir = tmp_path / "work"
     make_run(workdir, "kept", 0, store="a")
@@ -178,6 +181,7 @@ def test_a_promoted_run_spelled_differently_in_its_promotion_json_is_kept(tmp_pa
     assert outcome["kept_beyond_keep"] == {name: "its drafter is a promoted version" for name in spellings}
 
 
+@pytest.mark.slow
 def test_a_bad_promotion_json_refuses_the_prune_naming_it(tmp_path):
     """Attack: a promotion.json that is not JSON (or names no run) ended prune in a traceback. Which run directory
     it protects is unknown, so nothing is removed, and the file is named."""
@@ -194,6 +198,7 @@ def test_a_bad_promotion_json_refuses_the_prune_naming_it(tmp_path):
         assert (workdir / "runs" / "old").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("root", ["stores", "generated", "runs"])
 def test_store_gc_refuses_a_symlinked_root_naming_it(tmp_path, root):
     """Attack: `store gc` through a symlinked stores/ removed every unlinked folder in the link's target."""

@@ -45,6 +45,7 @@ def owners(tmp_path: Path) -> list[tuple]:
     return [(run["dag_id"], run["run_id"], run["triggered_by"], run["redo_from"]) for run in record["runs"]]
 
 
+@pytest.mark.slow
 def test_a_run_directory_is_its_first_airflow_runs_and_another_users_run_is_refused_naming_it(draft, tmp_path):
     """The owner's retries and clears init again (resume); a run another user triggered on the same run_name, or
     another DAG's run (a scheduled one: no user), is refused (exit 2) before it writes anything, naming the owner and
@@ -63,6 +64,7 @@ def test_a_run_directory_is_its_first_airflow_runs_and_another_users_run_is_refu
     assert (tmp_path / "work" / "runs" / "shared-name" / CONFIG).read_bytes() == config
 
 
+@pytest.mark.slow
 def test_the_same_users_later_run_takes_the_directory_over_and_every_run_that_wrote_it_is_listed(draft, tmp_path):
     """box.redo_from runs stages again in an existing directory from a new Airflow run: allowed to the user who
     triggered its owner, and then the redo run owns it, listed after the first. The attack of issue 43 item 6, an
@@ -86,6 +88,7 @@ def as_host(monkeypatch, tmp_path: Path, name: str) -> None:
     monkeypatch.setenv("EAGLE3_HOST_ID_FILE", str(path))
 
 
+@pytest.mark.slow
 def test_init_records_the_host_of_each_run_and_the_owners_init_adds_or_moves_it(draft, tmp_path, monkeypatch):
     """Boxes may share a work directory, and only the box that made a run directory prunes it (eagle3.retention):
     init records its host beside the run. The owner's init run again on another box (a clear of write_config) moves
@@ -111,6 +114,7 @@ def test_init_records_the_host_of_each_run_and_the_owners_init_adds_or_moves_it(
     assert hosts() == ["machine-id-of-gpu-box-2", "machine-id-of-gpu-box-1"]
 
 
+@pytest.mark.slow
 def test_init_by_hand_and_airflow_runs_never_share_a_directory(draft, tmp_path):
     """By hand (no Airflow run named) init works as it always did where no Airflow run owns the directory; it is
     refused in one an Airflow run owns, and an Airflow run refuses a directory made by hand: whose it is is unknown."""
@@ -125,6 +129,7 @@ def test_init_by_hand_and_airflow_runs_never_share_a_directory(draft, tmp_path):
     assert by_hand.returncode == 2 and "init by hand does not write into an Airflow run's directory" in by_hand.stderr
 
 
+@pytest.mark.slow
 def test_a_value_that_names_no_airflow_run_is_refused():
     for argv, field in ((["--airflow-dag-id=a b", "--airflow-run-id=r"], "--airflow-dag-id"),
                         (["--airflow-dag-id=d", "--airflow-run-id=r\nx"], "--airflow-run-id"),
@@ -136,6 +141,7 @@ def test_a_value_that_names_no_airflow_run_is_refused():
 # -- through the DAG's tasks ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_the_dags_write_config_refuses_another_airflow_runs_directory(tmp_path, tiny_target, monkeypatch):
     """validate then write_config, as the DAG runs them, with this machine as the box: a second Airflow run that
     names the first's run_name fails write_config for good (no retry can help), naming the owner; the first run's
@@ -181,6 +187,7 @@ def test_an_unnamed_run_is_named_with_its_dag_id_so_two_boxes_dags_never_share_a
     assert all(name.startswith("eagle3_drafter__bbbb") for name in long_names)
 
 
+@pytest.mark.slow
 def test_a_stage_of_another_airflow_run_is_not_started_in_an_owned_directory(draft, tmp_path):
     """A run refused at init must not write by another way: its write_config marked successful (by whoever may mark
     and clear tasks, as in the attack above), its stages' `job start` names the run, and the box refuses it in a

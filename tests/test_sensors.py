@@ -28,6 +28,7 @@ esac
 """
 
 
+@pytest.mark.slow
 def test_gpus_idle(plan, gpus, capsys):
     gpus([{**H200, "memory.used": 1}])
     idle, log = poke(GpuIdleSensor, plan, capsys)
@@ -35,18 +36,21 @@ def test_gpus_idle(plan, gpus, capsys):
     assert "NVIDIA H200: 1 of 143771 MiB used" in log
 
 
+@pytest.mark.slow
 def test_memory_in_use_without_a_visible_process_is_busy(plan, gpus, capsys):
     gpus([{**H200, "memory.used": 9000}])
     idle, log = poke(GpuIdleSensor, plan, capsys)
     assert not idle and "9000 MiB used > 1024 MiB allowed" in log
 
 
+@pytest.mark.slow
 def test_no_gpu_on_a_box_that_needs_them(plan, gpus, capsys):
     gpus(error="No devices were found", exit_code=6)
     idle, log = poke(GpuIdleSensor, plan, capsys)
     assert not idle and "no GPUs visible" in log
 
 
+@pytest.mark.slow
 def test_a_box_with_too_few_gpus_for_the_shards_fails_at_once(plan, gpus, capsys):
     gpus([{**H200, "index": i, "uuid": f"GPU-{i}", "memory.used": 1} for i in range(4)])
     sglang = {"config.extract.backend": "sglang", "config.extract.sglang.tp_size": 2}
@@ -84,6 +88,7 @@ def test_the_gpu_check_is_the_settings_never_a_triggers():
             validate_run({**form, key: value}, {key: value}, set(build_params()), RUN, deployment)
 
 
+@pytest.mark.slow
 def test_configured_services_are_stopped_before_the_check(plan, gpus, tmp_path, capsys, monkeypatch):
     systemctl = tmp_path / "systemctl"
     systemctl.write_text(FAKE_SYSTEMCTL)
@@ -99,6 +104,7 @@ def test_configured_services_are_stopped_before_the_check(plan, gpus, tmp_path, 
     assert Path(f"{units}.stopped").read_text() == "vllm.service\n"  # the inactive unit was left alone
 
 
+@pytest.mark.slow
 def test_disk_space_below_and_above_the_estimate(plan, capsys):
     import json
 
@@ -115,6 +121,7 @@ def test_disk_space_below_and_above_the_estimate(plan, capsys):
     assert not enough and "not enough disk: need" in log
 
 
+@pytest.mark.slow
 def test_box_reachable_waits_for_an_ssh_box_that_does_not_answer(plan, capsys, monkeypatch, fresh_sshd):
     monkeypatch.setenv("AIRFLOW_CONN_GPU_BOX", fresh_sshd.airflow_conn_json())
     ssh_plan = sealed(edited(plan, {"box.conn_ids": ["gpu_box"]}))
@@ -126,6 +133,7 @@ def test_box_reachable_waits_for_an_ssh_box_that_does_not_answer(plan, capsys, m
     assert poke(BoxReachableSensor, ssh_plan, capsys)[0]
 
 
+@pytest.mark.slow
 def test_this_runs_own_job_on_the_gpu_is_not_foreign(plan, gpus, capsys):
     """A GPU process in the process group of a live job of this run (say train, still running when a cleared
     run checks the GPUs again) is ours: the sensor names it and does not wait for it."""
@@ -171,6 +179,7 @@ def test_the_plan_knows_how_many_gpus_each_box_needs(make_config):
 # -- waiting in the triggerer --------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_busy_box_defers_to_the_triggerer_which_checks_until_the_gpus_are_free(plan, gpus, capsys):
     """Ready at once: done in the worker, no deferral. Busy: the sensor defers to BoxCheckTrigger, which runs the
     same check from the triggerer (the async transport) until the GPUs are free, then resumes the task."""
@@ -214,6 +223,7 @@ def test_a_busy_box_defers_to_the_triggerer_which_checks_until_the_gpus_are_free
     sensor.execute_complete({}, event.payload)
 
 
+@pytest.mark.slow
 def test_what_waiting_cannot_fix_fails_the_deferred_sensor(plan, gpus):
     import asyncio
 

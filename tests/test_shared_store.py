@@ -30,6 +30,7 @@ def conversation_ids(cfg) -> list[str]:
     return [c.sample_id for c in read_conversations(cfg.data.path, max_samples=cfg.data.max_samples)[0]]
 
 
+@pytest.mark.slow
 def test_a_rerun_extracts_nothing_and_grown_data_extracts_exactly_the_new_samples(make_config):
     first = make_config(run_name="week-1", data={"max_samples": 40})
     week1 = run_extract(first)
@@ -54,6 +55,7 @@ def test_a_rerun_extracts_nothing_and_grown_data_extracts_exactly_the_new_sample
     assert len(HiddenStateStore(grown.store_dir)) == verify(grown.store_dir)["samples"] == 44  # stored once
 
 
+@pytest.mark.slow
 def test_a_change_to_what_decides_the_states_starts_another_store(make_config):
     base = make_config(run_name="base", data={"max_samples": 12})
     run_extract(base)
@@ -83,6 +85,7 @@ def test_a_store_key_reads_the_generation_template_as_the_stages_do(make_config,
     assert capture_fields(cfg)["generation_chat_template"] == hashlib.sha256(b"{{ messages }}").hexdigest()
 
 
+@pytest.mark.slow
 def test_a_run_whose_target_changed_after_it_started_is_refused(make_config, tiny_target, tmp_path):
     """A new checkpoint dropped into the model directory mid-run would mix two targets' states in one store."""
     model = tmp_path / "target"
@@ -96,6 +99,7 @@ def test_a_run_whose_target_changed_after_it_started_is_refused(make_config, tin
     assert attach_store(fresh) != cfg.store_dir.resolve()
 
 
+@pytest.mark.slow
 def test_a_run_whose_extract_has_not_finished_is_not_read(make_config):
     cfg = make_config(data={"max_samples": 8})
     run_extract(cfg)
@@ -120,6 +124,7 @@ sys.exit(main(["extract", "--config", sys.argv[1]]))
 """
 
 
+@pytest.mark.slow
 def test_a_run_that_finds_another_writing_its_shard_waits_for_it_and_finds_its_samples_stored(
         make_config, tmp_path, monkeypatch, caplog):
     """Two runs of one capture extract the same shard of the shared store at once (on two boxes sharing the disk, or
@@ -188,6 +193,7 @@ def test_a_run_that_finds_another_writing_its_shard_waits_for_it_and_finds_its_s
     assert set(open_run_store(second).sample_ids) == set(conversation_ids(second))
 
 
+@pytest.mark.slow
 def test_a_writer_that_does_not_wait_gets_store_busy_naming_the_holder_and_is_retried(make_config):
     """ShardWriter without on_busy (the default) refuses a busy shard at once; `python -m eagle3` exits 1 for it (a
     retry may do). A shard this very process holds is refused even by a writer that waits: it would wait forever."""

@@ -78,6 +78,7 @@ def test_conversations_that_share_a_first_prompt_take_one_part(make_config, tmp_
         split.part("0" * 16)
 
 
+@pytest.mark.slow
 def test_on_the_tiny_targets_prompts_no_first_prompt_is_on_two_sides(make_config, tiny_target):
     """The demo's data (the tiny target's 6000 prompts, 5387 distinct conversations), at the demo's val_fraction."""
     cfg = make_config(data={"max_samples": None}, train={"val_fraction": 0.3})

@@ -425,6 +425,7 @@ def test_verify_checks_the_fp8_scales_and_payload(tmp_path, change, fragment):
     assert f"{chunk}: {fragment}" in str(info.value), str(info.value)
 
 
+@pytest.mark.slow
 def test_fp8_digest_covers_payload_and_scales_and_ignores_chunking(tmp_path):
     samples, states = make_samples(25)
     write_fp8_store(tmp_path / "a", samples, states, chunk_bytes=2048, batch=3)

@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from eagle3.data import SampleTokenizer, read_conversations
@@ -17,6 +18,7 @@ from eagle3.tiny_target import TinyTargetSpec, build
 SMALL = TinyTargetSpec(hidden_size=64, num_layers=5, train_steps=3, num_prompts=20)
 
 
+@pytest.mark.slow
 def test_same_seed_same_files_and_a_second_build_is_reused(tmp_path):
     """The second build runs as `make demo` would build it on a machine with other CPU threads than this test's
     (tests/conftest.py sets one): the files are the same all the same."""
@@ -36,6 +38,7 @@ def test_same_seed_same_files_and_a_second_build_is_reused(tmp_path):
     assert (other / "model.safetensors").read_bytes() != (a / "model.safetensors").read_bytes()
 
 
+@pytest.mark.slow
 def test_the_default_target_is_deepseek_v3_shaped_and_has_learned_the_task(tiny_target):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

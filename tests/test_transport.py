@@ -36,6 +36,7 @@ def assert_nothing_executed(tmp_path: Path) -> None:
     assert not list(tmp_path.glob("pwned*")), "a value was executed by a shell"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", ["local", "ssh"])
 def test_argv_elements_reach_the_command_verbatim(transport, tmp_path, request):
     box = LocalBox() if transport == "local" else request.getfixturevalue("ssh_box")
@@ -47,11 +48,13 @@ def test_argv_elements_reach_the_command_verbatim(transport, tmp_path, request):
     assert_nothing_executed(tmp_path)
 
 
+@pytest.mark.slow
 def test_stdin_reaches_the_remote_command(ssh_box):
     data = bytes(range(256)) * 1000
     assert ssh_box.run(["wc", "-c"], input=data).stdout.strip() == str(len(data))
 
 
+@pytest.mark.slow
 def test_a_wrong_host_key_is_refused(sshd, monkeypatch):
     other_key = " ".join(Path(f"{sshd.client_key}.pub").read_text().split()[:2])  # a valid key, not the host's
     monkeypatch.setenv("AIRFLOW_CONN_IMPOSTOR", sshd.airflow_conn_json(host_key=other_key))
@@ -64,6 +67,7 @@ def test_a_wrong_host_key_is_refused(sshd, monkeypatch):
         asyncio.run(box.arun(["true"]))
 
 
+@pytest.mark.slow
 def test_code_sync_is_content_addressed_idempotent_and_heals(ssh_box, tmp_path):
     workdir = str(tmp_path / "work")
     first = ensure_code(ssh_box, sys.executable, workdir)
@@ -86,6 +90,7 @@ def test_package_archive_is_reproducible():
     assert package_archive() == first
 
 
+@pytest.mark.slow
 def test_hostile_paths_travel_as_data_through_ssh(ssh_box, tmp_path, tiny_target, monkeypatch):
     """Every string with shell syntax, from the form (data.path) or the settings (vocab.reuse_from), goes through
     validate -> write_config over SSH: stored verbatim."""
@@ -121,6 +126,7 @@ def plan_for(workdir: Path):
 PLANTED = 'open({marker!r}, "w").write("planted code ran")\n'
 
 
+@pytest.mark.slow
 def test_a_code_dir_planted_under_the_digest_name_is_moved_aside_and_never_runs(tmp_path, caplog):
     """Someone with write access to a shared workdir creates code/<digest>/ first, with an eagle3 of their own
     (the digest is public: it names the directory). The sync compares the directory with the archive, moves it
@@ -145,6 +151,7 @@ def test_a_code_dir_planted_under_the_digest_name_is_moved_aside_and_never_runs(
     assert not (Path(synced) / "eagle3" / "__pycache__").exists()  # the stages write no bytecode there
 
 
+@pytest.mark.slow
 def test_an_eagle3_package_in_the_login_directory_does_not_shadow_the_synced_one(tmp_path, monkeypatch):
     """`python -m eagle3` puts the working directory (over SSH: the login directory) first on the path; a
     package planted there would run as the box user. Safe-path mode (-P) leaves it out; the code sync runs
@@ -204,6 +211,7 @@ def deploy(tmp_path, monkeypatch):
     codesync.package_archive.cache_clear()
 
 
+@pytest.mark.slow
 def test_a_retry_after_a_deploy_runs_the_code_its_run_was_validated_with(tmp_path, deploy, caplog):
     """The code dir used to be named by the worker's package on every try: a retry after a deploy resumed a
     half-done stage under new code. The plan pins the digest at validate; the box's kept archive serves later tries."""
@@ -239,6 +247,7 @@ def test_a_retry_after_a_deploy_runs_the_code_its_run_was_validated_with(tmp_pat
         package_archive().digest)
 
 
+@pytest.mark.slow
 def test_a_command_killed_under_the_async_transport_counts_as_an_outage(ssh_box):
     """When sshd goes down during a job poll, the poll dies by a signal (exit status -1 in asyncssh): CI saw that
     fail a trigger as "polling failed on the box" instead of riding out the outage. Every async command is safe to
@@ -251,6 +260,7 @@ def test_a_command_killed_under_the_async_transport_counts_as_an_outage(ssh_box)
 # -- files back from the box: SFTP, or a plain read on the local box -----------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", ["local", "ssh"])
 def test_fetch_reads_regular_files_of_the_given_size_and_refuses_links_pipes_and_other_sizes(transport, tmp_path,
                                                                                            request):
@@ -275,6 +285,7 @@ def test_fetch_reads_regular_files_of_the_given_size_and_refuses_links_pipes_and
             box.fetch({str(tmp_path / name): said}, timeout=10)
 
 
+@pytest.mark.slow
 def test_several_commands_and_fetches_share_one_connection(ssh_box, sshd, tmp_path):
     """`with box.connected():` runs the manifest command and the SFTP fetch over one SSH connection (sshd logs one
     accepted key per connection)."""

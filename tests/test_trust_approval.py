@@ -134,6 +134,7 @@ def approve(proposal: dict, user: str) -> dict:
 # -- what the promotion DAG takes for a proposal -----------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_the_promotion_dag_takes_only_proposals_a_training_runs_propose_task_sealed(plan, caplog):
     write_proposal(str(run_dir_of(plan)))
     extra = propose(plan)
@@ -156,12 +157,14 @@ def test_the_promotion_dag_takes_only_proposals_a_training_runs_propose_task_sea
     assert caplog.text.count(": refused: ") == 6 and caplog.text.count("not emitted by a drafter DAG") == 6  # x 2
 
 
+@pytest.mark.slow
 def test_a_run_that_proposes_nothing_puts_no_event(plan):
     write_proposal(str(run_dir_of(plan)), pending_approval=False, reason="not better")
     with pytest.raises(AirflowSkipException, match="nothing proposed for promotion"):
         propose(plan)
 
 
+@pytest.mark.slow
 def test_a_proposal_edited_in_xcom_is_refused_by_the_approval(proposed):
     with pytest.raises(Tampered, match="does not match its seal"):
         approval_task({**proposed, "triggered_by": "mallory"}).execute(CONTEXT_TI)
@@ -172,6 +175,7 @@ def test_a_proposal_edited_in_xcom_is_refused_by_the_approval(proposed):
 # -- who is asked, and what they read ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_the_approval_is_assigned_to_the_approvers_and_its_body_comes_from_the_box_as_text(proposed, monkeypatch):
     asked = {}
     monkeypatch.setattr("airflow.providers.standard.operators.hitl.upsert_hitl_detail",
@@ -186,6 +190,7 @@ def test_the_approval_is_assigned_to_the_approvers_and_its_body_comes_from_the_b
     assert "| 3 |" not in html and "<td>1.870</td>" in html and "<td>1.700</td>" in html  # the figures: a table
 
 
+@pytest.mark.slow
 def test_a_workdir_with_a_backtick_stays_a_path_in_the_body(tmp_path, trust_settings, monkeypatch):
     """The issue's attack: a workdir with a backtick ended the code span, and what followed rendered as markup."""
     from eagle3_airflow.codesync import ensure_code
@@ -214,6 +219,7 @@ def promote(proposal: dict, approval, deployment=None) -> dict:
                                   deployment=deployment or Deployment(approvers=APPROVERS))
 
 
+@pytest.mark.slow
 def test_an_approve_by_an_approver_who_did_not_trigger_the_run_is_sealed_for_promote(proposed, promote_calls):
     record = approve(proposed, "bob")
     assert record["approved_by"] == "bob" and "seal" in record
@@ -224,6 +230,7 @@ def test_an_approve_by_an_approver_who_did_not_trigger_the_run_is_sealed_for_pro
                          "--approved-by=bob", f"--approved-files={'f' * 64}"]  # the files the approval covered
 
 
+@pytest.mark.slow
 def test_the_user_who_triggered_the_run_cannot_approve_it(proposed):
     """The promotion run has no triggering user (an Asset event started it): the proposal's sealed one counts."""
     with pytest.raises(AirflowFailException, match=r"answered Approve by 'trigger-user', who triggered the training "
@@ -232,6 +239,7 @@ def test_the_user_who_triggered_the_run_cannot_approve_it(proposed):
         approve(proposed, "trigger-user")
 
 
+@pytest.mark.slow
 def test_an_answer_by_someone_not_among_the_approvers_promotes_nothing(proposed):
     """SimpleAuthManager's all-admins mode lets any user answer: the task checks the approvers itself."""
     with pytest.raises(AirflowFailException, match=r"answered Approve by 'mallory', who is not one of this "
@@ -239,11 +247,13 @@ def test_an_answer_by_someone_not_among_the_approvers_promotes_nothing(proposed)
         approve(proposed, "mallory")
 
 
+@pytest.mark.slow
 def test_an_approve_nobody_gave_is_no_approval(proposed):
     with pytest.raises(Tampered, match="resumed with Approve, but with no user who answered it"):
         approval_task(proposed).execute_complete(CONTEXT_TI, answered("Approve", None))
 
 
+@pytest.mark.slow
 def test_a_rejection_returns_no_approval(proposed):
     answer = approval_task(proposed).execute_complete(CONTEXT_TI, answered("Reject", "bob"))
     assert "seal" not in answer
@@ -252,6 +262,7 @@ def test_a_rejection_returns_no_approval(proposed):
 # -- what promote accepts as an approval -----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_promote_refuses_without_a_sealed_approval(proposed, promote_calls):
     """The approval task marked successful by hand leaves no record; a hand-written XCom has no valid seal."""
     deployment = Deployment(approvers=APPROVERS)
@@ -270,6 +281,7 @@ def test_promote_refuses_without_a_sealed_approval(proposed, promote_calls):
     assert promote_calls == []
 
 
+@pytest.mark.slow
 def test_an_approval_of_another_training_runs_proposal_promotes_nothing(proposed, promote_calls, tmp_path):
     """Two proposals in one promotion run: the approval of one, pasted into the other's XCom, holds for neither."""
     other_training_run = SimpleNamespace(dag_id=RUN.dag_id, run_id="manual__second", triggering_user_name="alice")
@@ -280,6 +292,7 @@ def test_an_approval_of_another_training_runs_proposal_promotes_nothing(proposed
     assert promote_calls == []
 
 
+@pytest.mark.slow
 def test_an_approval_holds_for_the_proposal_it_approved_only(proposed, promote_calls):
     record = approve(proposed, "bob")
     write_proposal(str(run_dir_of(proposed["plan"])), accept_length={"3": 1.2})  # evaluate ran again: another drafter
@@ -294,6 +307,7 @@ def test_an_approval_holds_for_the_proposal_it_approved_only(proposed, promote_c
     assert promote_calls == []
 
 
+@pytest.mark.slow
 def test_an_approver_removed_from_the_settings_since_cannot_promote(proposed, promote_calls):
     record = approve(proposed, "bob")
     with pytest.raises(AirflowFailException, match=r"'bob', who is not one of this deployment's approvers"):
@@ -301,6 +315,7 @@ def test_an_approver_removed_from_the_settings_since_cannot_promote(proposed, pr
     assert promote_calls == []
 
 
+@pytest.mark.slow
 def test_a_retry_after_the_switch_still_matches_its_approval(proposed, promote_calls):
     """`lineage promote` rewrites the report's promotion (promoted, the version) and keeps what was proposed: a
     retry of promote whose first try died after the switch goes through again (the box answers it idempotently)."""
@@ -311,6 +326,7 @@ def test_a_retry_after_the_switch_still_matches_its_approval(proposed, promote_c
     assert len(promote_calls) == 1
 
 
+@pytest.mark.slow
 def test_the_same_proposal_asked_twice_is_promoted_once_and_the_second_approval_skips(proposed, promote_calls):
     """The training run proposed again after a clear (same drafter, same digest) while the first promotion run still
     waited: two promotion runs ask the same question. The first Approve promotes; the second question, asked or
@@ -345,6 +361,7 @@ class Heard(BaseNotifier):
         Heard.messages.append((self.subject, self.body))
 
 
+@pytest.mark.slow
 def test_a_waiting_approval_tells_the_settings_channels_who_may_answer_where_and_the_figures_as_text(proposed,
                                                                                                       monkeypatch):
     """The issue: a pending approval told nobody. The settings' notify channels hear it, and a template in a value

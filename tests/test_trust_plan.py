@@ -147,6 +147,7 @@ def test_a_plan_of_another_protocol_is_refused_saying_to_clear_validate(run, no_
             plan_module.verified_plan(sealed_as_is(layout), RUN)
 
 
+@pytest.mark.slow
 def test_sync_code_refuses_a_box_whose_code_speaks_another_protocol(run, monkeypatch):
     """Real: the local box, the run's code synced and its `box info` run. The box reports the protocol its code speaks
     (eagle3.contracts); where this worker expects another, sync_code fails before any stage, saying what to do."""

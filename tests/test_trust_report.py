@@ -65,6 +65,7 @@ def box_plan(plan: dict) -> RunPlan:
 # -- the box side ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_plot_that_links_to_a_secret_is_neither_listed_nor_read(run_dir, secret):
     (run_dir / "evaluate" / "acceptance.png").symlink_to(secret)
     assert list_plots(str(run_dir)) == ["train/loss.png"]
@@ -85,6 +86,7 @@ def test_a_linked_stage_directory_or_run_directory_is_not_followed(run_dir, secr
         read_file(str(linked_run), "evaluate/report.json")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["../../../../etc/passwd", "evaluate/../../../../etc/passwd", "/etc/passwd",
                                   "evaluate/report.json/..", "jobs/train/log", "evaluate/proposal.json",
                                   "config.json", "a/b/c.png"])
@@ -98,6 +100,7 @@ def test_a_run_directory_that_climbs_out_is_refused(run_dir):
         read_file(f"{run_dir}/../../../../etc", "evaluate/report.json")
 
 
+@pytest.mark.slow
 def test_a_huge_plot_is_refused_by_its_size_without_being_read(run_dir):
     """A 100 MB "plot" grew the API server by 270 MiB (base64 over SSH, decoded, served). Now the box leaves it out
     of the list and refuses it by fstat size, before reading a byte (the file is sparse: reading it would take
@@ -113,6 +116,7 @@ def test_a_huge_plot_is_refused_by_its_size_without_being_read(run_dir):
     assert len(read_file(str(run_dir), "evaluate/acceptance.png")) == MAX_FILE_BYTES
 
 
+@pytest.mark.slow
 def test_a_pipe_in_place_of_a_plot_neither_blocks_nor_is_read(run_dir):
     os.mkfifo(run_dir / "evaluate" / "acceptance.png")
     assert list_plots(str(run_dir)) == ["train/loss.png"]
@@ -120,6 +124,7 @@ def test_a_pipe_in_place_of_a_plot_neither_blocks_nor_is_read(run_dir):
         read_file(str(run_dir), "evaluate/acceptance.png")
 
 
+@pytest.mark.slow
 def test_the_manifest_names_each_file_with_its_size_and_digest_and_refuses_links_one_by_one(run_dir, secret):
     """What the control plane may fetch, decided on the box: size and sha256 of what the box read through its checks,
     absent files as absent, a linked or unknown name refused by name (its target's content nowhere), the plots."""
@@ -159,6 +164,7 @@ def swap_before_fetch(monkeypatch, path: Path, swap) -> None:
     monkeypatch.setattr(LocalBox, "fetch", swapped)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("swap", ["link", "rewritten", "grown", "pipe"])
 def test_a_file_swapped_between_manifest_and_fetch_is_refused_not_served(run_dir, plan, secret, reports,
                                                                           monkeypatch, swap):
@@ -185,6 +191,7 @@ def test_a_file_swapped_between_manifest_and_fetch_is_refused_not_served(run_dir
     assert not [path for path in reports.rglob("*") if path.is_file() and SECRET.encode() in path.read_bytes()]
 
 
+@pytest.mark.slow
 def test_the_report_reads_its_files_in_one_manifest_and_fetch_per_step(run_dir, plan, monkeypatch):
     """Not one box command per file: the summary asks once (its reports and the plots), the publication once."""
     (run_dir / "evaluate" / "acceptance.png").write_bytes(PNG)
@@ -202,6 +209,7 @@ def test_the_report_reads_its_files_in_one_manifest_and_fetch_per_step(run_dir, 
     assert len(commands) == 2 and all("manifest" in argv for argv in commands) and len(fetches) == 2
 
 
+@pytest.mark.slow
 def test_the_report_task_reads_figures_and_plots_from_the_box_only(run_dir, plan, secret):
     (run_dir / "evaluate" / "acceptance.png").symlink_to(secret)
     summary = tasks.report(plan, dag_run=RUN)
@@ -209,6 +217,7 @@ def test_the_report_task_reads_figures_and_plots_from_the_box_only(run_dir, plan
     assert summary["measured_accept_length"] == {"3": 1.87} and summary["promotion"]["version"] == "r-1a2b3c4d"
 
 
+@pytest.mark.slow
 def test_a_linked_report_puts_nothing_of_its_target_into_the_task_error(run_dir, plan, secret):
     """A symlinked report.json used to fail the report task with the file's last 2000 characters in its error."""
     report = run_dir / "evaluate" / "report.json"
@@ -225,6 +234,7 @@ def test_a_linked_report_puts_nothing_of_its_target_into_the_task_error(run_dir,
     assert SECRET not in str(refused.value)
 
 
+@pytest.mark.slow
 def test_the_approval_reads_the_proposal_through_the_same_refusals(run_dir, plan, secret):
     report = run_dir / "evaluate" / "report.json"
     report.unlink()
@@ -244,6 +254,7 @@ def reports(tmp_path, monkeypatch) -> Path:
     return tmp_path / "airflow-home" / "eagle3-reports"
 
 
+@pytest.mark.slow
 def test_the_report_tab_serves_what_the_report_task_published_with_the_box_gone(run_dir, plan, secret, reports):
     """Issue 36: the API server has no box key; the tab used to SSH to the box and 500 on any real one. Now the
     report task publishes the run's report and plots, and the tab serves only that publication."""
@@ -289,6 +300,7 @@ def test_a_run_id_names_one_folder_of_the_store_and_nothing_outside_it(reports, 
     assert ".." not in folder.name and folder.name != "."
 
 
+@pytest.mark.slow
 def test_the_tab_serves_only_files_the_publication_names(run_dir, plan, reports, secret):
     """A file dropped into a run's published folder (or a summary.json naming another path) is not served."""
     from eagle3_airflow import report_view

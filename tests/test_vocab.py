@@ -39,6 +39,7 @@ def extracted(make_config):
     return cfg
 
 
+@pytest.mark.slow
 def test_vocab_stage_writes_sglang_mapping_files(extracted):
     meta = run_vocab(extracted)
     out = extracted.run_dir / "vocab_mapping"
@@ -52,6 +53,7 @@ def test_vocab_stage_writes_sglang_mapping_files(extracted):
     assert run_vocab(extracted) == meta  # a retry finds it done
 
 
+@pytest.mark.slow
 def test_reuse_is_checked_against_this_stores_coverage(extracted, make_config, tmp_path):
     run_vocab(extracted)
     source = str(extracted.run_dir / "vocab_mapping")
@@ -72,6 +74,7 @@ def test_reuse_is_checked_against_this_stores_coverage(extracted, make_config, t
     assert not (strict.run_dir / "vocab_mapping").exists()
 
 
+@pytest.mark.slow
 def test_reuse_of_a_mapping_with_other_sizes_is_refused(extracted, make_config):
     run_vocab(extracted)
     other = make_config(run_name="other-size", workdir=extracted.run_dir.parents[1],
@@ -81,16 +84,19 @@ def test_reuse_of_a_mapping_with_other_sizes_is_refused(extracted, make_config):
         run_vocab(other)
 
 
+@pytest.mark.slow
 def test_cli_help_says_the_mapping_is_data_dependent():
     assert "data-dependent" in run_eagle3("vocab", "--help").stdout
 
 
+@pytest.mark.slow
 def test_loaded_mapping_equals_written(extracted):
     run_vocab(extracted)
     mapping, meta = load_mapping(extracted.run_dir / "vocab_mapping")
     assert len(mapping.draft_ids) == meta["draft_vocab_size"] == 128
 
 
+@pytest.mark.slow
 def test_the_draft_vocab_is_counted_on_training_samples_only(make_config):
     """Tokens of validation and evaluation answers are not counted: the draft vocabulary learns nothing from the
     conversations that pick the checkpoint or that evaluate measures."""

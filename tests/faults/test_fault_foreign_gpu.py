@@ -4,10 +4,13 @@ poke while the GPU was busy, and the poke that passed."""
 
 from __future__ import annotations
 
+import pytest
+
 from eagle3_airflow.sensors import GpuIdleSensor
 from tests.conftest import H200, VLLM, poke
 
 
+@pytest.mark.slow
 def test_gpus_busy_with_a_foreign_process_is_named_until_it_is_gone(plan, gpus, capsys):
     """The gpus_idle sensor against a box whose GPU a vLLM server holds (70 GB, pid 4242). Proves: each poke
     answers "not yet" (the sensor keeps waiting) and names the process by pid, command and memory; once it is
