@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import eagle3.ttt_attention as ttt_attention_mod
-from eagle3.model import EMBED_KEYS, DraftConfig, Eagle3Draft, build_draft_model, load_target_tensor
+from eagle3.model import EMBED_KEYS, DraftConfig, Eagle3Draft, Rows, build_draft_model, load_target_tensor
 
 SGLANG_KEYS = {
     "fc.weight", "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight",
@@ -122,6 +122,7 @@ def ttt_inputs(steps: int, dtype=torch.float32, device="cpu", t: int = 150, batc
     return tensors[0], tensors[1 : steps + 1], tensors[steps + 1 :]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("core", [ttt_attention_mod.FusedCPU, ttt_attention_mod.Blocked], ids=lambda c: c.name)
 @pytest.mark.parametrize("steps", [1, 2, 4, 7])
 def test_ttt_attention_equals_the_dense_reference_in_output_and_gradients(core, steps):
@@ -148,6 +149,7 @@ def test_the_cpu_training_path_is_the_fused_kernel():
     assert ttt_attention_mod.causal_core(q, q, q) is ttt_attention_mod.FusedCPU
 
 
+@pytest.mark.slow
 def test_the_cuda_kernel_calls_fit_torchs_flash_attention_operators():
     """No GPU in the suite: the CUDA core's forward and backward calls run on meta tensors, which check the
     arguments against this torch's operator schemas and give the shapes and dtypes a GPU would."""
@@ -172,6 +174,7 @@ class LargestTensor(TorchDispatchMode):
         return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attention", ["ttt_attention", "dense_ttt_attention"])
 def test_no_ttt_step_makes_a_sequence_by_sequence_tensor_forward_or_backward(attention):
     """The memory the issue is about: the drafter unrolled for 3 TTT steps over 1024 positions, forward and
@@ -201,3 +204,98 @@ def test_the_model_steps_equal_the_dense_reference():
     want = run_steps(model, ids, hidden, 7)
     for step, (a, b) in enumerate(zip(got, want)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m, step=step: f"step {step}: {m}")
+
+
+# -- a step at some positions of the batch only (Eagle3Draft.step_rows, ttt_attention_rows) ---------
+
+
+def rows_of(mask: torch.Tensor) -> torch.Tensor:
+    return mask.flatten().nonzero().squeeze(1)
+
+
+@pytest.mark.parametrize("core", [ttt_attention_mod.FusedCPU, ttt_attention_mod.Blocked], ids=lambda c: c.name)
+def test_ttt_attention_at_some_rows_equals_the_whole_batchs_there(core):
+    """ttt_attention_rows: queries at a few positions (one batch row has none, and none reach the end: the causal
+    core runs cropped), step 0's keys/values over the batch, the later steps' at the queries: the output and the
+    gradients of q, of step 0's keys/values and of the later ones equal ttt_attention's on the whole batch at those
+    positions, with a gradient that is zero elsewhere."""
+    steps, (b, h, t, d) = 4, (3, 3, 50, 16)
+    q, keys, values = ttt_inputs(steps, t=t, batch=b)
+    picked = torch.zeros(b, t, dtype=torch.bool)
+    picked[0, [3, 17, 30]] = picked[2, [0, 8, 41]] = True  # batch row 1 has no query; none after position 41
+    index = rows_of(picked)
+    grad_out = torch.randn(len(index), h, d, generator=torch.Generator().manual_seed(5))
+
+    whole = ttt_attention_mod.ttt_attention(q, keys, values, 0.25)
+    at = lambda x: x.transpose(1, 2).flatten(0, 1)[index]  # noqa: E731 - [B, h, T, ...] at the rows
+    want = at(whole)
+    want.backward(grad_out)
+    want_grads = [x.grad.clone() for x in (q, *keys, *values)]
+
+    rows_q = at(q).detach().requires_grad_()
+    later_k, later_v = (torch.stack([at(x) for x in xs[1:]], 1).detach().requires_grad_() for xs in (keys, values))
+    k0, v0 = (x.detach().requires_grad_() for x in (keys[0], values[0]))
+    got = ttt_attention_mod.ttt_attention_rows(rows_q, index, k0, v0, later_k, later_v, 0.25, core=core)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    got.backward(grad_out)
+    torch.testing.assert_close(rows_q.grad, at(want_grads[0]), rtol=1e-4, atol=5e-5)
+    torch.testing.assert_close(k0.grad, want_grads[1], rtol=1e-4, atol=5e-5)
+    torch.testing.assert_close(v0.grad, want_grads[1 + steps], rtol=1e-4, atol=5e-5)
+    for j in range(1, steps):
+        torch.testing.assert_close(later_k.grad[:, j - 1], at(want_grads[1 + j]), rtol=1e-4, atol=5e-5)
+        torch.testing.assert_close(later_v.grad[:, j - 1], at(want_grads[1 + steps + j]), rtol=1e-4, atol=5e-5)
+
+
+@pytest.mark.parametrize("norm_output", [False, True])
+def test_steps_at_some_positions_equal_the_whole_batchs_there(norm_output):
+    """Eagle3Draft.step_rows, 4 TTT steps as training unrolls them: step 0's keys at every position of a prefix of
+    each row and its queries at some of them, each later step at positions within the step before's (GQA: 4 heads
+    on 2 KV heads). Its outputs equal Eagle3Draft.step's over the whole batch at those positions, and so do the
+    gradients of every weight for a loss read there."""
+    cfg = DraftConfig(**{**SMALL.__dict__, "norm_output": norm_output})
+    torch.manual_seed(0)
+    model = Eagle3Draft(cfg)
+    b, t = 2, 40
+    ids, aux = torch.randint(0, 100, (b, t)), torch.randn(b, t, 96)
+    runs = [torch.rand(b, t) < 0.6]
+    for _ in range(3):
+        runs.append(runs[-1] & (torch.rand(b, t) < 0.7))
+    prefix = runs[0].flip(1).cumsum(1).flip(1) > 0
+    weights = [torch.randn(b, t, 32) for _ in runs]
+
+    def whole():
+        model.zero_grad(set_to_none=True)
+        cache, hidden, outs, loss = [], model.fc(aux), [], 0.0
+        for i, (run, w) in enumerate(zip(runs, weights)):
+            normed, hidden = model.step_states(ids, hidden, torch.arange(t)[None] + i, cache)
+            outs.append(normed[run])
+            loss = loss + (normed * w * run[..., None]).sum()
+        loss.backward()
+        return outs, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    def at_rows():
+        model.zero_grad(set_to_none=True)
+        kv = rows_of(prefix)
+        cache, hidden, outs, loss = [], model.fc(aux.flatten(0, 1)[kv]), [], 0.0
+        previous = kv
+        for i, (run, w) in enumerate(zip(runs, weights)):
+            here = rows_of(run)
+            place = torch.searchsorted(previous, here)
+            if i == 0:
+                rows, at = Rows(kv, (b, t), place), kv
+            else:
+                rows, at, hidden = Rows(here, (b, t)), here, hidden[place]
+            normed, hidden = model.step_rows(ids.flatten()[at], hidden, at % t + i, rows, cache)
+            outs.append(normed)
+            loss = loss + (normed * w.flatten(0, 1)[here]).sum()
+            previous = here
+        loss.backward()
+        return outs, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    (want, want_grads), (got, grads) = whole(), at_rows()
+    assert set(grads) == set(want_grads) and "midlayer.self_attn.q_proj.weight" in grads
+    for step, (a, b_) in enumerate(zip(got, want)):
+        torch.testing.assert_close(a, b_, rtol=1e-5, atol=1e-5, msg=lambda m, step=step: f"step {step}: {m}")
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, want_grads[name], rtol=0, atol=1e-5 * want_grads[name].abs().max(),
+                                   msg=lambda m, n=name: f"{n}: {m}")

@@ -101,6 +101,7 @@ def test_full_vocab_argmax_in_chunks_equals_the_whole(monkeypatch):
     assert torch.equal(make_teachers(*args).teacher, whole.teacher)
 
 
+@pytest.mark.slow
 def test_a_short_run_learns_and_leaves_checkpoints_metrics_and_plots(trained_run):
     workdir, summary = trained_run
     out = workdir / "runs" / "train" / "train"
@@ -129,6 +130,7 @@ def test_a_short_run_learns_and_leaves_checkpoints_metrics_and_plots(trained_run
     assert [e.value for e in events.Scalars("loss")] == pytest.approx(losses)
 
 
+@pytest.mark.slow
 def test_resume_with_another_number_of_ranks_is_refused(train_config):
     """The data order and the schedule depend on the world size: a checkpoint written by 2 ranks must not be
     continued by 1. The refusal comes before the checkpoint's state is read, so its meta.json is all this
@@ -167,6 +169,7 @@ def stored_again(store_dir, out_dir, state_dtype: str) -> None:
         writer.close()
 
 
+@pytest.mark.slow
 def test_the_trainer_reads_an_fp8_store_as_it_reads_a_bf16_one(trained_config):
     """The trained drafter on its own store and on the same samples stored as fp8 (extract.state_dtype fp8_e4m3):
     the store's batches hold the same ids, masks and lengths, float32 states within fp8's half step of each token
@@ -212,6 +215,7 @@ def test_the_trainer_reads_an_fp8_store_as_it_reads_a_bf16_one(trained_config):
     assert math.isfinite(loss)
 
 
+@pytest.mark.slow
 def test_no_first_prompt_is_trained_on_that_validation_or_evaluation_holds(make_config, tmp_path):
     """Conversations that open with one question (spelled and answered differently, some with a system prompt or a
     later turn) are trained on, validated on or held out for evaluation together: the trainer's validation, which
@@ -247,6 +251,7 @@ def test_no_first_prompt_is_trained_on_that_validation_or_evaluation_holds(make_
     assert not validated & opened(h.conversation_id for h in evaluated)
 
 
+@pytest.mark.slow
 def test_the_ttt_objective_with_the_linear_memory_kernel_equals_the_dense_attentions():
     """SpecForge's objective, 7 TTT steps, a padded batch of 2: with eagle3/ttt_attention.py's kernel the loss of
     each TTT position is the dense [T, T] attention's within 1e-5 (fp32), and so are the gradients of every
@@ -338,6 +343,7 @@ def chunking_workload(objective: str = "kl", steps: int = 7, t: int = 97, vocab:
     return draft, teachers, aux, draft_ids
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("objective", train.OBJECTIVES)
 def test_the_loss_in_chunks_of_positions_equals_the_whole_steps(objective):
     """TTTObjective takes each step's logits, loss terms and accuracy a chunk of positions at a time (checkpointed:
@@ -365,12 +371,14 @@ def test_the_loss_in_chunks_of_positions_equals_the_whole_steps(objective):
                                        msg=lambda m, n=name, c=chunk: f"chunk {c}, {n}: {m}")
 
 
+@pytest.mark.slow
 def test_no_ttt_step_keeps_its_logits_for_backward():
     """The memory item 1 of issue 42 is about: autograd kept every step's [B, T, draft vocab] log-probabilities
     and teacher product (7 x 2 x 4 GB at Kimi's drafter, T = 32k). Counted with saved_tensors_hooks over forward
     (the checkpoints' own inputs included): in chunks, besides the teacher p that make_teachers built (one tensor,
     all steps read it), no kept tensor holds more than a chunk's draft-vocab rows; the unchunked run, the control
-    (what the code kept before), keeps two whole-step tensors of logits' size a step more, 14 in all."""
+    (what the code kept before), keeps two tensors of the step's logits' size a step more (a step's logits are its
+    trained positions'), 14 in all."""
     draft, teachers, aux, draft_ids = chunking_workload(t=256, vocab=512)
     b, t, vocab, chunk = 2, 256, 512, 16
     teacher_p = teachers.p.untyped_storage().data_ptr()
@@ -390,8 +398,173 @@ def test_no_ttt_step_keeps_its_logits_for_backward():
             train.TTTObjective(draft, 7, logit_chunk=logit_chunk)(aux, teachers, draft_ids)
         return sum(storages.values()), rows[0]
 
-    logits_bytes = b * t * vocab * 4
+    trained = [int(mask.sum()) for mask in train.step_masks(teachers, 7)]  # each step's logits' rows
     chunked, chunked_rows = kept(chunk)
     whole, whole_rows = kept(t)
-    assert chunked_rows <= b * chunk and whole_rows == b * t
-    assert whole - chunked >= 14 * logits_bytes, (chunked, whole, logits_bytes)
+    assert chunked_rows <= b * chunk and whole_rows == trained[0] > b * chunk
+    assert whole - chunked >= 2 * sum(trained) * vocab * 4, (chunked, whole, trained)
+
+
+def dense_objective(draft, teachers, aux, draft_ids, steps: int, objective: str, kl_decay: float = 3.0):
+    """The objective as it was computed before it ran only where the loss reads (issue 52): every TTT step over the
+    whole padded batch, its loss over [B, T, draft vocab] tensors, the teachers shifted along by copies. The
+    reference TTTObjective is compared with. Returns (loss, plosses, accs, agrees [steps, B, T])."""
+    b, n = teachers.input_ids.shape
+    positions = torch.arange(n)[None].expand(b, n)
+    hidden, cache, loss, plosses, accs, agrees = draft.fc(aux), [], 0.0, [], [], []
+    ids, teacher, in_vocab, p, mass = (teachers.input_ids, teachers.teacher, teachers.in_draft_vocab, teachers.p,
+                                       teachers.draft_mass)
+    for i, mask in enumerate(train.step_masks(teachers, steps)):
+        logits, hidden = draft.step(ids, hidden, positions + i, cache)
+        logp = torch.nn.functional.log_softmax(logits.float(), dim=-1)
+        counted = in_vocab & mask
+        ploss = -(counted[..., None] * p * logp).sum() / (b * n)
+        alpha = train.expected_acceptance(p * mass[..., None], logp.exp()) if objective != "kl" else None
+        agree = draft_ids[logits.argmax(-1)] == teacher
+        accs.append((agree & mask).sum() / mask.sum().clamp(min=1))
+        plosses.append(ploss.detach())
+        agrees.append(agree)
+        loss = loss + train.STEP_DECAY**i * train.step_loss(objective, ploss, alpha, counted, kl_decay)
+        ids, teacher, in_vocab, p, mass = (train.shift_left(x) for x in (ids, teacher, in_vocab, p, mass))
+    return loss, torch.stack(plosses), torch.stack(accs), torch.stack(agrees)
+
+
+def padded_workload(first_draft: bool, seed: int = 0):
+    """A padded batch of 3 samples of the tiny shapes, with prompts and two answers each (draft, aux, draft_ids,
+    make_teachers' arguments)."""
+    from eagle3.model import DraftConfig, Eagle3Draft
+
+    cfg = DraftConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=8, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=256,
+                      target_vocab_size=60, draft_vocab_size=30, aux_layer_ids=(1, 2, 3))
+    torch.manual_seed(seed)
+    draft = Eagle3Draft(cfg)
+    b, t = 3, 41
+    ids, aux, last, lm_head = (torch.randint(0, 60, (b, t)), torch.randn(b, t, 96), torch.randn(b, t, 32),
+                               torch.randn(60, 32))
+    mask = torch.zeros(b, t, dtype=torch.long)
+    for row, (start, end, start2, end2) in enumerate([(5, 14, 20, 41), (3, 9, 15, 30), (8, 12, 17, 25)]):
+        mask[row, start:end], mask[row, start2:end2] = 1, 1
+    draft_ids = torch.arange(0, 60, 2)
+    t2d = torch.zeros(60, dtype=torch.bool)
+    t2d[draft_ids] = True
+    args = (ids, mask, last, lm_head, draft_ids, t2d, torch.tensor([41, 33, 27]), first_draft)
+    return draft, aux, draft_ids, args
+
+
+@pytest.mark.parametrize("objective", train.OBJECTIVES)
+@pytest.mark.parametrize("first_draft", [True, False], ids=["first-draft", "specforge-mask"])
+def test_the_objective_computed_where_the_loss_reads_equals_the_whole_batchs(objective, first_draft):
+    """TTTObjective runs each TTT step only at the positions it or a later step trains, with teachers made only
+    where a step reads them (make_teachers only_read, as the trainer makes them): the loss, each step's cross-entropy
+    and accuracy, and the gradient of every trained weight equal the whole padded batch's computation (the code
+    before issue 52) within fp32 rounding, for both masks and every objective; and the agreements are the same at
+    every position a step trains, and at every position decoding drafts from when validation asks for those too
+    (what the offline replay reads), whatever the mask."""
+    draft, aux, draft_ids, args = padded_workload(first_draft)
+    steps = 7
+
+    def run(compute):
+        draft.zero_grad(set_to_none=True)
+        loss, plosses, accs, agrees = compute()
+        loss.backward()
+        return loss.detach(), plosses, accs, agrees, {n: p.grad.clone() for n, p in draft.named_parameters()
+                                                      if p.requires_grad}
+
+    whole = run(lambda: dense_objective(draft, make_teachers(*args), aux, draft_ids, steps, objective))
+    teachers = make_teachers(*args, only_read=True)
+    replayed = train.decoding_masks(args[1], args[6], steps)
+    got = run(lambda: train.TTTObjective(draft, steps, objective)(aux, teachers, draft_ids, replayed))
+    torch.testing.assert_close(got[0], whole[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[1], whole[1], rtol=1e-5, atol=1e-6)
+    assert torch.equal(got[2], whole[2])
+    masks = train.step_masks(teachers, steps)
+    for i, (mask, drafted) in enumerate(zip(masks, replayed)):
+        assert mask.any() and drafted.any()
+        wanted = mask | drafted
+        assert torch.equal(got[3][i][wanted], whole[3][i][wanted]) and not got[3][i][~wanted].any(), i
+    for name, grad in got[4].items():
+        torch.testing.assert_close(grad, whole[4][name], rtol=0, atol=1e-5 * whole[4][name].abs().max(),
+                                   msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_teachers_made_only_where_a_step_reads_them_are_the_whole_batchs_there():
+    """make_teachers only_read: the target's distribution, token and draft-vocab mass where a TTT step reads them
+    (step 0's trained positions and decoding's first drafts, which every later step's reads fall in), the same as
+    computed at every position; zero elsewhere; the masks and ids untouched."""
+    for first_draft in (True, False):
+        _, _, _, args = padded_workload(first_draft)
+        whole, read = make_teachers(*args), make_teachers(*args, only_read=True)
+        answer = args[1].bool() & (torch.arange(41)[None] < args[6][:, None])
+        at = read.loss_mask | train.drafted(answer)
+        assert 0 < at.sum() < at.numel() - 20  # prompts and padding are left out
+        for name in ("p", "teacher", "in_draft_vocab", "draft_mass"):
+            got, want = getattr(read, name), getattr(whole, name)
+            torch.testing.assert_close(got[at], want[at], rtol=1e-6, atol=1e-7, msg=name)
+        assert not read.p[~at].any() and not read.draft_mass[~at].any()
+        for name in ("input_ids", "loss_mask"):
+            assert torch.equal(getattr(read, name), getattr(whole, name))
+
+
+@pytest.mark.parametrize("objective", train.OBJECTIVES)
+def test_batches_computed_together_give_each_batchs_own_figures(objective):
+    """Validation computes several of training's batches in one pass (TTTObjective's groups): each batch's loss,
+    cross-entropies and accuracies equal those of the batch computed alone, padded to its own length, within fp32
+    rounding; the LK losses, whose weights are means over the batch, included."""
+    draft, aux, draft_ids, args = padded_workload(True)
+    ids, mask, last, lm_head, _, t2d, lengths, _ = args
+    objective_ = train.TTTObjective(draft, 7, objective)
+    batches = [[0, 2], [1]]
+    with torch.no_grad():
+        alone = []
+        for rows in batches:
+            n = int(lengths[rows].max())
+            part = (ids[rows, :n], mask[rows, :n], last[rows, :n], lm_head, draft_ids, t2d, lengths[rows], True)
+            alone.append(objective_(aux[rows, :n], make_teachers(*part, only_read=True), draft_ids)[:3])
+        order = [row for rows in batches for row in rows]
+        group = torch.tensor([g for g, rows in enumerate(batches) for _ in rows])
+        padded = torch.tensor([len(rows) * float(lengths[rows].max()) for rows in batches])
+        together = (ids[order], mask[order], last[order], lm_head, draft_ids, t2d, lengths[order], True)
+        loss, plosses, accs, _ = objective_(aux[order], make_teachers(*together, only_read=True), draft_ids,
+                                            groups=(group, padded))
+    for g, (want_loss, want_plosses, want_accs) in enumerate(alone):
+        torch.testing.assert_close(loss[g], want_loss, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(plosses[:, g], want_plosses, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(accs[:, g], want_accs, rtol=0, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_validation_in_passes_of_several_batches_gives_the_figures_of_a_pass_a_batch(trained_config, monkeypatch):
+    """Trainer.validate computes several of training's batches a pass (VAL_BATCH_TOKENS, by length): its loss,
+    accuracies and offline acceptance are those of one pass a batch (what validation did before), the cycles
+    replayed exactly, the means to fp32 rounding."""
+    trainer = train.Trainer(trained_config)
+    trainer.resume()
+    # batches of one or two of its few validation samples
+    trainer.cfg = trained_config.model_copy(update={"train": trained_config.train.model_copy(
+        update={"batch_tokens": 64})})
+    batches = train.plan_epoch(trainer.val_ids, 64, trained_config.seed, 0)
+    assert len(train.merge_batches(batches, dict(trainer.val_ids), train.VAL_BATCH_TOKENS)) == 1 < len(batches)
+    together = trainer.validate()
+    monkeypatch.setattr(train, "VAL_BATCH_TOKENS", 1)  # each batch a pass of its own
+    alone = trainer.validate()
+    assert together["val_offline"] == alone["val_offline"]
+    assert together["val_loss"] == pytest.approx(alone["val_loss"], rel=1e-6)
+    assert together["val_acc"] == pytest.approx(alone["val_acc"], rel=1e-6)
+
+
+def test_a_batch_with_nothing_to_train_gives_every_weight_a_zero_gradient():
+    """No position trained (one-token answers: nothing drafted after them): every TTT step runs on no position at all,
+    and the loss is 0 with a gradient, zero, for every trained weight: DDP's ranks all-reduce every weight's each
+    step."""
+    draft, aux, draft_ids, args = padded_workload(True)
+    mask = torch.zeros_like(args[1])
+    mask[0, 40] = 1
+    for first_draft in (True, False):
+        teachers = make_teachers(args[0], mask, *args[2:7], first_draft, only_read=True)
+        draft.zero_grad(set_to_none=True)
+        loss, _, accs, agrees = train.TTTObjective(draft, 7)(aux, teachers, draft_ids,
+                                                             train.decoding_masks(mask, args[6], 7))
+        loss.backward()
+        assert loss.item() == 0 and not accs.any() and not agrees.any()
+        assert all(p.grad is not None and not p.grad.any() for p in draft.parameters() if p.requires_grad)

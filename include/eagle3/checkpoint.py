@@ -54,11 +54,8 @@ def read_meta(path: Path) -> dict:
 
 
 def best_checkpoint(root: Path) -> tuple[Path, dict]:
-    """(directory, meta) of the kept checkpoint with the highest BEST_BY (the later step on a tie). Checkpoints
-    written before that figure existed (a run resumed across versions) count only when none has it."""
+    """(directory, meta) of the kept checkpoint with the highest BEST_BY (the later step on a tie)."""
     candidates = [(p, read_meta(p)) for p in checkpoint_dirs(root)]
     if not candidates:
         raise FileNotFoundError(f"{root}: no checkpoint; run the train stage first")
-    figured = [c for c in candidates if BEST_BY in c[1]] or candidates
-    key = BEST_BY if BEST_BY in figured[0][1] else "val_accept_length"  # (older checkpoints' figure)
-    return max(figured, key=lambda c: (c[1][key], c[1]["step"]))
+    return max(candidates, key=lambda c: (c[1][BEST_BY], c[1]["step"]))

@@ -16,6 +16,10 @@ TTT attention, step i: queries of step i see step 0's keys/values causally, plus
 only, the keys/values of steps 1..i (what the drafter produced there in the steps before). The caller
 keeps the per-step keys/values in a list (`kv_cache`) across steps; the kernel (eagle3/ttt_attention.py) never
 builds [T, T] scores, in forward or backward.
+
+So a position's chain of steps reads nothing of another position but step 0's keys/values: `step_rows` runs a
+step at some positions of the batch only (`Rows`), the rest neither computed nor read. Training runs step i
+only where it or a later step is trained (eagle3.train.TTTObjective), a small share of a padded batch.
 """
 
 from __future__ import annotations
@@ -30,8 +34,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from eagle3.config import DrafterConfig, read_text_config
-from eagle3.rope import Rotary, apply_rope, target_rope
-from eagle3.ttt_attention import ttt_attention
+from eagle3.rope import Rotary, apply_rope, rotate_half, target_rope
+from eagle3.ttt_attention import ttt_attention, ttt_attention_rows
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Some positions of a [B, T] batch: `index` their flat positions (b * T + t), ascending. A step at them takes
+    and returns one row per position; `queries` (indices into `index`; None: all) are the positions whose output
+    is wanted, the others only give keys and values (step 0: every position a later query attends to)."""
+
+    index: torch.Tensor
+    shape: tuple[int, int]
+    queries: torch.Tensor | None = None
+
+    @property
+    def query_index(self) -> torch.Tensor:
+        return self.index if self.queries is None else self.index[self.queries]
 
 
 class RMSNorm(nn.Module):
@@ -45,6 +64,11 @@ class RMSNorm(nn.Module):
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """apply_rope's rotation of one tensor, given its cos and sin (rows: [N, heads, d] by [N, 1, d])."""
+    return (x.float() * cos + rotate_half(x.float()) * sin).to(x.dtype)
 
 
 class TTTAttention(nn.Module):
@@ -73,6 +97,39 @@ class TTTAttention(nn.Module):
         out = self.attention(q, keys, values, 1.0 / math.sqrt(self.head_dim))
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
 
+    def forward_rows(self, x: torch.Tensor, positions: torch.Tensor, rows: Rows, kv_cache: list) -> torch.Tensor:
+        """`forward` at `rows` only: x [N, 2H] and positions [N] there; returns [queries, H]. `kv_cache` holds step
+        0's keys/values spread over the batch ([B, heads, T, d], zeros elsewhere: the fused causal kernel's layout),
+        then steps 1..i's stacked at step i's rows ([N, i, heads, d] each, and those rows' flat positions). The
+        caller's part: every key a query reads is computed (step 0's rows hold each query's causal prefix; a later
+        step's rows lie within the step before's)."""
+        (b, t), d = rows.shape, self.head_dim
+        q = self.q_proj(x if rows.queries is None else x[rows.queries]).view(-1, self.heads, d)
+        k, v = self.k_proj(x).view(-1, self.kv_heads, d), self.v_proj(x).view(-1, self.kv_heads, d)
+        cos, sin = (z[:, None] for z in self.rotary.cos_sin(positions, d))  # [N, 1, d]
+        k = rotate(k, cos, sin)
+        q = rotate(q, cos, sin) if rows.queries is None else rotate(q, cos[rows.queries], sin[rows.queries])
+        repeat = self.heads // self.kv_heads
+        if repeat > 1:
+            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        if not kv_cache:  # step 0
+            spread = [z.new_zeros(b * t, self.heads, d).index_copy(0, rows.index, z) for z in (k, v)]
+            kv_cache.append(tuple(z.view(b, t, self.heads, d).transpose(1, 2) for z in spread))
+        elif len(kv_cache) == 1:  # step 1
+            kv_cache.append((k[:, None], v[:, None], rows.index))
+        else:  # the steps before's at this step's rows (within theirs), then this step's
+            before_k, before_v, before = kv_cache[1]
+            at = torch.searchsorted(before, rows.index)
+            kv_cache[1] = (torch.cat([before_k[at], k[:, None]], 1), torch.cat([before_v[at], v[:, None]], 1),
+                           rows.index)
+        later_k = later_v = None
+        if len(kv_cache) > 1:
+            later_k, later_v = kv_cache[1][:2]
+            if rows.queries is not None:
+                later_k, later_v = later_k[rows.queries], later_v[rows.queries]
+        out = ttt_attention_rows(q, rows.query_index, *kv_cache[0], later_k, later_v, 1.0 / math.sqrt(d))
+        return self.o_proj(out.reshape(-1, self.heads * d))
+
 
 class SwiGLU(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int):
@@ -99,6 +156,13 @@ class MidLayer(nn.Module):
     def forward(self, embeds, hidden, positions, kv_cache):
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
         residual = hidden + self.self_attn(x, positions, kv_cache)
+        return residual + self.mlp(self.post_attention_layernorm(residual))
+
+    def forward_rows(self, embeds, hidden, positions, rows: Rows, kv_cache):
+        """`forward` at `rows` (embeds, hidden [N, H]); returns the queries' [queries, H]."""
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        attended = self.self_attn.forward_rows(x, positions, rows, kv_cache)
+        residual = (hidden if rows.queries is None else hidden[rows.queries]) + attended
         return residual + self.mlp(self.post_attention_layernorm(residual))
 
 
@@ -190,6 +254,14 @@ class Eagle3Draft(nn.Module):
         Training applies the lm_head itself, a chunk of positions at a time (eagle3.train), so that no step's
         [T, draft vocab] logits are kept for backward."""
         out = self.midlayer(self.embed_tokens(input_ids), hidden, positions, kv_cache)
+        normed = self.norm(out)
+        return normed, normed if self.cfg.norm_output else out
+
+    def step_rows(self, input_ids, hidden, positions, rows: Rows, kv_cache: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """`step_states` at `rows` of the batch only: input_ids, positions [N] and hidden [N, H] there; returns the
+        queries' rows [queries, H]. The same arithmetic row by row as a step over the whole batch; `kv_cache`: as
+        TTTAttention.forward_rows keeps it (not `step`'s)."""
+        out = self.midlayer.forward_rows(self.embed_tokens(input_ids), hidden, positions, rows, kv_cache)
         normed = self.norm(out)
         return normed, normed if self.cfg.norm_output else out
 

@@ -66,7 +66,7 @@ from eagle3.checkpoint import BEST_BY, checkpoint_dirs, load_checkpoint, read_me
 from eagle3.config import ConfigError
 from eagle3.fsutil import atomic_dir, atomic_write_text
 from eagle3.lineage import Lineage, weights_digest
-from eagle3.model import LM_HEAD_KEYS, Eagle3Draft, build_draft_model, load_target_tensor
+from eagle3.model import LM_HEAD_KEYS, Eagle3Draft, Rows, build_draft_model, load_target_tensor
 from eagle3.progress import beat, human_duration
 from eagle3.runlayout import (
     ACCURACY_PLOT,
@@ -89,6 +89,9 @@ STEP_DECAY = 0.8
 INIT_RECORD = "init.json"  # in RUN_DIR/train/init/: which promoted version a warm start copied, and its digest
 LOGIT_CHUNK = 2048  # positions per full-vocab matmul when looking for the teacher token
 LOGIT_LOSS_ELEMENTS = 1 << 26  # draft-vocab logits per chunk of a TTT step's loss (256 MiB in fp32; TTTObjective)
+# Padded tokens per validation pass (several of training's batches at once; Trainer.validate): the demo's 256-token
+# batches by about 60, none of a one-sample-a-step run's long samples (a pass holds [tokens, draft vocab] teachers)
+VAL_BATCH_TOKENS = 1 << 14
 
 
 # -- the objective: pure functions ------------------------------------------------------------
@@ -116,7 +119,7 @@ class Teachers:
 
 
 def make_teachers(input_ids, loss_mask, last_hidden, target_lm_head, draft_ids, t2d, lengths=None,
-                  first_draft: bool = False) -> Teachers:
+                  first_draft: bool = False, only_read: bool = False) -> Teachers:
     """Targets for one padded batch. Never builds [T, full vocab] logits for a whole sample at once.
 
     loss_mask: [B, T] the answer tokens (assistant turns). lengths: [B] each sample's own length (None: all fill
@@ -125,82 +128,153 @@ def make_teachers(input_ids, loss_mask, last_hidden, target_lm_head, draft_ids, 
     the answer's (from the prompt's last token, where the first draft after prefill starts, to two before the end
     of turn), and TTT step i only while tokens up to t+2+i are (chains never run past the end of turn). Without
     it, SpecForge's mask: every answer token's position, shifted along each step, targets after the end of turn
-    included."""
-    last = shift_left(last_hidden).float()
-    teacher = torch.empty(last.shape[:2], dtype=torch.long, device=last.device)
-    full_logsumexp = torch.empty(last.shape[:2], device=last.device)
-    flat_last, flat_teacher, flat_lse = last.view(-1, last.shape[-1]), teacher.view(-1), full_logsumexp.view(-1)
-    for start in range(0, flat_last.shape[0], LOGIT_CHUNK):
-        logits = flat_last[start : start + LOGIT_CHUNK] @ target_lm_head.T
-        flat_teacher[start : start + LOGIT_CHUNK] = logits.argmax(-1)
-        flat_lse[start : start + LOGIT_CHUNK] = logits.logsumexp(-1)
-    draft_logits = last @ target_lm_head[draft_ids].T
-    p = draft_logits.softmax(-1)
-    draft_mass = (draft_logits.logsumexp(-1) - full_logsumexp).exp()
+    included. only_read: p, teacher and draft_mass only where TTTObjective reads them, zero elsewhere: TTT step i
+    at t reads position t+i, which step 0 trains (step_masks) or decoding drafts from (decoding_masks), for any
+    i; the rest of a padded batch (prompts, padding) never needs the target's logits."""
     positions = torch.arange(loss_mask.shape[1], device=loss_mask.device)
     if lengths is None:
         lengths = torch.full(loss_mask.shape[:1], loss_mask.shape[1], device=loss_mask.device)
     answer = loss_mask.bool() & (positions[None] < lengths[:, None])
     if first_draft:
-        trained = shift_left(answer) & shift_left(shift_left(answer))
+        trained = drafted(answer)
     else:
         trained = answer & (positions[None] < lengths[:, None] - 1)
+    b, n = loss_mask.shape
+    rows = rows_of(trained | drafted(answer)) if only_read else torch.arange(b * n, device=loss_mask.device)
+    last = read_shifted(last_hidden, rows, 1).float()  # the final state after each position: shifted once
+    teacher, full_logsumexp = (torch.empty(len(rows), dtype=dtype, device=last.device) for dtype in
+                               (torch.long, torch.float32))
+    for start in range(0, len(rows), LOGIT_CHUNK):
+        logits = last[start : start + LOGIT_CHUNK] @ target_lm_head.T
+        teacher[start : start + LOGIT_CHUNK] = logits.argmax(-1)
+        full_logsumexp[start : start + LOGIT_CHUNK] = logits.logsumexp(-1)
+    draft_logits = last @ target_lm_head[draft_ids].T
+    p = draft_logits.softmax(-1)
+    draft_mass = (draft_logits.logsumexp(-1) - full_logsumexp).exp()
+    if only_read:  # back to the batch's layout, zeros where nothing reads
+        teacher, p, draft_mass = (x.new_zeros(b * n, *x.shape[1:]).index_copy_(0, rows, x)
+                                  for x in (teacher, p, draft_mass))
+    teacher, p, draft_mass = teacher.view(b, n), p.view(b, n, -1), draft_mass.view(b, n)
     return Teachers(shift_left(input_ids), p, teacher, t2d[teacher], trained, draft_mass, chained=first_draft)
+
+
+def drafted(answer: torch.Tensor) -> torch.Tensor:
+    """[B, T] where decoding drafts: position t once tokens t+1 and t+2 are the answer's."""
+    return shift_left(answer) & shift_left(shift_left(answer))
+
+
+def chain(first: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """`first` for step 0, then each step only where the step before holds at t and t+1."""
+    masks = [first]
+    for _ in range(steps - 1):
+        masks.append(masks[-1] & shift_left(masks[-1]))
+    return masks
 
 
 def step_masks(t: Teachers, steps: int) -> list[torch.Tensor]:
     """The positions each TTT step trains: step 0's, then shifted along one token a step (SpecForge's), or, for
     chained teachers, only where the step before trained too (a chain that left the answer stays out)."""
+    if t.chained:
+        return chain(t.loss_mask, steps)
     masks = [t.loss_mask]
     for _ in range(steps - 1):
-        masks.append(masks[-1] & shift_left(masks[-1]) if t.chained else shift_left(masks[-1]))
+        masks.append(shift_left(masks[-1]))
     return masks
+
+
+def decoding_masks(loss_mask: torch.Tensor, lengths: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """Where greedy decoding's chains reach TTT step i: tokens t+1..t+2+i all the answer's. What the offline
+    replay (eagle3.acceptance.replay) reads of the agreements, whatever the objective trains; with
+    train.first_draft_position these are step_masks' own."""
+    positions = torch.arange(loss_mask.shape[1], device=loss_mask.device)
+    return chain(drafted(loss_mask.bool() & (positions[None] < lengths[:, None])), steps)
 
 
 OBJECTIVES = ("kl", "lk_lambda", "lk_alpha")
 
 
 def expected_acceptance(p_full: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """[B, T] the chance that speculative sampling accepts a draft from q (the drafter's distribution over the draft
-    vocab) when the target's distribution is p_full (its full-vocab probabilities of the draft vocab): sum min(p, q)."""
+    """[positions] the chance that speculative sampling accepts a draft from q (the drafter's distribution over the
+    draft vocab) when the target's distribution is p_full (its full-vocab probabilities of the draft vocab):
+    sum min(p, q)."""
     return torch.minimum(p_full, q).sum(-1)
 
 
 def step_loss(objective: str, ploss: torch.Tensor, alpha: torch.Tensor, mask: torch.Tensor,
-              kl_decay: float) -> torch.Tensor:
-    """One TTT step's loss: `ploss` the KL-equivalent cross-entropy (SpecForge's normalisation), `alpha` [B, T]
-    the expected acceptance, `mask` the positions it counts over."""
+              kl_decay: float, total=torch.sum) -> torch.Tensor:
+    """One TTT step's loss: `ploss` the KL-equivalent cross-entropy (SpecForge's normalisation), `alpha` the
+    expected acceptance at some positions, `mask` those it counts over. `total`: how positions are summed (per
+    group of them: TTTObjective's groups)."""
     if objective == "kl":
         return ploss
-    count = mask.sum().clamp(min=1)
+    count = total(mask).clamp(min=1)
     if objective == "lk_alpha":
-        return -(torch.where(mask, alpha.clamp(min=1e-12).log(), 0.0)).sum() / count
-    mean_alpha = (alpha * mask).sum() / count
+        return -total(torch.where(mask, alpha.clamp(min=1e-12).log(), 0.0)) / count
+    mean_alpha = total(alpha * mask) / count
     kl_weight = torch.exp(-kl_decay * mean_alpha.detach())
     return kl_weight * ploss + (1 - kl_weight) * (1 - mean_alpha)
 
 
-def shifted(x: torch.Tensor, steps: int, start: int, end: int) -> torch.Tensor:
-    """Positions start..end of x shifted left `steps` times (shift_left, zeros past the end): what TTT step `steps`
-    reads there, sliced from the one unshifted tensor rather than from a shifted copy per step."""
-    part = x[:, start + steps : end + steps]
-    if part.shape[1] == end - start:
-        return part
-    return torch.cat([part, part.new_zeros(part.shape[0], end - start - part.shape[1], *part.shape[2:])], dim=1)
+def group_sums(group: torch.Tensor, groups: int):
+    """x [positions] -> its sums by group [groups], `group` giving each position's."""
+    return lambda x: torch.zeros(groups, device=x.device).index_add(0, group, x.float())
+
+
+def rows_of(mask: torch.Tensor) -> torch.Tensor:
+    """The flat positions (b * T + t) where a [B, T] mask holds, ascending."""
+    return mask.flatten().nonzero().squeeze(1)
+
+
+@dataclass(frozen=True)
+class Shifted:
+    """Reads of [B, T, ...] tensors shifted left some steps (shift_left, zeros past the end) at some flat positions
+    (b * T + t): what a TTT step reads there, gathered from the one unshifted tensor rather than from a shifted copy
+    per step. One for all the tensors a step reads at those positions."""
+
+    index: torch.Tensor  # the position read for each
+    inside: torch.Tensor | None  # False where that lies past the end of the row (read as zero); None: nowhere
+
+    @classmethod
+    def at(cls, rows: torch.Tensor, steps: int, length: int) -> Shifted:
+        inside = rows % length + steps < length
+        if bool(inside.all()):  # (what TTTObjective reads always is: a step's positions stay in the row)
+            return cls(rows + steps, None)
+        return cls(torch.where(inside, rows + steps, rows), inside)
+
+    def part(self, start: int, end: int) -> Shifted:
+        return Shifted(self.index[start:end], None if self.inside is None else self.inside[start:end])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        values = x.flatten(0, 1)[self.index]
+        if self.inside is None:
+            return values
+        return torch.where(self.inside.view(-1, *[1] * (values.dim() - 1)), values, values.new_zeros(()))
+
+
+def read_shifted(x: torch.Tensor, rows: torch.Tensor, steps: int) -> torch.Tensor:
+    """x [B, T, ...] shifted left `steps` times, at flat positions `rows` (Shifted)."""
+    return Shifted.at(rows, steps, x.shape[1])(x)
 
 
 class TTTObjective(nn.Module):
-    """The drafter unrolled for ttt_length steps. forward returns (loss, plosses, accs, agrees): agrees[i] is
-    where step i's draft (mapped through d2t) equals the teacher, at every position; plosses[i] is step i's
-    cross-entropy whatever the objective (what the curves plot). DDP wraps this.
+    """The drafter unrolled for ttt_length steps. forward returns (loss, plosses, accs, agrees): agrees[i] [B, T] is
+    where step i's draft (mapped through d2t) equals the teacher, at the positions step i trains (and those
+    `also_agree` asks for), False elsewhere; plosses[i] is step i's cross-entropy whatever the objective (what the
+    curves plot). DDP wraps this.
+
+    Only what the loss reads is computed. A position's chain of steps depends on no other position but through
+    step 0's keys and values, and its loss on no other position at all: so step i runs (Eagle3Draft.step_rows) at
+    the positions it or a later step trains, nested step in step, and step 0's keys and values up to each row's
+    last such position. On the demo's batches that is 16% of the padded positions at step 0 down to 3% at step 6
+    where every step used to run on all of them, padding included; the loss, the gradients, the accuracies and
+    the agreements the offline replay reads are the same, up to the order float sums are taken in.
 
     Each step's logits and the terms taken from them (cross-entropy, expected acceptance, agreement) are computed
-    `logit_chunk` positions at a time (default: LOGIT_LOSS_ELEMENTS logits per chunk, whole rows of the batch).
-    With more than one chunk each is checkpointed: backward recomputes its logits from the step's normed state,
-    which autograd keeps anyway, so no step keeps its [B, T, draft vocab] logits, log-probabilities or teacher
-    product (at Kimi's drafter, T = 32k, 4 GB each, a step) and the loss part of the peak is one chunk's. The
-    teacher p is read shifted from the one tensor make_teachers built, never copied per step. With one chunk (the
-    tiny target's drafter up to T = 65k) the computation is the unchunked one, bit for bit."""
+    `logit_chunk` x B positions at a time (default: LOGIT_LOSS_ELEMENTS logits per chunk). With more than one chunk
+    each is checkpointed: backward recomputes its logits from the step's normed state, which autograd keeps anyway,
+    so no step keeps its [positions, draft vocab] logits, log-probabilities or teacher product (at Kimi's drafter,
+    T = 32k, 4 GB each, a step) and the loss part of the peak is one chunk's. The teacher p is gathered from the one
+    tensor make_teachers built inside each chunk, never copied per step."""
 
     def __init__(self, draft: Eagle3Draft, ttt_length: int, objective: str = "kl", lk_kl_decay: float = 3.0,
                  logit_chunk: int | None = None):
@@ -213,45 +287,76 @@ class TTTObjective(nn.Module):
     def chunk_positions(self, batch: int) -> int:
         return self.logit_chunk or max(1, LOGIT_LOSS_ELEMENTS // (batch * self.draft.cfg.draft_vocab_size))
 
-    def chunk_terms(self, normed, p, draft_mass, counted, teacher, draft_ids, step: int, start: int, end: int):
-        """TTT step `step`'s terms at positions start..end: (the cross-entropy summed over them, the expected
-        acceptance [B, n] or None for kl, where the draft agrees with the teacher [B, n])."""
-        logits = self.draft.lm_head(normed[:, start:end])
+    def chunk_terms(self, normed, p, draft_mass, counted, teacher, draft_ids, read: Shifted, start: int, end: int):
+        """A TTT step's terms at its loss rows start..end (`read`: what the step reads at them), [n] each: the
+        cross-entropy, the expected acceptance (None for kl), where the draft agrees with the teacher."""
+        logits = self.draft.lm_head(normed[start:end])
         logp = F.log_softmax(logits.float(), dim=-1)
-        p = shifted(p, step, start, end)
-        ce = -(counted[:, start:end, None] * p * logp).sum()
+        read = read.part(start, end)
+        p = read(p)
+        ce = -(counted[start:end, None] * p * logp).sum(-1)
         alpha = None
         if self.kind != "kl":
-            alpha = expected_acceptance(p * shifted(draft_mass, step, start, end)[..., None], logp.exp())
-        return ce, alpha, draft_ids[logits.argmax(-1)] == teacher[:, start:end]
+            alpha = expected_acceptance(p * read(draft_mass)[:, None], logp.exp())
+        return ce, alpha, draft_ids[logits.argmax(-1)] == teacher[start:end]
 
-    def forward(self, aux, t: Teachers, draft_ids):
+    def forward(self, aux, t: Teachers, draft_ids, also_agree: list[torch.Tensor] | None = None, groups=None):
+        """also_agree: [B, T] a step, positions whose agreement is wanted besides the trained ones. groups: (each
+        row's group [B], each group's padded positions [G]): loss [G], plosses and accs [steps, G], each group's as
+        a batch of its own would have them (rows never see each other; validation computes batches together)."""
         b, n = t.input_ids.shape
-        positions = torch.arange(n, device=aux.device)[None].expand(b, n)
-        hidden, cache = self.draft.fc(aux), []
-        ids, teacher, in_draft_vocab = t.input_ids, t.teacher, t.in_draft_vocab
-        size = self.chunk_positions(b)
-        spans = [(start, min(start + size, n)) for start in range(0, n, size)]
-        loss, plosses, accs, agrees = 0.0, [], [], []
-        for i, mask in enumerate(step_masks(t, self.ttt_length)):
-            normed, hidden = self.draft.step_states(ids, hidden, positions + i, cache)
-            counted = in_draft_vocab & mask
-            args = (normed, t.p, t.draft_mass, counted, teacher, draft_ids, i)
-            if len(spans) == 1:
-                ce, alpha, agree = self.chunk_terms(*args, 0, n)
+        padded = b * n if groups is None else groups[1]  # what each cross-entropy is divided by
+        masks = step_masks(t, self.ttt_length)
+        wanted = masks if also_agree is None else [m | a for m, a in zip(masks, also_agree)]
+        runs, later = [], torch.zeros_like(wanted[0])  # step i runs where it or a later step is wanted
+        for w in reversed(wanted):
+            later = later | w
+            runs.insert(0, later)
+        prefix = runs[0].flip(1).cumsum(1).flip(1) > 0  # step 0's keys: up to each row's last position that runs
+        previous = rows_of(prefix)
+        hidden = self.draft.fc(aux.flatten(0, 1)[previous])
+        # slot[r]: where flat position r is among the rows of the step that last computed it
+        slot = torch.zeros(b * n, dtype=torch.long, device=aux.device)
+        slot[previous] = torch.arange(len(previous), device=aux.device)
+        size = self.chunk_positions(b) * b
+        cache, loss, plosses, accs = [], 0.0, [], []
+        agrees = torch.zeros(self.ttt_length, b * n, dtype=torch.bool, device=aux.device)
+        for i, (mask, run, want) in enumerate(zip(masks, runs, wanted)):
+            here = rows_of(run)
+            if i == 0:  # keys and values at every row of the prefix, queries where step 0 runs
+                rows, ids, positions = Rows(previous, (b, n), slot[here]), t.input_ids.flatten()[previous], \
+                    previous % n
             else:
-                parts = [checkpoint(self.chunk_terms, *args, start, end, use_reentrant=False,
-                                    preserve_rng_state=False) for start, end in spans]
-                ce = torch.stack([part[0] for part in parts]).sum()
-                alpha = torch.cat([part[1] for part in parts], dim=1) if self.kind != "kl" else None
-                agree = torch.cat([part[2] for part in parts], dim=1)
-            ploss = ce / (b * n)
-            accs.append((agree & mask).sum() / mask.sum().clamp(min=1))
+                read = Shifted.at(here, i, n)
+                rows, ids, positions = Rows(here, (b, n)), read(t.input_ids), here % n + i
+                hidden = hidden[slot[here]]
+            normed, hidden = self.draft.step_rows(ids, hidden, positions, rows, cache)
+            slot[here] = torch.arange(len(here), device=aux.device)
+            scored = rows_of(want)
+            if i == 0 or len(scored) != len(here):  # (a later step's positions run here without a loss of their own)
+                read = Shifted.at(scored, i, n)
+            if len(scored) != len(here):
+                normed = normed[slot[scored]]
+            at_mask = mask.flatten()[scored]
+            total = torch.sum if groups is None else group_sums(groups[0][scored // n], len(padded))
+            counted = read(t.in_draft_vocab) & at_mask
+            teacher = read(t.teacher)
+            args = (normed, t.p, t.draft_mass, counted, teacher, draft_ids, read)
+            if len(scored) <= size:
+                ce, alpha, agree = self.chunk_terms(*args, 0, len(scored))
+            else:
+                parts = [checkpoint(self.chunk_terms, *args, start, min(start + size, len(scored)),
+                                    use_reentrant=False, preserve_rng_state=False)
+                         for start in range(0, len(scored), size)]
+                ce = torch.cat([part[0] for part in parts])
+                alpha = torch.cat([part[1] for part in parts]) if self.kind != "kl" else None
+                agree = torch.cat([part[2] for part in parts])
+            ploss = total(ce) / padded
+            accs.append(total(agree & at_mask) / total(at_mask).clamp(min=1))
             plosses.append(ploss.detach())
-            agrees.append(agree)
-            loss = loss + STEP_DECAY**i * step_loss(self.kind, ploss, alpha, counted, self.lk_kl_decay)
-            ids, teacher, in_draft_vocab = shift_left(ids), shift_left(teacher), shift_left(in_draft_vocab)
-        return loss, torch.stack(plosses), torch.stack(accs), torch.stack(agrees)
+            agrees[i, scored] = agree
+            loss = loss + STEP_DECAY**i * step_loss(self.kind, ploss, alpha, counted, self.lk_kl_decay, total)
+        return loss, torch.stack(plosses), torch.stack(accs), agrees.view(self.ttt_length, b, n)
 
 
 # -- data ---------------------------------------------------------------------------------------
@@ -273,6 +378,21 @@ def plan_epoch(ids_and_lengths: list[tuple[str, int]], batch_tokens: int | None,
     if batch:
         batches.append(batch)
     return batches
+
+
+def merge_batches(batches: list[list[str]], lengths: dict[str, int], budget: int) -> list[list[list[str]]]:
+    """Consecutive batches in groups, each as many as fit in `budget` padded tokens together (at least one)."""
+    groups, group, samples, longest = [], [], 0, 0
+    for batch in batches:
+        size, length = len(batch), max(lengths[sid] for sid in batch)
+        if group and (samples + size) * max(longest, length) > budget:
+            groups.append(group)
+            group, samples, longest = [], 0, 0
+        group.append(batch)
+        samples, longest = samples + size, max(longest, length)
+    if group:
+        groups.append(group)
+    return groups
 
 
 def pin_initial_weights(cfg) -> dict:
@@ -360,6 +480,11 @@ class Trainer:
         self.world = dist.get_world_size() if self.distributed else 1
         self.device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available()
                                    else "cpu")
+        if self.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+            # The drafter's CPU operations are small: a second intra-op thread gains nothing, and while another
+            # process holds a core (Airflow's polls, other jobs) OpenMP's spinning barriers made steps 6-12x slower
+            # on 2 cores (bench/train_speed.py --threads 2). torchrun's ranks get OMP_NUM_THREADS=1 already.
+            torch.set_num_threads(1)
         self.ckpt_root = cfg.run_dir / CHECKPOINTS
         self.ckpt_root.mkdir(parents=True, exist_ok=True)
 
@@ -394,7 +519,8 @@ class Trainer:
             raise ValueError(f"{cfg.store_dir}: too few training samples for {self.world} rank(s)")
 
         params = [p for p in self.draft.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=cfg.train.learning_rate, weight_decay=0.0)
+        # foreach: CUDA's default; on CPU bit-identical to the per-tensor loop it replaces, in half the time
+        self.optimizer = torch.optim.AdamW(params, lr=cfg.train.learning_rate, weight_decay=0.0, foreach=True)
         warmup = max(1, int(cfg.train.warmup_ratio * self.total_steps))
 
         def lr_factor(step: int) -> float:  # linear warmup, then cosine to zero
@@ -438,8 +564,6 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng"])
         self.step, self.best = state["step"], state["best"]
-        if self.best.get("figure") != BEST_BY:  # a run begun before the offline figure: compare like with like
-            self.best = {"step": None, "accept_length": -1.0}
         metrics_file = self.cfg.run_dir / TRAIN_METRICS
         if self.rank == 0 and metrics_file.exists():  # drop what the killed run logged past its checkpoint
             kept = [line for line in metrics_file.read_text().splitlines() if json.loads(line)["step"] <= self.step]
@@ -473,7 +597,8 @@ class Trainer:
 
     def teachers(self, batch) -> Teachers:
         return make_teachers(batch["input_ids"], batch["loss_mask"], batch["last_hidden_state"], self.target_lm_head,
-                             self.draft_ids, self.t2d, batch["lengths"], self.cfg.train.first_draft_position)
+                             self.draft_ids, self.t2d, batch["lengths"], self.cfg.train.first_draft_position,
+                             only_read=True)
 
     def train_step(self, sample_ids) -> tuple[float, list[float], list[float], int]:
         batch = self.store.batch(sample_ids, self.device)
@@ -493,19 +618,33 @@ class Trainer:
         evaluate.draft_lengths: greedy decoding replayed on the stored states (eagle3.acceptance.replay); the
         first k's picks the best checkpoint. Every rank validates its share of the batches and the sums are
         gathered: no rank waits idle in a collective while another validates (NCCL's watchdog ends a collective
-        after 10 minutes)."""
+        after 10 minutes).
+
+        The figures are those of the validation split cut into training's batches (the loss and accuracies are
+        per-batch means), but batches of about one length are computed together, up to VAL_BATCH_TOKENS padded
+        tokens: without backward a row needs nothing of its batch, and a few large passes cost far less than many
+        small ones (the demo's validation took 189 passes)."""
         steps, ks = self.cfg.train.ttt_length, self.cfg.evaluate.draft_lengths
         loss_sum, batch_count, count, hits = 0.0, 0, 0, [0.0] * steps
         cycles = {k: ([], []) for k in ks}  # per k: drafts accepted per cycle, and those of first cycles
         batches = plan_epoch(self.val_ids, self.cfg.train.batch_tokens, self.cfg.seed, epoch=0)
-        for sample_ids in batches[self.rank :: self.world]:
-            batch = self.store.batch(sample_ids, self.device)
+        lengths = dict(self.val_ids)
+        mine = sorted(batches[self.rank :: self.world], key=lambda ids: max(lengths[sid] for sid in ids))
+        for together in merge_batches(mine, lengths, VAL_BATCH_TOKENS):  # (by length: little padding)
+            batch = self.store.batch([sid for sample_ids in together for sid in sample_ids], self.device)
+            group = torch.tensor([g for g, sample_ids in enumerate(together) for _ in sample_ids], device=self.device)
+            padded = torch.tensor([len(ids) * max(lengths[sid] for sid in ids) for ids in together],
+                                  dtype=torch.float32, device=self.device)
             t = self.teachers(batch)
+            replayed = decoding_masks(batch["loss_mask"], batch["lengths"], steps)  # what replay reads of agrees
             with self.autocast():
-                loss, _, accs, agrees = self.objective(batch["aux_hidden_states"], t, self.draft_ids)
-            weight = int(t.loss_mask.sum())
-            hits = [hit + acc * weight for hit, acc in zip(hits, accs.tolist())]
-            count, loss_sum, batch_count = count + weight, loss_sum + loss.item(), batch_count + 1
+                losses, _, accs, agrees = self.objective(batch["aux_hidden_states"], t, self.draft_ids, replayed,
+                                                         (group, padded))
+            weights = torch.zeros(len(together), dtype=torch.long, device=self.device).index_add(
+                0, group, t.loss_mask.sum(1))
+            for loss, batch_accs, weight in zip(losses.tolist(), accs.T.tolist(), weights.tolist()):
+                hits = [hit + acc * weight for hit, acc in zip(hits, batch_accs)]
+                count, loss_sum, batch_count = count + weight, loss_sum + loss, batch_count + 1
             agrees, answers = agrees.cpu().numpy(), batch["loss_mask"].bool().cpu().numpy()
             for row, length in enumerate(batch["lengths"].tolist()):
                 for k, (all_cycles, first_cycles) in cycles.items():
@@ -548,7 +687,7 @@ class Trainer:
     def save(self, metrics_file: Path, val: dict) -> None:
         """Record the validation `val` and write a checkpoint (rank 0)."""
         if val[BEST_BY] > self.best["accept_length"]:
-            self.best = {"step": self.step, "accept_length": val[BEST_BY], "figure": BEST_BY}
+            self.best = {"step": self.step, "accept_length": val[BEST_BY]}
         self.log_metrics(metrics_file, {"step": self.step, **val})
         state = {"model": self.trainable_state(), "optimizer": self.optimizer.state_dict(),
                  "scheduler": self.scheduler.state_dict(), "rng": torch.get_rng_state(), "step": self.step,

@@ -3,9 +3,9 @@
 Training-time test, step i (0-based), one query q[t] per position t, one softmax (scale 1/sqrt(head_dim)) over
   - step 0's keys/values, causally: k0[s], v0[s] for s <= t, and
   - at its own position only, the keys/values of steps 1..i: kj[t], vj[t].
-Written densely (`dense_ttt_attention`, the implementation before issue 37, kept as the reference for tests and
-bench/ttt_memory.py) that is a [B, heads, T, T + i] score tensor per step, which autograd keeps for backward: at
-Kimi's drafter geometry (56 heads) tens of GB at T=4096, more than an H200 at 8192.
+Written densely (`dense_ttt_attention`, the reference for tests and bench/ttt_memory.py) that is a
+[B, heads, T, T + i] score tensor per step, which autograd keeps for backward: at Kimi's drafter geometry
+(56 heads) tens of GB at T=4096, more than an H200 at 8192.
 
 `ttt_attention` computes the two parts apart and merges them by their log-sum-exp, as flash attention merges
 key blocks (and as PyTorch's own context-parallel ring attention merges ranks):
@@ -28,6 +28,10 @@ The causal part runs on one of three cores, chosen per call by `causal_core`:
 These are torch's private operators, called with the arguments their public scaled_dot_product_attention passes;
 tests/test_model.py checks all three cores against the dense reference (FusedCUDA's calls on meta tensors only:
 no GPU in the suite).
+
+`ttt_attention_rows` is the same for queries at some positions of the batch only, as training runs TTT steps only
+where a loss reads them (eagle3.model.Eagle3Draft.step_rows): the causal core in the batch's layout, cropped to the
+rows and positions with a query, the per-position part at the queries alone, the later steps' keys/values stacked.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ BLOCK = 128  # queries per block in the Blocked core: its scores are [B, heads, 
 
 
 def dense_ttt_attention(q: torch.Tensor, keys, values, scale: float) -> torch.Tensor:
-    """TTTAttention's math as it was before issue 37, unchanged: q, keys[j], values[j] are [B, heads, T, d]."""
+    """TTTAttention's math written densely, O(T^2) memory: q, keys[j], values[j] are [B, heads, T, d]."""
     t = q.shape[-2]
     k0, v0 = keys[0], values[0]
     causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
@@ -144,12 +148,17 @@ def causal_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
 # -- TTT attention: the causal part merged with the per-position part --------------------------
 
 
+def _no_autocast(device_type: str):
+    """The dtypes are the inputs' (bf16 under GPU autocast), in forward as in backward (which runs without it)."""
+    if torch.amp.is_autocast_available(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
 class _TTTAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, core, scale, q, k0, v0, *later):
-        # The dtypes are the inputs' (bf16 under GPU autocast), in forward as in backward (which runs without it).
-        with torch.autocast(q.device.type, enabled=False) if torch.amp.is_autocast_available(q.device.type) \
-                else contextlib.nullcontext():
+        with _no_autocast(q.device.type):
             out0, lse0, extra = core.forward(q, k0, v0, scale)
             n = len(later) // 2
             if n:
@@ -196,3 +205,101 @@ def ttt_attention(q: torch.Tensor, keys, values, scale: float, core=None) -> tor
     memory for forward and backward. `core`: the causal core (default: causal_core's choice)."""
     core = core or causal_core(q, keys[0], values[0])
     return _TTTAttention.apply(core, scale, q, keys[0], values[0], *keys[1:], *values[1:])
+
+
+# -- the same at some positions of the batch only ----------------------------------------------
+
+
+def _spread(x: torch.Tensor, index: torch.Tensor, b: int, t: int) -> torch.Tensor:
+    """Rows [N, heads, ...] at flat positions `index` (b * T + t) -> [B, heads, T, ...], zeros elsewhere."""
+    full = x.new_zeros(b * t, *x.shape[1:]).index_copy_(0, index, x)
+    return full.view(b, t, *x.shape[1:]).transpose(1, 2)
+
+
+def _gather(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """[B, heads, T, ...] -> its rows [N, heads, ...] at flat positions `index`."""
+    return x.transpose(1, 2).flatten(0, 1)[index]
+
+
+def _crop(index: torch.Tensor, k0: torch.Tensor):
+    """The part of the batch the causal core needs for queries at flat positions `index`: the batch rows that hold
+    one, and the positions up to the last one (the keys after it are never attended). Returns (those rows, that
+    width, the queries' flat positions in the cropped batch); (None, T, index) when that is the whole batch."""
+    b, t = k0.shape[0], k0.shape[2]
+    row = index // t
+    used = torch.unique_consecutive(row)
+    width = int((index % t).max()) + 1 if len(index) else 1
+    if len(used) == b and width == t:
+        return None, t, index
+    return used, width, torch.searchsorted(used, row) * width + index % t
+
+
+def _merge_rows(q, out0, lse0, later_k, later_v, scale):
+    """_TTTAttention's merge at rows, the later steps' keys and values stacked [N, steps, heads, d]: the same
+    arithmetic in a few operations for all of them rather than a few per step (a TTT step is many small operations
+    on CPU). Returns (out, lse)."""
+    if later_k is None:
+        return out0, lse0
+    s = (q.float()[:, None] * later_k.float()).sum(-1) * scale  # [N, steps, heads]
+    lse = torch.logsumexp(torch.cat([lse0[:, None], s.to(lse0.dtype)], 1), 1)
+    merged = torch.exp(lse0 - lse)[..., None] * out0.float() + \
+        (torch.exp(s - lse[:, None])[..., None] * later_v.float()).sum(1)
+    return merged.to(q.dtype), lse
+
+
+def _later_backward_rows(dout, q, out, lse, dq, later_k, later_v, scale):
+    """_TTTAttention's backward of that merge, stacked likewise: (dq with their part added, dk, dv)."""
+    if later_k is None:
+        return dq, None, None
+    qf, g, kf, vf = q.float()[:, None], dout.float(), later_k.float(), later_v.float()
+    delta = (g * out.float()).sum(-1)
+    p = torch.exp((qf * kf).sum(-1) * scale - lse[:, None])  # the weight of each later key for its query
+    ds = p * ((g[:, None] * vf).sum(-1) - delta[:, None]) * scale
+    dq = (dq.float() + (ds[..., None] * kf).sum(1)).to(q.dtype)
+    return dq, (ds[..., None] * qf).to(later_k.dtype), (p[..., None] * g[:, None]).to(later_v.dtype)
+
+
+class _TTTAttentionRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, core, scale, index, q, k0, v0, later_k, later_v):
+        used, width, local = _crop(index, k0)
+        k, v = (k0, v0) if used is None else (k0[used, :, :width], v0[used, :, :width])
+        with _no_autocast(q.device.type):
+            out0, lse0, extra = core.forward(_spread(q, local, k.shape[0], width), k, v, scale)
+            out, lse = _merge_rows(q, _gather(out0, local), _gather(lse0, local), later_k, later_v, scale)
+        ctx.core, ctx.scale, ctx.extra, ctx.crop = core, scale, extra, (used, width, local)
+        ctx.save_for_backward(q, k0, v0, out, lse, later_k, later_v)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout):
+        q, k0, v0, out, lse, later_k, later_v = ctx.saved_tensors
+        used, width, local = ctx.crop
+        k, v = (k0, v0) if used is None else (k0[used, :, :width], v0[used, :, :width])
+        b = k.shape[0]
+        # The causal core's backward over the (cropped) batch, given the merged out and lse at the query rows.
+        # Elsewhere q, dout and out are 0, so those rows add nothing to dk0 and dv0 (P * (dP - delta) = 0 there).
+        dq, dk, dv = ctx.core.backward(_spread(dout.contiguous(), local, b, width), _spread(q, local, b, width), k, v,
+                                       _spread(out, local, b, width), _spread(lse, local, b, width).contiguous(),
+                                       ctx.scale, ctx.extra)
+        if used is not None:
+            dk0, dv0 = torch.zeros_like(k0), torch.zeros_like(v0)
+            dk0[used, :, :width], dv0[used, :, :width] = dk, dv
+            dk, dv = dk0, dv0
+        dq, dlater_k, dlater_v = _later_backward_rows(dout, q, out, lse, _gather(dq, local), later_k, later_v,
+                                                      ctx.scale)
+        return None, None, None, dq, dk, dv, dlater_k, dlater_v
+
+
+def ttt_attention_rows(q: torch.Tensor, index: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor,
+                       later_k: torch.Tensor | None, later_v: torch.Tensor | None, scale: float,
+                       core=None) -> torch.Tensor:
+    """ttt_attention for queries at some positions of the batch only: q [N, heads, d] at flat positions `index`
+    (b * T + t); k0, v0 step 0's keys/values over the whole batch [B, heads, T, d]; later_k, later_v steps 1..i's at
+    the queries' own positions, stacked [N, i, heads, d] (None at step 0). Returns [N, heads, d]: ttt_attention's
+    output at those positions. The fused causal core still runs in the batch's layout (the queries spread, zeros
+    elsewhere), cropped to the batch rows with a query and the positions up to the last one; the per-position part,
+    forward and backward, only at the N rows."""
+    core = core or causal_core(k0, k0, v0)
+    return _TTTAttentionRows.apply(core, scale, index, q, k0, v0, later_k, later_v)
