@@ -44,7 +44,8 @@ def build_target(hidden_size: int, num_layers: int, samples: int) -> Path:
 
 
 def make_config(target: Path, batch_tokens: int):
-    from eagle3.config import parse_run_config, resolve_target_facts
+    from eagle3.config import parse_run_config
+    from eagle3.target import resolve_target_facts
 
     return resolve_target_facts(parse_run_config({
         "run_name": "bench-extract",

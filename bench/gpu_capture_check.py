@@ -32,8 +32,9 @@ BUILTIN = [
 def main() -> None:
     from eagle3.capture.hf import HfCapture
     from eagle3.capture.sglang import SglangCapture
-    from eagle3.config import parse_run_config, resolve_target_facts
+    from eagle3.config import parse_run_config
     from eagle3.data import SampleTokenizer, read_conversations
+    from eagle3.target import resolve_target_facts
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", required=True)

@@ -234,12 +234,13 @@ def saved_bytes(cfg: DraftConfig, t: int, bf16: bool, logit_chunk: int) -> int:
 
 
 def kimi_drafter() -> DraftConfig:
-    """Kimi-K2's drafter as this project derives it (eagle3.config.DrafterConfig.derived from Kimi-K2's config.json:
+    """Kimi-K2's drafter as this project derives it (eagle3.target.drafter_shape from Kimi-K2's config.json:
     hidden 7168, intermediate 18432, vocab 163840): 56 heads of 128, 8 KV heads, MLP 18432; draft vocab 32000."""
     from eagle3.config import DrafterConfig
+    from eagle3.target import drafter_shape
 
     target = {"hidden_size": 7168, "intermediate_size": 18432, "vocab_size": 163840, "rope_theta": 50000.0}
-    g = DrafterConfig().derived(target)
+    g = drafter_shape(DrafterConfig(), target)
     return DraftConfig(hidden_size=7168, intermediate_size=g["intermediate_size"],
                        num_attention_heads=g["num_attention_heads"], num_key_value_heads=g["num_key_value_heads"],
                        head_dim=g["head_dim"], rms_norm_eps=1e-6, rope_theta=50000.0, max_position_embeddings=131072,

@@ -145,7 +145,8 @@ def tiny_run_data(tiny_target: Path, workdir: Path, run_name: str) -> dict:
 @pytest.fixture
 def make_config(tmp_path, tiny_target):
     """A RunConfig on the tiny target in a fresh workdir; keyword sections override the defaults."""
-    from eagle3.config import parse_run_config, resolve_target_facts
+    from eagle3.config import parse_run_config
+    from eagle3.target import resolve_target_facts
 
     def make(run_name: str = "test-run", workdir: Path | None = None, **sections):
         data = tiny_run_data(tiny_target, workdir or tmp_path / "work", run_name)
@@ -187,8 +188,9 @@ def trained_run(tiny_target, tmp_path_factory, worker_id) -> tuple[Path, dict]:
     runs it: (its workdir, train's summary). Read it only; `trained_config` gives a copy to write in."""
     from filelock import FileLock
 
-    from eagle3.config import parse_run_config, resolve_target_facts, write_run_config
+    from eagle3.config import parse_run_config, write_run_config
     from eagle3.extract import run_extract
+    from eagle3.target import resolve_target_facts
     from eagle3.vocab import run_vocab
 
     shared = shared_dir(tmp_path_factory, worker_id)

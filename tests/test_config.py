@@ -16,9 +16,9 @@ from eagle3.config import (
     dump_run_config,
     load_run_config,
     parse_run_config,
-    resolve_target_facts,
     write_run_config,
 )
+from eagle3.target import resolve_target_facts
 
 BASE = {
     "run_name": "kimi-k2.5-eagle3",

@@ -14,6 +14,7 @@ from safetensors import safe_open
 from eagle3.checkpoint import load_checkpoint
 from eagle3.export import EXPORT_KEYS, drafter_config, load_exported_drafter, run_export
 from eagle3.model import DraftConfig, build_draft_model
+from eagle3.target import drafter_shape
 
 
 def test_the_config_tells_each_engine_the_trained_layers_in_its_own_ids():
@@ -80,8 +81,8 @@ def test_eagle31_norms_are_exported_as_the_engines_name_them_and_round_trip(trai
     cfg = trained_config.model_copy(update={"drafter": trained_config.drafter.model_copy(
         update={"fc_norm": True, "norm_output": True})})
     torch.manual_seed(1)
-    trained = build_draft_model(tiny_target, 512, [1, 3, 4], cfg.drafter.derived({"hidden_size": 256,
-                                                                                   "intermediate_size": 512}))
+    trained = build_draft_model(tiny_target, 512, [1, 3, 4], drafter_shape(cfg.drafter, {"hidden_size": 256,
+                                                                                      "intermediate_size": 512}))
     with torch.no_grad():
         for norm in trained.fc.norms:
             norm.weight.uniform_(0.5, 1.5)

@@ -16,7 +16,8 @@ import torch
 
 from eagle3.export import drafter_config
 from eagle3.model import DraftConfig
-from eagle3.rope import Rotary, apply_rope, exported_scaling, target_rope
+from eagle3.rope import Rotary, apply_rope, exported_scaling
+from eagle3.target import target_rope
 from tests.conftest import REPO
 from tests.test_layer_ids import ENVS
 

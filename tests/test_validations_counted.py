@@ -115,3 +115,30 @@ def test_one_run_validates_its_config_once_and_no_task_reads_the_settings(counts
     once = {"config validations": 0, "plan loads": 1, "settings reads": 0}
     assert {name: figures for name, figures in per_task.items() if figures != once} == {}
     assert len(per_task) == 6 + len(VERIFYING_TASKS)
+
+
+def test_init_resolves_the_targets_facts_once_and_a_stage_reads_only_the_runs_config(make_config, monkeypatch):
+    """The box side, counted: `init` validates the config as given and once more with the target's facts filled in;
+    a stage process (every torchrun rank is one) loads the run's config.json with one validation and reads none of
+    the target's files for the run's facts (before issue 52 each stage resolved them again: two validations and the
+    target's config.json and generation_config.json read, per rank)."""
+    from eagle3 import target
+    from eagle3.__main__ import load_config
+    from eagle3.config import write_run_config
+
+    counts = {"config validations": 0}
+    monkeypatch.setattr(RunConfig, "__pydantic_validator__", Counted(RunConfig.__pydantic_validator__, counts,
+                                                                     "config validations"))
+    path = write_run_config(make_config())
+    assert counts["config validations"] == 2  # make_config: parse_run_config, then resolve_target_facts
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a stage read the target's files for facts init resolved")
+
+    for name in ("read_text_config", "read_target_facts", "read_architecture", "serving_sampling",
+                 "resolve_target_facts"):
+        monkeypatch.setattr(target, name, refused)
+    counts["config validations"] = 0
+    cfg = load_config(str(path))
+    assert counts["config validations"] == 1
+    assert cfg.target.num_hidden_layers == 8 and cfg.generate.temperature is not None

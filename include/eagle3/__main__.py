@@ -17,8 +17,12 @@ import os
 import sys
 import tokenize
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from eagle3.contracts import STALE_AFTER_S, Exit
+
+if TYPE_CHECKING:
+    from eagle3.config import RunConfig
 
 log = logging.getLogger("eagle3")
 
@@ -49,8 +53,9 @@ def cmd_make_tiny_target(args) -> None:
 
 
 def cmd_init(args) -> None:
-    from eagle3.config import ConfigError, parse_run_config, resolve_target_facts, write_run_config
+    from eagle3.config import ConfigError, parse_run_config, write_run_config
     from eagle3.runowner import AirflowRun, claimed
+    from eagle3.target import resolve_target_facts
 
     if (args.airflow_dag_id is None) != (args.airflow_run_id is None):
         raise ConfigError("--airflow-dag-id and --airflow-run-id name the Airflow run together: give both, or neither "
@@ -73,11 +78,10 @@ def cmd_init(args) -> None:
     print(path)
 
 
-def warn_of_rope_not_carried(cfg) -> None:
+def warn_of_rope_not_carried(cfg: RunConfig) -> None:
     """drafter.rope_scaling "none" on a target that scales its RoPE: say what is not carried (a choice, not an error:
     a drafter that only ever drafts at short context may do without)."""
-    from eagle3.config import read_text_config
-    from eagle3.rope import target_rope
+    from eagle3.target import read_text_config, target_rope
 
     scaling = target_rope(read_text_config(cfg.target.model_path))[1]
     if scaling and cfg.drafter.rope_scaling == "none":
@@ -87,11 +91,11 @@ def warn_of_rope_not_carried(cfg) -> None:
             scaling, cfg.drafter.rope_theta)
 
 
-def warn_of_served_config_gaps(cfg) -> None:
+def warn_of_served_config_gaps(cfg: RunConfig) -> None:
     """A target config.json that SGLang or vLLM would not load (or would route differently): say so at init, naming
     the fields, rather than when a server fails to start hours later. A warning: training needs none of them."""
-    from eagle3.config import read_architecture, read_text_config
     from eagle3.engines import served_config_gaps
+    from eagle3.target import read_architecture, read_text_config
 
     gaps = served_config_gaps(read_text_config(cfg.target.model_path), read_architecture(cfg.target.model_path))
     if gaps:

@@ -26,6 +26,7 @@ import json
 import logging
 import statistics
 import time
+from typing import TYPE_CHECKING
 
 import httpx
 
@@ -35,6 +36,9 @@ from eagle3.evaluate import held_out_prompts
 from eagle3.fsutil import atomic_write_text
 from eagle3.runlayout import BENCHMARK_DIR, BENCHMARK_PLOT, BENCHMARK_REPORT, DRAFTER_CONFIG, DRAFTER_DIR
 from eagle3.server import serving
+
+if TYPE_CHECKING:
+    from eagle3.config import RunConfig
 
 log = logging.getLogger(__name__)
 logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request would drown the progress lines
@@ -80,7 +84,7 @@ async def send_prompts(engine, base_url: str, prompts: list[list[int]], max_new_
     return run
 
 
-def run_benchmark(cfg) -> dict:
+def run_benchmark(cfg: RunConfig) -> dict:
     bench = cfg.benchmark
     out = cfg.run_dir / BENCHMARK_DIR
     drafter = cfg.run_dir / DRAFTER_DIR

@@ -31,7 +31,7 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
-from eagle3.config import ConfigError
+from eagle3.config import ConfigError, RunConfig
 from eagle3.contracts import PROTOCOL, BoxInfo
 from eagle3.data import (
     TOKENIZING_VERSION,
@@ -382,7 +382,7 @@ def nearest_existing(path: Path) -> Path:
     return path
 
 
-def count_tokens(cfg) -> dict:
+def count_tokens(cfg: RunConfig) -> dict:
     """Tokens and samples extraction will store, counted by tokenising exactly as extraction does
     (chat template, data.max_length, data.max_samples, data.on_bad_record; samples with no assistant
     token are skipped there, so here too). Can take minutes on a large data file."""
@@ -399,7 +399,7 @@ def count_tokens(cfg) -> dict:
             "conversation_ids": sorted(c.sample_id for c in conversations)}
 
 
-def _token_cache_key(cfg) -> dict:
+def _token_cache_key(cfg: RunConfig) -> dict:
     """What the token count depends on. The data file is identified by size and mtime, not content: a
     sensor pokes every few minutes, and hashing terabytes of JSONL each time is what the cache avoids."""
     try:
@@ -422,7 +422,7 @@ def _token_cache_key(cfg) -> dict:
     }
 
 
-def cached_token_count(cfg, cache_path: Path) -> dict:
+def cached_token_count(cfg: RunConfig, cache_path: Path) -> dict:
     """count_tokens, remembered in `cache_path` for as long as its key (data file, limits) still holds."""
     key = _token_cache_key(cfg)
     try:
@@ -461,7 +461,7 @@ def store_held_bytes(store_dir: Path, conversation_ids: set[str]) -> int:
     return held
 
 
-def disk_estimate(cfg, margin: float = 1.2) -> dict:
+def disk_estimate(cfg: RunConfig, margin: float = 1.2) -> dict:
     """Will the run's extraction fit? `cfg` is a RunConfig with the target facts resolved.
 
     estimate = tokens x (aux layers + 1) x hidden_size x 2 B (bf16) x margin + 5 B per token (ids, mask);

@@ -3,8 +3,8 @@
 The Airflow DAG builds its trigger-form Params from this model (so it must stay importable without
 torch), writes the validated result once to ``{workdir}/runs/{run_name}/config.json``, and every
 box-side stage reads that file back: ``python -m eagle3 <stage> --config <run dir>/config.json``.
-The box validates it again, fills in facts about the target from its ``config.json``, and checks
-them, so a bad value fails in seconds with the field named, not hours into a GPU job.
+The box validates it again, fills in facts about the target from its ``config.json`` (eagle3.target), and
+checks them, so a bad value fails in seconds with the field named, not hours into a GPU job.
 
 Every output path of a run is derived from ``workdir`` and ``run_name`` (see ``RunConfig.run_dir``):
 a copy of a config.json with other values for those two runs the same stages elsewhere.
@@ -22,7 +22,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from eagle3.engine_flags import SERVER_FLAGS, SGLANG_ENGINE, check_extra_args
 from eagle3.fsutil import atomic_write_text
-from eagle3.layer_ids import LayerIdError, family, ids_for
 from eagle3.runlayout import CONFIG, CONVERSATIONS, HIDDEN_STATES, run_dir_of
 
 RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
@@ -562,18 +561,6 @@ class DrafterConfig(Section):
                              "pick a divisor")
         return self
 
-    def derived(self, target: dict) -> dict:
-        """Every field, the empty ones derived from the target's (text) config.json."""
-        hidden = int(target["hidden_size"])
-        head_dim = self.head_dim or (128 if hidden >= 1024 else 64)
-        heads = self.num_attention_heads or max(1, hidden // head_dim)
-        kv = self.num_key_value_heads or next(d for d in range(min(8, heads), 0, -1) if heads % d == 0)
-        from eagle3.rope import target_rope  # (here: rope imports torch, and the DAG parses this module)
-
-        return {"head_dim": head_dim, "num_attention_heads": heads, "num_key_value_heads": kv,
-                "intermediate_size": self.intermediate_size or int(target["intermediate_size"]),
-                "rope_theta": self.rope_theta or target_rope(target)[0], "rope_scaling": self.rope_scaling,
-                "fc_norm": self.fc_norm, "norm_output": self.norm_output}
 
 
 class TrainConfig(Section):
@@ -1018,153 +1005,6 @@ def load_run_config(path: str | Path) -> RunConfig:
 
 def dump_run_config(cfg: RunConfig) -> str:
     return json.dumps(cfg.model_dump(mode="json"), indent=2, sort_keys=True) + "\n"
-
-
-# -- facts about the target, read on the box ---------------------------------------------------
-
-
-def read_text_config(model_path: str | Path) -> dict:
-    """The language model's HF config.json; multimodal wrappers such as Kimi-K2.5 keep it under `text_config`."""
-    config_file = Path(model_path) / "config.json"
-    try:
-        hf_config = json.loads(config_file.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConfigError(
-            f"target.model_path: {config_file} does not exist; point it at an HF model directory"
-        ) from None
-    except (ValueError, UnicodeDecodeError) as err:  # (JSONDecodeError is a ValueError)
-        raise ConfigError(f"{config_file}: not valid JSON ({err}); restore the model's own config.json") from None
-    text_config = hf_config.get("text_config") or hf_config if isinstance(hf_config, dict) else None
-    if not isinstance(text_config, dict):
-        raise ConfigError(f"{config_file}: not a JSON object (or its text_config is not); restore the model's own "
-                          "config.json")
-    return text_config
-
-
-TARGET_FACT_LIMITS = {"num_hidden_layers": MAX_LAYERS, "hidden_size": MAX_WIDTH, "vocab_size": 16 * MAX_WIDTH}
-
-
-def read_target_facts(model_path: str | Path) -> dict[str, int]:
-    """num_hidden_layers, hidden_size, vocab_size from an HF config.json."""
-    config_file = Path(model_path) / "config.json"
-    text_config = read_text_config(model_path)
-    facts = {}
-    for key in ("num_hidden_layers", "hidden_size", "vocab_size"):
-        if key not in text_config:
-            raise ConfigError(f"{config_file}: has no {key!r}; is this a decoder-only language model?")
-        value = text_config[key]
-        bounds = TARGET_FACT_LIMITS[key]  # the same bounds as the TargetConfig field the fact fills in
-        if type(value) is not int or not 1 <= value <= bounds:  # (bool is an int subclass: not a size)
-            raise ConfigError(f"{config_file}: {key} is {value!r}, not a whole number from 1 to {bounds}; fix the "
-                              "file, or point target.model_path at the model's own directory")
-        facts[key] = value
-    return facts
-
-
-def resolve_target_facts(cfg: RunConfig) -> RunConfig:
-    """Fill the target's layer count, hidden and vocab size from its config.json, and check them."""
-    facts = read_target_facts(cfg.target.model_path)
-    for key, actual in facts.items():
-        given = getattr(cfg.target, key)
-        if given is not None and given != actual:
-            raise ConfigError(
-                f"target.{key}: the config says {given} but {cfg.target.model_path}/config.json says {actual}; "
-                "leave it empty or fix it"
-            )
-    data = cfg.model_dump(mode="json")
-    data["target"].update(facts)
-    try:
-        data["drafter"] = cfg.drafter.derived(read_text_config(cfg.target.model_path))
-    except KeyError as err:
-        raise ConfigError(f"{cfg.target.model_path}/config.json: has no {err}; set drafter.{err.args[0]} to derive "
-                          "the drafter's shape without it") from None
-    except (TypeError, ValueError) as err:  # a size that is not a number
-        raise ConfigError(f"{cfg.target.model_path}/config.json: a size the drafter's shape is derived from is not a "
-                          f"whole number ({err}); fix the file, or set drafter.* explicitly") from None
-    data["generate"].update(serving_sampling(cfg.generate, cfg.target.model_path))
-    resolved = parse_run_config(data, f"{cfg.run_name} (with facts from {cfg.target.model_path})")
-    check_layers_served(resolved, read_architecture(cfg.target.model_path))
-    check_rope_carried(resolved, read_text_config(cfg.target.model_path))
-    return resolved
-
-
-GREEDY = {"temperature": 0.0, "top_p": 1.0, "top_k": None}
-
-
-def with_serving_sampling(gen: GenerateConfig, model_path: str | Path) -> GenerateConfig:
-    """`gen` with its sampling resolved as init resolves it (serving_sampling), for a config that skipped init: a
-    null temperature would otherwise reach the engines as their own default (1)."""
-    if gen.temperature is not None and gen.top_p is not None:
-        return gen
-    return gen.model_copy(update=serving_sampling(gen, model_path))
-
-
-def serving_sampling(gen: GenerateConfig, model_path: str | Path) -> dict:
-    """generate.temperature / top_p / top_k with the empty ones filled from the target's generation_config.json,
-    the sampling SGLang (--sampling-defaults model) and vLLM (--generation-config auto) serve it with when a request
-    names none (both read these keys whatever do_sample says). A file that names no temperature leaves generation
-    greedy: OpenAI's default of 1 is no choice of the model's authors. A top_k of 0 or below means no limit
-    (transformers' 0, SGLang's -1)."""
-    given = {"temperature": gen.temperature, "top_p": gen.top_p, "top_k": gen.top_k}
-    if all(value is not None for value in given.values()):
-        return given
-    config_file = Path(model_path) / "generation_config.json"
-    try:
-        served = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
-    except (ValueError, UnicodeDecodeError) as err:
-        raise ConfigError(f"{config_file}: not valid JSON ({err}); restore the model's own file, or set "
-                          "generate.temperature, top_p and top_k") from None
-    if not isinstance(served, dict):
-        raise ConfigError(f"{config_file}: not a JSON object; restore the model's own file, or set "
-                          "generate.temperature, top_p and top_k")
-    defaults = dict(GREEDY)
-    if served.get("temperature") is not None:
-        defaults.update({key: served[key] for key in ("temperature", "top_p", "top_k") if served.get(key) is not None})
-    if isinstance(defaults["top_k"], int) and not isinstance(defaults["top_k"], bool) and defaults["top_k"] <= 0:
-        defaults["top_k"] = None
-    filled = {key: defaults[key] if value is None else value for key, value in given.items()}
-    try:
-        GenerateConfig.model_validate({**gen.model_dump(), **filled})
-    except ValidationError as err:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))} {e['input']!r}: {e['msg']}" for e in err.errors())
-        raise ConfigError(f"{config_file}: its sampling does not fit generate's bounds ({problems}); set "
-                          "generate.temperature, top_p and top_k explicitly") from None
-    return filled
-
-
-def check_rope_carried(cfg: RunConfig, text_config: dict) -> None:
-    """Refuse a target RoPE scaling the drafter cannot carry exactly as the engines apply it (eagle3.rope), before
-    training a drafter that the serving engine would rotate otherwise."""
-    from eagle3.rope import target_rope, unsupported  # (here: rope imports torch, and the DAG parses this module)
-
-    scaling = target_rope(text_config)[1]
-    why = unsupported(scaling) if cfg.drafter.rope_scaling == "target" else None
-    if why:
-        raise ConfigError(f"drafter.rope_scaling: {cfg.target.model_path}/config.json: {why}; set drafter.rope_scaling "
-                          "to \"none\" to train and serve the drafter with plain RoPE (theta only), knowingly")
-
-
-def read_architecture(model_path: str | Path) -> str:
-    """The target's architecture, as config.json names it first (Kimi-K2.5: the multimodal wrapper's)."""
-    config_file = Path(model_path) / "config.json"
-    architectures = json.loads(config_file.read_text(encoding="utf-8")).get("architectures")
-    if not isinstance(architectures, list) or not architectures or not isinstance(architectures[0], str):
-        raise ConfigError(f"{config_file}: has no \"architectures\" list; restore the model's own config.json")
-    return architectures[0]
-
-
-def check_layers_served(cfg: RunConfig, architecture: str) -> None:
-    """Refuse, before anything runs, aux layers that an engine this run drives cannot be told (eagle3.layer_ids):
-    the sglang capture backend, and the serving engine that evaluate or benchmark start with the drafter. The
-    export serves every engine that can be told them, and says which."""
-    try:
-        family(architecture)  # the export must know how engines read this target's ids, whoever serves it
-        if cfg.extract.backend == "sglang":
-            ids_for(cfg.resolved_aux_layers(), architecture, "sglang")
-        if cfg.evaluate.backend == "server" or cfg.benchmark.enabled:
-            ids_for(cfg.resolved_aux_layers(), architecture, cfg.server.engine)
-    except LayerIdError as err:
-        raise ConfigError(str(err)) from None
 
 
 def write_run_config(cfg: RunConfig) -> Path:

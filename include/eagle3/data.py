@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from eagle3.config import ConfigError
+from eagle3.config import ConfigError, RunConfig
 from eagle3.fsutil import UnsafeFile, read_small_file
 from eagle3.turns import (
     NO_TRAINED_TOKEN,
@@ -583,7 +583,7 @@ class SampleTokenizer:
     _pattern: re.Pattern | None = field(default=None, init=False, repr=False)  # eagle3.turns.markup_pattern
 
     @classmethod
-    def for_run(cls, cfg) -> SampleTokenizer:
+    def for_run(cls, cfg: RunConfig) -> SampleTokenizer:
         """The run's SampleTokenizer, its templates checked (check_templates): a stage refuses a broken one
         before it starts."""
         from transformers import AutoTokenizer

@@ -57,11 +57,11 @@ import time
 import zlib
 from collections import Counter
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from eagle3 import acceptance
-from eagle3.config import with_serving_sampling
 from eagle3.data import SampleTokenizer, read_conversations
 from eagle3.engines import GREEDY, Completion, Sampling, Speculation, engine_for, reached_per_step
 from eagle3.export import load_exported_drafter
@@ -84,6 +84,9 @@ from eagle3.server import ServerError, serving
 from eagle3.split import EVALUATION, SPLIT_RULE, TRAINING, prompt_key, run_split
 from eagle3.store import open_run_store
 from eagle3.train import started_from
+
+if TYPE_CHECKING:
+    from eagle3.config import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -199,11 +202,11 @@ def plain_greedy(target, prompt: list[int], max_new: int, eos: set[int]) -> list
     return plain_decode(target, prompt, max_new, eos, GREEDY_RULE)
 
 
-def answer_sampling(cfg) -> Sampling:
+def answer_sampling(cfg: RunConfig) -> Sampling:
     """evaluate.sampling: greedy, or the target's serving sampling (generate's, as init resolved it)."""
     if cfg.evaluate.sampling == "greedy":
         return GREEDY
-    gen = with_serving_sampling(cfg.generate, cfg.target.model_path)
+    gen = cfg.generate
     if not gen.temperature:
         return GREEDY
     return Sampling(gen.temperature, gen.top_p, gen.top_k or None)
@@ -225,7 +228,7 @@ def sampling_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     return probs
 
 
-def answer_seed(cfg, what: str, index: int) -> int:
+def answer_seed(cfg: RunConfig, what: str, index: int) -> int:
     """The seed of one sampled answer: the run's seed, what is measured (the baseline, each k: independent draws)
     and the prompt's place, so that a rerun draws the same answers."""
     return (cfg.seed * 1_000_003 + zlib.crc32(what.encode()) * 10_007 + index) % 2**63
@@ -243,7 +246,7 @@ class HeldOutPrompt:
     prompt: list[int]  # token ids: those messages through the chat template, generation prompt added
 
 
-def held_out(cfg, tokenizing, limit: int | None = None) -> list[HeldOutPrompt]:
+def held_out(cfg: RunConfig, tokenizing, limit: int | None = None) -> list[HeldOutPrompt]:
     """Prompts training never saw, from the conversations of the evaluation part of the run's split (eagle3.split:
     no conversation that opens with their first prompt trains or validates): up to `limit` (evaluate.num_prompts),
     each the conversation up to a user turn that an assistant turn answers, rendered with the generation prompt.
@@ -281,7 +284,7 @@ def held_out(cfg, tokenizing, limit: int | None = None) -> list[HeldOutPrompt]:
             for kind, (_, conversation, turn, keys) in chosen]
 
 
-def held_out_prompts(cfg, tokenizing, limit: int | None = None) -> list[list[int]]:
+def held_out_prompts(cfg: RunConfig, tokenizing, limit: int | None = None) -> list[list[int]]:
     return [held.prompt for held in held_out(cfg, tokenizing, limit)]
 
 
@@ -292,7 +295,7 @@ def eval_set_record(chosen: list[HeldOutPrompt]) -> dict:
             "split_keys": sorted({key for h in chosen for key in h.keys}), "prompts": [h.prompt for h in chosen]}
 
 
-def target_greedy_accuracy(cfg, lm_head: torch.Tensor, max_tokens: int = 100_000) -> float | None:
+def target_greedy_accuracy(cfg: RunConfig, lm_head: torch.Tensor, max_tokens: int = 100_000) -> float | None:
     """Of the held-out samples' trained tokens (the first `max_tokens`), the share the target itself predicts
     greedily: what explains an acceptance length. Drafts are accepted only where they equal the target's own
     next token, so data the target would not have written (generate off) caps what a drafter learns from it;
@@ -313,7 +316,7 @@ def target_greedy_accuracy(cfg, lm_head: torch.Tensor, max_tokens: int = 100_000
     return hits / total if total else None
 
 
-def run_evaluate(cfg, hold_promotion: bool = False) -> dict:
+def run_evaluate(cfg: RunConfig, hold_promotion: bool = False) -> dict:
     started = time.monotonic()
     (cfg.run_dir / EVALUATE_DIR).mkdir(parents=True, exist_ok=True)
     drafter_dir = cfg.run_dir / DRAFTER_DIR
@@ -377,7 +380,7 @@ class HeldOutSet:
     baseline: list[list[int]] | None = None
 
 
-def answer_without_drafter(cfg, measurer, held: HeldOutSet, public: list[LoadedSet], tokenizing) -> None:
+def answer_without_drafter(cfg: RunConfig, measurer, held: HeldOutSet, public: list[LoadedSet], tokenizing) -> None:
     """The baselines (greedy, or sampled at evaluate.sampling), in one start of the engine: the held-out prompts',
     then each public set's, turn by turn (an MT-Bench second turn follows the target's own answer to the first)."""
     end_ids = set(tokenizing.tokenizer.convert_tokens_to_ids(list(tokenizing.end_tokens)))
@@ -391,7 +394,7 @@ def answer_without_drafter(cfg, measurer, held: HeldOutSet, public: list[LoadedS
             ask_turn_by_turn(loaded, ask, tokenizing, end_ids)
 
 
-def measure_drafter(cfg, measurer, drafter_dir, held: HeldOutSet, public: list[LoadedSet] | tuple = (),
+def measure_drafter(cfg: RunConfig, measurer, drafter_dir, held: HeldOutSet, public: list[LoadedSet] | tuple = (),
                     label: str = "") -> tuple[dict, dict]:
     """Speculative decoding with the drafter in `drafter_dir`, one start of the engine per draft length: the
     held-out prompts at each of evaluate.draft_lengths, the public sets at each published configuration (a chain of
@@ -415,7 +418,7 @@ def measure_drafter(cfg, measurer, drafter_dir, held: HeldOutSet, public: list[L
     return results, on_public
 
 
-def public_sets_report(cfg, public: list[LoadedSet], on_public: dict, tokenizing) -> dict:
+def public_sets_report(cfg: RunConfig, public: list[LoadedSet], on_public: dict, tokenizing) -> dict:
     """report.json's public_sets: per set where it came from, what was asked, and the figures per published
     configuration, with the published drafters' own figures at k=3 beside them."""
     end_ids = set(tokenizing.tokenizer.convert_tokens_to_ids(list(tokenizing.end_tokens)))
@@ -446,7 +449,7 @@ class HfMeasurer:
 
     name = "hf"
 
-    def __init__(self, cfg):
+    def __init__(self, cfg: RunConfig):
         # Imported here: transformers is loaded only by this backend (an engine-served evaluation never needs it).
         from transformers import AutoConfig
 
@@ -494,7 +497,7 @@ class EngineMeasurer:
     the drafter, for the greedy baseline, and once per draft length with it. Prompts go one at a time, as token ids:
     acceptance is a property of each answer, and batching could flip a near-tie between the runs."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg: RunConfig):
         self.cfg, self.engine = cfg, engine_for(cfg)
         self.name = f"server ({self.engine.name})"
         self.sampling = answer_sampling(cfg)
@@ -540,7 +543,7 @@ class EngineMeasurer:
         return weights, 10_000
 
 
-def progress_log(cfg, what: str, total: int) -> ProgressLog:
+def progress_log(cfg: RunConfig, what: str, total: int) -> ProgressLog:
     return ProgressLog(f"evaluate: {what}", total, 0, cfg.evaluate.progress_interval_s, log, unit="prompts",
                        track_bytes=False)
 
@@ -627,7 +630,7 @@ def ceiling_text(figures: dict) -> str:
     return f"{figures['share_of_ceiling']:.0%} of the ceiling {figures['ceiling_accept_length']:.3f}"
 
 
-def compare_and_promote(cfg, lineage, pinned: dict, results: dict, ours: str, measure_drafter,
+def compare_and_promote(cfg: RunConfig, lineage, pinned: dict, results: dict, ours: str, measure_drafter,
                         hold: bool = False) -> dict:
     """Measure the lineage's current drafter (`measure_drafter(its dir)`) on the same prompts, and promote this
     run's (`ours`: its weights' sha256, taken before it was measured) if it is better by evaluate.promote_margin
@@ -672,7 +675,7 @@ def compare_and_promote(cfg, lineage, pinned: dict, results: dict, ours: str, me
             "version": version.name}
 
 
-def extraction_summary(cfg) -> dict:
+def extraction_summary(cfg: RunConfig) -> dict:
     """What extract did for this run: how many samples it computed, how many it found in the shared store."""
     shards = [json.loads(path.read_text()) for shard in range(cfg.extract.num_shards)
               if (path := run_stats_path(cfg.run_dir, shard)).exists()]

@@ -27,18 +27,22 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
 from eagle3.checkpoint import best_checkpoint, load_checkpoint
-from eagle3.config import read_architecture
 from eagle3.fsutil import atomic_dir
 from eagle3.layer_ids import LayerIdError, engines_served, family, hf_layers_read
 from eagle3.model import EMBED_KEYS, DraftConfig, Eagle3Draft, load_target_tensor
-from eagle3.rope import exported_scaling, target_rope
+from eagle3.rope import exported_scaling
 from eagle3.runlayout import CHECKPOINTS, DRAFTER_CONFIG, DRAFTER_DIR, EXPORT_RECORD, MAPPING_D2T, MAPPING_T2D, WEIGHTS
+from eagle3.target import read_architecture, target_rope
+
+if TYPE_CHECKING:
+    from eagle3.config import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +138,7 @@ def engines_of(config: dict, target_architecture: str, hf_ids: list[int]) -> dic
     return engines
 
 
-def run_export(cfg) -> dict:
+def run_export(cfg: RunConfig) -> dict:
     out = cfg.run_dir / DRAFTER_DIR
     checkpoint, meta = best_checkpoint(cfg.run_dir / CHECKPOINTS)
     draft = DraftConfig(**{**meta["draft_config"], "aux_layer_ids": tuple(meta["draft_config"]["aux_layer_ids"])})

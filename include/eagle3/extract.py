@@ -33,6 +33,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
 from eagle3 import capture
 from eagle3.capture.staging import discard_staging
@@ -52,6 +53,9 @@ from eagle3.job import FIRST_PROGRESS_VAR
 from eagle3.progress import ProgressLog, beat, human_duration
 from eagle3.runlayout import run_samples_path, run_stats_path
 from eagle3.store import ShardWriter, StoreMeta
+
+if TYPE_CHECKING:
+    from eagle3.config import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +169,7 @@ class BackgroundWriter:
             raise self.error
 
 
-def run_extract(cfg, shard: int = 0, num_shards: int | None = None, gpu_group: int = 0) -> dict:
+def run_extract(cfg: RunConfig, shard: int = 0, num_shards: int | None = None, gpu_group: int = 0) -> dict:
     """Extract one shard on GPU group `gpu_group` of the box (capture.open_backend). `cfg` is a RunConfig with
     the target facts resolved. Returns the stats."""
     started = time.monotonic()

@@ -41,7 +41,7 @@ from pathlib import Path
 import httpx
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential_jitter
 
-from eagle3.config import ConfigError, redact_url, with_serving_sampling
+from eagle3.config import ConfigError, RunConfig, redact_url
 from eagle3.data import Conversation, SampleTokenizer, read_conversations
 from eagle3.fsutil import atomic_write_text, try_exclusive_lock
 from eagle3.identity import attach_generated
@@ -232,7 +232,7 @@ def parse_reply(body: bytes, keep_reasoning: bool = True) -> Reply:
 class ChatClient:
     """POST {endpoint}/chat/completions with retries; one Reply per request."""
 
-    def __init__(self, cfg, base_url: str, api_key: str | None = None):
+    def __init__(self, cfg: RunConfig, base_url: str, api_key: str | None = None):
         gen = cfg.generate
         self.url = endpoint_url(base_url, "chat/completions")
         self.shown_url = redact_url(str(self.url))
@@ -385,7 +385,7 @@ async def regenerate(client: ChatClient, conversation: Conversation) -> dict:
 class HfChat:
     """generate.backend "hf": the target in transformers on this process's device, batched, left-padded."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg: RunConfig):
         # Imported here: only this backend loads torch and transformers; a server-backed generate never does.
         import torch
         from transformers import AutoModelForCausalLM
@@ -431,7 +431,7 @@ class HfChat:
         return replies
 
 
-def regenerate_with_hf(cfg, todo: list[Conversation], writer: PartWriter, progress: ProgressLog) -> dict:
+def regenerate_with_hf(cfg: RunConfig, todo: list[Conversation], writer: PartWriter, progress: ProgressLog) -> dict:
     """generate.backend "hf": generate.concurrency conversations at a time, turn by turn; rows as the server
     path writes them (a model error is a bug here, not a row's failure)."""
     chat = HfChat(cfg)
@@ -512,7 +512,7 @@ def read_rows(parts_dir: Path) -> dict[str, dict]:
 # -- the stage -------------------------------------------------------------------------------------------------
 
 
-async def regenerate_all(cfg, base_url: str, todo: list[Conversation], writer: PartWriter,
+async def regenerate_all(cfg: RunConfig, base_url: str, todo: list[Conversation], writer: PartWriter,
                          progress: ProgressLog, api_key: str | None = None) -> dict:
     """Run the conversations through `concurrency` workers, counting into `progress` (done_here: regenerated,
     failed, tokens). Returns {"retries": retried requests, "truncated": answers cut at max_tokens}."""
@@ -579,11 +579,8 @@ async def check_endpoint(base_url: str, api_key: str | None = None) -> None:
         )
 
 
-def run_generate(cfg) -> dict:
-    # init fills the target's sampling in; a config that skipped it must not send a null temperature, which the
-    # engines would read as their own default (1) and the answers cache would file under "unset"
-    cfg = cfg.model_copy(update={"generate": with_serving_sampling(cfg.generate, cfg.target.model_path)})
-    gen = cfg.generate
+def run_generate(cfg: RunConfig) -> dict:
+    gen = cfg.generate  # its sampling as init resolved it (eagle3.target.serving_sampling)
     started = time.monotonic()
     # Read first, so that a missing key fails the stage before anything else. Sent whenever it is set, also to a
     # server the stage starts: that one needs no key, but a Bearer header is harmless to a server without
@@ -600,7 +597,7 @@ def run_generate(cfg) -> dict:
         writer.release()
 
 
-def _generate(cfg, out: Path, conversations: list[Conversation], read_stats, writer: PartWriter, cache: str,
+def _generate(cfg: RunConfig, out: Path, conversations: list[Conversation], read_stats, writer: PartWriter, cache: str,
               started: float, api_key: str | None) -> dict:
     gen = cfg.generate
     rows = read_rows(writer.dir)

@@ -38,7 +38,7 @@ import json
 import os
 from pathlib import Path
 
-from eagle3.config import ConfigError
+from eagle3.config import ConfigError, RunConfig
 from eagle3.data import TOKENIZING_VERSION, template_file_bytes
 from eagle3.fsutil import atomic_symlink, atomic_write_text
 from eagle3.runlayout import GENERATED, GENERATED_PARTS, KEY_RECORD, STORES
@@ -99,7 +99,7 @@ def target_identity(model_path: str | Path, tokenizer_dir: str | Path) -> dict[s
     return identity
 
 
-def capture_fields(cfg) -> dict:
+def capture_fields(cfg: RunConfig) -> dict:
     """Every field that decides the stored bytes (see the module docstring); `cfg` has its target facts."""
     template = cfg.data.generation_chat_template
     if template and not os.path.lexists(template):
@@ -133,7 +133,7 @@ def shared_store_dir(workdir: str | Path, key: str) -> Path:
     return Path(workdir) / STORES / key
 
 
-def attach_store(cfg) -> Path:
+def attach_store(cfg: RunConfig) -> Path:
     """Point the run's store (`RUN_DIR/hidden_states`) at the shared store of its capture key; returns the key's
     directory. Idempotent. Refuses a run whose link names another key: its target or a capture field changed
     since the run started, and one store must never hold two captures."""
@@ -142,7 +142,7 @@ def attach_store(cfg) -> Path:
                        "hidden states were captured into store", "target or capture settings")
 
 
-def generation_fields(cfg) -> dict:
+def generation_fields(cfg: RunConfig) -> dict:
     """What decides a regenerated answer besides its conversation: the target, the server that answers and how
     it is asked. Sampling is part of it (a cached answer drawn at temperature 0.7 stands for one), the seed not."""
     gen = cfg.generate
@@ -165,7 +165,7 @@ def generation_fields(cfg) -> dict:
     }
 
 
-def attach_generated(cfg) -> Path:
+def attach_generated(cfg: RunConfig) -> Path:
     """Point the run's `generate/parts` at the answers cache of its generation key ({workdir}/generated/<key>):
     a conversation answered by an earlier run with the same key is not asked again."""
     fields = generation_fields(cfg)

@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagle3.config import ConfigError
+from eagle3.config import ConfigError, RunConfig
 from eagle3.fsutil import (
     UnsafeTree,
     atomic_dir,
@@ -85,7 +85,7 @@ def read_record(path: Path) -> dict:
     return record
 
 
-def lineage_fields(cfg) -> dict:
+def lineage_fields(cfg: RunConfig) -> dict:
     return {
         "format": 1,
         "target": target_identity(cfg.target.model_path, cfg.tokenizer_dir),
@@ -112,7 +112,7 @@ class Version:
 
 
 class Lineage:
-    def __init__(self, cfg):
+    def __init__(self, cfg: RunConfig):
         fields = lineage_fields(cfg)
         self.key = capture_key(fields)
         self.dir = lineage_dir_of(cfg.workdir, self.key)

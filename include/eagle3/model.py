@@ -33,8 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle3.config import DrafterConfig, read_text_config
-from eagle3.rope import Rotary, apply_rope, rotate_half, target_rope
+from eagle3.config import DrafterConfig
+from eagle3.rope import Rotary, apply_rope, rotate_half
+from eagle3.target import drafter_shape, read_text_config, target_rope
 from eagle3.ttt_attention import ttt_attention, ttt_attention_rows
 
 
@@ -192,7 +193,7 @@ class DraftConfig:
         DeepSeek-V3's 128 heads would give head_dim 56, which SGLang's attention backends cannot run. RoPE: the
         target's theta and scaling (eagle3.rope), unless the drafter section sets its own theta or no scaling."""
         hf = read_text_config(model_path)
-        geometry = geometry or DrafterConfig().derived(hf)
+        geometry = geometry or drafter_shape(DrafterConfig(), hf)
         theta, scaling = target_rope(hf)
         return cls(
             hidden_size=hf["hidden_size"],

@@ -20,7 +20,7 @@ import re
 import time
 from pathlib import Path
 
-from eagle3.config import ConfigError
+from eagle3.config import ConfigError, RunConfig
 from eagle3.fsutil import UnsafeTree, atomic_write_text, tree_digests
 from eagle3.lineage import SHA256_PATTERN, Lineage, PromotionRefused
 from eagle3.runlayout import CURRENT, DRAFTER_DIR, MAPPING_D2T, PROPOSAL, REPORT, WEIGHTS, run_samples_path
@@ -38,7 +38,7 @@ def stage_output(path: Path, stage: str) -> bytes:
                           "task)") from None
 
 
-def training_inputs(cfg) -> dict:
+def training_inputs(cfg: RunConfig) -> dict:
     """Everything the drafter is made from, but the code: the run's samples (by id, in its shared store), the
     vocab mapping, the training, drafter and export settings, the seed, the split rule and the pinned evaluation set
     (what it keeps out of training). Two runs with
@@ -66,12 +66,12 @@ def training_inputs(cfg) -> dict:
     }
 
 
-def inputs_digest(cfg) -> str:
+def inputs_digest(cfg: RunConfig) -> str:
     """The digest of training_inputs."""
     return hashlib.sha256(json.dumps(training_inputs(cfg), sort_keys=True).encode()).hexdigest()
 
 
-def check_inputs(cfg) -> dict:
+def check_inputs(cfg: RunConfig) -> dict:
     """Has anything the drafter is made from changed since the lineage's current drafter? Runs after vocab: the
     DAG skips training, export and evaluation when not ("nothing changed since run X")."""
     digest = inputs_digest(cfg)
@@ -108,7 +108,7 @@ def files_digest(files: dict[str, str]) -> str:
     return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
 
 
-def hold_for_approval(cfg, record: dict, expected_current: str | None) -> str:
+def hold_for_approval(cfg: RunConfig, record: dict, expected_current: str | None) -> str:
     """What `promote_held` needs later: the version's record, the current version it was measured against, and the
     digest of every file of the drafter (files_sha256), so that only those bytes are ever promoted. Returns
     files_digest of them, which the report's held promotion carries and the approval covers."""
@@ -133,7 +133,7 @@ def check_approver(approved_by: object) -> str:
     return approved_by
 
 
-def promote_held(cfg, approved_by: str, approved_files: str) -> dict:
+def promote_held(cfg: RunConfig, approved_by: str, approved_files: str) -> dict:
     """`lineage promote --approved-by USER --approved-files SHA256`: make the switch evaluate decided on and held
     (`evaluate --hold-promotion`), once USER approved it (the caller verified that: the DAG's approval task), and
     rewrite the report's promotion. Only the bytes USER approved are promoted: proposal.json's files must be the ones

@@ -39,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from eagle3.config import ConfigError
+from eagle3.config import ConfigError, RunConfig
 from eagle3.data import DataError
 from eagle3.fsutil import UnsafeFile, read_small_file
 
@@ -256,7 +256,7 @@ def load_set(spec: PublicSet, local: str | None, count: int, tokenizing) -> Load
     return LoadedSet(spec, source, chats, first)
 
 
-def load_public_sets(cfg, tokenizing) -> list[LoadedSet]:
+def load_public_sets(cfg: RunConfig, tokenizing) -> list[LoadedSet]:
     """evaluate.benchmarks, loaded and their first turns rendered: before anything is measured, so that a missing
     file or a bad record stops the stage in seconds."""
     ev = cfg.evaluate

@@ -25,37 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
-SUPPORTED = ("default", "linear", "yarn")
 # The keys of a scaling the engines read for the supported types (others are dropped from the export).
 YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
              "attn_factor", "truncate")
-
-
-def target_rope(text_config: dict) -> tuple[float, dict | None]:
-    """(rope_theta, scaling) of a target's (text) config.json, in either spelling transformers writes: `rope_parameters`
-    (transformers 5) or `rope_theta` + `rope_scaling`. The scaling as {"type": ..., parameters}; None for none."""
-    parameters = text_config.get("rope_parameters") or {}
-    theta = float(parameters.get("rope_theta", text_config.get("rope_theta", 10000.0)))
-    scaling = dict(text_config.get("rope_scaling") or {})
-    if not scaling and parameters:
-        scaling = {k: v for k, v in parameters.items() if k != "rope_theta"}
-    kind = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
-    if kind == "default":
-        return theta, None
-    return theta, {"type": kind, **scaling}
-
-
-def unsupported(scaling: dict | None) -> str | None:
-    """Why the drafter cannot carry `scaling` exactly as the engines will compute it, or None."""
-    if scaling is None:
-        return None
-    if scaling.get("type") not in SUPPORTED:
-        return f"its RoPE scaling type {scaling.get('type')!r} is not one the drafter computes ({list(SUPPORTED)})"
-    if not isinstance(scaling.get("factor"), int | float) or scaling["factor"] < 1:
-        return f"its RoPE scaling factor {scaling.get('factor')!r} is not a number >= 1"
-    if scaling["type"] == "yarn" and not isinstance(scaling.get("original_max_position_embeddings"), int):
-        return "its yarn RoPE scaling has no original_max_position_embeddings"
-    return None
 
 
 def exported_scaling(scaling: dict | None) -> dict | None:

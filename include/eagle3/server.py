@@ -33,6 +33,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 
@@ -40,6 +41,9 @@ from eagle3.engines import Speculation, engine_for
 from eagle3.fsutil import atomic_write_text
 from eagle3.job import group_members, kill_leftovers, pid_start_ticks, read_boot_id, read_log_tail
 from eagle3.progress import beat
+
+if TYPE_CHECKING:
+    from eagle3.config import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +130,8 @@ def stop(process: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:
 
 
 @contextlib.contextmanager
-def serving(cfg, log_path: Path, speculation: Speculation | None = None, tree: dict | None = None) -> Iterator[str]:
+def serving(cfg: RunConfig, log_path: Path,
+            speculation: Speculation | None = None, tree: dict | None = None) -> Iterator[str]:
     """Start the run's engine (with the drafter of `speculation`, if any; `tree`: benchmark's SGLang tree shape),
     wait for /health, yield its base URL; stop it on the way out, whatever happened."""
     argv = engine_for(cfg).launch_argv(cfg, speculation, tree)

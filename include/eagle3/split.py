@@ -42,11 +42,15 @@ import logging
 import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from eagle3.data import conversation_id_of, read_conversations
 from eagle3.fsutil import atomic_write_text
 from eagle3.lineage import Lineage
 from eagle3.runlayout import SPLIT_KEYS
+
+if TYPE_CHECKING:
+    from eagle3.config import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +130,7 @@ def source_stamp(path: Path) -> dict:
     return {"path": str(Path(path).resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
 
 
-def conversation_keys(cfg, conversations=None) -> dict[str, str]:
+def conversation_keys(cfg: RunConfig, conversations=None) -> dict[str, str]:
     """{conversation id: split key} of every conversation of cfg.conversations_path, from RUN_DIR/split/keys.json
     while it was made by this rule from the file as it is (or the file is gone: a conversation id is a hash of the
     conversation, so a key recorded for it is never wrong, at most missing); else computed (from `conversations`,
@@ -152,7 +156,7 @@ def conversation_keys(cfg, conversations=None) -> dict[str, str]:
     return keys
 
 
-def pinned_set(cfg) -> tuple[frozenset[str], frozenset[str]]:
+def pinned_set(cfg: RunConfig) -> tuple[frozenset[str], frozenset[str]]:
     """(conversation ids, keys) of the lineage's pinned evaluation set; empty before its first run pins one."""
     pinned = Lineage(cfg).eval_set()
     if pinned is None:
@@ -160,7 +164,7 @@ def pinned_set(cfg) -> tuple[frozenset[str], frozenset[str]]:
     return frozenset(pinned["conversation_ids"]), frozenset(pinned["split_keys"])
 
 
-def run_split(cfg, conversations=None) -> Split:
+def run_split(cfg: RunConfig, conversations=None) -> Split:
     """The run's split, with the lineage's pinned evaluation set as it stands now."""
     keys = conversation_keys(cfg, conversations)
     pinned_ids, pinned_keys = pinned_set(cfg)

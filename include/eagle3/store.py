@@ -39,6 +39,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
@@ -56,6 +57,9 @@ from eagle3.fsutil import (
 from eagle3.hostid import read_host_id
 from eagle3.progress import format_bytes
 from eagle3.runlayout import run_samples_path
+
+if TYPE_CHECKING:
+    from eagle3.config import RunConfig
 
 STORE_FORMAT = "eagle3-hidden-states/1"
 STATE_DTYPE = torch.bfloat16  # what the capture backends hand over, and what a bf16 store holds
@@ -679,7 +683,7 @@ class HiddenStateStore:
                     yield sid, {name: tensors[name][a:b] for name in SAMPLE_TENSORS}
 
 
-def open_run_store(cfg) -> HiddenStateStore:
+def open_run_store(cfg: RunConfig) -> HiddenStateStore:
     """The run's samples of its store. The store is shared by runs (RUN_DIR/hidden_states is a link into
     {workdir}/stores/, made by `eagle3 init`) and holds every run's samples, so the run's own are those its extract
     shards listed."""

@@ -63,7 +63,7 @@ from torch.utils.checkpoint import checkpoint
 from eagle3.acceptance import figures as acceptance_figures
 from eagle3.acceptance import replay
 from eagle3.checkpoint import BEST_BY, checkpoint_dirs, load_checkpoint, read_meta, save_checkpoint
-from eagle3.config import ConfigError
+from eagle3.config import ConfigError, RunConfig
 from eagle3.fsutil import atomic_dir, atomic_write_text
 from eagle3.lineage import Lineage, weights_digest
 from eagle3.model import LM_HEAD_KEYS, Eagle3Draft, Rows, build_draft_model, load_target_tensor
@@ -395,7 +395,7 @@ def merge_batches(batches: list[list[str]], lengths: dict[str, int], budget: int
     return groups
 
 
-def pin_initial_weights(cfg) -> dict:
+def pin_initial_weights(cfg: RunConfig) -> dict:
     """What a warm-started run starts from, chosen once, by its first try, and kept in RUN_DIR/train/init/
     (init.json, and a copy of the drafter's model.safetensors): every later try starts from the same weights,
     though the lineage's current drafter may have been switched or pruned in between. A try that resumes from
@@ -414,7 +414,7 @@ def pin_initial_weights(cfg) -> dict:
     return record
 
 
-def started_from(cfg) -> str | None:
+def started_from(cfg: RunConfig) -> str | None:
     """The promoted version a warm-started run began from (None: from scratch)."""
     try:
         return json.loads((cfg.run_dir / TRAIN_INIT / INIT_RECORD).read_text())["version"]
@@ -468,7 +468,7 @@ def die_with_parent() -> None:
 
 
 class Trainer:
-    def __init__(self, cfg):
+    def __init__(self, cfg: RunConfig):
         self.cfg = cfg
         self.distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
         if self.distributed:
@@ -776,7 +776,7 @@ def plot_metrics(metrics_file: Path, loss_png: Path, accuracy_png: Path) -> None
         plt.close(fig)
 
 
-def launch_command(cfg, config_path) -> tuple[list[str], dict[str, str]] | None:
+def launch_command(cfg: RunConfig, config_path) -> tuple[list[str], dict[str, str]] | None:
     """The torchrun command (and environment) for a multi-rank run, or None when this process should
     train by itself (one rank, or already a torchrun worker)."""
     import sys
@@ -791,5 +791,5 @@ def launch_command(cfg, config_path) -> tuple[list[str], dict[str, str]] | None:
     return argv, env
 
 
-def run_train(cfg) -> dict:
+def run_train(cfg: RunConfig) -> dict:
     return Trainer(cfg).run()

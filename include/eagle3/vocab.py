@@ -22,6 +22,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -30,6 +31,9 @@ from eagle3.identity import TOKENIZER_FILES
 from eagle3.runlayout import D2T_FILE, MAPPING_DIR, MAPPING_META, T2D_FILE
 from eagle3.split import TRAINING, run_split
 from eagle3.store import open_run_store
+
+if TYPE_CHECKING:
+    from eagle3.config import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +133,7 @@ def write_mapping(directory: Path, mapping: VocabMapping, target_vocab: int, met
         (tmp / MAPPING_META).write_text(json.dumps(meta, indent=2) + "\n")
 
 
-def run_vocab(cfg) -> dict:
+def run_vocab(cfg: RunConfig) -> dict:
     """Build the run's mapping from its training samples, or reuse `vocab.reuse_from` if it covers them well
     enough."""
     out_dir = cfg.run_dir / MAPPING_DIR

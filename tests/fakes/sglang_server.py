@@ -83,8 +83,9 @@ class Model:
 
     def _load_drafter(self, args):
         from eagle3.capture.hf import HfCapture
-        from eagle3.config import parse_run_config, resolve_target_facts
+        from eagle3.config import parse_run_config
         from eagle3.export import load_exported_drafter
+        from eagle3.target import resolve_target_facts
 
         drafter, d2t = load_exported_drafter(args.speculative_draft_model_path, args.model_path)
         cfg = resolve_target_facts(parse_run_config({

@@ -21,12 +21,17 @@ back without a final state (None): extract drops them.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from eagle3.capture.base import CapturedStates, check_gpu_group
+
+if TYPE_CHECKING:
+    from eagle3.config import RunConfig
 
 __all__ = ["CapturedStates", "check_gpu_group", "open_backend"]
 
 
-def open_backend(cfg, shard: int = 0, gpu_group: int = 0, is_stored=lambda sample_id: False):
+def open_backend(cfg: RunConfig, shard: int = 0, gpu_group: int = 0, is_stored=lambda sample_id: False):
     """The configured backend for one shard. `cfg` is a RunConfig with target facts resolved. `gpu_group`:
     which group of the box's GPUs the shard uses (hf: one GPU, sglang: extract.sglang.tp_size of them). Each
     backend is imported only when chosen: hf loads transformers, sglang needs the sglang package on the box."""

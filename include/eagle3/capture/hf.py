@@ -10,10 +10,14 @@ Batches are right-padded for the forward pass; padding never reaches the store.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
 from eagle3.capture.base import CapturedStates, check_gpu_group
+
+if TYPE_CHECKING:
+    from eagle3.config import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +34,7 @@ def pick_device(setting: str, gpu_group: int = 0) -> torch.device:
 
 
 class HfCapture:
-    def __init__(self, cfg, gpu_group: int = 0):
+    def __init__(self, cfg: RunConfig, gpu_group: int = 0):
         from transformers import AutoModelForCausalLM
 
         self.device = pick_device(cfg.extract.device, gpu_group)

@@ -41,6 +41,7 @@ import os
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -51,6 +52,9 @@ from eagle3.capture.base import CapturedStates, check_gpu_group
 from eagle3.capture.staging import StagedStates, staging_dir
 from eagle3.layer_ids import sglang_layer_ids
 from eagle3.progress import ProgressLog, beat
+
+if TYPE_CHECKING:
+    from eagle3.config import RunConfig
 
 # A silence the job supervisor allows while an engine loads (eagle3.progress.beat): Kimi-K2.5's 1T parameters
 # onto 8 GPUs take 10-30 minutes, far past the usual limit between two batches.
@@ -81,7 +85,7 @@ def target_architecture(model_path: str) -> str:
     return config["architectures"][0]
 
 
-def engine_kwargs(cfg, architecture: str, capture: str, gpu_group: int = 0) -> dict:
+def engine_kwargs(cfg: RunConfig, architecture: str, capture: str, gpu_group: int = 0) -> dict:
     """Engine arguments for the 'aux' or the 'last' (final-state) capture engine of the list path, or the 'plugin'
     engine (the aux engine, its final states written by the plugin), from the run config. Shard number
     `gpu_group` on its box runs on GPUs gpu_group x tp_size onwards (SGLang's base_gpu_id)."""
@@ -203,7 +207,7 @@ class SglangCapture:
     SAMPLING = {"max_new_tokens": 1, "temperature": 0.0}
     PROBE_TOKENS = 8
 
-    def __init__(self, cfg, shard: int = 0, gpu_group: int = 0, is_stored=lambda sample_id: False):
+    def __init__(self, cfg: RunConfig, shard: int = 0, gpu_group: int = 0, is_stored=lambda sample_id: False):
         self.engine_class = load_engine_class()
         self.is_stored = is_stored
         if torch.cuda.is_available():

@@ -18,6 +18,8 @@ Light on purpose (no torch): the DAG's plugins may import eagle3.config, which n
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from eagle3.engines.base import (
     GREEDY,
     Completion,
@@ -31,11 +33,14 @@ from eagle3.engines.sglang import SglangEngine
 from eagle3.engines.vllm import VllmEngine
 from eagle3.layer_ids import DEEPSEEK_FAMILY
 
+if TYPE_CHECKING:
+    from eagle3.config import RunConfig
+
 __all__ = ["GREEDY", "Completion", "Sampling", "Speculation", "engine_for", "flag_tokens", "reached_per_step",
            "reached_total", "served_config_gaps"]
 
 
-def engine_for(cfg):
+def engine_for(cfg: RunConfig):
     """The engine of the run config's `server.engine`."""
     return {"sglang": SglangEngine, "vllm": VllmEngine}[cfg.server.engine]()
 

@@ -20,14 +20,15 @@ import sys
 
 import httpx
 
-from eagle3.config import ConfigError
+from eagle3.config import ConfigError, RunConfig
 from eagle3.engines.base import GREEDY, Completion, Sampling, Speculation, flag_tokens, reached_total
 
 
 class SglangEngine:
     name = "sglang"
 
-    def launch_argv(self, cfg, speculation: Speculation | None = None, tree: dict | None = None) -> list[str]:
+    def launch_argv(self, cfg: RunConfig,
+                    speculation: Speculation | None = None, tree: dict | None = None) -> list[str]:
         """The server's argv: the run config's settings, server.extra_args, then the drafter's flags. `tree`
         (benchmark: num_steps, eagle_topk, num_draft_tokens) replaces the chain's shape."""
         server = cfg.server
@@ -54,7 +55,7 @@ class SglangEngine:
             }
         return [*self.interpreter(cfg), *flag_tokens(flags)]
 
-    def interpreter(self, cfg) -> list[str]:
+    def interpreter(self, cfg: RunConfig) -> list[str]:
         launcher = os.environ.get("EAGLE3_SERVER_LAUNCHER")  # tests: a stand-in, since SGLang cannot run on a CPU
         python = cfg.server.python or sys.executable
         if launcher:

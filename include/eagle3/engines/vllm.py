@@ -20,16 +20,21 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import TYPE_CHECKING
 
 import httpx
 
 from eagle3.engines.base import GREEDY, Completion, Sampling, Speculation, flag_tokens, reached_per_step
 
+if TYPE_CHECKING:
+    from eagle3.config import RunConfig
+
 
 class VllmEngine:
     name = "vllm"
 
-    def launch_argv(self, cfg, speculation: Speculation | None = None, tree: dict | None = None) -> list[str]:
+    def launch_argv(self, cfg: RunConfig,
+                    speculation: Speculation | None = None, tree: dict | None = None) -> list[str]:
         if tree is not None and tree["eagle_topk"] != 1:
             raise ValueError("vLLM drafts EAGLE-3 chains only (eagle_topk 1)")  # the run config refuses it first
         server = cfg.server
