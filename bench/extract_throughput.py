@@ -74,9 +74,9 @@ def interleaved(cfg) -> dict:
     from transformers import AutoModelForCausalLM
 
     from eagle3.capture.hf import HfCapture
-    from eagle3.data import SampleTokenizer, read_conversations
-    from eagle3.extract import BackgroundWriter, plan_batches
-    from eagle3.store import ShardWriter, StoreMeta, verify
+    from eagle3.data.samples import SampleTokenizer, read_conversations
+    from eagle3.data.store import ShardWriter, StoreMeta, verify
+    from eagle3.stages.extract import BackgroundWriter, plan_batches
 
     conversations, _ = read_conversations(cfg.data.path)
     batches = list(plan_batches(SampleTokenizer.for_run(cfg).iter(conversations), cfg.extract.batch_tokens))
@@ -128,7 +128,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="interleaved passes over the data")
     args = parser.parse_args()
 
-    from eagle3.extract import run_extract
+    from eagle3.stages.extract import run_extract
 
     cfg = make_config(build_target(args.hidden_size, args.num_layers, args.samples), args.batch_tokens)
     payload_per_token = (len(cfg.resolved_aux_layers()) + 1) * cfg.target.hidden_size * 2 + 4 + 1

@@ -8,7 +8,8 @@ the acceptance length by 0.025-0.04 at k=3, and a training seed moves it by more
 demo run's regenerated conversations and through the same CLI stages the DAG runs:
   1. extract them twice, once with `extract.state_dtype` bf16 and once fp8_e4m3, and build the vocab mapping;
   2. per seed, train and export one drafter on each store (the run's `seed`: weights and data order);
-  3. measure every drafter with real speculative decoding (eagle3.evaluate.speculative_greedy, chain drafts of k,
+  3. measure every drafter with real speculative decoding (eagle3.stages.evaluate.decoding.speculative_greedy, chain
+  drafts of k,
      verified by the target) on the same fresh prompts: new draws of the tiny target's synthetic tasks whose
      question is in none of the data's conversations.
 Printed: per seed the acceptance length of each dtype and the difference, with the seed's interval over prompts
@@ -35,7 +36,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from statistics import NormalDist, stdev
 
-from eagle3.fsutil import atomic_write_text
+from eagle3.disk.fsutil import atomic_write_text
 
 REPO = Path(__file__).resolve().parents[1]
 WORK = REPO / "bench-work" / "fp8-acceptance"
@@ -101,7 +102,7 @@ def train_drafter(source: Path, dtype: str, seed: int) -> Path:
 def fresh_prompts(source: Path, count: int) -> list[list[dict]]:
     """`count` new conversations' opening turns (system prompt, if drawn, and the first question), none of whose
     questions is in the data."""
-    from eagle3.tiny_target import synthetic_conversation
+    from eagle3.demo.tiny_target import synthetic_conversation
 
     config = json.loads((source / "config.json").read_text())
     seen = {turn["value"] for line in Path(config["data"]["path"]).read_text().splitlines()  # (ShareGPT, as built)
@@ -124,9 +125,9 @@ def measure(config_path: str, drafter_dir: str, prompts: list[list[dict]], k: in
 
     from eagle3.capture.hf import HfCapture
     from eagle3.config import load_run_config
-    from eagle3.data import SampleTokenizer
-    from eagle3.evaluate import speculative_greedy
-    from eagle3.export import load_exported_drafter
+    from eagle3.data.samples import SampleTokenizer
+    from eagle3.stages.evaluate.decoding import speculative_greedy
+    from eagle3.stages.export import load_exported_drafter
 
     cfg = load_run_config(config_path)
     eos = AutoConfig.from_pretrained(cfg.target.model_path).eos_token_id
@@ -150,9 +151,9 @@ def val_acc_against_bf16(seed: int) -> dict[str, list[float]]:
     its own store, and fp8's final states give slightly other teachers, so those two figures do not compare.)"""
     import torch
 
-    from eagle3.checkpoint import load_checkpoint
     from eagle3.config import load_run_config
-    from eagle3.train import Trainer
+    from eagle3.records.checkpoint import load_checkpoint
+    from eagle3.stages.train import Trainer
 
     torch.set_num_threads(2)
     trainer = Trainer(load_run_config(WORK / "runs" / f"bf16-seed{seed}" / "config.json"))

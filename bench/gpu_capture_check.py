@@ -33,7 +33,7 @@ def main() -> None:
     from eagle3.capture.hf import HfCapture
     from eagle3.capture.sglang import SglangCapture
     from eagle3.config import parse_run_config
-    from eagle3.data import SampleTokenizer, read_conversations
+    from eagle3.data.samples import SampleTokenizer, read_conversations
     from eagle3.target import resolve_target_facts
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])

@@ -1,11 +1,11 @@
 """How much of the held-out set training saw: first prompts on both sides of the split, before and after issue 37.
 
 Before, the split keyed on the conversation id (a hash of the whole conversation), so conversations that open with
-the same prompt could land on both sides; since, it keys on the normalised first user prompt (eagle3.split). For a
-conversations file (the tiny target's prompts by default: the demo's data, whose 5387 distinct conversations
-generate answers again) and a train.val_fraction (0.05 when this was written; the demo's is 0.3 since), prints
-the conversations that share a first prompt, and the held-out first prompts that also open a training conversation
-under each rule (the contract: none after). Needs no model: it reads the file only.
+the same prompt could land on both sides; since, it keys on the normalised first user prompt (eagle3.stages.split). For
+a conversations file (the tiny target's prompts by default: the demo's data, whose 5387 distinct conversations generate
+answers again) and a train.val_fraction (0.05 when this was written; the demo's is 0.3 since), prints the conversations
+that share a first prompt, and the held-out first prompts that also open a training conversation under each rule (the
+contract: none after). Needs no model: it reads the file only.
 
     .venv/bin/python bench/held_out_overlap.py [CONVERSATIONS.jsonl] [--val-fraction 0.05]
 """
@@ -16,14 +16,14 @@ import argparse
 from collections import Counter
 from pathlib import Path
 
-from eagle3.data import read_conversations
-from eagle3.split import BUCKETS, TRAINING, part_of_key, prompt_key, split_key
+from eagle3.data.samples import read_conversations
+from eagle3.stages.split import BUCKETS, TRAINING, part_of_key, prompt_key, split_key
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def held_out_by_conversation_id(conversation_id: str, val_fraction: float) -> bool:
-    """The rule before issue 37 (eagle3.train.is_validation then)."""
+    """The rule before issue 37 (eagle3.stages.train.is_validation then)."""
     return int(conversation_id, 16) % BUCKETS < val_fraction * BUCKETS
 
 
@@ -56,7 +56,7 @@ def main() -> None:
         print(f"  {name}: {sum(held.values())} conversations held out at val_fraction {args.val_fraction}, "
               f"{count} first prompts; {both} of them also open a training conversation")
     # Later user turns of held-out conversations that ask what a training conversation opens with: evaluate leaves
-    # them out (eagle3.evaluate.held_out), the split alone cannot.
+    # them out (eagle3.stages.evaluate.prompts.held_out), the split alone cannot.
     trained_openings = {key for sid, key in keys.items() if not after[sid]}
     later = [prompt_key(c.messages[i - 1]["content"]) for c in conversations if after[c.sample_id]
              for i in range(1, len(c.messages)) if c.messages[i]["role"] == "assistant"

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from eagle3.store import dequantize_fp8, quantize_fp8
+from eagle3.data.store import dequantize_fp8, quantize_fp8
 
 
 def seconds(fn, repeats: int) -> float:

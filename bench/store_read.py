@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3.store import HiddenStateStore  # imported before any timing: it brings in torch
+from eagle3.data.store import HiddenStateStore  # imported before any timing: it brings in torch
 
 REPO = Path(__file__).resolve().parents[1]
 SYNTHETIC_STORE = REPO / "bench-work" / "synthetic-store"
@@ -87,8 +87,8 @@ def timed(fn, arg) -> tuple[int, float]:
 
 def synthetic_store(store_dir: Path, hidden_size: int = 2048, samples: int = 20) -> Path:
     from eagle3.capture import CapturedStates
-    from eagle3.data import TokenizedSample
-    from eagle3.store import ShardWriter, StoreMeta
+    from eagle3.data.samples import TokenizedSample
+    from eagle3.data.store import ShardWriter, StoreMeta
 
     if (store_dir / "shard-00000" / "manifest.jsonl").exists():
         return store_dir

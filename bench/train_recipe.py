@@ -39,7 +39,7 @@ import sys
 import time
 from pathlib import Path
 
-from eagle3 import runlayout as layout
+from eagle3.disk import layout
 
 REPO = Path(__file__).resolve().parents[1]
 WORK = REPO / "bench-work" / "train-recipe"

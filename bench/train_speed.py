@@ -5,10 +5,10 @@
 
 Trains the first --steps optimizer steps of a finished run's train stage (its config, store, split and vocab
 mapping: by default bench-work/train-speed/runs/demo, else demo-work/runs/demo) in a fresh process, once with the
-working tree's code and once with --baseline-rev's train-side files (train.py, model.py, ttt_attention.py, store.py,
-acceptance.py, checkpoint.py: the rest of include/eagle3 is the working tree's, so that a config written by it still
-loads), alternating which goes first, --repeats times. Nothing is written to the run directory (no checkpoints,
-metrics or TensorBoard): the steps are Trainer.train_step itself, and --validate times one Trainer.validate after them.
+working tree's code and once with --baseline-rev's train-side files (TRAIN_SIDE: the rest of include/eagle3 is the
+working tree's, so that a config written by it still loads; the baseline must have the same folders), alternating which
+goes first, --repeats times. Nothing is written to the run directory (no checkpoints, metrics or TensorBoard): the steps
+are Trainer.train_step itself, and --validate times one Trainer.validate after them.
 
 Printed per try: ms per step (wall and process CPU, over the steps after the first 5) and, with --validate, the
 validation's seconds; then the medians and the baseline / working-tree ratio of each. Also whether the two computed
@@ -34,7 +34,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 WORK = REPO / "bench-work" / "train-speed"
-TRAIN_SIDE = ("train.py", "model.py", "ttt_attention.py", "store.py", "acceptance.py", "checkpoint.py")
+# (paths under include/eagle3: a --baseline-rev from before the folders of issue 52 has them elsewhere)
+TRAIN_SIDE = ("stages/train.py", "model/drafter.py", "model/ttt_attention.py", "data/store.py", "model/acceptance.py",
+              "records/checkpoint.py")
 WARMUP_STEPS = 5
 
 
@@ -62,7 +64,7 @@ def worker(args) -> None:
     import logging
 
     from eagle3.__main__ import load_config
-    from eagle3.train import Trainer
+    from eagle3.stages.train import Trainer
 
     logging.disable(logging.INFO)
     trainer = Trainer(load_config(str(args.run_dir / "config.json")))

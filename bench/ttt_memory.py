@@ -1,6 +1,6 @@
 """Benchmark: the TTT attention's memory and speed against the sequence length T, the old dense attention
-(eagle3.ttt_attention.dense_ttt_attention, [B, heads, T, T] scores per step) against the kernel training uses
-(eagle3.ttt_attention.ttt_attention). Figures, not asserts.
+(eagle3.model.ttt_attention.dense_ttt_attention, [B, heads, T, T] scores per step) against the kernel training uses
+(eagle3.model.ttt_attention.ttt_attention). Figures, not asserts.
 
     .venv/bin/python bench/ttt_memory.py [--lengths 1024 2048 4096 8192 16384] [--old-max 4096]
 
@@ -48,9 +48,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import eagle3.train as train
-from eagle3.model import DraftConfig, Eagle3Draft
-from eagle3.ttt_attention import dense_ttt_attention, ttt_attention
+import eagle3.stages.train as train
+from eagle3.model.drafter import DraftConfig, Eagle3Draft
+from eagle3.model.ttt_attention import dense_ttt_attention, ttt_attention
 
 KERNELS = {"old": dense_ttt_attention, "new": ttt_attention}
 CFG = DraftConfig(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=4, head_dim=64,

@@ -15,7 +15,7 @@ Workload: the drafter at the width bench/ttt_memory.py uses (the tiny target's d
 4 KV heads, MLP 512, draft vocab 1024 of 4096; other widths by flag), batch 1, random seeded states, one sample of
 length T, every position trained. Both drafters start from the same weights (SpecForge's weight names are ours).
 One training step on each side, as its trainer takes it from stored states:
-  ours       eagle3.train: make_teachers (target lm_head over the stored final states, SpecForge's mask:
+  ours       eagle3.stages.train: make_teachers (target lm_head over the stored final states, SpecForge's mask:
              first_draft off), TTTObjective (7 steps, kl), backward, clip_grad_norm_, AdamW
   SpecForge  OnlineEagle3Model (length 7, kl) with its compact teacher (target_hidden_for_compact and the lm_head,
              as its offline trainer passes them), the steps' losses weighted 0.8^i as its trainer sums them,
@@ -43,8 +43,8 @@ from pathlib import Path
 
 import torch
 
-import eagle3.train as train
-from eagle3.model import DraftConfig, Eagle3Draft
+import eagle3.stages.train as train
+from eagle3.model.drafter import DraftConfig, Eagle3Draft
 
 STEP_DECAY, MAX_GRAD_NORM, TTT_LENGTH = train.STEP_DECAY, 0.5, 7
 

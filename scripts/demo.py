@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from eagle3 import runlayout as layout
+from eagle3.disk import layout
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_TARGET = REPO / ".cache" / "tiny-target"
@@ -189,7 +189,7 @@ def main() -> None:
 
 
 def job_seconds(run_dir: Path, key: str) -> str:
-    from eagle3.job import run_seconds
+    from eagle3.jobs.jobdir import run_seconds
 
     state = read_json(run_dir / layout.JOBS / key / "state.json")
     seconds = run_seconds(state)

@@ -32,7 +32,7 @@ if "AIRFLOW_HOME" not in os.environ:
 # workers; a thread team per process then spins waiting on a core another worker holds. Measured on 2 cores: a
 # training stage took 36.8 CPU-seconds with two threads on an idle machine, 97 inside the suite, 26.4 with one.
 # Results are compared within the suite only (every run of it uses the same setting); the tiny target's bytes do not
-# depend on it (eagle3.tiny_target pins its own thread count).
+# depend on it (eagle3.demo.tiny_target pins its own thread count).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # The key run plans are sealed with (eagle3_airflow/seal.py), for tests that call tasks in this process: the Task
@@ -58,7 +58,7 @@ def run_eagle3(*args: str, check: bool = True, timeout: float = 600) -> subproce
 def chunk_count(store: Path, shard: int = 0) -> int:
     """How many chunks a store's shard has committed (its manifest's intact records): what kill drills watch for
     progress."""
-    from eagle3.store import read_manifest
+    from eagle3.data.store import read_manifest
 
     manifest = Path(store) / f"shard-{shard:05d}" / "manifest.jsonl"
     return len(read_manifest(manifest)[0]) if manifest.exists() else 0
@@ -68,7 +68,7 @@ def chunk_count(store: Path, shard: int = 0) -> int:
 def tiny_target() -> Path:
     from filelock import FileLock
 
-    from eagle3.tiny_target import TinyTargetSpec, build
+    from eagle3.demo.tiny_target import TinyTargetSpec, build
 
     TINY_TARGET.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(TINY_TARGET.parent / "tiny-target.lock"):  # the other workers wait, then reuse it
@@ -172,8 +172,8 @@ TRAIN_SETTINGS = {"batch_tokens": 512, "save_every_steps": 4, "epochs": 2, "lear
 def train_config(make_config):
     """A run on the tiny target with its store and vocab mapping built, ready to train."""
     from eagle3.config import write_run_config
-    from eagle3.extract import run_extract
-    from eagle3.vocab import run_vocab
+    from eagle3.stages.extract import run_extract
+    from eagle3.stages.vocab import run_vocab
 
     cfg = make_config(run_name="train", train=TRAIN_SETTINGS)
     run_extract(cfg)
@@ -189,9 +189,9 @@ def trained_run(tiny_target, tmp_path_factory, worker_id) -> tuple[Path, dict]:
     from filelock import FileLock
 
     from eagle3.config import parse_run_config, write_run_config
-    from eagle3.extract import run_extract
+    from eagle3.stages.extract import run_extract
+    from eagle3.stages.vocab import run_vocab
     from eagle3.target import resolve_target_facts
-    from eagle3.vocab import run_vocab
 
     shared = shared_dir(tmp_path_factory, worker_id)
     workdir = shared / "trained-work"

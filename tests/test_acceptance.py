@@ -1,4 +1,4 @@
-"""Acceptance length counted one way everywhere (eagle3.acceptance): hand-computed cycles of greedy speculative
+"""Acceptance length counted one way everywhere (eagle3.model.acceptance): hand-computed cycles of greedy speculative
 decoding replayed on a stored answer, the ceiling, and the interval over prompts."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from eagle3.acceptance import ceiling_cycles, figures, interval95, replay
+from eagle3.model.acceptance import ceiling_cycles, figures, interval95, replay
 
 # A stored sample: a 3-token prompt (0-2), a 6-token answer (3-8, token 8 its end of turn), 2 tokens after it.
 ANSWER = np.array([0, 0, 0, 1, 1, 1, 1, 1, 1, 0, 0], dtype=bool)

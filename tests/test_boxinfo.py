@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from eagle3 import boxinfo
-from eagle3.boxinfo import judge_gpus, parse_gpus, parse_processes
-from eagle3.progress import format_bytes, format_count
+from eagle3.box import facts as boxinfo
+from eagle3.box.facts import judge_gpus, parse_gpus, parse_processes
+from eagle3.jobs.progress import format_bytes, format_count
 from tests.conftest import REPO
 
 FAKES = REPO / "tests" / "fakes"
@@ -271,7 +271,7 @@ def disk_config(tmp_path, make_config):
 
 
 def expected_tokens(cfg) -> tuple[int, int]:
-    from eagle3.data import SampleTokenizer, read_conversations
+    from eagle3.data.samples import SampleTokenizer, read_conversations
 
     conversations, _ = read_conversations(cfg.data.path, cfg.data.on_bad_record, cfg.data.max_samples)
     lengths = [len(s.input_ids) for s in SampleTokenizer.for_run(cfg).iter(conversations)]
@@ -307,7 +307,7 @@ def test_disk_estimate_subtracts_the_store_and_recounts_when_the_data_changes(di
     # What the store's manifests record as written of this data counts as done, each sample at its share of its
     # chunk by tokens (the store is shared: another run's sample counts nothing); null-chunk lines (rejects only)
     # hold nothing.
-    from eagle3.identity import attach_store
+    from eagle3.data.identity import attach_store
 
     ours = json.loads((cfg.run_dir / boxinfo.TOKEN_CACHE_NAME).read_text())["counts"]["conversation_ids"][0]
     shard = attach_store(cfg) / "shard-00000"
@@ -343,8 +343,8 @@ def test_disk_estimate_for_the_generate_stage_says_what_it_counted(disk_config, 
 
 def test_disk_estimate_follows_the_state_dtype(disk_config, make_config):
     """extract.state_dtype fp8_e4m3: the estimate asks for what the store itself counts per token for that dtype
-    (eagle3.store.StoreMeta: the fp8 payload and one float32 scale per token and layer), about half of bf16's."""
-    from eagle3.store import StoreMeta
+    (eagle3.data.store.StoreMeta: the fp8 payload and one float32 scale per token and layer), about half of bf16's."""
+    from eagle3.data.store import StoreMeta
 
     cfg, _ = disk_config
     fp8_cfg = make_config(data=cfg.data.model_dump(), extract={"state_dtype": "fp8_e4m3"})
@@ -374,5 +374,5 @@ def test_format_helpers():
 
 @pytest.mark.slow
 def test_boxinfo_does_not_import_torch_at_module_level():
-    code = "import sys, eagle3.boxinfo; assert 'torch' not in sys.modules and 'airflow' not in sys.modules"
+    code = "import sys, eagle3.box.facts; assert 'torch' not in sys.modules and 'airflow' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

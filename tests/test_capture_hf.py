@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from eagle3.capture.hf import HfCapture
-from eagle3.data import TokenizedSample
+from eagle3.data.samples import TokenizedSample
 from tests.conftest import CONTEXT, sealed
 
 

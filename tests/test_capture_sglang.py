@@ -22,9 +22,9 @@ from eagle3.capture import sglang_plugin
 from eagle3.capture.sglang import SglangSetupError, check_version, engine_kwargs, sink_dir, states_from_output
 from eagle3.capture.staging import staging_dir
 from eagle3.config import write_run_config
-from eagle3.extract import run_extract
-from eagle3.runlayout import run_stats_path
-from eagle3.store import digest, verify
+from eagle3.data.store import digest, verify
+from eagle3.disk.layout import run_stats_path
+from eagle3.stages.extract import run_extract
 from tests.conftest import REPO, run_eagle3
 from tests.fakes.sglang_engine import EngineCrashed, FakeSglangEngine
 
@@ -275,7 +275,7 @@ def test_no_sample_is_ever_in_neither_the_store_nor_the_staging(make_config, fak
     checked before every batch of the aux pass, with chunks big enough to keep batches pending for long."""
     from safetensors import safe_open
 
-    from eagle3.store import read_manifest
+    from eagle3.data.store import read_manifest
 
     cfg = make_config(data={"max_samples": 60}, extract={**LISTS, "batch_tokens": 256, "chunk_mib": 2})
     staging, manifest = staging_dir(cfg.run_dir, 0), cfg.store_dir / "shard-00000" / "manifest.jsonl"
@@ -320,7 +320,7 @@ def test_a_stored_sample_whose_part_is_gone_comes_back_without_a_final_state(mak
     """After a replan, a later batch can hold a sample stored long ago whose staged part release_stored has
     deleted in the meantime: the aux pass must not ask the staging for it (extract drops it anyway)."""
     from eagle3.capture.sglang import SglangCapture
-    from eagle3.data import TokenizedSample
+    from eagle3.data.samples import TokenizedSample
 
     cfg = make_config(extract=LISTS)
     a, c, d, e, f = (TokenizedSample(name * 16, [5, 6, 7], [0, 1, 1], False) for name in "acdef")
@@ -351,7 +351,7 @@ def test_staged_states_survive_a_reopen_and_crash_leftovers_are_removed(tmp_path
     import torch
 
     from eagle3.capture.staging import StagedStates
-    from eagle3.data import TokenizedSample
+    from eagle3.data.samples import TokenizedSample
 
     samples = [TokenizedSample("a" * 16, [5, 6, 7], [0, 1, 1], False), TokenizedSample("b" * 16, [9], [1], False)]
     states = [torch.randn(3, 8), torch.randn(1, 8)]
@@ -374,7 +374,7 @@ def test_staged_parts_go_oldest_first_once_stored_and_names_are_never_reused(tmp
     import torch
 
     from eagle3.capture.staging import StagedStates
-    from eagle3.data import TokenizedSample
+    from eagle3.data.samples import TokenizedSample
 
     staged = StagedStates(tmp_path / "staging", hidden_size=4)
     batches = [[TokenizedSample(f"{b}{i}".ljust(16, "0"), [1, 2], [1, 1], False) for i in range(2)] for b in "abc"]

@@ -22,7 +22,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from eagle3.checkpoint import checkpoint_dirs
+from eagle3.records.checkpoint import checkpoint_dirs
 from tests.airflow_env import airflow_standalone
 from tests.dagruns import copy_through_vocab, killing_python, settings_env, sha256, tiny_layers
 

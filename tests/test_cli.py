@@ -23,9 +23,9 @@ def test_help_lists_every_command():
 def test_a_stages_help_is_its_modules_docstring_and_loads_no_torch():
     """One place describes a stage: its module's docstring is what `python -m eagle3 STAGE --help` prints, read without
     importing the stage (the parser is built for every command, `job poll` too)."""
-    import eagle3.train
+    import eagle3.stages.train
 
-    first = eagle3.train.__doc__.strip().splitlines()[0]
+    first = eagle3.stages.train.__doc__.strip().splitlines()[0]
     out = run_eagle3("train", "--help").stdout
     assert "python -m eagle3 train --config RUN_DIR/config.json" in out and "TTT step i" in out
     assert first.rstrip(".") in " ".join(run_eagle3("--help").stdout.split())

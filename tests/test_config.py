@@ -210,8 +210,8 @@ def test_init_derives_a_drafter_shape_sglang_serves_for_a_kimi_shaped_target(tmp
     """hidden / heads would give head_dim 112 with 64 full K/V heads: neither what the published drafters use
     nor a head dim flashinfer runs. init records head_dim 128, 56 heads, 8 KV heads, the dense MLP width, and
     the export states exactly that shape in the config SGLang reads."""
-    from eagle3.export import drafter_config
-    from eagle3.model import DraftConfig
+    from eagle3.model.drafter import DraftConfig
+    from eagle3.stages.export import drafter_config
     from tests.conftest import run_eagle3
 
     model = tmp_path / "kimi-k2.5"
@@ -510,7 +510,7 @@ KIMI_K2_ROPE = {"rope_scaling": {"type": "yarn", "factor": 32.0, "original_max_p
 
 @pytest.mark.slow
 def test_the_drafter_carries_the_targets_rope_scaling_and_refuses_one_it_cannot(tmp_path):
-    from eagle3.model import DraftConfig
+    from eagle3.model.drafter import DraftConfig
 
     model, init = kimi_init(tmp_path, "yarn", KIMI_K2_ROPE)
     assert init.returncode == 0, init.stderr

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from eagle3.data import read_conversations
-from eagle3.runlayout import run_stats_path
-from eagle3.store import HiddenStateStore
+from eagle3.data.samples import read_conversations
+from eagle3.data.store import HiddenStateStore
+from eagle3.disk.layout import run_stats_path
 from tests.airflow_env import dags_test
 from tests.dagruns import assert_succeeded, tiny_run
 from tests.sshd import free_port

@@ -1,4 +1,4 @@
-"""Conversations in, samples out (eagle3.data).
+"""Conversations in, samples out (eagle3.data.samples).
 
 Reading: both input forms, tool messages and tool calls, a record's `tools`, blank lines, bad records.
 Ids: sample ids (stable for plain chat, changed by tool calls), per-turn sample ids and their conversation.
@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from eagle3 import data
 from eagle3.__main__ import exit_code_for
-from eagle3.data import (
+from eagle3.data import samples as data
+from eagle3.data.samples import (
     ChatTemplateError,
     Conversation,
     DataError,
@@ -37,7 +37,7 @@ from eagle3.data import (
     sample_id_of,
     shard_of,
 )
-from eagle3.turns import render
+from eagle3.data.turns import render
 
 SHAREGPT = {"conversations": [
     {"from": "system", "value": "Be brief."},

@@ -21,8 +21,8 @@ import time
 import pytest
 
 from eagle3.config import dump_run_config
-from eagle3.evaluate import run_evaluate
-from eagle3.export import run_export
+from eagle3.stages.evaluate import run_evaluate
+from eagle3.stages.export import run_export
 from tests.conftest import REPO, TRAIN_SETTINGS
 
 VLLM_PYTHON = REPO / ".cache" / "vllm-env" / "bin" / "python"
@@ -126,7 +126,7 @@ def test_generate_through_vllms_chat_server_answers_as_the_target_does_in_transf
     """generate.launch_server with server.engine vllm: the stage starts vLLM's OpenAI server, regenerates the answers
     through /v1/chat/completions (the chat template applied by vLLM), and stops it. Greedy, so the answers are the
     ones the target gives in transformers (generate.backend hf), word for word."""
-    from eagle3.generate import run_generate
+    from eagle3.stages.generate import run_generate
 
     settings = {"enabled": True, "max_tokens": 32, "concurrency": 4, "progress_interval_s": 0.5}
     by_hf = make_config(run_name="hf", data={"max_samples": 12}, generate={**settings, "backend": "hf"})

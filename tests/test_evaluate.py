@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from eagle3.evaluate import run_evaluate
-from eagle3.export import run_export
+from eagle3.stages.evaluate import run_evaluate
+from eagle3.stages.export import run_export
 
 
 @pytest.mark.slow
@@ -41,9 +41,9 @@ def test_public_sets_are_measured_at_the_published_configurations_beside_the_hel
     from transformers import AutoConfig
 
     from eagle3.capture.hf import HfCapture
-    from eagle3.data import SampleTokenizer
-    from eagle3.evaluate import speculative_greedy
-    from eagle3.export import load_exported_drafter
+    from eagle3.data.samples import SampleTokenizer
+    from eagle3.stages.evaluate.decoding import speculative_greedy
+    from eagle3.stages.export import load_exported_drafter
     from tests.test_public_sets import BFCL, GSM8K, HUMANEVAL, MTBENCH, write_jsonl
 
     run_export(trained_config)
@@ -106,13 +106,13 @@ class ScriptedTarget:
 def test_a_drafted_end_of_turn_that_the_target_agrees_with_is_accepted(monkeypatch):
     """SGLang commits a correctly drafted end-of-turn token like any other: the drafter that learned to end
     answers gets the credit, and the output still equals plain greedy decoding."""
-    import eagle3.evaluate as evaluate
+    import eagle3.stages.evaluate.decoding as decoding
 
     prompt = [1, 2]
     target = ScriptedTarget(len(prompt))
-    monkeypatch.setattr(evaluate, "draft_chain", lambda drafter, d2t, aux, next_ids, k: [6, 7, 9][:k])
-    tokens, accepted = evaluate.speculative_greedy(target, None, None, prompt, 3, 48, {9})
-    assert tokens == evaluate.plain_greedy(target, prompt, 48, {9}) == [5, 6, 7, 9]
+    monkeypatch.setattr(decoding, "draft_chain", lambda drafter, d2t, aux, next_ids, k: [6, 7, 9][:k])
+    tokens, accepted = decoding.speculative_greedy(target, None, None, prompt, 3, 48, {9})
+    assert tokens == decoding.plain_greedy(target, prompt, 48, {9}) == [5, 6, 7, 9]
     assert accepted == [3]  # 6, 7 and the end of turn: one verify step after prefill's first token
 
 
@@ -125,7 +125,7 @@ def multi_turn(first: str, *later: str) -> dict:
 
 def questions(part: str, count: int, start: int = 0) -> list[str]:
     """`count` questions whose split key (val_fraction 0.5) falls in `part`."""
-    from eagle3.split import part_of_key, prompt_key
+    from eagle3.stages.split import part_of_key, prompt_key
 
     found, n = [], start
     while len(found) < count:
@@ -141,9 +141,9 @@ def test_held_out_prompts_mix_first_and_later_turns_deterministically(make_confi
     before it as context, the generation prompt after it), from evaluation-part conversations only, in an order the
     file's order does not change. A later turn that asks what opens a training conversation is not taken: that
     question's answer was trained."""
-    from eagle3.data import SampleTokenizer, read_conversations
-    from eagle3.evaluate import held_out
-    from eagle3.split import EVALUATION, TRAINING, run_split
+    from eagle3.data.samples import SampleTokenizer, read_conversations
+    from eagle3.stages.evaluate.prompts import held_out
+    from eagle3.stages.split import EVALUATION, TRAINING, run_split
     from tests.test_split import write_jsonl
 
     opening, asked_later, trained = questions("evaluation", 6), questions("evaluation", 12, 1000), \
@@ -207,7 +207,7 @@ def sample_both_ways(monkeypatch, sampling, answers: int = 600):
     drafter proposing the target's likeliest chain from the last token; and the drafts accepted per verify step."""
     import torch
 
-    import eagle3.evaluate as evaluate
+    import eagle3.stages.evaluate.decoding as decoding
 
     target, prompt = MarkovTarget(), [3, 4]
 
@@ -217,14 +217,14 @@ def sample_both_ways(monkeypatch, sampling, answers: int = 600):
             chain.append(int(target.table[chain[-1]].argmax()))
         return chain[1:]
 
-    monkeypatch.setattr(evaluate, "draft_chain", likeliest_chain)
+    monkeypatch.setattr(decoding, "draft_chain", likeliest_chain)
     plain, drawn, cycles = [], [], []
     for i in range(answers):
-        plain.append(evaluate.plain_decode(target, prompt, 12, {MarkovTarget.EOS},
-                                           evaluate.SamplingRule(sampling, torch.Generator().manual_seed(2 * i))))
-        tokens, accepted = evaluate.speculative_decode(
+        plain.append(decoding.plain_decode(target, prompt, 12, {MarkovTarget.EOS},
+                                           decoding.SamplingRule(sampling, torch.Generator().manual_seed(2 * i))))
+        tokens, accepted = decoding.speculative_decode(
             target, None, None, prompt, 3, 12, {MarkovTarget.EOS},
-            evaluate.SamplingRule(sampling, torch.Generator().manual_seed(2 * i + 1)))
+            decoding.SamplingRule(sampling, torch.Generator().manual_seed(2 * i + 1)))
         drawn.append(tokens)
         cycles += accepted
     return plain, drawn, cycles
@@ -239,9 +239,9 @@ def test_speculative_sampling_draws_the_answers_plain_sampling_draws(monkeypatch
     from the whole distribution (the common bug: its token comes back too often)."""
     import torch
 
-    import eagle3.evaluate as evaluate
-    from eagle3.acceptance import same_distribution_p
+    import eagle3.stages.evaluate.decoding as decoding
     from eagle3.engines import Sampling
+    from eagle3.model.acceptance import same_distribution_p
 
     served = Sampling(1.0, 0.95, None)
     plain, drawn, cycles = sample_both_ways(monkeypatch, served)
@@ -249,7 +249,7 @@ def test_speculative_sampling_draws_the_answers_plain_sampling_draws(monkeypatch
     assert same_distribution_p(plain, drawn) > 0.05
 
     # The test can fail: greedy verification at a temperature, and sampling at another temperature, are told apart.
-    greedy = [evaluate.speculative_greedy(MarkovTarget(), None, None, [3, 4], 3, 12, {MarkovTarget.EOS})[0]] * 600
+    greedy = [decoding.speculative_greedy(MarkovTarget(), None, None, [3, 4], 3, 12, {MarkovTarget.EOS})[0]] * 600
     assert same_distribution_p(plain, greedy) < 0.001
     colder, _, _ = sample_both_ways(monkeypatch, Sampling(0.6, 0.95, None))
     assert same_distribution_p(plain, colder) < 0.001
@@ -275,7 +275,7 @@ def test_sampling_probabilities_follow_temperature_top_k_and_top_p():
     import torch
 
     from eagle3.engines import Sampling
-    from eagle3.evaluate import sampling_probs
+    from eagle3.stages.evaluate.decoding import sampling_probs
 
     logits = torch.log(torch.tensor([0.5, 0.25, 0.15, 0.1]))
     assert torch.allclose(sampling_probs(logits, Sampling(1.0)), torch.tensor([0.5, 0.25, 0.15, 0.1]))

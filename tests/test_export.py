@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from eagle3.checkpoint import load_checkpoint
-from eagle3.export import EXPORT_KEYS, drafter_config, load_exported_drafter, run_export
-from eagle3.model import DraftConfig, build_draft_model
+from eagle3.model.drafter import DraftConfig, build_draft_model
+from eagle3.records.checkpoint import load_checkpoint
+from eagle3.stages.export import EXPORT_KEYS, drafter_config, load_exported_drafter, run_export
 from eagle3.target import drafter_shape
 
 
@@ -75,8 +75,8 @@ def test_eagle31_norms_are_exported_as_the_engines_name_them_and_round_trip(trai
     says fc_norm / norm_output, the names sglang 0.5.23 and vllm 0.32 read (llama_eagle3.py); the export alone gives
     back the drafter, whose norms do act: an aux state scaled 1000x drafts the same, and the next step reads the
     normed hidden state."""
-    from eagle3.checkpoint import best_checkpoint, read_meta, save_checkpoint
-    from eagle3.runlayout import CHECKPOINTS
+    from eagle3.disk.layout import CHECKPOINTS
+    from eagle3.records.checkpoint import best_checkpoint, read_meta, save_checkpoint
 
     cfg = trained_config.model_copy(update={"drafter": trained_config.drafter.model_copy(
         update={"fc_norm": True, "norm_output": True})})

@@ -10,10 +10,10 @@ import re
 import pytest
 
 from eagle3.config import write_run_config
-from eagle3.data import TokenizedSample
-from eagle3.extract import plan_batches, run_extract
-from eagle3.runlayout import run_stats_path
-from eagle3.store import HiddenStateStore, verify
+from eagle3.data.samples import TokenizedSample
+from eagle3.data.store import HiddenStateStore, verify
+from eagle3.disk.layout import run_stats_path
+from eagle3.stages.extract import plan_batches, run_extract
 from tests.conftest import run_eagle3
 
 
@@ -106,7 +106,7 @@ def test_the_background_writer_leaves_the_forward_pass_all_its_threads():
     def threads_seen_by_main(start_writer: bool) -> str:
         script = (
             "import torch\n"
-            "from eagle3.extract import BackgroundWriter\n"
+            "from eagle3.stages.extract import BackgroundWriter\n"
             "class Writer:\n"
             "    def flush(self): pass\n"
             f"if {start_writer}:\n"
@@ -145,8 +145,8 @@ def target_with_template(tiny_target, directory, template: str):
 def test_multi_turn_thinking_conversations_are_trained_turn_by_turn_not_skipped(make_config, tiny_target, tmp_path):
     """A template that drops earlier reasoning: each earlier turn becomes a sample of its own, rendered as the
     target served it (with its reasoning), in the same shard and on the same side of the train/val split."""
-    from eagle3.data import conversation_id_of
-    from eagle3.split import run_split
+    from eagle3.data.samples import conversation_id_of
+    from eagle3.stages.split import run_split
 
     thinking = target_with_template(tiny_target, tmp_path / "thinking-target", THINKING_TEMPLATE)
     turns = [{"role": "user", "content": "What is 2 + 3?"},
@@ -236,7 +236,7 @@ def test_a_template_that_cannot_be_placed_is_refused_not_trained_on_nothing(make
     """Issue 37: with templates whose turns could not be placed, extract stored 0 of 14 conversations, printed no
     warning and exited 0: a whole run could train on nothing. Now the stage refuses (exit 2), naming the counts,
     the template file, data.max_untrained_fraction and the fix, and marks the shard unfinished."""
-    from eagle3.runlayout import run_samples_path
+    from eagle3.disk.layout import run_samples_path
 
     target = target_with_template(tiny_target, tmp_path / "renaming-target", UNPLACEABLE_TEMPLATE)
     cfg = make_config(target={"model_path": str(target)}, data={"max_samples": 14})
@@ -258,7 +258,7 @@ def test_the_refusal_comes_before_the_target_is_loaded(make_config, tiny_target,
     """Decided on turns while tokenising, as soon as the drop count passes the fraction of the shard's turns: a
     refused run costs no model load and no capture."""
     import eagle3.capture
-    from eagle3.data import DataError
+    from eagle3.data.samples import DataError
 
     def no_backend(*args, **kwargs):
         raise AssertionError("the target was loaded for a run that is refused")
@@ -274,7 +274,7 @@ def test_the_refusal_comes_before_the_target_is_loaded(make_config, tiny_target,
 def test_turns_dropped_within_the_fraction_are_counted_and_the_rest_trained(make_config, tiny_target, tmp_path):
     """A turn the template cannot give its reasoning a place (the tiny target's template writes none): dropped and
     counted per reason, in the stats and the evaluate report's summary; the run goes on within the fraction."""
-    from eagle3.evaluate import extraction_summary
+    from eagle3.stages.evaluate import extraction_summary
 
     data = tmp_path / "mixed.jsonl"
     plain = [json.dumps({"messages": [{"role": "user", "content": f"q{k}"}, {"role": "assistant", "content": f"a{k}"}]})
@@ -291,7 +291,7 @@ def test_turns_dropped_within_the_fraction_are_counted_and_the_rest_trained(make
     assert summary["turns"] == {"assistant": 10, "trained": 9, "derived": 0, "dropped": {"reasoning_not_rendered": 1}}
     assert summary["untrained_fraction"]["turns"] == 0.1 and summary["samples"] == 9
 
-    from eagle3.data import DataError
+    from eagle3.data.samples import DataError
 
     with pytest.raises(DataError, match=r"1 of the 10 assistant turns \(10\.0%\) already"):  # the default refuses
         run_extract(make_config(run_name="strict", data={"path": str(data), "max_samples": None}))

@@ -1,4 +1,4 @@
-"""eagle3.fsutil.read_small_file: a file a config names is read only if it is a small regular file of its own.
+"""eagle3.disk.fsutil.read_small_file: a file a config names is read only if it is a small regular file of its own.
 
 Each refusal is the real thing (a link, a FIFO, a device, /proc and /sys, a file over the cap), refused with the
 file named; none of them is read.
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from eagle3 import fsutil
-from eagle3.fsutil import UnsafeFile, read_small_file
+from eagle3.disk import fsutil
+from eagle3.disk.fsutil import UnsafeFile, read_small_file
 
 CAP = 64
 

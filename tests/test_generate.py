@@ -27,8 +27,8 @@ import httpx
 import pytest
 
 from eagle3.config import ConfigError, write_run_config
-from eagle3.data import DataError, read_conversations
-from eagle3.generate import (
+from eagle3.data.samples import DataError, read_conversations
+from eagle3.stages.generate import (
     GenerateAborted,
     check_endpoint,
     endpoint_url,
@@ -130,7 +130,7 @@ def output_of(cfg) -> list[list[dict]]:
 
 def test_every_assistant_turn_is_regenerated_in_order_after_the_regenerated_history(make_config, shared_server,
                                                                                       caplog):
-    caplog.set_level("INFO", logger="eagle3.generate")
+    caplog.set_level("INFO", logger="eagle3.stages.generate")
     url, record = shared_server
     earlier_requests = len(record.read_text().splitlines()) if record.exists() else 0
     cfg = generate_config(make_config, url, samples=8)
@@ -424,8 +424,8 @@ def test_the_hf_backend_answers_as_the_server_does_and_resumes(make_config, shar
 def test_an_empty_answer_fails_the_conversation_and_is_not_kept():
     """The hf backend has no server to refuse an empty message: the walk fails the conversation (a failed row,
     left out of the data and counted) rather than keep an assistant turn that extract would reject."""
-    from eagle3.data import Conversation
-    from eagle3.generate import Regeneration, Reply
+    from eagle3.data.samples import Conversation
+    from eagle3.stages.generate import Regeneration, Reply
 
     walk = Regeneration(Conversation("0" * 16, ({"role": "user", "content": "hi"},
                                                 {"role": "assistant", "content": "yo"}), 1))

@@ -1,8 +1,8 @@
 """`python -m eagle3 job`: detached jobs that survive their SSH session, re-attach, die cleanly and are seen dead.
 
 Real processes throughout: the CLI runs in fresh interpreters as over SSH, and the jobs are small Python commands.
-Waiting loops call eagle3.job directly (no interpreter start per look). The `jobs` fixture SIGKILLs whatever a
-test leaves running.
+Waiting loops call eagle3.jobs.job directly (no interpreter start per look). The `jobs` fixture SIGKILLs whatever a test
+leaves running.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from eagle3 import job
 from eagle3.contracts import Exit
-from eagle3.hostid import read_host_id
+from eagle3.disk.hostid import read_host_id
+from eagle3.jobs import job, jobdir, processes, supervisor
 from tests.conftest import run_eagle3
 
 PY = sys.executable
@@ -32,12 +32,12 @@ def jobs(tmp_path):
     yield jobs_dir
     for state_file in jobs_dir.glob("*/state.json"):
         try:
-            state = job.read_state(state_file.parent)
-        except (job.CorruptState, job.UnsafeJobFile):  # (a test's hostile file: it names nothing this test started)
+            state = jobdir.read_state(state_file.parent)
+        except (jobdir.CorruptState, jobdir.UnsafeJobFile):  # a test's hostile file: it names nothing started here
             continue
         if state["pgid"] != os.getpgid(0):  # never this test process's own group
             # This boot's id: a test that faked a reboot has put the real one back by now.
-            job.kill_leftovers({**state, "boot_id": job.read_boot_id()}, wait_s=5)
+            processes.kill_leftovers({**state, "boot_id": processes.read_boot_id()}, wait_s=5)
 
 
 def eagle3_job(*args: str) -> dict:
@@ -71,7 +71,7 @@ def wait_for_effective(jobs_dir: Path, key: str, effective: str, **poll_options)
 
 
 def is_running(pid: int) -> bool:
-    return job.pid_start_ticks(pid) is not None
+    return processes.pid_start_ticks(pid) is not None
 
 
 def wait_for_file(path: Path) -> str:
@@ -84,8 +84,8 @@ def test_start_poll_and_success_with_the_output_in_the_log(jobs, tmp_path):
     go_on = tmp_path / "go-on"
     started = start(jobs, "ok", "print('hello from the stage')\n" + wait_for_file(go_on) + "print('done')")
     assert started["attached"] is False and started["status"] == "running" and started["try"] == 1
-    assert started["pgid"] == started["pid"] and started["boot_id"] == job.read_boot_id()
-    assert started["pid_start_ticks"] == job.pid_start_ticks(started["pid"])
+    assert started["pgid"] == started["pid"] and started["boot_id"] == processes.read_boot_id()
+    assert started["pid_start_ticks"] == processes.pid_start_ticks(started["pid"])
 
     polled = poll(jobs, "ok")
     assert polled["effective"] == "running" and polled["state"]["pid"] == started["pid"]
@@ -168,7 +168,7 @@ def test_kill_ends_the_whole_process_group(jobs, tmp_path):
     killed = eagle3_job("kill", "--jobs-dir", str(jobs), "--key", "victim", "--grace-s", "5")
     assert killed["effective"] == "killed" and killed["state"]["status"] == "killed"
     assert [pid for pid in processes if is_running(pid)] == []
-    assert job.group_members(started["pgid"]) == []
+    assert processes.group_members(started["pgid"]) == []
     assert "killed" in killed["log_tail"][-1]
 
     again = eagle3_job("kill", "--jobs-dir", str(jobs), "--key", "victim")  # killing a finished job: a no-op
@@ -198,7 +198,7 @@ def test_a_detached_kill_answers_at_once_and_a_start_meanwhile_waits_for_it_then
 
     second = start(jobs, "stubborn", "print('try 2')")  # waits for the lock
     assert time.monotonic() - began >= 4 and second["attached"] is False and second["try"] == 2
-    assert not is_running(first["pid"]) and job.group_members(first["pgid"]) == []
+    assert not is_running(first["pid"]) and processes.group_members(first["pgid"]) == []
     assert second["refused"] is None  # try 1's group was gone: nothing left to stop
     done = wait_for_effective(jobs, "stubborn", "succeeded", log_offset=None)
     assert done["log"].splitlines()[1:] == ["try 2", done["log"].splitlines()[-1]]
@@ -258,7 +258,7 @@ def hand_written_state(jobs_dir: Path, key: str, pid: int, **fields) -> dict:
     directory.mkdir(parents=True, exist_ok=True)
     state = {
         "key": key, "try": 1, "status": "running", "pid": pid, "pgid": pid,
-        "pid_start_ticks": job.pid_start_ticks(pid), "boot_id": job.read_boot_id(), "host": "box",
+        "pid_start_ticks": processes.pid_start_ticks(pid), "boot_id": processes.read_boot_id(), "host": "box",
         "host_id": read_host_id(), "argv": ["x"], "started_at": "2026-01-01T00:00:00Z", "heartbeat_at": time.time(),
         "exit_code": None, "ended_at": None, "log": str(directory / "log"), "log_start": 0, **fields,
     }
@@ -270,7 +270,7 @@ def hand_written_state(jobs_dir: Path, key: str, pid: int, **fields) -> dict:
 def stranger():
     """A process that is no job's: a `sleep` leading a session (and so a process group) of its own."""
     process = subprocess.Popen(["sleep", "60"], start_new_session=True)
-    wait_until(lambda: job.pid_start_ticks(process.pid), "the stranger to start")
+    wait_until(lambda: processes.pid_start_ticks(process.pid), "the stranger to start")
     yield process
     process.kill()
     process.wait()
@@ -294,7 +294,7 @@ def test_a_hung_supervisor_is_dead_and_replaced_without_a_second_copy(jobs, tmp_
     first = start(jobs, "hung", code, *timing)
     wait_until(marker.exists, "the first try to start working")
     beat = first["heartbeat_at"]
-    wait_until(lambda: job.read_state(jobs / "hung")["heartbeat_at"] > beat, "a heartbeat")
+    wait_until(lambda: jobdir.read_state(jobs / "hung")["heartbeat_at"] > beat, "a heartbeat")
 
     os.kill(first["pid"], signal.SIGSTOP)  # the supervisor hangs; its stage works on
     dead = wait_until(lambda: (answer := poll(jobs, "hung", "--stale-after-s", "1"))["effective"] == "dead" and answer,
@@ -375,7 +375,7 @@ def test_a_stream_goes_on_from_its_cursor_and_another_stream_or_try_starts_at_th
     again = wait_for_effective(jobs, "cursor", "succeeded", log_offset=None)
     assert job.poll_job(jobs, "cursor", None, stream="ti-a")["log"] == again["log"]  # try 2's lines only
     assert "second try" in again["log"] and "line 0" not in again["log"]
-    with pytest.raises(job.JobError, match="--stream '../x' is invalid"):
+    with pytest.raises(jobdir.JobError, match="--stream '../x' is invalid"):
         job.poll_job(jobs, "cursor", None, stream="../x")
 
 
@@ -384,8 +384,8 @@ def test_a_redo_runs_a_finished_job_again_from_scratch_once_with_its_outputs_set
     """start --redo NAME: a succeeded job runs again, as try 1, with its earlier tries' files in redone/<time>/ and
     the outputs named by --set-aside renamed aside whole (a stage resumes from what it finds: it must find nothing
     of the old run); a retry with the same NAME attaches to the new try; only a stage's outputs a redo may move
-    (runlayout.REDO_OUTPUTS), in the run directory, can be set aside: not its jobs, config or store link; no redo
-    beside a live try."""
+    (eagle3.disk.layout.REDO_OUTPUTS), in the run directory, can be set aside: not its jobs, config or store link; no
+    redo beside a live try."""
     run_dir = tmp_path / "run"
     jobs, out = run_dir / "jobs", run_dir / "train"
     write = f"import os, sys\nos.makedirs({str(out)!r}, exist_ok=True)\n" \
@@ -428,7 +428,7 @@ def test_a_redo_runs_a_finished_job_again_from_scratch_once_with_its_outputs_set
 @pytest.mark.slow
 def test_job_help_hides_supervise_and_the_module_stays_light():
     assert "supervise" not in run_eagle3("job", "--help").stdout
-    check = "import sys, eagle3.job; assert not {'torch', 'airflow'} & set(sys.modules), sys.modules.keys()"
+    check = "import sys, eagle3.jobs.job; assert not {'torch', 'airflow'} & set(sys.modules), sys.modules.keys()"
     subprocess.run([PY, "-c", check], check=True)
 
 
@@ -458,7 +458,7 @@ def test_a_pgid_tampered_to_name_another_group_gets_that_group_neither_killed_no
     """Attack: state.json keeps a live supervisor's pid but its pgid names a stranger's process group."""
     stand_in = subprocess.Popen(["sleep", "60"], start_new_session=True)  # the "supervisor" the file names
     try:
-        wait_until(lambda: job.pid_start_ticks(stand_in.pid), "the stand-in to start")
+        wait_until(lambda: processes.pid_start_ticks(stand_in.pid), "the stand-in to start")
         hand_written_state(jobs, "tampered", stand_in.pid, pgid=stranger.pid)
 
         proc, killed = kill_cli(jobs, "tampered")
@@ -488,10 +488,10 @@ def test_pid_1_or_0_in_state_json_is_never_signalled(jobs, signals_sent):
 
     # kill_leftovers, whatever it is handed, and the ownership check itself
     for bad in (1, 0, -1):
-        record = {"pid": bad, "pgid": bad, "pid_start_ticks": 0, "boot_id": job.read_boot_id()}
-        assert "cannot be a supervisor's" in job.group_ownership_problem(record)
-        assert "cannot be a supervisor's" in job.kill_leftovers(record, wait_s=0)
-        assert "cannot be a supervisor's" in job.kill_leftovers({"pgid": bad, "pid_start_ticks": 0}, wait_s=0)
+        record = {"pid": bad, "pgid": bad, "pid_start_ticks": 0, "boot_id": processes.read_boot_id()}
+        assert "cannot be a supervisor's" in processes.group_ownership_problem(record)
+        assert "cannot be a supervisor's" in processes.kill_leftovers(record, wait_s=0)
+        assert "cannot be a supervisor's" in processes.kill_leftovers({"pgid": bad, "pid_start_ticks": 0}, wait_s=0)
     assert signals_sent == []
 
     started = job.start_job(jobs, "init", [PY, "-c", "print('relaunched')"])  # (the supervisor is a real process)
@@ -511,7 +511,7 @@ def test_pid_1_refused_by_the_cli_too(jobs):
 @pytest.mark.slow
 def test_a_reused_pid_is_not_signalled(jobs, stranger):
     """Attack (or just a stale file): the recorded pid is alive, but it is another process: it started later."""
-    ticks = job.pid_start_ticks(stranger.pid)
+    ticks = processes.pid_start_ticks(stranger.pid)
     hand_written_state(jobs, "reused", stranger.pid, pid_start_ticks=ticks - 1)
 
     proc, killed = kill_cli(jobs, "reused")
@@ -535,7 +535,7 @@ def test_a_live_stranger_leading_its_own_group_is_not_signalled(jobs, stranger):
     proc, killed = kill_cli(jobs, "foreign")
     assert killed["signalled"] is False and is_running(stranger.pid)
     assert f"pid {stranger.pid} leads a live process group, but neither it nor any process of its group carries " \
-        f"this job's marks ({job.JOB_DIR_VAR}={os.path.realpath(jobs / 'foreign')}, {job.GROUP_MARK_VAR}=" \
+        f"this job's marks ({processes.JOB_DIR_VAR}={os.path.realpath(jobs / 'foreign')}, {processes.GROUP_MARK_VAR}=" \
         in killed["refused"] and killed["refused"].endswith("it is not the job's supervisor")
 
     hand_written_state(jobs, "foreign", stranger.pid, heartbeat_at=time.time() - 300)  # dead: start relaunches
@@ -572,10 +572,10 @@ def test_a_group_whose_leader_is_gone_is_signalled_only_if_it_carries_the_jobs_m
         hand_written_state(jobs, "orphans", leader.pid)  # the leader's true start time
         leader.stdin.close()
         leader.wait()
-        assert job.group_members(leader.pid) == [orphan]
+        assert processes.group_members(leader.pid) == [orphan]
 
         proc, killed = kill_cli(jobs, "orphans")
-        assert killed["signalled"] is False and f"carries its mark {job.GROUP_MARK_VAR}=" in killed["refused"]
+        assert killed["signalled"] is False and f"carries its mark {processes.GROUP_MARK_VAR}=" in killed["refused"]
         assert is_running(orphan)
     finally:
         os.kill(orphan, signal.SIGKILL)
@@ -621,7 +621,7 @@ def test_a_permission_error_from_the_kernel_is_reported_not_raised(jobs, monkeyp
     # A start that finds the try dead (stale heartbeat) but cannot stop it launches no second copy.
     with pytest.raises(job.JobLaunchError, match="cannot be stopped: the kernel refused"):
         job.start_job(jobs, "perm", [PY, "-c", "pass"], heartbeat_s=0.01, stale_after_s=0.02)
-    assert job.read_state(jobs / "perm")["try"] == 1 and is_running(started["child_pid"])
+    assert jobdir.read_state(jobs / "perm")["try"] == 1 and is_running(started["child_pid"])
 
 
 @pytest.mark.slow
@@ -693,7 +693,7 @@ def test_the_callers_secrets_reach_neither_the_stage_nor_spec_json(jobs, monkeyp
 
     assert not set(SECRETS) & set(stage_env)
     assert stage_env["MY_TOKEN"] == "secret-token" and stage_env["HF_HOME"] == "/cache/hf"
-    assert stage_env["PATH"] == os.environ["PATH"] and job.GROUP_MARK_VAR in stage_env
+    assert stage_env["PATH"] == os.environ["PATH"] and processes.GROUP_MARK_VAR in stage_env
     assert stage_env.get("PYTHONPATH") == os.environ.get("PYTHONPATH")  # (not the supervisor's, which has ours first)
     spec_bytes = (jobs / "env" / "spec.json").read_bytes()
     for value in [*SECRETS.values(), "secret-token", "secret-pw"]:
@@ -719,7 +719,7 @@ def test_a_job_directory_of_another_user_is_refused(jobs, monkeypatch):
     """Attack: someone else made the job's directory (and could read or swap its files)."""
     (jobs / "theirs").mkdir(parents=True)
     monkeypatch.setattr(os, "geteuid", lambda: os.stat(jobs).st_uid + 4242)
-    with pytest.raises(job.JobError, match=r"job directory .*theirs belongs to uid \d+, not to this user"):
+    with pytest.raises(jobdir.JobError, match=r"job directory .*theirs belongs to uid \d+, not to this user"):
         job.start_job(jobs, "theirs", [PY, "-c", "pass"])
     assert list((jobs / "theirs").iterdir()) == []
 
@@ -764,7 +764,7 @@ def test_a_job_file_that_is_a_link_is_not_followed_by_poll_or_its_stream(jobs, t
     if name == "log":
         (tmp_path / "elsewhere").write_text(SECRET)
     refusal = rf"^{re.escape(str(directory / name))}: a symbolic link, where the job keeps a regular file\. "
-    with pytest.raises(job.UnsafeJobFile, match=refusal):
+    with pytest.raises(jobdir.UnsafeJobFile, match=refusal):
         job.poll_job(jobs, "linked", None, stream="ti-a")
     proc = run_eagle3("job", "poll", "--jobs-dir", str(jobs), "--key", "linked", "--stream", "ti-a", check=False,
                       timeout=60)
@@ -778,7 +778,7 @@ def test_a_log_that_is_a_fifo_is_refused_without_waiting_for_a_writer(jobs, stra
     directory = finished_job(jobs, "fifo", stranger)
     (directory / "log").unlink()
     os.mkfifo(directory / "log")
-    with pytest.raises(job.UnsafeJobFile, match=r"log: a FIFO, where the job keeps a regular file"):
+    with pytest.raises(jobdir.UnsafeJobFile, match=r"log: a FIFO, where the job keeps a regular file"):
         job.poll_job(jobs, "fifo")
 
 
@@ -791,7 +791,7 @@ def test_kill_acts_on_no_state_json_that_is_a_link_and_makes_no_lock_through_one
     hand_written_state(jobs, "linked", stranger.pid)  # running, so that kill would act
     link_in_place(directory / "state.json", tmp_path / "state-elsewhere.json")
     before = (tmp_path / "state-elsewhere.json").read_bytes()
-    with pytest.raises(job.UnsafeJobFile, match=r"state\.json: a symbolic link"):
+    with pytest.raises(jobdir.UnsafeJobFile, match=r"state\.json: a symbolic link"):
         job.kill_job(jobs, "linked", grace_s=1)
     assert signals_sent == [] and (directory / "state.json").is_symlink()
     assert (tmp_path / "state-elsewhere.json").read_bytes() == before
@@ -803,7 +803,7 @@ def test_kill_acts_on_no_state_json_that_is_a_link_and_makes_no_lock_through_one
     victim.chmod(0o644)
     (directory / "lock").unlink(missing_ok=True)
     (directory / "lock").symlink_to(victim)
-    with pytest.raises(job.UnsafeJobFile, match=r"lock: a symbolic link"):
+    with pytest.raises(jobdir.UnsafeJobFile, match=r"lock: a symbolic link"):
         job.kill_job(jobs, "linked", grace_s=1)
     assert signals_sent == [] and (victim.stat().st_mode & 0o777) == 0o644
     proc = run_eagle3("job", "kill", "--jobs-dir", str(jobs), "--key", "linked", check=False, timeout=60)
@@ -821,10 +821,10 @@ def test_a_job_directory_or_file_of_another_user_is_not_read_by_poll_or_kill(job
     os.chown(directory / name, OTHER_UID, OTHER_UID)
     shown = directory / name if name else directory
     refusal = rf"^{re.escape(str(shown))}: owned by uid {OTHER_UID}, not by this user \(uid 0\)\. "
-    with pytest.raises(job.UnsafeJobFile, match=refusal):
+    with pytest.raises(jobdir.UnsafeJobFile, match=refusal):
         job.poll_job(jobs, "theirs", None, stream="ti-a")
     if name != job.CURSOR_FILE:  # (a stream's cursor is poll --stream's alone)
-        with pytest.raises(job.UnsafeJobFile, match=refusal):
+        with pytest.raises(jobdir.UnsafeJobFile, match=refusal):
             job.kill_job(jobs, "theirs", grace_s=1)
     assert signals_sent == [] and not (directory / "lock").exists()
     assert json.loads((directory / "state.json").read_text())["status"] == "running"  # no kill recorded either
@@ -834,8 +834,7 @@ def test_a_job_directory_or_file_of_another_user_is_not_read_by_poll_or_kill(job
 
 BEATING = """
 import os, signal, sys, time
-from eagle3.progress import beat
-for step in range({steps}):
+from eagle3.jobs.progress import beat for step in range({steps}):
     beat(f"step {{step}}")
     print(f"step {{step}}", flush=True)
     time.sleep({pause})
@@ -879,8 +878,8 @@ def test_a_stage_that_waited_before_loading_gets_the_first_progress_limit_again(
     while it waits, which leaves it the limit between beats for the load that follows. The supervisor hands it the
     first-progress limit (FIRST_PROGRESS_VAR), which it announces as its allowance once the wait is over: a load
     longer than the limit between beats, within the first one, is not killed."""
-    code = (f"import os, time\nfrom eagle3.progress import beat\nfor i in range(4):\n    beat(f'waiting {{i}}')\n"
-            f"    time.sleep(0.3)\nbeat('loading', allowance_s=float(os.environ[{job.FIRST_PROGRESS_VAR!r}]))\n"
+    code = (f"import os, time\nfrom eagle3.jobs.progress import beat\nfor i in range(4):\n    beat(f'waiting {{i}}')\n"
+            f"    time.sleep(0.3)\nbeat('loading', allowance_s=float(os.environ[{supervisor.FIRST_PROGRESS_VAR!r}]))\n"
             "time.sleep(3.5)\nbeat('step 0')\ntime.sleep(1)\n")
     start(jobs, "waited", code, "--heartbeat-s", "0.5", "--stall-timeout-s", "1.5", "--first-progress-timeout-s", "6")
     result = wait_until(lambda: (r := job.poll_job(jobs, "waited"))["effective"] != "running" and r, "its end")
@@ -928,9 +927,9 @@ def test_a_job_running_on_another_host_is_foreign_never_started_again_killed_or_
         assert again.returncode == Exit.FOREIGN == 3 and "running on another host" in again.stderr, again.stderr
     proc, killed = kill_cli(jobs, "train")
     assert proc.returncode == 1 and "not killed from this host" in killed["refused"] and not killed["signalled"]
-    state = job.read_state(jobs / "train")
+    state = jobdir.read_state(jobs / "train")
     assert (state["status"], state["pid"], state["try"]) == ("running", started["pid"], 1)
-    assert job.pid_start_ticks(started["pid"]) == started["pid_start_ticks"]  # alive
+    assert processes.pid_start_ticks(started["pid"]) == started["pid_start_ticks"]  # alive
     as_host(monkeypatch, tmp_path, "gpu-box-1")
     assert poll(jobs, "train")["effective"] == "running"
     assert kill_cli(jobs, "train")[1]["signalled"]
@@ -949,7 +948,7 @@ def test_another_hosts_job_is_foreign_however_old_its_heartbeat(jobs, tmp_path, 
     refused = run_eagle3("job", "start", "--jobs-dir", str(jobs), "--key", "train", "--", PY, "-c", "1",
                          check=False, timeout=60)
     assert refused.returncode == Exit.FOREIGN and "gpu-box-1" in refused.stderr
-    assert job.read_state(jobs / "train")["pid"] == gone  # nothing launched over it
+    assert jobdir.read_state(jobs / "train")["pid"] == gone  # nothing launched over it
     state = json.loads((jobs / "train" / "state.json").read_text())
     (jobs / "train" / "state.json").write_text(json.dumps({**state, "host_id": "machine-id-of-gpu-box-2"}))
     assert poll(jobs, "train")["effective"] == "dead"

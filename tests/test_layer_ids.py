@@ -1,7 +1,7 @@
 """EAGLE-3 aux layer ids: each engine's rule as its own code applies it, and what the export tells each engine.
 
 Our convention is HF "output of decoder layer i"; every engine captures the input of its layer j and reads the ids
-it is given by rules of its own (eagle3.layer_ids). The rules are held twice: as pure functions with hand-made
+it is given by rules of its own (eagle3.model.layer_ids). The rules are held twice: as pure functions with hand-made
 cases, and against the engines' real code (the sglang 0.5.23 and vllm 0.32 packages, each in its test environment:
 `make sglang-env`, `make vllm-env`), so that a convention change in a new engine version fails here instead of
 silently training a drafter on other layers than it is served with.
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from eagle3.export import drafter_config, engines_of, ids_read_by
-from eagle3.layer_ids import LayerIdError, engines_served, hf_layers_read, ids_for, sglang_reads, vllm_reads
-from eagle3.model import DraftConfig
+from eagle3.model.drafter import DraftConfig
+from eagle3.model.layer_ids import LayerIdError, engines_served, hf_layers_read, ids_for, sglang_reads, vllm_reads
+from eagle3.stages.export import drafter_config, engines_of, ids_read_by
 from tests.conftest import REPO
 
 ENVS = {"sglang": Path(os.environ.get("EAGLE3_SGLANG_ENV_PYTHON", REPO / ".cache" / "sglang-env" / "bin" / "python")),

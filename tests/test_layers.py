@@ -54,32 +54,47 @@ def test_the_box_side_library_has_no_import_circle():
         "; ".join(" <-> ".join(c) for c in found) + ". Move what they share into a module below both"
 
 
-def test_the_records_stand_below_the_stages():
-    """The records of a run (its layout, checkpoints, lineage) are read by the stages, never the other way round."""
+# The folders (and top-level modules) of include/eagle3, the lowest first; a module imports only from its own rank or
+# those below. docs/architecture.md's layout section walks the same order.
+RANKS = [
+    {"disk", "contracts", "engine_flags"},  # paths, atomic writes, the two sides' contracts: nothing of eagle3 below
+    {"config", "jobs"},                      # the run's schema; detached jobs and their progress beats
+    {"data"},                                # conversations -> samples -> the hidden-state store, and the split
+    {"model", "target", "records"},          # the drafter and the target's facts; checkpoints and lineages
+    {"engines", "capture"},                  # serving the target; capturing its hidden states
+    {"stages", "box", "demo"},               # `python -m eagle3 <stage>`; what else the control plane asks the box
+    {"__main__"},
+]
+
+
+def rank_of(module: str) -> int:
+    part = module.split(".")[1] if "." in module else module
+    return next(rank for rank, names in enumerate(RANKS) if part in names)
+
+
+def test_every_module_imports_only_from_its_folders_rank_or_below():
+    """The layers stand as folders: no arrow points up (a record importing a stage, the data a model). A new folder
+    or top-level module is placed in RANKS first."""
     graph = import_graph(BOX_PACKAGE)
-    stages = {"eagle3.generate", "eagle3.extract", "eagle3.vocab", "eagle3.train", "eagle3.export", "eagle3.evaluate",
-              "eagle3.benchmark", "eagle3.split", "eagle3.promote"}
-    for record in ("eagle3.runlayout", "eagle3.checkpoint", "eagle3.lineage"):
-        reached, todo = set(), [record]
-        while todo:
-            for target in graph[todo.pop()] - reached:
-                reached.add(target)
-                todo.append(target)
-        assert not reached & stages, f"{record} depends on the stages {sorted(reached & stages)}"
+    placed = {name for name in graph if name != "eagle3"}
+    assert all(any((n.split(".")[1] if "." in n else n) in names for names in RANKS) for n in placed), \
+        sorted(n for n in placed if not any((n.split(".")[1]) in names for names in RANKS))
+    upward = sorted(f"{a} -> {b}" for a in placed for b in graph[a] if b != "eagle3" and rank_of(b) > rank_of(a))
+    assert not upward, "imports that point up the layers: " + "; ".join(upward)
 
 
 @pytest.mark.slow
-def test_paths_inside_a_run_directory_are_spelled_only_in_runlayout():
-    """The run directory's layout is named once (eagle3.runlayout): a path such as evaluate/report.json written out
+def test_paths_inside_a_run_directory_are_spelled_only_in_the_layout():
+    """The run directory's layout is named once (eagle3.disk.layout): a path such as evaluate/report.json written out
     again elsewhere, box side or control plane, would keep the old name when the layout changes."""
-    from eagle3 import runlayout
+    from eagle3.disk import layout
 
-    paths = {value for name, value in vars(runlayout).items() if name.isupper() and isinstance(value, str)
+    paths = {value for name, value in vars(layout).items() if name.isupper() and isinstance(value, str)
              and "/" in value}
     spelled = []
     for root in (BOX_PACKAGE, REPO / "plugins" / "eagle3_airflow", REPO / "dags"):
         for path in sorted(root.rglob("*.py")):
-            if path.name == "runlayout.py":
+            if path == BOX_PACKAGE / "disk" / "layout.py":
                 continue
             for node in ast.walk(ast.parse(path.read_text(), str(path))):
                 if isinstance(node, ast.Constant) and node.value in paths:

@@ -1,6 +1,6 @@
 """The draft model: SGLang's weight names and shapes, the target's frozen embedding read by key from any
 checkpoint layout, the training-time-test attention pattern, and the TTT attention kernel
-(eagle3/ttt_attention.py) against the dense O(T^2) attention it replaced, in values, gradients and memory."""
+(eagle3/model/ttt_attention.py) against the dense O(T^2) attention it replaced, in values, gradients and memory."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from safetensors.torch import save_file
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-import eagle3.ttt_attention as ttt_attention_mod
-from eagle3.model import EMBED_KEYS, DraftConfig, Eagle3Draft, Rows, build_draft_model, load_target_tensor
+import eagle3.model.ttt_attention as ttt_attention_mod
+from eagle3.model.drafter import EMBED_KEYS, DraftConfig, Eagle3Draft, Rows, build_draft_model, load_target_tensor
 
 SGLANG_KEYS = {
     "fc.weight", "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight",
@@ -109,7 +109,7 @@ def test_later_steps_see_step_zero_causally_and_their_own_position_only():
     assert not torch.allclose(h2[0, 1], h2_b[0, 1])
 
 
-# -- the TTT attention kernel (eagle3/ttt_attention.py) against the dense reference ---------------
+# -- the TTT attention kernel (eagle3/model/ttt_attention.py) against the dense reference ---------------
 
 
 def ttt_inputs(steps: int, dtype=torch.float32, device="cpu", t: int = 150, batch: int = 2):

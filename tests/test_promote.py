@@ -13,16 +13,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3.checkpoint import checkpoint_dirs, load_checkpoint
 from eagle3.config import write_run_config
-from eagle3.data import conversation_id_of
-from eagle3.evaluate import run_evaluate
-from eagle3.export import run_export
-from eagle3.lineage import Lineage, PromotionRefused, weights_digest
-from eagle3.model import build_draft_model
-from eagle3.promote import check_inputs, promote_held
-from eagle3.split import SPLIT_RULE
-from eagle3.train import Trainer, load_warm_start
+from eagle3.data.samples import conversation_id_of
+from eagle3.model.drafter import build_draft_model
+from eagle3.records.checkpoint import checkpoint_dirs, load_checkpoint
+from eagle3.records.lineage import Lineage, PromotionRefused, weights_digest
+from eagle3.stages.evaluate import run_evaluate
+from eagle3.stages.export import run_export
+from eagle3.stages.promote import check_inputs, promote_held
+from eagle3.stages.split import SPLIT_RULE
+from eagle3.stages.train import Trainer, load_warm_start
 from tests.conftest import run_eagle3
 
 EVALUATE = {"num_prompts": 6, "max_new_tokens": 16, "draft_lengths": [3]}
@@ -140,8 +140,8 @@ def test_old_versions_beyond_keep_versions_are_removed(trained_config, make_conf
 def test_training_and_validation_leave_the_pinned_evaluation_prompts_out(trained_config, make_config):
     """Pinned from a wide split (first and later user turns), then trained with a narrow one: the pinned conversations,
     and every conversation that opens with a pinned prompt, neither train nor pick the checkpoint."""
-    from eagle3.data import read_conversations
-    from eagle3.split import part_of_key, run_split
+    from eagle3.data.samples import read_conversations
+    from eagle3.stages.split import part_of_key, run_split
 
     run_export(trained_config)
     wide = run_like(trained_config, make_config, "wide-split", num_prompts=12)
@@ -234,7 +234,7 @@ def test_a_warm_start_takes_each_draft_vocab_row_by_the_token_it_stands_for(trai
 
 def held_drafter(cfg, files: dict[str, bytes] | None = None) -> Path:
     """RUN_DIR/drafter with `files`, measured and held for approval as `evaluate --hold-promotion` leaves it."""
-    from eagle3.promote import hold_for_approval
+    from eagle3.stages.promote import hold_for_approval
 
     drafter = cfg.run_dir / "drafter"
     for name, data in (files or {"config.json": b"{}", "model.safetensors": b"the measured weights"}).items():
@@ -381,7 +381,7 @@ def test_keep_versions_removes_only_this_lineages_own_versions(make_config, tmp_
             (versions / name / "promotion.json").write_text(text)
 
     (drafter / "model.safetensors").write_bytes(b"newer weights")
-    caplog.set_level("WARNING", logger="eagle3.lineage")
+    caplog.set_level("WARNING", logger="eagle3.records.lineage")
     new = promote_dated("new", "2026-12-01T00:00:00Z", old.name)  # keep_versions 1: the old one goes
     assert sorted(p.name for p in versions.iterdir()) == sorted([new.name, "linked", *strangers])
     assert (elsewhere / "promotion.json").exists()

@@ -1,4 +1,4 @@
-"""Public benchmark sets (eagle3.public_sets): each set's own record format read from local files the tests write
+"""Public benchmark sets (eagle3.data.public_sets): each set's own record format read from local files the tests write
 (made-up records, no copied prompts), rendered as the target is served, and refused with the field and the fix."""
 
 from __future__ import annotations
@@ -8,8 +8,7 @@ import json
 import pytest
 
 from eagle3.config import ConfigError
-from eagle3.data import DataError, SampleTokenizer
-from eagle3.public_sets import (
+from eagle3.data.public_sets import (
     SETS,
     PublicSetUnavailable,
     answer_message,
@@ -19,6 +18,7 @@ from eagle3.public_sets import (
     load_set,
     read_local_records,
 )
+from eagle3.data.samples import DataError, SampleTokenizer
 
 
 def write_jsonl(path, records) -> str:
@@ -222,7 +222,7 @@ def test_a_local_set_file_that_is_no_regular_file_is_refused_unread(tmp_path):
     """A FIFO named in evaluate.benchmark_files would block the stage forever on a plain read: refused, named."""
     import os
 
-    from eagle3.public_sets import read_local_records
+    from eagle3.data.public_sets import read_local_records
 
     fifo = tmp_path / "gsm8k.jsonl"
     os.mkfifo(fifo)

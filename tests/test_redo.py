@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from eagle3.runlayout import REDO_OUTPUTS
+from eagle3.disk.layout import REDO_OUTPUTS
 from eagle3_airflow.params import BoxSettings
 from eagle3_airflow.plan import REDO_ORDER
 from eagle3_airflow.remote_job import RemoteJobOperator

@@ -89,9 +89,9 @@ def test_an_outage_longer_than_the_grace_period_ends_the_wait_but_not_the_job(bo
 
 def test_user_kill_stops_the_whole_process_group(box, tmp_path):
     pid_file = tmp_path / "grandchild.pid"
-    # Written whole or not at all (eagle3.fsutil): open() creates a file before write() fills it, and a poll between
-    # the two read an empty file (seen once in the suite under load).
-    spawn = (f"import subprocess, sys, time; from eagle3.fsutil import atomic_write_text; "
+    # Written whole or not at all (eagle3.disk.fsutil): open() creates a file before write() fills it, and a poll
+    # between the two read an empty file (seen once in the suite under load).
+    spawn = (f"import subprocess, sys, time; from eagle3.disk.fsutil import atomic_write_text; "
              f"p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
              f"atomic_write_text({str(pid_file)!r}, str(p.pid)); time.sleep(60)")
     job = start(box, [sys.executable, "-c", spawn])
@@ -247,7 +247,7 @@ def test_the_triggers_kill_ends_well_inside_the_triggerers_on_kill_timeout(tmp_p
     trigger's on_kill still returns within seconds: the box finishes the kill on its own and records it."""
     from airflow.configuration import conf
 
-    from eagle3 import job
+    from eagle3.jobs import job
     from eagle3_airflow.remote_job import ON_KILL_BUDGET_S
     from eagle3_airflow.transport import LocalBox
 

@@ -92,7 +92,7 @@ def test_a_job_killed_under_a_try_that_re_attached_to_it_is_started_again_in_tha
 @pytest.mark.slow
 def test_a_stage_starts_as_its_own_airflow_run_and_a_job_on_another_host_fails_the_task(plan, monkeypatch):
     """`job start` is told the Airflow run from the task's own context (never XCom), so the box refuses a stage of
-    a run that does not own the run directory (eagle3.runowner), even one whose write_config was marked successful.
+    a run that does not own the run directory (eagle3.jobs.runowner), even one whose write_config was marked successful.
     A job that runs on another host sharing the
     work directory ("foreign") fails the task with the reason, without a retry: this box can neither wait on it
     nor start a second copy. (The box is a stand-in here: the refusals themselves run for real in test_run_owner

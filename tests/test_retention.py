@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from eagle3.identity import capture_key, link_shared
-from eagle3.retention import RetentionRefused, gc_stores, prune_runs
+from eagle3.box.retention import RetentionRefused, gc_stores, prune_runs
+from eagle3.data.identity import capture_key, link_shared
 from tests.conftest import run_eagle3
 
 
@@ -244,7 +244,7 @@ def test_store_gc_removes_only_marked_stores_and_nothing_behind_a_link(tmp_path)
 def test_a_link_swapped_in_after_the_checks_removes_nothing(tmp_path):
     """The last line of defence: removal opens the parent without following a link and rmtree refuses one, so a run
     directory replaced by a link between the checks and the removal takes nothing of the link's target with it."""
-    from eagle3.fsutil import UnsafeTree, remove_tree_in
+    from eagle3.disk.fsutil import UnsafeTree, remove_tree_in
 
     target = tmp_path / "target"
     (target / "inside").mkdir(parents=True)
@@ -305,7 +305,7 @@ def as_host(monkeypatch, tmp_path: Path, name: str) -> None:
 
 def owned_by_this_host(run_dir: Path, run_id: str) -> None:
     """Record an Airflow run as the run directory's owner, as `eagle3 init` does on the host it runs on."""
-    from eagle3.runowner import AirflowRun, write_owners
+    from eagle3.jobs.runowner import AirflowRun, write_owners
 
     write_owners(run_dir, [AirflowRun("eagle3_drafter", run_id).record()])
 

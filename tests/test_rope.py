@@ -14,9 +14,9 @@ import subprocess
 import pytest
 import torch
 
-from eagle3.export import drafter_config
-from eagle3.model import DraftConfig
-from eagle3.rope import Rotary, apply_rope, exported_scaling
+from eagle3.model.drafter import DraftConfig
+from eagle3.model.rope import Rotary, apply_rope, exported_scaling
+from eagle3.stages.export import drafter_config
 from eagle3.target import target_rope
 from tests.conftest import REPO
 from tests.test_layer_ids import ENVS

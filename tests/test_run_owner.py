@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 from airflow.sdk.exceptions import AirflowFailException
 
-from eagle3.runlayout import CONFIG, OWNER
+from eagle3.disk.layout import CONFIG, OWNER
 from eagle3_airflow.codesync import ensure_code
 from eagle3_airflow.deployment import Deployment
 from eagle3_airflow.tasks import default_run_name, validate_run, write_config
@@ -90,7 +90,7 @@ def as_host(monkeypatch, tmp_path: Path, name: str) -> None:
 
 @pytest.mark.slow
 def test_init_records_the_host_of_each_run_and_the_owners_init_adds_or_moves_it(draft, tmp_path, monkeypatch):
-    """Boxes may share a work directory, and only the box that made a run directory prunes it (eagle3.retention):
+    """Boxes may share a work directory, and only the box that made a run directory prunes it (eagle3.box.retention):
     init records its host beside the run. The owner's init run again on another box (a clear of write_config) moves
     it there, where the run's stages now run; a refused run changes no host."""
     as_host(monkeypatch, tmp_path, "gpu-box-1")

@@ -108,7 +108,7 @@ def test_configured_services_are_stopped_before_the_check(plan, gpus, tmp_path, 
 def test_disk_space_below_and_above_the_estimate(plan, capsys):
     import json
 
-    from eagle3.boxinfo import TOKEN_CACHE_NAME
+    from eagle3.box.facts import TOKEN_CACHE_NAME
     from eagle3_airflow.plan import RunPlan
 
     enough, log = poke(DiskSpaceSensor, plan, capsys)
@@ -137,7 +137,7 @@ def test_box_reachable_waits_for_an_ssh_box_that_does_not_answer(plan, capsys, m
 def test_this_runs_own_job_on_the_gpu_is_not_foreign(plan, gpus, capsys):
     """A GPU process in the process group of a live job of this run (say train, still running when a cleared
     run checks the GPUs again) is ours: the sensor names it and does not wait for it."""
-    from eagle3.job import kill_job, start_job
+    from eagle3.jobs.job import kill_job, start_job
     from eagle3_airflow.plan import RunPlan
 
     def run_plan_of(sealed_plan: dict) -> RunPlan:

@@ -18,11 +18,11 @@ import time
 import pytest
 
 from eagle3.config import ConfigError, write_run_config
-from eagle3.data import read_conversations
-from eagle3.extract import run_extract
-from eagle3.identity import attach_store
-from eagle3.runlayout import run_samples_path
-from eagle3.store import HiddenStateStore, StoreError, digest, open_run_store, verify
+from eagle3.data.identity import attach_store
+from eagle3.data.samples import read_conversations
+from eagle3.data.store import HiddenStateStore, StoreError, digest, open_run_store, verify
+from eagle3.disk.layout import run_samples_path
+from eagle3.stages.extract import run_extract
 from tests.conftest import chunk_count, run_eagle3
 
 
@@ -73,8 +73,8 @@ def test_a_change_to_what_decides_the_states_starts_another_store(make_config):
 def test_a_store_key_reads_the_generation_template_as_the_stages_do(make_config, tmp_path):
     """init keys the store by the template's bytes: a template in /proc (pagemap is a "regular file" that never
     ends) is refused there, naming the field, where a plain read would hang init; a plain file keys as its bytes."""
-    from eagle3.data import DataError
-    from eagle3.identity import capture_fields
+    from eagle3.data.identity import capture_fields
+    from eagle3.data.samples import DataError
 
     cfg = make_config(data={"generation_chat_template": "/proc/self/pagemap"})
     with pytest.raises(DataError, match=r"^data.generation_chat_template: /proc/self/pagemap: a file in /proc"):
@@ -134,9 +134,9 @@ def test_a_run_that_finds_another_writing_its_shard_waits_for_it_and_finds_its_s
     none and loads no target, and it gives the stage the first-progress allowance again for what follows."""
     import threading
 
-    from eagle3 import store
-    from eagle3.job import FIRST_PROGRESS_VAR
-    from eagle3.store import read_holder, shard_dir
+    from eagle3.data import store
+    from eagle3.data.store import read_holder, shard_dir
+    from eagle3.jobs.supervisor import FIRST_PROGRESS_VAR
 
     first = make_config(run_name="first", data={"max_samples": 8})
     second = make_config(run_name="second", data={"max_samples": 8})
@@ -159,12 +159,13 @@ def test_a_run_that_finds_another_writing_its_shard_waits_for_it_and_finds_its_s
         monkeypatch.setenv("EAGLE3_PROGRESS_FILE", str(beats))  # as the job's supervisor gives its stage
         monkeypatch.setenv(FIRST_PROGRESS_VAR, "3600")
         monkeypatch.setattr(store, "LOCK_POLL_MAX_S", 0.2)
-        from eagle3 import extract, progress
+        from eagle3.jobs import progress
+        from eagle3.stages import extract
 
         allowances = []  # (line, allowance_s) of the stage's beats that announce a silence
         monkeypatch.setattr(extract, "beat", lambda line, allowance_s=None: (
             allowance_s is not None and allowances.append((line, allowance_s)), progress.beat(line, allowance_s)))
-        caplog.set_level("INFO", logger="eagle3.extract")
+        caplog.set_level("INFO", logger="eagle3.stages.extract")
         outcome = {}
         waiter = threading.Thread(target=lambda: outcome.update(run_extract(second)))
         waiter.start()
@@ -198,7 +199,7 @@ def test_a_writer_that_does_not_wait_gets_store_busy_naming_the_holder_and_is_re
     """ShardWriter without on_busy (the default) refuses a busy shard at once; `python -m eagle3` exits 1 for it (a
     retry may do). A shard this very process holds is refused even by a writer that waits: it would wait forever."""
     from eagle3.__main__ import exit_code_for
-    from eagle3.store import ShardWriter, StoreBusy, read_meta
+    from eagle3.data.store import ShardWriter, StoreBusy, read_meta
 
     first = make_config(run_name="first", data={"max_samples": 8})
     run_extract(first)

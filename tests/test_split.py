@@ -8,11 +8,11 @@ from collections import Counter, defaultdict
 
 import pytest
 
-import eagle3.split as split_module
-from eagle3.data import read_conversations
-from eagle3.lineage import Lineage
-from eagle3.runlayout import SPLIT_KEYS
-from eagle3.split import (
+import eagle3.stages.split as split_module
+from eagle3.data.samples import read_conversations
+from eagle3.disk.layout import SPLIT_KEYS
+from eagle3.records.lineage import Lineage
+from eagle3.stages.split import (
     EVALUATION,
     TRAINING,
     VALIDATION,
@@ -107,12 +107,12 @@ def test_the_keys_are_cached_in_the_run_directory_until_the_conversations_change
     assert cached["keys"] == keys and cached["rule"] == split_module.SPLIT_RULE
     assert not [p for p in (cfg.run_dir / SPLIT_KEYS).parent.iterdir() if p.name.startswith(".")]
 
-    import eagle3.data
+    import eagle3.data.samples
 
     def must_not_read(*args, **kwargs):
         raise AssertionError("the conversations were read again though the cached keys hold")
 
-    monkeypatch.setattr(eagle3.data, "read_conversations", must_not_read)
+    monkeypatch.setattr(eagle3.data.samples, "read_conversations", must_not_read)
     assert run_split(cfg).keys == keys
     monkeypatch.undo()
     write_jsonl(data, rows + [conversation("A new question?", "A new answer.")])

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from eagle3.capture import CapturedStates
-from eagle3.data import TokenizedSample
-from eagle3.store import HiddenStateStore, ShardWriter, StoreError, StoreMeta, digest, shard_dir, verify
+from eagle3.data.samples import TokenizedSample
+from eagle3.data.store import HiddenStateStore, ShardWriter, StoreError, StoreMeta, digest, shard_dir, verify
 
 H = 16
 META = StoreMeta(hidden_size=H, aux_layers=(1, 3, 4))

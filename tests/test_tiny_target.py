@@ -13,8 +13,8 @@ import sys
 import pytest
 import torch
 
-from eagle3.data import SampleTokenizer, read_conversations
-from eagle3.tiny_target import TinyTargetSpec, _task, build
+from eagle3.data.samples import SampleTokenizer, read_conversations
+from eagle3.demo.tiny_target import TinyTargetSpec, _task, build
 
 SMALL = TinyTargetSpec(hidden_size=64, num_layers=5, train_steps=3, num_prompts=20)
 

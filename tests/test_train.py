@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
-import eagle3.train as train
-from eagle3.checkpoint import load_checkpoint
-from eagle3.train import make_teachers
+import eagle3.stages.train as train
+from eagle3.records.checkpoint import load_checkpoint
+from eagle3.stages.train import make_teachers
 from tests.conftest import TRAIN_SETTINGS, run_eagle3
 
 
@@ -61,7 +61,7 @@ def test_first_draft_trains_the_drafts_decoding_makes_and_none_past_the_end_of_t
 def test_each_ttt_step_trains_only_chains_that_stay_in_the_answer():
     """Step i at position t targets token t+2+i: trained only while tokens t+1..t+2+i are all the answer's (with
     first_draft), where SpecForge's mask shifts along and trains targets after the turn and in the next one."""
-    from eagle3.model import DraftConfig, Eagle3Draft
+    from eagle3.model.drafter import DraftConfig, Eagle3Draft
 
     ids = torch.tensor([[3, 7, 1, 9, 4, 6, 2, 8, 5, 1, 2, 3]])
     last, lm_head = perfect_target(ids, 10)
@@ -156,8 +156,8 @@ def stored_again(store_dir, out_dir, state_dtype: str) -> None:
     """The store's samples written into `out_dir` with another state dtype, shard by shard and one sample a batch
     (the states as the bf16 store holds them: what the capture handed over)."""
     from eagle3.capture import CapturedStates
-    from eagle3.data import TokenizedSample
-    from eagle3.store import HiddenStateStore, ShardWriter, StoreMeta
+    from eagle3.data.samples import TokenizedSample
+    from eagle3.data.store import HiddenStateStore, ShardWriter, StoreMeta
 
     store = HiddenStateStore(store_dir)
     meta = StoreMeta(store.meta.hidden_size, store.meta.aux_layers, state_dtype)
@@ -200,7 +200,7 @@ def test_the_trainer_reads_an_fp8_store_as_it_reads_a_bf16_one(trained_config):
         assert error.max() > 0, "the fp8 store holds the bf16 states unchanged: it did not quantise"
     # The batch carries the states to the device as stored and converts them there: the same bits as each sample
     # dequantized on its own, zeros where it is padded.
-    from eagle3.store import HiddenStateStore
+    from eagle3.data.store import HiddenStateStore
 
     for store, batch in ((fp8.store, fp8_batch), (HiddenStateStore(bf16_dir), bf16_batch)):
         for row, sid in enumerate(val_ids):
@@ -221,11 +221,11 @@ def test_no_first_prompt_is_trained_on_that_validation_or_evaluation_holds(make_
     later turn) are trained on, validated on or held out for evaluation together: the trainer's validation, which
     picks the best checkpoint, and evaluate's prompts hold no first prompt that training saw, and no evaluated
     conversation validates."""
-    from eagle3.data import SampleTokenizer, conversation_id_of, read_conversations
-    from eagle3.evaluate import held_out
-    from eagle3.extract import run_extract
-    from eagle3.split import normalise_prompt
-    from eagle3.vocab import run_vocab
+    from eagle3.data.samples import SampleTokenizer, conversation_id_of, read_conversations
+    from eagle3.stages.evaluate.prompts import held_out
+    from eagle3.stages.extract import run_extract
+    from eagle3.stages.split import normalise_prompt
+    from eagle3.stages.vocab import run_vocab
     from tests.test_split import shared_first_prompts, write_jsonl
 
     rows, _ = shared_first_prompts()
@@ -253,11 +253,11 @@ def test_no_first_prompt_is_trained_on_that_validation_or_evaluation_holds(make_
 
 @pytest.mark.slow
 def test_the_ttt_objective_with_the_linear_memory_kernel_equals_the_dense_attentions():
-    """SpecForge's objective, 7 TTT steps, a padded batch of 2: with eagle3/ttt_attention.py's kernel the loss of
+    """SpecForge's objective, 7 TTT steps, a padded batch of 2: with eagle3/model/ttt_attention.py's kernel the loss of
     each TTT position is the dense [T, T] attention's within 1e-5 (fp32), and so are the gradients of every
     trained weight (to 1e-5 of the largest)."""
-    from eagle3.model import DraftConfig, Eagle3Draft
-    from eagle3.ttt_attention import dense_ttt_attention
+    from eagle3.model.drafter import DraftConfig, Eagle3Draft
+    from eagle3.model.ttt_attention import dense_ttt_attention
 
     cfg = DraftConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
                       head_dim=8, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=256,
@@ -294,7 +294,7 @@ def test_the_lk_objectives_are_the_expected_acceptance_losses_of_the_target_full
     sum over the draft vocab of min(p_full, q), never renormalised): lk_alpha = -mean log acceptance, lk_lambda =
     w * KL + (1 - w) * (1 - mean acceptance) with w = exp(-decay * mean acceptance). kl stays SpecForge's
     cross-entropy, whatever the LK fields say."""
-    from eagle3.model import DraftConfig, Eagle3Draft
+    from eagle3.model.drafter import DraftConfig, Eagle3Draft
 
     cfg = DraftConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
                       head_dim=8, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=256,
@@ -327,7 +327,7 @@ def test_the_lk_objectives_are_the_expected_acceptance_losses_of_the_target_full
 
 def chunking_workload(objective: str = "kl", steps: int = 7, t: int = 97, vocab: int = 60):
     """A padded batch of 2 for the 7-step objective, seeded: (draft, teachers, aux, draft_ids)."""
-    from eagle3.model import DraftConfig, Eagle3Draft
+    from eagle3.model.drafter import DraftConfig, Eagle3Draft
 
     cfg = DraftConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
                       head_dim=8, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=1024,
@@ -432,7 +432,7 @@ def dense_objective(draft, teachers, aux, draft_ids, steps: int, objective: str,
 def padded_workload(first_draft: bool, seed: int = 0):
     """A padded batch of 3 samples of the tiny shapes, with prompts and two answers each (draft, aux, draft_ids,
     make_teachers' arguments)."""
-    from eagle3.model import DraftConfig, Eagle3Draft
+    from eagle3.model.drafter import DraftConfig, Eagle3Draft
 
     cfg = DraftConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
                       head_dim=8, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=256,

@@ -1,7 +1,7 @@
 """Issue 35, item 3: the report tab, the report task and the approval read only the run's own report files.
 
 Written as the attacks: someone who can write into a shared workdir plants links, pipes and huge files in a run
-directory; someone who can edit XCom names paths outside the run. The box side (eagle3/reportfiles.py, run here
+directory; someone who can edit XCom names paths outside the run. The box side (eagle3/box/reportfiles.py, run here
 through the local transport as `python -m eagle3 report manifest`) names only regular files of the expected names
 under the real run directory, never through a link, at most 8 MiB, with their sizes and sha256; the Airflow side
 (report task, report tab) fetches only those (SFTP, or a local read here), refuses bytes that differ from the
@@ -18,7 +18,7 @@ import pytest
 from airflow.sdk.exceptions import AirflowFailException
 from fastapi import HTTPException
 
-from eagle3.reportfiles import MAX_FILE_BYTES, ReportFileRefused, list_plots, manifest_command, read_file
+from eagle3.box.reportfiles import MAX_FILE_BYTES, ReportFileRefused, list_plots, manifest_command, read_file
 from eagle3_airflow import approvals, results, tasks
 from eagle3_airflow.plan import RunPlan
 from eagle3_airflow.transport import LocalBox

@@ -1,4 +1,4 @@
-"""Assistant turns placed after the prompt they were served (eagle3.turns), for templates whose rendering of a turn
+"""Assistant turns placed after the prompt they were served (eagle3.data.turns), for templates whose rendering of a turn
 differs from what the server renders for it live: a generation prompt that opens a block the rendered turn shows
 closed (DeepSeek-V3.1 thinking), one indented otherwise than the rendered turn (a serving engine's DeepSeek tool
 template), a generation prompt that matches nothing (refused, not guessed). Turns cut at generate.max_tokens: no
@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from eagle3.data import SampleTokenizer, TokenizeStats
-from eagle3.generate import Regeneration, Reply
-from eagle3.turns import markup_pattern
+from eagle3.data.samples import SampleTokenizer, TokenizeStats
+from eagle3.data.turns import markup_pattern
+from eagle3.stages.generate import Regeneration, Reply
 from tests.test_data import (
     CALL,
     KIMI_AGENT_CONVERSATION,
@@ -128,7 +128,7 @@ def test_an_indented_generation_prompt_is_laid_over_the_turn_ignoring_its_layout
 def test_kimi_k25_whose_generation_prompt_opens_the_think_block(tiny_tokenizer, tiny_target):
     """Kimi-K2.5 in thinking mode serves <|im_assistant|>assistant<|im_middle|><think> (public renderers of it say
     so), its rendered turns start <think></think> when blanked: the generated text begins inside the block."""
-    from eagle3.data import end_of_turn_tokens
+    from eagle3.data.samples import end_of_turn_tokens
 
     opening = "{% if add_generation_prompt %}<|im_assistant|>assistant<|im_middle|>"
     template = KIMI_K25_LIKE.replace(opening, opening + "<think>")
@@ -178,7 +178,7 @@ def test_markup_pieces_keep_special_tokens_whole(tiny_tokenizer):
 def test_a_turn_cut_at_max_tokens_trains_no_end_of_turn(tiny_tokenizer, tiny_target):
     """The target never wrote the end-of-turn token of an answer cut at generate.max_tokens (nor the template's
     closing text after it): training it there would teach the drafter to end turns the target does not end."""
-    from eagle3.data import end_of_turn_tokens
+    from eagle3.data.samples import end_of_turn_tokens
 
     end = end_of_turn_tokens(tiny_tokenizer, tiny_target)
     cut = conversation([user("Count to 100."), bot("1 2 3 4", finish_reason="length"), user("Stop."), bot("OK.")])

@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from eagle3.extract import run_extract
-from eagle3.vocab import VocabError, VocabMapping, load_mapping, run_vocab, select_draft_vocab
+from eagle3.stages.extract import run_extract
+from eagle3.stages.vocab import VocabError, VocabMapping, load_mapping, run_vocab, select_draft_vocab
 from tests.conftest import run_eagle3
 
 
@@ -100,9 +100,9 @@ def test_loaded_mapping_equals_written(extracted):
 def test_the_draft_vocab_is_counted_on_training_samples_only(make_config):
     """Tokens of validation and evaluation answers are not counted: the draft vocabulary learns nothing from the
     conversations that pick the checkpoint or that evaluate measures."""
-    from eagle3.split import TRAINING, run_split
-    from eagle3.store import open_run_store
-    from eagle3.vocab import count_tokens
+    from eagle3.data.store import open_run_store
+    from eagle3.stages.split import TRAINING, run_split
+    from eagle3.stages.vocab import count_tokens
 
     cfg = make_config(run_name="held-out", vocab={"draft_vocab_size": 128}, train={"val_fraction": 0.3})
     run_extract(cfg)

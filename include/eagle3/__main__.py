@@ -43,7 +43,7 @@ def load_config(path: str):
 
 
 def cmd_make_tiny_target(args) -> None:
-    from eagle3.tiny_target import TinyTargetSpec, build
+    from eagle3.demo.tiny_target import TinyTargetSpec, build
 
     spec = TinyTargetSpec(
         hidden_size=args.hidden_size, num_layers=args.num_layers, moe=not args.dense,
@@ -54,7 +54,7 @@ def cmd_make_tiny_target(args) -> None:
 
 def cmd_init(args) -> None:
     from eagle3.config import ConfigError, parse_run_config, write_run_config
-    from eagle3.runowner import AirflowRun, claimed
+    from eagle3.jobs.runowner import AirflowRun, claimed
     from eagle3.target import resolve_target_facts
 
     if (args.airflow_dag_id is None) != (args.airflow_run_id is None):
@@ -67,7 +67,7 @@ def cmd_init(args) -> None:
         draft = json.loads(sys.stdin.read() if args.config == "-" else Path(args.config).read_text())
     except (OSError, json.JSONDecodeError) as err:
         raise ConfigError(f"{source}: cannot read it as JSON ({err})") from None
-    from eagle3.identity import attach_store
+    from eagle3.data.identity import attach_store
 
     cfg = resolve_target_facts(parse_run_config(draft, source))
     warn_of_served_config_gaps(cfg)
@@ -113,7 +113,7 @@ def cmd_config_schema(args) -> None:
 
 
 def cmd_extract(args) -> None:
-    from eagle3.extract import run_extract
+    from eagle3.stages.extract import run_extract
 
     cfg = load_config(args.config)
     num_shards = args.num_shards or cfg.extract.num_shards
@@ -132,12 +132,12 @@ def cmd_extract(args) -> None:
 # Stages that take only the run config: name -> (module, function). Each prints its result as JSON on stdout (its
 # log goes to stderr); its --help is its module's docstring (stage_help).
 STAGES = {
-    "generate": ("eagle3.generate", "run_generate"),
-    "vocab": ("eagle3.vocab", "run_vocab"),
-    "train": ("eagle3.train", "run_train"),
-    "export": ("eagle3.export", "run_export"),
-    "evaluate": ("eagle3.evaluate", "run_evaluate"),
-    "benchmark": ("eagle3.benchmark", "run_benchmark"),
+    "generate": ("eagle3.stages.generate", "run_generate"),
+    "vocab": ("eagle3.stages.vocab", "run_vocab"),
+    "train": ("eagle3.stages.train", "run_train"),
+    "export": ("eagle3.stages.export", "run_export"),
+    "evaluate": ("eagle3.stages.evaluate", "run_evaluate"),
+    "benchmark": ("eagle3.stages.benchmark", "run_benchmark"),
 }
 
 
@@ -157,7 +157,7 @@ def stage_help(module: str) -> tuple[str, str]:
 
 def cmd_stage(args) -> None:
     if args.command == "train":
-        from eagle3.train import launch_command
+        from eagle3.stages.train import launch_command
 
         launch = launch_command(load_config(args.config), args.config)
         if launch is not None:  # several ranks: become torchrun, which runs this command once per rank
@@ -171,43 +171,43 @@ def cmd_stage(args) -> None:
 
 
 def cmd_store_verify(args) -> None:
-    from eagle3.store import verify
+    from eagle3.data.store import verify
 
     print(json.dumps(verify(args.dir), indent=2))
 
 
 def cmd_store_digest(args) -> None:
-    from eagle3.store import digest
+    from eagle3.data.store import digest
 
     print(digest(args.dir))
 
 
 def cmd_store_gc(args) -> None:
-    from eagle3.retention import gc_stores
+    from eagle3.box.retention import gc_stores
 
     print(json.dumps(gc_stores(args.workdir, args.dry_run), indent=2))
 
 
 def cmd_runs_prune(args) -> None:
-    from eagle3.retention import prune_runs
+    from eagle3.box.retention import prune_runs
 
     print(json.dumps(prune_runs(args.workdir, args.keep, args.dry_run, args.keep_proposals_h * 3600), indent=2))
 
 
 def cmd_lineage_check(args) -> None:
-    from eagle3.promote import check_inputs
+    from eagle3.stages.promote import check_inputs
 
     print(json.dumps(check_inputs(load_config(args.config)), indent=2))
 
 
 def cmd_lineage_promote(args) -> None:
-    from eagle3.promote import promote_held
+    from eagle3.stages.promote import promote_held
 
     print(json.dumps(promote_held(load_config(args.config), args.approved_by, args.approved_files), indent=2))
 
 
 def cmd_report(args) -> None:
-    from eagle3.reportfiles import ReportFileRefused, manifest_command
+    from eagle3.box.reportfiles import ReportFileRefused, manifest_command
 
     try:
         result = manifest_command(args.run_dir, args.name or [], plots=args.plots)
@@ -218,13 +218,13 @@ def cmd_report(args) -> None:
 
 
 def cmd_box_info(args) -> None:
-    from eagle3.boxinfo import box_info
+    from eagle3.box.facts import box_info
 
     print(json.dumps(box_info(require=args.require or (), nvidia_smi=args.nvidia_smi), indent=2))
 
 
 def cmd_box_gpus(args) -> None:
-    from eagle3.boxinfo import gpu_report, mark_job_processes
+    from eagle3.box.facts import gpu_report, mark_job_processes
 
     report = gpu_report(args.nvidia_smi)
     if args.jobs_dir:
@@ -233,25 +233,25 @@ def cmd_box_gpus(args) -> None:
 
 
 def cmd_box_disk(args) -> None:
-    from eagle3.boxinfo import disk_estimate
+    from eagle3.box.facts import disk_estimate
 
     print(json.dumps(disk_estimate(load_config(args.config), args.margin), indent=2))
 
 
 def cmd_job(args) -> None:
-    from eagle3 import job
-    from eagle3.runowner import AirflowRun
+    from eagle3.jobs import job, jobdir, supervisor
+    from eagle3.jobs.runowner import AirflowRun
 
     if args.job_command == "supervise":
-        job.supervise(args.jobs_dir, args.key)
+        supervisor.supervise(args.jobs_dir, args.key)
         return
     if args.job_command == "start":
         argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
         try:
-            stall = job.StallLimits(args.first_progress_timeout_s or args.stall_timeout_s, args.stall_timeout_s) \
-                if args.stall_timeout_s else None
+            first_s = args.first_progress_timeout_s or args.stall_timeout_s
+            stall = supervisor.StallLimits(first_s, args.stall_timeout_s) if args.stall_timeout_s else None
             if (args.airflow_dag_id is None) != (args.airflow_run_id is None):
-                raise job.JobError("--airflow-dag-id and --airflow-run-id name the Airflow run together: give both, "
+                raise jobdir.JobError("--airflow-dag-id and --airflow-run-id name the Airflow run together: give both, "
                                    "or neither")
             owner = AirflowRun(args.airflow_dag_id, args.airflow_run_id) if args.airflow_dag_id is not None else None
             result = job.start_job(args.jobs_dir, args.key, argv, args.heartbeat_s, args.stale_after_s,
@@ -298,7 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="With --airflow-dag-id and --airflow-run-id (the DAG's write_config task), the run "
                        "directory belongs to that Airflow run, recorded in RUN_DIR/owner.json: its retries and clears "
                        "go on in it, another run is refused (exit 2) naming the owner, except a redo (--redo-from) "
-                       "triggered by the owner's user, which takes it over (eagle3/runowner.py).")
+                       "triggered by the owner's user, which takes it over (eagle3/jobs/runowner.py).")
     p.add_argument("--config", required=True, help="a run config JSON (see `config schema`); - reads stdin")
     p.add_argument("--airflow-dag-id", default=None, metavar="DAG_ID", help="the DAG of the Airflow run that inits")
     p.add_argument("--airflow-run-id", default=None, metavar="RUN_ID", help="that Airflow run's id")
@@ -312,7 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
     config_sub = p.add_subparsers(dest="config_command", required=True, metavar="SUBCOMMAND")
     config_sub.add_parser("schema", help="print the run config's JSON schema").set_defaults(func=cmd_config_schema)
 
-    help_text, description = stage_help("eagle3.extract")
+    help_text, description = stage_help("eagle3.stages.extract")
     p = sub.add_parser("extract", help=help_text, description=description,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True, help="RUN_DIR/config.json")
@@ -398,7 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "report", help="a run's plots and reports for the control plane: regular files only, no links, capped",
-        description="What the report task and the approval may read back (eagle3/reportfiles.py): "
+        description="What the report task and the approval may read back (eagle3/box/reportfiles.py): "
         "<stage>/<name>.png and evaluate/report.json, benchmark/benchmark.json, under the real run directory, "
         "never through a symlink, at most 8 MiB each. JSON on stdout; a refusal exits 2 naming the path. The "
         "control plane fetches the files `manifest` names by SFTP and refuses bytes whose size or sha256 differ.")
@@ -463,8 +463,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a running job whose heartbeat is older counts as dead")
     start.add_argument("--heartbeat-s", type=float, default=10.0, help="how often the supervisor updates state.json")
     start.add_argument("--stall-timeout-s", type=float, default=0.0,
-                       help="kill the stage and fail the try when it reports no progress (eagle3.progress.beat) for "
-                       "this long; 0: never")
+                       help="kill the stage and fail the try when it reports no progress (eagle3.jobs.progress.beat) "
+                       "for this long; 0: never")
     start.add_argument("--first-progress-timeout-s", type=float, default=0.0,
                        help="the same limit until its first progress report (model loading); default: "
                        "--stall-timeout-s")
@@ -504,18 +504,18 @@ def exit_code_for(err: Exception) -> Exit | None:
     """REFUSED: the input is wrong (a field or file, named in the message); FAILED: the server failed us, a retry may
     do; None: a bug, shown with its traceback. The error classes are imported only now, for light commands' sake."""
     from eagle3.config import ConfigError
-    from eagle3.data import DataError
-    from eagle3.hostid import HostIdError
-    from eagle3.job import JobError
-    from eagle3.layer_ids import LayerIdError
-    from eagle3.runowner import RunDirOwned
+    from eagle3.data.samples import DataError
+    from eagle3.disk.hostid import HostIdError
+    from eagle3.jobs.jobdir import JobError
+    from eagle3.jobs.runowner import RunDirOwned
+    from eagle3.model.layer_ids import LayerIdError
 
     if isinstance(err, (ConfigError, DataError, HostIdError, JobError, LayerIdError, RunDirOwned)):
         return Exit.REFUSED
-    from eagle3.generate import GenerateAborted
-    from eagle3.server import ServerError
-    from eagle3.store import StoreBusy, StoreError  # torch-heavy
-    from eagle3.vocab import VocabError
+    from eagle3.data.store import StoreBusy, StoreError  # torch-heavy
+    from eagle3.engines.server import ServerError
+    from eagle3.stages.generate import GenerateAborted
+    from eagle3.stages.vocab import VocabError
 
     if isinstance(err, StoreBusy):  # a writer that does not wait (extract does): the retry finds the samples stored
         return Exit.FAILED

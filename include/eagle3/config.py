@@ -20,9 +20,9 @@ from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from eagle3.disk.fsutil import atomic_write_text
+from eagle3.disk.layout import CONFIG, CONVERSATIONS, HIDDEN_STATES, run_dir_of
 from eagle3.engine_flags import SERVER_FLAGS, SGLANG_ENGINE, check_extra_args
-from eagle3.fsutil import atomic_write_text
-from eagle3.runlayout import CONFIG, CONVERSATIONS, HIDDEN_STATES, run_dir_of
 
 RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 # http(s)://host[:port][/path] and nothing else: no user:password@ (it would be printed and stored), no ?query or
@@ -61,7 +61,7 @@ DAY_S = 24 * 3600.0
 GpuIndex = Annotated[int, Field(ge=0, le=MAX_GPU_INDEX)]
 LayerId = Annotated[int, Field(ge=0, le=MAX_LAYERS - 1)]
 DraftLength = Annotated[int, Field(ge=1, le=64)]
-PublicSet = Literal["mtbench", "gsm8k", "humaneval", "bfcl"]  # the sets eagle3.public_sets knows
+PublicSet = Literal["mtbench", "gsm8k", "humaneval", "bfcl"]  # the sets eagle3.data.public_sets knows
 
 
 class TargetConfig(Section):
@@ -703,7 +703,7 @@ class EvaluateConfig(Section):
         30.0, gt=0, le=3600, title="Progress log interval (s)",
         description="Seconds between progress lines in the task log."
     )
-    # Public sets (eagle3.public_sets): the names there, SETS, are these.
+    # Public sets (eagle3.data.public_sets): the names there, SETS, are these.
     benchmarks: list[PublicSet] = Field(
         default_factory=list, max_length=4, title="Public benchmark sets",
         description="Also measure this run's drafter on public sets, at the configurations published Kimi drafters "

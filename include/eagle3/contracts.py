@@ -29,7 +29,7 @@ class Exit(IntEnum):
     FOREIGN = 3  # the job runs on another host sharing the work directory: this box can neither wait on it nor start it
 
 
-# -- jobs: `job start`, `job poll` (eagle3.job; eagle3_airflow.remote_job) ------------------------------------
+# -- jobs: `job start`, `job poll` (eagle3.jobs.job; eagle3_airflow.remote_job) ------------------------------------
 
 JobStatus = Literal["running", "succeeded", "failed", "killed"]
 # What a poll makes of the record: running only while alive; "dead" for a running record whose process is gone or
@@ -66,7 +66,7 @@ class JobPoll(TypedDict):
     log_tail: list[str]  # the log's last lines when the job failed, died or was killed
 
 
-# -- facts about the box: `box info` (eagle3.boxinfo; eagle3_airflow.tasks.sync_code) -------------------------------
+# -- facts about the box: `box info` (eagle3.box.facts; eagle3_airflow.tasks.sync_code) -------------------------------
 
 
 class BoxInfo(TypedDict):
@@ -81,7 +81,8 @@ class BoxInfo(TypedDict):
     missing: list[str]  # required packages that are not installed
 
 
-# -- a run's files for the report: `report manifest` (eagle3.reportfiles; eagle3_airflow.results) -------------------
+# -- a run's files for the report: `report manifest` (eagle3.box.reportfiles; eagle3_airflow.results)
+# -------------------
 
 
 class ManifestEntry(TypedDict):

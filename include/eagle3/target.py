@@ -22,9 +22,9 @@ from eagle3.config import (
     RunConfig,
     parse_run_config,
 )
-from eagle3.layer_ids import LayerIdError, family, ids_for
+from eagle3.model.layer_ids import LayerIdError, family, ids_for
 
-SUPPORTED = ("default", "linear", "yarn")  # the RoPE scalings the drafter computes as the engines do (eagle3.rope)
+SUPPORTED = ("default", "linear", "yarn")  # RoPE scalings the drafter computes as the engines do (eagle3.model.rope)
 
 
 def target_rope(text_config: dict) -> tuple[float, dict | None]:
@@ -156,8 +156,8 @@ def serving_sampling(gen: GenerateConfig, model_path: str | Path) -> dict:
 
 
 def check_rope_carried(cfg: RunConfig, text_config: dict) -> None:
-    """Refuse a target RoPE scaling the drafter cannot carry exactly as the engines apply it (eagle3.rope), before
-    training a drafter that the serving engine would rotate otherwise."""
+    """Refuse a target RoPE scaling the drafter cannot carry exactly as the engines apply it
+    (eagle3.model.rope), before training a drafter that the serving engine would rotate otherwise."""
     scaling = target_rope(text_config)[1]
     why = unsupported(scaling) if cfg.drafter.rope_scaling == "target" else None
     if why:
@@ -175,7 +175,8 @@ def read_architecture(model_path: str | Path) -> str:
 
 
 def check_layers_served(cfg: RunConfig, architecture: str) -> None:
-    """Refuse, before anything runs, aux layers that an engine this run drives cannot be told (eagle3.layer_ids):
+    """Refuse, before anything runs, aux layers that an engine this run drives cannot be told
+    (eagle3.model.layer_ids):
     the sglang capture backend, and the serving engine that evaluate or benchmark start with the drafter. The
     export serves every engine that can be told them, and says which."""
     try:

@@ -54,7 +54,7 @@ from airflow.providers.standard.operators.hitl import ApprovalOperator
 from airflow.sdk import Asset, BaseNotifier, conf
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
-from eagle3.runlayout import DRAFTER_DIR, REPORT
+from eagle3.disk.layout import DRAFTER_DIR, REPORT
 from eagle3_airflow.deployment import Approver, Deployment
 from eagle3_airflow.notify import send
 from eagle3_airflow.plan import RunPlan, verified_plan

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from eagle3.config import RunConfig
 from eagle3.contracts import PROTOCOL
-from eagle3.runlayout import REDO_OUTPUTS
+from eagle3.disk.layout import REDO_OUTPUTS
 from eagle3_airflow.codesync import code_dir, ensure_code, package_archive
 from eagle3_airflow.deployment import Deployment
 from eagle3_airflow.params import BoxSettings
@@ -31,7 +31,8 @@ from eagle3_airflow.transport import Box, box_for
 # The remote stages a run may redo (box.redo_from), in pipeline order: redoing one redoes every later one, so that no
 # output is left from before the redo beside one made after it. (generate and extract write shared stores, keyed by
 # what decides them: a redo there would be another key, or deleting the store.)
-# What each writes in the run directory, which a redo renames aside (job start --set-aside): runlayout.REDO_OUTPUTS.
+# What each writes in the run directory, which a redo renames aside (job start --set-aside):
+# eagle3.disk.layout.REDO_OUTPUTS.
 REDO_ORDER = tuple(REDO_OUTPUTS)
 PLAN_XCOM = "the run plan in XCom (task `validate`, key `plan`)"
 

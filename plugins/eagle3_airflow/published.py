@@ -34,7 +34,7 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
-from eagle3.runlayout import BENCHMARK_REPORT, REPORT
+from eagle3.disk.layout import BENCHMARK_REPORT, REPORT
 from eagle3_airflow.results import read_files
 
 if TYPE_CHECKING:

@@ -1,8 +1,8 @@
 """RemoteJobOperator: one pipeline stage as a detached job on the box that survives everything but the disk.
 
-The box side (`python -m eagle3 job start|poll|kill`, include/eagle3/job.py) runs the stage under a
-supervisor in its own session and keeps `{run_dir}/jobs/{key}/state.json` (status, pid, pgid, boot
-id, heartbeat, exit code, try) and the log. This operator only talks to that:
+The box side (`python -m eagle3 job start|poll|kill`, include/eagle3/jobs/job.py) runs the stage under a supervisor in
+its own session and keeps `{run_dir}/jobs/{key}/state.json` (status, pid, pgid, boot id, heartbeat, exit code, try) and
+the log. This operator only talks to that:
 
 - The job key is `{task_id}` (plus `.{map_index}`), inside the run directory: stable across retries
   and UI clears of a task instance, and also across DAG runs that share a run directory, so two runs
@@ -63,8 +63,8 @@ from tenacity import (
 )
 
 from eagle3.contracts import STALE_AFTER_S, Exit, JobPoll, JobStart, JobState
-from eagle3.job import run_seconds
-from eagle3.runlayout import REDO_OUTPUTS
+from eagle3.disk.layout import REDO_OUTPUTS
+from eagle3.jobs.jobdir import run_seconds
 from eagle3_airflow.plan import RunPlan, verified_plan
 from eagle3_airflow.transport import BoxUnreachable, CommandResult, box_for
 
@@ -74,7 +74,7 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-# "foreign": the job runs on another host sharing the work directory (eagle3.job.foreign_host); this box can
+# "foreign": the job runs on another host sharing the work directory (eagle3.jobs.processes.foreign_host); this box can
 # neither wait on its processes nor start a second copy, so the task ends with the reason.
 TERMINAL = {"succeeded", "failed", "killed", "dead", "absent", "foreign"}
 
@@ -250,7 +250,7 @@ class RemoteJobOperator(BaseOperator):
         stall = ["--stall-timeout-s", f"{box_settings.stall_timeout_s:g}", "--first-progress-timeout-s",
                  f"{box_settings.first_progress_timeout_s or box_settings.stall_timeout_s:g}"]
         # The Airflow run this stage belongs to, from the task's own context (never XCom): the box refuses a stage
-        # of a run that does not own the run directory (eagle3.runowner), as init did
+        # of a run that does not own the run directory (eagle3.jobs.runowner), as init did
         dag_run = context["dag_run"]
         owner = ["--airflow-dag-id", str(dag_run.dag_id), "--airflow-run-id", str(dag_run.run_id)]
 
@@ -362,7 +362,7 @@ class RemoteJobOperator(BaseOperator):
         return {
             "stage": self.stage, "job": str(key), "box": self.conn_id, "try": state.get("try"),
             "pid": state.get("pid"), "exit_code": state.get("exit_code"),
-            "seconds": run_seconds(dict(state)),  # (a plain dict, which eagle3.job reads)
+            "seconds": run_seconds(dict(state)),  # (a plain dict, which eagle3.jobs.job reads)
             "log": state.get("log"),
         }
 

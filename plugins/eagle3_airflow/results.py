@@ -3,12 +3,12 @@
 tab shows and the run's note and the approval's body put in words.
 
 Everything comes from the verified plan (its box, its run directory) and the box. The box's code decides which files
-exist and may be read (`python -m eagle3 report manifest`, eagle3/reportfiles.py: only the run's own regular files of
-the expected names, never through a symlink, at most 8 MiB each) and prints their sizes and sha256; the bytes come
-by the SSH connection's SFTP (a local read on the local box, eagle3_airflow.transport's `fetch`), at most the size
-the manifest gives, and bytes whose size or sha256 differ from it are refused: a file swapped for a link or rewritten
-between the manifest and the fetch is never served. No path or figure is taken from another task's XCom, which the
-USER role may edit.
+exist and may be read (`python -m eagle3 report manifest`, eagle3/box/reportfiles.py: only the run's own regular files
+of the expected names, never through a symlink, at most 8 MiB each) and prints their sizes and sha256; the bytes come by
+the SSH connection's SFTP (a local read on the local box, eagle3_airflow.transport's `fetch`), at most the size the
+manifest gives, and bytes whose size or sha256 differ from it are refused: a file swapped for a link or rewritten
+between the manifest and the fetch is never served. No path or figure is taken from another task's XCom, which the USER
+role may edit.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from typing import Any, TypeVar
 
 from airflow.sdk.exceptions import AirflowFailException
 
+from eagle3.box.reportfiles import MAX_FILE_BYTES, allowed_name
 from eagle3.contracts import Exit, FileManifest, ManifestEntry
-from eagle3.reportfiles import MAX_FILE_BYTES, allowed_name
-from eagle3.runlayout import BENCHMARK_REPORT, DRAFTER_DIR, REPORT
+from eagle3.disk.layout import BENCHMARK_REPORT, DRAFTER_DIR, REPORT
 from eagle3_airflow.plan import RunPlan
 from eagle3_airflow.transport import CommandResult, FileRefused
 

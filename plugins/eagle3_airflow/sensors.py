@@ -1,7 +1,7 @@
 """Preflight sensors: the checks the seed run did by hand ("GPUs at 0 MiB?", "4.6 TB free?").
 
-The measuring happens on the box (`python -m eagle3 box gpus|disk`, include/eagle3/boxinfo.py), which prints
-JSON; the checks below decide, and say in the task log exactly what they saw.
+The measuring happens on the box (`python -m eagle3 box gpus|disk`, include/eagle3/box/facts.py), which prints JSON; the
+checks below decide, and say in the task log exactly what they saw.
 
 Deferrable by default: a sensor checks once from the worker (most of the time the box is ready and the task is
 done in seconds), then hands the waiting to the triggerer (BoxCheckTrigger), which runs the same check over one
@@ -63,7 +63,7 @@ async def boxes_reachable(plan: RunPlan, run: RunOnBox, log: Log) -> bool:
 
 async def gpus_idle(plan: RunPlan, run: RunOnBox, log: Log) -> bool:
     """No GPU on any box holds memory or compute processes that are not this run's (GpuIdleSensor)."""
-    from eagle3.boxinfo import judge_gpus
+    from eagle3.box.facts import judge_gpus
 
     if not plan.box.require_gpus:
         log.info("GPU check off (box.require_gpus is false: a CPU run)")

@@ -94,7 +94,7 @@ def sync_code(plan_dict: dict[str, Any], dag_run: RunIds | None = None) -> dict[
 
 def init_owner_args(plan: RunPlan, dag_run: RunIds) -> list[str]:
     """`eagle3 init`'s arguments naming the Airflow run that inits the run directory, which it then belongs to
-    (eagle3.runowner): from the task's own DAG run, never XCom; each one `--name=value` argument, so that no value
+    (eagle3.jobs.runowner): from the task's own DAG run, never XCom; each one `--name=value` argument, so that no value
     (a run id is the API caller's choice) can read as an option."""
     user = getattr(dag_run, "triggering_user_name", None)
     return [f"--airflow-dag-id={dag_run.dag_id}", f"--airflow-run-id={dag_run.run_id}",
@@ -105,7 +105,7 @@ def init_owner_args(plan: RunPlan, dag_run: RunIds) -> list[str]:
 def write_config(plan_dict: dict[str, Any], dag_run: RunIds | None = None) -> str:
     """Write the plan's run config into the run directory on the box as config.json (once; the box validates it, fills
     in and checks target facts), and make the directory this Airflow run's: another run's directory is refused
-    (eagle3.runowner)."""
+    (eagle3.jobs.runowner)."""
     plan = verified_plan(plan_dict, dag_run)
     assert dag_run is not None  # (verified_plan refuses a missing one)
     owner = init_owner_args(plan, dag_run)
@@ -120,7 +120,7 @@ def write_config(plan_dict: dict[str, Any], dag_run: RunIds | None = None) -> st
 
 def inputs_changed(plan_dict: dict[str, Any], dag_run: RunIds | None = None) -> bool:
     """After vocab: False (training, export and evaluation are skipped) when the run's samples, vocab mapping and
-    settings equal those the lineage's current drafter was trained from (eagle3.promote.check_inputs)."""
+    settings equal those the lineage's current drafter was trained from (eagle3.stages.promote.check_inputs)."""
     plan = verified_plan(plan_dict, dag_run)
     if plan.redo_from:  # asked for by name: run whatever changed (eagle3_airflow.remote_job, RemoteJobOperator._redo)
         log.info("box.redo_from %s: training, export and evaluation run, changed inputs or not", plan.redo_from)
@@ -149,7 +149,7 @@ def report(plan_dict: dict[str, Any], dag_run: RunIds | None = None) -> dict[str
 
 def prune_runs(plan_dict: dict[str, Any], dag_run: RunIds | None = None) -> dict[str, Any]:
     """The settings' retention, as the plan carries it: run directories beyond the newest keep_runs go
-    (eagle3.retention); skipped without keep_runs. In the verified plan's workdir, which the settings allowed
+    (eagle3.box.retention); skipped without keep_runs. In the verified plan's workdir, which the settings allowed
     (allowed_workdirs). A run whose proposal the promotion DAG may still approve (within keep_proposals_h: the
     approval's timeout) is kept."""
     from airflow.sdk.exceptions import AirflowSkipException

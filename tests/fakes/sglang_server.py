@@ -4,7 +4,7 @@
 SGLang cannot run on a CPU machine, so the generate and benchmark stages are tested against this server: the
 same flags, the same endpoints, real answers. It serves a small HF model (the tiny target) with
 transformers' greedy generation, and with --speculative-algorithm EAGLE3 it decodes with the exported drafter
-(eagle3.evaluate's speculative decoding), so the accept lengths it reports are measured, not made up.
+(eagle3.stages.evaluate's speculative decoding), so the accept lengths it reports are measured, not made up.
 
 Endpoints (the subset the stages use):
   GET  /health                  200 once the model is loaded
@@ -84,7 +84,7 @@ class Model:
     def _load_drafter(self, args):
         from eagle3.capture.hf import HfCapture
         from eagle3.config import parse_run_config
-        from eagle3.export import load_exported_drafter
+        from eagle3.stages.export import load_exported_drafter
         from eagle3.target import resolve_target_facts
 
         drafter, d2t = load_exported_drafter(args.speculative_draft_model_path, args.model_path)
@@ -107,7 +107,7 @@ class Model:
         """New tokens, and when speculating the drafts accepted at each verify step."""
         with self.lock, self.torch.no_grad():
             if self.speculative is not None:
-                from eagle3.evaluate import speculative_greedy
+                from eagle3.stages.evaluate.decoding import speculative_greedy
 
                 target, drafter, d2t, k = self.speculative
                 new, accepted = speculative_greedy(target, drafter, d2t, ids, k, max_new, self.eos)

@@ -9,8 +9,8 @@ import subprocess
 import pytest
 
 from eagle3.config import write_run_config
-from eagle3.extract import run_extract
-from eagle3.store import digest, verify
+from eagle3.data.store import digest, verify
+from eagle3.stages.extract import run_extract
 from tests.conftest import run_eagle3
 
 pytestmark = pytest.mark.slow

@@ -22,7 +22,7 @@ import psutil
 import pytest
 
 from eagle3.config import write_run_config
-from eagle3.store import read_manifest
+from eagle3.data.store import read_manifest
 from tests.airflow_env import dags_test
 from tests.conftest import chunk_count, run_eagle3
 from tests.dagruns import BOX_CHECKS, assert_succeeded, job_state, tiny_run

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3.job import group_members
+from eagle3.jobs.processes import group_members
 from tests.dagruns import (
     BOX_CHECKS,
     LATER_STAGES,

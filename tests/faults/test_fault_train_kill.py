@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3.checkpoint import load_checkpoint
+from eagle3.records.checkpoint import load_checkpoint
 from tests.dagruns import copy_through_vocab, sha256
 
 pytestmark = pytest.mark.slow

@@ -460,7 +460,7 @@ def states_of(standalone, run_id: str) -> dict[str, str]:
 def scheduled_runs_on_asset_updates(standalone, tiny_target: Path, tmp_path: Path, first: str) -> None:
     """Runs 2 and 3, started by the scheduler on events of the prompt set's Asset (as an upstream DAG that
     refreshes the data would make them; here the REST API does)."""
-    from eagle3.runlayout import run_stats_path
+    from eagle3.disk.layout import run_stats_path
     from eagle3_airflow.params import default_run_name
 
     asset_id = standalone.api(f"/assets?name_pattern={PROMPTS_ASSET}")["assets"][0]["id"]

@@ -5,7 +5,7 @@ yet run on a GPU: bench/gpu_capture_check.py compares it with the hf backend on 
 
 Every engine captures with enable_return_aux_hidden_states=True + speculative_algorithm="EAGLE3" (the algorithm
 only names the capture convention: no draft is loaded) and return_aux_hidden_state_layer_ids from
-eagle3.layer_ids (per-family id conversion). Two ways to get the states out (extract.sglang.capture):
+eagle3.model.layer_ids (per-family id conversion). Two ways to get the states out (extract.sglang.capture):
 
   plugin  ONE engine, one prefill per sample. eagle3/capture/sglang_plugin.py, loaded by SGLang's plugin
           framework in the engine's scheduler processes, writes each request's aux [T, 3H] and final post-norm
@@ -50,14 +50,14 @@ from safetensors.torch import load_file
 from eagle3.capture import sglang_plugin
 from eagle3.capture.base import CapturedStates, check_gpu_group
 from eagle3.capture.staging import StagedStates, staging_dir
-from eagle3.layer_ids import sglang_layer_ids
-from eagle3.progress import ProgressLog, beat
+from eagle3.jobs.progress import ProgressLog, beat
+from eagle3.model.layer_ids import sglang_layer_ids
 
 if TYPE_CHECKING:
     from eagle3.config import RunConfig
 
-# A silence the job supervisor allows while an engine loads (eagle3.progress.beat): Kimi-K2.5's 1T parameters
-# onto 8 GPUs take 10-30 minutes, far past the usual limit between two batches.
+# A silence the job supervisor allows while an engine loads (eagle3.jobs.progress.beat): Kimi-K2.5's 1T parameters onto
+# 8 GPUs take 10-30 minutes, far past the usual limit between two batches.
 ENGINE_LOAD_ALLOWANCE_S = 3600.0
 
 log = logging.getLogger(__name__)

@@ -27,8 +27,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from eagle3.fsutil import commit, fsync_dir, is_tmp_leftover, tmp_path_for
-from eagle3.store import STATE_DTYPE
+from eagle3.data.store import STATE_DTYPE
+from eagle3.disk.fsutil import commit, fsync_dir, is_tmp_leftover, tmp_path_for
 
 
 def staging_dir(run_dir: Path, shard: int) -> Path:

@@ -4,7 +4,7 @@ generate (generate.launch_server), evaluate (evaluate.backend "server") and benc
 with or without the drafter, and talk to it the same way; `server.engine` in the run config picks it:
 
     engine = engine_for(cfg)
-    with serving(cfg, log_path, Speculation(drafter_dir, draft_length=3)) as base_url:   # eagle3.server
+    with serving(cfg, log_path, Speculation(drafter_dir, draft_length=3)) as base_url:   # eagle3.engines.server
         completion = await engine.complete(client, base_url, prompt_ids, max_new_tokens)
 
 Each engine says how it is launched (an argv of `--name=value` tokens, nothing a later token could re-read as a
@@ -31,7 +31,7 @@ from eagle3.engines.base import (
 )
 from eagle3.engines.sglang import SglangEngine
 from eagle3.engines.vllm import VllmEngine
-from eagle3.layer_ids import DEEPSEEK_FAMILY
+from eagle3.model.layer_ids import DEEPSEEK_FAMILY
 
 if TYPE_CHECKING:
     from eagle3.config import RunConfig

