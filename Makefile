@@ -75,9 +75,9 @@ test:
 lint: $(INSTALLED)
 	$(PY) -m ruff check .
 
-# The inner loop while changing code: lint, the type checker (strict on the control plane and the contracts;
-# pyproject.toml) and the tests not marked slow, on two workers. About a minute on 2 cores once mypy's cache is warm
-# (its first run reads Airflow's code: a few minutes) and the tiny target is built (make tiny-target).
+# The inner loop while changing code: lint, the type checker (strict on the control plane, the run config and the
+# contracts; pyproject.toml) and the tests not marked slow, on two workers. About a minute on 2 cores once mypy's
+# cache is warm (its first run reads Airflow's code: a few minutes) and the tiny target is built (make tiny-target).
 check: $(INSTALLED)
 	$(PY) -m ruff check .
 	$(PY) -m mypy

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -322,7 +322,7 @@ class GenerateConfig(Section):
 
     @field_validator("endpoint", mode="before")
     @classmethod
-    def _endpoint_without_credentials(cls, url):
+    def _endpoint_without_credentials(cls, url: object) -> object:
         # Before the pattern, whose message would repeat the URL, password and all, into the task log.
         if isinstance(url, str):
             parts = urlsplit(url)
@@ -985,7 +985,7 @@ def format_validation_error(err: ValidationError, source: str | None = None) -> 
     return f"invalid run configuration{where}:\n  " + "\n  ".join(lines)
 
 
-def parse_run_config(data: dict, source: str | None = None) -> RunConfig:
+def parse_run_config(data: dict[str, Any], source: str | None = None) -> RunConfig:
     try:
         return RunConfig.model_validate(data)
     except ValidationError as err:
