@@ -74,12 +74,14 @@ test:
 
 lint: $(INSTALLED)
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
-# The inner loop while changing code: lint, the type checker (strict on the control plane, the run config and the
-# contracts; pyproject.toml) and the tests not marked slow, on two workers. About a minute on 2 cores once mypy's
-# cache is warm (its first run reads Airflow's code: a few minutes) and the tiny target is built (make tiny-target).
+# The inner loop while changing code: lint and format, the type checker (strict on the control plane, the run config
+# and the contracts; pyproject.toml) and the tests not marked slow, on two workers. About a minute on 2 cores once
+# mypy's cache is warm (its first run reads Airflow's code: a few minutes) and the tiny target is built.
 check: $(INSTALLED)
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	$(PY) -m mypy
 	$(PY) -m pytest -m "not slow" -n 2 -q
 

@@ -25,8 +25,11 @@ def docstring_spans(tree: ast.AST) -> set[tuple[int, int]]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef) and node.body:
             first = node.body[0]
-            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) \
-                    and isinstance(first.value.value, str):
+            if (
+                isinstance(first, ast.Expr)
+                and isinstance(first.value, ast.Constant)
+                and isinstance(first.value.value, str)
+            ):
                 spans.add((first.lineno, first.col_offset))
     return spans
 
@@ -56,11 +59,15 @@ def main(argv: list[str]) -> None:
             for key, value in counts.items():
                 totals[key] += value
     chars = totals["chars"]
-    print(f"{', '.join(str(r.relative_to(REPO)) for r in roots)}: {totals['files']} files, {totals['lines']} lines, "
-          f"{chars} characters")
+    print(
+        f"{', '.join(str(r.relative_to(REPO)) for r in roots)}: {totals['files']} files, {totals['lines']} lines, "
+        f"{chars} characters"
+    )
     other = totals["strings"] - totals["docstrings"]
-    print(f"string literals  {totals['strings'] / chars:6.1%} of the characters (docstrings "
-          f"{totals['docstrings'] / chars:.1%}, other strings {other / chars:.1%})")
+    print(
+        f"string literals  {totals['strings'] / chars:6.1%} of the characters (docstrings "
+        f"{totals['docstrings'] / chars:.1%}, other strings {other / chars:.1%})"
+    )
     print(f"comment lines    {totals['comment_lines'] / max(1, totals['lines']):6.1%} of the lines")
 
 

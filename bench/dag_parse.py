@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-TRIVIAL_DAG = '''
+TRIVIAL_DAG = """
 from datetime import datetime
 from airflow.sdk import DAG, task
 with DAG(dag_id="trivial", schedule=None, start_date=datetime(2026, 1, 1)):
@@ -34,8 +34,8 @@ with DAG(dag_id="trivial", schedule=None, start_date=datetime(2026, 1, 1)):
     def one():
         return 1
     one()
-'''
-MEASURE = '''
+"""
+MEASURE = """
 import json, sys, time
 from airflow.dag_processing.dagbag import DagBag
 from airflow.serialization.serialized_objects import DagSerialization
@@ -57,15 +57,27 @@ for _ in range(2):
     serialized = [json.dumps(DagSerialization.to_dict(dag)) for dag in bag.dags.values()]
     times.append((bag.dagbag_stats[0].duration.total_seconds(), time.perf_counter() - started))
 print(json.dumps({"cold": times[0][0], "warm": times[1][0], "processor": times[0][1], "torch": "torch" in sys.modules}))
-'''
+"""
 
 
 def measure(dag_file: Path, env: dict, gc_mode: str, repeats: int = 5) -> dict:
-    runs = [json.loads(subprocess.run([sys.executable, "-c", MEASURE, str(dag_file), gc_mode], env=env, check=True,
-                                      capture_output=True, text=True).stdout.strip().splitlines()[-1])
-            for _ in range(repeats)]
+    runs = [
+        json.loads(
+            subprocess.run(
+                [sys.executable, "-c", MEASURE, str(dag_file), gc_mode],
+                env=env,
+                check=True,
+                capture_output=True,
+                text=True,
+            )
+            .stdout.strip()
+            .splitlines()[-1]
+        )
+        for _ in range(repeats)
+    ]
     return {key: statistics.median(r[key] for r in runs) for key in ("cold", "warm", "processor")} | {
-        "torch": any(r["torch"] for r in runs)}
+        "torch": any(r["torch"] for r in runs)
+    }
 
 
 def main() -> None:
@@ -78,21 +90,30 @@ def main() -> None:
         trivial = Path(home) / "trivial_dag.py"
         trivial.write_text(TRIVIAL_DAG)
         measure(REPO / "dags" / "eagle3_drafter.py", env, "frozen", repeats=1)  # writes __pycache__ once
-        for gc_mode, what in (("frozen", "as the dag-processor's child (the manager's objects frozen)"),
-                              ("unfrozen", "in a plain interpreter (e.g. `airflow dags test`)")):
+        for gc_mode, what in (
+            ("frozen", "as the dag-processor's child (the manager's objects frozen)"),
+            ("unfrozen", "in a plain interpreter (e.g. `airflow dags test`)"),
+        ):
             base = measure(trivial, env, gc_mode)
             ours = measure(REPO / "dags" / "eagle3_drafter.py", env, gc_mode)
             print(f"-- {what}")
             print(f"trivial DAG        cold {base['cold']:.3f} s   warm {base['warm']:.3f} s")
-            print(f"eagle3_drafter.py  cold {ours['cold']:.3f} s   warm {ours['warm']:.3f} s   "
-                  f"torch imported: {ours['torch']}")
-            print(f"ratio to trivial   cold {ours['cold'] / base['cold']:.1f}x   "
-                  f"warm {ours['warm'] / base['warm']:.1f}x")
-            print(f"dag-processor work (parse + serialize, as its child does): trivial {base['processor']:.3f} s, "
-                  f"eagle3_drafter.py {ours['processor']:.3f} s")
+            print(
+                f"eagle3_drafter.py  cold {ours['cold']:.3f} s   warm {ours['warm']:.3f} s   "
+                f"torch imported: {ours['torch']}"
+            )
+            print(
+                f"ratio to trivial   cold {ours['cold'] / base['cold']:.1f}x   warm {ours['warm'] / base['warm']:.1f}x"
+            )
+            print(
+                f"dag-processor work (parse + serialize, as its child does): trivial {base['processor']:.3f} s, "
+                f"eagle3_drafter.py {ours['processor']:.3f} s"
+            )
             if gc_mode == "frozen":
-                print(f"contract (< 0.25 s): parse {'met' if ours['cold'] < 0.25 else 'NOT met'}, "
-                      f"parse + serialize {'met' if ours['processor'] < 0.25 else 'NOT met'}")
+                print(
+                    f"contract (< 0.25 s): parse {'met' if ours['cold'] < 0.25 else 'NOT met'}, "
+                    f"parse + serialize {'met' if ours['processor'] < 0.25 else 'NOT met'}"
+                )
 
 
 if __name__ == "__main__":

@@ -36,9 +36,24 @@ WORK = REPO / "bench-work"
 def build_target(hidden_size: int, num_layers: int, samples: int) -> Path:
     target = WORK / f"wide-h{hidden_size}-l{num_layers}-n{samples}"
     subprocess.run(
-        [sys.executable, "-m", "eagle3", "make-tiny-target", str(target), "--hidden-size", str(hidden_size),
-         "--num-layers", str(num_layers), "--dense", "--train-steps", "0", "--num-prompts", str(samples)],
-        check=True, stdout=subprocess.DEVNULL,
+        [
+            sys.executable,
+            "-m",
+            "eagle3",
+            "make-tiny-target",
+            str(target),
+            "--hidden-size",
+            str(hidden_size),
+            "--num-layers",
+            str(num_layers),
+            "--dense",
+            "--train-steps",
+            "0",
+            "--num-prompts",
+            str(samples),
+        ],
+        check=True,
+        stdout=subprocess.DEVNULL,
     )
     return target
 
@@ -47,17 +62,25 @@ def make_config(target: Path, batch_tokens: int):
     from eagle3.config import parse_run_config
     from eagle3.target import resolve_target_facts
 
-    return resolve_target_facts(parse_run_config({
-        "run_name": "bench-extract",
-        "workdir": str(WORK),
-        "target": {"model_path": str(target), "dtype": "float32"},
-        "data": {"path": str(target / "prompts.jsonl")},
-        "vocab": {"draft_vocab_size": 256},
-        # Chunks scaled to this CPU's output rate: on a GPU (~1 GB/s of states) a 256 MiB chunk is
-        # committed every ~0.25 s; here 8 MiB chunks give a similar number of commits per compute second.
-        "extract": {"batch_tokens": batch_tokens, "progress_interval_s": 3600, "aux_layers": [0, 1, 2],
-                    "chunk_mib": 8},
-    }))
+    return resolve_target_facts(
+        parse_run_config(
+            {
+                "run_name": "bench-extract",
+                "workdir": str(WORK),
+                "target": {"model_path": str(target), "dtype": "float32"},
+                "data": {"path": str(target / "prompts.jsonl")},
+                "vocab": {"draft_vocab_size": 256},
+                # Chunks scaled to this CPU's output rate: on a GPU (~1 GB/s of states) a 256 MiB chunk is
+                # committed every ~0.25 s; here 8 MiB chunks give a similar number of commits per compute second.
+                "extract": {
+                    "batch_tokens": batch_tokens,
+                    "progress_interval_s": 3600,
+                    "aux_layers": [0, 1, 2],
+                    "chunk_mib": 8,
+                },
+            }
+        )
+    )
 
 
 def padded(batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,8 +106,12 @@ def interleaved(cfg) -> dict:
     bare = AutoModelForCausalLM.from_pretrained(cfg.target.model_path, dtype=torch.float32).get_decoder().eval()
     capture = HfCapture(cfg)
     shutil.rmtree(cfg.run_dir, ignore_errors=True)
-    writer = ShardWriter(cfg.store_dir, 0, StoreMeta(cfg.target.hidden_size, tuple(cfg.resolved_aux_layers())),
-                         chunk_bytes=cfg.extract.chunk_mib << 20)
+    writer = ShardWriter(
+        cfg.store_dir,
+        0,
+        StoreMeta(cfg.target.hidden_size, tuple(cfg.resolved_aux_layers())),
+        chunk_bytes=cfg.extract.chunk_mib << 20,
+    )
     background = BackgroundWriter(writer, cfg.extract.writer_queue_depth)
 
     def bare_step(batch) -> float:
@@ -115,8 +142,14 @@ def interleaved(cfg) -> dict:
     background.close()  # the last chunk's write and fsync
     extract_s += time.perf_counter() - started
     writer.release()
-    return {"tokens": tokens, "batches": len(batches), "base_s": base_s, "extract_s": extract_s,
-            "batch_ratios": ratios, "store": verify(cfg.store_dir)}
+    return {
+        "tokens": tokens,
+        "batches": len(batches),
+        "base_s": base_s,
+        "extract_s": extract_s,
+        "batch_ratios": ratios,
+        "store": verify(cfg.store_dir),
+    }
 
 
 def main() -> None:
@@ -146,7 +179,7 @@ def main() -> None:
     whole = run_extract(cfg)
     figures = {
         "target": f"DeepSeek-V3 dense, {args.num_layers} layers, hidden {cfg.target.hidden_size}, fp32 on CPU "
-                  f"({torch.get_num_threads()} threads)",
+        f"({torch.get_num_threads()} threads)",
         "samples": store["samples"],
         "tokens": run["tokens"],
         "passes": args.repeats,

@@ -53,8 +53,13 @@ def stage(name: str, config: Path, threads: int = 1) -> None:
     """One box-side stage through the CLI, as the DAG runs it; its log goes beside the config."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     with open(config.parent / f"{name}.log", "w") as log:
-        subprocess.run([sys.executable, "-m", "eagle3", name, "--config", str(config)], check=True, env=env,
-                       stdout=log, stderr=subprocess.STDOUT)
+        subprocess.run(
+            [sys.executable, "-m", "eagle3", name, "--config", str(config)],
+            check=True,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
 
 
 def new_run(source: Path, name: str, **changes) -> Path:
@@ -105,8 +110,12 @@ def fresh_prompts(source: Path, count: int) -> list[list[dict]]:
     from eagle3.demo.tiny_target import synthetic_conversation
 
     config = json.loads((source / "config.json").read_text())
-    seen = {turn["value"] for line in Path(config["data"]["path"]).read_text().splitlines()  # (ShareGPT, as built)
-            for turn in json.loads(line)["conversations"] if turn["from"] == "human"}
+    seen = {
+        turn["value"]
+        for line in Path(config["data"]["path"]).read_text().splitlines()  # (ShareGPT, as built)
+        for turn in json.loads(line)["conversations"]
+        if turn["from"] == "human"
+    }
     rng, prompts = random.Random(FRESH_STREAM), []
     while len(prompts) < count:
         messages = synthetic_conversation(rng)
@@ -138,8 +147,9 @@ def measure(config_path: str, drafter_dir: str, prompts: list[list[dict]], k: in
     cycles, outputs = [], []
     with torch.no_grad():
         for messages in prompts:
-            tokens, accepted = speculative_greedy(target, drafter, draft_to_target, tokenizing.prompt_ids(messages), k,
-                                                  max_new, eos)
+            tokens, accepted = speculative_greedy(
+                target, drafter, draft_to_target, tokenizing.prompt_ids(messages), k, max_new, eos
+            )
             cycles.append(accepted)
             outputs.append(tokens)
     return {"cycles": cycles, "outputs": outputs}
@@ -193,8 +203,12 @@ def t_quantile(p: float, df: int) -> float:
     if df <= 10:
         return T_TABLE[p][df - 1]
     z = NormalDist().inv_cdf(p)
-    return (z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
-            + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * df**3))
+    return (
+        z
+        + (z**3 + z) / (4 * df)
+        + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+        + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * df**3)
+    )
 
 
 def t_interval(values: list[float], confidence: float = 0.95) -> tuple[float, float]:
@@ -205,7 +219,7 @@ def t_interval(values: list[float], confidence: float = 0.95) -> tuple[float, fl
 
 
 def equivalence(differences: list[float], margin: float, number: str) -> str:
-    """"Within +-margin" as two one-sided t-tests at 5 % (TOST), read off the 90 % interval of the mean difference:
+    """ "Within +-margin" as two one-sided t-tests at 5 % (TOST), read off the 90 % interval of the mean difference:
     a loss of more than `margin` is ruled out when its lower end is above -margin (fp8 is not worse: what the goal
     asks), a gain of more than `margin` when its upper end is below +margin; both ruled out is equivalence. A small
     mean in a wide interval rules out nothing."""
@@ -214,9 +228,11 @@ def equivalence(differences: list[float], margin: float, number: str) -> str:
     def verdict(ruled_out: bool) -> str:
         return "ruled out" if ruled_out else "NOT ruled out"
 
-    return (f"90% interval [{number.format(low)}, {number.format(high)}]: fp8 worse by more than {margin:g} "
-            f"{verdict(low > -margin)}, better by more than {margin:g} {verdict(high < margin)} "
-            f"(one-sided t-tests at 5%)")
+    return (
+        f"90% interval [{number.format(low)}, {number.format(high)}]: fp8 worse by more than {margin:g} "
+        f"{verdict(low > -margin)}, better by more than {margin:g} {verdict(high < margin)} "
+        f"(one-sided t-tests at 5%)"
+    )
 
 
 def main() -> None:
@@ -228,8 +244,12 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=48, help="the demo's evaluate.max_new_tokens")
     parser.add_argument("--jobs", type=int, default=2, help="trainings and measurements at a time, one thread each")
     parser.add_argument("--margin", type=float, default=0.02, help="acceptance length difference to rule out")
-    parser.add_argument("--margin-points", type=float, default=0.5,
-                        help="validation accuracy difference (points, mean of positions) to rule out")
+    parser.add_argument(
+        "--margin-points",
+        type=float,
+        default=0.5,
+        help="validation accuracy difference (points, mean of positions) to rule out",
+    )
     args = parser.parse_args()
     source = args.run_dir.resolve()
     if not (source / "generate" / "conversations.jsonl").exists():
@@ -250,8 +270,10 @@ def main() -> None:
     todo = [pair for pair in pairs if f"{pair[0]}-seed{pair[1]}" not in results]
     config = str(WORK / "runs" / "store-bf16" / "config.json")
     with ProcessPoolExecutor(args.jobs) as pool:
-        futures = {pair: pool.submit(measure, config, str(drafters[pair]), prompts, args.k, args.max_new_tokens)
-                   for pair in todo}
+        futures = {
+            pair: pool.submit(measure, config, str(drafters[pair]), prompts, args.k, args.max_new_tokens)
+            for pair in todo
+        }
         for (dtype, seed), future in futures.items():
             results[f"{dtype}-seed{seed}"] = future.result()
             atomic_write_text(results_file, json.dumps(results))  # a killed bench keeps what it measured
@@ -267,17 +289,21 @@ def main() -> None:
         fp8, bf16 = accept_length(ours["cycles"]), accept_length(theirs["cycles"])
         low, high = paired_interval(ours["cycles"], theirs["cycles"])
         differences.append(fp8 - bf16)
-        print(f"{seed:>4} {bf16:>7.3f} {fp8:>7.3f} {fp8 - bf16:>+9.3f}  [{low:+.3f}, {high:+.3f}]"
-              f"{'':>13}{sum(map(len, theirs['cycles']))}/{sum(map(len, ours['cycles']))}")
+        print(
+            f"{seed:>4} {bf16:>7.3f} {fp8:>7.3f} {fp8 - bf16:>+9.3f}  [{low:+.3f}, {high:+.3f}]"
+            f"{'':>13}{sum(map(len, theirs['cycles']))}/{sum(map(len, ours['cycles']))}"
+        )
     bf16_all = [accept_length(results[f"bf16-seed{s}"]["cycles"]) for s in args.seeds]
     fp8_all = [accept_length(results[f"fp8_e4m3-seed{s}"]["cycles"]) for s in args.seeds]
     mean = sum(differences) / len(differences)
     print(f"mean {sum(bf16_all) / len(bf16_all):>7.3f} {sum(fp8_all) / len(fp8_all):>7.3f} {mean:>+9.3f}")
     if len(differences) > 1:
         low, high = t_interval(differences)
-        print(f"fp8 - bf16 over {len(differences)} seeds: {mean:+.3f}, 95% interval [{low:+.3f}, {high:+.3f}]; "
-              f"seed-to-seed spread (sd) bf16 {stdev(bf16_all):.3f}, fp8 {stdev(fp8_all):.3f}, "
-              f"difference {stdev(differences):.3f}")
+        print(
+            f"fp8 - bf16 over {len(differences)} seeds: {mean:+.3f}, 95% interval [{low:+.3f}, {high:+.3f}]; "
+            f"seed-to-seed spread (sd) bf16 {stdev(bf16_all):.3f}, fp8 {stdev(fp8_all):.3f}, "
+            f"difference {stdev(differences):.3f}"
+        )
         print(equivalence(differences, args.margin, "{:+.3f}"))
 
     print("\nvalidation accuracy per draft position on the bf16 store's validation split (the same teachers for both)")
@@ -296,8 +322,10 @@ def main() -> None:
         print(f"{seed:>4} {bf16:>25.4f} {fp8:>7.4f} {gaps[-1]:>+8.2f}p  {per_position}")
     if len(gaps) > 1:
         low, high = t_interval(gaps)
-        print(f"fp8 - bf16 over {len(gaps)} seeds: {sum(gaps) / len(gaps):+.2f} points, 95% interval "
-              f"[{low:+.2f}, {high:+.2f}]")
+        print(
+            f"fp8 - bf16 over {len(gaps)} seeds: {sum(gaps) / len(gaps):+.2f} points, 95% interval "
+            f"[{low:+.2f}, {high:+.2f}]"
+        )
         print(equivalence(gaps, args.margin_points, "{:+.2f}"))
 
 

@@ -24,8 +24,13 @@ import torch
 BUILTIN = [
     [{"role": "user", "content": "What is the capital of France?"}, {"role": "assistant", "content": "Paris."}],
     [{"role": "user", "content": "Sort 5 2 9 1."}, {"role": "assistant", "content": "1 2 5 9."}],
-    [{"role": "user", "content": "Write a haiku about GPUs."},
-     {"role": "assistant", "content": "Silicon rivers / carry warm light through the night / tensors bloom and fade"}],
+    [
+        {"role": "user", "content": "Write a haiku about GPUs."},
+        {
+            "role": "assistant",
+            "content": "Silicon rivers / carry warm light through the night / tensors bloom and fade",
+        },
+    ],
 ]
 
 
@@ -53,7 +58,8 @@ def main() -> None:
             prompts = str(Path(tmp) / "prompts.jsonl")
             Path(prompts).write_text("".join(json.dumps({"messages": m}) + "\n" for m in BUILTIN))
         base = {
-            "run_name": "gpu-capture-check", "workdir": tmp,
+            "run_name": "gpu-capture-check",
+            "workdir": tmp,
             "target": {"model_path": str(Path(args.model).resolve()), "trust_remote_code": args.trust_remote_code},
             "data": {"path": str(Path(prompts).resolve()), "max_samples": args.samples},
             "vocab": {"draft_vocab_size": 1},
@@ -71,8 +77,15 @@ def main() -> None:
         candidates = {}
         for path in paths:  # one engine at a time
             engine = {"tp_size": args.tp_size, "capture": path}
-            sgl_cfg = resolve_target_facts(parse_run_config(
-                {**base, "run_name": f"gpu-capture-check-{path}", "extract": {"backend": "sglang", "sglang": engine}}))
+            sgl_cfg = resolve_target_facts(
+                parse_run_config(
+                    {
+                        **base,
+                        "run_name": f"gpu-capture-check-{path}",
+                        "extract": {"backend": "sglang", "sglang": engine},
+                    }
+                )
+            )
             sglang = SglangCapture(sgl_cfg)
             sglang.prepare([samples], len(samples))  # plugin: start and probe; lists: the final-state pass
             candidates[path] = sglang.capture(samples)

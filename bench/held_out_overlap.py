@@ -47,22 +47,34 @@ def main() -> None:
     sharing = [k for k, n in opened.items() if n > 1]
     n, in_groups, repeats = len(conversations), sum(opened[k] for k in sharing), len(conversations) - len(opened)
     print(f"{args.conversations}: {n} conversations, {len(opened)} distinct first prompts (normalised)")
-    print(f"  share a first prompt: {in_groups} conversations ({in_groups / n:.1%}) in {len(sharing)} groups (largest "
-          f"{max(opened.values())}); {repeats} ({repeats / n:.1%}) repeat a first prompt an earlier one opened with")
+    print(
+        f"  share a first prompt: {in_groups} conversations ({in_groups / n:.1%}) in {len(sharing)} groups (largest "
+        f"{max(opened.values())}); {repeats} ({repeats / n:.1%}) repeat a first prompt an earlier one opened with"
+    )
     before = {c.sample_id: held_out_by_conversation_id(c.sample_id, args.val_fraction) for c in conversations}
     after = {sid: part_of_key(key, args.val_fraction) != TRAINING for sid, key in keys.items()}
     for name, held in (("before (by conversation id)", before), ("after (by first prompt)", after)):
         count, both = on_both_sides(conversations, keys, held)
-        print(f"  {name}: {sum(held.values())} conversations held out at val_fraction {args.val_fraction}, "
-              f"{count} first prompts; {both} of them also open a training conversation")
+        print(
+            f"  {name}: {sum(held.values())} conversations held out at val_fraction {args.val_fraction}, "
+            f"{count} first prompts; {both} of them also open a training conversation"
+        )
     # Later user turns of held-out conversations that ask what a training conversation opens with: evaluate leaves
     # them out (eagle3.stages.evaluate.prompts.held_out), the split alone cannot.
     trained_openings = {key for sid, key in keys.items() if not after[sid]}
-    later = [prompt_key(c.messages[i - 1]["content"]) for c in conversations if after[c.sample_id]
-             for i in range(1, len(c.messages)) if c.messages[i]["role"] == "assistant"
-             and c.messages[i - 1]["role"] == "user" and any(m["role"] == "assistant" for m in c.messages[:i - 1])]
-    print(f"  later user turns held out: {len(later)}; {sum(k in trained_openings for k in later)} of them ask what a "
-          "training conversation opens with (evaluate does not take those)")
+    later = [
+        prompt_key(c.messages[i - 1]["content"])
+        for c in conversations
+        if after[c.sample_id]
+        for i in range(1, len(c.messages))
+        if c.messages[i]["role"] == "assistant"
+        and c.messages[i - 1]["role"] == "user"
+        and any(m["role"] == "assistant" for m in c.messages[: i - 1])
+    ]
+    print(
+        f"  later user turns held out: {len(later)}; {sum(k in trained_openings for k in later)} of them ask what a "
+        "training conversation opens with (evaluate does not take those)"
+    )
 
 
 if __name__ == "__main__":

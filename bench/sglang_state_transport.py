@@ -89,9 +89,12 @@ def measure_plugin(tokens: int, hidden_size: int, repeats: int, sink: Path) -> d
         path.unlink()
 
     seconds = timed(hand_off, repeats)
-    return {"sink": str(sink), "file_bytes_per_token": (4 * hidden_size) * 2,
-            "tokens_per_s": round(tokens / seconds),
-            "hours_for_real_run": round(REAL_RUN_TOKENS / (tokens / seconds) / 3600, 2)}
+    return {
+        "sink": str(sink),
+        "file_bytes_per_token": (4 * hidden_size) * 2,
+        "tokens_per_s": round(tokens / seconds),
+        "hours_for_real_run": round(REAL_RUN_TOKENS / (tokens / seconds) / 3600, 2),
+    }
 
 
 def main() -> None:
@@ -99,8 +102,12 @@ def main() -> None:
     parser.add_argument("--hidden-size", type=int, default=7168, help="Kimi-K2.5 / DeepSeek-V3: 7168")
     parser.add_argument("--tokens", type=int, default=2048, help="tokens in the timed sample")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--sink", type=Path, default=Path("/dev/shm") if os.path.isdir("/dev/shm") else None,
-                        help="directory for the plugin's files (default /dev/shm, else a temporary directory)")
+    parser.add_argument(
+        "--sink",
+        type=Path,
+        default=Path("/dev/shm") if os.path.isdir("/dev/shm") else None,
+        help="directory for the plugin's files (default /dev/shm, else a temporary directory)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)  # the scheduler's conversion runs on one thread
     h = args.hidden_size

@@ -37,8 +37,9 @@ def main() -> None:
     fp8_s = seconds(lambda: dequantize_fp8(payload, scales), args.repeats)
     print(f"{torch.get_num_threads()} threads, {args.tokens} tokens x {args.width} values per sample")
     print(f"bf16 -> float32 on the host: {bf16_s * 1000:.0f} ms per sample")
-    print(f"fp8 payload x scale -> float32 on the host: {fp8_s * 1000:.0f} ms per sample "
-          f"({fp8_s / bf16_s:.1f}x bf16's)")
+    print(
+        f"fp8 payload x scale -> float32 on the host: {fp8_s * 1000:.0f} ms per sample ({fp8_s / bf16_s:.1f}x bf16's)"
+    )
 
 
 if __name__ == "__main__":

@@ -112,8 +112,11 @@ def main() -> None:
     figures = {"store": str(store_dir), "chunk_files": len(files), "file_MiB": round(file_bytes / 2**20, 1)}
     for cache in ("cold", "warm"):
         rates = {}
-        for name, fn, arg in (("sequential", sequential_read, files), ("shard_iteration", shard_iteration, store_dir),
-                              ("random_access", random_access, store_dir)):
+        for name, fn, arg in (
+            ("sequential", sequential_read, files),
+            ("shard_iteration", shard_iteration, store_dir),
+            ("random_access", random_access, store_dir),
+        ):
             runs = []
             for _ in range(REPEATS):
                 if cache == "cold":

@@ -60,8 +60,12 @@ def pytest_runtest_protocol(item, nextitem):
         return
     started, before = time.time(), _usage_s()
     yield
-    record = {"test": item.nodeid.split("@")[0], "cpu_s": _usage_s() - before, "wall_s": time.time() - started,
-              "started": started}
+    record = {
+        "test": item.nodeid.split("@")[0],
+        "cpu_s": _usage_s() - before,
+        "wall_s": time.time() - started,
+        "started": started,
+    }
     with open(Path(os.environ[RECORDS_ENV]) / f"{WORKER}.jsonl", "a") as f:
         f.write(json.dumps(record) + "\n")
 
@@ -78,16 +82,24 @@ def machine_cpu_s() -> tuple[float, float, float]:
 
 def main(pytest_args: list[str]) -> int:
     if os.geteuid() != 0 or not CPUACCT.is_dir():
-        sys.exit(f"needs root and cgroup v1's cpuacct at {CPUACCT} (a cgroup per worker counts every process a "
-                 "test starts, detached ones too)")
+        sys.exit(
+            f"needs root and cgroup v1's cpuacct at {CPUACCT} (a cgroup per worker counts every process a "
+            "test starts, detached ones too)"
+        )
     records = Path(tempfile.mkdtemp(prefix="suite-cpu-"))
-    env = {**os.environ, RECORDS_ENV: str(records),
-           "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}  # -p bench.suite_cpu in each worker
+    env = {
+        **os.environ,
+        RECORDS_ENV: str(records),
+        "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    }  # -p bench.suite_cpu in each worker
     before, started, started_at = machine_cpu_s(), time.monotonic(), time.time()
     code = subprocess.call([sys.executable, "-m", "pytest", "-p", "bench.suite_cpu", *pytest_args], cwd=REPO, env=env)
     (busy, idle, iowait), wall = (now - then for now, then in zip(machine_cpu_s(), before)), time.monotonic() - started
-    tests = [{**json.loads(line), "worker": path.stem}
-             for path in records.glob("*.jsonl") for line in path.read_text().splitlines()]
+    tests = [
+        {**json.loads(line), "worker": path.stem}
+        for path in records.glob("*.jsonl")
+        for line in path.read_text().splitlines()
+    ]
     for cgroup in CPUACCT.glob("eagle3-suite-*"):
         try:
             cgroup.rmdir()
@@ -99,16 +111,20 @@ def main(pytest_args: list[str]) -> int:
         totals[0] += test["cpu_s"]
         totals[1] += 1
     counted = sum(test["cpu_s"] for test in tests)
-    print(f"\npytest exited {code}; wall {wall:.0f} s; the machine was busy {busy:.0f} CPU-s ({busy / wall:.2f} "
-          f"cores), {counted:.0f} of them counted to {len(tests)} tests; idle {idle + iowait:.0f} CPU-s, "
-          f"{iowait:.0f} of them waiting for I/O")
+    print(
+        f"\npytest exited {code}; wall {wall:.0f} s; the machine was busy {busy:.0f} CPU-s ({busy / wall:.2f} "
+        f"cores), {counted:.0f} of them counted to {len(tests)} tests; idle {idle + iowait:.0f} CPU-s, "
+        f"{iowait:.0f} of them waiting for I/O"
+    )
     workers: dict[str, list[dict]] = defaultdict(list)
     for test in tests:
         workers[test["worker"]].append(test)
     print("Per worker, seconds after the start: its first test began, its last test ended; its tests' CPU-seconds")
     for worker, its in sorted(workers.items()):
-        print(f"  {worker}: {min(t['started'] for t in its) - started_at:5.0f}  "
-              f"{max(t['started'] + t['wall_s'] for t in its) - started_at:5.0f}  {sum(t['cpu_s'] for t in its):6.0f}")
+        print(
+            f"  {worker}: {min(t['started'] for t in its) - started_at:5.0f}  "
+            f"{max(t['started'] + t['wall_s'] for t in its) - started_at:5.0f}  {sum(t['cpu_s'] for t in its):6.0f}"
+        )
     print("\nCPU-seconds per test file:")
     for path, (cpu_s, count) in sorted(by_file.items(), key=lambda kv: -kv[1][0]):
         print(f"  {cpu_s:7.1f}  {100 * cpu_s / counted:4.1f} %  {count:4d} tests  {path}")

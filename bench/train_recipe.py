@@ -63,8 +63,12 @@ LINKED = (layout.HIDDEN_STATES, layout.GENERATE_DIR, layout.EXTRACT_DIR, Path(la
 
 def stage(name: str, config: Path, log: Path) -> None:
     with log.open("a") as out:
-        subprocess.run([sys.executable, "-m", "eagle3", name, "--config", str(config)], check=True,
-                       stdout=out, stderr=subprocess.STDOUT)
+        subprocess.run(
+            [sys.executable, "-m", "eagle3", name, "--config", str(config)],
+            check=True,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
 
 
 def variant_train_fields(source_train: dict, variant: dict) -> dict:
@@ -102,11 +106,24 @@ def run_variant(source: Path, name: str, seed: int, train: dict) -> dict:
     stage("evaluate", run_dir / layout.CONFIG, log)
     summary = json.loads((run_dir / layout.TRAIN_SUMMARY).read_text())
     report = json.loads((run_dir / layout.REPORT).read_text())
-    return {"variant": name, "seed": seed, "train": train, "steps": summary["steps"], "train_s": round(seconds, 1),
-            "prompts": report["prompts"], "offline": report["offline_accept_length"],
-            "measured": {k: {"mean": r["mean_accept_length"], "interval95": r["accept_length_interval95"],
-                             "share_of_ceiling": r["share_of_ceiling"], "ceiling": r["ceiling_accept_length"]}
-                         for k, r in report["speculative"].items()}}
+    return {
+        "variant": name,
+        "seed": seed,
+        "train": train,
+        "steps": summary["steps"],
+        "train_s": round(seconds, 1),
+        "prompts": report["prompts"],
+        "offline": report["offline_accept_length"],
+        "measured": {
+            k: {
+                "mean": r["mean_accept_length"],
+                "interval95": r["accept_length_interval95"],
+                "share_of_ceiling": r["share_of_ceiling"],
+                "ceiling": r["ceiling_accept_length"],
+            }
+            for k, r in report["speculative"].items()
+        },
+    }
 
 
 def load_results() -> list[dict]:
@@ -118,13 +135,46 @@ def load_results() -> list[dict]:
 def print_row(result: dict) -> None:
     measured = "  ".join(f"k={k}: {m['mean']:.3f} ({m['share_of_ceiling']:.0%})" for k, m in result["measured"].items())
     offline = next(iter(result["offline"].values()))
-    print(f"{result['variant']:<20} {result['seed']:>4} {result['steps']:>6} {result['train_s']:>8.0f} {offline:>8.3f}"
-          f"  {measured}", flush=True)
+    print(
+        f"{result['variant']:<20} {result['seed']:>4} {result['steps']:>6} {result['train_s']:>8.0f} {offline:>8.3f}"
+        f"  {measured}",
+        flush=True,
+    )
 
 
 # Two-sided 95% quantiles of Student's t by degrees of freedom (1..30): the paired difference over n seeds has n-1.
-T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
-       2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+T95 = (
+    12.706,
+    4.303,
+    3.182,
+    2.776,
+    2.571,
+    2.447,
+    2.365,
+    2.306,
+    2.262,
+    2.228,
+    2.201,
+    2.179,
+    2.160,
+    2.145,
+    2.131,
+    2.120,
+    2.110,
+    2.101,
+    2.093,
+    2.086,
+    2.080,
+    2.074,
+    2.069,
+    2.064,
+    2.060,
+    2.056,
+    2.052,
+    2.048,
+    2.045,
+    2.042,
+)
 
 
 def interval95(differences: list[float]) -> tuple[float, float] | None:
@@ -140,8 +190,10 @@ def interval95(differences: list[float]) -> tuple[float, float] | None:
 def print_summary(results: list[dict], names: list[str]) -> None:
     by_variant = {name: {r["seed"]: r for r in results if r["variant"] == name} for name in names}
     base = names[0]
-    print(f"\nover seeds: mean measured acceptance length (share of the ceiling); paired difference from {base} "
-          "(mean, 95% t-interval over seeds, range)")
+    print(
+        f"\nover seeds: mean measured acceptance length (share of the ceiling); paired difference from {base} "
+        "(mean, 95% t-interval over seeds, range)"
+    )
     for name in names:
         runs = by_variant[name]
         if not runs:
@@ -151,8 +203,11 @@ def print_summary(results: list[dict], names: list[str]) -> None:
             means = [r["measured"][k]["mean"] for r in runs.values()]
             share = statistics.fmean(r["measured"][k]["share_of_ceiling"] for r in runs.values())
             text = f"k={k}: {statistics.fmean(means):.3f} ({share:.0%})"
-            paired = [r["measured"][k]["mean"] - by_variant[base][seed]["measured"][k]["mean"]
-                      for seed, r in runs.items() if seed in by_variant[base]]
+            paired = [
+                r["measured"][k]["mean"] - by_variant[base][seed]["measured"][k]["mean"]
+                for seed, r in runs.items()
+                if seed in by_variant[base]
+            ]
             if name != base and paired:
                 low_high = interval95(paired)
                 text += f" {statistics.fmean(paired):+.3f}"
@@ -165,11 +220,18 @@ def print_summary(results: list[dict], names: list[str]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--run-dir", type=Path, default=REPO / "demo-work" / "runs" / "demo")
-    parser.add_argument("--only", nargs="*", choices=sorted(VARIANTS), help="these variants only (the first is "
-                        "the one the others are compared with)")
+    parser.add_argument(
+        "--only",
+        nargs="*",
+        choices=sorted(VARIANTS),
+        help="these variants only (the first is the one the others are compared with)",
+    )
     parser.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 for every variant")
-    parser.add_argument("--save-every-steps", type=int, help="for every variant (validation picks the best "
-                        "checkpoint among these; default: the demo's)")
+    parser.add_argument(
+        "--save-every-steps",
+        type=int,
+        help="for every variant (validation picks the best checkpoint among these; default: the demo's)",
+    )
     args = parser.parse_args()
     source = args.run_dir.resolve()
     if not (source / layout.REPORT).exists():
@@ -178,8 +240,10 @@ def main() -> None:
     names = args.only or list(VARIANTS)
     WORK.mkdir(parents=True, exist_ok=True)
     done = load_results()
-    print(f"{'variant':<20} {'seed':>4} {'steps':>6} {'train s':>8} {'offline':>8}  measured acceptance length "
-          "(share of the ceiling)")
+    print(
+        f"{'variant':<20} {'seed':>4} {'steps':>6} {'train s':>8} {'offline':>8}  measured acceptance length "
+        "(share of the ceiling)"
+    )
     for seed in range(args.seeds):
         for name in names:
             train = variant_train_fields(source_train, VARIANTS[name])

@@ -35,21 +35,29 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 WORK = REPO / "bench-work" / "train-speed"
 # (paths under include/eagle3: a --baseline-rev from before the folders of issue 52 has them elsewhere)
-TRAIN_SIDE = ("stages/train.py", "model/drafter.py", "model/ttt_attention.py", "data/store.py", "model/acceptance.py",
-              "records/checkpoint.py")
+TRAIN_SIDE = (
+    "stages/train.py",
+    "model/drafter.py",
+    "model/ttt_attention.py",
+    "data/store.py",
+    "model/acceptance.py",
+    "records/checkpoint.py",
+)
 WARMUP_STEPS = 5
 
 
 def baseline_tree(rev: str) -> Path:
     """include/ as the working tree has it, with the train-side files as `rev` has them."""
-    sha = subprocess.run(["git", "rev-parse", "--short", rev], cwd=REPO, check=True, capture_output=True,
-                         text=True).stdout.strip()
+    sha = subprocess.run(
+        ["git", "rev-parse", "--short", rev], cwd=REPO, check=True, capture_output=True, text=True
+    ).stdout.strip()
     root = WORK / f"baseline-{sha}"
     shutil.rmtree(root, ignore_errors=True)
     shutil.copytree(REPO / "include", root / "include", ignore=shutil.ignore_patterns("__pycache__"))
     for name in TRAIN_SIDE:
-        source = subprocess.run(["git", "show", f"{rev}:include/eagle3/{name}"], cwd=REPO, check=True,
-                                capture_output=True).stdout
+        source = subprocess.run(
+            ["git", "show", f"{rev}:include/eagle3/{name}"], cwd=REPO, check=True, capture_output=True
+        ).stdout
         (root / "include" / "eagle3" / name).write_bytes(source)
     return root / "include"
 
@@ -81,15 +89,27 @@ def worker(args) -> None:
     if args.validate:
         started = time.perf_counter()
         val = trainer.validate()
-        result |= {"validate_s": time.perf_counter() - started, "val_acc": val["val_acc"],
-                   "offline": {k: v["mean_accept_length"] for k, v in val["val_offline"].items()},
-                   "val_loss": val["val_loss"]}
+        result |= {
+            "validate_s": time.perf_counter() - started,
+            "val_acc": val["val_acc"],
+            "offline": {k: v["mean_accept_length"] for k, v in val["val_offline"].items()},
+            "val_loss": val["val_loss"],
+        }
     print(json.dumps(result))
 
 
 def run_one(include: Path, args) -> dict:
-    argv = [sys.executable, __file__, "--worker", "--run-dir", str(args.run_dir), "--steps", str(args.steps),
-            "--threads", str(args.threads)] + (["--validate"] if args.validate else [])
+    argv = [
+        sys.executable,
+        __file__,
+        "--worker",
+        "--run-dir",
+        str(args.run_dir),
+        "--steps",
+        str(args.steps),
+        "--threads",
+        str(args.threads),
+    ] + (["--validate"] if args.validate else [])
     env = dict(os.environ, PYTHONPATH=str(include))
     out = subprocess.run(argv, env=env, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
@@ -98,8 +118,9 @@ def run_one(include: Path, args) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     default_run = WORK / "runs" / "demo"
-    parser.add_argument("--run-dir", type=Path,
-                        default=default_run if default_run.exists() else REPO / "demo-work" / "runs" / "demo")
+    parser.add_argument(
+        "--run-dir", type=Path, default=default_run if default_run.exists() else REPO / "demo-work" / "runs" / "demo"
+    )
     parser.add_argument("--baseline-rev", default="HEAD", help="the train-side files to compare with (git revision)")
     parser.add_argument("--steps", type=int, default=120, help="optimizer steps per try (the first 5 not timed)")
     parser.add_argument("--repeats", type=int, default=5)
@@ -114,8 +135,9 @@ def main() -> None:
     if args.steps <= WARMUP_STEPS:
         parser.error(f"--steps must be more than the {WARMUP_STEPS} untimed ones")
     trees = {"baseline": baseline_tree(args.baseline_rev), "working tree": REPO / "include"}
-    print(f"{args.run_dir}: {args.steps} steps a try, threads {args.threads or 'default'}, baseline "
-          f"{args.baseline_rev}")
+    print(
+        f"{args.run_dir}: {args.steps} steps a try, threads {args.threads or 'default'}, baseline {args.baseline_rev}"
+    )
     results: dict[str, list[dict]] = {name: [] for name in trees}
     for repeat in range(args.repeats):
         order = list(trees) if repeat % 2 == 0 else list(reversed(trees))
@@ -123,8 +145,11 @@ def main() -> None:
             r = run_one(trees[name], args)
             results[name].append(r)
             validate = f", validate {r['validate_s']:.1f} s" if args.validate else ""
-            print(f"  try {repeat + 1} {name:12s} {r['ms_per_step']:7.1f} ms/step wall, {r['cpu_ms_per_step']:7.1f} "
-                  f"CPU{validate}", flush=True)
+            print(
+                f"  try {repeat + 1} {name:12s} {r['ms_per_step']:7.1f} ms/step wall, {r['cpu_ms_per_step']:7.1f} "
+                f"CPU{validate}",
+                flush=True,
+            )
 
     def median(name: str, key: str) -> float:
         return statistics.median(r[key] for r in results[name])
@@ -136,13 +161,17 @@ def main() -> None:
         print(f"  {key:16s} baseline {base:8.2f}  working tree {new:8.2f}  ratio {base / new:5.2f}x")
     base, new = results["baseline"][0], results["working tree"][0]
     worst = max(abs(a - b) / abs(a) for a, b in zip(base["losses"], new["losses"]))
-    print(f"losses over {len(base['losses'])} steps: largest relative difference {worst:.2e} "
-          f"(first {base['losses'][0]:.6f} / {new['losses'][0]:.6f}, last {base['losses'][-1]:.6f} / "
-          f"{new['losses'][-1]:.6f})")
+    print(
+        f"losses over {len(base['losses'])} steps: largest relative difference {worst:.2e} "
+        f"(first {base['losses'][0]:.6f} / {new['losses'][0]:.6f}, last {base['losses'][-1]:.6f} / "
+        f"{new['losses'][-1]:.6f})"
+    )
     if args.validate:
         for name, r in (("baseline", base), ("working tree", new)):
-            print(f"  {name:12s} offline acceptance {r['offline']}, val loss {r['val_loss']:.6f}, val acc "
-                  f"{[round(a, 4) for a in r['val_acc']]}")
+            print(
+                f"  {name:12s} offline acceptance {r['offline']}, val loss {r['val_loss']:.6f}, val acc "
+                f"{[round(a, 4) for a in r['val_acc']]}"
+            )
 
 
 if __name__ == "__main__":

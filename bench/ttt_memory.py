@@ -53,9 +53,19 @@ from eagle3.model.drafter import DraftConfig, Eagle3Draft
 from eagle3.model.ttt_attention import dense_ttt_attention, ttt_attention
 
 KERNELS = {"old": dense_ttt_attention, "new": ttt_attention}
-CFG = DraftConfig(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=4, head_dim=64,
-                  rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=65536, target_vocab_size=4096,
-                  draft_vocab_size=1024, aux_layer_ids=(1, 2, 3))
+CFG = DraftConfig(
+    hidden_size=256,
+    intermediate_size=512,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    head_dim=64,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    max_position_embeddings=65536,
+    target_vocab_size=4096,
+    draft_vocab_size=1024,
+    aux_layer_ids=(1, 2, 3),
+)
 TTT_LENGTH = 7
 
 
@@ -71,8 +81,10 @@ def workload(kernel: str, t: int, seed: int = 0, logit_chunk: int | None = None)
     t2d[draft_ids] = True
     ids = torch.randint(0, CFG.target_vocab_size, (1, t))
     aux, last = torch.randn(1, t, 3 * CFG.hidden_size), torch.randn(1, t, CFG.hidden_size)
-    teachers = lambda: train.make_teachers(ids, torch.ones_like(ids), last, target_lm_head,  # noqa: E731
-                                           draft_ids, t2d, first_draft=True)
+
+    def teachers():
+        return train.make_teachers(ids, torch.ones_like(ids), last, target_lm_head, draft_ids, t2d, first_draft=True)
+
     return draft, train.TTTObjective(draft, TTT_LENGTH, logit_chunk=logit_chunk), aux, teachers, draft_ids
 
 
@@ -102,8 +114,11 @@ def measure_point(kernel: str, t: int, repeats: int, logit_chunk: int | None = N
 
 
 def run_point(kernel: str, t: int, repeats: int, logit_chunk: int | None = None) -> dict:
-    proc = subprocess.run([sys.executable, __file__, "--point", kernel, str(t), str(repeats), str(logit_chunk or 0)],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, __file__, "--point", kernel, str(t), str(repeats), str(logit_chunk or 0)],
+        capture_output=True,
+        text=True,
+    )
     if proc.returncode != 0:
         return {"kernel": kernel, "t": t, "error": (proc.stderr.strip().splitlines() or ["killed"])[-1]}
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -130,8 +145,11 @@ def row(t: int, old: dict | None, new: dict | None) -> str:
     rate = lambda p: f"{t / p['seconds']:9.0f}" if p else f"{'-':>9}"  # noqa: E731
     if old and new:
         diff = max(abs(a - b) for a, b in zip(old["plosses"], new["plosses"]))
-        ratios = (f"{old['peak_bytes'] / new['peak_bytes']:8.1f}x", f"{old['seconds'] / new['seconds']:8.2f}x",
-                  f"{diff:.2e}")
+        ratios = (
+            f"{old['peak_bytes'] / new['peak_bytes']:8.1f}x",
+            f"{old['seconds'] / new['seconds']:8.2f}x",
+            f"{diff:.2e}",
+        )
     else:
         ratios = (f"{'-':>9}", f"{'-':>9}", "-")
     return f"{t:>6}  {mib(old)} {mib(new)} {ratios[0]}  {rate(old)} {rate(new)} {ratios[1]}  {ratios[2]}"
@@ -168,11 +186,21 @@ ADAMW_BYTES = 4 + 4 + 8  # fp32 master, gradient, two moments
 
 
 def trainable_params(cfg: DraftConfig) -> int:
-    h, attn, kv, i = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, \
-        cfg.intermediate_size
+    h, attn, kv, i = (
+        cfg.hidden_size,
+        cfg.num_attention_heads * cfg.head_dim,
+        cfg.num_key_value_heads * cfg.head_dim,
+        cfg.intermediate_size,
+    )
     norms = (4 + (len(cfg.aux_layer_ids) if getattr(cfg, "fc_norm", False) else 0)) * h
-    return len(cfg.aux_layer_ids) * h * h + 2 * h * (attn + 2 * kv) + attn * h + 3 * h * i + norms + \
-        cfg.draft_vocab_size * h
+    return (
+        len(cfg.aux_layer_ids) * h * h
+        + 2 * h * (attn + 2 * kv)
+        + attn * h
+        + 3 * h * i
+        + norms
+        + cfg.draft_vocab_size * h
+    )
 
 
 def activation_bytes_per_token(cfg: DraftConfig, bf16: bool, chunked: bool) -> tuple[float, float]:
@@ -211,13 +239,17 @@ def saved_bytes(cfg: DraftConfig, t: int, bf16: bool, logit_chunk: int) -> int:
     torch.manual_seed(0)
     draft = Eagle3Draft(cfg)
     vocab, draft_vocab = cfg.target_vocab_size, cfg.draft_vocab_size
-    ids, aux, last = torch.randint(0, vocab, (1, t)), torch.randn(1, t, 3 * cfg.hidden_size), \
-        torch.randn(1, t, cfg.hidden_size)
+    ids, aux, last = (
+        torch.randint(0, vocab, (1, t)),
+        torch.randn(1, t, 3 * cfg.hidden_size),
+        torch.randn(1, t, cfg.hidden_size),
+    )
     draft_ids = torch.arange(0, vocab, vocab // draft_vocab)[:draft_vocab]
     t2d = torch.zeros(vocab, dtype=torch.bool)
     t2d[draft_ids] = True
-    teachers = train.make_teachers(ids, torch.ones_like(ids), last, torch.randn(vocab, cfg.hidden_size), draft_ids,
-                                   t2d, first_draft=True)
+    teachers = train.make_teachers(
+        ids, torch.ones_like(ids), last, torch.randn(vocab, cfg.hidden_size), draft_ids, t2d, first_draft=True
+    )
     left_out = {x.untyped_storage().data_ptr() for x in (*draft.parameters(), aux, teachers.p, teachers.draft_mass)}
     storages = {}
 
@@ -227,8 +259,10 @@ def saved_bytes(cfg: DraftConfig, t: int, bf16: bool, logit_chunk: int) -> int:
             storages[storage.data_ptr()] = storage.nbytes()
         return x
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x), \
-            torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+    with (
+        torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x),
+        torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16),
+    ):
         train.TTTObjective(draft, TTT_LENGTH, logit_chunk=logit_chunk)(aux, teachers, draft_ids)
     return sum(storages.values())
 
@@ -241,64 +275,107 @@ def kimi_drafter() -> DraftConfig:
 
     target = {"hidden_size": 7168, "intermediate_size": 18432, "vocab_size": 163840, "rope_theta": 50000.0}
     g = drafter_shape(DrafterConfig(), target)
-    return DraftConfig(hidden_size=7168, intermediate_size=g["intermediate_size"],
-                       num_attention_heads=g["num_attention_heads"], num_key_value_heads=g["num_key_value_heads"],
-                       head_dim=g["head_dim"], rms_norm_eps=1e-6, rope_theta=50000.0, max_position_embeddings=131072,
-                       target_vocab_size=163840, draft_vocab_size=32000, aux_layer_ids=(2, 30, 58))
+    return DraftConfig(
+        hidden_size=7168,
+        intermediate_size=g["intermediate_size"],
+        num_attention_heads=g["num_attention_heads"],
+        num_key_value_heads=g["num_key_value_heads"],
+        head_dim=g["head_dim"],
+        rms_norm_eps=1e-6,
+        rope_theta=50000.0,
+        max_position_embeddings=131072,
+        target_vocab_size=163840,
+        draft_vocab_size=32000,
+        aux_layer_ids=(2, 30, 58),
+    )
 
 
 def memory_model_report(check_lengths=(1024, 2048, 4096), chunk: int = 256) -> None:
     print("1. activation counts against autograd's saved tensors (bytes, T = 96, 7 steps):")
-    for cfg in (DraftConfig(hidden_size=40, intermediate_size=72, num_attention_heads=5, num_key_value_heads=1,
-                            head_dim=8, rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=512,
-                            target_vocab_size=600, draft_vocab_size=300, aux_layer_ids=(1, 2, 3)), CFG):
+    for cfg in (
+        DraftConfig(
+            hidden_size=40,
+            intermediate_size=72,
+            num_attention_heads=5,
+            num_key_value_heads=1,
+            head_dim=8,
+            rms_norm_eps=1e-6,
+            rope_theta=1e4,
+            max_position_embeddings=512,
+            target_vocab_size=600,
+            draft_vocab_size=300,
+            aux_layer_ids=(1, 2, 3),
+        ),
+        CFG,
+    ):
         for bf16 in (False, True):
             for chunked in (True, False):
                 counted = saved_bytes(cfg, 96, bf16, 16 if chunked else 96)
                 per_step, once = activation_bytes_per_token(cfg, bf16, chunked)
-                print(f"   hidden {cfg.hidden_size:>4} {'bf16' if bf16 else 'fp32'} {'chunks' if chunked else 'whole '}"
-                      f"  model {96 * (TTT_LENGTH * per_step + once):>10.0f}  counted {counted:>10}")
-    print(f"2. forward + backward against resident peaks measured here (fp32, CPU, the tiny target's drafter, "
-          f"loss in chunks of {chunk} positions or whole; each a fresh process; MiB):")
+                print(
+                    f"   hidden {cfg.hidden_size:>4} {'bf16' if bf16 else 'fp32'} {'chunks' if chunked else 'whole '}"
+                    f"  model {96 * (TTT_LENGTH * per_step + once):>10.0f}  counted {counted:>10}"
+                )
+    print(
+        f"2. forward + backward against resident peaks measured here (fp32, CPU, the tiny target's drafter, "
+        f"loss in chunks of {chunk} positions or whole; each a fresh process; MiB):"
+    )
     for t in check_lengths:
         for chunked in (True, False):
             point = run_point("new", t, 1, chunk if chunked else t)
             m = memory_model(CFG, t, bf16=False, chunked=chunked)
             m_rows = min(t, chunk) if chunked else t  # this check's chunk, not the default's
-            model = m["activations"] + t * activation_bytes_per_token(CFG, False, chunked)[0] + \
-                (m_rows * CFG.draft_vocab_size * 16 if chunked else t * CFG.draft_vocab_size * 8) + \
-                4 * trainable_params(CFG)  # gradients, allocated by this first backward
+            model = (
+                m["activations"]
+                + t * activation_bytes_per_token(CFG, False, chunked)[0]
+                + (m_rows * CFG.draft_vocab_size * 16 if chunked else t * CFG.draft_vocab_size * 8)
+                + 4 * trainable_params(CFG)
+            )  # gradients, allocated by this first backward
             measured = point.get("peak_bytes")
-            print(f"   T {t:>5} {'chunks' if chunked else 'whole '}  model {model / 2**20:8.1f}  measured "
-                  f"{measured / 2**20 if measured else float('nan'):8.1f}  model/measured "
-                  f"{model / measured if measured else float('nan'):.2f}", flush=True)
+            print(
+                f"   T {t:>5} {'chunks' if chunked else 'whole '}  model {model / 2**20:8.1f}  measured "
+                f"{measured / 2**20 if measured else float('nan'):8.1f}  model/measured "
+                f"{model / measured if measured else float('nan'):.2f}",
+                flush=True,
+            )
     kimi = kimi_drafter()
-    print(f"3. Kimi-K2's drafter (hidden {kimi.hidden_size}, {kimi.num_attention_heads} heads x {kimi.head_dim}, "
-          f"{kimi.num_key_value_heads} KV, MLP {kimi.intermediate_size}, draft vocab {kimi.draft_vocab_size} of "
-          f"{kimi.target_vocab_size}; {trainable_params(kimi) / 1e9:.2f}B trained parameters), one GPU, one sample, "
-          f"7 TTT steps, bf16 autocast over fp32 masters; GiB:")
+    print(
+        f"3. Kimi-K2's drafter (hidden {kimi.hidden_size}, {kimi.num_attention_heads} heads x {kimi.head_dim}, "
+        f"{kimi.num_key_value_heads} KV, MLP {kimi.intermediate_size}, draft vocab {kimi.draft_vocab_size} of "
+        f"{kimi.target_vocab_size}; {trainable_params(kimi) / 1e9:.2f}B trained parameters), one GPU, one sample, "
+        f"7 TTT steps, bf16 autocast over fp32 masters; GiB:"
+    )
     names = list(memory_model(kimi, 8192, True, True))
     print(f"   {'T':>6} {'loss':>7}  " + "  ".join(f"{n[:18]:>18}" for n in names) + "  H100 80GB  H200 141GB")
     for t in (8192, 16384, 32768):
         for chunked in (False, True):
             m = memory_model(kimi, t, bf16=True, chunked=chunked)
             fits = ["fits" if m["peak"] <= cap * 0.95 else "no" for cap in GPU_BYTES.values()]
-            print(f"   {t:>6} {'chunks' if chunked else 'whole':>7}  " +
-                  "  ".join(f"{m[n] / GIB:>18.1f}" for n in names) + f"  {fits[0]:>9}  {fits[1]:>10}")
-    print("   (fits: the peak within 95% of the card's memory (H100 81,559 MiB, H200 143,771 MiB), the rest left to "
-          "CUDA's context and fragmentation)")
+            print(
+                f"   {t:>6} {'chunks' if chunked else 'whole':>7}  "
+                + "  ".join(f"{m[n] / GIB:>18.1f}" for n in names)
+                + f"  {fits[0]:>9}  {fits[1]:>10}"
+            )
+    print(
+        "   (fits: the peak within 95% of the card's memory (H100 81,559 MiB, H200 143,771 MiB), the rest left to "
+        "CUDA's context and fragmentation)"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
-    parser.add_argument("--old-max", type=int, default=4096,
-                        help="longest T for the old attention (8192 would take about 13 GB here)")
+    parser.add_argument(
+        "--old-max", type=int, default=4096, help="longest T for the old attention (8192 would take about 13 GB here)"
+    )
     parser.add_argument("--step-length", type=int, default=2048)
     parser.add_argument("--step-repeats", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=2, help="runs per point; the fastest is the one timed")
-    parser.add_argument("--model", action="store_true",
-                        help="the memory model instead: checked here at small widths, then Kimi-K2's drafter")
+    parser.add_argument(
+        "--model",
+        action="store_true",
+        help="the memory model instead: checked here at small widths, then Kimi-K2's drafter",
+    )
     parser.add_argument("--point", nargs=4, help=argparse.SUPPRESS)  # KERNEL T REPEATS CHUNK: one child process
     args = parser.parse_args()
     if args.point:
@@ -309,11 +386,15 @@ def main() -> None:
         memory_model_report()
         return
 
-    print(f"drafter hidden {CFG.hidden_size}, {CFG.num_attention_heads} heads x {CFG.head_dim}, MLP "
-          f"{CFG.intermediate_size}, draft vocab {CFG.draft_vocab_size}; batch 1, {TTT_LENGTH} TTT steps, fp32, "
-          f"{torch.get_num_threads()} threads; forward + backward of the TTT objective")
-    print(f"{'T':>6}  {'old peak MiB':>12} {'new peak MiB':>12} {'old/new':>8}  {'old tok/s':>9} {'new tok/s':>9} "
-          f"{'new/old':>8}  max |loss diff| per TTT position")
+    print(
+        f"drafter hidden {CFG.hidden_size}, {CFG.num_attention_heads} heads x {CFG.head_dim}, MLP "
+        f"{CFG.intermediate_size}, draft vocab {CFG.draft_vocab_size}; batch 1, {TTT_LENGTH} TTT steps, fp32, "
+        f"{torch.get_num_threads()} threads; forward + backward of the TTT objective"
+    )
+    print(
+        f"{'T':>6}  {'old peak MiB':>12} {'new peak MiB':>12} {'old/new':>8}  {'old tok/s':>9} {'new tok/s':>9} "
+        f"{'new/old':>8}  max |loss diff| per TTT position"
+    )
     results = {"old": [], "new": []}
     for t in args.lengths:
         old = run_point("old", t, args.repeats) if t <= args.old_max else None
@@ -326,8 +407,10 @@ def main() -> None:
         print(row(t, old if old and "error" not in old else None, new if "error" not in new else None), flush=True)
     for kernel, points in results.items():
         if len(points) >= 2:
-            print(f"{kernel}: peak memory ~ T^{fitted_exponent(points):.2f} (T = {points[0]['t']}..{points[-1]['t']}; "
-                  f"between the last two points T^{fitted_exponent(points[-2:]):.2f})")
+            print(
+                f"{kernel}: peak memory ~ T^{fitted_exponent(points):.2f} (T = {points[0]['t']}..{points[-1]['t']}; "
+                f"between the last two points T^{fitted_exponent(points[-2:]):.2f})"
+            )
 
     t = args.step_length
     times = {"old": [], "new": []}
@@ -335,8 +418,10 @@ def main() -> None:
         for kernel in ("old", "new") if repeat % 2 == 0 else ("new", "old"):
             times[kernel].append(training_step_seconds(kernel, t))
     old_s, new_s = min(times["old"]), min(times["new"])
-    print(f"one training step at T={t} (fastest of {args.step_repeats}): old {old_s:.3f} s, new {new_s:.3f} s, "
-          f"new is {old_s / new_s:.2f}x as fast")
+    print(
+        f"one training step at T={t} (fastest of {args.step_repeats}): old {old_s:.3f} s, new {new_s:.3f} s, "
+        f"new is {old_s / new_s:.2f}x as fast"
+    )
 
 
 if __name__ == "__main__":

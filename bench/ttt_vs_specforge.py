@@ -89,8 +89,9 @@ class Workload:
         self.draft = Eagle3Draft(cfg)
 
     def teachers(self) -> train.Teachers:
-        return train.make_teachers(self.ids, torch.ones_like(self.ids), self.last, self.target_lm_head,
-                                   self.draft_ids, self.t2d)
+        return train.make_teachers(
+            self.ids, torch.ones_like(self.ids), self.last, self.target_lm_head, self.draft_ids, self.t2d
+        )
 
 
 class Ours:
@@ -121,11 +122,20 @@ class SpecForge:
 
         online_model, draft_class = classes
         cfg = w.cfg
-        config = LlamaConfig(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-                             num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
-                             head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
-                             max_position_embeddings=cfg.max_position_embeddings, vocab_size=cfg.target_vocab_size,
-                             hidden_act="silu", pad_token_id=0, tie_word_embeddings=False)
+        config = LlamaConfig(
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_attention_heads=cfg.num_attention_heads,
+            num_key_value_heads=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim,
+            rms_norm_eps=cfg.rms_norm_eps,
+            rope_theta=cfg.rope_theta,
+            max_position_embeddings=cfg.max_position_embeddings,
+            vocab_size=cfg.target_vocab_size,
+            hidden_act="silu",
+            pad_token_id=0,
+            tie_word_embeddings=False,
+        )
         config.draft_vocab_size = cfg.draft_vocab_size
         draft = draft_class(config, attention_backend=backend)
         state = {**w.draft.state_dict(), "t2d": w.t2d, "d2t": w.draft_ids - torch.arange(len(w.draft_ids))}
@@ -141,10 +151,15 @@ class SpecForge:
     def step(self) -> list[float]:
         w = self.w
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
-            plosses, *_ = self.model(input_ids=train.shift_left(w.ids), attention_mask=torch.ones_like(w.ids),
-                                     target=None, loss_mask=self.loss_mask, hidden_states=w.aux,
-                                     target_hidden_for_compact=train.shift_left(w.last),
-                                     target_head_weight=w.target_lm_head)
+            plosses, *_ = self.model(
+                input_ids=train.shift_left(w.ids),
+                attention_mask=torch.ones_like(w.ids),
+                target=None,
+                loss_mask=self.loss_mask,
+                hidden_states=w.aux,
+                target_hidden_for_compact=train.shift_left(w.last),
+                target_head_weight=w.target_lm_head,
+            )
         loss = sum(STEP_DECAY**i * ploss for i, ploss in enumerate(plosses))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.draft.parameters(), MAX_GRAD_NORM)
@@ -172,8 +187,9 @@ def profile(side) -> None:
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
 
 
-def compare(cfg: DraftConfig, t: int, dtype: str, backend: str, repeats: int, classes, show_profile: bool,
-            clock) -> dict:
+def compare(
+    cfg: DraftConfig, t: int, dtype: str, backend: str, repeats: int, classes, show_profile: bool, clock
+) -> dict:
     autocast = dtype == "bf16"
     ours = Ours(Workload(cfg, t), autocast)
     theirs = SpecForge(Workload(cfg, t), autocast, backend, classes)
@@ -187,18 +203,34 @@ def compare(cfg: DraftConfig, t: int, dtype: str, backend: str, repeats: int, cl
         profile(ours)
         profile(theirs)
     ours_s, theirs_s = min(times["ours"]), min(times["SpecForge"])
-    return {"t": t, "dtype": dtype, "backend": backend, "ours_s": ours_s, "specforge_s": theirs_s,
-            "ratio": theirs_s / ours_s, "loss_diff": loss_diff}
+    return {
+        "t": t,
+        "dtype": dtype,
+        "backend": backend,
+        "ours_s": ours_s,
+        "specforge_s": theirs_s,
+        "ratio": theirs_s / ours_s,
+        "loss_diff": loss_diff,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--specforge", type=Path, default=Path("/tmp/specforge"),
-                        help="a SpecForge worktree (git worktree add from its mirror)")
+    parser.add_argument(
+        "--specforge",
+        type=Path,
+        default=Path("/tmp/specforge"),
+        help="a SpecForge worktree (git worktree add from its mirror)",
+    )
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192])
     parser.add_argument("--dtypes", nargs="+", choices=["fp32", "bf16"], default=["fp32", "bf16"])
-    parser.add_argument("--backends", nargs="+", choices=["sdpa", "flex_attention"], default=["sdpa"],
-                        help="SpecForge's attention backend(s); flex_attention has no backward on CPU (torch 2.13)")
+    parser.add_argument(
+        "--backends",
+        nargs="+",
+        choices=["sdpa", "flex_attention"],
+        default=["sdpa"],
+        help="SpecForge's attention backend(s); flex_attention has no backward on CPU (torch 2.13)",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per side; the fastest is taken")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--heads", type=int, default=4)
@@ -208,32 +240,52 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--draft-vocab", type=int, default=1024)
     parser.add_argument("--profile", action="store_true", help="torch.profiler's top operators, one step a side")
-    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
-                        help="wall: seconds of the step (an idle machine); cpu: this process's CPU seconds, which "
-                        "other tenants of a busy machine disturb far less (with --threads 1: no waits between threads)")
+    parser.add_argument(
+        "--clock",
+        choices=sorted(CLOCKS),
+        default="wall",
+        help="wall: seconds of the step (an idle machine); cpu: this process's CPU seconds, which "
+        "other tenants of a busy machine disturb far less (with --threads 1: no waits between threads)",
+    )
     parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    cfg = DraftConfig(hidden_size=args.hidden, intermediate_size=args.intermediate, num_attention_heads=args.heads,
-                      num_key_value_heads=args.kv_heads, head_dim=args.head_dim, rms_norm_eps=1e-6,
-                      rope_theta=10000.0, max_position_embeddings=max(args.lengths) + TTT_LENGTH,
-                      target_vocab_size=args.vocab, draft_vocab_size=args.draft_vocab, aux_layer_ids=(1, 2, 3))
+    cfg = DraftConfig(
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=max(args.lengths) + TTT_LENGTH,
+        target_vocab_size=args.vocab,
+        draft_vocab_size=args.draft_vocab,
+        aux_layer_ids=(1, 2, 3),
+    )
     classes = import_specforge(args.specforge)
-    print(f"drafter hidden {cfg.hidden_size}, {cfg.num_attention_heads} heads x {cfg.head_dim} "
-          f"({cfg.num_key_value_heads} KV), MLP {cfg.intermediate_size}, draft vocab {cfg.draft_vocab_size} of "
-          f"{cfg.target_vocab_size}; batch 1, "
-          f"{TTT_LENGTH} TTT steps, kl; {torch.get_num_threads()} threads; {args.clock} clock, fastest of "
-          f"{args.repeats}, alternating")
-    print(f"{'T':>6} {'dtype':>5} {'SpecForge attention':>20} {'ours s':>8} {'SpecForge s':>11} {'ratio':>7}  "
-          "max |ploss diff| of the first steps")
+    print(
+        f"drafter hidden {cfg.hidden_size}, {cfg.num_attention_heads} heads x {cfg.head_dim} "
+        f"({cfg.num_key_value_heads} KV), MLP {cfg.intermediate_size}, draft vocab {cfg.draft_vocab_size} of "
+        f"{cfg.target_vocab_size}; batch 1, "
+        f"{TTT_LENGTH} TTT steps, kl; {torch.get_num_threads()} threads; {args.clock} clock, fastest of "
+        f"{args.repeats}, alternating"
+    )
+    print(
+        f"{'T':>6} {'dtype':>5} {'SpecForge attention':>20} {'ours s':>8} {'SpecForge s':>11} {'ratio':>7}  "
+        "max |ploss diff| of the first steps"
+    )
     for t in args.lengths:
         for dtype in args.dtypes:
             for backend in args.backends:
                 r = compare(cfg, t, dtype, backend, args.repeats, classes, args.profile, CLOCKS[args.clock])
-                print(f"{t:>6} {dtype:>5} {backend:>20} {r['ours_s']:>8.3f} {r['specforge_s']:>11.3f} "
-                      f"{r['ratio']:>6.2f}x  {r['loss_diff']:.1e}", flush=True)
+                print(
+                    f"{t:>6} {dtype:>5} {backend:>20} {r['ours_s']:>8.3f} {r['specforge_s']:>11.3f} "
+                    f"{r['ratio']:>6.2f}x  {r['loss_diff']:.1e}",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

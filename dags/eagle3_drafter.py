@@ -72,8 +72,11 @@ def drafter_dag(box: BoxResource, settings: Deployment, form: dict) -> DAG:
         dag_id=box.dag_id,
         description="Train an EAGLE-3 drafter for a target model on a remote GPU box"
         + (f" ({box.conn_id})" if box.conn_id else "")
-        + ("" if box.scheduled or not (DEPLOYMENT.schedule or DEPLOYMENT.schedule_assets)
-           else "; triggered only: the schedule starts runs of the default box's DAG"),
+        + (
+            ""
+            if box.scheduled or not (DEPLOYMENT.schedule or DEPLOYMENT.schedule_assets)
+            else "; triggered only: the schedule starts runs of the default box's DAG"
+        ),
         # time, the data's or target's Asset updated, or either; None for every box's DAG but the default one's
         schedule=dag_schedule(settings),
         start_date=datetime(2026, 1, 1),
@@ -93,7 +96,6 @@ def drafter_dag(box: BoxResource, settings: Deployment, form: dict) -> DAG:
         doc_md=__doc__,
         tags=["eagle3", "llm", "speculative-decoding"],
     ) as dag:
-
         # The settings reach validate as this parse read them (a default argument: never serialized), and no other
         # task: what those need of them is in the plan validate seals.
         @task(retries=0, multiple_outputs=True)
@@ -106,47 +108,78 @@ def drafter_dag(box: BoxResource, settings: Deployment, form: dict) -> DAG:
         plan = run["plan"]
 
         # What holds the box's GPUs holds them in its pool (pool, pool_slots); the rest holds none.
-        box_reachable = BoxReachableSensor(task_id="box_reachable", plan=plan, poke_interval=30,
-                                           timeout=SENSOR_TIMEOUT)
+        box_reachable = BoxReachableSensor(task_id="box_reachable", plan=plan, poke_interval=30, timeout=SENSOR_TIMEOUT)
         code_synced = task(tasks.sync_code, task_id="sync_code")(plan)
         config_written = task(tasks.write_config, task_id="write_config")(plan)
-        gpus_idle = GpuIdleSensor(task_id="gpus_idle", plan=plan, timeout=SENSOR_TIMEOUT,
-                                  **box.task_kwargs("gpus_idle"))
+        gpus_idle = GpuIdleSensor(
+            task_id="gpus_idle", plan=plan, timeout=SENSOR_TIMEOUT, **box.task_kwargs("gpus_idle")
+        )
         disk_space = DiskSpaceSensor(task_id="disk_space", plan=plan, timeout=SENSOR_TIMEOUT)
 
         shards = task(tasks.shard_list, task_id="shards")
-        generate = RemoteJobOperator(task_id="generate", stage="generate", plan=plan, only_if="generate",
-                                     **box.task_kwargs("generate"))
+        generate = RemoteJobOperator(
+            task_id="generate", stage="generate", plan=plan, only_if="generate", **box.task_kwargs("generate")
+        )
         extract = RemoteJobOperator.partial(
-            task_id="extract", stage="extract", plan=plan, **box.task_kwargs("extract"),
+            task_id="extract",
+            stage="extract",
+            plan=plan,
+            **box.task_kwargs("extract"),
             trigger_rule="none_failed",  # runs after generate, or on the data as given when generate was skipped
         ).expand(shard=shards(plan))
-        gpus_released = GpuIdleSensor(task_id="gpus_released", plan=plan, poke_interval=30, timeout=SENSOR_TIMEOUT,
-                                      **box.task_kwargs("gpus_released"))
+        gpus_released = GpuIdleSensor(
+            task_id="gpus_released",
+            plan=plan,
+            poke_interval=30,
+            timeout=SENSOR_TIMEOUT,
+            **box.task_kwargs("gpus_released"),
+        )
         vocab = RemoteJobOperator(task_id="vocab", stage="vocab", plan=plan)  # CPU only
         # Nothing new since the lineage's current drafter (same samples, vocab, settings): train, export, evaluate
         # and benchmark are skipped; report (none_failed) still runs and says so.
-        inputs_changed = task.short_circuit(tasks.inputs_changed, task_id="inputs_changed",
-                                            ignore_downstream_trigger_rules=False)(plan)
+        inputs_changed = task.short_circuit(
+            tasks.inputs_changed, task_id="inputs_changed", ignore_downstream_trigger_rules=False
+        )(plan)
         train = RemoteJobOperator(task_id="train", stage="train", plan=plan, **box.task_kwargs("train"))
         export = RemoteJobOperator(task_id="export", stage="export", plan=plan)  # CPU only
         # With the settings' approve_promotion, evaluate only proposes; a person approves before `current` switches.
         hold = ["--hold-promotion"] if settings.approve_promotion else []
-        evaluate = RemoteJobOperator(task_id="evaluate", stage="evaluate", plan=plan, stage_args=hold,
-                                     **box.task_kwargs("evaluate"))
-        benchmark = RemoteJobOperator(task_id="benchmark", stage="benchmark", plan=plan, only_if="benchmark",
-                                      **box.task_kwargs("benchmark"))
+        evaluate = RemoteJobOperator(
+            task_id="evaluate", stage="evaluate", plan=plan, stage_args=hold, **box.task_kwargs("evaluate")
+        )
+        benchmark = RemoteJobOperator(
+            task_id="benchmark", stage="benchmark", plan=plan, only_if="benchmark", **box.task_kwargs("benchmark")
+        )
         summary = task(tasks.report, task_id="report", trigger_rule="none_failed")(plan)
         if settings.approve_promotion:  # evaluate only proposed: the promotion DAG below asks a person
             announce = task(approvals.propose_promotion, task_id=approvals.PROPOSE_TASK, outlets=[PROPOSALS])(
-                plan, PROPOSALS.name)
+                plan, PROPOSALS.name
+            )
         else:
             announce = task(approvals.announce_promotion, task_id="promoted", outlets=[DRAFTER])(plan, DRAFTER.name)
         # keep_runs as the plan carries it; a run whose proposal still awaits approval is kept.
         retention = task(tasks.prune_runs, task_id="retention", trigger_rule="none_failed")(plan)
 
-        chain(run, box_reachable, code_synced, config_written, gpus_idle, disk_space, generate, extract,
-              gpus_released, vocab, inputs_changed, train, export, evaluate, benchmark, summary, announce, retention)
+        chain(
+            run,
+            box_reachable,
+            code_synced,
+            config_written,
+            gpus_idle,
+            disk_space,
+            generate,
+            extract,
+            gpus_released,
+            vocab,
+            inputs_changed,
+            train,
+            export,
+            evaluate,
+            benchmark,
+            summary,
+            announce,
+            retention,
+        )
 
     # The form's params go on the DAG after its tasks exist. Passed to DAG(...), Airflow would copy them into every
     # task, then re-validate every copy when it serializes the DAG (0.5 s per parse when the form had 107 fields),
@@ -173,8 +206,11 @@ def promotion_dag(settings: Deployment) -> DAG:
         schedule=[PROPOSALS],  # a training run's propose_promotion
         start_date=datetime(2026, 1, 1),
         catchup=False,
-        default_args={"retries": settings.retries, "retry_delay": timedelta(seconds=settings.retry_delay_s),
-                      "on_failure_callback": notify.task_failure_callbacks(settings) or None},
+        default_args={
+            "retries": settings.retries,
+            "retry_delay": timedelta(seconds=settings.retry_delay_s),
+            "on_failure_callback": notify.task_failure_callbacks(settings) or None,
+        },
         doc_md=approvals.__doc__,
         tags=["eagle3", "llm", "speculative-decoding"],
     ) as dag:
@@ -194,12 +230,17 @@ def promotion_dag(settings: Deployment) -> DAG:
         def decide(proposal):
             """One proposal: a person approves (assigned to the settings' approvers, who are told), then the switch."""
             approve = approvals.PromotionApproval(
-                task_id="approve_promotion", proposal=proposal, approvers=settings.approvers, defaults="Reject",
+                task_id="approve_promotion",
+                proposal=proposal,
+                approvers=settings.approvers,
+                defaults="Reject",
                 notifiers=approvals.approval_notifiers(settings),  # the settings' notify channels hear it waits
-                response_timeout=timedelta(hours=settings.approval_timeout_h))  # no answer: rejected
+                response_timeout=timedelta(hours=settings.approval_timeout_h),
+            )  # no answer: rejected
             promote = promote_held(proposal, approve.output)
             promoted = task(approvals.announce_approved_promotion, task_id="promoted", outlets=[DRAFTER])(
-                proposal, DRAFTER.name)
+                proposal, DRAFTER.name
+            )
             chain(approve, promote, promoted)
 
         decide.expand(proposal=proposals())

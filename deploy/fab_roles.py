@@ -76,8 +76,10 @@ def roles(settings: Deployment) -> dict[str, list[tuple[str, str]]]:
     operated = [*drafter_dag_ids(settings), *asking_dag_ids(settings)]
     return {
         TRIGGER_ROLE: [*OPERATE, *(("can_edit", dag_resource(dag_id)) for dag_id in operated)],
-        APPROVER_ROLE: [*ANSWER_APPROVALS,
-                        *(("can_edit", dag_resource(dag_id)) for dag_id in asking_dag_ids(settings))],
+        APPROVER_ROLE: [
+            *ANSWER_APPROVALS,
+            *(("can_edit", dag_resource(dag_id)) for dag_id in asking_dag_ids(settings)),
+        ],
     }
 
 
@@ -89,8 +91,10 @@ def wanted_users(environ: dict[str, str]) -> list[tuple[str, str, str]]:
         if not name:
             continue
         if not password:
-            raise SystemExit(f"fab_roles: {user_var}={name!r} is set but {password_var} is empty; set it in .env "
-                             f"(or empty {user_var} to create no {role} user)")
+            raise SystemExit(
+                f"fab_roles: {user_var}={name!r} is set but {password_var} is empty; set it in .env "
+                f"(or empty {user_var} to create no {role} user)"
+            )
         users.append((role, name, password))
     return users
 

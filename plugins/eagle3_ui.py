@@ -30,9 +30,11 @@ class Eagle3Plugin(AirflowPlugin):
 
         return [{"app": app, "url_prefix": "/eagle3", "name": "EAGLE-3 run report"}]
 
-    external_views = [{
-        "name": "EAGLE-3 report",
-        "href": "/eagle3/dags/{DAG_ID}/runs/{RUN_ID}/",
-        "destination": "dag_run",
-        "url_route": "eagle3_report",
-    }]
+    external_views = [
+        {
+            "name": "EAGLE-3 report",
+            "href": "/eagle3/dags/{DAG_ID}/runs/{RUN_ID}/",
+            "destination": "dag_run",
+            "url_route": "eagle3_report",
+        }
+    ]

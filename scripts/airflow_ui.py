@@ -61,12 +61,15 @@ def main() -> None:
     # The DAG's pool must exist before its tasks can run, counting deferred ones (eagle3_airflow.deployment).
     with open(log, "ab") as out:
         subprocess.run([airflow, "db", "migrate"], stdout=out, stderr=subprocess.STDOUT, check=True)
-        subprocess.run([sys.executable, "-m", "eagle3_airflow.deployment", "create-pool", "--airflow", airflow],
-                       stdout=out, stderr=subprocess.STDOUT, check=True)
+        subprocess.run(
+            [sys.executable, "-m", "eagle3_airflow.deployment", "create-pool", "--airflow", airflow],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            check=True,
+        )
     print(f"[airflow] starting airflow standalone (its log: {log}) ...", flush=True)
     with open(log, "ab") as out:
-        proc = subprocess.Popen([airflow, "standalone"], stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen([airflow, "standalone"], stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         while not healthy():
             if proc.poll() is not None:

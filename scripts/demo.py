@@ -81,8 +81,17 @@ def airflow_env(state_dtype: str = "bf16") -> dict[str, str]:
     # (run_name left empty: each UI run gets its own run directory, named after its DAG id and Airflow run id).
     settings = WORKDIR / "dag-settings.json"
     form_defaults = {key: value for key, value in CONF.items() if key != "run_name"}
-    settings.write_text(json.dumps({"retry_delay_s": 5, "params": form_defaults,
-                                    "run": {**RUN, "extract.state_dtype": state_dtype}, "box": BOX}, indent=2))
+    settings.write_text(
+        json.dumps(
+            {
+                "retry_delay_s": 5,
+                "params": form_defaults,
+                "run": {**RUN, "extract.state_dtype": state_dtype},
+                "box": BOX,
+            },
+            indent=2,
+        )
+    )
     env.update(
         AIRFLOW_HOME=str(WORKDIR / "airflow"),
         AIRFLOW__CORE__DAGS_FOLDER=str(REPO / "dags"),
@@ -105,8 +114,10 @@ class Console:
 
     JOB_STARTED = re.compile(r"\] (?:started|attached to) \S+ job (?P<key>\S+) on (?P<box>\S+): try (?P<try>\d+)")
     JOB_ENDED = re.compile(r"\] \[(?P<key>[^\]\s]+)\] ==== eagle3 job \S+ try (?P<try>\d+) (?P<how>(?!started)\w+)")
-    STAGE_SAYS = re.compile(r"\] \[(?P<key>[^\]\s]+)\] (?:\S+ \S+ (?:INFO|WARNING|ERROR) eagle3[\w.]*: )?"
-                            r"(?P<message>(?<=: ).*?|error: .*?)\s+\[eagle3_airflow")
+    STAGE_SAYS = re.compile(
+        r"\] \[(?P<key>[^\]\s]+)\] (?:\S+ \S+ (?:INFO|WARNING|ERROR) eagle3[\w.]*: )?"
+        r"(?P<message>(?<=: ).*?|error: .*?)\s+\[eagle3_airflow"
+    )
 
     def __init__(self, run_dir: Path, echo: Callable[[str], None] = print):
         self.run_dir, self.echo, self.started = run_dir, echo, {}
@@ -127,18 +138,28 @@ class Console:
     def failed(self, key: str) -> None:
         log = self.run_dir / layout.JOBS / key / "log"
         tail = log.read_text(errors="replace").splitlines()[-15:] if log.exists() else []
-        self.echo("\n".join(["         last lines of its job log:", *(f"           {t}" for t in tail),
-                              f"         the whole job log: {log}"]))
+        self.echo(
+            "\n".join(
+                [
+                    "         last lines of its job log:",
+                    *(f"           {t}" for t in tail),
+                    f"         the whole job log: {log}",
+                ]
+            )
+        )
 
 
-def run_dag(conf: dict, run_dir: Path, env: dict[str, str], log_path: Path,
-            echo: Callable[[str], None] = print) -> int:
+def run_dag(conf: dict, run_dir: Path, env: dict[str, str], log_path: Path, echo: Callable[[str], None] = print) -> int:
     """`airflow dags test eagle3_drafter` with the whole task log in `log_path` and a Console view of it (the run
     directory's jobs: `run_dir`) on the console while it runs. Returns the exit code."""
     console = Console(run_dir, echo)
     argv = [AIRFLOW, "dags", "test", "eagle3_drafter", "--conf", json.dumps(conf)]
-    with open(log_path, "w") as log, subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                                      text=True, errors="replace") as proc:
+    with (
+        open(log_path, "w") as log,
+        subprocess.Popen(
+            argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace"
+        ) as proc,
+    ):
         for line in proc.stdout:
             log.write(line)
             log.flush()
@@ -160,9 +181,11 @@ def read_json(path: Path) -> dict:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
-        "--state-dtype", choices=("bf16", "fp8_e4m3"), default="bf16",
+        "--state-dtype",
+        choices=("bf16", "fp8_e4m3"),
+        default="bf16",
         help="extract.state_dtype: the dtype the store keeps the hidden states in (fp8_e4m3: half the disk, a "
-        "scale per token and layer; default %(default)s). Run \"demo\" keeps the dtype it was extracted with: "
+        'scale per token and layer; default %(default)s). Run "demo" keeps the dtype it was extracted with: '
         "delete demo-work/runs/demo to switch",
     )
     return parser.parse_args(argv)
@@ -175,9 +198,12 @@ def main() -> None:
     step("build the tiny target", [sys.executable, "-m", "eagle3", "make-tiny-target", str(TINY_TARGET)])
     env = airflow_env(args.state_dtype)
     step("migrate the demo's Airflow DB (SQLite)", [AIRFLOW, "db", "migrate"], env=env, stdout=subprocess.DEVNULL)
-    step("create the DAG's pool (deferred tasks counted)",
-         [sys.executable, "-m", "eagle3_airflow.deployment", "create-pool", "--airflow", AIRFLOW], env=env,
-         stdout=subprocess.DEVNULL)
+    step(
+        "create the DAG's pool (deferred tasks counted)",
+        [sys.executable, "-m", "eagle3_airflow.deployment", "create-pool", "--airflow", AIRFLOW],
+        env=env,
+        stdout=subprocess.DEVNULL,
+    )
     log = WORKDIR / "dag-test.log"
     print(f"[demo] airflow dags test eagle3_drafter (the whole task log goes to {log}):", flush=True)
     run_dir = layout.run_dir_of(WORKDIR, CONF["run_name"])
@@ -205,48 +231,72 @@ def print_summary(run_dir: Path, total_s: float) -> None:
     print()
     generate = read_json(run_dir / layout.GENERATE_STATS)
     print("stage       duration        figures")
-    print(f"generate    {job_seconds(run_dir, 'generate'):<15} {generate['regenerated']} conversations answered by the "
-          f"target itself ({generate['completion_tokens_now']} tokens, {generate['tokens_per_s']:.0f} tokens/s)")
-    print(f"extract     {job_seconds(run_dir, 'extract.0'):<15} shard 0; "
-          f"{job_seconds(run_dir, 'extract.1')} shard 1; {store['samples']} samples, {store['tokens']} tokens, "
-          f"{sum(s.get('duplicates', 0) for s in shards)} duplicate prompts skipped")
-    print(f"            {'':15} {sum(s['samples_extracted'] for s in shards)} samples extracted, "
-          f"{sum(s['samples_stored_before'] for s in shards)} reused from the shared store "
-          f"{(run_dir / layout.HIDDEN_STATES).resolve()}")
-    print(f"store       {'':15} {store['bytes'] / 2**20:.1f} MiB, {store['bytes_per_token']:.1f} bytes/token, "
-          f"aux layers {store['aux_layers']}")
-    print(f"vocab       {job_seconds(run_dir, 'vocab'):<15} draft vocab {vocab.get('draft_vocab_size')} of "
-          f"{vocab.get('target_vocab_size')} ids covers {vocab.get('coverage', 0):.2%} of assistant tokens")
+    print(
+        f"generate    {job_seconds(run_dir, 'generate'):<15} {generate['regenerated']} conversations answered by the "
+        f"target itself ({generate['completion_tokens_now']} tokens, {generate['tokens_per_s']:.0f} tokens/s)"
+    )
+    print(
+        f"extract     {job_seconds(run_dir, 'extract.0'):<15} shard 0; "
+        f"{job_seconds(run_dir, 'extract.1')} shard 1; {store['samples']} samples, {store['tokens']} tokens, "
+        f"{sum(s.get('duplicates', 0) for s in shards)} duplicate prompts skipped"
+    )
+    print(
+        f"            {'':15} {sum(s['samples_extracted'] for s in shards)} samples extracted, "
+        f"{sum(s['samples_stored_before'] for s in shards)} reused from the shared store "
+        f"{(run_dir / layout.HIDDEN_STATES).resolve()}"
+    )
+    print(
+        f"store       {'':15} {store['bytes'] / 2**20:.1f} MiB, {store['bytes_per_token']:.1f} bytes/token, "
+        f"aux layers {store['aux_layers']}"
+    )
+    print(
+        f"vocab       {job_seconds(run_dir, 'vocab'):<15} draft vocab {vocab.get('draft_vocab_size')} of "
+        f"{vocab.get('target_vocab_size')} ids covers {vocab.get('coverage', 0):.2%} of assistant tokens"
+    )
     if not (run_dir / layout.REPORT).exists():  # the DAG found nothing new since the current drafter
         print_unchanged(run_dir, total_s)
         return
     train = read_json(run_dir / layout.TRAIN_SUMMARY)
     report = read_json(run_dir / layout.REPORT)
     print(f"train       {job_seconds(run_dir, 'train'):<15} {train['steps']} steps; best step {train['best']['step']}")
-    print(f"export      {job_seconds(run_dir, 'export'):<15} val acc per position "
-          f"{[round(a, 3) for a in report['val_acc_per_position']]}")
+    print(
+        f"export      {job_seconds(run_dir, 'export'):<15} val acc per position "
+        f"{[round(a, 3) for a in report['val_acc_per_position']]}"
+    )
     offline = ", ".join(f"k={k} {value:.3f}" for k, value in report["offline_accept_length"].items())
     print(f"            {'':15} offline acceptance length (decoding replayed on the validation split): {offline}")
-    served = [f"{engine} (reads {reading['ids']} from {reading['reads']}: HF layers {reading['hf_layers']})"
-              for engine, reading in (report.get("engines") or {}).items() if reading["served"]]
+    served = [
+        f"{engine} (reads {reading['ids']} from {reading['reads']}: HF layers {reading['hf_layers']})"
+        for engine, reading in (report.get("engines") or {}).items()
+        if reading["served"]
+    ]
     print(f"            {'':15} serves {', '.join(served) or 'no engine'}")
     for k, result in report["speculative"].items():
         low, high = result["accept_length_interval95"]
-        print(f"evaluate    {job_seconds(run_dir, 'evaluate'):<15} k={k}: measured acceptance length "
-              f"{result['mean_accept_length']:.3f} (95% interval {low:.3f}-{high:.3f}; first cycle "
-              f"{result['first_cycle_accept_length']:.3f}, later {result['later_cycles_accept_length']:.3f}) on "
-              f"{report['prompts']} held-out prompts, {result['share_of_ceiling']:.0%} of the ceiling "
-              f"{result['ceiling_accept_length']:.3f}; outputs equal to greedy: {result['identical_to_greedy']}")
+        print(
+            f"evaluate    {job_seconds(run_dir, 'evaluate'):<15} k={k}: measured acceptance length "
+            f"{result['mean_accept_length']:.3f} (95% interval {low:.3f}-{high:.3f}; first cycle "
+            f"{result['first_cycle_accept_length']:.3f}, later {result['later_cycles_accept_length']:.3f}) on "
+            f"{report['prompts']} held-out prompts, {result['share_of_ceiling']:.0%} of the ceiling "
+            f"{result['ceiling_accept_length']:.3f}; outputs equal to greedy: {result['identical_to_greedy']}"
+        )
     promotion = report["promotion"]
-    print(f"promotion   {'':15} {'promoted' if promotion['promoted'] else 'not promoted'}: {promotion['reason']}; "
-          f"current drafter of the lineage: {promotion.get('current', '-')}")
-    print(f"target      {'':15} greedy accuracy on the held-out answers "
-          f"{report['target_greedy_accuracy_held_out']:.3f} (drafts are accepted only where they match it)")
+    print(
+        f"promotion   {'':15} {'promoted' if promotion['promoted'] else 'not promoted'}: {promotion['reason']}; "
+        f"current drafter of the lineage: {promotion.get('current', '-')}"
+    )
+    print(
+        f"target      {'':15} greedy accuracy on the held-out answers "
+        f"{report['target_greedy_accuracy_held_out']:.3f} (drafts are accepted only where they match it)"
+    )
     disk = sum(os.lstat(os.path.join(d, f)).st_size for d, _, files in os.walk(run_dir) for f in files)
-    print(f"total {total_s:.0f}s (the whole DAG, Airflow included); the run directory holds {disk / 2**20:.1f} MiB "
-          "besides the store")
-    print(f"drafter:       {run_dir / layout.DRAFTER_DIR} (serve it with SGLang or vLLM: README, "
-          "\"Serving the drafter\")")
+    print(
+        f"total {total_s:.0f}s (the whole DAG, Airflow included); the run directory holds {disk / 2**20:.1f} MiB "
+        "besides the store"
+    )
+    print(
+        f'drafter:       {run_dir / layout.DRAFTER_DIR} (serve it with SGLang or vLLM: README, "Serving the drafter")'
+    )
     print(f"report:        {run_dir / layout.REPORT}")
     plots = (layout.LOSS_PLOT, layout.ACCURACY_PLOT, layout.ACCEPTANCE_PLOT)
     print(f"plots:         {', '.join(str(run_dir / plot) for plot in plots)}")
@@ -258,11 +308,15 @@ def print_unchanged(run_dir: Path, total_s: float) -> None:
     check_argv = [sys.executable, "-m", "eagle3", "lineage", "check", "--config", str(run_dir / layout.CONFIG)]
     check = json.loads(subprocess.run(check_argv, check=True, capture_output=True, text=True).stdout)
     figures = ", ".join(f"k={k}: {v:.3f}" for k, v in (check["current_accept_length"] or {}).items())
-    print(f"train       {'skipped':<15} nothing changed since run {check['unchanged_since']} (same samples, vocab "
-          "mapping, settings and seed): training, export and evaluation skipped")
+    print(
+        f"train       {'skipped':<15} nothing changed since run {check['unchanged_since']} (same samples, vocab "
+        "mapping, settings and seed): training, export and evaluation skipped"
+    )
     print(f"drafter     {'':15} the lineage's current one stays: {check['current_drafter']} (measured {figures})")
-    print(f"total {total_s:.0f}s (the whole DAG, Airflow included). To train anyway: change the seed, or delete "
-          f"{Path(check['current_drafter']).parent} to start the lineage over")
+    print(
+        f"total {total_s:.0f}s (the whole DAG, Airflow included). To train anyway: change the seed, or delete "
+        f"{Path(check['current_drafter']).parent} to start the lineage over"
+    )
     print(f"job logs:      {run_dir / layout.JOBS}/<stage>/log")
     print(f"run directory: {run_dir}")
 

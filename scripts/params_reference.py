@@ -45,8 +45,13 @@ default: the form asks for it.
 
 
 def table_header(title: str) -> list[str]:
-    return ["", f"## {title}", "", "| name | type | default | allowed | description |",
-            "| --- | --- | --- | --- | --- |"]
+    return [
+        "",
+        f"## {title}",
+        "",
+        "| name | type | default | allowed | description |",
+        "| --- | --- | --- | --- | --- |",
+    ]
 
 
 def row(name: str, schema: dict, value, description: str) -> str:

@@ -62,8 +62,9 @@ def migrated_airflow_home(home: Path) -> Path:
         if not MIGRATED_DB.exists():
             building = MIGRATED_DB.parent / "home"
             shutil.rmtree(building, ignore_errors=True)
-            subprocess.run([AIRFLOW, "db", "migrate"], env=airflow_env(building), check=True, capture_output=True,
-                           timeout=300)
+            subprocess.run(
+                [AIRFLOW, "db", "migrate"], env=airflow_env(building), check=True, capture_output=True, timeout=300
+            )
             os.replace(building / "airflow.db", MIGRATED_DB)  # complete or absent: a killed migration leaves none
             shutil.rmtree(building)
     home.mkdir(parents=True, exist_ok=True)
@@ -77,16 +78,32 @@ def airflow_home(tmp_path_factory) -> Path:
     return migrated_airflow_home(tmp_path_factory.mktemp("airflow-home"))
 
 
-def dags_test(home: Path, conf: dict, *, logical_date: str | None = None, timeout: float = 900,
-              env: dict[str, str] | None = None, mark_success: str | None = None,
-              **popen) -> subprocess.CompletedProcess:
+def dags_test(
+    home: Path,
+    conf: dict,
+    *,
+    logical_date: str | None = None,
+    timeout: float = 900,
+    env: dict[str, str] | None = None,
+    mark_success: str | None = None,
+    **popen,
+) -> subprocess.CompletedProcess:
     """`airflow dags test eagle3_drafter [DATE] --conf JSON`; its exit code is 0 iff the DAG run succeeded.
     mark_success: a regex of task ids Airflow marks successful instead of running (a drill about extraction
     need not train)."""
-    argv = [AIRFLOW, "dags", "test", "eagle3_drafter", *([logical_date] if logical_date else []),
-            "--conf", json.dumps(conf), *(["--mark-success-pattern", mark_success] if mark_success else [])]
-    return subprocess.run(argv, env={**airflow_env(home), **(env or {})}, capture_output=True, text=True,
-                          timeout=timeout, **popen)
+    argv = [
+        AIRFLOW,
+        "dags",
+        "test",
+        "eagle3_drafter",
+        *([logical_date] if logical_date else []),
+        "--conf",
+        json.dumps(conf),
+        *(["--mark-success-pattern", mark_success] if mark_success else []),
+    ]
+    return subprocess.run(
+        argv, env={**airflow_env(home), **(env or {})}, capture_output=True, text=True, timeout=timeout, **popen
+    )
 
 
 # -- a running Airflow's API server, as the UI test and the production lane use it --------------------------------
@@ -103,8 +120,9 @@ class AirflowClient:
     def password_of(self, user: str = "admin") -> str:
         return json.loads((self.home / "simple_auth_manager_passwords.json.generated").read_text())[user]
 
-    def request(self, path: str, body: dict | None = None, token: str | None = None,
-                method: str | None = None) -> bytes:
+    def request(
+        self, path: str, body: dict | None = None, token: str | None = None, method: str | None = None
+    ) -> bytes:
         """`method` (default: POST with a body, else GET) `path` with a JSON `body`, with a bearer `token`."""
         import urllib.request
 
@@ -119,8 +137,9 @@ class AirflowClient:
     @property
     def token(self) -> str:
         if self._token is None:
-            self._token = json.loads(self.request("/auth/token", {"username": "admin",
-                                                                  "password": self.password_of()}))["access_token"]
+            self._token = json.loads(
+                self.request("/auth/token", {"username": "admin", "password": self.password_of()})
+            )["access_token"]
         return self._token
 
     def api(self, path: str, body: dict | None = None, method: str | None = None) -> dict:
@@ -133,14 +152,22 @@ class AirflowClient:
 
     def task_log(self, dag_id: str, run_id: str, task_id: str, try_number: int, map_index: int = -1) -> str:
         """A try's task log as the UI shows it: its events' messages, one a line, and a failure's exception."""
-        content = self.api(f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances/{task_id}/logs/{try_number}"
-                           f"?full_content=true&map_index={map_index}")["content"]
+        content = self.api(
+            f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances/{task_id}/logs/{try_number}"
+            f"?full_content=true&map_index={map_index}"
+        )["content"]
 
         def lines(item) -> list[str]:
             if not isinstance(item, dict):
                 return [str(item)]
-            return [item.get("event", ""), *(f"{error.get('exc_type')}: {error.get('exc_value')}"
-                                             for error in item.get("error_detail") or [] if isinstance(error, dict))]
+            return [
+                item.get("event", ""),
+                *(
+                    f"{error.get('exc_type')}: {error.get('exc_value')}"
+                    for error in item.get("error_detail") or []
+                    if isinstance(error, dict)
+                ),
+            ]
 
         return "\n".join(line for item in content for line in lines(item))
 
@@ -227,6 +254,7 @@ def stop_process_groups(procs: list[subprocess.Popen], wait_s: float = 20) -> No
 
 # -- `airflow standalone`: SQLite, LocalExecutor, every component, the local box ---------------------------------
 
+
 def _processes() -> dict[int, tuple[int, str, str]]:
     """pid -> (parent pid, start time in clock ticks, command line) for every process we can read."""
     out = {}
@@ -238,7 +266,7 @@ def _processes() -> dict[int, tuple[int, str, str]]:
             cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
+        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) "
         out[int(entry.name)] = (int(fields[1]), fields[19], cmdline)
     return out
 
@@ -292,15 +320,20 @@ class Standalone(AirflowClient):
     def wait_until(self, ready, what: str, deadline: float, every_s: float = 0.5) -> None:
         """Poll `ready()` every `every_s` until it is true, failing if standalone exits or `deadline` (a
         time.monotonic() value) passes."""
-        poll_until(ready, what, deadline, lambda: None if self.proc.poll() is None else
-                   f"airflow standalone exited ({self.proc.returncode})", self.tail, every_s)
-
-
+        poll_until(
+            ready,
+            what,
+            deadline,
+            lambda: None if self.proc.poll() is None else f"airflow standalone exited ({self.proc.returncode})",
+            self.tail,
+            every_s,
+        )
 
 
 @contextlib.contextmanager
-def airflow_standalone(root: Path, log: Path, dag_ids: list[str], startup_timeout_s: float,
-                       **env_extra: str) -> Iterator[Standalone]:
+def airflow_standalone(
+    root: Path, log: Path, dag_ids: list[str], startup_timeout_s: float, **env_extra: str
+) -> Iterator[Standalone]:
     """`airflow standalone` (SQLite, LocalExecutor: api server, scheduler, dag-processor, triggerer) with this repo's
     DAGs, its home in root/airflow, its output in `log`, `env_extra` in its environment (EAGLE3_DAG_SETTINGS...):
     yielded once every component is healthy, `dag_ids` are serialized, the Execution API's routes are built and the
@@ -324,15 +357,28 @@ def airflow_standalone(root: Path, log: Path, dag_ids: list[str], startup_timeou
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # it spawns `airflow ...`
     started = time.monotonic()
     with open(log, "w") as out:
-        proc = subprocess.Popen([AIRFLOW, "standalone"], env=env, stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True, cwd=root)
+        proc = subprocess.Popen(
+            [AIRFLOW, "standalone"],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            cwd=root,
+        )
     server = Standalone(f"http://localhost:{port}", home, log, proc)
     try:
         deadline = time.monotonic() + startup_timeout_s
-        server.wait_until(lambda: all_healthy(server.url),
-                          "the api server's health endpoint to report every component healthy", deadline)
-        server.wait_until(lambda: dags_serialized(server.api, dag_ids, server.tail),
-                          f"the dag-processor to serialize {', '.join(dag_ids)}", deadline)
+        server.wait_until(
+            lambda: all_healthy(server.url),
+            "the api server's health endpoint to report every component healthy",
+            deadline,
+        )
+        server.wait_until(
+            lambda: dags_serialized(server.api, dag_ids, server.tail),
+            f"the dag-processor to serialize {', '.join(dag_ids)}",
+            deadline,
+        )
         # The Execution API builds its versioned routes (Cadwyn) on its first request, holding the api server's
         # one worker for about 10 CPU-seconds. The first task's start call paid for it: inside the suite the whole
         # api server stood still for 40 s, the call's five tries at 5 s each timed out and `validate` failed. Pay
@@ -341,8 +387,13 @@ def airflow_standalone(root: Path, log: Path, dag_ids: list[str], startup_timeou
         # routes, as `make airflow` and the compose healthcheck rely on too.
         urllib.request.urlopen(server.url + "/execution/health", timeout=startup_timeout_s).close()
         # The DAG's pool, as make airflow and the compose init create it: its tasks wait for a pool that exists.
-        subprocess.run([sys.executable, "-m", "eagle3_airflow.deployment", "create-pool", "--airflow", AIRFLOW],
-                       env=env, check=True, capture_output=True, timeout=120)
+        subprocess.run(
+            [sys.executable, "-m", "eagle3_airflow.deployment", "create-pool", "--airflow", AIRFLOW],
+            env=env,
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
         print(f"airflow standalone on {server.url}: ready in {time.monotonic() - started:.1f} s")
         yield server
     finally:

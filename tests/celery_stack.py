@@ -51,17 +51,21 @@ WORKER_2_HOSTNAME = "celery-worker-2"
 def _postgres_bin() -> Path:
     found = sorted(Path("/usr/lib/postgresql").glob("*/bin/postgres"), key=lambda p: int(p.parts[-3]))
     if not found:
-        raise FileNotFoundError("PostgreSQL is missing (/usr/lib/postgresql/*/bin/postgres): the production-topology "
-                                "tests run its metadata database. Install it with `make system-packages` (Debian's "
-                                "postgresql)")
+        raise FileNotFoundError(
+            "PostgreSQL is missing (/usr/lib/postgresql/*/bin/postgres): the production-topology "
+            "tests run its metadata database. Install it with `make system-packages` (Debian's "
+            "postgresql)"
+        )
     return found[-1].parent
 
 
 def _require(command: str, package: str) -> str:
     path = shutil.which(command)
     if path is None:
-        raise FileNotFoundError(f"{command} is missing: the production-topology tests run it. Install it with "
-                                f"`make system-packages` (Debian's {package})")
+        raise FileNotFoundError(
+            f"{command} is missing: the production-topology tests run it. Install it with "
+            f"`make system-packages` (Debian's {package})"
+        )
     return path
 
 
@@ -72,12 +76,20 @@ def _as_postgres() -> list[str]:
 
 def _wait(ready, what: str, timeout: float, procs: dict[str, subprocess.Popen], logs: Path, every_s: float = 0.5):
     """Poll ready() until true; fail naming the component that exited, or the timeout, with the logs' tails."""
-    def stopped() -> str | None:
-        return next((f"{name} exited ({proc.returncode})" for name, proc in procs.items() if proc.poll() is not None),
-                    None)
 
-    poll_until(ready, what, time.monotonic() + timeout, stopped,
-               lambda: "\n".join(tail(log, 15) for log in sorted(logs.glob("*.log"))), every_s)
+    def stopped() -> str | None:
+        return next(
+            (f"{name} exited ({proc.returncode})" for name, proc in procs.items() if proc.poll() is not None), None
+        )
+
+    poll_until(
+        ready,
+        what,
+        time.monotonic() + timeout,
+        stopped,
+        lambda: "\n".join(tail(log, 15) for log in sorted(logs.glob("*.log"))),
+        every_s,
+    )
 
 
 def tail(log: Path, lines: int = 40) -> str:
@@ -103,8 +115,10 @@ class Namespace:
     def _ip(self, *args: str) -> None:
         proc = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
         if proc.returncode != 0:
-            raise RuntimeError(f"`ip {' '.join(args)}` failed ({proc.returncode}): {proc.stderr.strip()}. The "
-                               "production-topology tests need root (or CAP_NET_ADMIN) for a network namespace")
+            raise RuntimeError(
+                f"`ip {' '.join(args)}` failed ({proc.returncode}): {proc.stderr.strip()}. The "
+                "production-topology tests need root (or CAP_NET_ADMIN) for a network namespace"
+            )
 
     def create(self) -> Namespace:
         self._ip("netns", "add", self.name)
@@ -120,8 +134,19 @@ class Namespace:
 
     def argv(self, hostname: str, argv: list[str]) -> list[str]:
         """`argv` inside the namespace, under a hostname of its own."""
-        return ["ip", "netns", "exec", self.name, "unshare", "--uts", "sh", "-c",
-                f'hostname {hostname} && exec "$@"', "sh", *argv]
+        return [
+            "ip",
+            "netns",
+            "exec",
+            self.name,
+            "unshare",
+            "--uts",
+            "sh",
+            "-c",
+            f'hostname {hostname} && exec "$@"',
+            "sh",
+            *argv,
+        ]
 
     def delete(self) -> None:
         if self._up:
@@ -183,8 +208,15 @@ class CeleryStack(AirflowClient):
     # -- processes -------------------------------------------------------------------------------------
     def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         with open(self.logs / f"{name}.log", "ab") as out:
-            proc = subprocess.Popen(argv, env=env or self.env, stdout=out, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True, cwd=self.root)
+            proc = subprocess.Popen(
+                argv,
+                env=env or self.env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                cwd=self.root,
+            )
         self.procs[name] = proc
         return proc
 
@@ -193,19 +225,44 @@ class CeleryStack(AirflowClient):
         started = time.monotonic()
         self._start_postgres()
         self._start_redis()
-        migrate = subprocess.run([AIRFLOW, "db", "migrate"], env=self.env, capture_output=True, text=True,
-                                 timeout=STARTUP_TIMEOUT_S)
+        migrate = subprocess.run(
+            [AIRFLOW, "db", "migrate"], env=self.env, capture_output=True, text=True, timeout=STARTUP_TIMEOUT_S
+        )
         (self.logs / "db-migrate.log").write_text(migrate.stdout + migrate.stderr)
         assert migrate.returncode == 0, f"airflow db migrate failed:\n{tail(self.logs / 'db-migrate.log')}"
         self.spawn("api-server", [AIRFLOW, "api-server", "--host", self.ip, "--port", str(self.api_port)])
         self.spawn("scheduler", [AIRFLOW, "scheduler", "--skip-serve-logs"])
         self.spawn("dag-processor", [AIRFLOW, "dag-processor"])
         self.start_triggerer("triggerer")
-        self.spawn("worker-1", [AIRFLOW, "celery", "worker", "--celery-hostname", "worker-1@%h", "--skip-serve-logs",
-                                "--without-gossip", "--without-mingle"])
-        self.spawn("worker-2", self.ns.argv(WORKER_2_HOSTNAME, [
-            AIRFLOW, "celery", "worker", "--celery-hostname", "worker-2@%h", "--skip-serve-logs", "--without-gossip",
-            "--without-mingle"]))
+        self.spawn(
+            "worker-1",
+            [
+                AIRFLOW,
+                "celery",
+                "worker",
+                "--celery-hostname",
+                "worker-1@%h",
+                "--skip-serve-logs",
+                "--without-gossip",
+                "--without-mingle",
+            ],
+        )
+        self.spawn(
+            "worker-2",
+            self.ns.argv(
+                WORKER_2_HOSTNAME,
+                [
+                    AIRFLOW,
+                    "celery",
+                    "worker",
+                    "--celery-hostname",
+                    "worker-2@%h",
+                    "--skip-serve-logs",
+                    "--without-gossip",
+                    "--without-mingle",
+                ],
+            ),
+        )
         self._wait_ready(dag_ids)
         print(f"Celery stack on {self.url}: ready in {time.monotonic() - started:.1f} s")
         return self
@@ -220,27 +277,84 @@ class CeleryStack(AirflowClient):
         if os.geteuid() == 0:
             shutil.chown(self.pg_dir, "postgres", "postgres")
         data = self.pg_dir / "data"
-        initdb = subprocess.run([*_as_postgres(), str(bin_dir / "initdb"), "-D", str(data), "-U", "airflow",
-                                 "--auth=trust", "-E", "UTF8", "--no-sync"], capture_output=True, text=True,
-                                timeout=120)
+        initdb = subprocess.run(
+            [
+                *_as_postgres(),
+                str(bin_dir / "initdb"),
+                "-D",
+                str(data),
+                "-U",
+                "airflow",
+                "--auth=trust",
+                "-E",
+                "UTF8",
+                "--no-sync",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         (self.logs / "initdb.log").write_text(initdb.stdout + initdb.stderr)
         assert initdb.returncode == 0, f"initdb failed:\n{tail(self.logs / 'initdb.log')}"
         with open(data / "pg_hba.conf", "a") as hba:  # both ends of the veth (trust: a throwaway test database)
             hba.write(f"host all all {self.ns.host_ip}/32 trust\nhost all all {self.ns.ns_ip}/32 trust\n")
-        self.spawn("postgres", [*_as_postgres(), str(bin_dir / "postgres"), "-D", str(data), "-p", str(self.pg_port),
-                                "-k", str(self.pg_dir), "-c", f"listen_addresses={self.ip}", "-c", "fsync=off",
-                                "-c", "synchronous_commit=off", "-c", "full_page_writes=off",
-                                "-c", "max_connections=200"])
+        self.spawn(
+            "postgres",
+            [
+                *_as_postgres(),
+                str(bin_dir / "postgres"),
+                "-D",
+                str(data),
+                "-p",
+                str(self.pg_port),
+                "-k",
+                str(self.pg_dir),
+                "-c",
+                f"listen_addresses={self.ip}",
+                "-c",
+                "fsync=off",
+                "-c",
+                "synchronous_commit=off",
+                "-c",
+                "full_page_writes=off",
+                "-c",
+                "max_connections=200",
+            ],
+        )
         pg_isready = str(bin_dir / "pg_isready")
-        _wait(lambda: subprocess.run([pg_isready, "-h", self.ip, "-p", str(self.pg_port)],
-                                     capture_output=True).returncode == 0,
-              "PostgreSQL to accept connections", 60, self.procs, self.logs, every_s=0.2)
+        _wait(
+            lambda: (
+                subprocess.run([pg_isready, "-h", self.ip, "-p", str(self.pg_port)], capture_output=True).returncode
+                == 0
+            ),
+            "PostgreSQL to accept connections",
+            60,
+            self.procs,
+            self.logs,
+            every_s=0.2,
+        )
 
     def _start_redis(self) -> None:
         redis = _require("redis-server", "redis-server")
         # No persistence: a broker for one test module.
-        self.spawn("redis", [redis, "--bind", self.ip, "--port", str(self.redis_port), "--save", "",
-                             "--appendonly", "no", "--protected-mode", "no", "--dir", str(self.root)])
+        self.spawn(
+            "redis",
+            [
+                redis,
+                "--bind",
+                self.ip,
+                "--port",
+                str(self.redis_port),
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--protected-mode",
+                "no",
+                "--dir",
+                str(self.root),
+            ],
+        )
 
         def answers() -> bool:
             import socket
@@ -252,25 +366,48 @@ class CeleryStack(AirflowClient):
         _wait(answers, "Redis to answer", 30, self.procs, self.logs, every_s=0.2)
 
     def _wait_ready(self, dag_ids: tuple[str, ...]) -> None:
-        _wait(lambda: all_healthy(self.url), "every component to report healthy", STARTUP_TIMEOUT_S, self.procs,
-              self.logs, every_s=1)
+        _wait(
+            lambda: all_healthy(self.url),
+            "every component to report healthy",
+            STARTUP_TIMEOUT_S,
+            self.procs,
+            self.logs,
+            every_s=1,
+        )
         self.wait_serialized(dag_ids)
         # The Execution API builds its routes on its first request (tests/ui/test_web_ui.py says why to pay here).
         urllib.request.urlopen(self.url + "/execution/health", timeout=STARTUP_TIMEOUT_S).close()
         for worker in ("worker-1", "worker-2"):
-            _wait(lambda worker=worker: " ready." in (self.logs / f"{worker}.log").read_text(errors="replace"),
-                  f"Celery {worker} to be ready", STARTUP_TIMEOUT_S, self.procs, self.logs, 1)
+            _wait(
+                lambda worker=worker: " ready." in (self.logs / f"{worker}.log").read_text(errors="replace"),
+                f"Celery {worker} to be ready",
+                STARTUP_TIMEOUT_S,
+                self.procs,
+                self.logs,
+                1,
+            )
         self.create_pools()
 
     def wait_serialized(self, dag_ids: tuple[str, ...], timeout: float = STARTUP_TIMEOUT_S) -> None:
-        _wait(lambda: dags_serialized(self.api, dag_ids), f"the dag-processor to serialize {', '.join(dag_ids)}",
-              timeout, self.procs, self.logs, 1)
+        _wait(
+            lambda: dags_serialized(self.api, dag_ids),
+            f"the dag-processor to serialize {', '.join(dag_ids)}",
+            timeout,
+            self.procs,
+            self.logs,
+            1,
+        )
 
     def create_pools(self) -> None:
         """The deployment's pools, one per box of the settings (`python -m eagle3_airflow.deployment create-pool`, the
         operator's step when a box is added)."""
-        subprocess.run([sys.executable, "-m", "eagle3_airflow.deployment", "create-pool", "--airflow", AIRFLOW],
-                       env=self.env, check=True, capture_output=True, timeout=120)
+        subprocess.run(
+            [sys.executable, "-m", "eagle3_airflow.deployment", "create-pool", "--airflow", AIRFLOW],
+            env=self.env,
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
 
     def reparse(self, dag_id: str) -> None:
         """Ask the dag-processor to parse `dag_id`'s file again now (PUT /parseDagFile/<file token>: the UI's

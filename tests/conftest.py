@@ -98,6 +98,7 @@ def pytest_collection_modifyitems(config, items):
     """The order xdist hands tests out in (pyproject.toml: --dist loadgroup, one test, or one xdist_group, at a
     time to whichever worker is free): LONGEST_FIRST, then the other slow tests (marked so: real subprocesses,
     servers, drills), then the rest, each part in its usual order."""
+
     def rank(item) -> tuple[int, int]:
         path = item.nodeid.split("::")[0]
         if path in LONGEST_FIRST:
@@ -116,11 +117,17 @@ def xdist_grouped(request):
     and 55; the suite is CPU-bound on 2 cores). requirements.txt pins a pytest that works; this says so when it
     does not."""
     config = request.config
-    if (hasattr(config, "workerinput") and config.getvalue("loadgroup")
-            and request.node.get_closest_marker("xdist_group") and "@" not in request.node.nodeid.rpartition("::")[2]):
-        pytest.fail("pytest-xdist's --dist loadgroup did not group this test: this pytest and pytest-xdist do not "
-                    "work together (pytest-dev/pytest-xdist#1386). Install the versions requirements.txt pins "
-                    "(make install)")
+    if (
+        hasattr(config, "workerinput")
+        and config.getvalue("loadgroup")
+        and request.node.get_closest_marker("xdist_group")
+        and "@" not in request.node.nodeid.rpartition("::")[2]
+    ):
+        pytest.fail(
+            "pytest-xdist's --dist loadgroup did not group this test: this pytest and pytest-xdist do not "
+            "work together (pytest-dev/pytest-xdist#1386). Install the versions requirements.txt pins "
+            "(make install)"
+        )
 
 
 @pytest.fixture(scope="session")
@@ -164,8 +171,14 @@ def shared_dir(tmp_path_factory, worker_id: str) -> Path:
     return base if worker_id == "master" else base.parent
 
 
-TRAIN_SETTINGS = {"batch_tokens": 512, "save_every_steps": 4, "epochs": 2, "learning_rate": 1e-3,
-                  "progress_interval_s": 0.5, "keep_last": 2}
+TRAIN_SETTINGS = {
+    "batch_tokens": 512,
+    "save_every_steps": 4,
+    "epochs": 2,
+    "learning_rate": 1e-3,
+    "progress_interval_s": 0.5,
+    "keep_last": 2,
+}
 
 
 @pytest.fixture
@@ -198,8 +211,9 @@ def trained_run(tiny_target, tmp_path_factory, worker_id) -> tuple[Path, dict]:
     summary_file = workdir / "train-summary.json"
     with FileLock(shared / "trained-work.lock"):
         if not summary_file.exists():
-            cfg = resolve_target_facts(parse_run_config({**tiny_run_data(tiny_target, workdir, "train"),
-                                                         "train": TRAIN_SETTINGS}))
+            cfg = resolve_target_facts(
+                parse_run_config({**tiny_run_data(tiny_target, workdir, "train"), "train": TRAIN_SETTINGS})
+            )
             run_extract(cfg)
             run_vocab(cfg)
             write_run_config(cfg)
@@ -213,8 +227,12 @@ def trained_config(trained_run, make_config, tmp_path):
     from eagle3.config import write_run_config
 
     run_config = trained_run[0] / "runs" / "train" / "config.json"
-    shutil.copytree(trained_run[0], tmp_path / "work", symlinks=True,  # hidden_states: the link into stores/
-                    ignore=lambda directory, names: ["config.json"] if Path(directory) == run_config.parent else [])
+    shutil.copytree(
+        trained_run[0],
+        tmp_path / "work",
+        symlinks=True,  # hidden_states: the link into stores/
+        ignore=lambda directory, names: ["config.json"] if Path(directory) == run_config.parent else [],
+    )
     cfg = make_config(run_name="train", train=TRAIN_SETTINGS)
     write_run_config(cfg)  # (the copy's own: the trained run's names the other workdir)
     return cfg
@@ -224,15 +242,19 @@ def trained_config(trained_run, make_config, tmp_path):
 
 FAKES = REPO / "tests" / "fakes"
 
-H200 = {"index": 0, "uuid": "GPU-0a1b", "name": "NVIDIA H200", "memory.total": 143771,
-        "mig.mode.current": "Disabled"}
-VLLM = {"gpu_uuid": "GPU-0a1b", "pid": 4242, "process_name": "python3 -m vllm.entrypoints.openai.api_server",
-        "used_memory": 70000}
+H200 = {"index": 0, "uuid": "GPU-0a1b", "name": "NVIDIA H200", "memory.total": 143771, "mig.mode.current": "Disabled"}
+VLLM = {
+    "gpu_uuid": "GPU-0a1b",
+    "pid": 4242,
+    "process_name": "python3 -m vllm.entrypoints.openai.api_server",
+    "used_memory": 70000,
+}
 
 
 # The DAG run the tests' plans are sealed for, as a task's context hands it over (the Task SDK's DagRun has these).
-RUN = SimpleNamespace(dag_id="eagle3_drafter", run_id="manual__2026-12-04T08:00:00+00:00", conf={},
-                      triggering_user_name="trigger-user")
+RUN = SimpleNamespace(
+    dag_id="eagle3_drafter", run_id="manual__2026-12-04T08:00:00+00:00", conf={}, triggering_user_name="trigger-user"
+)
 CONTEXT = {"dag_run": RUN}
 
 
@@ -272,8 +294,12 @@ def plain_config(workdir, run_name: str = "r", **sections):
     """A RunConfig that names a target and data it never reads: for the control plane's tests, where no stage runs."""
     from eagle3.config import parse_run_config
 
-    data = {"run_name": run_name, "workdir": str(workdir), "target": {"model_path": "/models/target"},
-            "data": {"path": "/data/conversations.jsonl"}}
+    data = {
+        "run_name": run_name,
+        "workdir": str(workdir),
+        "target": {"model_path": "/models/target"},
+        "data": {"path": "/data/conversations.jsonl"},
+    }
     for section, values in sections.items():
         data.setdefault(section, {}).update(values)
     return parse_run_config(data)
@@ -287,8 +313,12 @@ def run_plan(config, **box) -> object:
     from eagle3_airflow.params import BoxSettings
     from eagle3_airflow.plan import RunPlan
 
-    return RunPlan(protocol=PROTOCOL, code_digest=package_archive().digest, config=config,
-                   box=BoxSettings(**{"conn_ids": ["local"], "python": sys.executable, **box}))
+    return RunPlan(
+        protocol=PROTOCOL,
+        code_digest=package_archive().digest,
+        config=config,
+        box=BoxSettings(**{"conn_ids": ["local"], "python": sys.executable, **box}),
+    )
 
 
 @pytest.fixture
@@ -297,10 +327,18 @@ def trust_settings(tmp_path, monkeypatch) -> Path:
     workdir root (its runs' workdir tmp_path/work, as the `plan` fixture's), this machine and the loopback sshd's box
     as the allowed boxes, two units as stoppable services, this interpreter as the box's python."""
     path = tmp_path / "dag-settings.json"
-    path.write_text(json.dumps({"allowed_workdirs": [str(tmp_path)], "allowed_boxes": ["local", "gpu_box"],
-                                "allowed_services": ["vllm.service", "other.service"],
-                                "allowed_pythons": [sys.executable],
-                                "run": {"workdir": str(tmp_path / "work")}, "box": {"python": sys.executable}}))
+    path.write_text(
+        json.dumps(
+            {
+                "allowed_workdirs": [str(tmp_path)],
+                "allowed_boxes": ["local", "gpu_box"],
+                "allowed_services": ["vllm.service", "other.service"],
+                "allowed_pythons": [sys.executable],
+                "run": {"workdir": str(tmp_path / "work")},
+                "box": {"python": sys.executable},
+            }
+        )
+    )
     monkeypatch.setenv("EAGLE3_DAG_SETTINGS", str(path))
     return path
 

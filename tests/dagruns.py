@@ -72,15 +72,28 @@ def tiny_layers(tiny_target: Path, workdir: Path, **overrides) -> tuple[dict, di
         **overrides,
     }
     conf = {name: value for name, value in values.items() if name in FORM_FIELDS}
-    box = {name.removeprefix(BOX_PREFIX + "."): value for name, value in values.items()
-           if name.startswith(BOX_PREFIX + ".") and name not in FORM_FIELDS}
-    run = {name: value for name, value in values.items()
-           if name not in FORM_FIELDS and not name.startswith(BOX_PREFIX + ".")}
+    box = {
+        name.removeprefix(BOX_PREFIX + "."): value
+        for name, value in values.items()
+        if name.startswith(BOX_PREFIX + ".") and name not in FORM_FIELDS
+    }
+    run = {
+        name: value
+        for name, value in values.items()
+        if name not in FORM_FIELDS and not name.startswith(BOX_PREFIX + ".")
+    }
     return conf, {"run": run, "box": box}
 
 
-def tiny_run(tiny_target: Path, workdir: Path, run_name: str = BASELINE_RUN_NAME, *, settings_dir: Path,
-             settings: dict | None = None, **overrides) -> tuple[dict, dict[str, str]]:
+def tiny_run(
+    tiny_target: Path,
+    workdir: Path,
+    run_name: str = BASELINE_RUN_NAME,
+    *,
+    settings_dir: Path,
+    settings: dict | None = None,
+    **overrides,
+) -> tuple[dict, dict[str, str]]:
     """tiny_layers' run as (conf, env): its layers written into a settings file in `settings_dir` with `settings`
     (default: quick retries and the loopback sshd's box, as the `settings` fixture), the env naming it."""
     conf, layers = tiny_layers(tiny_target, workdir, run_name=run_name, **overrides)
@@ -104,8 +117,9 @@ def settings_env(directory: Path, **values) -> dict[str, str]:
 def settings(tmp_path_factory) -> dict[str, str]:
     """Deployment settings through EAGLE3_DAG_SETTINGS: retries wait 1 s (then 2, 4, ...) instead of a minute, and
     runs may use the loopback sshd's box (tests/sshd.py) besides this machine."""
-    return settings_env(tmp_path_factory.mktemp("settings"), retry_delay_s=1, retries=2,
-                        allowed_boxes=["local", "gpu_box"])
+    return settings_env(
+        tmp_path_factory.mktemp("settings"), retry_delay_s=1, retries=2, allowed_boxes=["local", "gpu_box"]
+    )
 
 
 def job_state(run_dir: Path, key: str) -> dict:
@@ -144,20 +158,37 @@ def killing_python(wrapper: Path, while_exists: Path, checkpoints: Path) -> Path
         "  kill -9 $stage\n"
         "  exit 137\n"
         "fi\n"
-        f'exec {sys.executable} "$@"\n')
+        f'exec {sys.executable} "$@"\n'
+    )
     wrapper.chmod(0o755)
     return wrapper
 
 
-def start_dag_run(home: Path, conf: dict, output: Path, *, logical_date: str | None = None,
-                  env: dict[str, str] | None = None, mark_success: str | None = None) -> subprocess.Popen:
+def start_dag_run(
+    home: Path,
+    conf: dict,
+    output: Path,
+    *,
+    logical_date: str | None = None,
+    env: dict[str, str] | None = None,
+    mark_success: str | None = None,
+) -> subprocess.Popen:
     """`airflow dags test` in the background, in a session of its own (so a drill can SIGKILL the whole Airflow
     side with killpg), stdout and stderr into `output`."""
-    argv = [AIRFLOW, "dags", "test", "eagle3_drafter", *([logical_date] if logical_date else []),
-            "--conf", json.dumps(conf), *(["--mark-success-pattern", mark_success] if mark_success else [])]
+    argv = [
+        AIRFLOW,
+        "dags",
+        "test",
+        "eagle3_drafter",
+        *([logical_date] if logical_date else []),
+        "--conf",
+        json.dumps(conf),
+        *(["--mark-success-pattern", mark_success] if mark_success else []),
+    ]
     with open(output, "ab") as out:
-        return subprocess.Popen(argv, env={**airflow_env(home), **(env or {})}, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(
+            argv, env={**airflow_env(home), **(env or {})}, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
 
 
 # What an Airflow worker's environment holds on the docker-compose stack, where the local box is the worker itself.
@@ -198,21 +229,32 @@ def baseline_run(tiny_target, tmp_path_factory, worker_id) -> Path:
             console: list[tuple[float, str]] = []
             log = workdir / "dag-test.log"
             conf, env = tiny_run(tiny_target, workdir, settings_dir=workdir)
-            code = run_dag(conf, workdir / "runs" / BASELINE_RUN_NAME, {**airflow_env(home), **env, **WORKER_SECRETS},
-                           log,
-                           lambda text: console.append((time.monotonic() - started, text)))
+            code = run_dag(
+                conf,
+                workdir / "runs" / BASELINE_RUN_NAME,
+                {**airflow_env(home), **env, **WORKER_SECRETS},
+                log,
+                lambda text: console.append((time.monotonic() - started, text)),
+            )
             print(f"uninterrupted DAG run (local transport): {time.monotonic() - started:.1f} s")
-            (workdir / "console.json").write_text(json.dumps({"lines": console,
-                                                              "ended_s": time.monotonic() - started}))
+            (workdir / "console.json").write_text(json.dumps({"lines": console, "ended_s": time.monotonic() - started}))
             outcome_file.write_text(json.dumps({"exit_code": code, "log_tail": log.read_text().splitlines()[-60:]}))
     outcome = json.loads(outcome_file.read_text())
-    assert outcome["exit_code"] == 0, (f"DAG run failed (exit {outcome['exit_code']}):\n"
-                                       + "\n".join(outcome["log_tail"]))
+    assert outcome["exit_code"] == 0, f"DAG run failed (exit {outcome['exit_code']}):\n" + "\n".join(
+        outcome["log_tail"]
+    )
     return workdir / "runs" / BASELINE_RUN_NAME
 
 
-THROUGH_VOCAB = ("hidden_states", "extract", "vocab_mapping", "disk_estimate_tokens.json", "jobs/extract.0",
-                 "jobs/extract.1", "jobs/vocab")
+THROUGH_VOCAB = (
+    "hidden_states",
+    "extract",
+    "vocab_mapping",
+    "disk_estimate_tokens.json",
+    "jobs/extract.0",
+    "jobs/extract.1",
+    "jobs/vocab",
+)
 
 
 def copy_through_vocab(baseline: Path, workdir: Path) -> Path:

@@ -43,12 +43,18 @@ def main() -> None:
         session.merge(DagBundleModel(name="dags-folder"))
         session.flush()  # (the DAG row refers to its bundle's)
         session.merge(DagModel(dag_id=DAG_ID, bundle_name="dags-folder"))
-        run = DagRun(dag_id=DAG_ID, run_id=RUN_ID, run_type=DagRunType.MANUAL, state=state,
-                     queued_at=queued, run_after=queued)
+        run = DagRun(
+            dag_id=DAG_ID, run_id=RUN_ID, run_type=DagRunType.MANUAL, state=state, queued_at=queued, run_after=queued
+        )
         session.add(run)
         session.flush()
-        deadline = Deadline(deadline_time=queued + timedelta(hours=1), callback=callback, dagrun_id=run.id,
-                            deadline_alert_id=None, dag_id=DAG_ID)
+        deadline = Deadline(
+            deadline_time=queued + timedelta(hours=1),
+            callback=callback,
+            dagrun_id=run.id,
+            deadline_alert_id=None,
+            dag_id=DAG_ID,
+        )
         session.add(deadline)
         session.flush()
         deadline.handle_miss(session)

@@ -85,8 +85,9 @@ class LoopbackSshd:
 
     host = "127.0.0.1"
 
-    def __init__(self, workdir: str | os.PathLike | None = None, port: int | None = None,
-                 env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, workdir: str | os.PathLike | None = None, port: int | None = None, env: dict[str, str] | None = None
+    ) -> None:
         sshd = find_sshd()
         if sshd is None:
             raise FileNotFoundError("sshd not found; install openssh-server (.ci/run does this on CI)")

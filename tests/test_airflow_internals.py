@@ -14,8 +14,17 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 # Airflow's own packages that are not its public interface (airflow.sdk, airflow.sdk.exceptions, the providers,
 # airflow.triggers.base, airflow.listeners and airflow.plugins_manager are).
-INTERNAL = ("airflow.models", "airflow.utils", "airflow.api_fastapi", "airflow.jobs", "airflow.serialization",
-            "airflow.executors", "airflow.settings", "airflow.configuration", "airflow._shared")
+INTERNAL = (
+    "airflow.models",
+    "airflow.utils",
+    "airflow.api_fastapi",
+    "airflow.jobs",
+    "airflow.serialization",
+    "airflow.executors",
+    "airflow.settings",
+    "airflow.configuration",
+    "airflow._shared",
+)
 FENCE = REPO / "plugins" / "eagle3_airflow" / "airflow_internals.py"
 
 
@@ -31,10 +40,16 @@ def imported_modules(path: Path) -> list[tuple[int, str]]:
 
 def test_no_module_but_the_fence_imports_an_airflow_internal():
     sources = sorted((REPO / "plugins").rglob("*.py")) + sorted((REPO / "dags").rglob("*.py"))
-    offenders = [f"{path.relative_to(REPO)}:{line} imports {module}" for path in sources if path != FENCE
-                 for line, module in imported_modules(path) if module.startswith(INTERNAL)]
-    assert offenders == [], "import these through eagle3_airflow.airflow_internals (say why there): " + \
-        "; ".join(offenders)
+    offenders = [
+        f"{path.relative_to(REPO)}:{line} imports {module}"
+        for path in sources
+        if path != FENCE
+        for line, module in imported_modules(path)
+        if module.startswith(INTERNAL)
+    ]
+    assert offenders == [], "import these through eagle3_airflow.airflow_internals (say why there): " + "; ".join(
+        offenders
+    )
 
 
 def parameters(function) -> list[str]:
@@ -48,8 +63,9 @@ def test_each_fenced_name_has_what_the_project_uses():
 
     from eagle3_airflow import airflow_internals as fenced
 
-    assert sorted(fenced.__all__) == sorted(
-        name for name, _ in imported_names(FENCE)), "every fenced name is listed in __all__"
+    assert sorted(fenced.__all__) == sorted(name for name, _ in imported_names(FENCE)), (
+        "every fenced name is listed in __all__"
+    )
     # report_view: select(DagRun.id).where(DagRun.dag_id == ..., DagRun.run_id == ...); run_note: dag_run.note;
     # notify.RunFirstQueuedAt: select(DagRun.queued_at)
     for column in ("id", "dag_id", "run_id", "note", "queued_at"):
@@ -68,16 +84,22 @@ def test_each_fenced_name_has_what_the_project_uses():
 
 
 def imported_names(path: Path) -> list[tuple[str, str]]:
-    return [(alias.asname or alias.name, node.module) for node in ast.parse(path.read_text()).body
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("airflow.")
-            for alias in node.names]
+    return [
+        (alias.asname or alias.name, node.module)
+        for node in ast.parse(path.read_text()).body
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("airflow.")
+        for alias in node.names
+    ]
 
 
-@pytest.mark.parametrize("module, names", [
-    ("airflow.triggers.base", ["BaseTrigger", "TriggerEvent"]),
-    ("airflow.listeners", ["hookimpl"]),
-    ("airflow.plugins_manager", ["AirflowPlugin"]),
-])
+@pytest.mark.parametrize(
+    "module, names",
+    [
+        ("airflow.triggers.base", ["BaseTrigger", "TriggerEvent"]),
+        ("airflow.listeners", ["hookimpl"]),
+        ("airflow.plugins_manager", ["AirflowPlugin"]),
+    ],
+)
 def test_the_public_extension_points_used_are_where_the_public_interface_says(module, names):
     """Public, but outside airflow.sdk: the triggers, the listener and the plugin. What the project calls of them."""
     import importlib

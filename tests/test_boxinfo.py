@@ -27,9 +27,12 @@ H200_UUIDS = [f"GPU-8f6b1c2e-5a4d-7e3f-9b0a-1c2d3e4f5a{i:02d}" for i in range(8)
 
 # What `nvidia-smi --query-gpu=index,uuid,name,memory.used,memory.total,mig.mode.current
 # --format=csv,noheader,nounits` prints on an 8 x H200 box with a vLLM server on GPU 3.
-H200_GPUS_CSV = "\n".join(
-    f"{i}, {uuid}, NVIDIA H200, {71234 if i == 3 else 1}, 143771, Disabled" for i, uuid in enumerate(H200_UUIDS)
-) + "\n"
+H200_GPUS_CSV = (
+    "\n".join(
+        f"{i}, {uuid}, NVIDIA H200, {71234 if i == 3 else 1}, 143771, Disabled" for i, uuid in enumerate(H200_UUIDS)
+    )
+    + "\n"
+)
 H200_PROCESSES_CSV = f"{H200_UUIDS[3]}, 4242, python3 -m vllm.entrypoints.openai.api_server, 70000\n"
 
 
@@ -38,7 +41,10 @@ def box_json(*args: str, env: dict | None = None, path_dirs: list[Path] | None =
     path = os.pathsep.join(str(d) for d in path_dirs) if path_dirs is not None else f"{FAKES}{os.pathsep}"
     path += os.environ["PATH"] if path_dirs is None else ""
     proc = subprocess.run(
-        [sys.executable, "-m", "eagle3", "box", *args], capture_output=True, text=True, timeout=600,
+        [sys.executable, "-m", "eagle3", "box", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
         env={**os.environ, "PATH": path, **(env or {})},
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -53,10 +59,23 @@ def scenario(tmp_path: Path, state: dict) -> dict:
 
 
 def h200_state(busy: bool = True) -> dict:
-    gpus = [{"index": i, "uuid": u, "name": "NVIDIA H200", "memory.used": 71234 if busy and i == 3 else 1,
-             "memory.total": 143771, "mig.mode.current": "Disabled"} for i, u in enumerate(H200_UUIDS)]
-    vllm = {"gpu_uuid": H200_UUIDS[3], "pid": 4242, "process_name": "python3 -m vllm.entrypoints.openai.api_server",
-            "used_memory": 70000}
+    gpus = [
+        {
+            "index": i,
+            "uuid": u,
+            "name": "NVIDIA H200",
+            "memory.used": 71234 if busy and i == 3 else 1,
+            "memory.total": 143771,
+            "mig.mode.current": "Disabled",
+        }
+        for i, u in enumerate(H200_UUIDS)
+    ]
+    vllm = {
+        "gpu_uuid": H200_UUIDS[3],
+        "pid": 4242,
+        "process_name": "python3 -m vllm.entrypoints.openai.api_server",
+        "used_memory": 70000,
+    }
     processes = [vllm] if busy else []
     return {"gpus": gpus, "processes": processes}
 
@@ -67,12 +86,25 @@ def h200_state(busy: bool = True) -> dict:
 def test_parse_real_looking_h200_output():
     gpus, unparsed = parse_gpus(H200_GPUS_CSV)
     assert unparsed == [] and len(gpus) == 8
-    assert gpus[3] == {"index": 3, "uuid": H200_UUIDS[3], "name": "NVIDIA H200", "memory_used_mib": 71234,
-                       "memory_total_mib": 143771, "mig": False}
+    assert gpus[3] == {
+        "index": 3,
+        "uuid": H200_UUIDS[3],
+        "name": "NVIDIA H200",
+        "memory_used_mib": 71234,
+        "memory_total_mib": 143771,
+        "mig": False,
+    }
     processes, unparsed = parse_processes(H200_PROCESSES_CSV, gpus)
     assert unparsed == []
-    assert processes == [{"gpu_index": 3, "gpu_uuid": H200_UUIDS[3], "pid": 4242,
-                          "name": "python3 -m vllm.entrypoints.openai.api_server", "used_mib": 70000}]
+    assert processes == [
+        {
+            "gpu_index": 3,
+            "gpu_uuid": H200_UUIDS[3],
+            "pid": 4242,
+            "name": "python3 -m vllm.entrypoints.openai.api_server",
+            "used_mib": 70000,
+        }
+    ]
 
 
 def test_parse_not_available_values_and_commas_in_names():
@@ -86,9 +118,7 @@ def test_parse_not_available_values_and_commas_in_names():
     assert gpus[0]["memory_used_mib"] is None and gpus[0]["memory_total_mib"] is None and gpus[0]["mig"] is False
     assert gpus[1]["memory_total_mib"] is None and gpus[1]["name"] == "Tesla T4"
     assert gpus[2]["name"] == "Vendor, Model X" and gpus[2]["memory_used_mib"] == 10
-    processes, _ = parse_processes(
-        "GPU-aaaa, 17, [Not Found], [N/A]\nGPU-cccc, 18, python3 -c a, b, 512\n", gpus
-    )
+    processes, _ = parse_processes("GPU-aaaa, 17, [Not Found], [N/A]\nGPU-cccc, 18, python3 -c a, b, 512\n", gpus)
     assert processes[0] == {"gpu_index": 0, "gpu_uuid": "GPU-aaaa", "pid": 17, "name": None, "used_mib": None}
     assert processes[1]["name"] == "python3 -c a, b" and processes[1]["used_mib"] == 512
 
@@ -165,8 +195,10 @@ def test_judge_mig_gpu_from_its_processes():
     assert judge_gpus(report(mig_csv, ""), 1024) == (True, [])
     idle, problems = judge_gpus(report(mig_csv, "MIG-1111, 900, /usr/bin/python3, [N/A]\n"), 1024)
     assert not idle
-    assert problems == ["GPU 0 (NVIDIA A100-SXM4-80GB, MIG): 0 MiB used (plus processes of unknown size) > 1024 MiB "
-                        "allowed; processes: pid 900 /usr/bin/python3 (memory unknown)"]
+    assert problems == [
+        "GPU 0 (NVIDIA A100-SXM4-80GB, MIG): 0 MiB used (plus processes of unknown size) > 1024 MiB "
+        "allowed; processes: pid 900 /usr/bin/python3 (memory unknown)"
+    ]
     # Unplaced instances (two MIG GPUs) are checked whatever gpu_indices says.
     two = mig_csv + "1, GPU-bbbb, NVIDIA A100-SXM4-80GB, [N/A], 81920, Enabled\n"
     idle, problems = judge_gpus(report(two, "MIG-1111, 900, python3, 5000\n"), 1024, gpu_indices=[1])
@@ -181,8 +213,15 @@ def test_box_gpus_cli_reads_the_stand_in(tmp_path):
     out, _ = box_json("gpus", env=scenario(tmp_path, h200_state()))
     assert out["error"] is None and len(out["gpus"]) == 8
     assert out["gpus"][3]["memory_used_mib"] == 71234
-    assert out["processes"] == [{"gpu_index": 3, "gpu_uuid": H200_UUIDS[3], "pid": 4242,
-                                 "name": "python3 -m vllm.entrypoints.openai.api_server", "used_mib": 70000}]
+    assert out["processes"] == [
+        {
+            "gpu_index": 3,
+            "gpu_uuid": H200_UUIDS[3],
+            "pid": 4242,
+            "name": "python3 -m vllm.entrypoints.openai.api_server",
+            "used_mib": 70000,
+        }
+    ]
     assert judge_gpus(out, 1024)[0] is False
     out, _ = box_json("gpus", env=scenario(tmp_path, h200_state(busy=False)))
     assert judge_gpus(out, 1024) == (True, [])
@@ -211,8 +250,12 @@ def test_box_gpus_cli_with_an_explicit_path_and_units_in_the_stand_in(tmp_path):
     plain_path = [Path(d) for d in os.environ["PATH"].split(os.pathsep)]  # without fakes/: the flag must win
     out, _ = box_json("gpus", "--nvidia-smi", str(FAKES / "nvidia-smi"), env=env, path_dirs=plain_path)
     assert len(out["gpus"]) == 8
-    fake = subprocess.run([str(FAKES / "nvidia-smi"), "--query-gpu=index,memory.used", "--format=csv"],
-                          capture_output=True, text=True, env={**os.environ, **env})
+    fake = subprocess.run(
+        [str(FAKES / "nvidia-smi"), "--query-gpu=index,memory.used", "--format=csv"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+    )
     assert fake.stdout.splitlines()[:2] == ["index, memory.used [MiB]", "0, 1 MiB"]
 
 
@@ -238,8 +281,11 @@ def test_box_info_reports_packages_cuda_where_a_gpu_is_listed_boot_id_and_missin
     import torch
 
     assert out["packages"]["torch"] == torch.__version__ and out["packages"]["sglang"] is None
-    assert out["cuda"] == {"torch_cuda": torch.version.cuda, "available": torch.cuda.is_available(),
-                           "device_count": torch.cuda.device_count()}
+    assert out["cuda"] == {
+        "torch_cuda": torch.version.cuda,
+        "available": torch.cuda.is_available(),
+        "device_count": torch.cuda.device_count(),
+    }
     assert len(out["gpus"]) == 8
     assert out["missing"] == []  # every required package is installed in this venv, sglang is not required
     # No GPU listed: torch is not asked (seconds of imports for a view of nothing).
@@ -312,9 +358,10 @@ def test_disk_estimate_subtracts_the_store_and_recounts_when_the_data_changes(di
     ours = json.loads((cfg.run_dir / boxinfo.TOKEN_CACHE_NAME).read_text())["counts"]["conversation_ids"][0]
     shard = attach_store(cfg) / "shard-00000"
     shard.mkdir(parents=True)
-    records = [{"chunk": "chunk-000000.safetensors", "bytes": 1000, "samples": [[ours, 30], ["0" * 16, 10]],
-                "rejected": []},
-               {"chunk": None, "bytes": 0, "samples": [], "rejected": [["b", "non-finite hidden state"]]}]
+    records = [
+        {"chunk": "chunk-000000.safetensors", "bytes": 1000, "samples": [[ours, 30], ["0" * 16, 10]], "rejected": []},
+        {"chunk": None, "bytes": 0, "samples": [], "rejected": [["b", "non-finite hidden state"]]},
+    ]
     (shard / "manifest.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
 
     def count_tokens_must_not_run(cfg):
@@ -334,8 +381,9 @@ def test_disk_estimate_subtracts_the_store_and_recounts_when_the_data_changes(di
 def test_disk_estimate_for_the_generate_stage_says_what_it_counted(disk_config, make_config):
     cfg, _ = disk_config
     plain = boxinfo.disk_estimate(cfg, margin=1.0)
-    with_generate = boxinfo.disk_estimate(make_config(data=cfg.data.model_dump(), generate={"enabled": True}),
-                                          margin=1.0)
+    with_generate = boxinfo.disk_estimate(
+        make_config(data=cfg.data.model_dump(), generate={"enabled": True}), margin=1.0
+    )
     assert with_generate["tokens"] == plain["tokens"]  # the answers to come are not known yet
     assert f"tokens counted from {cfg.data.path}, standing in for the answers generate" in with_generate["message"]
     assert "standing in" not in plain["message"]
@@ -361,8 +409,12 @@ def test_disk_estimate_follows_the_state_dtype(disk_config, make_config):
 
 @pytest.mark.slow
 def test_box_disk_user_errors_exit_2(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "eagle3", "box", "disk", "--config", str(tmp_path / "none.json")],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "eagle3", "box", "disk", "--config", str(tmp_path / "none.json")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and proc.stderr.startswith("error: ") and "no such run config" in proc.stderr
 
 

@@ -52,8 +52,11 @@ def test_shards_sharing_a_box_take_gpus_of_their_own(monkeypatch, tmp_path):
 
     plan = run_plan(plain_config("/w", extract={"num_shards": 5}), conn_ids=["box_a", "box_b"], python="python")
     settings = tmp_path / "dag-settings.json"  # under which the plan verifies
-    settings.write_text(json.dumps({"allowed_workdirs": ["/w"], "allowed_boxes": ["local", "box_a", "box_b"],
-                                    "allowed_pythons": ["python"]}))
+    settings.write_text(
+        json.dumps(
+            {"allowed_workdirs": ["/w"], "allowed_boxes": ["local", "box_a", "box_b"], "allowed_pythons": ["python"]}
+        )
+    )
     monkeypatch.setenv("EAGLE3_DAG_SETTINGS", str(settings))
     placed = [(plan.conn_for_shard(s), plan.gpu_group_for_shard(s)) for s in range(5)]
     assert placed == [("box_a", 0), ("box_b", 0), ("box_a", 1), ("box_b", 1), ("box_a", 2)]

@@ -44,9 +44,17 @@ def hf_digest(make_config, max_samples: int, **extract) -> str:
 
 
 def test_engine_arguments_for_capture(make_config):
-    cfg = make_config(extract={"backend": "sglang", "sglang": {"tp_size": 8, "mem_fraction_static": 0.8,
-                                                                "attention_backend": "triton",
-                                                                "extra_args": {"cuda_graph_max_bs_decode": 16}}})
+    cfg = make_config(
+        extract={
+            "backend": "sglang",
+            "sglang": {
+                "tp_size": 8,
+                "mem_fraction_static": 0.8,
+                "attention_backend": "triton",
+                "extra_args": {"cuda_graph_max_bs_decode": 16},
+            },
+        }
+    )
     aux = engine_kwargs(cfg, "DeepseekV3ForCausalLM", "aux")
     assert aux["enable_return_aux_hidden_states"] is True and aux["speculative_algorithm"] == "EAGLE3"
     # HF [1, 3, 4] are the inputs of layers 2, 4, 5: a DeepSeek model takes ids not starting at 1 as inputs
@@ -66,9 +74,11 @@ def test_engine_arguments_for_capture(make_config):
 def test_extra_args_cannot_undo_the_capture_or_spread_a_shard_over_more_gpus(make_config):
     from eagle3.config import ConfigError
 
-    for extra, why in (({"disable_radix_cache": False}, "are set by the capture backend"),
-                       ({"tp_size": 4}, "come from the run config"),
-                       ({"dp_size": 2}, "would spread a shard over more GPUs than its group")):
+    for extra, why in (
+        ({"disable_radix_cache": False}, "are set by the capture backend"),
+        ({"tp_size": 4}, "come from the run config"),
+        ({"dp_size": 2}, "would spread a shard over more GPUs than its group"),
+    ):
         with pytest.raises(ConfigError, match=f"extract.sglang.extra_args: \\['{next(iter(extra))}'\\] {why}"):
             make_config(extract={"backend": "sglang", "sglang": {"extra_args": extra}})
 
@@ -96,8 +106,9 @@ LISTS = {"backend": "sglang", "sglang": {"capture": "lists"}}
 def test_two_passes_one_engine_at_a_time_store_what_the_hf_backend_stores(make_config, fake_engine):
     cfg = make_config(data={"max_samples": 60}, extract={**LISTS, "batch_tokens": 256})
     staged_parts_seen_by_aux_pass = []
-    fake_engine.on_generate = lambda mode: mode == "aux" and staged_parts_seen_by_aux_pass.append(
-        len(list(staging_dir(cfg.run_dir, 0).glob("part-*"))))
+    fake_engine.on_generate = lambda mode: (
+        mode == "aux" and staged_parts_seen_by_aux_pass.append(len(list(staging_dir(cfg.run_dir, 0).glob("part-*"))))
+    )
     stats = run_extract(cfg)
 
     assert digest(cfg.store_dir) == hf_digest(make_config, 60, batch_tokens=256)  # same bits, default layers
@@ -120,14 +131,18 @@ def test_layer_ids_not_starting_at_1_are_converted_for_deepseek(make_config, fak
 
 @pytest.mark.slow
 def test_the_plugin_path_runs_one_engine_and_one_prefill_and_stores_what_the_hf_backend_stores(
-        make_config, fake_engine):
+    make_config, fake_engine
+):
     cfg = make_config(data={"max_samples": 60}, extract={"backend": "sglang", "batch_tokens": 256, "chunk_mib": 2})
     sink, manifest = sink_dir(cfg.run_dir, 0), cfg.store_dir / "shard-00000" / "manifest.jsonl"
     seen = []  # (states files waiting in the sink, samples the store has committed) before every batch
 
     def look(mode: str) -> None:
-        stored = sum(len(json.loads(line)["samples"]) for line in manifest.read_text().splitlines()) \
-            if manifest.exists() else 0
+        stored = (
+            sum(len(json.loads(line)["samples"]) for line in manifest.read_text().splitlines())
+            if manifest.exists()
+            else 0
+        )
         seen.append((len(list(sink.glob("*.safetensors"))), stored))
 
     fake_engine.on_generate = look
@@ -151,8 +166,10 @@ def test_auto_falls_back_to_the_list_path_and_says_why(make_config, fake_engine,
     """The version gate refuses the installed sglang, or the hook never ran in the engine (HookRegistry only logs
     a hook it could not apply): either way the run goes on over the list path, logged and in the stats."""
     if failure == "gate":
-        monkeypatch.setenv("FAKE_SGLANG_PLUGIN_GATE_PROBLEM", "sglang 0.6.0 is installed and the plugin was checked "
-                                                              "against sglang 0.5.23 only")
+        monkeypatch.setenv(
+            "FAKE_SGLANG_PLUGIN_GATE_PROBLEM",
+            "sglang 0.6.0 is installed and the plugin was checked against sglang 0.5.23 only",
+        )
     else:
         monkeypatch.setenv("FAKE_SGLANG_PLUGIN_SILENT", "1")
     cfg = make_config(data={"max_samples": 24}, extract={"backend": "sglang", "batch_tokens": 256})
@@ -168,8 +185,7 @@ def test_auto_falls_back_to_the_list_path_and_says_why(make_config, fake_engine,
 
 
 @pytest.mark.slow
-def test_capture_plugin_insists_and_names_the_setting_when_the_plugin_cannot_run(make_config, fake_engine,
-                                                                                 monkeypatch):
+def test_capture_plugin_insists_and_names_the_setting_when_the_plugin_cannot_run(make_config, fake_engine, monkeypatch):
     monkeypatch.setenv("FAKE_SGLANG_PLUGIN_SILENT", "1")
     cfg = make_config(data={"max_samples": 8}, extract={"backend": "sglang", "sglang": {"capture": "plugin"}})
     with pytest.raises(SglangSetupError, match="extract.sglang.capture is 'plugin', but the start-up probe"):
@@ -202,14 +218,19 @@ def test_a_crash_on_the_plugin_path_resumes_and_a_dead_try_s_files_are_not_taken
 
 @pytest.mark.slow
 @pytest.mark.parametrize("crash_in", ["final-state pass", "aux pass"])
-def test_a_crash_in_either_pass_resumes_without_computing_anything_twice(make_config, fake_engine, crash_in,
-                                                                        tmp_path):
+def test_a_crash_in_either_pass_resumes_without_computing_anything_twice(make_config, fake_engine, crash_in, tmp_path):
     cfg = make_config(data={"max_samples": 60}, extract={**LISTS, "batch_tokens": 256})
     first_pass_batches = None
     if crash_in == "aux pass":  # count the batches of the final-state pass, then crash the aux pass midway
         # (in a work directory of its own: in the same one, the run would find the states in the shared store)
-        run_extract(make_config(run_name="count", workdir=tmp_path / "counting", data={"max_samples": 60},
-                                extract={**LISTS, "batch_tokens": 256}))
+        run_extract(
+            make_config(
+                run_name="count",
+                workdir=tmp_path / "counting",
+                data={"max_samples": 60},
+                extract={**LISTS, "batch_tokens": 256},
+            )
+        )
         first_pass_batches = fake_engine.batches_served // 2
         fake_engine.reset()
         fake_engine.crash_after_batches = first_pass_batches + first_pass_batches // 2
@@ -247,12 +268,18 @@ def test_kill_9_in_either_pass_then_finish_stores_what_the_hf_backend_stores(mak
     def chunks() -> int:
         return len(manifest.read_text().splitlines()) if manifest.exists() else 0
 
-    kill_when = [("final-state pass", lambda: parts() >= 2), ("final-state pass", lambda: parts() >= 5),
-                 ("aux pass", lambda: chunks() >= 1)]
+    kill_when = [
+        ("final-state pass", lambda: parts() >= 2),
+        ("final-state pass", lambda: parts() >= 5),
+        ("aux pass", lambda: chunks() >= 1),
+    ]
     seen = []  # (staged parts, store chunks) after each kill
     for moment, reached in kill_when:
-        proc = subprocess.Popen([sys.executable, "-m", "eagle3", "extract", "--config", str(config_path)],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "eagle3", "extract", "--config", str(config_path)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         deadline = time.monotonic() + 120
         while not reached():
             assert proc.poll() is None, f"extract ended before the kill in the {moment}"
@@ -315,6 +342,7 @@ def test_a_partly_stored_batch_after_a_plan_change_is_captured_whole(make_config
     assert verify(replanned.store_dir)["samples"] == 60
     assert not staging_dir(replanned.run_dir, 0).exists()
 
+
 @pytest.mark.slow
 def test_a_stored_sample_whose_part_is_gone_comes_back_without_a_final_state(make_config, fake_engine):
     """After a replan, a later batch can hold a sample stored long ago whose staged part release_stored has
@@ -338,13 +366,13 @@ def test_a_stored_sample_whose_part_is_gone_comes_back_without_a_final_state(mak
     assert got[0].last_hidden_state is None and got[1].last_hidden_state.shape == (3, 256)
     assert fake_engine.tokens_computed == {"last": 18, "aux": 12}  # [a, f] computed whole for f, once
 
+
 def test_the_last_layer_is_refused_before_any_engine_starts(make_config):
     from eagle3.config import ConfigError
 
     with pytest.raises(ConfigError, match="extract.aux_layers: layer 7 is the target's last layer.*up to 6"):
         make_config(extract={"backend": "sglang", "aux_layers": [1, 3, 7]})
     make_config(extract={"backend": "hf", "aux_layers": [1, 3, 7]})  # the hf backend can capture it
-
 
 
 def test_staged_states_survive_a_reopen_and_crash_leftovers_are_removed(tmp_path):
@@ -383,7 +411,9 @@ def test_staged_parts_go_oldest_first_once_stored_and_names_are_never_reused(tmp
     stored = {s.sample_id for s in batches[0]} | {batches[1][0].sample_id} | {s.sample_id for s in batches[2]}
     assert staged.discard_stored(stored.__contains__) == 1  # part 1 still has a sample to store: stop there
     assert sorted(p.name for p in (tmp_path / "staging").iterdir()) == [
-        "part-000001.safetensors", "part-000002.safetensors"]
+        "part-000001.safetensors",
+        "part-000002.safetensors",
+    ]
     assert batches[0][0].sample_id not in staged and batches[1][1].sample_id in staged
 
     reopened = StagedStates(tmp_path / "staging", hidden_size=4)
@@ -396,8 +426,23 @@ def test_gpu_capture_check_runs_and_reports_agreement(tiny_target):
     """The one command that validates a box's sglang, run here against the stand-in engine (its states
     are transformers' own, so the check must report agreement; on a GPU box the real engine is compared)."""
     env = dict(os.environ, EAGLE3_SGLANG_ENGINE="tests.fakes.sglang_engine:FakeSglangEngine", PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, "bench/gpu_capture_check.py", "--model", str(tiny_target), "--device", "cpu",
-                           "--samples", "3"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "bench/gpu_capture_check.py",
+            "--model",
+            str(tiny_target),
+            "--device",
+            "cpu",
+            "--samples",
+            "3",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout)
     assert report["agree"] is True and report["samples"] == 3

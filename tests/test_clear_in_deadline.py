@@ -46,13 +46,13 @@ def clear_status(server, body: dict) -> tuple[int, str]:
 
 def run_deadlines(server, run_id: str) -> list[dict]:
     """The run's deadlines, as the UI's run page reads them (its private /ui API: the public one has none)."""
-    return json.loads(server.request(f"/ui/dags/{DAG_ID}/dagRuns/{run_id}/deadlines",
-                                     token=server.token))["deadlines"]
+    return json.loads(server.request(f"/ui/dags/{DAG_ID}/dagRuns/{run_id}/deadlines", token=server.token))["deadlines"]
 
 
 @pytest.mark.timeout(1800)
-def test_a_failed_train_cleared_inside_the_lateness_deadline_resumes_from_its_checkpoint(baseline_run, tiny_target,
-                                                                                       tmp_path):
+def test_a_failed_train_cleared_inside_the_lateness_deadline_resumes_from_its_checkpoint(
+    baseline_run, tiny_target, tmp_path
+):
     """Real: `airflow standalone`, the REST API, the local box, the job protocol. The run fails with train dead on
     both tries, after a checkpoint; its lateness deadline is an hour ahead and not missed. The REST clear of train
     and its downstream answers 200 (Airflow's DAGRUN_QUEUED_AT: 500, and nothing is cleared); the run is queued
@@ -62,8 +62,15 @@ def test_a_failed_train_cleared_inside_the_lateness_deadline_resumes_from_its_ch
     python = killing_python(tmp_path / "killing-python", tmp_path / KILL_TRAIN, run_dir / "train" / "checkpoints")
     (tmp_path / KILL_TRAIN).touch()
     conf, layers = tiny_layers(tiny_target, tmp_path / "box", **{"box.python": str(python)})
-    settings = settings_env(tmp_path, **layers, retries=1, retry_delay_s=1, allowed_boxes=["local"],
-                            allowed_pythons=[str(python)], notify={"late_after_h": LATE_AFTER_H})
+    settings = settings_env(
+        tmp_path,
+        **layers,
+        retries=1,
+        retry_delay_s=1,
+        allowed_boxes=["local"],
+        allowed_pythons=[str(python)],
+        notify={"late_after_h": LATE_AFTER_H},
+    )
 
     with airflow_standalone(tmp_path, tmp_path / "standalone.log", [DAG_ID], STARTUP_TIMEOUT_S, **settings) as server:
         server.api(f"/dags/{DAG_ID}", {"is_paused": False}, method="PATCH")
@@ -75,11 +82,17 @@ def test_a_failed_train_cleared_inside_the_lateness_deadline_resumes_from_its_ch
         def train() -> dict:
             return server.api(f"/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances/train")
 
-        server.wait_until(lambda: run_state() in ("success", "failed"), "the run to fail at train",
-                          time.monotonic() + RUN_TIMEOUT_S, every_s=RUN_POLL_S)
+        server.wait_until(
+            lambda: run_state() in ("success", "failed"),
+            "the run to fail at train",
+            time.monotonic() + RUN_TIMEOUT_S,
+            every_s=RUN_POLL_S,
+        )
         failed_train = train()
-        assert (run_state(), failed_train["state"], failed_train["try_number"]) == ("failed", "failed", 2), \
-            (failed_train, server.tail())
+        assert (run_state(), failed_train["state"], failed_train["try_number"]) == ("failed", "failed", 2), (
+            failed_train,
+            server.tail(),
+        )
         checkpoint = checkpoint_dirs(run_dir / "train" / "checkpoints")[-1]
         (deadline,) = run_deadlines(server, run_id)
         left_s = (datetime.fromisoformat(deadline["deadline_time"]) - datetime.now(UTC)).total_seconds()
@@ -87,20 +100,32 @@ def test_a_failed_train_cleared_inside_the_lateness_deadline_resumes_from_its_ch
         assert not deadline["missed"] and left_s > 60, deadline
 
         (tmp_path / KILL_TRAIN).unlink()  # the box is mended; the person clears
-        status, body = clear_status(server, {
-            "dry_run": False, "dag_run_id": run_id, "task_ids": ["train"], "only_failed": False,
-            "include_downstream": True, "include_upstream": False, "reset_dag_runs": True})
+        status, body = clear_status(
+            server,
+            {
+                "dry_run": False,
+                "dag_run_id": run_id,
+                "task_ids": ["train"],
+                "only_failed": False,
+                "include_downstream": True,
+                "include_upstream": False,
+                "reset_dag_runs": True,
+            },
+        )
         print(f"the clear inside the deadline answered HTTP {status}")
         assert status == 200, (body, server.tail())
         assert "train" in {ti["task_id"] for ti in json.loads(body)["task_instances"]}, body
 
-        server.wait_until(lambda: run_state() in ("success", "failed"), "the cleared run to end",
-                          time.monotonic() + RUN_TIMEOUT_S, every_s=RUN_POLL_S)
+        server.wait_until(
+            lambda: run_state() in ("success", "failed"),
+            "the cleared run to end",
+            time.monotonic() + RUN_TIMEOUT_S,
+            every_s=RUN_POLL_S,
+        )
         resumed_train = train()
         assert (run_state(), resumed_train["state"]) == ("success", "success"), (resumed_train, server.tail())
         log = server.task_log(DAG_ID, run_id, "train", resumed_train["try_number"])
     resumed = f"train: resumed from {checkpoint}"
     print(f"train's try {resumed_train['try_number']}: {resumed}")
     assert resumed in log, log[-3000:]
-    assert sha256(run_dir / "drafter" / "model.safetensors") == \
-        sha256(baseline_run / "drafter" / "model.safetensors")
+    assert sha256(run_dir / "drafter" / "model.safetensors") == sha256(baseline_run / "drafter" / "model.safetensors")

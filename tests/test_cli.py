@@ -30,18 +30,28 @@ def test_a_stages_help_is_its_modules_docstring_and_loads_no_torch():
     assert "python -m eagle3 train --config RUN_DIR/config.json" in out and "TTT step i" in out
     assert first.rstrip(".") in " ".join(run_eagle3("--help").stdout.split())
     probe = "import sys; from eagle3.__main__ import build_parser; build_parser(); print('torch' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
-                          cwd=REPO).stdout.strip() == "False"
+    assert (
+        subprocess.run(
+            [sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=REPO
+        ).stdout.strip()
+        == "False"
+    )
 
 
 @pytest.mark.slow
 def test_init_writes_the_run_config_with_target_facts(tmp_path, tiny_target):
     draft = tmp_path / "draft.json"
-    draft.write_text(json.dumps({
-        "run_name": "cli", "workdir": str(tmp_path / "work"),
-        "target": {"model_path": str(tiny_target)}, "data": {"path": str(tiny_target / "prompts.jsonl")},
-        "vocab": {"draft_vocab_size": 512},
-    }))
+    draft.write_text(
+        json.dumps(
+            {
+                "run_name": "cli",
+                "workdir": str(tmp_path / "work"),
+                "target": {"model_path": str(tiny_target)},
+                "data": {"path": str(tiny_target / "prompts.jsonl")},
+                "vocab": {"draft_vocab_size": 512},
+            }
+        )
+    )
     path = Path(run_eagle3("init", "--config", str(draft)).stdout.strip())
     assert path == tmp_path / "work" / "runs" / "cli" / "config.json"
     written = json.loads(path.read_text())
@@ -51,8 +61,16 @@ def test_init_writes_the_run_config_with_target_facts(tmp_path, tiny_target):
 @pytest.mark.slow
 def test_bad_config_exits_2_with_the_field_named(tmp_path):
     draft = tmp_path / "draft.json"
-    draft.write_text(json.dumps({"run_name": "x; touch /tmp/pwned", "workdir": "relative/dir",
-                                 "target": {"model_path": "/m"}, "data": {"path": "/d.jsonl"}}))
+    draft.write_text(
+        json.dumps(
+            {
+                "run_name": "x; touch /tmp/pwned",
+                "workdir": "relative/dir",
+                "target": {"model_path": "/m"},
+                "data": {"path": "/d.jsonl"},
+            }
+        )
+    )
     proc = run_eagle3("init", "--config", str(draft), check=False)
     assert proc.returncode == 2
     assert "run_name: 'x; touch /tmp/pwned' does not match" in proc.stderr

@@ -50,15 +50,18 @@ TRIGGERERS = ("airflow-triggerer-1", "airflow-triggerer-2")
 HEALTHCHECKS = {
     "postgres": ["CMD", "pg_isready", "-U", "airflow", "-d", "airflow"],  # .env.example's POSTGRES_USER, _DB
     "redis": ["CMD", "redis-cli", "ping"],
-    "airflow-apiserver": ["CMD-SHELL", "curl --fail --silent http://localhost:8080/api/v2/version && "
-                                       "curl --fail --silent http://localhost:8080/execution/health"],
-    "airflow-scheduler": ["CMD", "curl", "--fail", "http://localhost:8974/health"],
-    "airflow-dag-processor": [
-        "CMD-SHELL", 'airflow jobs check --job-type DagProcessorJob --hostname "${HOSTNAME}"'
+    "airflow-apiserver": [
+        "CMD-SHELL",
+        "curl --fail --silent http://localhost:8080/api/v2/version && "
+        "curl --fail --silent http://localhost:8080/execution/health",
     ],
+    "airflow-scheduler": ["CMD", "curl", "--fail", "http://localhost:8974/health"],
+    "airflow-dag-processor": ["CMD-SHELL", 'airflow jobs check --job-type DagProcessorJob --hostname "${HOSTNAME}"'],
     # Each triggerer asks for its own job: ${HOSTNAME} is the container id, which the job records.
-    **{name: ["CMD-SHELL", 'airflow jobs check --job-type TriggererJob --hostname "${HOSTNAME}"']
-       for name in TRIGGERERS},
+    **{
+        name: ["CMD-SHELL", 'airflow jobs check --job-type TriggererJob --hostname "${HOSTNAME}"']
+        for name in TRIGGERERS
+    },
     "airflow-worker": [
         "CMD-SHELL",
         'celery --app airflow.providers.celery.executors.celery_executor.app inspect ping -d "celery@${HOSTNAME}"',
@@ -81,9 +84,15 @@ def _env_file(directory: Path, **overrides: str | None) -> Path:
     """.env.example with dummy secrets and a real key file; overrides replace a variable (None drops it)."""
     key = directory / "gpu_box_key"
     key.write_text("not a real key\n")
-    values = {"AIRFLOW_JWT_SECRET": JWT_SECRET, "AIRFLOW_FERNET_KEY": "test-fernet-key", "GPU_BOX_SSH_KEY": str(key),
-              "AIRFLOW_API_SECRET_KEY": "test-api-secret-key", "POSTGRES_PASSWORD": DB_PASSWORD,
-              "AIRFLOW_ADMIN_PASSWORD": "test-admin-password", "AIRFLOW_VAR_EAGLE3_PLAN_SECRET": PLAN_SECRET}
+    values = {
+        "AIRFLOW_JWT_SECRET": JWT_SECRET,
+        "AIRFLOW_FERNET_KEY": "test-fernet-key",
+        "GPU_BOX_SSH_KEY": str(key),
+        "AIRFLOW_API_SECRET_KEY": "test-api-secret-key",
+        "POSTGRES_PASSWORD": DB_PASSWORD,
+        "AIRFLOW_ADMIN_PASSWORD": "test-admin-password",
+        "AIRFLOW_VAR_EAGLE3_PLAN_SECRET": PLAN_SECRET,
+    }
     values.update(overrides)
     lines = []
     for line in (REPO / ".env.example").read_text().splitlines():
@@ -104,7 +113,11 @@ def _compose_config(env_file: Path, cwd: Path, *more_files: Path) -> subprocess.
     files = [arg for path in (COMPOSE_FILE, *more_files) for arg in ("-f", str(path))]
     return subprocess.run(
         [_docker_compose(), *files, "--env-file", str(env_file), "config"],
-        capture_output=True, text=True, env=env, cwd=cwd, timeout=120,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=cwd,
+        timeout=120,
     )
 
 
@@ -142,9 +155,12 @@ def _mounts(service: dict) -> dict[str, tuple[str, bool]]:
 def _published(service: dict) -> list[str]:
     """host_ip:published:target of each TCP port, from the short syntax (Compose v1, which may add /tcp) or the long
     one (v2)."""
-    return [port.removesuffix("/tcp") if isinstance(port, str)
-            else f"{port.get('host_ip', '0.0.0.0')}:{port['published']}:{port['target']}"
-            for port in service.get("ports", [])]
+    return [
+        port.removesuffix("/tcp")
+        if isinstance(port, str)
+        else f"{port.get('host_ip', '0.0.0.0')}:{port['published']}:{port['target']}"
+        for port in service.get("ports", [])
+    ]
 
 
 @pytest.mark.slow
@@ -210,12 +226,17 @@ def test_shared_airflow_environment(rendered):
 def test_database_credentials_come_from_the_env_file(rendered):
     """postgres creates the role with .env's POSTGRES_*; every Airflow container connects with the same ones."""
     services = rendered["services"]
-    assert services["postgres"]["environment"] == {"POSTGRES_USER": "airflow", "POSTGRES_PASSWORD": DB_PASSWORD,
-                                                   "POSTGRES_DB": "airflow"}
+    assert services["postgres"]["environment"] == {
+        "POSTGRES_USER": "airflow",
+        "POSTGRES_PASSWORD": DB_PASSWORD,
+        "POSTGRES_DB": "airflow",
+    }
     for name in [*AIRFLOW_SERVICES, "airflow-init"]:
         env = services[name]["environment"]
-        assert env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"] == \
-            f"postgresql+psycopg2://airflow:{DB_PASSWORD}@postgres/airflow", name
+        assert (
+            env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"]
+            == f"postgresql+psycopg2://airflow:{DB_PASSWORD}@postgres/airflow"
+        ), name
         assert env["AIRFLOW__CELERY__RESULT_BACKEND"] == f"db+postgresql://airflow:{DB_PASSWORD}@postgres/airflow", name
     # No password written into the files themselves: the literal airflow:airflow of the official file, or any.
     for path in (COMPOSE_FILE, REPO / ".env.example"):
@@ -262,8 +283,9 @@ def test_the_dev_override_mounts_the_code_read_only(tmp_path):
 def test_two_triggerers(rendered):
     """Two triggerers: one going away hands its triggers to the other; each is checked on its own."""
     services = rendered["services"]
-    assert [name for name, spec in services.items() if _argv(spec.get("command", "")) == ["triggerer"]] == \
-        list(TRIGGERERS)
+    assert [name for name, spec in services.items() if _argv(spec.get("command", "")) == ["triggerer"]] == list(
+        TRIGGERERS
+    )
     for name in TRIGGERERS:
         assert services[name]["restart"] == "always"
         # The same settings, box connection and secrets as the scheduler that hands them their triggers.
@@ -292,8 +314,11 @@ def test_the_sealing_key_comes_from_the_env_file_to_the_worker_alone(rendered):
     the metadata DB is not read: eagle3_airflow/seal.py), and reaches only the container that runs tasks."""
     services = rendered["services"]
     assert services["airflow-worker"]["environment"]["AIRFLOW_VAR_EAGLE3_PLAN_SECRET"] == PLAN_SECRET
-    holding = [name for name, spec in services.items() if name != "airflow-worker"
-               and PLAN_SECRET in json.dumps(spec.get("environment", {}))]
+    holding = [
+        name
+        for name, spec in services.items()
+        if name != "airflow-worker" and PLAN_SECRET in json.dumps(spec.get("environment", {}))
+    ]
     assert holding == []
 
 
@@ -307,10 +332,21 @@ def test_the_api_server_listens_on_this_machine_unless_the_env_file_widens_it(tm
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variable", ["AIRFLOW_JWT_SECRET", "AIRFLOW_FERNET_KEY", "AIRFLOW_CONN_GPU_BOX",
-                                      "GPU_BOX_SSH_KEY", "AIRFLOW_API_SECRET_KEY", "POSTGRES_USER",
-                                      "POSTGRES_PASSWORD", "POSTGRES_DB", "AIRFLOW_ADMIN_PASSWORD",
-                                      "AIRFLOW_VAR_EAGLE3_PLAN_SECRET"])
+@pytest.mark.parametrize(
+    "variable",
+    [
+        "AIRFLOW_JWT_SECRET",
+        "AIRFLOW_FERNET_KEY",
+        "AIRFLOW_CONN_GPU_BOX",
+        "GPU_BOX_SSH_KEY",
+        "AIRFLOW_API_SECRET_KEY",
+        "POSTGRES_USER",
+        "POSTGRES_PASSWORD",
+        "POSTGRES_DB",
+        "AIRFLOW_ADMIN_PASSWORD",
+        "AIRFLOW_VAR_EAGLE3_PLAN_SECRET",
+    ],
+)
 @pytest.mark.parametrize("how", ["missing", "empty"])
 def test_required_variables(tmp_path, variable, how):
     proc = _compose_config(_env_file(tmp_path, **{variable: None if how == "missing" else ""}), tmp_path)
@@ -360,8 +396,12 @@ def test_dockerfile_copies_the_code_and_no_test_tools():
         # compiled in the code stage, then copied owned by root (no --chown): read-only to the airflow user
         assert compiled[f"{folder}/"] == f"/opt/airflow/{folder}/", folder
         assert final[f"/opt/airflow/{folder}/"] == f"/opt/airflow/{folder}/", folder
-    assert re.search(r"^RUN python -m compileall .*--invalidation-mode checked-hash "
-                     r"/opt/airflow/dags /opt/airflow/plugins /opt/airflow/include$", dockerfile, re.MULTILINE)
+    assert re.search(
+        r"^RUN python -m compileall .*--invalidation-mode checked-hash "
+        r"/opt/airflow/dags /opt/airflow/plugins /opt/airflow/include$",
+        dockerfile,
+        re.MULTILINE,
+    )
     assert copies["deploy/fab_roles.py"] == f"{DEPLOY_DIR}/"  # of deploy/, the role script alone: settings are mounted
     assert re.search(r"^ENV PYTHONPATH=/opt/airflow/include\b", dockerfile, re.MULTILINE)
     assert "EAGLE3_DAG_SETTINGS=" not in dockerfile  # no settings baked in: changing them needs no rebuild
@@ -383,8 +423,11 @@ def test_dockerfile_copies_the_code_and_no_test_tools():
     assert all(pins.get(name) for name in local_box), local_box
 
     # The build context is an allowlist: only what the Dockerfile copies gets in (never .env, secrets/, tests/).
-    patterns = [line.strip() for line in (REPO / ".dockerignore").read_text().splitlines()
-                if line.strip() and not line.startswith("#")]
+    patterns = [
+        line.strip()
+        for line in (REPO / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
     # (COPY --from=code copies from the code stage, not from the context)
     copied = set(re.findall(r"^COPY (?:--chown=\S+ )?([^-\s]\S*) ", dockerfile, re.MULTILINE))
     copied |= {"requirements-image.txt"}
@@ -420,8 +463,11 @@ def test_the_stacks_settings_allow_gpu_box_and_make_it_the_default():
     assert (config.workdir, box.conn_ids) == ("/data/eagle3", ["gpu_box"])
     settings.allowed.check_run(config, box.conn_ids, box.stop_services, python=box.python)
     # The worker itself is a box only when the deployment says so.
-    with pytest.raises(ParamsError, match=r"box.conn_ids: \['local'\] not allowed here; this deployment allows "
-                                          r"\['gpu_box'\]"):
+    with pytest.raises(
+        ParamsError,
+        match=r"box.conn_ids: \['local'\] not allowed here; this deployment allows "
+        r"\['gpu_box'\]",
+    ):
         settings.allowed.check(["local"], [], None, None, workdir=settings.run["workdir"])
 
 
@@ -469,8 +515,13 @@ for settings in {files!r}:
                        "box": dag and dag.params["box.conn_ids"]}}
 print(json.dumps(found))
 """
-    proc = subprocess.run([os.sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                          env=airflow_env(airflow_home, AIRFLOW__CORE__EXECUTOR="CeleryExecutor"))
+    proc = subprocess.run(
+        [os.sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=airflow_env(airflow_home, AIRFLOW__CORE__EXECUTOR="CeleryExecutor"),
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     found = json.loads(proc.stdout.strip().splitlines()[-1])
     assert found == {path: {"errors": [], "box": ["gpu_box"]} for path in files}
@@ -487,9 +538,13 @@ def _fab_roles():
 
 
 # Settings with two boxes (two drafter DAGs) and approvals (the promotion DAG): every DAG the DAG file can make.
-TWO_BOXES_WITH_APPROVAL = {"box_pools": {"gpu-box-1": {"gpus": 8}, "gpu-box-2": {"gpus": 8}},
-                           "params": {"box.conn_ids": ["gpu-box-1"]}, "run": {"workdir": "/data/eagle3"},
-                           "approve_promotion": True, "approvers": ["alex"]}
+TWO_BOXES_WITH_APPROVAL = {
+    "box_pools": {"gpu-box-1": {"gpus": 8}, "gpu-box-2": {"gpus": 8}},
+    "params": {"box.conn_ids": ["gpu-box-1"]},
+    "run": {"workdir": "/data/eagle3"},
+    "approve_promotion": True,
+    "approvers": ["alex"],
+}
 DRAFTER_DAGS = ["eagle3_drafter", "eagle3_drafter__gpu-box-2"]
 
 # FAB's names (airflow.providers.fab.www.security.permissions): what answers an approval or a required action
@@ -503,8 +558,11 @@ EDITS_TASKS = {("can_edit", "Task Instances"), ("can_delete", "Task Instances"),
 
 def _edited_dags(permissions) -> list[str]:
     """The DAGs whose own resource (DAG:<id>) a role may edit: where FAB lets its other edits apply."""
-    return sorted(resource.removeprefix("DAG:") for action, resource in permissions
-                  if action == "can_edit" and resource.startswith("DAG:"))
+    return sorted(
+        resource.removeprefix("DAG:")
+        for action, resource in permissions
+        if action == "can_edit" and resource.startswith("DAG:")
+    )
 
 
 def test_the_roles_name_every_dag_the_settings_make_and_no_other():
@@ -581,12 +639,28 @@ def test_init_narrows_a_widened_trigger_role_back_to_the_settings(capsys):
     them away again."""
     fab_roles = _fab_roles()
     viewer = [("can_read", "DAGs"), ("can_read", "XComs"), ("can_read", "HITL Detail"), ("can_read", "Task Logs")]
-    widened = _Role("Eagle3Trigger", [*viewer, ("can_edit", "XComs"), ANSWERS_APPROVALS, ("can_create", "DAG Runs"),
-                                      ("can_edit", "DAG:eagle3_drafter__gpu-box-3")])
+    widened = _Role(
+        "Eagle3Trigger",
+        [
+            *viewer,
+            ("can_edit", "XComs"),
+            ANSWERS_APPROVALS,
+            ("can_create", "DAG Runs"),
+            ("can_edit", "DAG:eagle3_drafter__gpu-box-3"),
+        ],
+    )
     sm = _FakeSecurityManager([_Role("Viewer", viewer), _Role("Admin"), widened])
     settings = Deployment.model_validate(TWO_BOXES_WITH_APPROVAL)
-    fab_roles.sync(sm, {"AIRFLOW_ADMIN_USER": "admin", "AIRFLOW_ADMIN_PASSWORD": "pw",
-                        "AIRFLOW_TRIGGER_USER": "alice", "AIRFLOW_TRIGGER_PASSWORD": "pw2"}, settings)
+    fab_roles.sync(
+        sm,
+        {
+            "AIRFLOW_ADMIN_USER": "admin",
+            "AIRFLOW_ADMIN_PASSWORD": "pw",
+            "AIRFLOW_TRIGGER_USER": "alice",
+            "AIRFLOW_TRIGGER_PASSWORD": "pw2",
+        },
+        settings,
+    )
     wanted = fab_roles.roles(settings)
     assert _perms(sm.roles["Eagle3Trigger"]) == set(viewer) | set(wanted["Eagle3Trigger"])
     assert _perms(sm.roles["Eagle3Approver"]) == set(viewer) | set(wanted["Eagle3Approver"])
@@ -641,17 +715,29 @@ def test_the_roles_through_fabs_own_authorization(tmp_path):
         pytest.fail(f"{FAB_ENV_PYTHON} is missing: `make fab-env` builds it (requirements-fab-env.txt)")
     settings = tmp_path / "dag-settings.json"
     settings.write_text(json.dumps(TWO_BOXES_WITH_APPROVAL))
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")},
-           "AIRFLOW_HOME": str(tmp_path), "AIRFLOW__CORE__AUTH_MANAGER": FAB,
-           "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{tmp_path}/airflow.db",
-           "AIRFLOW__CORE__LOAD_EXAMPLES": "false", "AIRFLOW__CORE__DAGS_FOLDER": str(tmp_path / "dags"),
-           "AIRFLOW__API__SECRET_KEY": "test", "AIRFLOW_ADMIN_USER": "admin", "AIRFLOW_ADMIN_PASSWORD": "a",
-           "AIRFLOW_TRIGGER_USER": "tina", "AIRFLOW_TRIGGER_PASSWORD": "t", "AIRFLOW_APPROVER_USER": "alex",
-           "AIRFLOW_APPROVER_PASSWORD": "x", "EAGLE3_DAG_SETTINGS": str(settings),
-           "PYTHONPATH": f"{REPO / 'plugins'}{os.pathsep}{REPO / 'include'}"}  # as airflow-init's
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")},
+        "AIRFLOW_HOME": str(tmp_path),
+        "AIRFLOW__CORE__AUTH_MANAGER": FAB,
+        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{tmp_path}/airflow.db",
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "false",
+        "AIRFLOW__CORE__DAGS_FOLDER": str(tmp_path / "dags"),
+        "AIRFLOW__API__SECRET_KEY": "test",
+        "AIRFLOW_ADMIN_USER": "admin",
+        "AIRFLOW_ADMIN_PASSWORD": "a",
+        "AIRFLOW_TRIGGER_USER": "tina",
+        "AIRFLOW_TRIGGER_PASSWORD": "t",
+        "AIRFLOW_APPROVER_USER": "alex",
+        "AIRFLOW_APPROVER_PASSWORD": "x",
+        "EAGLE3_DAG_SETTINGS": str(settings),
+        "PYTHONPATH": f"{REPO / 'plugins'}{os.pathsep}{REPO / 'include'}",
+    }  # as airflow-init's
     python = str(FAB_ENV_PYTHON)
-    for argv in ([python, "-m", "airflow", "db", "migrate"], [python, "-m", "airflow", "sync-perm"],
-                 [python, str(REPO / "deploy" / "fab_roles.py")]):
+    for argv in (
+        [python, "-m", "airflow", "db", "migrate"],
+        [python, "-m", "airflow", "sync-perm"],
+        [python, str(REPO / "deploy" / "fab_roles.py")],
+    ):
         proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, (argv, proc.stdout[-2000:], proc.stderr[-4000:])
     dags = [*DRAFTER_DAGS, "eagle3_promotion", "other_dag"]

@@ -124,6 +124,7 @@ def test_generation_samples_as_the_target_is_served_unless_the_config_says_other
     serve it with by default (a thinking model served at temperature 1 is trained on sampled answers, not greedy
     ones); a file that names no temperature (the tiny target's) keeps generation greedy; a value in the config
     wins; top_k <= 0 is no limit; a value out of bounds is refused naming the file."""
+
     def target_with(sampling: dict | None) -> Path:
         target = tmp_path / f"target-{len(list(tmp_path.iterdir()))}"
         shutil.copytree(tiny_target, target, ignore=shutil.ignore_patterns("*.safetensors", "prompts.jsonl"))
@@ -134,9 +135,15 @@ def test_generation_samples_as_the_target_is_served_unless_the_config_says_other
         return target
 
     def sampling(target: Path, **generate) -> tuple:
-        cfg = resolve_target_facts(parse_run_config(with_changes(target={"model_path": str(target),
-                                                                         "num_hidden_layers": None},
-                                                                 vocab={"draft_vocab_size": 512}, generate=generate)))
+        cfg = resolve_target_facts(
+            parse_run_config(
+                with_changes(
+                    target={"model_path": str(target), "num_hidden_layers": None},
+                    vocab={"draft_vocab_size": 512},
+                    generate=generate,
+                )
+            )
+        )
         return cfg.generate.temperature, cfg.generate.top_p, cfg.generate.top_k
 
     assert sampling(tiny_target) == (0.0, 1.0, None)  # names none: greedy, as the demo always generated
@@ -146,8 +153,11 @@ def test_generation_samples_as_the_target_is_served_unless_the_config_says_other
     assert sampling(kimi_like, temperature=0.0) == (0.0, 0.95, None)
     assert sampling(target_with({"temperature": 0.6, "top_k": 20})) == (0.6, 1.0, 20)
     assert sampling(target_with({"top_p": 0.8})) == (0.0, 1.0, None)  # no temperature named: greedy
-    with pytest.raises(ConfigError, match=r"generation_config.json: its sampling does not fit.*temperature.*set "
-                       "generate.temperature, top_p and top_k explicitly"):
+    with pytest.raises(
+        ConfigError,
+        match=r"generation_config.json: its sampling does not fit.*temperature.*set "
+        "generate.temperature, top_p and top_k explicitly",
+    ):
         sampling(target_with({"temperature": 5.0}))
 
 
@@ -199,9 +209,17 @@ def test_importing_the_config_stays_light():
 
 KIMI_K25_CONFIG = {  # the shape of Kimi-K2.5's config.json (language model under text_config); no weights
     "architectures": ["KimiK25ForConditionalGeneration"],
-    "text_config": {"architectures": ["DeepseekV3ForCausalLM"], "num_hidden_layers": 61, "hidden_size": 7168,
-                    "num_attention_heads": 64, "num_key_value_heads": 64, "intermediate_size": 18432,
-                    "vocab_size": 163840, "rope_theta": 50000.0, "max_position_embeddings": 262144},
+    "text_config": {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "num_hidden_layers": 61,
+        "hidden_size": 7168,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 64,
+        "intermediate_size": 18432,
+        "vocab_size": 163840,
+        "rope_theta": 50000.0,
+        "max_position_embeddings": 262144,
+    },
 }
 
 
@@ -221,13 +239,25 @@ def test_init_derives_a_drafter_shape_sglang_serves_for_a_kimi_shaped_target(tmp
     (tmp_path / "draft.json").write_text(json.dumps(draft))
     written = run_eagle3("init", "--config", str(tmp_path / "draft.json")).stdout.strip()
     cfg = load_run_config(written)
-    assert cfg.drafter.model_dump() == {"head_dim": 128, "num_attention_heads": 56, "num_key_value_heads": 8,
-                                        "intermediate_size": 18432, "rope_theta": 50000.0, "rope_scaling": "target",
-                                        "fc_norm": False, "norm_output": False}
+    assert cfg.drafter.model_dump() == {
+        "head_dim": 128,
+        "num_attention_heads": 56,
+        "num_key_value_heads": 8,
+        "intermediate_size": 18432,
+        "rope_theta": 50000.0,
+        "rope_scaling": "target",
+        "fc_norm": False,
+        "norm_output": False,
+    }
     draft = DraftConfig.from_target(model, 32000, cfg.resolved_aux_layers(), cfg.drafter.model_dump())
     exported = drafter_config(draft, KIMI_K25_CONFIG["architectures"][0], "bfloat16")
-    assert (exported["head_dim"], exported["num_attention_heads"], exported["num_key_value_heads"],
-            exported["hidden_size"], exported["intermediate_size"]) == (128, 56, 8, 7168, 18432)
+    assert (
+        exported["head_dim"],
+        exported["num_attention_heads"],
+        exported["num_key_value_heads"],
+        exported["hidden_size"],
+        exported["intermediate_size"],
+    ) == (128, 56, 8, 7168, 18432)
     assert exported["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 30, 58]  # inputs of layers 2, 30, 58
 
 
@@ -238,9 +268,21 @@ def test_init_names_what_a_target_config_lacks_for_the_serving_engines(tmp_path)
     server is started hours later; the real Kimi-K2.5 config carries them and gets no warning."""
     from tests.conftest import run_eagle3
 
-    for name, extra in (("lacking", {}), ("complete", {"topk_method": "noaux_tc", "scoring_func": "sigmoid",
-                                                       "moe_layer_freq": 1, "n_group": 1, "topk_group": 1,
-                                                       "norm_topk_prob": True, "routed_scaling_factor": 2.827})):
+    for name, extra in (
+        ("lacking", {}),
+        (
+            "complete",
+            {
+                "topk_method": "noaux_tc",
+                "scoring_func": "sigmoid",
+                "moe_layer_freq": 1,
+                "n_group": 1,
+                "topk_group": 1,
+                "norm_topk_prob": True,
+                "routed_scaling_factor": 2.827,
+            },
+        ),
+    ):
         model = tmp_path / name
         model.mkdir()
         config = {**KIMI_K25_CONFIG, "text_config": {**KIMI_K25_CONFIG["text_config"], **extra}}
@@ -262,8 +304,12 @@ def test_init_refuses_layers_an_engine_of_the_run_cannot_be_told(tmp_path):
     model = tmp_path / "kimi-k2.5"
     model.mkdir()
     (model / "config.json").write_text(json.dumps(KIMI_K25_CONFIG))
-    draft = with_changes(workdir=str(tmp_path / "work"), target={"model_path": str(model)},
-                         extract={"aux_layers": [0, 29, 57]}, benchmark={"enabled": True})
+    draft = with_changes(
+        workdir=str(tmp_path / "work"),
+        target={"model_path": str(model)},
+        extract={"aux_layers": [0, 29, 57]},
+        benchmark={"enabled": True},
+    )
     (tmp_path / "draft.json").write_text(json.dumps(draft))
     init = run_eagle3("init", "--config", str(tmp_path / "draft.json"), check=False)
     assert init.returncode == 2 and "extract.aux_layers: [0, 29, 57] cannot be told to sglang" in init.stderr
@@ -275,44 +321,69 @@ def test_init_refuses_layers_an_engine_of_the_run_cannot_be_told(tmp_path):
 
 def test_a_head_dim_sglang_cannot_run_is_refused_by_name():
     assert "drafter.head_dim: 112 is not one SGLang's attention backends all run" in error_of(
-        with_changes(drafter={"head_dim": 112}))
+        with_changes(drafter={"head_dim": 112})
+    )
     assert "drafter.num_key_value_heads: 5 does not divide num_attention_heads 56" in error_of(
-        with_changes(drafter={"num_attention_heads": 56, "num_key_value_heads": 5}))
+        with_changes(drafter={"num_attention_heads": 56, "num_key_value_heads": 5})
+    )
 
 
 # -- a trigger configures the pipeline, nothing more (whoever may trigger the DAG must not own the box) -------
 
 
-@pytest.mark.parametrize("flag, value", [
-    ("host", "0.0.0.0"),  # would listen on every interface of the box
-    ("hos", "0.0.0.0"),  # argparse reads an unambiguous prefix as the flag itself
-    ("port", 22),
-    ("model-path", "/home/other/model"),  # would serve another model than target.model_path
-    ("model", "/home/other/model"),  # SGLang's alias of --model-path
-    ("trust_remote_code", True),  # underscore spelling of --trust-remote-code, while target.trust_remote_code is off
-    ("trust-remote", True),
-    ("tensor-parallel-size", 8),
-    ("config", "/tmp/any.yaml"),  # a YAML file that sets any flag, host included
-    ("dist-init-addr", "10.0.0.9:5000"),  # joins a server on another host
-    ("speculative_draft_model_path", "/x"),  # the benchmark's own flags
-])
+@pytest.mark.parametrize(
+    "flag, value",
+    [
+        ("host", "0.0.0.0"),  # would listen on every interface of the box
+        ("hos", "0.0.0.0"),  # argparse reads an unambiguous prefix as the flag itself
+        ("port", 22),
+        ("model-path", "/home/other/model"),  # would serve another model than target.model_path
+        ("model", "/home/other/model"),  # SGLang's alias of --model-path
+        (
+            "trust_remote_code",
+            True,
+        ),  # underscore spelling of --trust-remote-code, while target.trust_remote_code is off
+        ("trust-remote", True),
+        ("tensor-parallel-size", 8),
+        ("config", "/tmp/any.yaml"),  # a YAML file that sets any flag, host included
+        ("dist-init-addr", "10.0.0.9:5000"),  # joins a server on another host
+        ("speculative_draft_model_path", "/x"),  # the benchmark's own flags
+    ],
+)
 def test_server_extra_args_cannot_override_the_launch(flag, value):
     message = error_of(with_changes(server={"extra_args": {flag: value}}))
     assert f"server.extra_args: {flag!r}" in message
 
 
-@pytest.mark.parametrize("flag", [
-    # Issue 43's: SGLang imports a named factory and calls it (os:system ran a command), deletes the target's weights
-    # once up, talks to other hosts (plural words passed the old denylist's 'url'/'endpoint' words).
-    "forward-hooks", "delete-ckpt-after-loading", "encoder-urls", "decoupled-spec-connect-endpoints",
-    # Issue 35's: unpickle request data, reach other hosts, write or read elsewhere, load code, rewrite the model, or
-    # put a secret on the argv where ps shows it.
-    "enable-custom-logit-processor", "custom-weight-loader", "otlp-traces-endpoint", "kv-events-config",
-    "log-requests-target", "crash-dump-folder", "download-dir", "api-key", "admin-api-key", "chat-template",
-    "json-model-override-args", "tool-server", "file-storage-path", "quantization-param-path",
-    "model-loader-extra-config",
-    "no-such-flag-yet",  # a flag an engine adds later is refused until someone reviews it
-])
+@pytest.mark.parametrize(
+    "flag",
+    [
+        # Issue 43's: SGLang imports a named factory and calls it (os:system ran a command), deletes the target's
+        # weights once up, talks to other hosts (plural words passed the old denylist's 'url'/'endpoint' words).
+        "forward-hooks",
+        "delete-ckpt-after-loading",
+        "encoder-urls",
+        "decoupled-spec-connect-endpoints",
+        # Issue 35's: unpickle request data, reach other hosts, write or read elsewhere, load code, rewrite the model,
+        # or put a secret on the argv where ps shows it.
+        "enable-custom-logit-processor",
+        "custom-weight-loader",
+        "otlp-traces-endpoint",
+        "kv-events-config",
+        "log-requests-target",
+        "crash-dump-folder",
+        "download-dir",
+        "api-key",
+        "admin-api-key",
+        "chat-template",
+        "json-model-override-args",
+        "tool-server",
+        "file-storage-path",
+        "quantization-param-path",
+        "model-loader-extra-config",
+        "no-such-flag-yet",  # a flag an engine adds later is refused until someone reviews it
+    ],
+)
 def test_server_extra_args_take_only_reviewed_flags(flag):
     message = error_of(with_changes(server={"extra_args": {flag: "x"}}))
     assert f"server.extra_args: {flag!r} is not one of the engine flags this project reviewed" in message
@@ -320,8 +391,12 @@ def test_server_extra_args_take_only_reviewed_flags(flag):
 
 
 def test_a_flag_the_operator_reviewed_is_taken_but_never_one_the_launch_owns():
-    allowed = with_changes(server={"extra_args": {"enable-metrics-for-all-schedulers": True},
-                                   "reviewed_flags": ["enable-metrics-for-all-schedulers"]})
+    allowed = with_changes(
+        server={
+            "extra_args": {"enable-metrics-for-all-schedulers": True},
+            "reviewed_flags": ["enable-metrics-for-all-schedulers"],
+        }
+    )
     assert parse_run_config(allowed).server.extra_args == {"enable-metrics-for-all-schedulers": True}
     message = error_of(with_changes(server={"extra_args": {"hos": "0.0.0.0"}, "reviewed_flags": ["hos"]}))
     assert "server.extra_args: 'hos' is the launcher's" in message
@@ -343,13 +418,28 @@ def test_every_reviewed_capture_argument_passes_the_run_configs_own_checks():
     assert parse_run_config(with_changes(extract={"sglang": {"extra_args": extra}})).extract.sglang.extra_args == extra
 
 
-@pytest.mark.parametrize("flag", [
-    "worker-extension-cls", "logits-processors", "middleware", "tool-parser-plugin", "hf-overrides",
-    "kv-transfer-config", "api-key", "chat-template", "compilation-config",  # vllm 0.32: code, hosts, files, secrets
-    "distributed-executor-backend",  # issue 43: a <module.attr> it imports
-    "speculative-config", "per-request-spec-decode-metrics", "spec-model",  # evaluate's and benchmark's own
-    "tensor-parallel-size", "gpu-memory-utilization", "uds", "headless",  # the run config's, the launcher's
-])
+@pytest.mark.parametrize(
+    "flag",
+    [
+        "worker-extension-cls",
+        "logits-processors",
+        "middleware",
+        "tool-parser-plugin",
+        "hf-overrides",
+        "kv-transfer-config",
+        "api-key",
+        "chat-template",
+        "compilation-config",  # vllm 0.32: code, hosts, files, secrets
+        "distributed-executor-backend",  # issue 43: a <module.attr> it imports
+        "speculative-config",
+        "per-request-spec-decode-metrics",
+        "spec-model",  # evaluate's and benchmark's own
+        "tensor-parallel-size",
+        "gpu-memory-utilization",
+        "uds",
+        "headless",  # the run config's, the launcher's
+    ],
+)
 def test_vllm_server_extra_args_are_checked_against_vllms_flags(flag):
     message = error_of(with_changes(server={"engine": "vllm", "extra_args": {flag: "x"}}))
     assert f"server.extra_args: {flag!r}" in message
@@ -364,25 +454,49 @@ def test_server_extra_args_values_are_plain_values(value):
     assert len(message) < 600  # a 2000-character value is not echoed whole
 
 
-@pytest.mark.parametrize("name", ["dist_init_addr", "nnodes", "node_rank", "host", "port", "api_key",
-                                  "enable_custom_logit_processor", "json_model_override_args", "download_dir"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "dist_init_addr",
+        "nnodes",
+        "node_rank",
+        "host",
+        "port",
+        "api_key",
+        "enable_custom_logit_processor",
+        "json_model_override_args",
+        "download_dir",
+    ],
+)
 def test_capture_engine_extra_args_refuse_what_the_servers_refuse(name):
     message = error_of(with_changes(extract={"sglang": {"extra_args": {name: "x"}}}))
     assert "extract.sglang.extra_args" in message and name in message
 
 
 def test_vllm_cannot_benchmark_a_tree():
-    message = error_of(with_changes(server={"engine": "vllm"},
-                                    benchmark={"enabled": True, "eagle_topk": 4, "num_draft_tokens": 8}))
+    message = error_of(
+        with_changes(server={"engine": "vllm"}, benchmark={"enabled": True, "eagle_topk": 4, "num_draft_tokens": 8})
+    )
     assert "benchmark.eagle_topk: vLLM drafts EAGLE-3 chains only" in message
 
 
 def test_server_extra_args_still_take_real_tuning_flags():
-    extra = {"attention-backend": "triton", "reasoning-parser": "kimi_k2", "disable-radix-cache": True,
-             "tool-call-parser": "kimi_k2", "log-requests": True}
+    extra = {
+        "attention-backend": "triton",
+        "reasoning-parser": "kimi_k2",
+        "disable-radix-cache": True,
+        "tool-call-parser": "kimi_k2",
+        "log-requests": True,
+    }
     assert parse_run_config(with_changes(server={"extra_args": extra})).server.extra_args == extra
-    vllm = {"max-model-len": 8192, "kv-cache-memory-bytes": 1 << 30, "enable-auto-tool-choice": True,
-            "tool-call-parser": "kimi_k2", "reasoning-parser": "kimi_k2", "max-num-seqs": 64}
+    vllm = {
+        "max-model-len": 8192,
+        "kv-cache-memory-bytes": 1 << 30,
+        "enable-auto-tool-choice": True,
+        "tool-call-parser": "kimi_k2",
+        "reasoning-parser": "kimi_k2",
+        "max-num-seqs": 64,
+    }
     assert parse_run_config(with_changes(server={"engine": "vllm", "extra_args": vllm})).server.extra_args == vllm
 
 
@@ -392,11 +506,14 @@ def test_engine_extra_args_are_refused_in_every_spelling():
         assert "extract.sglang.extra_args: " in message and ("run config" in message or "underscores" in message)
 
 
-@pytest.mark.parametrize("endpoint", [
-    "http://evil.example:8080/anything#",  # the fragment would cut off /chat/completions: a GET/POST to any path
-    "http://evil.example/admin?x=",
-    "http://127.0.0.1:30000/v1/../../admin",
-])
+@pytest.mark.parametrize(
+    "endpoint",
+    [
+        "http://evil.example:8080/anything#",  # the fragment would cut off /chat/completions: a GET/POST to any path
+        "http://evil.example/admin?x=",
+        "http://127.0.0.1:30000/v1/../../admin",
+    ],
+)
 def test_an_endpoint_cannot_redirect_the_stage_to_another_path(endpoint):
     assert "generate.endpoint" in error_of(with_changes(generate={"endpoint": endpoint}))
 
@@ -450,12 +567,15 @@ def test_infinity_and_nan_are_refused_in_every_number_field():
             assert f"{shown}: Input should be a finite number" in str(info.value), dotted
 
 
-@pytest.mark.parametrize("section, values, field", [
-    ("seed", 2**70, "seed"),
-    ("vocab", {"draft_vocab_size": 10**12}, "vocab.draft_vocab_size"),
-    ("train", {"gpus": [0, 10**9]}, "train.gpus.1"),
-    ("extract", {"aux_layers": [1, 2, 10**9]}, "extract.aux_layers.2"),
-])
+@pytest.mark.parametrize(
+    "section, values, field",
+    [
+        ("seed", 2**70, "seed"),
+        ("vocab", {"draft_vocab_size": 10**12}, "vocab.draft_vocab_size"),
+        ("train", {"gpus": [0, 10**9]}, "train.gpus.1"),
+        ("extract", {"aux_layers": [1, 2, 10**9]}, "extract.aux_layers.2"),
+    ],
+)
 def test_absurd_integers_are_refused_with_the_field_named(section, values, field):
     assert f"{field}: Input should be less than or equal to" in error_of(with_changes(**{section: values}))
 
@@ -503,9 +623,18 @@ def kimi_init(tmp_path, name: str, text_config: dict | None = None, **sections):
     return model, run_eagle3("init", "--config", str(tmp_path / f"{name}.json"), check=False)
 
 
-KIMI_K2_ROPE = {"rope_scaling": {"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
-                                 "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
-                "max_position_embeddings": 131072}
+KIMI_K2_ROPE = {
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 32.0,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 1.0,
+        "beta_slow": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
+    "max_position_embeddings": 131072,
+}
 
 
 @pytest.mark.slow
@@ -517,10 +646,19 @@ def test_the_drafter_carries_the_targets_rope_scaling_and_refuses_one_it_cannot(
     cfg = load_run_config(init.stdout.strip())
     assert (cfg.drafter.rope_theta, cfg.drafter.rope_scaling) == (50000.0, "target")
     draft = DraftConfig.from_target(model, 32000, cfg.resolved_aux_layers(), cfg.drafter.model_dump())
-    assert draft.rope_scaling == {"type": "yarn", **{k: v for k, v in KIMI_K2_ROPE["rope_scaling"].items()
-                                                      if k != "type"}}
-    llama3 = {"rope_scaling": {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                               "original_max_position_embeddings": 8192}}
+    assert draft.rope_scaling == {
+        "type": "yarn",
+        **{k: v for k, v in KIMI_K2_ROPE["rope_scaling"].items() if k != "type"},
+    }
+    llama3 = {
+        "rope_scaling": {
+            "type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        }
+    }
     _, refused = kimi_init(tmp_path, "llama3", llama3)
     assert refused.returncode == 2 and "drafter.rope_scaling:" in refused.stderr and "'llama3'" in refused.stderr
     _, knowingly = kimi_init(tmp_path, "plain", llama3, drafter={"rope_scaling": "none"})
@@ -536,11 +674,13 @@ def test_the_drafters_heads_must_split_across_every_serving_tp_size(tmp_path):
     assert "drafter.num_attention_heads: 56 heads do not split across tp 16" in tp16.stderr and "e.g. 64" in tp16.stderr
     _, fixed = kimi_init(tmp_path, "tp16-64", serve={"tp_sizes": [8, 16]}, drafter={"num_attention_heads": 64})
     assert fixed.returncode == 0, fixed.stderr
-    assert "num_key_value_heads" in error_of(with_changes(serve={"tp_sizes": [3]}, drafter={
-        "num_attention_heads": 6, "num_key_value_heads": 2}))
+    assert "num_key_value_heads" in error_of(
+        with_changes(serve={"tp_sizes": [3]}, drafter={"num_attention_heads": 6, "num_key_value_heads": 2})
+    )
     # The engine this run starts with the drafter (benchmark, evaluate.backend server) serves at server.tp_size.
-    _, served = kimi_init(tmp_path, "server-tp16", serve={"tp_sizes": [8]}, server={"tp_size": 16},
-                          benchmark={"enabled": True})
+    _, served = kimi_init(
+        tmp_path, "server-tp16", serve={"tp_sizes": [8]}, server={"tp_size": 16}, benchmark={"enabled": True}
+    )
     assert served.returncode == 2 and "56 heads do not split across tp 16 (server.tp_size)" in served.stderr
     _, unserved = kimi_init(tmp_path, "server-tp16-unused", serve={"tp_sizes": [8]}, server={"tp_size": 16})
     assert unserved.returncode == 0, unserved.stderr  # generate's server does not load the drafter
@@ -549,8 +689,9 @@ def test_the_drafters_heads_must_split_across_every_serving_tp_size(tmp_path):
 def test_two_batch_overlap_is_refused_for_extraction():
     """SGLang's two-batch overlap runs a DeepSeek model's later layers without capturing their aux states
     (sglang 0.5.23 deepseek_v2.py): the store would lack them. Refused before the GPUs are taken."""
-    message = error_of(with_changes(extract={"backend": "sglang",
-                                             "sglang": {"extra_args": {"enable_two_batch_overlap": True}}}))
+    message = error_of(
+        with_changes(extract={"backend": "sglang", "sglang": {"extra_args": {"enable_two_batch_overlap": True}}})
+    )
     assert "enable_two_batch_overlap" in message and "two-batch overlap" in message
 
 

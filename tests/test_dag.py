@@ -45,12 +45,15 @@ print(json.dumps({{"errors": {{k: str(v) for k, v in bag.import_errors.items()}}
     "seconds": bag.dagbag_stats[0].duration.total_seconds(), "cpu_seconds": cpu, "torch": "torch" in sys.modules,
     "dag_params": len(dag.params), "task_params": sum(len(t.params) for t in dag.tasks)}}))
 """
-    proc = subprocess.run([sys.executable, "-c", script], env=airflow_env(airflow_home), capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=airflow_env(airflow_home), capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    print(f"DagBag parse time of {DAG_FILE.name} (fresh interpreter): {result['seconds']:.3f} s, "
-          f"{result['cpu_seconds']:.3f} CPU-s")
+    print(
+        f"DagBag parse time of {DAG_FILE.name} (fresh interpreter): {result['seconds']:.3f} s, "
+        f"{result['cpu_seconds']:.3f} CPU-s"
+    )
     assert result["errors"] == {}
     assert result["dags"] == ["eagle3_drafter"]
     assert result["torch"] is False
@@ -73,8 +76,13 @@ from airflow.dag_processing.dagbag import DagBag
 bag = DagBag(dag_folder={str(DAG_FILE)!r})
 print(json.dumps({{"errors": list(map(str, bag.import_errors.values())), "dags": sorted(bag.dag_ids)}}))
 """
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                          env=airflow_env(airflow_home, EAGLE3_DAG_SETTINGS=str(settings)))
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=airflow_env(airflow_home, EAGLE3_DAG_SETTINGS=str(settings)),
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["dags"] == []
@@ -83,16 +91,26 @@ print(json.dumps({{"errors": list(map(str, bag.import_errors.values())), "dags":
     assert "['data.path', 'target.model_path']" in error
 
 
-def test_a_schedule_on_the_data_and_target_assets_or_on_time_is_what_the_scheduler_reads(airflow_home,
-                                                                                         tiny_target, tmp_path):
+def test_a_schedule_on_the_data_and_target_assets_or_on_time_is_what_the_scheduler_reads(
+    airflow_home, tiny_target, tmp_path
+):
     """schedule_assets in the settings file: a run starts when the prompt set's or the target's Asset is updated,
     or on the cron, whichever comes first (Airflow's AssetOrTimeSchedule), as the serialized DAG the scheduler reads
     says. Asset-started runs use the form's defaults as scheduled ones do: without them it is an import error. A
     schedule that keeps failing pauses the DAG after the settings' max_consecutive_failed_runs."""
     both = tmp_path / "both.json"
     conf, layers = tiny_layers(tiny_target, tmp_path / "box", run_name="")
-    both.write_text(json.dumps({"schedule": "@weekly", "schedule_assets": ["eagle3_prompts", "eagle3_target"],
-                                "params": conf, "max_consecutive_failed_runs": 2, **layers}))
+    both.write_text(
+        json.dumps(
+            {
+                "schedule": "@weekly",
+                "schedule_assets": ["eagle3_prompts", "eagle3_target"],
+                "params": conf,
+                "max_consecutive_failed_runs": 2,
+                **layers,
+            }
+        )
+    )
     assets_only = tmp_path / "assets-only.json"
     assets_only.write_text(json.dumps({"schedule_assets": ["eagle3_prompts"]}))
     script = f"""
@@ -109,8 +127,9 @@ for settings in ({str(both)!r}, {str(assets_only)!r}):
                        "pause_after": dag and dag.max_consecutive_failed_dag_runs}}
 print(json.dumps(found))
 """
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                          env=airflow_env(airflow_home))
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=airflow_env(airflow_home)
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     found = json.loads(proc.stdout.strip().splitlines()[-1])
     scheduled = found[str(both)]
@@ -127,19 +146,19 @@ print(json.dumps(found))
     assert "['data.path', 'target.model_path']" in error
 
 
-def test_the_settings_travel_in_the_dag_bundle_and_a_local_reports_folder_needs_a_shared_disk(airflow_home,
-                                                                                             tmp_path):
+def test_the_settings_travel_in_the_dag_bundle_and_a_local_reports_folder_needs_a_shared_disk(airflow_home, tmp_path):
     """Issue 43: the DAG file reads eagle3_settings.json beside it (its bundle), or the file EAGLE3_DAG_SETTINGS
     names, relative to the DAG file's folder. Under an executor whose workers share no disk, a local reports folder
     (the default) is an import error naming the executor, unless the settings say reports_shared_disk."""
     bundle = tmp_path / "bundle"
     (bundle / "settings").mkdir(parents=True)
     shutil.copy(DAG_FILE, bundle / DAG_FILE.name)
-    (bundle / "eagle3_settings.json").write_text(json.dumps({"allowed_boxes": ["gpu_box"],
-                                                             "params": {"box.conn_ids": ["gpu_box"]}}))
-    (bundle / "settings" / "shared.json").write_text(json.dumps({"allowed_boxes": ["box-b"],
-                                                                 "params": {"box.conn_ids": ["box-b"]},
-                                                                 "reports_shared_disk": True}))
+    (bundle / "eagle3_settings.json").write_text(
+        json.dumps({"allowed_boxes": ["gpu_box"], "params": {"box.conn_ids": ["gpu_box"]}})
+    )
+    (bundle / "settings" / "shared.json").write_text(
+        json.dumps({"allowed_boxes": ["box-b"], "params": {"box.conn_ids": ["box-b"]}, "reports_shared_disk": True})
+    )
     script = f"""
 import json, os
 from airflow.dag_processing.dagbag import DagBag
@@ -153,8 +172,9 @@ for executor, named in (("LocalExecutor", ""), ("LocalExecutor", "settings/share
     found.append({{"errors": list(map(str, bag.import_errors.values())), "box": dag and dag.params["box.conn_ids"]}})
 print(json.dumps(found))
 """
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                          env=airflow_env(airflow_home))
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=airflow_env(airflow_home)
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     beside, named, celery, celery_shared = json.loads(proc.stdout.strip().splitlines()[-1])
     assert beside == {"errors": [], "box": ["gpu_box"]}
@@ -178,8 +198,10 @@ def test_local_run_produces_an_sglang_drafter_and_a_report(baseline_run):
     (published,) = (baseline_run.parent.parent / "airflow-home" / "eagle3-reports" / "eagle3_drafter").iterdir()
     assert json.loads((published / "report.json").read_text()) == report
     assert len(list((published / "plots").glob("*.png"))) == len(list(baseline_run.glob("*/*.png"))) >= 3
-    assert json.loads((published / "summary.json").read_text())["summary"]["measured_accept_length"]["3"] == \
-        report["speculative"]["3"]["mean_accept_length"]
+    assert (
+        json.loads((published / "summary.json").read_text())["summary"]["measured_accept_length"]["3"]
+        == report["speculative"]["3"]["mean_accept_length"]
+    )
     for key in ("extract.0", "extract.1", "vocab", "train", "export", "evaluate"):
         state = job_state(baseline_run, key)
         assert (state["status"], state["try"]) == ("succeeded", 1), key
@@ -198,8 +220,9 @@ def test_the_promoted_drafter_is_an_asset_event_a_deployment_can_be_scheduled_on
     with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro&immutable=1", uri=True)) as connection:
         rows = connection.execute(
             "SELECT asset.name, asset_event.extra, asset_event.source_task_id FROM asset_event "
-            "JOIN asset ON asset.id = asset_event.asset_id").fetchall()
-    (name, extra, task_id), = rows
+            "JOIN asset ON asset.id = asset_event.asset_id"
+        ).fetchall()
+    ((name, extra, task_id),) = rows
     extra = json.loads(extra)
     assert (name, task_id) == ("eagle3_drafter", "promoted")
     assert extra["version"] == report["promotion"]["version"] and extra["previous"] is None
@@ -207,8 +230,9 @@ def test_the_promoted_drafter_is_an_asset_event_a_deployment_can_be_scheduled_on
     assert Path(extra["drafter"]).resolve() == Path(report["promotion"]["lineage_dir"]) / "versions" / extra["version"]
 
 
-def test_a_rerun_on_unchanged_inputs_skips_training_and_says_since_which_run(baseline_run, airflow_home,
-                                                                             tiny_target, tmp_path):
+def test_a_rerun_on_unchanged_inputs_skips_training_and_says_since_which_run(
+    baseline_run, airflow_home, tiny_target, tmp_path
+):
     """Next week's scheduled run on the same data, in (a copy of) the baseline's work directory: its shared store,
     its lineage with the baseline's promoted drafter, its extract and vocab done (that a rerun extracts nothing is
     tests/test_shared_store.py's). Nothing the drafter is made from changed, so train, export and evaluate are
@@ -249,8 +273,11 @@ def test_the_demo_console_shows_each_stage_and_its_progress_while_the_run_goes(b
         started = next(i for i, t in enumerate(lines) if t.startswith(f"[demo] {key} ") and "started on local" in t)
         ended = next(i for i, t in enumerate(lines) if t.startswith(f"[demo] {key} ") and "succeeded after" in t)
         assert started < ended and "(try 1)" in lines[ended]
-    for progress in (r"extract shard \d: \d+/\d+ samples .* ETA", r"train: step \d+/\d+, .* ETA",
-                     r"evaluate: k=3 speculative: \d+/\d+ prompts .* ETA"):
+    for progress in (
+        r"extract shard \d: \d+/\d+ samples .* ETA",
+        r"train: step \d+/\d+, .* ETA",
+        r"evaluate: k=3 speculative: \d+/\d+ prompts .* ETA",
+    ):
         assert any(re.search(progress, t) for t in lines), progress
     first_train_line = next(t for t in lines if re.search(r"train: step \d+/\d+", t))
     evaluate_end = next(t for t in lines if t.startswith("[demo] evaluate") and "succeeded" in t)
@@ -275,5 +302,7 @@ def test_write_config_makes_the_run_directory_its_runs_and_refuses_another_users
     owner_json.write_text(json.dumps({"runs": [{**second, "run_id": "manual__alices", "triggered_by": "alice"}]}))
     refused = dags_test(airflow_home, conf, env=env, mark_success=only_init)
     assert refused.returncode != 0
-    assert "belongs to Airflow run 'manual__alices' of DAG 'eagle3_drafter' (triggered by 'alice')" in \
-        refused.stdout + refused.stderr
+    assert (
+        "belongs to Airflow run 'manual__alices' of DAG 'eagle3_drafter' (triggered by 'alice')"
+        in refused.stdout + refused.stderr
+    )

@@ -28,32 +28,42 @@ from tests.standin import STAND_IN, stand_in_processes
 
 pytestmark = pytest.mark.slow
 
+
 def test_generate_and_benchmark_run_in_the_dag(tiny_target, airflow_home, tmp_path):
     port = free_port()
-    conf, settings = tiny_run(tiny_target, tmp_path / "box", "with-sglang-stages", settings_dir=tmp_path, **{
-        "data.max_samples": 16,
-        "generate.enabled": True,
-        "generate.launch_server": True,
-        "generate.max_tokens": 32,
-        "generate.concurrency": 4,
-        "generate.progress_interval_s": 1,
-        "server.port": port,
-        "server.startup_timeout_s": 120,
-        "extract.backend": "sglang",
-        "extract.num_shards": 2,
-        "train.epochs": 1,
-        "train.val_fraction": 0.25,  # 16 conversations: one held out at least
-        "train.save_every_steps": 50,
-        "benchmark.enabled": True,
-        "benchmark.num_prompts": 1,
-        "evaluate.num_prompts": 1,
-        "benchmark.max_new_tokens": 8,
-        "evaluate.max_new_tokens": 8,
-    })
+    conf, settings = tiny_run(
+        tiny_target,
+        tmp_path / "box",
+        "with-sglang-stages",
+        settings_dir=tmp_path,
+        **{
+            "data.max_samples": 16,
+            "generate.enabled": True,
+            "generate.launch_server": True,
+            "generate.max_tokens": 32,
+            "generate.concurrency": 4,
+            "generate.progress_interval_s": 1,
+            "server.port": port,
+            "server.startup_timeout_s": 120,
+            "extract.backend": "sglang",
+            "extract.num_shards": 2,
+            "train.epochs": 1,
+            "train.val_fraction": 0.25,  # 16 conversations: one held out at least
+            "train.save_every_steps": 50,
+            "benchmark.enabled": True,
+            "benchmark.num_prompts": 1,
+            "evaluate.num_prompts": 1,
+            "benchmark.max_new_tokens": 8,
+            "evaluate.max_new_tokens": 8,
+        },
+    )
     started = time.monotonic()
     engine = Path(__file__).parent / "fakes" / "sglang_engine.py"
-    proc = dags_test(airflow_home, conf, env={**settings, "EAGLE3_SERVER_LAUNCHER": str(STAND_IN),
-                                              "EAGLE3_SGLANG_ENGINE": f"{engine}:FakeSglangEngine"})
+    proc = dags_test(
+        airflow_home,
+        conf,
+        env={**settings, "EAGLE3_SERVER_LAUNCHER": str(STAND_IN), "EAGLE3_SGLANG_ENGINE": f"{engine}:FakeSglangEngine"},
+    )
     print(f"DAG run with generate and benchmark: {time.monotonic() - started:.1f} s")
     assert_succeeded(proc)
     run_dir = tmp_path / "box" / "runs" / "with-sglang-stages"
@@ -84,4 +94,3 @@ def test_generate_and_benchmark_run_in_the_dag(tiny_target, airflow_home, tmp_pa
     assert "'engine': 'sglang'" in proc.stdout + proc.stderr  # the report task's summary carries the benchmark
     # This run's servers only (its port): the other xdist worker may be running stand-ins of its own right now.
     assert not stand_in_processes(port), "a stand-in server outlived its stage"
-

@@ -39,22 +39,29 @@ from eagle3.data.samples import (
 )
 from eagle3.data.turns import render
 
-SHAREGPT = {"conversations": [
-    {"from": "system", "value": "Be brief."},
-    {"from": "human", "value": "What is 2 + 3?"},
-    {"from": "gpt", "value": "2 + 3 = 5."},
-    {"from": "human", "value": "Reverse the words: red blue"},
-    {"from": "gpt", "value": "Reversed: blue red."},
-]}
-OPENAI = {"messages": [
-    {"role": "system", "content": "Be brief."},
-    {"role": "user", "content": "What is 2 + 3?"},
-    {"role": "assistant", "content": "2 + 3 = 5."},
-    {"role": "user", "content": "Reverse the words: red blue"},
-    {"role": "assistant", "content": "Reversed: blue red."},
-]}
-CALL = {"id": "functions.get_weather:0", "type": "function",
-        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+SHAREGPT = {
+    "conversations": [
+        {"from": "system", "value": "Be brief."},
+        {"from": "human", "value": "What is 2 + 3?"},
+        {"from": "gpt", "value": "2 + 3 = 5."},
+        {"from": "human", "value": "Reverse the words: red blue"},
+        {"from": "gpt", "value": "Reversed: blue red."},
+    ]
+}
+OPENAI = {
+    "messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 2 + 3?"},
+        {"role": "assistant", "content": "2 + 3 = 5."},
+        {"role": "user", "content": "Reverse the words: red blue"},
+        {"role": "assistant", "content": "Reversed: blue red."},
+    ]
+}
+CALL = {
+    "id": "functions.get_weather:0",
+    "type": "function",
+    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
 
 
@@ -136,8 +143,14 @@ BAD_LINES = [
     {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "  "}]},
     {"text": "plain"},
 ]
-BAD_REASONS = {2: "invalid JSON", 3: "no assistant turn", 4: "turn 0 has unknown role 'wizard'",
-               6: "empty conversation", 7: "turn 1 (assistant) is empty", 8: 'no "conversations" or "messages" key'}
+BAD_REASONS = {
+    2: "invalid JSON",
+    3: "no assistant turn",
+    4: "turn 0 has unknown role 'wizard'",
+    6: "empty conversation",
+    7: "turn 1 (assistant) is empty",
+    8: 'no "conversations" or "messages" key',
+}
 
 
 def test_bad_records_stop_the_stage_with_their_line_numbers(tmp_path):
@@ -172,21 +185,33 @@ def test_max_samples_limits_the_read(tmp_path):
 
 
 def test_tool_messages_and_tool_calls_are_kept():
-    record = {"messages": [user("Weather in Paris?"), bot(None, tool_calls=[CALL]),
-                           {"role": "tool", "tool_call_id": CALL["id"], "name": "get_weather", "content": "18C"},
-                           bot("It is 18C.")], "tools": TOOLS}
+    record = {
+        "messages": [
+            user("Weather in Paris?"),
+            bot(None, tool_calls=[CALL]),
+            {"role": "tool", "tool_call_id": CALL["id"], "name": "get_weather", "content": "18C"},
+            bot("It is 18C."),
+        ],
+        "tools": TOOLS,
+    }
     messages, tools = normalize_record(record)
     assert messages[1] == {"role": "assistant", "content": "", "tool_calls": [CALL]}  # null content is fine
     assert messages[2] == record["messages"][2] and tools == TOOLS
 
 
-@pytest.mark.parametrize("record, reason", [
-    ({"messages": [user("q"), bot(None, tool_calls=[{"function": {"arguments": "{}"}}])]},
-     "turn 1 (assistant): each tool call needs"),
-    ({"messages": [user("q"), bot("a")], "tools": "get_weather"}, '"tools" must be a list of tool definitions'),
-    ({"messages": [user("q"), bot("a")], "tools": ["get_weather"]}, '"tools" must be a list of tool definitions'),
-    ({"messages": [user("q"), bot(None)]}, "turn 1 (assistant) has no text content"),
-], ids=["call-without-function-name", "tools-not-a-list", "tools-not-objects", "null-content-no-calls"])
+@pytest.mark.parametrize(
+    "record, reason",
+    [
+        (
+            {"messages": [user("q"), bot(None, tool_calls=[{"function": {"arguments": "{}"}}])]},
+            "turn 1 (assistant): each tool call needs",
+        ),
+        ({"messages": [user("q"), bot("a")], "tools": "get_weather"}, '"tools" must be a list of tool definitions'),
+        ({"messages": [user("q"), bot("a")], "tools": ["get_weather"]}, '"tools" must be a list of tool definitions'),
+        ({"messages": [user("q"), bot(None)]}, "turn 1 (assistant) has no text content"),
+    ],
+    ids=["call-without-function-name", "tools-not-a-list", "tools-not-objects", "null-content-no-calls"],
+)
 def test_bad_tool_records_say_why(tmp_path, record, reason):
     with pytest.raises(ValueError, match="^" + re.escape(reason)):
         normalize_record(record)
@@ -233,8 +258,9 @@ def test_data_that_is_not_a_regular_file_is_refused_naming_the_path_and_the_fiel
     reader.join(10)
     assert not reader.is_alive(), f"reading {path} blocked"
     article = {"FIFO": "a FIFO", "device": "a device", "directory": "a directory"}[kind]
-    assert outcome == [f"{path}: is {article}, not a regular file; data.path must name a JSONL file of "
-                       "conversations (one per line)"]
+    assert outcome == [
+        f"{path}: is {article}, not a regular file; data.path must name a JSONL file of conversations (one per line)"
+    ]
 
 
 def test_a_line_over_the_cap_is_a_bad_record_and_is_never_held_whole(tmp_path, monkeypatch):
@@ -277,8 +303,9 @@ def test_json_nested_too_deeply_is_a_bad_record(tmp_path):
 
 def old_sample_id(messages) -> str:
     """How ids were computed before tool calls existed: runs key on them, so plain chat must keep them."""
-    rows = [[m["role"], m["content"], *([m["reasoning_content"]] if "reasoning_content" in m else [])]
-            for m in messages]
+    rows = [
+        [m["role"], m["content"], *([m["reasoning_content"]] if "reasoning_content" in m else [])] for m in messages
+    ]
     text = json.dumps(rows, ensure_ascii=False, separators=(",", ":"))
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
@@ -333,21 +360,45 @@ CASES = {
     "cjk": ([user("你好"), bot("你好，世界。")], None),
     "combining-marks": ([user("e\u0301"), bot("e\u0301 n\u0303 a\u0308\u0301")], None),
     "whitespace-only-users": ([user(" "), bot("x"), user("\n\n"), bot("y"), user("\t"), bot("z")], None),
-    "spaces-and-newlines": ([user("q"), bot(" a"), user("q"), bot("a "), user("q"), bot("\na"),
-                             user("q"), bot("a\n"), user("q"), bot("  a  \n\n")], None),
+    "spaces-and-newlines": (
+        [
+            user("q"),
+            bot(" a"),
+            user("q"),
+            bot("a "),
+            user("q"),
+            bot("\na"),
+            user("q"),
+            bot("a\n"),
+            user("q"),
+            bot("  a  \n\n"),
+        ],
+        None,
+    ),
     "assistant-speaks-first": ([bot("Hello."), user("hi"), bot("Hello.")], None),  # nothing prompted turn 0
-    "tool-result-equals-answer": ([user("6*7?"), bot("", tool_calls=[CALL]),
-                                   {"role": "tool", "tool_call_id": CALL["id"], "content": "42"}, bot("42")], TOOLS),
+    "tool-result-equals-answer": (
+        [
+            user("6*7?"),
+            bot("", tool_calls=[CALL]),
+            {"role": "tool", "tool_call_id": CALL["id"], "content": "42"},
+            bot("42"),
+        ],
+        TOOLS,
+    ),
 }
 
 
-POLICY_CASES = [pytest.param(policy, end, *case, id=f"{name}-{policy}")
-                for policy, end in [("assistant_turn", "<|im_end|>"), ("content", "")] for name, case in CASES.items()]
+POLICY_CASES = [
+    pytest.param(policy, end, *case, id=f"{name}-{policy}")
+    for policy, end in [("assistant_turn", "<|im_end|>"), ("content", "")]
+    for name, case in CASES.items()
+]
 
 
 @pytest.mark.parametrize("policy, end, messages, tools", POLICY_CASES)
-def test_ids_are_the_templates_and_the_mask_is_what_the_target_generated(tiny_tokenizer, tiny_target, messages,
-                                                                          tools, policy, end):
+def test_ids_are_the_templates_and_the_mask_is_what_the_target_generated(
+    tiny_tokenizer, tiny_target, messages, tools, policy, end
+):
     tokenizer = tiny_tokenizer
     conv = conversation(messages, tools)
     [sample] = SampleTokenizer(tokenizer, 4096, policy, end_of_turn_tokens(tokenizer, tiny_target)).samples(conv)
@@ -404,7 +455,7 @@ def test_max_length_keeps_every_turn_and_cuts_the_context_from_the_left(tiny_tok
     assert (last.sample_id, last.truncated) == (f"{conv.sample_id}.4", True)
     bos = full.input_ids[:1]
     assert bos == [tiny_tokenizer.bos_token_id]
-    assert last.input_ids == bos + full.input_ids[-(limit - 1):]
+    assert last.input_ids == bos + full.input_ids[-(limit - 1) :]
     assert runs_of(last.loss_mask) == [(a4 - (length - limit), limit)]
     assert (stats.trained_turns, stats.turns_dropped, stats.skipped) == (2, {}, {})
     assert (stats.context_cut_samples, stats.context_cut_tokens, stats.turn_cut_samples) == (1, length - limit, 0)
@@ -438,19 +489,25 @@ def test_a_cut_context_keeps_the_system_prompt_and_the_tools_ahead_of_its_window
     stats = TokenizeStats()
     *_, last = SampleTokenizer(tiny_tokenizer, limit).iter([conv], stats)
     assert last.sample_id == f"{conv.sample_id}.{len(messages) - 1}" and len(last.input_ids) == limit
-    assert last.input_ids == head + full.input_ids[-(limit - len(head)):]
+    assert last.input_ids == head + full.input_ids[-(limit - len(head)) :]
     assert not any(last.loss_mask[: len(head)]) and last.loss_mask[-1] == full.loss_mask[-1]
     assert stats.context_cut_samples >= 1 and stats.turns_dropped == {}
 
 
 def test_a_template_that_rewrites_content(tiny_tokenizer):
-    tokenizer = with_template(tiny_tokenizer, "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m.role }}\n"
-                              "{{ m.content | upper }}<|im_end|>\n{% endfor %}"
-                              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tokenizer = with_template(
+        tiny_tokenizer,
+        "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m.role }}\n"
+        "{{ m.content | upper }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+    )
     messages = [user("hi"), bot("yo")]
     conv = conversation(messages, line_no=3)
-    with pytest.raises(ValueError, match=r"turn 1 \(assistant\): the chat template does not render its content "
-                                         "verbatim"):
+    with pytest.raises(
+        ValueError,
+        match=r"turn 1 \(assistant\): the chat template does not render its content "
+        "verbatim",
+    ):
         SampleTokenizer(tokenizer, 100, "content").samples(conv)
     stats = TokenizeStats()
     assert list(SampleTokenizer(tokenizer, 100, "content").iter([conv], stats)) == []
@@ -468,10 +525,13 @@ def test_reasoning_content_is_read_and_trained_when_the_template_renders_it(tiny
     assert thinking.messages[1]["reasoning_content"] == "Add two and three."
     assert thinking.sample_id != without.sample_id  # the reasoning is part of the content
 
-    tokenizer = with_template(tiny_tokenizer, "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if "
-                              "m.get('reasoning_content') %}<think>{{ m['reasoning_content'] }}</think>{% endif %}"
-                              "{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tokenizer = with_template(
+        tiny_tokenizer,
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if "
+        "m.get('reasoning_content') %}<think>{{ m['reasoning_content'] }}</think>{% endif %}"
+        "{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+    )
     [sample] = SampleTokenizer(tokenizer, 4096, "content").samples(thinking)
     assert masked_runs(tokenizer, sample) == ["Add two and three.", "5."]
     [sample] = SampleTokenizer(tokenizer, 4096, "assistant_turn", ("<|im_end|>",)).samples(thinking)
@@ -479,8 +539,11 @@ def test_reasoning_content_is_read_and_trained_when_the_template_renders_it(tiny
     # A template that never writes reasoning, and whose generation prompt leaves no place for it: the turn is not
     # trained without its reasoning (as "5.<|im_end|>"), under either mask; it is dropped and counted.
     for policy in ("content", "assistant_turn"):
-        with pytest.raises(ValueError, match=r"turn 1 \(assistant\): the chat template never renders its "
-                                             "reasoning_content, and leaves no place after the generation prompt"):
+        with pytest.raises(
+            ValueError,
+            match=r"turn 1 \(assistant\): the chat template never renders its "
+            "reasoning_content, and leaves no place after the generation prompt",
+        ):
             SampleTokenizer(tiny_tokenizer, 4096, policy).samples(thinking)
     stats = TokenizeStats()
     assert list(SampleTokenizer(tiny_tokenizer, 4096).iter([thinking], stats)) == []
@@ -501,15 +564,21 @@ QWEN_LIKE = (
 
 def test_qwen_like_template_trains_each_turn_once_where_it_was_generated(tiny_tokenizer, tiny_target):
     tokenizer = with_template(tiny_tokenizer, QWEN_LIKE)
-    messages = [{"role": "system", "content": "Think."}, user("2 + 3?"), bot("5.", reasoning_content="Add them."),
-                user("Times 2?"), bot("10.", reasoning_content="Double 5.")]
+    messages = [
+        {"role": "system", "content": "Think."},
+        user("2 + 3?"),
+        bot("5.", reasoning_content="Add them."),
+        user("Times 2?"),
+        bot("10.", reasoning_content="Double 5."),
+    ]
     conv = conversation(messages)
     assert "Add them." not in tokenizer.apply_chat_template(messages, tokenize=False)  # the template drops it
     first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
     turn1, turn2 = "<think>\nAdd them.\n</think>\n\n5.<|im_end|>", "<think>\nDouble 5.\n</think>\n\n10.<|im_end|>"
 
-    whole, own = SampleTokenizer(tokenizer, 4096, "assistant_turn", end_of_turn_tokens(tokenizer, tiny_target)) \
-        .samples(conv)
+    whole, own = SampleTokenizer(tokenizer, 4096, "assistant_turn", end_of_turn_tokens(tokenizer, tiny_target)).samples(
+        conv
+    )
     assert whole.sample_id == conv.sample_id and whole.input_ids == template_ids(tokenizer, messages)
     assert masked_runs(tokenizer, whole) == [turn2]  # turn 1 is context here: not what the target generated
     assert whole.loss_mask == expected_mask(tokenizer, messages, {4: turn2})
@@ -523,9 +592,17 @@ def test_qwen_like_template_trains_each_turn_once_where_it_was_generated(tiny_to
     assert masked_runs(tokenizer, whole) == ["Double 5.", "10."] and masked_runs(tokenizer, own) == ["Add them.", "5."]
 
 
-KIMI_SPECIALS = ["<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>", "<|tool_calls_section_begin|>",
-                 "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>",
-                 "<|tool_calls_section_end|>"]
+KIMI_SPECIALS = [
+    "<|im_user|>",
+    "<|im_assistant|>",
+    "<|im_system|>",
+    "<|im_middle|>",
+    "<|tool_calls_section_begin|>",
+    "<|tool_call_begin|>",
+    "<|tool_call_argument_begin|>",
+    "<|tool_call_end|>",
+    "<|tool_calls_section_end|>",
+]
 # Kimi's format. Reasoning is blanked ("<think></think>") for assistant turns before the last user message and
 # kept for the turns of the current query (its tool-call chain). Blanking it for every assistant turn but the
 # last one would make a turn's prompt differ from its rendering once a later assistant turn exists, which no
@@ -543,8 +620,10 @@ KIMI_LIKE = (
     "{% endfor %}{% if add_generation_prompt %}<|im_assistant|>assistant<|im_middle|>{% endif %}"
 )
 KIMI_CONVERSATION = [
-    user("Hi."), bot("Hello!", reasoning_content="Greet back."),
-    user("Weather in Paris?"), bot(None, reasoning_content="Need the tool.", tool_calls=[CALL]),
+    user("Hi."),
+    bot("Hello!", reasoning_content="Greet back."),
+    user("Weather in Paris?"),
+    bot(None, reasoning_content="Need the tool.", tool_calls=[CALL]),
     {"role": "tool", "tool_call_id": CALL["id"], "name": "get_weather", "content": "18C, sunny"},
     bot("It is 18C.", reasoning_content="The tool says 18C."),
 ]
@@ -554,20 +633,26 @@ def test_kimi_like_template_trains_tool_calls_never_tool_results(tiny_tokenizer,
     tokenizer = with_template(tiny_tokenizer, KIMI_LIKE, KIMI_SPECIALS)
     conv = conversation(KIMI_CONVERSATION, TOOLS)
     messages = list(conv.messages)
-    call = ('<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>'
-            '{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>')
-    trained = {3: f"<think>Need the tool.</think>{call}<|im_end|>",
-               5: "<think>The tool says 18C.</think>It is 18C.<|im_end|>"}
+    call = (
+        "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+        '{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>'
+    )
+    trained = {
+        3: f"<think>Need the tool.</think>{call}<|im_end|>",
+        5: "<think>The tool says 18C.</think>It is 18C.<|im_end|>",
+    }
 
-    whole, own = SampleTokenizer(tokenizer, 4096, "assistant_turn", end_of_turn_tokens(tokenizer, tiny_target)) \
-        .samples(conv)
+    whole, own = SampleTokenizer(tokenizer, 4096, "assistant_turn", end_of_turn_tokens(tokenizer, tiny_target)).samples(
+        conv
+    )
     assert whole.sample_id == conv.sample_id and whole.input_ids == template_ids(tokenizer, messages, TOOLS)
     assert masked_runs(tokenizer, whole) == list(trained.values())
     assert whole.loss_mask == expected_mask(tokenizer, messages, trained, TOOLS)
     call_ids = set(tokenizer.convert_tokens_to_ids(KIMI_SPECIALS[4:]))
     assert all(m for t, m in zip(whole.input_ids, whole.loss_mask) if t in call_ids)  # the calls are drafted
-    assert not any("18C, sunny" in run or "Return of" in run or "tool_declare" in run
-                   for run in masked_runs(tokenizer, whole))
+    assert not any(
+        "18C, sunny" in run or "Return of" in run or "tool_declare" in run for run in masked_runs(tokenizer, whole)
+    )
     # Turn 1's reasoning is blanked in the whole rendering: it gets its own sample, as with Qwen3.
     assert own.sample_id == f"{conv.sample_id}.1" and own.input_ids == template_ids(tokenizer, messages[:2], TOOLS)
     assert masked_runs(tokenizer, own) == ["<think>Greet back.</think>Hello!<|im_end|>"]
@@ -577,8 +662,11 @@ def test_iter_counts_turn_samples_and_skips_nothing(tiny_tokenizer, tiny_target)
     tokenizer = with_template(tiny_tokenizer, KIMI_LIKE, KIMI_SPECIALS)
     thinking, plain = conversation(KIMI_CONVERSATION, TOOLS), conversation([user("q"), bot("a")])
     stats = TokenizeStats()
-    samples = list(SampleTokenizer(tokenizer, 4096, "assistant_turn", end_of_turn_tokens(tokenizer, tiny_target))
-                   .iter([thinking, plain], stats))
+    samples = list(
+        SampleTokenizer(tokenizer, 4096, "assistant_turn", end_of_turn_tokens(tokenizer, tiny_target)).iter(
+            [thinking, plain], stats
+        )
+    )
     assert [s.sample_id for s in samples] == [thinking.sample_id, f"{thinking.sample_id}.1", plain.sample_id]
     assert (stats.conversations, stats.samples, stats.turn_samples, stats.skipped) == (2, 3, 1, {})
 
@@ -589,8 +677,10 @@ def test_content_policy_masks_the_content_not_a_later_copy_of_it(tiny_tokenizer)
     [sample] = SampleTokenizer(tokenizer, 4096, "content").samples(conversation(messages))
     text = tokenizer.apply_chat_template(messages, tokenize=False)
     at = len(tokenizer.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True) + "<think>")
-    count = [len(tokenizer(text[:c], add_special_tokens=False)["input_ids"]) for c in
-             (at, at + len("think"), at + len("think</think>"), at + len("think</think>Paris"))]
+    count = [
+        len(tokenizer(text[:c], add_special_tokens=False)["input_ids"])
+        for c in (at, at + len("think"), at + len("think</think>"), at + len("think</think>Paris"))
+    ]
     expected = [0] * len(sample.input_ids)
     for a, b in (count[:2], count[2:]):  # the reasoning right after <think>, the content right after </think>
         expected[a:b] = [1] * (b - a)
@@ -602,22 +692,28 @@ def test_content_policy_masks_the_content_not_a_later_copy_of_it(tiny_tokenizer)
 # reasoning, and a tool chain is rendered again, blanked, once its answer follows.
 KIMI_K25_LIKE = KIMI_LIKE.replace(
     "{% set ns = namespace(last=-1) %}{% for m in messages %}{% if m.role == 'user' %}",
-    "{% set ns = namespace(last=-1) %}{% for m in messages %}{% if m.role == 'assistant' and not m.tool_calls %}")
+    "{% set ns = namespace(last=-1) %}{% for m in messages %}{% if m.role == 'assistant' and not m.tool_calls %}",
+)
 # What a user passes as data.generation_chat_template: the same template with the blanking branch emptied.
 KIMI_K25_AS_GENERATED = KIMI_LIKE.replace("{% if m.role == 'user' %}{% set ns.last = loop.index0 %}{% endif %}", "")
 
 
-CALL_SECTION = ("<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
-                '{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>')
+CALL_SECTION = (
+    "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+    '{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>'
+)
 # Multi-turn thinking with a tool chain, as Kimi-K2.5 serves it: a greeting, a tool call, the answer after the tool's
 # result, a follow-up question with a second tool chain, its answer.
 KIMI_AGENT_CONVERSATION = [
     {"role": "system", "content": "You are Kimi."},
-    user("Hi."), bot("Hello!", reasoning_content="Greet back."),
-    user("Weather in Paris?"), bot("", reasoning_content="Need the tool.", tool_calls=[CALL]),
+    user("Hi."),
+    bot("Hello!", reasoning_content="Greet back."),
+    user("Weather in Paris?"),
+    bot("", reasoning_content="Need the tool.", tool_calls=[CALL]),
     {"role": "tool", "tool_call_id": CALL["id"], "name": "get_weather", "content": "18C, sunny"},
     bot("It is 18C.", reasoning_content="The tool says 18C."),
-    user("And tomorrow?"), bot("Let me check.", reasoning_content="Ask again.", tool_calls=[CALL]),
+    user("And tomorrow?"),
+    bot("Let me check.", reasoning_content="Ask again.", tool_calls=[CALL]),
     {"role": "tool", "tool_call_id": CALL["id"], "name": "get_weather", "content": "rain"},
     bot("Rain tomorrow.", reasoning_content="The tool says rain."),
 ]
@@ -654,24 +750,34 @@ def test_kimi_k25_trains_every_turn_with_its_reasoning_without_a_generation_temp
     conv = conversation(KIMI_AGENT_CONVERSATION, TOOLS)
     assert "Greet back." not in tokenizer.apply_chat_template(list(conv.messages[:3]), tokenize=False)  # it blanks
     stats = TokenizeStats()
-    samples = list(SampleTokenizer(tokenizer, 4096, "assistant_turn", end_of_turn_tokens(tokenizer, tiny_target))
-                   .iter([conv], stats))
+    samples = list(
+        SampleTokenizer(tokenizer, 4096, "assistant_turn", end_of_turn_tokens(tokenizer, tiny_target)).iter(
+            [conv], stats
+        )
+    )
     assert_served_then_generated(tokenizer, samples, conv, KIMI_AGENT_GENERATED)
     # The answer's prompt is what K2.5 serves: its own tool chain with its reasoning, earlier turns blanked.
     answer = next(s for s in samples if s.sample_id.endswith(".10"))
     assert "<think>Ask again.</think>" in tokenizer.decode(answer.input_ids)
     assert "Greet back." not in tokenizer.decode(answer.input_ids)
-    reasoning = sum(len(tokenizer(m["reasoning_content"], add_special_tokens=False)["input_ids"])
-                    for m in conv.messages if m.get("reasoning_content"))
+    reasoning = sum(
+        len(tokenizer(m["reasoning_content"], add_special_tokens=False)["input_ids"])
+        for m in conv.messages
+        if m.get("reasoning_content")
+    )
     assert (stats.assistant_turns, stats.trained_turns, stats.turns_dropped, stats.skipped) == (5, 5, {}, {})
     assert stats.reasoning_tokens == reasoning > 0 and stats.derived_turns == 3  # the final answers
     assert stats.trained_tokens == sum(map(sum, (s.loss_mask for s in samples)))
 
     # data.loss_mask "content": the reasoning and the content of each turn, placed the same way.
-    content = {s.sample_id: masked_runs(tokenizer, s)
-               for s in SampleTokenizer(tokenizer, 4096, "content").samples(conv)}
-    assert content == {f"{conv.sample_id}.{i}": [m["reasoning_content"], *([m["content"]] if m["content"] else [])]
-                       for i, m in enumerate(conv.messages) if m["role"] == "assistant"}
+    content = {
+        s.sample_id: masked_runs(tokenizer, s) for s in SampleTokenizer(tokenizer, 4096, "content").samples(conv)
+    }
+    assert content == {
+        f"{conv.sample_id}.{i}": [m["reasoning_content"], *([m["content"]] if m["content"] else [])]
+        for i, m in enumerate(conv.messages)
+        if m["role"] == "assistant"
+    }
 
 
 def test_kimi_k25_turns_with_a_generation_template_are_trained_the_same(tiny_tokenizer, tiny_target):
@@ -684,20 +790,25 @@ def test_kimi_k25_turns_with_a_generation_template_are_trained_the_same(tiny_tok
     samples = as_generated.samples(conv)
     assert samples[-1].sample_id == conv.sample_id  # the last turn's sample carries the conversation's id
     last = len(conv.messages) - 1
-    renamed = [dataclasses.replace(s, sample_id=f"{conv.sample_id}.{last}") if s.sample_id == conv.sample_id else s
-               for s in samples]
+    renamed = [
+        dataclasses.replace(s, sample_id=f"{conv.sample_id}.{last}") if s.sample_id == conv.sample_id else s
+        for s in samples
+    ]
     assert_served_then_generated(tokenizer, renamed, conv, KIMI_AGENT_GENERATED)
     single = conversation([user("What is 2 + 3?"), bot("5.", reasoning_content="Add them.")])
-    [content] = SampleTokenizer(tokenizer, 4096, "content", end, generation_template=KIMI_K25_AS_GENERATED) \
-        .samples(single)
+    [content] = SampleTokenizer(tokenizer, 4096, "content", end, generation_template=KIMI_K25_AS_GENERATED).samples(
+        single
+    )
     assert masked_runs(tokenizer, content) == ["Add them.", "5."]
 
 
 # -- hostile chat templates: each goes in as the file a run names, and must be refused with that file named --------
 
 # The tiny target's own template, which every stage renders with unless a test swaps it out.
-PLAIN_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                  "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+PLAIN_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 ESCAPE = "{{ ''.__class__.__mro__[1].__subclasses__() }}"  # the classic way out of jinja to Python's classes
 NESTED_LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"  # 10^10 steps
 
@@ -708,14 +819,18 @@ def generation_template_config(make_config, tmp_path, template: str):
     return make_config(data={"generation_chat_template": str(path)}), path
 
 
-@pytest.mark.parametrize("template, error", [
-    (ESCAPE, "SecurityError: access to attribute '__class__' of 'str' object is unsafe"),
-    ("{% for m in messages %}{{ m.content }", "TemplateSyntaxError at line 1 of the template: unexpected '}'"),
-    ("{{ messages | nosuchfilter }}", "No filter named 'nosuchfilter'"),
-    ("{{ undefined_thing.field.deeper }}", "UndefinedError: 'undefined_thing' is undefined"),
-    ("{% for i in range(10**9) %}{% endfor %}", "OverflowError: Range too big"),
-    ("{% macro down(n) %}{{ down(n + 1) }}{% endmacro %}{{ down(0) }}", "RecursionError"),
-], ids=["escape", "syntax", "filter", "undefined", "range", "recursion"])
+@pytest.mark.parametrize(
+    "template, error",
+    [
+        (ESCAPE, "SecurityError: access to attribute '__class__' of 'str' object is unsafe"),
+        ("{% for m in messages %}{{ m.content }", "TemplateSyntaxError at line 1 of the template: unexpected '}'"),
+        ("{{ messages | nosuchfilter }}", "No filter named 'nosuchfilter'"),
+        ("{{ undefined_thing.field.deeper }}", "UndefinedError: 'undefined_thing' is undefined"),
+        ("{% for i in range(10**9) %}{% endfor %}", "OverflowError: Range too big"),
+        ("{% macro down(n) %}{{ down(n + 1) }}{% endmacro %}{{ down(0) }}", "RecursionError"),
+    ],
+    ids=["escape", "syntax", "filter", "undefined", "range", "recursion"],
+)
 def test_a_generation_template_the_sandbox_refuses_is_a_config_error(make_config, tmp_path, template, error):
     """Attack: data.generation_chat_template reaching for Python's internals, or broken (a syntax error, an
     unknown filter or name, a range past the sandbox's limit, a macro recursing forever). Refused when the
@@ -724,8 +839,9 @@ def test_a_generation_template_the_sandbox_refuses_is_a_config_error(make_config
     with pytest.raises(ChatTemplateError) as info:
         SampleTokenizer.for_run(cfg)
     message = str(info.value)
-    assert message.startswith(f"data.generation_chat_template {path}: fails in jinja's sandbox on a two-message "
-                              "conversation (")
+    assert message.startswith(
+        f"data.generation_chat_template {path}: fails in jinja's sandbox on a two-message conversation ("
+    )
     assert error in message and "\n" not in message
     assert message.endswith("Fix that file, or point data.generation_chat_template at one that renders.")
     assert exit_code_for(info.value) == 2
@@ -766,8 +882,10 @@ def test_a_generation_template_that_is_no_plain_small_file_is_refused_unread(mak
         SampleTokenizer.for_run(cfg)
     message = str(info.value)
     assert message.startswith(f"data.generation_chat_template: {path}: {refusal}"), message
-    assert message.endswith("point data.generation_chat_template at the jinja chat template file itself: a regular "
-                            "file on the box (not a link, nothing in /proc or /sys) of at most 1 MiB")
+    assert message.endswith(
+        "point data.generation_chat_template at the jinja chat template file itself: a regular "
+        "file on the box (not a link, nothing in /proc or /sys) of at most 1 MiB"
+    )
     assert exit_code_for(info.value) == 2
 
 
@@ -777,8 +895,11 @@ def test_a_generation_template_file_reads_as_text_did(tmp_path):
     path = tmp_path / "crlf.jinja"
     path.write_bytes("{{ '\u00e9' }}\r\n{% if x %}\ry{% endif %}\n".encode())
     assert data.read_template_file(str(path)) == path.read_text(encoding="utf-8")
-    with pytest.raises(DataError, match=r"^data.generation_chat_template: cannot read .*/absent.jinja \(No such "
-                                        r"file or directory\); point data.generation_chat_template at"):
+    with pytest.raises(
+        DataError,
+        match=r"^data.generation_chat_template: cannot read .*/absent.jinja \(No such "
+        r"file or directory\); point data.generation_chat_template at",
+    ):
         data.read_template_file(str(tmp_path / "absent.jinja"))
 
 
@@ -797,8 +918,11 @@ def test_a_generation_template_that_loops_is_stopped_and_refused(make_config, tm
     range limit and together hours of work. The load-time probe is stopped at its time limit (0.3 s here)."""
     monkeypatch.setattr(data, "PROBE_TIME_LIMIT_S", 0.3)
     cfg, path = generation_template_config(make_config, tmp_path, PLAIN_TEMPLATE + NESTED_LOOPS)
-    with pytest.raises(ChatTemplateError, match=rf"^data.generation_chat_template {re.escape(str(path))}: took "
-                                                r"longer than 0.3 s to render a two-message conversation"):
+    with pytest.raises(
+        ChatTemplateError,
+        match=rf"^data.generation_chat_template {re.escape(str(path))}: took "
+        r"longer than 0.3 s to render a two-message conversation",
+    ):
         SampleTokenizer.for_run(cfg)
     assert no_probe_left_running()
 
@@ -816,8 +940,10 @@ def test_a_target_chat_template_that_escapes_or_loops_is_refused(make_config, tm
     template = tokenizer_dir / "chat_template.jinja"
     cfg = make_config(target={"tokenizer_path": str(tokenizer_dir)})
     where = f"{template}, the chat template of target.tokenizer_path: "
-    for hostile, refusal in ((ESCAPE, "fails in jinja's sandbox on a two-message conversation (SecurityError"),
-                             (NESTED_LOOPS, "took longer than 0.3 s to render a two-message conversation")):
+    for hostile, refusal in (
+        (ESCAPE, "fails in jinja's sandbox on a two-message conversation (SecurityError"),
+        (NESTED_LOOPS, "took longer than 0.3 s to render a two-message conversation"),
+    ):
         template.write_text(hostile)
         with pytest.raises(ChatTemplateError) as info:
             SampleTokenizer.for_run(cfg)
@@ -834,17 +960,24 @@ def test_a_template_that_fails_only_on_some_conversation_stops_the_stage(tiny_to
     tokenizing = SampleTokenizer(with_template(tiny_tokenizer, PLAIN_TEMPLATE + trap), 4096)
     tokenizing.check_templates()  # the probe conversation does not spring it
     innocent, trapped = conversation([user("hi"), bot("yo")]), conversation([user("open sesame"), bot("no")], line_no=9)
-    with pytest.raises(ChatTemplateError, match=r"^the tokenizer's chat template: fails in jinja's sandbox rendering "
-                                                r"the conversation on line 9 of the data \(SecurityError"):
+    with pytest.raises(
+        ChatTemplateError,
+        match=r"^the tokenizer's chat template: fails in jinja's sandbox rendering "
+        r"the conversation on line 9 of the data \(SecurityError",
+    ):
         list(tokenizing.iter([innocent, trapped]))
 
-    refusing = PLAIN_TEMPLATE + "{% if messages[0].role == 'system' %}{{ raise_exception('No system role.') }}" \
-                                "{% endif %}"
+    refusing = (
+        PLAIN_TEMPLATE + "{% if messages[0].role == 'system' %}{{ raise_exception('No system role.') }}{% endif %}"
+    )
     stats = TokenizeStats()
     system = conversation([{"role": "system", "content": "Be brief."}, user("hi"), bot("yo")], line_no=4)
     refuser = SampleTokenizer(with_template(tiny_tokenizer, refusing), 4096)
     assert list(refuser.iter([system], stats)) == []
     assert stats.skipped == {system.sample_id: "line 4: the chat template refuses this conversation: No system role."}
-    with pytest.raises(DataError, match=r"refuses this conversation: No system role\. \(the one whose last message "
-                                        r"begins 'hi'\); fix or drop that conversation in the data"):
+    with pytest.raises(
+        DataError,
+        match=r"refuses this conversation: No system role\. \(the one whose last message "
+        r"begins 'hi'\); fix or drop that conversation in the data",
+    ):
         refuser.prompt_ids(list(system.messages[:2]))  # what generate serves: there it is a data error (exit 2)

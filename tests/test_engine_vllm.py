@@ -55,8 +55,13 @@ def vllm_server() -> dict:
     """The server section for vLLM's CPU build: a KV cache of 256 MiB (the default reserves most of the machine's
     memory), contexts up to 1024 tokens, a port of its own, and a start's budget to be healthy in (a start that
     outlasts it fails with the server's log, not as the test's timeout)."""
-    return {"engine": "vllm", "python": str(VLLM_PYTHON), "port": free_port(), "startup_timeout_s": VLLM_START_S,
-            "extra_args": {"kv-cache-memory-bytes": 256 << 20, "max-model-len": 1024}}
+    return {
+        "engine": "vllm",
+        "python": str(VLLM_PYTHON),
+        "port": free_port(),
+        "startup_timeout_s": VLLM_START_S,
+        "extra_args": {"kv-cache-memory-bytes": 256 << 20, "max-model-len": 1024},
+    }
 
 
 def free_port() -> int:
@@ -80,18 +85,27 @@ def test_vllm_serving_the_exported_drafter_measures_what_evaluate_measures(train
         pytest.fail(f"{VLLM_PYTHON} is missing: `make vllm-env` builds the vLLM test environment")
     run_export(trained_config)
     sections = {k: trained_config.model_dump()[k] for k in ("vocab", "extract")}
-    reference = run_evaluate(make_config(run_name="train", train={**TRAIN_SETTINGS, "val_fraction": 0.3},
-                                         evaluate=EVALUATE, **sections))
+    reference = run_evaluate(
+        make_config(run_name="train", train={**TRAIN_SETTINGS, "val_fraction": 0.3}, evaluate=EVALUATE, **sections)
+    )
 
-    served = make_config(run_name="train", train={**TRAIN_SETTINGS, "val_fraction": 0.3},
-                         evaluate={**EVALUATE, "backend": "server"}, **sections,
-                         server=vllm_server())
+    served = make_config(
+        run_name="train",
+        train={**TRAIN_SETTINGS, "val_fraction": 0.3},
+        evaluate={**EVALUATE, "backend": "server"},
+        **sections,
+        server=vllm_server(),
+    )
     config_file = tmp_path / "served.json"
     config_file.write_text(dump_run_config(served))
     started = time.monotonic()
-    stage = subprocess.run([sys.executable, "-m", "eagle3", "evaluate", "--config", str(config_file)],
-                           capture_output=True, text=True, timeout=budget_s(**SERVED_EVALUATE),
-                           env={**os.environ, "VLLM_MLA_DISABLE": "1", "PYTHONUNBUFFERED": "1"})
+    stage = subprocess.run(
+        [sys.executable, "-m", "eagle3", "evaluate", "--config", str(config_file)],
+        capture_output=True,
+        text=True,
+        timeout=budget_s(**SERVED_EVALUATE),
+        env={**os.environ, "VLLM_MLA_DISABLE": "1", "PYTHONUNBUFFERED": "1"},
+    )
     print(f"evaluate in vLLM: {time.monotonic() - started:.0f} s; its starts took {start_times(stage.stderr)} s")
     assert stage.returncode == 0, stage.stderr[-4000:]
     report = json.loads((served.run_dir / "evaluate" / "report.json").read_text())
@@ -135,14 +149,22 @@ def test_generate_through_vllms_chat_server_answers_as_the_target_does_in_transf
     # (the tiny target's); CPU_MLA, named, is the MLA path on every x86 CPU (vllm 0.32 platforms/cpu.py).
     server = vllm_server()
     server["extra_args"]["attention-backend"] = "CPU_MLA"
-    by_vllm = make_config(run_name="vllm", data={"max_samples": 12},
-                          generate={**settings, "backend": "server", "launch_server": True}, server=server)
+    by_vllm = make_config(
+        run_name="vllm",
+        data={"max_samples": 12},
+        generate={**settings, "backend": "server", "launch_server": True},
+        server=server,
+    )
     config_file = tmp_path / "vllm.json"
     config_file.write_text(dump_run_config(by_vllm))
     started = time.monotonic()
-    stage = subprocess.run([sys.executable, "-m", "eagle3", "generate", "--config", str(config_file)],
-                           capture_output=True, text=True, timeout=budget_s(**SERVED_GENERATE),
-                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    stage = subprocess.run(
+        [sys.executable, "-m", "eagle3", "generate", "--config", str(config_file)],
+        capture_output=True,
+        text=True,
+        timeout=budget_s(**SERVED_GENERATE),
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     print(f"generate in vLLM: {time.monotonic() - started:.0f} s; its start took {start_times(stage.stderr)} s")
     assert stage.returncode == 0, stage.stderr[-4000:]
     assert "server: healthy" in stage.stderr and "server: stopped" in stage.stderr

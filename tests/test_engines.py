@@ -23,8 +23,9 @@ HOSTILE = "--host=0.0.0.0"  # what a trigger once got SGLang to listen on, after
 
 def unchecked(cfg: RunConfig, engine: str, extra_args: dict) -> RunConfig:
     """cfg with server settings the run config's validation would refuse: the launch must contain them anyway."""
-    server = ServerConfig.model_construct(**{**cfg.server.model_dump(), "engine": engine, "extra_args": extra_args,
-                                             "python": "/opt/engine/bin/python"})
+    server = ServerConfig.model_construct(
+        **{**cfg.server.model_dump(), "engine": engine, "extra_args": extra_args, "python": "/opt/engine/bin/python"}
+    )
     return cfg.model_copy(update={"server": server})
 
 
@@ -32,10 +33,16 @@ def parsed_by(engine: str, argv: list[str]) -> dict:
     python = ENVS[engine]
     if not python.exists():
         pytest.fail(f"{python} is missing: `make {engine}-env` builds the real-{engine} test environment")
-    flags = argv[argv.index("-m") + 2:] if "-m" in argv else argv[2:]
-    proc = subprocess.run([str(python), str(REPO / "tests" / f"{engine}_real" / "parse_server_args.py")],
-                          input=json.dumps(flags), capture_output=True, text=True, timeout=300, cwd=REPO / "tests",
-                          env={"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/"), "PYTHONSAFEPATH": "1"})
+    flags = argv[argv.index("-m") + 2 :] if "-m" in argv else argv[2:]
+    proc = subprocess.run(
+        [str(python), str(REPO / "tests" / f"{engine}_real" / "parse_server_args.py")],
+        input=json.dumps(flags),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO / "tests",
+        env={"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/"), "PYTHONSAFEPATH": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -51,12 +58,16 @@ def test_each_flag_is_one_argv_element(make_config, engine, optional_value_flag,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine, optional_value_flag, where", [
-    ("sglang", "model-checksum", "model_checksum"),  # nargs="?" in sglang 0.5.23: a bare next token was its value
-    ("vllm", "reasoning-parser", "reasoning_parser"),
-])
-def test_the_engines_own_parser_reads_a_hostile_value_as_a_value(make_config, engine, optional_value_flag, where,
-                                                                  monkeypatch):
+@pytest.mark.parametrize(
+    "engine, optional_value_flag, where",
+    [
+        ("sglang", "model-checksum", "model_checksum"),  # nargs="?" in sglang 0.5.23: a bare next token was its value
+        ("vllm", "reasoning-parser", "reasoning_parser"),
+    ],
+)
+def test_the_engines_own_parser_reads_a_hostile_value_as_a_value(
+    make_config, engine, optional_value_flag, where, monkeypatch
+):
     monkeypatch.delenv("EAGLE3_SERVER_LAUNCHER", raising=False)
     cfg = unchecked(make_config(), engine, {optional_value_flag: HOSTILE})
     settings = parsed_by(engine, engine_for(cfg).launch_argv(cfg))
@@ -79,10 +90,15 @@ def test_sglang_drafts_a_chain_of_the_draft_length_unless_told_a_tree(make_confi
     monkeypatch.setenv("EAGLE3_SERVER_LAUNCHER", "/stand-in.py")
     cfg = make_config()
     chain = engine_for(cfg).launch_argv(cfg, Speculation(REPO / "drafter", 5))
-    assert {"--speculative-algorithm=EAGLE3", "--speculative-num-steps=5", "--speculative-eagle-topk=1",
-            "--speculative-num-draft-tokens=6"} <= set(chain)
-    tree = engine_for(cfg).launch_argv(cfg, Speculation(REPO / "drafter", 3),
-                                       {"num_steps": 3, "eagle_topk": 4, "num_draft_tokens": 8})
+    assert {
+        "--speculative-algorithm=EAGLE3",
+        "--speculative-num-steps=5",
+        "--speculative-eagle-topk=1",
+        "--speculative-num-draft-tokens=6",
+    } <= set(chain)
+    tree = engine_for(cfg).launch_argv(
+        cfg, Speculation(REPO / "drafter", 3), {"num_steps": 3, "eagle_topk": 4, "num_draft_tokens": 8}
+    )
     assert {"--speculative-eagle-topk=4", "--speculative-num-draft-tokens=8"} <= set(tree)
 
 
@@ -129,9 +145,15 @@ def request_body(cfg, engine: str, sampling: Sampling, seed: int | None) -> dict
 
 def read_by(engine: str, bodies: list[dict]) -> list[dict]:
     """What the engine's own request model makes of each body: one start of its environment for all."""
-    proc = subprocess.run([str(ENVS[engine]), str(REPO / "tests" / f"{engine}_real" / "read_request.py")],
-                          input=json.dumps(bodies), capture_output=True, text=True, timeout=300, cwd=REPO / "tests",
-                          env={"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/"), "PYTHONSAFEPATH": "1"})
+    proc = subprocess.run(
+        [str(ENVS[engine]), str(REPO / "tests" / f"{engine}_real" / "read_request.py")],
+        input=json.dumps(bodies),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO / "tests",
+        env={"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/"), "PYTHONSAFEPATH": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -143,9 +165,14 @@ def test_each_engine_reads_the_sampling_evaluate_asks_for(make_config, engine, s
     request model (sglang 0.5.23, vllm 0.32, in their environments) reads them as sent, with no field it would ignore.
     Greedy sends temperature 0 and nothing to draw with."""
     cfg = make_config()
-    drawn, unlimited, greedy = read_by(engine, [request_body(cfg, engine, Sampling(0.7, 0.9, 40), 1234),
-                                                request_body(cfg, engine, Sampling(1.0, 0.95, None), 7),
-                                                request_body(cfg, engine, GREEDY, None)])
+    drawn, unlimited, greedy = read_by(
+        engine,
+        [
+            request_body(cfg, engine, Sampling(0.7, 0.9, 40), 1234),
+            request_body(cfg, engine, Sampling(1.0, 0.95, None), 7),
+            request_body(cfg, engine, GREEDY, None),
+        ],
+    )
     assert (drawn["temperature"], drawn["top_p"], drawn["top_k"], drawn[seed_field]) == (0.7, 0.9, 40, 1234)
     assert drawn.get("unknown", []) == [] and unlimited.get("unknown", []) == [] and greedy.get("unknown", []) == []
     # no top_k limit, as each engine spells it (vLLM -1 or 0; SGLang's TOP_K_ALL, 2**30): none cuts the vocabulary

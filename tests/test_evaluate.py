@@ -14,8 +14,11 @@ from eagle3.stages.export import run_export
 def test_speculation_is_lossless_and_reports_acceptance(trained_config, make_config):
     train_config = trained_config
     run_export(train_config)
-    cfg = make_config(run_name="train", evaluate={"num_prompts": 8, "max_new_tokens": 24, "draft_lengths": [1, 3]},
-                      **{k: train_config.model_dump()[k] for k in ("train", "vocab", "extract")})
+    cfg = make_config(
+        run_name="train",
+        evaluate={"num_prompts": 8, "max_new_tokens": 24, "draft_lengths": [1, 3]},
+        **{k: train_config.model_dump()[k] for k in ("train", "vocab", "extract")},
+    )
     report = run_evaluate(cfg)
 
     assert report["prompts"] == 8
@@ -32,8 +35,9 @@ def test_speculation_is_lossless_and_reports_acceptance(trained_config, make_con
 
 
 @pytest.mark.slow
-def test_public_sets_are_measured_at_the_published_configurations_beside_the_held_out_figure(trained_config,
-                                                                                               make_config, tmp_path):
+def test_public_sets_are_measured_at_the_published_configurations_beside_the_held_out_figure(
+    trained_config, make_config, tmp_path
+):
     """evaluate.benchmarks, each set's records from a local file in the set's own format (made up): every set is
     measured with the drafter at k=3 (3 steps / topk 1 / 4 draft tokens) and k=7 (7 / 1 / 8) whatever the held-out
     draft lengths, losslessly, in report.json's public_sets next to speculative. The figures are those of the
@@ -49,10 +53,19 @@ def test_public_sets_are_measured_at_the_published_configurations_beside_the_hel
     run_export(trained_config)
     sets = {"mtbench": MTBENCH, "gsm8k": GSM8K, "humaneval": HUMANEVAL, "bfcl": BFCL}
     files = {name: write_jsonl(tmp_path / f"{name}.jsonl", records) for name, records in sets.items()}
-    cfg = make_config(run_name="train", evaluate={
-        "num_prompts": 4, "max_new_tokens": 16, "draft_lengths": [3], "promote": False, "benchmarks": list(sets),
-        "benchmark_files": files, "benchmark_max_new_tokens": 8},
-        **{k: trained_config.model_dump()[k] for k in ("train", "vocab", "extract")})
+    cfg = make_config(
+        run_name="train",
+        evaluate={
+            "num_prompts": 4,
+            "max_new_tokens": 16,
+            "draft_lengths": [3],
+            "promote": False,
+            "benchmarks": list(sets),
+            "benchmark_files": files,
+            "benchmark_max_new_tokens": 8,
+        },
+        **{k: trained_config.model_dump()[k] for k in ("train", "vocab", "extract")},
+    )
     report = run_evaluate(cfg)
 
     assert list(report["speculative"]) == ["3"] and report["prompts"] == 4  # the held-out figure, as before
@@ -78,9 +91,19 @@ def test_public_sets_are_measured_at_the_published_configurations_beside_the_hel
     target, (drafter, d2t) = HfCapture(cfg), load_exported_drafter(cfg.run_dir / "drafter", cfg.target.model_path)
     eos = {AutoConfig.from_pretrained(cfg.target.model_path).eos_token_id}
     for k in (3, 7):
-        cycles = [a for record in GSM8K for a in speculative_greedy(
-            target, drafter, d2t, tokenizing.prompt_ids([{"role": "user", "content": record["question"]}]), k, 8,
-            eos)[1]]
+        cycles = [
+            a
+            for record in GSM8K
+            for a in speculative_greedy(
+                target,
+                drafter,
+                d2t,
+                tokenizing.prompt_ids([{"role": "user", "content": record["question"]}]),
+                k,
+                8,
+                eos,
+            )[1]
+        ]
         measured = public["gsm8k"]["speculative"][str(k)]
         assert (measured["cycles"], measured["mean_accept_length"]) == (len(cycles), 1 + sum(cycles) / len(cycles))
 
@@ -146,8 +169,11 @@ def test_held_out_prompts_mix_first_and_later_turns_deterministically(make_confi
     from eagle3.stages.split import EVALUATION, TRAINING, run_split
     from tests.test_split import write_jsonl
 
-    opening, asked_later, trained = questions("evaluation", 6), questions("evaluation", 12, 1000), \
-        questions("training", 3, 2000)
+    opening, asked_later, trained = (
+        questions("evaluation", 6),
+        questions("evaluation", 12, 1000),
+        questions("training", 3, 2000),
+    )
     rows = [multi_turn(q, asked_later[2 * i], asked_later[2 * i + 1]) for i, q in enumerate(opening)]
     rows += [multi_turn(q) for q in trained]
     rows.append(multi_turn(questions("evaluation", 1, 3000)[0], trained[0].upper()))  # asked later, trained first
@@ -173,13 +199,18 @@ def test_held_out_prompts_mix_first_and_later_turns_deterministically(make_confi
     asker = next(c.sample_id for c in conversations.values() if c.messages[-2]["content"] == trained[0].upper())
     taken = {(h.conversation_id, h.turn) for h in everything}
     assert (asker, 1) in taken and (asker, 3) not in taken
-    assert split.part_of_conversation(next(c for c in conversations.values()
-                                           if c.messages[0]["content"] == trained[0]).sample_id) == TRAINING
+    assert (
+        split.part_of_conversation(
+            next(c for c in conversations.values() if c.messages[0]["content"] == trained[0]).sample_id
+        )
+        == TRAINING
+    )
 
     write_jsonl(data, rows[::-1])  # the file's order does not choose the prompts
     again = held_out(cfg, SampleTokenizer.for_run(cfg), limit=8)
-    assert [(h.conversation_id, h.turn, h.prompt) for h in again] == \
-        [(h.conversation_id, h.turn, h.prompt) for h in held]
+    assert [(h.conversation_id, h.turn, h.prompt) for h in again] == [
+        (h.conversation_id, h.turn, h.prompt) for h in held
+    ]
 
 
 class MarkovTarget:
@@ -220,11 +251,25 @@ def sample_both_ways(monkeypatch, sampling, answers: int = 600):
     monkeypatch.setattr(decoding, "draft_chain", likeliest_chain)
     plain, drawn, cycles = [], [], []
     for i in range(answers):
-        plain.append(decoding.plain_decode(target, prompt, 12, {MarkovTarget.EOS},
-                                           decoding.SamplingRule(sampling, torch.Generator().manual_seed(2 * i))))
+        plain.append(
+            decoding.plain_decode(
+                target,
+                prompt,
+                12,
+                {MarkovTarget.EOS},
+                decoding.SamplingRule(sampling, torch.Generator().manual_seed(2 * i)),
+            )
+        )
         tokens, accepted = decoding.speculative_decode(
-            target, None, None, prompt, 3, 12, {MarkovTarget.EOS},
-            decoding.SamplingRule(sampling, torch.Generator().manual_seed(2 * i + 1)))
+            target,
+            None,
+            None,
+            prompt,
+            3,
+            12,
+            {MarkovTarget.EOS},
+            decoding.SamplingRule(sampling, torch.Generator().manual_seed(2 * i + 1)),
+        )
         drawn.append(tokens)
         cycles += accepted
     return plain, drawn, cycles
@@ -295,9 +340,18 @@ def test_evaluate_at_the_serving_temperature_reports_sampled_figures(trained_con
     answers (seeded per prompt)."""
     run_export(trained_config)
     sections = {k: trained_config.model_dump()[k] for k in ("train", "vocab", "extract")}
-    cfg = make_config(run_name="train", generate={"temperature": 0.8, "top_p": 0.95, "top_k": 20},
-                      evaluate={"num_prompts": 8, "max_new_tokens": 24, "draft_lengths": [3], "promote": False,
-                                "sampling": "serving"}, **sections)
+    cfg = make_config(
+        run_name="train",
+        generate={"temperature": 0.8, "top_p": 0.95, "top_k": 20},
+        evaluate={
+            "num_prompts": 8,
+            "max_new_tokens": 24,
+            "draft_lengths": [3],
+            "promote": False,
+            "sampling": "serving",
+        },
+        **sections,
+    )
     report = run_evaluate(cfg)
 
     assert report["sampling"] == {"temperature": 0.8, "top_p": 0.95, "top_k": 20}
@@ -305,9 +359,13 @@ def test_evaluate_at_the_serving_temperature_reports_sampled_figures(trained_con
     assert figures["identical_to_greedy"] is None and 0 < figures["same_distribution_as_plain_p"] <= 1
     assert 1.0 <= figures["mean_accept_length"] <= figures["ceiling_accept_length"]
     assert run_evaluate(cfg)["speculative"] == report["speculative"]  # the same draws again
-    greedy = run_evaluate(make_config(run_name="train", evaluate={"num_prompts": 8, "max_new_tokens": 24,
-                                                                  "draft_lengths": [3], "promote": False},
-                                      **sections))
+    greedy = run_evaluate(
+        make_config(
+            run_name="train",
+            evaluate={"num_prompts": 8, "max_new_tokens": 24, "draft_lengths": [3], "promote": False},
+            **sections,
+        )
+    )
     assert greedy["sampling"] == {"temperature": 0.0, "top_p": 1.0, "top_k": None}
     assert greedy["speculative"]["3"]["identical_to_greedy"] == "8/8"
     assert greedy["speculative"]["3"]["cycles"] != figures["cycles"]  # other answers: sampled, not greedy

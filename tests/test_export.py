@@ -52,7 +52,9 @@ def test_export_has_exactly_the_keys_sglang_loads_and_round_trips(trained_config
     assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]  # inputs of layers 2, 4, 5
     assert config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
     assert {engine: (reading["served"], reading["hf_layers"]) for engine, reading in report["engines"].items()} == {
-        "sglang": (True, [1, 3, 4]), "vllm": (True, [1, 3, 4])}
+        "sglang": (True, [1, 3, 4]),
+        "vllm": (True, [1, 3, 4]),
+    }
 
     # The export alone (plus the target's embedding) gives the checkpoint's drafter, up to bf16 rounding.
     loaded, draft_to_target = load_exported_drafter(drafter, tiny_target)
@@ -78,19 +80,30 @@ def test_eagle31_norms_are_exported_as_the_engines_name_them_and_round_trip(trai
     from eagle3.disk.layout import CHECKPOINTS
     from eagle3.records.checkpoint import best_checkpoint, read_meta, save_checkpoint
 
-    cfg = trained_config.model_copy(update={"drafter": trained_config.drafter.model_copy(
-        update={"fc_norm": True, "norm_output": True})})
+    cfg = trained_config.model_copy(
+        update={"drafter": trained_config.drafter.model_copy(update={"fc_norm": True, "norm_output": True})}
+    )
     torch.manual_seed(1)
-    trained = build_draft_model(tiny_target, 512, [1, 3, 4], drafter_shape(cfg.drafter, {"hidden_size": 256,
-                                                                                      "intermediate_size": 512}))
+    trained = build_draft_model(
+        tiny_target, 512, [1, 3, 4], drafter_shape(cfg.drafter, {"hidden_size": 256, "intermediate_size": 512})
+    )
     with torch.no_grad():
         for norm in trained.fc.norms:
             norm.weight.uniform_(0.5, 1.5)
     checkpoint, meta = best_checkpoint(cfg.run_dir / CHECKPOINTS)
     state = {k: v for k, v in trained.state_dict().items() if k != "embed_tokens.weight"}
-    save_checkpoint(cfg.run_dir / CHECKPOINTS, {"model": state, "step": meta["step"] + 1},
-                    {**read_meta(checkpoint), "step": meta["step"] + 1, "val_offline_accept_length": 1e9,
-                     "draft_config": trained.cfg.to_json()}, keep_last=5, best_step=meta["step"] + 1)
+    save_checkpoint(
+        cfg.run_dir / CHECKPOINTS,
+        {"model": state, "step": meta["step"] + 1},
+        {
+            **read_meta(checkpoint),
+            "step": meta["step"] + 1,
+            "val_offline_accept_length": 1e9,
+            "draft_config": trained.cfg.to_json(),
+        },
+        keep_last=5,
+        best_step=meta["step"] + 1,
+    )
     run_export(cfg)
 
     drafter = cfg.run_dir / "drafter"

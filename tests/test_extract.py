@@ -40,7 +40,8 @@ def test_extract_stores_every_sample_and_a_rerun_computes_nothing(make_config, c
     progress = [r.getMessage() for r in caplog.records if "samples (" in r.getMessage()]
     assert progress and re.fullmatch(
         r"extract shard 0: \d+/\d+ samples \([\d.]+%\), \d+ tokens/s, [\d.]+ GiB written, "
-        r"elapsed \d+m\d\ds, ETA (\d+m\d\ds|\?)", progress[-1]
+        r"elapsed \d+m\d\ds, ETA (\d+m\d\ds|\?)",
+        progress[-1],
     ), progress[-1]
     assert first["samples_extracted"] == first["samples_in_shard"] == first["samples_stored"] > 150
     assert first["bad_records"] == 0 and first["rejected_nonfinite"] == 0
@@ -82,8 +83,9 @@ def test_extract_by_hand_without_shard_does_every_shard_and_says_so(make_config)
 @pytest.mark.slow
 def test_bad_records_stop_extract_with_line_numbers(make_config, tmp_path):
     data = tmp_path / "bad.jsonl"
-    data.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n'
-                    "not json\n")
+    data.write_text(
+        '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\nnot json\n'
+    )
     cfg = make_config(data={"path": str(data), "max_samples": None})
     write_run_config(cfg)
     proc = run_eagle3("extract", "--config", str(cfg.config_path), check=False)
@@ -115,8 +117,14 @@ def test_the_background_writer_leaves_the_forward_pass_all_its_threads():
         )
         # Two threads asked for whatever the suite's setting (tests/conftest.py): with one, a writer that set it
         # to one would go unseen.
-        return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                              check=True, env={**os.environ, "OMP_NUM_THREADS": "2"}).stdout.strip()
+        return subprocess.run(
+            [sys.executable, "-c", script],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+            env={**os.environ, "OMP_NUM_THREADS": "2"},
+        ).stdout.strip()
 
     assert threads_seen_by_main(start_writer=True) == threads_seen_by_main(start_writer=False)
 
@@ -149,17 +157,23 @@ def test_multi_turn_thinking_conversations_are_trained_turn_by_turn_not_skipped(
     from eagle3.stages.split import run_split
 
     thinking = target_with_template(tiny_target, tmp_path / "thinking-target", THINKING_TEMPLATE)
-    turns = [{"role": "user", "content": "What is 2 + 3?"},
-             {"role": "assistant", "content": "5.", "reasoning_content": "Two plus three."},
-             {"role": "user", "content": "And 4 + 4?"},
-             {"role": "assistant", "content": "8.", "reasoning_content": "Four plus four."}]
+    turns = [
+        {"role": "user", "content": "What is 2 + 3?"},
+        {"role": "assistant", "content": "5.", "reasoning_content": "Two plus three."},
+        {"role": "user", "content": "And 4 + 4?"},
+        {"role": "assistant", "content": "8.", "reasoning_content": "Four plus four."},
+    ]
     data = tmp_path / "thinking.jsonl"
     data.write_text(json.dumps({"messages": turns}) + "\n" + json.dumps({"messages": turns[:2]}) + "\n")
     cfg = make_config(target={"model_path": str(thinking)}, data={"path": str(data), "max_samples": None})
     stats = run_extract(cfg)
 
-    assert (stats["conversations_in_shard"], stats["samples_stored"], stats["turn_samples"], stats["skipped"]) \
-        == (2, 3, 1, 0)
+    assert (stats["conversations_in_shard"], stats["samples_stored"], stats["turn_samples"], stats["skipped"]) == (
+        2,
+        3,
+        1,
+        0,
+    )
     store = HiddenStateStore(cfg.store_dir)
     conversation_ids = {conversation_id_of(s) for s in store.sample_ids}
     assert len(conversation_ids) == 2 and any("." in s for s in store.sample_ids)
@@ -169,8 +183,10 @@ def test_multi_turn_thinking_conversations_are_trained_turn_by_turn_not_skipped(
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(thinking)
-    trained = sorted(tokenizer.decode([t for t, m in zip(store[s]["input_ids"].tolist(), store[s]["loss_mask"])
-                                       if m]) for s in store.sample_ids)
+    trained = sorted(
+        tokenizer.decode([t for t, m in zip(store[s]["input_ids"].tolist(), store[s]["loss_mask"]) if m])
+        for s in store.sample_ids
+    )
     # Each answer once per conversation, with its own reasoning, as the target generated it.
     first, second = "<think>Two plus three.</think>5.<|im_end|>", "<think>Four plus four.</think>8.<|im_end|>"
     assert trained == sorted([first, first, second])
@@ -185,10 +201,15 @@ def kimi_shaped_conversations(n: int) -> list[dict]:
 
     conversations = []
     for k in range(n):
-        messages = json.loads(json.dumps(KIMI_AGENT_CONVERSATION).replace("Paris", f"City {k}")
-                              .replace("18C", f"{10 + k}C"))
-        conversations.append({"messages": messages, "tools": [{"type": "function", "function": {
-            "name": "get_weather", "parameters": {"type": "object"}}}]})
+        messages = json.loads(
+            json.dumps(KIMI_AGENT_CONVERSATION).replace("Paris", f"City {k}").replace("18C", f"{10 + k}C")
+        )
+        conversations.append(
+            {
+                "messages": messages,
+                "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}],
+            }
+        )
     return conversations
 
 
@@ -211,15 +232,21 @@ def test_a_kimi_shaped_set_trains_every_turn_with_its_reasoning_by_default(make_
     tokenizer = AutoTokenizer.from_pretrained(target)
     reasoning = [m["reasoning_content"] for r in records for m in r["messages"] if m.get("reasoning_content")]
     reasoning_tokens = sum(len(tokenizer(text, add_special_tokens=False)["input_ids"]) for text in reasoning)
-    assert (stats["assistant_turns"], stats["turns_trained"], stats["turns_dropped"], stats["skipped"]) == \
-        (60, 60, {}, 0)
+    assert (stats["assistant_turns"], stats["turns_trained"], stats["turns_dropped"], stats["skipped"]) == (
+        60,
+        60,
+        {},
+        0,
+    )
     assert stats["reasoning_tokens_trained"] == reasoning_tokens > 0
     assert stats["untrained_fraction"] == {"turns": 0.0, "tokens": 0.0} and stats["samples_stored"] == 60
     store = HiddenStateStore(cfg.store_dir)
-    trained = [tokenizer.decode([t for t, m in zip(store[s]["input_ids"].tolist(), store[s]["loss_mask"]) if m])
-               for s in store.sample_ids]
+    trained = [
+        tokenizer.decode([t for t, m in zip(store[s]["input_ids"].tolist(), store[s]["loss_mask"]) if m])
+        for s in store.sample_ids
+    ]
     assert all(text.startswith("<think>") and "</think>" in text and text.endswith("<|im_end|>") for text in trained)
-    assert sorted(text[len("<think>"):text.index("</think>")] for text in trained) == sorted(reasoning)
+    assert sorted(text[len("<think>") : text.index("</think>")] for text in trained) == sorted(reasoning)
     assert json.loads(run_stats_path(cfg.run_dir, 0).read_text())["turns_trained"] == 60
 
 
@@ -243,12 +270,15 @@ def test_a_template_that_cannot_be_placed_is_refused_not_trained_on_nothing(make
     write_run_config(cfg)
     proc = run_eagle3("extract", "--config", str(cfg.config_path), check=False)
     assert proc.returncode == 2, proc.stderr[-2000:]
-    error = proc.stderr[proc.stderr.index("error: "):]
+    error = proc.stderr[proc.stderr.index("error: ") :]
     # Refused at the first turn lost: already more than 1% of the 14 conversations' turns.
-    assert re.search(r"error: extract shard 0/1: 1 of the (\d+) assistant turns \([\d.]+%\) already cannot be "
-                     r"trained as the target generated them, more than data\.max_untrained_fraction \(0\.01\) "
-                     r"allows \(not_placed: 1 turns / \d+ tokens; first: line 1: turn 1 \(assistant\): the chat "
-                     r"template renders this turn with another opening than the generation prompt", error), error
+    assert re.search(
+        r"error: extract shard 0/1: 1 of the (\d+) assistant turns \([\d.]+%\) already cannot be "
+        r"trained as the target generated them, more than data\.max_untrained_fraction \(0\.01\) "
+        r"allows \(not_placed: 1 turns / \d+ tokens; first: line 1: turn 1 \(assistant\): the chat "
+        r"template renders this turn with another opening than the generation prompt",
+        error,
+    ), error
     assert f"The chat template is {target / 'chat_template.jinja'}, the chat template of target.model_path." in error
     assert "Fix: set data.generation_chat_template to a template that renders every assistant turn" in error
     assert not run_samples_path(cfg.run_dir, 0).exists()  # the shard is not done: nothing reads it as a run's
@@ -277,10 +307,18 @@ def test_turns_dropped_within_the_fraction_are_counted_and_the_rest_trained(make
     from eagle3.stages.evaluate import extraction_summary
 
     data = tmp_path / "mixed.jsonl"
-    plain = [json.dumps({"messages": [{"role": "user", "content": f"q{k}"}, {"role": "assistant", "content": f"a{k}"}]})
-             for k in range(9)]
-    thinking = json.dumps({"messages": [{"role": "user", "content": "2 + 3?"},
-                                        {"role": "assistant", "content": "5.", "reasoning_content": "Add."}]})
+    plain = [
+        json.dumps({"messages": [{"role": "user", "content": f"q{k}"}, {"role": "assistant", "content": f"a{k}"}]})
+        for k in range(9)
+    ]
+    thinking = json.dumps(
+        {
+            "messages": [
+                {"role": "user", "content": "2 + 3?"},
+                {"role": "assistant", "content": "5.", "reasoning_content": "Add."},
+            ]
+        }
+    )
     data.write_text("\n".join([*plain, thinking]) + "\n")
     cfg = make_config(data={"path": str(data), "max_samples": None, "max_untrained_fraction": 0.25})
     stats = run_extract(cfg)

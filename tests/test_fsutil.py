@@ -57,8 +57,9 @@ def test_a_directory_or_a_device_is_refused_and_no_device_is_opened(tmp_path, mo
     assert opened == []
 
 
-@pytest.mark.parametrize("path", ["/proc/self/pagemap", "/proc/self/status", "/sys/kernel/anything",
-                                  "/proc/../proc/self/environ"])
+@pytest.mark.parametrize(
+    "path", ["/proc/self/pagemap", "/proc/self/status", "/sys/kernel/anything", "/proc/../proc/self/environ"]
+)
 def test_files_in_proc_and_sys_are_refused(path):
     """Attack: /proc/self/pagemap is a "regular file" of size 0 that never ends (it maps the whole address space);
     /proc/self/environ holds the process's secrets. Refused by the path, before anything is looked at."""
@@ -90,6 +91,7 @@ def test_a_file_that_says_it_is_empty_and_never_ends_is_read_no_further_than_the
     cap + 1 bytes are read, and the file is refused. (Cap 7: pagemap reads in whole 8-byte entries.)"""
     monkeypatch.setattr(fsutil, "PSEUDO_FILESYSTEMS", ())
     assert os.stat("/proc/self/pagemap").st_size == 0
-    with refused("/proc/self/pagemap", "more than the 7 bytes read here (it grew while it was read, or is not the "
-                                       "size it says)"):
+    with refused(
+        "/proc/self/pagemap", "more than the 7 bytes read here (it grew while it was read, or is not the size it says)"
+    ):
         read_small_file("/proc/self/pagemap", 7)

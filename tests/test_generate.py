@@ -45,6 +45,7 @@ from tests.standin import STAND_IN, stand_in_processes
 # One worker runs the module: its stand-in servers (module-scoped) start once.
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("test_generate")]
 
+
 def listening(port: int) -> bool:
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) == 0
@@ -65,12 +66,16 @@ def stand_in_servers(tiny_target: Path, log_dir: Path):
     def start(*flags: str) -> str:
         port = free_port()
         log_path = log_dir / f"stand-in-{port}.log"
-        proc = subprocess.Popen([sys.executable, str(STAND_IN), "--model-path", str(tiny_target), "--port", str(port),
-                                 *flags], stdout=open(log_path, "wb"), stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, str(STAND_IN), "--model-path", str(tiny_target), "--port", str(port), *flags],
+            stdout=open(log_path, "wb"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         servers.append(proc)
 
         with httpx.Client() as client:  # one for all polls: each httpx.get builds a TLS context (~30 CPU-ms)
+
             def healthy() -> bool:
                 assert proc.poll() is None, log_path.read_text()
                 return answers_health(client, port)
@@ -118,9 +123,18 @@ def shared_server(tiny_target, tmp_path_factory):
 
 
 def generate_config(make_config, endpoint: str = "http://127.0.0.1:9/v1", samples: int = 6, workdir=None, **gen):
-    return make_config(workdir=workdir, data={"max_samples": samples},
-                       generate={"enabled": True, "endpoint": endpoint, "max_tokens": 48, "concurrency": 3,
-                                 "progress_interval_s": 0.3, **gen})
+    return make_config(
+        workdir=workdir,
+        data={"max_samples": samples},
+        generate={
+            "enabled": True,
+            "endpoint": endpoint,
+            "max_tokens": 48,
+            "concurrency": 3,
+            "progress_interval_s": 0.3,
+            **gen,
+        },
+    )
 
 
 def output_of(cfg) -> list[list[dict]]:
@@ -128,8 +142,7 @@ def output_of(cfg) -> list[list[dict]]:
     return [json.loads(line)["messages"] for line in lines]
 
 
-def test_every_assistant_turn_is_regenerated_in_order_after_the_regenerated_history(make_config, shared_server,
-                                                                                      caplog):
+def test_every_assistant_turn_is_regenerated_in_order_after_the_regenerated_history(make_config, shared_server, caplog):
     caplog.set_level("INFO", logger="eagle3.stages.generate")
     url, record = shared_server
     earlier_requests = len(record.read_text().splitlines()) if record.exists() else 0
@@ -197,8 +210,9 @@ def test_transient_errors_are_retried_until_the_answer_comes(make_config, stand_
     lock, outlasted the deadline and was retried too (5 retries, not 4)."""
     record = tmp_path / "requests.jsonl"
     url = stand_in("--faults", "500,ok,429,ok,drop,ok,slow", "--slow-s", "8", "--record", str(record))
-    cfg = generate_config(make_config, url, samples=4, concurrency=1, request_timeout_s=5.0, max_retries=3,
-                          workdir=tmp_path / "faulty")
+    cfg = generate_config(
+        make_config, url, samples=4, concurrency=1, request_timeout_s=5.0, max_retries=3, workdir=tmp_path / "faulty"
+    )
     stats = run_generate(cfg)
     assert (stats["regenerated"], stats["failed"]) == (4, 0)
 
@@ -252,8 +266,12 @@ def test_nothing_listening_fails_in_seconds_naming_the_endpoint(make_config):
 def test_malformed_prompt_lines_are_named_before_any_request(make_config, tmp_path):
     data = tmp_path / "prompts.jsonl"
     good = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]})
-    data.write_text("\n".join([good, "{not json", json.dumps({"messages": [{"role": "user", "content": "x"}]}),
-                               good.replace("hi", "hey")]) + "\n")
+    data.write_text(
+        "\n".join(
+            [good, "{not json", json.dumps({"messages": [{"role": "user", "content": "x"}]}), good.replace("hi", "hey")]
+        )
+        + "\n"
+    )
     cfg = make_config(data={"path": str(data)}, generate={"enabled": True, "endpoint": "http://127.0.0.1:9/v1"})
     with pytest.raises(DataError, match=r"2 bad record\(s\):\n  line 2: invalid JSON.*\n  line 3: no assistant turn"):
         run_generate(cfg)
@@ -290,8 +308,9 @@ def test_kill_9_at_a_random_moment_loses_and_duplicates_nothing(make_config, sha
     stats = json.loads(rerun.stdout)
     print(f"kill -9 after {rows_at_kill}/16 rows were on disk; the rerun regenerated {stats['regenerated_now']}")
     assert stats["already_done"] == rows_at_kill and stats["regenerated_now"] == 16 - rows_at_kill
-    ok_ids = [json.loads(line)["source_id"] for p in sorted(parts.glob("part-*.jsonl"))
-              for line in p.read_text().splitlines()]
+    ok_ids = [
+        json.loads(line)["source_id"] for p in sorted(parts.glob("part-*.jsonl")) for line in p.read_text().splitlines()
+    ]
     assert len(ok_ids) == len(set(ok_ids)) == 16
     assert output_of(cfg) == output_of(baseline)
 
@@ -305,8 +324,15 @@ def launched_config(make_config, tmp_path, **extra_args):
     port = free_port()
     return make_config(
         data={"max_samples": 4},
-        generate={"enabled": True, "launch_server": True, "max_tokens": 32, "concurrency": 2, "max_retries": 0,
-                  "max_failure_rate": 0.0, "progress_interval_s": 0.3},
+        generate={
+            "enabled": True,
+            "launch_server": True,
+            "max_tokens": 32,
+            "concurrency": 2,
+            "max_retries": 0,
+            "max_failure_rate": 0.0,
+            "progress_interval_s": 0.3,
+        },
         server={"port": port, "startup_timeout_s": 120, "extra_args": extra_args, "reviewed_flags": list(extra_args)},
     )
 
@@ -365,8 +391,13 @@ TOOL_CONVERSATION = {
     "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}],
     "messages": [
         {"role": "user", "content": "What is the weather in Paris?"},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_original", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "call_original", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_original", "content": "18C and sunny"},
         {"role": "assistant", "content": "It is 18C and sunny in Paris."},
     ],
@@ -374,8 +405,9 @@ TOOL_CONVERSATION = {
 
 
 @pytest.mark.parametrize("calls, kept_turns", [("get_weather", 4), ("get_time", 2)], ids=["same-tool", "other-tool"])
-def test_tool_turns_are_kept_and_a_diverging_tool_call_ends_the_conversation(make_config, stand_in, tmp_path,
-                                                                             calls, kept_turns):
+def test_tool_turns_are_kept_and_a_diverging_tool_call_ends_the_conversation(
+    make_config, stand_in, tmp_path, calls, kept_turns
+):
     """Only assistant turns are asked again, with the record's tools. A regenerated call of the same tool keeps
     the id the target wrote (trained tokens are the target's own), and the tool's result, kept as it was but
     for its tool_call_id, answers that id; a call of another tool ends the conversation there: the result that
@@ -384,8 +416,10 @@ def test_tool_turns_are_kept_and_a_diverging_tool_call_ends_the_conversation(mak
     url = stand_in("--tool-call", calls, "--record", str(record))
     data = tmp_path / "tools.jsonl"
     data.write_text(json.dumps(TOOL_CONVERSATION) + "\n")
-    cfg = make_config(data={"path": str(data), "max_samples": None},
-                      generate={"enabled": True, "endpoint": url, "max_tokens": 32, "progress_interval_s": 0.3})
+    cfg = make_config(
+        data={"path": str(data), "max_samples": None},
+        generate={"enabled": True, "endpoint": url, "max_tokens": 32, "progress_interval_s": 0.3},
+    )
     stats = run_generate(cfg)
 
     [line] = (cfg.run_dir / "generate" / "conversations.jsonl").read_text().splitlines()
@@ -412,8 +446,7 @@ def test_the_hf_backend_answers_as_the_server_does_and_resumes(make_config, shar
     url, _ = shared_server
     served = generate_config(make_config, url, samples=8, workdir=tmp_path / "served")
     run_generate(served)
-    local = generate_config(make_config, samples=8, workdir=tmp_path / "hf", backend="hf", concurrency=4,
-                            num_samples=5)
+    local = generate_config(make_config, samples=8, workdir=tmp_path / "hf", backend="hf", concurrency=4, num_samples=5)
     assert run_generate(local)["regenerated_now"] == 5
     more = generate_config(make_config, samples=8, workdir=tmp_path / "hf", backend="hf", concurrency=4)
     stats = run_generate(more)
@@ -427,8 +460,9 @@ def test_an_empty_answer_fails_the_conversation_and_is_not_kept():
     from eagle3.data.samples import Conversation
     from eagle3.stages.generate import Regeneration, Reply
 
-    walk = Regeneration(Conversation("0" * 16, ({"role": "user", "content": "hi"},
-                                                {"role": "assistant", "content": "yo"}), 1))
+    walk = Regeneration(
+        Conversation("0" * 16, ({"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}), 1)
+    )
     assert walk.next_request() == [{"role": "user", "content": "hi"}]
     walk.answer(Reply("  ", None, 1, "stop"))
     assert walk.failed == "the target answered with an empty message" and walk.next_request() is None
@@ -442,8 +476,14 @@ def hostile_config(make_config, server: HostileServer, samples: int = 1, **gen):
     is roomy unless a test is about deadlines: a request that times out is retried and takes the server's next
     answer, so on a loaded machine a 0.5 s deadline turned a malformed answer into a retry and the last
     conversation's answer into a second good one (seen: 18 malformed instead of 19)."""
-    return generate_config(make_config, server.url, samples=samples, concurrency=1, max_retries=1,
-                           **{"request_timeout_s": 30.0, "max_failure_rate": 1.0, **gen})
+    return generate_config(
+        make_config,
+        server.url,
+        samples=samples,
+        concurrency=1,
+        max_retries=1,
+        **{"request_timeout_s": 30.0, "max_failure_rate": 1.0, **gen},
+    )
 
 
 def failed_rows(cfg) -> list[dict]:
@@ -502,19 +542,29 @@ MALFORMED = [  # (what the server sends as the whole body, what the failed row's
     (b'{"choices": [{"message": 1e999}]}', "a number beyond"),
     ({"choices": [{"message": ["hi"]}]}, "choices[0].message is a list, not an object"),
     ({"choices": [{"message": {"content": 42}}]}, "message.content is a number, not a string or null"),
-    ({"choices": [{"message": {"content": "hi", "reasoning_content": {"a": 1}}}]},
-     "message.reasoning_content is an object, not a string"),
-    ({"choices": [{"message": {"content": None, "tool_calls": [{"function": "get_weather"}]}}]},
-     "message.tool_calls is a list, not a list of"),
+    (
+        {"choices": [{"message": {"content": "hi", "reasoning_content": {"a": 1}}}]},
+        "message.reasoning_content is an object, not a string",
+    ),
+    (
+        {"choices": [{"message": {"content": None, "tool_calls": [{"function": "get_weather"}]}}]},
+        "message.tool_calls is a list, not a list of",
+    ),
     ({"choices": [{"message": {"content": "hi"}, "finish_reason": 7}]}, "finish_reason is a number"),
     (b'{"choices": [{"message": {"content": "hi"}}], "usage": {"completion_tokens": NaN}}', "NaN"),
-    ({"choices": [{"message": {"content": "hi"}}], "usage": {"completion_tokens": "many"}},
-     "usage.completion_tokens is a string, not a count"),
-    ({"choices": [{"message": {"content": "hi"}}], "usage": {"completion_tokens": 10**400}},
-     "usage.completion_tokens is a number, not a count"),
+    (
+        {"choices": [{"message": {"content": "hi"}}], "usage": {"completion_tokens": "many"}},
+        "usage.completion_tokens is a string, not a count",
+    ),
+    (
+        {"choices": [{"message": {"content": "hi"}}], "usage": {"completion_tokens": 10**400}},
+        "usage.completion_tokens is a number, not a count",
+    ),
     ({"choices": [{"message": {"content": "hi"}}], "usage": "lots"}, "usage is a string, not an object"),
-    (b'{"choices": [{"message": {"content": "hi"}}], "usage": {"completion_tokens": 1' + b"0" * 5000 + b"}}",
-     "not readable JSON"),
+    (
+        b'{"choices": [{"message": {"content": "hi"}}], "usage": {"completion_tokens": 1' + b"0" * 5000 + b"}}",
+        "not readable JSON",
+    ),
     (b'{"choices": [{"message": {"content": "\\ud800 lone"}}]}', "lone surrogate"),
 ]
 
@@ -544,8 +594,11 @@ def test_a_server_that_only_answers_nonsense_stops_the_stage_with_the_reason(mak
     the first 20 conversations, saying what was wrong, instead of an exception out of the row."""
     with HostileServer(then=body({"choices": [{"message": "hi"}]})) as server:
         cfg = hostile_config(make_config, server, samples=40, max_failure_rate=0.5)
-        with pytest.raises(GenerateAborted, match=r"stopped early: 20 of the 20 conversations tried failed.*"
-                                                  r"last error: malformed answer: choices\[0\].message is a string"):
+        with pytest.raises(
+            GenerateAborted,
+            match=r"stopped early: 20 of the 20 conversations tried failed.*"
+            r"last error: malformed answer: choices\[0\].message is a string",
+        ):
             run_generate(cfg)
 
 
@@ -575,7 +628,8 @@ def test_the_api_key_is_sent_as_a_bearer_token_and_shown_nowhere(make_config, mo
         write_run_config(cfg)
         stats = run_generate(cfg)
     assert [headers.get("Authorization") for _, _, headers in server.requests] == [f"Bearer {API_KEY}"] * len(
-        server.requests)
+        server.requests
+    )
     assert "/v1/models" in server.paths() and stats["failure_reasons"] == {"http 400": 1}
     [row] = failed_rows(cfg)
     assert "HTTP 400" in row["error"] and "[key]" in row["error"]  # the echo came back, the key did not
@@ -591,8 +645,11 @@ def test_a_server_that_refuses_the_key_stops_the_stage_at_the_probe(make_config)
     before its first conversation, naming generate.api_key_env, instead of failing every row with 401."""
     with HostileServer(models=body({"error": "invalid api key"}, status=401)) as server:
         cfg = hostile_config(make_config, server)
-        with pytest.raises(GenerateAborted, match=r"/v1/models answered HTTP 401: the server wants an API key; "
-                                                  r"name the variable .* in generate.api_key_env"):
+        with pytest.raises(
+            GenerateAborted,
+            match=r"/v1/models answered HTTP 401: the server wants an API key; "
+            r"name the variable .* in generate.api_key_env",
+        ):
             run_generate(cfg)
     assert "/v1/chat/completions" not in server.paths()
 
@@ -607,8 +664,10 @@ def test_an_api_key_variable_that_is_not_set_is_a_config_error(make_config, monk
         monkeypatch.setenv("EAGLE3_TEST_API_KEY", value)
     with HostileServer() as server:
         cfg = hostile_config(make_config, server, api_key_env="EAGLE3_TEST_API_KEY")
-        with pytest.raises(ConfigError, match="generate.api_key_env: the variable EAGLE3_TEST_API_KEY is not set "
-                                              "in the box's environment"):
+        with pytest.raises(
+            ConfigError,
+            match="generate.api_key_env: the variable EAGLE3_TEST_API_KEY is not set in the box's environment",
+        ):
             run_generate(cfg)
     assert server.requests == []
 

@@ -52,7 +52,7 @@ def imported(tree: ast.AST, package: str, modules: set[str]):
         elif isinstance(node, ast.ImportFrom):
             if node.level > 1 or (node.level == 0 and (node.module or "").split(".")[0] != package):
                 continue  # another package
-            inside = [part for part in (node.module or "").split(".")[1 if node.level == 0 else 0:] if part]
+            inside = [part for part in (node.module or "").split(".")[1 if node.level == 0 else 0 :] if part]
             if inside:  # from package.module import ..., from .module import ...
                 if inside[0] in modules:
                     yield inside[0], node.lineno
@@ -83,10 +83,16 @@ def describe(graph: dict[str, dict[str, int]], component: list[str]) -> str:
     """A component: its shortest circle, spelled as the file:line imports a reader follows round, then every arrow
     inside it (the imports to move or cut)."""
     circle = min((shortest_circle(graph, module) for module in component), key=len)
-    steps = [f"{module}.py:{graph[module][target]} imports {target}"
-             for module, target in zip(circle, circle[1:] + circle[:1], strict=True)]
-    inside = [f"{module}.py:{line} -> {target}" for module in component
-              for target, line in sorted(graph[module].items(), key=lambda arrow: arrow[1]) if target in component]
+    steps = [
+        f"{module}.py:{graph[module][target]} imports {target}"
+        for module, target in zip(circle, circle[1:] + circle[:1], strict=True)
+    ]
+    inside = [
+        f"{module}.py:{line} -> {target}"
+        for module in component
+        for target, line in sorted(graph[module].items(), key=lambda arrow: arrow[1])
+        if target in component
+    ]
     return f"{', '.join(component)}\n    circle: " + " -> ".join(steps) + "\n    arrows inside: " + ", ".join(inside)
 
 
@@ -103,9 +109,12 @@ def reach(graph: dict[str, dict[str, int]], module: str) -> set[str]:
 def test_the_control_plane_has_no_import_circle():
     graph = import_graph(CONTROL_PLANE)
     found = cycles(graph)
-    assert not found, ("modules of plugins/eagle3_airflow that import each other in a circle (function-local and "
-                       "TYPE_CHECKING imports too):\n  " + "\n  ".join(describe(graph, c) for c in found)
-                       + "\nMove what they share into a module below all of them")
+    assert not found, (
+        "modules of plugins/eagle3_airflow that import each other in a circle (function-local and "
+        "TYPE_CHECKING imports too):\n  "
+        + "\n  ".join(describe(graph, c) for c in found)
+        + "\nMove what they share into a module below all of them"
+    )
 
 
 def test_the_settings_stand_below_what_uses_them():
@@ -121,8 +130,12 @@ def test_plugins_readme_lists_every_module_below_what_it_imports():
     listed = re.findall(r"^(\w+)\.py ", (REPO / "plugins" / "README.md").read_text(), re.MULTILINE)
     graph = import_graph(CONTROL_PLANE)
     assert sorted(listed) == sorted(set(graph) - {INIT}), "plugins/README.md does not list each module once"
-    early = [f"{module} before {target}" for position, module in enumerate(listed)
-             for target in graph[module] if target != INIT and target not in listed[:position]]
+    early = [
+        f"{module} before {target}"
+        for position, module in enumerate(listed)
+        for target in graph[module]
+        if target != INIT and target not in listed[:position]
+    ]
     assert not early, f"plugins/README.md lists a module before one it imports: {early}"
 
 
@@ -141,11 +154,19 @@ def test_the_graph_reader_sees_every_kind_of_import(tmp_path):
     for name, text in files.items():
         (package / name).write_text(text)
     graph = import_graph(package)
-    assert graph == {INIT: {}, "a": {"b": 1}, "b": {"a": 2}, "c": {"d": 3}, "d": {"e": 1, INIT: 2},
-                     "e": {INIT: 3}, "f": {}}
+    assert graph == {
+        INIT: {},
+        "a": {"b": 1},
+        "b": {"a": 2},
+        "c": {"d": 3},
+        "d": {"e": 1, INIT: 2},
+        "e": {INIT: 3},
+        "f": {},
+    }
     assert cycles(graph) == [["a", "b"]]
-    assert describe(graph, ["a", "b"]) == ("a, b\n    circle: a.py:1 imports b -> b.py:2 imports a"
-                                           "\n    arrows inside: a.py:1 -> b, b.py:2 -> a")
+    assert describe(graph, ["a", "b"]) == (
+        "a, b\n    circle: a.py:1 imports b -> b.py:2 imports a\n    arrows inside: a.py:1 -> b, b.py:2 -> a"
+    )
     assert layers({**graph, "b": {}}) == [[INIT, "b", "f"], ["a", "e"], ["d"], ["c"]]  # the circle cut
 
 

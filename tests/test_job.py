@@ -134,8 +134,21 @@ def test_start_twice_attaches_to_the_running_job(jobs):
 
 @pytest.mark.slow
 def test_concurrent_starts_launch_one_try(jobs):
-    argv = [PY, "-m", "eagle3", "job", "start", "--jobs-dir", str(jobs), "--key", "race", "--",
-            PY, "-c", "import time; time.sleep(30)"]
+    argv = [
+        PY,
+        "-m",
+        "eagle3",
+        "job",
+        "start",
+        "--jobs-dir",
+        str(jobs),
+        "--key",
+        "race",
+        "--",
+        PY,
+        "-c",
+        "import time; time.sleep(30)",
+    ]
     racers = [subprocess.Popen(argv, stdout=subprocess.PIPE, text=True) for _ in range(3)]
     results = [json.loads(racer.communicate(timeout=60)[0]) for racer in racers]
     assert len({result["pid"] for result in results}) == 1 and {result["try"] for result in results} == {1}
@@ -156,9 +169,11 @@ def test_kill_ends_the_whole_process_group(jobs, tmp_path):
     pid_file = tmp_path / "grandchild.pid"
     # The stage spawns a grandchild that even ignores SIGTERM: only the final SIGKILL of the group gets it.
     # (It writes its pid once its SIGTERM handler is in place: the pid file is the readiness check.)
-    ignoring = (f"import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-                f"open({str(pid_file)!r} + '.tmp', 'w').write(str(os.getpid())); "
-                f"os.rename({str(pid_file)!r} + '.tmp', {str(pid_file)!r}); time.sleep(60)")
+    ignoring = (
+        f"import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        f"open({str(pid_file)!r} + '.tmp', 'w').write(str(os.getpid())); "
+        f"os.rename({str(pid_file)!r} + '.tmp', {str(pid_file)!r}); time.sleep(60)"
+    )
     code = f"import subprocess, sys, time\nsubprocess.Popen([sys.executable, '-c', {ignoring!r}])\ntime.sleep(60)\n"
     started = start(jobs, "victim", code)
     grandchild = int(wait_until(lambda: pid_file.exists() and pid_file.read_text(), "the grandchild's pid"))
@@ -178,8 +193,10 @@ def test_kill_ends_the_whole_process_group(jobs, tmp_path):
 
 
 # A stage that ignores SIGTERM: only SIGKILL ends it.
-STUBBORN = ("import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-            "print('ignoring SIGTERM', flush=True)\ntime.sleep(60)\n")
+STUBBORN = (
+    "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+    "print('ignoring SIGTERM', flush=True)\ntime.sleep(60)\n"
+)
 
 
 @pytest.mark.slow
@@ -257,10 +274,23 @@ def hand_written_state(jobs_dir: Path, key: str, pid: int, **fields) -> dict:
     directory = jobs_dir / key
     directory.mkdir(parents=True, exist_ok=True)
     state = {
-        "key": key, "try": 1, "status": "running", "pid": pid, "pgid": pid,
-        "pid_start_ticks": processes.pid_start_ticks(pid), "boot_id": processes.read_boot_id(), "host": "box",
-        "host_id": read_host_id(), "argv": ["x"], "started_at": "2026-01-01T00:00:00Z", "heartbeat_at": time.time(),
-        "exit_code": None, "ended_at": None, "log": str(directory / "log"), "log_start": 0, **fields,
+        "key": key,
+        "try": 1,
+        "status": "running",
+        "pid": pid,
+        "pgid": pid,
+        "pid_start_ticks": processes.pid_start_ticks(pid),
+        "boot_id": processes.read_boot_id(),
+        "host": "box",
+        "host_id": read_host_id(),
+        "argv": ["x"],
+        "started_at": "2026-01-01T00:00:00Z",
+        "heartbeat_at": time.time(),
+        "exit_code": None,
+        "ended_at": None,
+        "log": str(directory / "log"),
+        "log_start": 0,
+        **fields,
     }
     (directory / "state.json").write_text(json.dumps(state))
     return state
@@ -297,8 +327,10 @@ def test_a_hung_supervisor_is_dead_and_replaced_without_a_second_copy(jobs, tmp_
     wait_until(lambda: jobdir.read_state(jobs / "hung")["heartbeat_at"] > beat, "a heartbeat")
 
     os.kill(first["pid"], signal.SIGSTOP)  # the supervisor hangs; its stage works on
-    dead = wait_until(lambda: (answer := poll(jobs, "hung", "--stale-after-s", "1"))["effective"] == "dead" and answer,
-                      "the silent supervisor's heartbeat to go stale")
+    dead = wait_until(
+        lambda: (answer := poll(jobs, "hung", "--stale-after-s", "1"))["effective"] == "dead" and answer,
+        "the silent supervisor's heartbeat to go stale",
+    )
     assert "heartbeat" in dead["reason"] and "limit 1 s" in dead["reason"]
 
     second = start(jobs, "hung", code, *timing)
@@ -324,9 +356,7 @@ def test_the_log_streams_by_offset_without_overlap_or_half_lines(jobs, tmp_path)
         "import sys\n"
         "for i in range(5):\n"
         "    print(f'line {i}')\n"
-        "sys.stdout.write('half a'); sys.stdout.flush()\n"
-        + wait_for_file(go_on) +
-        "print(' line')\n"
+        "sys.stdout.write('half a'); sys.stdout.flush()\n" + wait_for_file(go_on) + "print(' line')\n"
         "for i in range(5, 10):\n"
         "    print(f'line {i}')\n"
     )
@@ -388,12 +418,27 @@ def test_a_redo_runs_a_finished_job_again_from_scratch_once_with_its_outputs_set
     redo beside a live try."""
     run_dir = tmp_path / "run"
     jobs, out = run_dir / "jobs", run_dir / "train"
-    write = f"import os, sys\nos.makedirs({str(out)!r}, exist_ok=True)\n" \
-            f"open(os.path.join({str(out)!r}, 'step'), 'a').write(sys.argv[1])\nprint('wrote', sys.argv[1])\n"
+    write = (
+        f"import os, sys\nos.makedirs({str(out)!r}, exist_ok=True)\n"
+        f"open(os.path.join({str(out)!r}, 'step'), 'a').write(sys.argv[1])\nprint('wrote', sys.argv[1])\n"
+    )
 
     def start_redo(marker: str, *redo: str) -> dict:
-        return eagle3_job("start", "--jobs-dir", str(jobs), "--key", "train", "--heartbeat-s", "0.5", *redo, "--",
-                          PY, "-c", write, marker)
+        return eagle3_job(
+            "start",
+            "--jobs-dir",
+            str(jobs),
+            "--key",
+            "train",
+            "--heartbeat-s",
+            "0.5",
+            *redo,
+            "--",
+            PY,
+            "-c",
+            write,
+            marker,
+        )
 
     start_redo("old")
     wait_for_effective(jobs, "train", "succeeded")
@@ -409,19 +454,43 @@ def test_a_redo_runs_a_finished_job_again_from_scratch_once_with_its_outputs_set
     assert start_redo("retry", "--redo", "run-abc", "--set-aside", str(out))["attached"] is True  # once per NAME
     assert (out / "step").read_text() == "new"
 
-    for hostile in (str(tmp_path / "elsewhere"), str(run_dir / "jobs"), str(run_dir / "config.json"),
-                    str(run_dir / "train" / ".." / ".." / "x"), str(run_dir / "hidden_states")):  # (the shared store)
-        refused = run_eagle3("job", "start", "--jobs-dir", str(jobs), "--key", "train", "--redo", "run-b",
-                             "--set-aside", hostile, "--", PY, "-c", "pass", check=False)
-        assert refused.returncode == 2 and f"--set-aside {hostile!r} is not an output this job may move" in \
-            refused.stderr
+    for hostile in (
+        str(tmp_path / "elsewhere"),
+        str(run_dir / "jobs"),
+        str(run_dir / "config.json"),
+        str(run_dir / "train" / ".." / ".." / "x"),
+        str(run_dir / "hidden_states"),
+    ):  # (the shared store)
+        refused = run_eagle3(
+            "job",
+            "start",
+            "--jobs-dir",
+            str(jobs),
+            "--key",
+            "train",
+            "--redo",
+            "run-b",
+            "--set-aside",
+            hostile,
+            "--",
+            PY,
+            "-c",
+            "pass",
+            check=False,
+        )
+        assert (
+            refused.returncode == 2 and f"--set-aside {hostile!r} is not an output this job may move" in refused.stderr
+        )
     assert (run_dir / "jobs").is_dir() and len(list(run_dir.glob("train.before-redo-*"))) == 1
 
     live = start(jobs, "live", "import time; time.sleep(30)")
-    refused = run_eagle3("job", "start", "--jobs-dir", str(jobs), "--key", "live", "--redo", "run-c", "--", PY,
-                         "-c", "pass", check=False)
-    assert refused.returncode == 1 and f"job live is running (try 1, pid {live['pid']}): a redo does not start " \
-        "beside a live try" in refused.stderr
+    refused = run_eagle3(
+        "job", "start", "--jobs-dir", str(jobs), "--key", "live", "--redo", "run-c", "--", PY, "-c", "pass", check=False
+    )
+    assert (
+        refused.returncode == 1
+        and f"job live is running (try 1, pid {live['pid']}): a redo does not start beside a live try" in refused.stderr
+    )
     job.kill_job(jobs, "live", grace_s=1)
 
 
@@ -438,8 +507,9 @@ def test_job_help_hides_supervise_and_the_module_stays_light():
 
 
 def kill_cli(jobs_dir: Path, key: str) -> tuple[subprocess.CompletedProcess, dict]:
-    proc = run_eagle3("job", "kill", "--jobs-dir", str(jobs_dir), "--key", key, "--grace-s", "2", check=False,
-                      timeout=60)
+    proc = run_eagle3(
+        "job", "kill", "--jobs-dir", str(jobs_dir), "--key", key, "--grace-s", "2", check=False, timeout=60
+    )
     assert "Traceback" not in proc.stderr, proc.stderr
     return proc, json.loads(proc.stdout)
 
@@ -534,9 +604,12 @@ def test_a_live_stranger_leading_its_own_group_is_not_signalled(jobs, stranger):
     hand_written_state(jobs, "foreign", stranger.pid)
     proc, killed = kill_cli(jobs, "foreign")
     assert killed["signalled"] is False and is_running(stranger.pid)
-    assert f"pid {stranger.pid} leads a live process group, but neither it nor any process of its group carries " \
-        f"this job's marks ({processes.JOB_DIR_VAR}={os.path.realpath(jobs / 'foreign')}, {processes.GROUP_MARK_VAR}=" \
-        in killed["refused"] and killed["refused"].endswith("it is not the job's supervisor")
+    assert (
+        f"pid {stranger.pid} leads a live process group, but neither it nor any process of its group carries "
+        f"this job's marks ({processes.JOB_DIR_VAR}={os.path.realpath(jobs / 'foreign')}, {processes.GROUP_MARK_VAR}="
+        in killed["refused"]
+        and killed["refused"].endswith("it is not the job's supervisor")
+    )
 
     hand_written_state(jobs, "foreign", stranger.pid, heartbeat_at=time.time() - 300)  # dead: start relaunches
     started = start(jobs, "foreign", "print('relaunched')")
@@ -563,9 +636,15 @@ def test_a_group_whose_leader_is_gone_is_signalled_only_if_it_carries_the_jobs_m
     """Attack: the recorded supervisor is gone and a stranger's group of that number lives on without its leader
     (the number was reused after the job had ended); its pid and start time match what state.json says."""
     leader = subprocess.Popen(
-        [PY, "-c", "import subprocess, sys; print(subprocess.Popen(['sleep', '60']).pid, flush=True); "
-         "sys.stdin.read()"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True,
+        [
+            PY,
+            "-c",
+            "import subprocess, sys; print(subprocess.Popen(['sleep', '60']).pid, flush=True); sys.stdin.read()",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
     orphan = int(leader.stdout.readline())
     try:
@@ -625,11 +704,14 @@ def test_a_permission_error_from_the_kernel_is_reported_not_raised(jobs, monkeyp
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("content, problem", [
-    ('{"key": "torn", "sta', "not valid JSON"),
-    ("{}", "no key, try, status, pid"),
-    ("[1, 2]", "JSON an array, not an object"),
-])
+@pytest.mark.parametrize(
+    "content, problem",
+    [
+        ('{"key": "torn", "sta', "not valid JSON"),
+        ("{}", "no key, try, status, pid"),
+        ("[1, 2]", "JSON an array, not an object"),
+    ],
+)
 def test_a_torn_or_keyless_state_json_is_reported_and_relaunched_over(jobs, content, problem):
     """Attack (or a broken disk): state.json is torn, empty of keys or not an object. Before, every start raised
     KeyError or JSONDecodeError on it, for ever."""
@@ -659,8 +741,7 @@ def test_a_corrupt_state_json_with_its_supervisor_alive_launches_no_second_copy(
     os.kill(started["pid"], signal.SIGSTOP)  # no heartbeat until the checks below are done
     try:
         (jobs / "live" / "state.json").write_text("{}")
-        proc = run_eagle3("job", "start", "--jobs-dir", str(jobs), "--key", "live", "--", PY, "-c", "pass",
-                          check=False)
+        proc = run_eagle3("job", "start", "--jobs-dir", str(jobs), "--key", "live", "--", PY, "-c", "pass", check=False)
         assert proc.returncode == 1 and "Traceback" not in proc.stderr
         assert f"supervisor (pid {started['pid']}) still runs: not launching a second copy" in proc.stderr
         proc, killed = kill_cli(jobs, "live")
@@ -701,16 +782,16 @@ def test_the_callers_secrets_reach_neither_the_stage_nor_spec_json(jobs, monkeyp
     spec = json.loads(spec_bytes)
     assert "MY_TOKEN" in spec["env_names"] and "env" not in spec and not set(SECRETS) & set(spec["env_names"])
 
-    assert {path.name: path.stat().st_mode & 0o777 for path in [jobs, *jobs.iterdir()]} == {"jobs": 0o700,
-                                                                                         "env": 0o700}
+    assert {path.name: path.stat().st_mode & 0o777 for path in [jobs, *jobs.iterdir()]} == {"jobs": 0o700, "env": 0o700}
     for name in ("spec.json", "state.json", "log", "lock"):
         assert (jobs / "env" / name).stat().st_mode & 0o777 == 0o600, name
 
 
 @pytest.mark.slow
 def test_pass_env_takes_names_only(jobs):
-    proc = run_eagle3("job", "start", "--jobs-dir", str(jobs), "--key", "bad", "--pass-env", "A=B", "--", "true",
-                      check=False)
+    proc = run_eagle3(
+        "job", "start", "--jobs-dir", str(jobs), "--key", "bad", "--pass-env", "A=B", "--", "true", check=False
+    )
     assert proc.returncode == 2 and "error: --pass-env 'A=B' is not an environment variable's name" in proc.stderr
     assert not jobs.exists()
 
@@ -766,8 +847,9 @@ def test_a_job_file_that_is_a_link_is_not_followed_by_poll_or_its_stream(jobs, t
     refusal = rf"^{re.escape(str(directory / name))}: a symbolic link, where the job keeps a regular file\. "
     with pytest.raises(jobdir.UnsafeJobFile, match=refusal):
         job.poll_job(jobs, "linked", None, stream="ti-a")
-    proc = run_eagle3("job", "poll", "--jobs-dir", str(jobs), "--key", "linked", "--stream", "ti-a", check=False,
-                      timeout=60)
+    proc = run_eagle3(
+        "job", "poll", "--jobs-dir", str(jobs), "--key", "linked", "--stream", "ti-a", check=False, timeout=60
+    )
     assert proc.returncode == 2 and proc.stderr.startswith(f"error: {directory / name}: a symbolic link")
     assert "remove it (as its owner or root)" in proc.stderr
     assert "hunter2" not in proc.stdout + proc.stderr and (directory / name).is_symlink()
@@ -783,8 +865,9 @@ def test_a_log_that_is_a_fifo_is_refused_without_waiting_for_a_writer(jobs, stra
 
 
 @pytest.mark.slow
-def test_kill_acts_on_no_state_json_that_is_a_link_and_makes_no_lock_through_one(jobs, tmp_path, stranger,
-                                                                                 signals_sent):
+def test_kill_acts_on_no_state_json_that_is_a_link_and_makes_no_lock_through_one(
+    jobs, tmp_path, stranger, signals_sent
+):
     """Attack: state.json a link (kill would act on what it points at, and record the kill over the link); the lock
     a link to another file (kill's 0600 would have been set on that file)."""
     directory = finished_job(jobs, "linked", stranger)
@@ -810,8 +893,10 @@ def test_kill_acts_on_no_state_json_that_is_a_link_and_makes_no_lock_through_one
     assert proc.returncode == 2 and f"error: {directory / 'lock'}: a symbolic link" in proc.stderr
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="making a file of another uid takes root (os.chown), and these tests "
-                                              "do not run as root here")
+@pytest.mark.skipif(
+    os.geteuid() != 0,
+    reason="making a file of another uid takes root (os.chown), and these tests do not run as root here",
+)
 @pytest.mark.parametrize("name", ["", "state.json", "log", job.CURSOR_FILE])
 def test_a_job_directory_or_file_of_another_user_is_not_read_by_poll_or_kill(jobs, stranger, signals_sent, name):
     """Attack: the job's directory, or a file in it, made by another user (in a shared jobs dir, say): its state
@@ -878,9 +963,11 @@ def test_a_stage_that_waited_before_loading_gets_the_first_progress_limit_again(
     while it waits, which leaves it the limit between beats for the load that follows. The supervisor hands it the
     first-progress limit (FIRST_PROGRESS_VAR), which it announces as its allowance once the wait is over: a load
     longer than the limit between beats, within the first one, is not killed."""
-    code = (f"import os, time\nfrom eagle3.jobs.progress import beat\nfor i in range(4):\n    beat(f'waiting {{i}}')\n"
-            f"    time.sleep(0.3)\nbeat('loading', allowance_s=float(os.environ[{supervisor.FIRST_PROGRESS_VAR!r}]))\n"
-            "time.sleep(3.5)\nbeat('step 0')\ntime.sleep(1)\n")
+    code = (
+        f"import os, time\nfrom eagle3.jobs.progress import beat\nfor i in range(4):\n    beat(f'waiting {{i}}')\n"
+        f"    time.sleep(0.3)\nbeat('loading', allowance_s=float(os.environ[{supervisor.FIRST_PROGRESS_VAR!r}]))\n"
+        "time.sleep(3.5)\nbeat('step 0')\ntime.sleep(1)\n"
+    )
     start(jobs, "waited", code, "--heartbeat-s", "0.5", "--stall-timeout-s", "1.5", "--first-progress-timeout-s", "6")
     result = wait_until(lambda: (r := job.poll_job(jobs, "waited"))["effective"] != "running" and r, "its end")
     assert result["effective"] == "succeeded", (result["reason"], result["log_tail"])
@@ -890,8 +977,17 @@ def test_a_stage_that_waited_before_loading_gets_the_first_progress_limit_again(
 @pytest.mark.slow
 def test_a_stage_that_never_reports_progress_is_killed_after_the_first_limit(jobs):
     """A stage that hangs while loading (before any progress) is caught by --first-progress-timeout-s."""
-    start(jobs, "loading", "import time; time.sleep(600)", "--heartbeat-s", "0.5", "--stall-timeout-s", "60",
-          "--first-progress-timeout-s", "1.5")
+    start(
+        jobs,
+        "loading",
+        "import time; time.sleep(600)",
+        "--heartbeat-s",
+        "0.5",
+        "--stall-timeout-s",
+        "60",
+        "--first-progress-timeout-s",
+        "1.5",
+    )
     result = wait_for_effective(jobs, "loading", "failed")
     assert "since the stage started (no progress yet)" in result["reason"] and "limit 1.5 s" in result["reason"]
 
@@ -922,8 +1018,21 @@ def test_a_job_running_on_another_host_is_foreign_never_started_again_killed_or_
     polled = poll(jobs, "train")
     assert polled["effective"] == "foreign" and "machine-id-of-gpu-box-1" in polled["reason"], polled
     for redo in ([], ["--redo", "run-0123"]):
-        again = run_eagle3("job", "start", "--jobs-dir", str(jobs), "--key", "train", *redo, "--", PY, "-c", "1",
-                           check=False, timeout=60)
+        again = run_eagle3(
+            "job",
+            "start",
+            "--jobs-dir",
+            str(jobs),
+            "--key",
+            "train",
+            *redo,
+            "--",
+            PY,
+            "-c",
+            "1",
+            check=False,
+            timeout=60,
+        )
         assert again.returncode == Exit.FOREIGN == 3 and "running on another host" in again.stderr, again.stderr
     proc, killed = kill_cli(jobs, "train")
     assert proc.returncode == 1 and "not killed from this host" in killed["refused"] and not killed["signalled"]
@@ -942,11 +1051,20 @@ def test_another_hosts_job_is_foreign_however_old_its_heartbeat(jobs, tmp_path, 
     The same record made on this host is a dead job, relaunched."""
     as_host(monkeypatch, tmp_path, "gpu-box-2")
     gone = 4_000_000  # no process here has this pid
-    hand_written_state(jobs, "train", gone, pid_start_ticks=1, boot_id="boot-of-box-1",
-                       host="gpu-box-1", host_id="machine-id-of-gpu-box-1", heartbeat_at=time.time() - 3600)
+    hand_written_state(
+        jobs,
+        "train",
+        gone,
+        pid_start_ticks=1,
+        boot_id="boot-of-box-1",
+        host="gpu-box-1",
+        host_id="machine-id-of-gpu-box-1",
+        heartbeat_at=time.time() - 3600,
+    )
     assert poll(jobs, "train")["effective"] == "foreign"
-    refused = run_eagle3("job", "start", "--jobs-dir", str(jobs), "--key", "train", "--", PY, "-c", "1",
-                         check=False, timeout=60)
+    refused = run_eagle3(
+        "job", "start", "--jobs-dir", str(jobs), "--key", "train", "--", PY, "-c", "1", check=False, timeout=60
+    )
     assert refused.returncode == Exit.FOREIGN and "gpu-box-1" in refused.stderr
     assert jobdir.read_state(jobs / "train")["pid"] == gone  # nothing launched over it
     state = json.loads((jobs / "train" / "state.json").read_text())

@@ -21,8 +21,10 @@ from eagle3.model.layer_ids import LayerIdError, engines_served, hf_layers_read,
 from eagle3.stages.export import drafter_config, engines_of, ids_read_by
 from tests.conftest import REPO
 
-ENVS = {"sglang": Path(os.environ.get("EAGLE3_SGLANG_ENV_PYTHON", REPO / ".cache" / "sglang-env" / "bin" / "python")),
-        "vllm": Path(os.environ.get("EAGLE3_VLLM_ENV_PYTHON", REPO / ".cache" / "vllm-env" / "bin" / "python"))}
+ENVS = {
+    "sglang": Path(os.environ.get("EAGLE3_SGLANG_ENV_PYTHON", REPO / ".cache" / "sglang-env" / "bin" / "python")),
+    "vllm": Path(os.environ.get("EAGLE3_VLLM_ENV_PYTHON", REPO / ".cache" / "vllm-env" / "bin" / "python")),
+}
 DEEPSEEK, KIMI, LLAMA = "DeepseekV3ForCausalLM", "KimiK25ForConditionalGeneration", "LlamaForCausalLM"
 
 
@@ -75,9 +77,19 @@ def test_round_trip(arch, engine, ids):
 
 
 def exported_config(tmp_path: Path, architecture: str, hf_ids: list[int]) -> tuple[Path, dict]:
-    draft = DraftConfig(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=4,
-                        head_dim=64, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=4096,
-                        target_vocab_size=849, draft_vocab_size=512, aux_layer_ids=tuple(hf_ids))
+    draft = DraftConfig(
+        hidden_size=256,
+        intermediate_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=64,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=4096,
+        target_vocab_size=849,
+        draft_vocab_size=512,
+        aux_layer_ids=tuple(hf_ids),
+    )
     config = drafter_config(draft, architecture, "bfloat16")
     directory = tmp_path / f"drafter-{architecture}"
     directory.mkdir()
@@ -102,9 +114,14 @@ def run_in(engine: str, script: str, *args: str) -> dict:
     python = ENVS[engine]
     if not python.exists():
         pytest.fail(f"{python} is missing: `make {engine}-env` builds the real-{engine} test environment")
-    proc = subprocess.run([str(python), str(REPO / "tests" / f"{engine}_real" / script), *args], capture_output=True,
-                          text=True, timeout=600, env={"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/"),
-                                                      "PYTHONSAFEPATH": "1"}, cwd=REPO / "tests")
+    proc = subprocess.run(
+        [str(python), str(REPO / "tests" / f"{engine}_real" / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/"), "PYTHONSAFEPATH": "1"},
+        cwd=REPO / "tests",
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

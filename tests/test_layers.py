@@ -50,19 +50,22 @@ def import_graph(root: Path) -> dict[str, set[str]]:
 def test_the_box_side_library_has_no_import_circle():
     graph = import_graph(BOX_PACKAGE)
     found = cycles(graph)
-    assert not found, "modules of include/eagle3 that import each other in a circle (function-local imports too): " + \
-        "; ".join(" <-> ".join(c) for c in found) + ". Move what they share into a module below both"
+    assert not found, (
+        "modules of include/eagle3 that import each other in a circle (function-local imports too): "
+        + "; ".join(" <-> ".join(c) for c in found)
+        + ". Move what they share into a module below both"
+    )
 
 
 # The folders (and top-level modules) of include/eagle3, the lowest first; a module imports only from its own rank or
 # those below. docs/architecture.md's layout section walks the same order.
 RANKS = [
     {"disk", "contracts", "engine_flags"},  # paths, atomic writes, the two sides' contracts: nothing of eagle3 below
-    {"config", "jobs"},                      # the run's schema; detached jobs and their progress beats
-    {"data"},                                # conversations -> samples -> the hidden-state store, and the split
-    {"model", "target", "records"},          # the drafter and the target's facts; checkpoints and lineages
-    {"engines", "capture"},                  # serving the target; capturing its hidden states
-    {"stages", "box", "demo"},               # `python -m eagle3 <stage>`; what else the control plane asks the box
+    {"config", "jobs"},  # the run's schema; detached jobs and their progress beats
+    {"data"},  # conversations -> samples -> the hidden-state store, and the split
+    {"model", "target", "records"},  # the drafter and the target's facts; checkpoints and lineages
+    {"engines", "capture"},  # serving the target; capturing its hidden states
+    {"stages", "box", "demo"},  # `python -m eagle3 <stage>`; what else the control plane asks the box
     {"__main__"},
 ]
 
@@ -77,8 +80,9 @@ def test_every_module_imports_only_from_its_folders_rank_or_below():
     or top-level module is placed in RANKS first."""
     graph = import_graph(BOX_PACKAGE)
     placed = {name for name in graph if name != "eagle3"}
-    assert all(any((n.split(".")[1] if "." in n else n) in names for names in RANKS) for n in placed), \
-        sorted(n for n in placed if not any((n.split(".")[1]) in names for names in RANKS))
+    assert all(any((n.split(".")[1] if "." in n else n) in names for names in RANKS) for n in placed), sorted(
+        n for n in placed if not any((n.split(".")[1]) in names for names in RANKS)
+    )
     upward = sorted(f"{a} -> {b}" for a in placed for b in graph[a] if b != "eagle3" and rank_of(b) > rank_of(a))
     assert not upward, "imports that point up the layers: " + "; ".join(upward)
 
@@ -89,8 +93,9 @@ def test_paths_inside_a_run_directory_are_spelled_only_in_the_layout():
     again elsewhere, box side or control plane, would keep the old name when the layout changes."""
     from eagle3.disk import layout
 
-    paths = {value for name, value in vars(layout).items() if name.isupper() and isinstance(value, str)
-             and "/" in value}
+    paths = {
+        value for name, value in vars(layout).items() if name.isupper() and isinstance(value, str) and "/" in value
+    }
     spelled = []
     for root in (BOX_PACKAGE, REPO / "plugins" / "eagle3_airflow", REPO / "dags"):
         for path in sorted(root.rglob("*.py")):

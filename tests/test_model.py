@@ -16,14 +16,33 @@ import eagle3.model.ttt_attention as ttt_attention_mod
 from eagle3.model.drafter import EMBED_KEYS, DraftConfig, Eagle3Draft, Rows, build_draft_model, load_target_tensor
 
 SGLANG_KEYS = {
-    "fc.weight", "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight",
-    "midlayer.self_attn.v_proj.weight", "midlayer.self_attn.o_proj.weight", "midlayer.mlp.gate_proj.weight",
-    "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight", "midlayer.hidden_norm.weight",
-    "midlayer.input_layernorm.weight", "midlayer.post_attention_layernorm.weight", "norm.weight", "lm_head.weight",
+    "fc.weight",
+    "midlayer.self_attn.q_proj.weight",
+    "midlayer.self_attn.k_proj.weight",
+    "midlayer.self_attn.v_proj.weight",
+    "midlayer.self_attn.o_proj.weight",
+    "midlayer.mlp.gate_proj.weight",
+    "midlayer.mlp.up_proj.weight",
+    "midlayer.mlp.down_proj.weight",
+    "midlayer.hidden_norm.weight",
+    "midlayer.input_layernorm.weight",
+    "midlayer.post_attention_layernorm.weight",
+    "norm.weight",
+    "lm_head.weight",
 }
-SMALL = DraftConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                    rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=128, target_vocab_size=100,
-                    draft_vocab_size=40, aux_layer_ids=(1, 3, 4))
+SMALL = DraftConfig(
+    hidden_size=32,
+    intermediate_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    max_position_embeddings=128,
+    target_vocab_size=100,
+    draft_vocab_size=40,
+    aux_layer_ids=(1, 3, 4),
+)
 
 
 def test_config_is_derived_from_the_target(tiny_target):
@@ -47,14 +66,23 @@ def test_weights_carry_sglangs_names_and_shapes_and_only_the_embedding_is_frozen
 def test_embedding_is_found_in_sharded_and_prefixed_checkpoints(tmp_path):
     """Kimi-K2.5 layout: sharded files with an index, language model weights under `language_model.`."""
     embedding = torch.randn(100, 32)
-    save_file({"language_model.model.layers.0.mlp.up_proj.weight": torch.zeros(2, 2)},
-              str(tmp_path / "model-00001-of-00002.safetensors"))
-    save_file({"language_model.model.embed_tokens.weight": embedding},
-              str(tmp_path / "model-00002-of-00002.safetensors"))
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
-        "language_model.model.layers.0.mlp.up_proj.weight": "model-00001-of-00002.safetensors",
-        "language_model.model.embed_tokens.weight": "model-00002-of-00002.safetensors",
-    }}))
+    save_file(
+        {"language_model.model.layers.0.mlp.up_proj.weight": torch.zeros(2, 2)},
+        str(tmp_path / "model-00001-of-00002.safetensors"),
+    )
+    save_file(
+        {"language_model.model.embed_tokens.weight": embedding}, str(tmp_path / "model-00002-of-00002.safetensors")
+    )
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps(
+            {
+                "weight_map": {
+                    "language_model.model.layers.0.mlp.up_proj.weight": "model-00001-of-00002.safetensors",
+                    "language_model.model.embed_tokens.weight": "model-00002-of-00002.safetensors",
+                }
+            }
+        )
+    )
     assert torch.equal(load_target_tensor(tmp_path, EMBED_KEYS), embedding)
     with pytest.raises(KeyError, match="lm_head.weight"):
         load_target_tensor(tmp_path, ("lm_head.weight",))
@@ -139,8 +167,9 @@ def test_ttt_attention_equals_the_dense_reference_in_output_and_gradients(core, 
     got.backward(grad_out)
     want.backward(grad_out)
     flat = lambda inputs: [inputs[0], *inputs[1], *inputs[2]]  # noqa: E731
-    for name, a, b in zip(["q"] + [f"k{j}" for j in range(steps)] + [f"v{j}" for j in range(steps)],
-                          flat(got_inputs), flat(want_inputs)):
+    for name, a, b in zip(
+        ["q"] + [f"k{j}" for j in range(steps)] + [f"v{j}" for j in range(steps)], flat(got_inputs), flat(want_inputs)
+    ):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=5e-5, msg=lambda m, name=name: f"{name}: {m}")
 
 
@@ -297,5 +326,6 @@ def test_steps_at_some_positions_equal_the_whole_batchs_there(norm_output):
     for step, (a, b_) in enumerate(zip(got, want)):
         torch.testing.assert_close(a, b_, rtol=1e-5, atol=1e-5, msg=lambda m, step=step: f"step {step}: {m}")
     for name, grad in grads.items():
-        torch.testing.assert_close(grad, want_grads[name], rtol=0, atol=1e-5 * want_grads[name].abs().max(),
-                                   msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(
+            grad, want_grads[name], rtol=0, atol=1e-5 * want_grads[name].abs().max(), msg=lambda m, n=name: f"{n}: {m}"
+        )

@@ -36,8 +36,12 @@ class Inbox:
 
     def bodies(self) -> list[str]:
         """Each message's text, as a reader sees it (the mail is HTML: <pre> and escaped characters)."""
-        return [html.unescape(part.get_payload(decode=True).decode()) for message in self.messages
-                for part in message.walk() if part.get_content_type() == "text/html"]
+        return [
+            html.unescape(part.get_payload(decode=True).decode())
+            for message in self.messages
+            for part in message.walk()
+            if part.get_content_type() == "text/html"
+        ]
 
 
 @pytest.fixture
@@ -51,9 +55,20 @@ def smtp_server(monkeypatch):
     inbox = Inbox()
     controller = Controller(inbox, hostname="127.0.0.1", port=port)
     controller.start()
-    connection = json.dumps({"conn_type": "smtp", "host": "127.0.0.1", "port": port,
-                             "extra": {"disable_tls": True, "disable_ssl": True, "from_email": "airflow@example.com",
-                                       "timeout": 10, "retry_limit": 1}})
+    connection = json.dumps(
+        {
+            "conn_type": "smtp",
+            "host": "127.0.0.1",
+            "port": port,
+            "extra": {
+                "disable_tls": True,
+                "disable_ssl": True,
+                "from_email": "airflow@example.com",
+                "timeout": 10,
+                "retry_limit": 1,
+            },
+        }
+    )
     monkeypatch.setenv("AIRFLOW_CONN_SMTP_TEST", connection)
     yield inbox, connection
     controller.stop()
@@ -73,26 +88,38 @@ def test_a_stage_that_failed_for_good_mails_its_run_task_box_log_path_and_last_l
 
     inbox, _ = smtp_server
     operator = RemoteJobOperator(task_id="train", stage="train", plan=plan)
-    failed = {"status": "failed", "key": "train", "reason": "exited 1",
-              "state": {"exit_code": 1, "try": 3, "log": "/data/eagle3/runs/r/jobs/train/log"},
-              "log_tail": ["step 812/4000 loss 2.31", "RuntimeError: NCCL timeout {{ 7 * 7 }}"]}
+    failed = {
+        "status": "failed",
+        "key": "train",
+        "reason": "exited 1",
+        "state": {"exit_code": 1, "try": 3, "log": "/data/eagle3/runs/r/jobs/train/log"},
+        "log_tail": ["step 812/4000 loss 2.31", "RuntimeError: NCCL timeout {{ 7 * 7 }}"],
+    }
     with pytest.raises(Exception) as error:
         operator.execute_complete(CONTEXT, failed)
     # The context Airflow hands an on_failure_callback, with what this message reads of it.
     log_url = "https://airflow.example.com/dags/eagle3_drafter/runs/scheduled__2026-12-01/tasks/train?try_number=3"
-    context = {"ti": SimpleNamespace(dag_id="eagle3_drafter", task_id="train", map_index=-1, try_number=3,
-                                     log_url=log_url),
-               "task": operator, "dag_run": SimpleNamespace(run_id="scheduled__2026-12-01"),
-               "exception": error.value}
+    context = {
+        "ti": SimpleNamespace(dag_id="eagle3_drafter", task_id="train", map_index=-1, try_number=3, log_url=log_url),
+        "task": operator,
+        "dag_run": SimpleNamespace(run_id="scheduled__2026-12-01"),
+        "exception": error.value,
+    }
     FailureNotifier(scope="task", **NOTIFY, from_email=None, notifiers=[]).notify(context)
 
     (message,) = inbox.messages
     assert message["Subject"] == "[eagle3] eagle3_drafter: train failed in run scheduled__2026-12-01"
     assert message["To"] == "oncall@example.com"
     (body,) = inbox.bodies()
-    for expected in ("Run:   eagle3_drafter / scheduled__2026-12-01", "Task:  train, try 3 (no retries left)",
-                     "Box:   local", f"Log:   {log_url}", "job log on the box: /data/eagle3/runs/r/jobs/train/log",
-                     "step 812/4000 loss 2.31", "NCCL timeout {{ 7 * 7 }}"):
+    for expected in (
+        "Run:   eagle3_drafter / scheduled__2026-12-01",
+        "Task:  train, try 3 (no retries left)",
+        "Box:   local",
+        f"Log:   {log_url}",
+        "job log on the box: /data/eagle3/runs/r/jobs/train/log",
+        "step 812/4000 loss 2.31",
+        "NCCL timeout {{ 7 * 7 }}",
+    ):
         assert expected in body, expected
 
 
@@ -107,11 +134,21 @@ def test_a_failed_run_mails_once_for_the_failed_task_and_no_secret(smtp_server, 
     _, connection = smtp_server
     inbox = smtp_server[0]
     conf, layers = tiny_layers(tiny_target, tmp_path / "work", run_name="doomed")
-    env = {**airflow_env(airflow_home), **settings_env(tmp_path, notify=NOTIFY, **layers), **WORKER_SECRETS,
-           "AIRFLOW_CONN_SMTP_TEST": connection, "AIRFLOW__API__BASE_URL": "https://airflow.example.com/"}
+    env = {
+        **airflow_env(airflow_home),
+        **settings_env(tmp_path, notify=NOTIFY, **layers),
+        **WORKER_SECRETS,
+        "AIRFLOW_CONN_SMTP_TEST": connection,
+        "AIRFLOW__API__BASE_URL": "https://airflow.example.com/",
+    }
     conf["train.epoch"] = 2  # a typo
-    proc = subprocess.run([AIRFLOW, "dags", "test", "eagle3_drafter", "--conf", json.dumps(conf)], env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [AIRFLOW, "dags", "test", "eagle3_drafter", "--conf", json.dumps(conf)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode != 0
     subjects = sorted(message["Subject"] for message in inbox.messages)
     assert len(subjects) == 1, (subjects, proc.stdout[-3000:])
@@ -157,10 +194,18 @@ def test_a_deadline_warns_of_a_late_run_naming_it_only_while_it_runs(smtp_server
     assert alert.interval == timedelta(hours=30) and alert.callback.path == "eagle3_airflow.notify.late_run"
     assert isinstance(alert.reference, RunFirstQueuedAt)
     callback = json.dumps({"path": alert.callback.path, "kwargs": alert.callback.kwargs})
-    env = airflow_env(migrated_airflow_home(tmp_path / "home"), AIRFLOW_CONN_SMTP_TEST=connection,
-                      PYTHONPATH=f"{REPO / 'include'}:{REPO / 'plugins'}:{REPO}")
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "deadline_miss.py"), callback, state], env=env,
-                          capture_output=True, text=True, timeout=120)
+    env = airflow_env(
+        migrated_airflow_home(tmp_path / "home"),
+        AIRFLOW_CONN_SMTP_TEST=connection,
+        PYTHONPATH=f"{REPO / 'include'}:{REPO / 'plugins'}:{REPO}",
+    )
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "deadline_miss.py"), callback, state],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.splitlines()[-1])[-1] == {"state": "success", "body": None}, proc.stdout
     if state in ("failed", "success"):
@@ -172,6 +217,7 @@ def test_a_deadline_warns_of_a_late_run_naming_it_only_while_it_runs(smtp_server
 
 
 # -- notify.notifiers: any provider's notifier class ---------------------------------------------------------------
+
 
 class Recorder(BaseNotifier):
     """A notifier as a provider writes one (its fields templates, for __call__ to render): records what it was made
@@ -200,9 +246,14 @@ class Down(BaseNotifier):
 
 
 RECORDER, DOWN = f"{Recorder.__module__}.Recorder", f"{Down.__module__}.Down"
-RECORDED = {"class": RECORDER, "kwargs": {
-    "title": "{subject}", "text": "{body}",
-    "blocks": [{"type": "section", "html": "{body_html}"}, "{subject}! {run} {{x}}", 7]}}
+RECORDED = {
+    "class": RECORDER,
+    "kwargs": {
+        "title": "{subject}",
+        "text": "{body}",
+        "blocks": [{"type": "section", "html": "{body_html}"}, "{subject}! {run} {{x}}", 7],
+    },
+}
 
 
 @pytest.fixture
@@ -213,12 +264,17 @@ def heard():
 
 
 def failed_task_context(message: str) -> dict:
-    return {"ti": SimpleNamespace(dag_id="eagle3_drafter", task_id="train", map_index=-1, try_number=2),
-            "task": None, "dag_run": SimpleNamespace(run_id="manual__r1"), "exception": RuntimeError(message)}
+    return {
+        "ti": SimpleNamespace(dag_id="eagle3_drafter", task_id="train", map_index=-1, try_number=2),
+        "task": None,
+        "dag_run": SimpleNamespace(run_id="manual__r1"),
+        "exception": RuntimeError(message),
+    }
 
 
 def test_each_notifier_gets_the_message_through_its_markers_as_written_and_one_down_stops_no_other(
-        smtp_server, heard, caplog):
+    smtp_server, heard, caplog
+):
     """The settings' notifiers are made anew with {subject}, {body} and {body_html} replaced by the message, in one
     plain pass: a Jinja template, a str.format field and a marker inside a log line arrive as written. A notifier
     that fails is logged without its kwargs, and neither the next one nor the mail is stopped."""
@@ -226,8 +282,9 @@ def test_each_notifier_gets_the_message_through_its_markers_as_written_and_one_d
     from eagle3_airflow.notify import FailureNotifier
 
     inbox, _ = smtp_server
-    settings = Deployment(notify={**NOTIFY, "notifiers": [{"class": DOWN, "kwargs": {"token": "xoxb-s3cret"}},
-                                                          RECORDED]})
+    settings = Deployment(
+        notify={**NOTIFY, "notifiers": [{"class": DOWN, "kwargs": {"token": "xoxb-s3cret"}}, RECORDED]}
+    )
     line = "NCCL timeout {{ 7*7 }} {0} {subject} <rank 3>"
     with caplog.at_level(logging.INFO, logger="eagle3_airflow.notify"):
         FailureNotifier(scope="task", **settings.notify.kwargs()).notify(failed_task_context(line))
@@ -255,9 +312,17 @@ def test_the_notifiers_still_hear_when_the_mail_cannot_go(monkeypatch, heard, ca
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]  # closed again: connecting is refused
-    monkeypatch.setenv("AIRFLOW_CONN_SMTP_DOWN", json.dumps({
-        "conn_type": "smtp", "host": "127.0.0.1", "port": port,
-        "extra": {"disable_tls": True, "disable_ssl": True, "timeout": 5, "retry_limit": 0}}))
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_SMTP_DOWN",
+        json.dumps(
+            {
+                "conn_type": "smtp",
+                "host": "127.0.0.1",
+                "port": port,
+                "extra": {"disable_tls": True, "disable_ssl": True, "timeout": 5, "retry_limit": 0},
+            }
+        ),
+    )
     send("the subject", "the body", {}, "smtp_down", ["oncall@example.com"], "airflow@example.com", [RECORDED])
     assert "could not send 'the subject' by SMTP (connection smtp_down)" in caplog.text
     assert [(got["title"], got["text"]) for got in heard] == [("the subject", "the body")]
@@ -276,32 +341,61 @@ def test_a_late_run_reaches_the_notifiers_through_the_deadline_kwargs(heard):
     ((got,),) = [heard]
     assert got["title"] == "[eagle3] eagle3_drafter: run manual__r2 is late"
     assert "still running 2:00:00 after it was first queued" in got["text"]
-    asyncio.run(late_run(smtp_conn_id="smtp_default", to=[], from_email=None, callables=["old:channel"],
-                         late_after_h=2, context=run))
+    asyncio.run(
+        late_run(
+            smtp_conn_id="smtp_default", to=[], from_email=None, callables=["old:channel"], late_after_h=2, context=run
+        )
+    )
     assert len(heard) == 1
 
 
-@pytest.mark.parametrize(("notify", "expected"), [
-    ({"notifiers": [RECORDED, {"class": "json.JSONDecoder"}]},
-     "notify.notifiers.1.class: 'json.JSONDecoder' is not an Airflow notifier (a subclass of "
-     "airflow.sdk.BaseNotifier)"),
-    ({"notifiers": [{"class": "eagle3_no_such_provider.notifications.Pager"}]},
-     "notify.notifiers.0.class: cannot import 'eagle3_no_such_provider.notifications.Pager' (ModuleNotFoundError: "
-     "No module named 'eagle3_no_such_provider'); install the provider"),
-    ({"notifiers": [{"class": "eagle3_airflow.notify:late_run"}]}, "notify.notifiers.0.class: 'eagle3_airflow.notify:"),
-    ({"notifiers": [{"class": RECORDER, "kwargs": {"txt": "{body}"}}]},
-     f"notify.notifiers.0.kwargs: {RECORDER} cannot be made with these arguments (missing a required argument: "
-     "'text'); it takes ['text', 'title', 'blocks']"),
-    ({"notifiers": [{"class": RECORDER, "kwargs": ["{body}"]}]}, "notify.notifiers.0.kwargs: Input should be a valid"),
-    ({"notifiers": [{"class": RECORDER, "text": "{body}"}]}, "notify.notifiers.0.text: unknown key"),
-    ({"to": ["oncall@example.com"], "callables": ["mymodule:page"]},
-     "notify: `callables` (module:function channels) is no longer read: each channel is now an Airflow notifier "
-     "class in `notifiers`, e.g. \"notifiers\": [{\"class\": "
-     "\"airflow.providers.slack.notifications.slack.SlackNotifier\""),
-], ids=["not-a-notifier", "unimportable", "a-function", "wrong-kwargs", "kwargs-not-an-object", "unknown-key",
-        "old-callables"])
-def test_the_settings_file_refuses_a_notifier_it_could_not_make_naming_the_field(tmp_path, monkeypatch, notify,
-                                                                                 expected):
+@pytest.mark.parametrize(
+    ("notify", "expected"),
+    [
+        (
+            {"notifiers": [RECORDED, {"class": "json.JSONDecoder"}]},
+            "notify.notifiers.1.class: 'json.JSONDecoder' is not an Airflow notifier (a subclass of "
+            "airflow.sdk.BaseNotifier)",
+        ),
+        (
+            {"notifiers": [{"class": "eagle3_no_such_provider.notifications.Pager"}]},
+            "notify.notifiers.0.class: cannot import 'eagle3_no_such_provider.notifications.Pager' "
+            "(ModuleNotFoundError: No module named 'eagle3_no_such_provider'); install the provider",
+        ),
+        (
+            {"notifiers": [{"class": "eagle3_airflow.notify:late_run"}]},
+            "notify.notifiers.0.class: 'eagle3_airflow.notify:",
+        ),
+        (
+            {"notifiers": [{"class": RECORDER, "kwargs": {"txt": "{body}"}}]},
+            f"notify.notifiers.0.kwargs: {RECORDER} cannot be made with these arguments (missing a required argument: "
+            "'text'); it takes ['text', 'title', 'blocks']",
+        ),
+        (
+            {"notifiers": [{"class": RECORDER, "kwargs": ["{body}"]}]},
+            "notify.notifiers.0.kwargs: Input should be a valid",
+        ),
+        ({"notifiers": [{"class": RECORDER, "text": "{body}"}]}, "notify.notifiers.0.text: unknown key"),
+        (
+            {"to": ["oncall@example.com"], "callables": ["mymodule:page"]},
+            "notify: `callables` (module:function channels) is no longer read: each channel is now an Airflow notifier "
+            'class in `notifiers`, e.g. "notifiers": [{"class": '
+            '"airflow.providers.slack.notifications.slack.SlackNotifier"',
+        ),
+    ],
+    ids=[
+        "not-a-notifier",
+        "unimportable",
+        "a-function",
+        "wrong-kwargs",
+        "kwargs-not-an-object",
+        "unknown-key",
+        "old-callables",
+    ],
+)
+def test_the_settings_file_refuses_a_notifier_it_could_not_make_naming_the_field(
+    tmp_path, monkeypatch, notify, expected
+):
     """Checked when the settings file is read (the DAG file's parse: an import error), not at the first failure."""
     from eagle3_airflow.deployment import SETTINGS_ENV, Deployment
     from eagle3_airflow.params import ParamsError

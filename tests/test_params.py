@@ -88,8 +88,9 @@ def test_settings_file_defaults_override_model_defaults():
     with pytest.raises(ValidationError, match=r"params: \['box.python', 'workdir'\] are not form fields"):
         Deployment(params={"workdir": "/nfs/eagle3", "box.python": "/opt/eagle3/bin/python"}, run=WORKDIR)
     # The settings' run and box override the models' defaults in every run.
-    deployment = Deployment(run={**WORKDIR, "train.batch_tokens": 1234, "target.dtype": "float32"},
-                            box={"poll_interval_s": 2.5})
+    deployment = Deployment(
+        run={**WORKDIR, "train.batch_tokens": 1234, "target.dtype": "float32"}, box={"poll_interval_s": 2.5}
+    )
     config, box = deployment.configs(dict(form().validate()), RUN_ID)
     assert config.workdir == "/data/eagle3" and config.train.batch_tokens == 1234 and config.target.dtype == "float32"
     assert box.poll_interval_s == 2.5 and box.conn_ids == ["local"]
@@ -136,8 +137,11 @@ def test_bad_values_in_the_settings_are_refused_when_they_are_read(layer, key, v
 
 
 def test_good_values_validate_and_become_a_run_config():
-    deployment = Deployment(run={**WORKDIR, "extract.aux_layers": [1, 5, 9]}, allowed_boxes=["gpu1", "gpu2"],
-                            params={"box.conn_ids": ["gpu1"]})
+    deployment = Deployment(
+        run={**WORKDIR, "extract.aux_layers": [1, 5, 9]},
+        allowed_boxes=["gpu1", "gpu2"],
+        params={"box.conn_ids": ["gpu1"]},
+    )
     params = form(**{"train.epochs": 2, "box.conn_ids": ["gpu1", "gpu2"]})
     config, box = deployment.configs(params.validate(), RUN_ID)
     assert config.train.epochs == 2 and config.extract.aux_layers == [1, 5, 9]
@@ -149,42 +153,64 @@ def test_good_values_validate_and_become_a_run_config():
 
 
 def test_a_presets_values_reach_the_config_and_the_forms_values_win():
-    deployment = Deployment(run={**WORKDIR, "train.batch_tokens": 4096, "data.max_length": 2048},
-                            presets={"long": {"train.batch_tokens": 32768, "data.max_length": 16384}})
+    deployment = Deployment(
+        run={**WORKDIR, "train.batch_tokens": 4096, "data.max_length": 2048},
+        presets={"long": {"train.batch_tokens": 32768, "data.max_length": 16384}},
+    )
     assert deployment.preset_names() == ["default", "long"]
     assert deployment.form()[PRESET].schema["enum"] == ["default", "long"]
     long, _ = deployment.configs(dict(form(deployment, **{PRESET: "long", "train.epochs": 2}).validate()), RUN_ID)
     assert (long.train.batch_tokens, long.data.max_length, long.train.epochs) == (32768, 16384, 2)
     plain, _ = deployment.configs(dict(form().validate()), RUN_ID)  # default: the settings' run alone
     assert (plain.train.batch_tokens, plain.data.max_length, plain.train.epochs) == (4096, 2048, 1)
-    with pytest.raises(ParamsError, match=r"preset: 'huge' is not one of this deployment's presets "
-                       r"\['default', 'long'\]"):
+    with pytest.raises(
+        ParamsError,
+        match=r"preset: 'huge' is not one of this deployment's presets "
+        r"\['default', 'long'\]",
+    ):
         deployment.configs({**GOOD, PRESET: "huge"}, RUN_ID)
     # The layers, a later one winning: the model's defaults < run < the preset < the form.
-    config, _ = params_to_configs({**GOOD, "train.epochs": 2, "train.learning_rate": 3e-4}, RUN_ID,
-                                  run={**WORKDIR, "train.epochs": 5, "train.learning_rate": 1e-3, "seed": 1},
-                                  preset={"train.epochs": 7, "seed": 2})
+    config, _ = params_to_configs(
+        {**GOOD, "train.epochs": 2, "train.learning_rate": 3e-4},
+        RUN_ID,
+        run={**WORKDIR, "train.epochs": 5, "train.learning_rate": 1e-3, "seed": 1},
+        preset={"train.epochs": 7, "seed": 2},
+    )
     assert (config.train.epochs, config.train.learning_rate, config.seed) == (2, 3e-4, 2)
     # A preset named 'default' replaces `run` alone as the default.
-    assert Deployment(run=WORKDIR, presets={"default": {"train.batch_tokens": 1024}}).configs(
-        dict(form().validate()), RUN_ID)[0].train.batch_tokens == 1024
+    assert (
+        Deployment(run=WORKDIR, presets={"default": {"train.batch_tokens": 1024}})
+        .configs(dict(form().validate()), RUN_ID)[0]
+        .train.batch_tokens
+        == 1024
+    )
 
 
 @pytest.mark.parametrize(
     "settings, message",
     [
-        ({"run": {**WORKDIR, "train.epochs": 3}}, r"run: \['train.epochs'\] are the form's \(a trigger sets them\); "
-         r"give their defaults in \"params\""),
+        (
+            {"run": {**WORKDIR, "train.epochs": 3}},
+            r"run: \['train.epochs'\] are the form's \(a trigger sets them\); "
+            r"give their defaults in \"params\"",
+        ),
         ({"presets": {"long": {"data.path": "/data/long.jsonl"}}}, r"presets.long: \['data.path'\] are the form's"),
         ({"presets": {"long": {"train.epoch": 3}}}, r"presets.long: \['train.epoch'\] are not run-config fields"),
         ({"run": {**WORKDIR, "box.python": "python3"}}, r"run: \['box.python'\] are not run-config fields"),
         ({"run": {**WORKDIR, "evaluate.keep_versions": 1}}, r"run: \['evaluate.keep_versions'\] are not run-config"),
-        ({"box": {"conn_ids": ["gpu-box-2"]}}, r"box: \['conn_ids'\] are not box settings .* which boxes a run uses is "
-         r"the form's box.conn_ids"),
-        ({"box_pools": {"gpu-box-1": {"gpus": 8, "run": {"train.ttt_length": 3}}}},
-         r"box_pools.gpu-box-1.run: \['train.ttt_length'\] are the form's"),
-        ({"box_pools": {"gpu-box-1": {"gpus": 8, "box": {"pyhton": "python3"}}}},
-         r"box_pools.gpu-box-1.box: \['pyhton'\] are not box settings"),
+        (
+            {"box": {"conn_ids": ["gpu-box-2"]}},
+            r"box: \['conn_ids'\] are not box settings .* which boxes a run uses is "
+            r"the form's box.conn_ids",
+        ),
+        (
+            {"box_pools": {"gpu-box-1": {"gpus": 8, "run": {"train.ttt_length": 3}}}},
+            r"box_pools.gpu-box-1.run: \['train.ttt_length'\] are the form's",
+        ),
+        (
+            {"box_pools": {"gpu-box-1": {"gpus": 8, "box": {"pyhton": "python3"}}}},
+            r"box_pools.gpu-box-1.box: \['pyhton'\] are not box settings",
+        ),
     ],
 )
 def test_a_layer_naming_a_field_that_is_not_its_own_is_refused_naming_it(settings, message):
@@ -195,8 +221,11 @@ def test_a_layer_naming_a_field_that_is_not_its_own_is_refused_naming_it(setting
 
 def test_each_preset_must_make_a_valid_run_with_the_settings():
     """A preset is checked over `run` when the settings are read, not when someone picks it: the message names it."""
-    with pytest.raises(ValidationError, match=r"run and box with the preset 'deep' do not make a valid run: .*\n  "
-                       r"extract.aux_layers: layer 9 out of range for a 8-layer target"):
+    with pytest.raises(
+        ValidationError,
+        match=r"run and box with the preset 'deep' do not make a valid run: .*\n  "
+        r"extract.aux_layers: layer 9 out of range for a 8-layer target",
+    ):
         Deployment(run={**WORKDIR, "target.num_hidden_layers": 8}, presets={"deep": {"extract.aux_layers": [1, 3, 9]}})
 
 
@@ -206,26 +235,35 @@ def test_each_preset_must_make_a_valid_run_with_the_settings():
 def test_unknown_conf_keys_are_rejected_by_the_first_task_with_a_hint():
     params = dict(form().validate())
     for typo in ("epochs", "train.epoch"):
-        with pytest.raises(AirflowFailException, match=rf"not trigger parameters: '{typo}' \(did you mean "
-                           r"'train.epochs'\?\)"):
+        with pytest.raises(
+            AirflowFailException,
+            match=rf"not trigger parameters: '{typo}' \(did you mean "
+            r"'train.epochs'\?\)",
+        ):
             validate_run(params, {typo: 2}, set(build_params()), RUN, trusted())
 
 
-@pytest.mark.parametrize("key, value", [
-    ("workdir", "/home/alice"),
-    ("server.extra_args", ["--enable-custom-all-reduce"]),
-    ("generate.endpoint", "https://collector.example/v1"),
-    ("generate.api_key_env", "AIRFLOW__CORE__FERNET_KEY"),
-    ("extract.aux_layers", [1, 5, 9]),
-    ("server.python", "/bin/sh"),
-    ("box.python", "/bin/sh"),
-    ("box.stop_services", ["sshd.service"]),
-])
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("workdir", "/home/alice"),
+        ("server.extra_args", ["--enable-custom-all-reduce"]),
+        ("generate.endpoint", "https://collector.example/v1"),
+        ("generate.api_key_env", "AIRFLOW__CORE__FERNET_KEY"),
+        ("extract.aux_layers", [1, 5, 9]),
+        ("server.python", "/bin/sh"),
+        ("box.python", "/bin/sh"),
+        ("box.stop_services", ["sshd.service"]),
+    ],
+)
 def test_a_trigger_cannot_set_what_the_settings_decide(key, value):
     """Airflow merges conf keys that are not params into the params: validate refuses them, saying whose they are."""
     params = {**form().validate(), key: value}  # as Airflow hands them over
-    with pytest.raises(AirflowFailException, match=rf"not trigger parameters: '{key}' \(the deployment's: its "
-                       r"settings' run, box or a preset\)\. A trigger chooses only the form's fields"):
+    with pytest.raises(
+        AirflowFailException,
+        match=rf"not trigger parameters: '{key}' \(the deployment's: its "
+        r"settings' run, box or a preset\)\. A trigger chooses only the form's fields",
+    ):
         validate_run(params, {key: value}, set(build_params()), RUN, trusted())
 
 
@@ -244,8 +282,11 @@ def test_paths_with_shell_syntax_are_valid_data_not_commands():
 
 
 def test_a_run_needs_a_work_directory_from_the_settings():
-    with pytest.raises(AirflowFailException, match=r"workdir: the built-in settings .* name no work directory on "
-                       r"the box; set \"run\": \{\"workdir\": \"/data/eagle3\"\}"):
+    with pytest.raises(
+        AirflowFailException,
+        match=r"workdir: the built-in settings .* name no work directory on "
+        r"the box; set \"run\": \{\"workdir\": \"/data/eagle3\"\}",
+    ):
         validate_run(dict(form().validate()), {}, set(build_params()), RUN, Deployment())
 
 
@@ -264,8 +305,13 @@ def test_unflatten_drops_nulls_so_model_defaults_apply():
 @pytest.mark.slow
 def test_the_params_reference_in_docs_is_the_forms():
     """docs/params.md is generated from the same params as the form; regenerate it with `make docs`."""
-    proc = subprocess.run([sys.executable, "scripts/params_reference.py", "--check"], cwd=REPO, capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "scripts/params_reference.py", "--check"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     text = (REPO / "docs" / "params.md").read_text()
     assert "| `train.epochs` | integer | `1` | >= 1, <= 10000 |" in text
@@ -296,8 +342,11 @@ def test_a_trigger_cannot_send_the_run_to_another_stored_connection():
     """Any Airflow connection id is a valid name (a database bastion's, say); only the deployment's boxes pass."""
     deployment = trusted(allowed_boxes=["gpu-box-1", "gpu-box-2"], params={"box.conn_ids": ["gpu-box-1"]})
     assert validate_under(deployment, **{"box.conn_ids": ["gpu-box-2"]})["plan"]["box"]["conn_ids"] == ["gpu-box-2"]
-    with pytest.raises(AirflowFailException, match=r"box.conn_ids: \['db_bastion'\] not allowed here; this "
-                       r"deployment allows \['gpu-box-1', 'gpu-box-2'\]"):
+    with pytest.raises(
+        AirflowFailException,
+        match=r"box.conn_ids: \['db_bastion'\] not allowed here; this "
+        r"deployment allows \['gpu-box-1', 'gpu-box-2'\]",
+    ):
         validate_under(deployment, **{"box.conn_ids": ["gpu-box-1", "db_bastion"]})
     # With no list in the settings file, only the default box is allowed.
     with pytest.raises(AirflowFailException, match=r"allows \['local'\]"):
@@ -305,8 +354,12 @@ def test_a_trigger_cannot_send_the_run_to_another_stored_connection():
 
 
 def test_the_form_offers_only_the_deployments_boxes_and_presets():
-    deployment = Deployment(allowed_boxes=["gpu-box-1"], params={"box.conn_ids": ["gpu-box-1"]}, run=WORKDIR,
-                            presets={"long": {"train.batch_tokens": 32768}})
+    deployment = Deployment(
+        allowed_boxes=["gpu-box-1"],
+        params={"box.conn_ids": ["gpu-box-1"]},
+        run=WORKDIR,
+        presets={"long": {"train.batch_tokens": 32768}},
+    )
     params = ParamsDict(copy.deepcopy(deployment.form()))
     for key, value in GOOD.items():
         params[key] = value
@@ -328,10 +381,15 @@ def test_the_services_a_run_stops_are_the_settings_and_allowed():
     assert validate_under(trusted())["plan"]["box"]["stop_services"] == []  # none unless the settings name some
     with pytest.raises(ValidationError, match=r"box.stop_services: \['sshd.service'\] not allowed here"):
         trusted(allowed_services=["vllm.service"], box={"stop_services": ["sshd.service"]})
-    with pytest.raises(ValidationError, match=r"box_pools.gpu-box-1 \(over run and box\) reaches past what this "
-                       r"deployment allows:\n  box.stop_services: \['sshd.service'\] not allowed here"):
-        trusted(allowed_services=["vllm.service"],
-                box_pools={"gpu-box-1": {"gpus": 8, "box": {"stop_services": ["sshd.service"]}}})
+    with pytest.raises(
+        ValidationError,
+        match=r"box_pools.gpu-box-1 \(over run and box\) reaches past what this "
+        r"deployment allows:\n  box.stop_services: \['sshd.service'\] not allowed here",
+    ):
+        trusted(
+            allowed_services=["vllm.service"],
+            box_pools={"gpu-box-1": {"gpus": 8, "box": {"stop_services": ["sshd.service"]}}},
+        )
 
 
 def test_generate_talks_only_to_the_deployments_endpoint_hosts():
@@ -339,21 +397,29 @@ def test_generate_talks_only_to_the_deployments_endpoint_hosts():
     on = {"generate.enabled": True}
     assert validate_under(trusted(run={**on, "generate.endpoint": "http://localhost:30000/v1"}))
     with pytest.raises(ValidationError, match=r"generate.endpoint: collector.example:443 not allowed here"):
-        trusted(allowed_endpoint_hosts=["sglang.internal"],
-                run={**on, "generate.endpoint": "https://collector.example/v1"})
-    allowed = trusted(allowed_endpoint_hosts=["sglang.internal"],
-                      run={**on, "generate.endpoint": "http://sglang.internal:30000/v1"})
+        trusted(
+            allowed_endpoint_hosts=["sglang.internal"], run={**on, "generate.endpoint": "https://collector.example/v1"}
+        )
+    allowed = trusted(
+        allowed_endpoint_hosts=["sglang.internal"], run={**on, "generate.endpoint": "http://sglang.internal:30000/v1"}
+    )
     assert validate_under(allowed)["plan"]["config"]["generate"]["endpoint"] == "http://sglang.internal:30000/v1"
     # Without the list: the loopback and the host the settings' own endpoint names.
     assert trusted(run={"generate.endpoint": "http://sglang.internal:30000/v1"}).allowed.endpoint_hosts() == [
-        "127.0.0.1", "localhost", "sglang.internal"]
+        "127.0.0.1",
+        "localhost",
+        "sglang.internal",
+    ]
 
 
 def test_an_api_key_variable_must_be_one_the_deployment_passes():
     """Else the settings could name any variable of the box (AIRFLOW__CORE__FERNET_KEY on a local box) and have it
     sent to the endpoint as a bearer token."""
-    with pytest.raises(ValidationError, match=r"generate.api_key_env: 'AIRFLOW__CORE__FERNET_KEY' is not a "
-                       r"variable this deployment passes"):
+    with pytest.raises(
+        ValidationError,
+        match=r"generate.api_key_env: 'AIRFLOW__CORE__FERNET_KEY' is not a "
+        r"variable this deployment passes",
+    ):
         trusted(run={"generate.api_key_env": "AIRFLOW__CORE__FERNET_KEY"})
     run = validate_under(trusted(box_env=["SGLANG_API_KEY"], run={"generate.api_key_env": "SGLANG_API_KEY"}))
     assert run["plan"]["box_env"] == ["SGLANG_API_KEY"]
@@ -385,8 +451,11 @@ def test_a_settings_file_with_a_typo_or_a_default_it_does_not_allow_is_refused(t
     assert Deployment.from_env().allowed.boxes() == ["gpu-box-1"]
     # A file written for the 107-field form: its workdir is the settings' run now, and the message says so.
     settings.write_text(json.dumps({"params": {"workdir": "/data/eagle3"}}))
-    with pytest.raises(ParamsError, match=rf"{settings} \(EAGLE3_DAG_SETTINGS\):\n  params: \['workdir'\] are not "
-                       r"form fields .* put run-config fields in \"run\""):
+    with pytest.raises(
+        ParamsError,
+        match=rf"{settings} \(EAGLE3_DAG_SETTINGS\):\n  params: \['workdir'\] are not "
+        r"form fields .* put run-config fields in \"run\"",
+    ):
         Deployment.from_env()
     settings.write_text(json.dumps({"run": {"workdir": "/data/eagle3"}, "allowed_workdirs": ["/scratch"]}))
     with pytest.raises(ParamsError, match=r"workdir: '/data/eagle3' is not under a directory this deployment allows"):
@@ -400,12 +469,16 @@ def test_a_schedule_needs_a_default_for_every_required_param_and_a_valid_run(tmp
     monkeypatch.setenv("EAGLE3_DAG_SETTINGS", str(settings))
     settings.write_text(json.dumps({"schedule": "@weekly", "run": WORKDIR}))
     deployment = Deployment.from_env()
-    with pytest.raises(ParamsError, match=rf"the settings file {settings} \(EAGLE3_DAG_SETTINGS\): schedule '@weekly' "
-                       r"starts runs .* required params have none: \['data.path', 'target.model_path'\]"):
+    with pytest.raises(
+        ParamsError,
+        match=rf"the settings file {settings} \(EAGLE3_DAG_SETTINGS\): schedule '@weekly' "
+        r"starts runs .* required params have none: \['data.path', 'target.model_path'\]",
+    ):
         deployment.check_schedulable(deployment.form())
 
-    settings.write_text(json.dumps({"schedule": "@weekly", "run": WORKDIR,
-                                    "params": {**GOOD, "train.learning_rate": -1.0}}))
+    settings.write_text(
+        json.dumps({"schedule": "@weekly", "run": WORKDIR, "params": {**GOOD, "train.learning_rate": -1.0}})
+    )
     deployment = Deployment.from_env()
     with pytest.raises(ParamsError, match=r"(?s)do not make a valid run: .*train.learning_rate: Input should be"):
         deployment.check_schedulable(deployment.form())
@@ -430,9 +503,20 @@ def test_create_pool_makes_the_settings_pool_and_counts_deferred_tasks(airflow_h
     settings = tmp_path / "dag-settings.json"
     settings.write_text(json.dumps({"pool": "gpu-box-pool", "pool_slots": 3}))
     env = airflow_env(airflow_home, EAGLE3_DAG_SETTINGS=str(settings))
-    subprocess.run([sys.executable, "-m", "eagle3_airflow.deployment", "create-pool", "--airflow", AIRFLOW],
-                   env=env, check=True, capture_output=True, timeout=120)
-    shown = subprocess.run([AIRFLOW, "pools", "get", "gpu-box-pool", "-o", "json"], env=env, check=True,
-                           capture_output=True, text=True, timeout=120)
+    subprocess.run(
+        [sys.executable, "-m", "eagle3_airflow.deployment", "create-pool", "--airflow", AIRFLOW],
+        env=env,
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    shown = subprocess.run(
+        [AIRFLOW, "pools", "get", "gpu-box-pool", "-o", "json"],
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     (pool,) = json.loads(shown.stdout)
     assert pool["slots"] in (3, "3") and str(pool["include_deferred"]).lower() == "true"

@@ -93,9 +93,11 @@ def freezing_python(root: Path) -> Path:
     ran"). The job's supervisor has logged its start by then; mkdir makes "first" atomic. Likewise every `eagle3
     extract` while root/FREEZE_EXTRACT exists: box A's live job that box B meets."""
     wrapper = root / "freezing-python"
-    wrapper.write_text(f'#!/bin/sh\nif [ "$4" = train ] && mkdir {root / "train-frozen-once"} 2>/dev/null; then\n'
-                       f'  kill -STOP $$\nfi\nif [ "$4" = extract ] && [ -e {root / FREEZE_EXTRACT} ]; then\n'
-                       f'  kill -STOP $$\nfi\nexec {sys.executable} "$@"\n')  # argv: python -P -m eagle3 <stage> ...
+    wrapper.write_text(
+        f'#!/bin/sh\nif [ "$4" = train ] && mkdir {root / "train-frozen-once"} 2>/dev/null; then\n'
+        f'  kill -STOP $$\nfi\nif [ "$4" = extract ] && [ -e {root / FREEZE_EXTRACT} ]; then\n'
+        f'  kill -STOP $$\nfi\nexec {sys.executable} "$@"\n'
+    )  # argv: python -P -m eagle3 <stage> ...
     wrapper.chmod(0o755)
     return wrapper
 
@@ -108,12 +110,21 @@ def run_conf(tiny_target: Path, box: str = "gpu_box", run_name: str = RUN_NAME, 
 
 def run_layers(tiny_target: Path) -> tuple[dict, dict]:
     """That run's conf and the settings' layers it needs, but for what each box has of its own (workdir, python)."""
-    conf, layers = tiny_layers(tiny_target, Path("/each/box/its/own"), run_name=RUN_NAME, **{
-        "data.max_samples": 30, "extract.num_shards": 1, "train.val_fraction": 0.2, "train.epochs": 1,
-        "evaluate.num_prompts": 1, "evaluate.max_new_tokens": 8,
-        # The job is frozen through the drills and until run 2 has ended (minutes): it must not look dead meanwhile.
-        "box.stale_after_s": 1800,
-    })
+    conf, layers = tiny_layers(
+        tiny_target,
+        Path("/each/box/its/own"),
+        run_name=RUN_NAME,
+        **{
+            "data.max_samples": 30,
+            "extract.num_shards": 1,
+            "train.val_fraction": 0.2,
+            "train.epochs": 1,
+            "evaluate.num_prompts": 1,
+            "evaluate.max_new_tokens": 8,
+            # The job is frozen through the drills and until run 2 has ended (minutes): it must not look dead meanwhile.
+            "box.stale_after_s": 1800,
+        },
+    )
     del layers["run"]["workdir"], layers["box"]["python"]
     return conf, layers
 
@@ -129,35 +140,63 @@ def inbox():
     box = Inbox()
     controller = Controller(box, hostname="127.0.0.1", port=free_port())
     controller.start()
-    box.connection = json.dumps({"conn_type": "smtp", "host": "127.0.0.1", "port": controller.port,
-                                 "extra": {"disable_tls": True, "disable_ssl": True, "timeout": 10, "retry_limit": 1,
-                                           "from_email": "airflow@example.com"}})
+    box.connection = json.dumps(
+        {
+            "conn_type": "smtp",
+            "host": "127.0.0.1",
+            "port": controller.port,
+            "extra": {
+                "disable_tls": True,
+                "disable_ssl": True,
+                "timeout": 10,
+                "retry_limit": 1,
+                "from_email": "airflow@example.com",
+            },
+        }
+    )
     yield box
     controller.stop()
 
 
-def deployment_settings(root: Path, tiny_target: Path, boxes: tuple[str, ...],
-                        late_after_h: float = LATE_AFTER_H) -> dict:
+def deployment_settings(
+    root: Path, tiny_target: Path, boxes: tuple[str, ...], late_after_h: float = LATE_AFTER_H
+) -> dict:
     """The stack's settings file with `boxes` in box_pools: a DAG and a pool of 8 slots for each, all of them on the
     one shared work directory; box A's python freezes jobs (freezing_python), box B's kills CLEARED_RUN's train
     (killing_python). The form's defaults make a valid run, for the schedule (one Asset); runs late by
     `late_after_h` are mailed; keep_runs KEEP_RUNS."""
     conf, layers = run_layers(tiny_target)
-    python = {"gpu_box": str(freezing_python(root)),
-              "gpu_box_2": str(killing_python(root / "killing-python", root / KILL_TRAIN,
-                                              root / "box" / "runs" / CLEARED_RUN / "train" / "checkpoints"))}
+    python = {
+        "gpu_box": str(freezing_python(root)),
+        "gpu_box_2": str(
+            killing_python(
+                root / "killing-python",
+                root / KILL_TRAIN,
+                root / "box" / "runs" / CLEARED_RUN / "train" / "checkpoints",
+            )
+        ),
+    }
     settings = {
-        **layers, "allowed_boxes": list(boxes),
-        "box_pools": {box: {"gpus": 8, "run": {"workdir": str(root / "box")}, "box": {"python": python[box]}}
-                      for box in boxes},
-        "params": {"box.conn_ids": ["gpu_box"], "target.model_path": conf["target.model_path"],
-                   "data.path": conf["data.path"]},
+        **layers,
+        "allowed_boxes": list(boxes),
+        "box_pools": {
+            box: {"gpus": 8, "run": {"workdir": str(root / "box")}, "box": {"python": python[box]}} for box in boxes
+        },
+        "params": {
+            "box.conn_ids": ["gpu_box"],
+            "target.model_path": conf["target.model_path"],
+            "data.path": conf["data.path"],
+        },
         "presets": {RUN_2_PRESET: {"data.max_length": 2048, "vocab.draft_vocab_size": 256}},
-        "schedule_assets": [SCHEDULE_ASSET], "keep_runs": KEEP_RUNS, "retry_delay_s": 1, "retries": 2,
+        "schedule_assets": [SCHEDULE_ASSET],
+        "keep_runs": KEEP_RUNS,
+        "retry_delay_s": 1,
+        "retries": 2,
         "notify": {"to": ["oncall@example.com"], "smtp_conn_id": "smtp_test", "late_after_h": late_after_h},
         # The Celery workers (one in a network namespace) and the API server share this machine's disk: the default
         # local reports folder is one folder to all of them, which the CeleryExecutor requires the settings to say.
-        "reports_shared_disk": True}
+        "reports_shared_disk": True,
+    }
     return settings
 
 
@@ -176,18 +215,24 @@ def stack(tmp_path_factory, request, inbox, tiny_target):
         for box, host_id in host_ids.items():
             (root / f"{box}.host-id").write_text(host_id + "\n")
         (root / "gpu_box_2.boot-id").write_text(f"{uuid.uuid4()}\n")
-        identity = {"gpu_box": {"EAGLE3_HOST_ID_FILE": str(root / "gpu_box.host-id")},
-                    "gpu_box_2": {"EAGLE3_HOST_ID_FILE": str(root / "gpu_box_2.host-id"),
-                                  "EAGLE3_BOOT_ID_FILE": str(root / "gpu_box_2.boot-id")}}
+        identity = {
+            "gpu_box": {"EAGLE3_HOST_ID_FILE": str(root / "gpu_box.host-id")},
+            "gpu_box_2": {
+                "EAGLE3_HOST_ID_FILE": str(root / "gpu_box_2.host-id"),
+                "EAGLE3_BOOT_ID_FILE": str(root / "gpu_box_2.boot-id"),
+            },
+        }
         connections = {}
         for index, box in enumerate(BOXES):
-            sshds.append(StackSshd(root / ("sshd" if index == 0 else f"sshd-{index + 1}"), ns.host_ip,
-                                   env=identity[box]).start())
+            sshds.append(
+                StackSshd(root / ("sshd" if index == 0 else f"sshd-{index + 1}"), ns.host_ip, env=identity[box]).start()
+            )
             connections.update(sshds[-1].airflow_env(box))
         settings = root / "dag-settings.json"
         settings.write_text(json.dumps(deployment_settings(root, tiny_target, BOXES[:1])))
-        stack = CeleryStack(root, ns, {**connections, "AIRFLOW_CONN_SMTP_TEST": inbox.connection,
-                                       "EAGLE3_DAG_SETTINGS": str(settings)})
+        stack = CeleryStack(
+            root, ns, {**connections, "AIRFLOW_CONN_SMTP_TEST": inbox.connection, "EAGLE3_DAG_SETTINGS": str(settings)}
+        )
         stack.settings_file, stack.host_ids = settings, host_ids
         try:
             stack.start(dag_ids=(DAG_ID,))
@@ -220,13 +265,16 @@ def poll(stack: CeleryStack, ready, what: str, timeout: float = RUN_TIMEOUT_S, e
         for name, proc in stack.procs.items():
             assert proc.poll() is None, f"{name} exited ({proc.returncode})\n{tail(stack.logs / f'{name}.log')}"
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}\n"
-                                 + "\n".join(tail(log, 20) for log in sorted(stack.logs.glob("*.log"))))
+            raise AssertionError(
+                f"timed out after {timeout:.0f} s waiting for {what}\n"
+                + "\n".join(tail(log, 20) for log in sorted(stack.logs.glob("*.log")))
+            )
         time.sleep(every_s)
 
 
-def task_log(stack: CeleryStack, run_id: str, task_id: str, try_number: int, dag_id: str = DAG_ID,
-             map_index: int = -1) -> str:
+def task_log(
+    stack: CeleryStack, run_id: str, task_id: str, try_number: int, dag_id: str = DAG_ID, map_index: int = -1
+) -> str:
     """A try's task log as the UI shows it (AirflowClient.task_log)."""
     return stack.task_log(dag_id, run_id, task_id, try_number, map_index)
 
@@ -268,8 +316,11 @@ def add_second_box(stack: CeleryStack, tiny_target: Path, run_id: str) -> dict:
     stack.create_pools()
     stack.reparse(DAG_ID)
     stack.wait_serialized((DAG_ID_2,), timeout=RUN_TIMEOUT_S)
-    seen.update(dags_after=drafter_dags(stack), runs_after=dag_runs(stack, DAG_ID),
-                run_state_after=read(stack, f"/dags/{DAG_ID}/dagRuns/{run_id}")["state"])
+    seen.update(
+        dags_after=drafter_dags(stack),
+        runs_after=dag_runs(stack, DAG_ID),
+        run_state_after=read(stack, f"/dags/{DAG_ID}/dagRuns/{run_id}")["state"],
+    )
     print(f"box B added, its DAG serialized, in {time.monotonic() - started:.0f} s")
     return seen
 
@@ -299,8 +350,9 @@ def drilled_run(stack, tiny_target, box_b_added):
     # Box B's run 2 goes at the same time, undrilled, once run 1 has written its config.json (retention orders run
     # directories by it: run 2's is the newer).
     wait_for(lambda: (run_dir / "config.json").exists(), RUN_TIMEOUT_S, "run 1's config.json", interval=0.5)
-    record["run_2_id"] = stack.api(f"/dags/{DAG_ID_2}/dagRuns", {
-        "logical_date": None, "conf": run_conf(tiny_target, "gpu_box_2", RUN_2_NAME, preset=RUN_2_PRESET)},
+    record["run_2_id"] = stack.api(
+        f"/dags/{DAG_ID_2}/dagRuns",
+        {"logical_date": None, "conf": run_conf(tiny_target, "gpu_box_2", RUN_2_NAME, preset=RUN_2_PRESET)},
     )["dag_run_id"]
 
     # 1. train's job stopped itself as it started (freezing_python); once its log has its header, the drill freezes
@@ -360,19 +412,36 @@ def drilled_run(stack, tiny_target, box_b_added):
     poll(stack, lambda: _ended(stack, record["run_2_id"], DAG_ID_2), f"the run {record['run_2_id']} to end")
     record["run_2"] = stack.api(f"/dags/{DAG_ID_2}/dagRuns/{record['run_2_id']}")
     record["tis_2"] = task_instances(stack, record["run_2_id"], DAG_ID_2)
-    record["retention_2"] = xcom(stack, DAG_ID_2, record["run_2_id"], "retention") \
-        if record["tis_2"]["retention"]["state"] == "success" else None
+    record["retention_2"] = (
+        xcom(stack, DAG_ID_2, record["run_2_id"], "retention")
+        if record["tis_2"]["retention"]["state"] == "success"
+        else None
+    )
     record["run_dir_after_retention_2"] = (run_dir / "config.json").exists()
     record["job_after_retention_2"] = job_state(run_dir, "train") if record["run_dir_after_retention_2"] else None
-    assert record["job_after_retention_2"], ("box B's retention removed run 1's directory from under its live train "
-                                             f"job: {record['retention_2']}")
+    assert record["job_after_retention_2"], (
+        f"box B's retention removed run 1's directory from under its live train job: {record['retention_2']}"
+    )
 
     # 3. Clear train while it is deferred: its trigger's on_kill kills the job; the task runs again.
-    stack.api(f"/dags/{DAG_ID}/clearTaskInstances", {
-        "dry_run": False, "task_ids": ["train"], "dag_run_id": run_id, "only_failed": False,
-        "reset_dag_runs": True, "include_downstream": False, "include_upstream": False})
-    wait_for(lambda: job_state(run_dir, "train")["try"] > record["job_before"]["try"], 180,
-             "train's job to start its next try after the clear", interval=1)
+    stack.api(
+        f"/dags/{DAG_ID}/clearTaskInstances",
+        {
+            "dry_run": False,
+            "task_ids": ["train"],
+            "dag_run_id": run_id,
+            "only_failed": False,
+            "reset_dag_runs": True,
+            "include_downstream": False,
+            "include_upstream": False,
+        },
+    )
+    wait_for(
+        lambda: job_state(run_dir, "train")["try"] > record["job_before"]["try"],
+        180,
+        "train's job to start its next try after the clear",
+        interval=1,
+    )
     poll(stack, lambda: _ended(stack, run_id), f"the run {run_id} to end")
     record["run"] = stack.api(f"/dags/{DAG_ID}/dagRuns/{run_id}")
     record["tis"] = task_instances(stack, run_id)
@@ -390,8 +459,17 @@ def _ended(stack: CeleryStack, run_id: str, dag_id: str = DAG_ID) -> bool:
 def test_a_run_triggered_through_the_rest_api_succeeds_on_the_ssh_box(drilled_run, stack):
     run, tis = drilled_run["run"], drilled_run["tis"]
     assert run["state"] == "success", ({task: ti["state"] for task, ti in tis.items()}, run)
-    for task in ("validate", "box_reachable", "sync_code", "extract[0]", "vocab", "train", "export", "evaluate",
-                 "report"):
+    for task in (
+        "validate",
+        "box_reachable",
+        "sync_code",
+        "extract[0]",
+        "vocab",
+        "train",
+        "export",
+        "evaluate",
+        "report",
+    ):
         assert tis[task]["state"] == "success", (task, tis[task])
     assert (drilled_run["run_dir"] / "drafter" / "model.safetensors").exists()
 
@@ -402,13 +480,13 @@ def test_a_triggerer_killed_mid_stage_is_replaced_and_the_job_is_reattached_not_
     # The new triggerer ran the trigger (a second start in the try's log) and it polled the job on the box.
     log = drilled_run["log_after_restart"]
     starts = [match.end() for match in re.finditer(r"/train/-1/\d+ \(ID \d+\) starting", log)]
-    assert len(starts) >= 2 and "eagle3 job poll" in log[starts[1]:], log[-3000:]
+    assert len(starts) >= 2 and "eagle3 job poll" in log[starts[1] :], log[-3000:]
 
 
 def test_the_task_log_goes_on_without_replaying_after_a_triggerer_restart(drilled_run):
     lines = job_lines(drilled_run["log_after_restart"])
     streamed = drilled_run["streamed_before_kill"]
-    assert streamed and lines[:len(streamed)] == streamed
+    assert streamed and lines[: len(streamed)] == streamed
     replayed = [line for line in set(lines) if lines.count(line) > 1]
     assert not replayed, f"the task log shows these job log lines more than once: {replayed[:5]}"
 
@@ -532,8 +610,10 @@ def schedule_tick(stack, drilled_run):
     stack.api("/assets/events", {"asset_id": asset["id"]})
 
     def new_runs() -> dict[str, list[dict]]:
-        return {dag_id: [run for run_id, run in dag_runs(stack, dag_id).items() if run_id not in before[dag_id]]
-                for dag_id in (DAG_ID, DAG_ID_2)}
+        return {
+            dag_id: [run for run_id, run in dag_runs(stack, dag_id).items() if run_id not in before[dag_id]]
+            for dag_id in (DAG_ID, DAG_ID_2)
+        }
 
     poll(stack, lambda: new_runs()[DAG_ID], "the Asset event's run", timeout=120, every_s=1)
     # The scheduler creates the runs of every DAG an event is queued for in one pass; a few more passes, and what
@@ -586,23 +666,37 @@ def cron_tick(stack, tiny_target, schedule_tick):
     settings = {**deployment_settings(stack.root, tiny_target, BOXES, LATE_AFTER_H_FROM_CRON), "schedule": cron}
     stack.settings_file.write_text(json.dumps(settings))
     stack.reparse(DAG_ID)
-    poll(stack, lambda: cron in (drafter_dags(stack)[DAG_ID]["timetable_summary"] or ""),
-         f"the DAG file re-parsed with the schedule {cron!r}", timeout=180, every_s=1)
+    poll(
+        stack,
+        lambda: cron in (drafter_dags(stack)[DAG_ID]["timetable_summary"] or ""),
+        f"the DAG file re-parsed with the schedule {cron!r}",
+        timeout=180,
+        every_s=1,
+    )
     parsed, dags = datetime.now(UTC), drafter_dags(stack)
 
     def new_runs() -> dict[str, list[dict]]:
-        return {dag_id: [run for run_id, run in dag_runs(stack, dag_id).items() if run_id not in before[dag_id]]
-                for dag_id in (DAG_ID, DAG_ID_2)}
+        return {
+            dag_id: [run for run_id, run in dag_runs(stack, dag_id).items() if run_id not in before[dag_id]]
+            for dag_id in (DAG_ID, DAG_ID_2)
+        }
 
-    poll(stack, lambda: new_runs()[DAG_ID], f"the run of the tick at {tick:%H:%M} UTC",
-         timeout=max(0.0, (tick - datetime.now(UTC)).total_seconds()) + 90, every_s=1)
+    poll(
+        stack,
+        lambda: new_runs()[DAG_ID],
+        f"the run of the tick at {tick:%H:%M} UTC",
+        timeout=max(0.0, (tick - datetime.now(UTC)).total_seconds()) + 90,
+        every_s=1,
+    )
     # The scheduler makes the runs of every DAG due at a tick in one pass; a few passes more: none more comes.
     time.sleep(5)
     made = new_runs()
     for run in made[DAG_ID] + made[DAG_ID_2]:
         stack.api(f"/dags/{run['dag_id']}/dagRuns/{run['dag_run_id']}", {"state": "failed"}, method="PATCH")
-    print(f"the cron tick took {time.monotonic() - started:.0f} s; the DAG file was parsed "
-          f"{(tick - parsed).total_seconds():.0f} s before the tick")
+    print(
+        f"the cron tick took {time.monotonic() - started:.0f} s; the DAG file was parsed "
+        f"{(tick - parsed).total_seconds():.0f} s before the tick"
+    )
     return {"tick": tick, "cron": cron, "dags": dags, "runs": made}
 
 
@@ -614,8 +708,9 @@ def test_one_cron_tick_makes_one_scheduled_run_on_the_default_boxs_dag_alone(cro
     dags, runs, tick = cron_tick["dags"], cron_tick["runs"], cron_tick["tick"]
     assert not dags[DAG_ID]["is_paused"] and not dags[DAG_ID_2]["is_paused"], dags
     assert dags[DAG_ID]["timetable_summary"] == f"Asset or {cron_tick['cron']}", dags[DAG_ID]
-    assert [(run["run_type"], datetime.fromisoformat(run["run_after"])) for run in runs[DAG_ID]] == \
-        [("scheduled", tick)], runs[DAG_ID]
+    assert [(run["run_type"], datetime.fromisoformat(run["run_after"])) for run in runs[DAG_ID]] == [
+        ("scheduled", tick)
+    ], runs[DAG_ID]
     assert runs[DAG_ID_2] == [], runs[DAG_ID_2]
     assert dags[DAG_ID_2]["timetable_summary"] in (None, "None"), dags[DAG_ID_2]
     assert dags[DAG_ID_2]["next_dagrun_run_after"] is None, dags[DAG_ID_2]
@@ -636,11 +731,21 @@ def test_a_run_that_failed_before_its_deadline_gets_no_lateness_mail(stack, inbo
     ended = datetime.fromisoformat(read(stack, f"/dags/{DAG_ID}/dagRuns/{run_id}")["end_date"])
     (deadline,) = deadlines(stack, DAG_ID, run_id)
     assert ended < datetime.fromisoformat(deadline["deadline_time"]), (run, deadline)
-    poll(stack, lambda: all(deadline["missed"] for deadline in deadlines(stack, DAG_ID, run_id)),
-         f"the scheduler to miss {run_id}'s deadline", timeout=180, every_s=2)
+    poll(
+        stack,
+        lambda: all(deadline["missed"] for deadline in deadlines(stack, DAG_ID, run_id)),
+        f"the scheduler to miss {run_id}'s deadline",
+        timeout=180,
+        every_s=2,
+    )
     skipped = f"{run_id} is failed, not late"
-    poll(stack, lambda: any(skipped in log.read_text(errors="replace") for log in stack.logs.glob("triggerer*.log")),
-         "the triggerer to run the lateness callback", timeout=120, every_s=2)
+    poll(
+        stack,
+        lambda: any(skipped in log.read_text(errors="replace") for log in stack.logs.glob("triggerer*.log")),
+        "the triggerer to run the lateness callback",
+        timeout=120,
+        every_s=2,
+    )
     subjects = [message["Subject"] for message in inbox.messages]
     assert not [subject for subject in subjects if run_id in subject], subjects
 
@@ -653,8 +758,9 @@ def foreign_job(stack, tiny_target, cron_tick):
     started = time.monotonic()
     run_dir = stack.root / "box" / "runs" / SHARED_RUN
     (stack.root / FREEZE_EXTRACT).touch()
-    run_a = stack.api(f"/dags/{DAG_ID}/dagRuns", {
-        "logical_date": None, "conf": run_conf(tiny_target, "gpu_box", SHARED_RUN)})["dag_run_id"]
+    run_a = stack.api(
+        f"/dags/{DAG_ID}/dagRuns", {"logical_date": None, "conf": run_conf(tiny_target, "gpu_box", SHARED_RUN)}
+    )["dag_run_id"]
 
     def job_live() -> bool:
         try:
@@ -671,12 +777,16 @@ def foreign_job(stack, tiny_target, cron_tick):
         assert time.monotonic() < deadline, f"box A's extract job did not start in {RUN_TIMEOUT_S} s"
         time.sleep(0.2)
     record = {"run_a": run_a, "run_dir": run_dir, "job_before": job_state(run_dir, "extract.0")}
-    record["run_b"] = stack.api(f"/dags/{DAG_ID_2}/dagRuns", {
-        "logical_date": None, "conf": run_conf(tiny_target, "gpu_box_2", SHARED_RUN)})["dag_run_id"]
+    record["run_b"] = stack.api(
+        f"/dags/{DAG_ID_2}/dagRuns", {"logical_date": None, "conf": run_conf(tiny_target, "gpu_box_2", SHARED_RUN)}
+    )["dag_run_id"]
     poll(stack, lambda: _ended(stack, record["run_b"], DAG_ID_2), f"box B's run {record['run_b']} to end")
     record["tis_b"] = tis = task_instances(stack, record["run_b"], DAG_ID_2)
-    record["extract_b_log"] = task_log(stack, record["run_b"], "extract", tis["extract[0]"]["try_number"], DAG_ID_2,
-                                       map_index=0) if "extract[0]" in tis else ""
+    record["extract_b_log"] = (
+        task_log(stack, record["run_b"], "extract", tis["extract[0]"]["try_number"], DAG_ID_2, map_index=0)
+        if "extract[0]" in tis
+        else ""
+    )
     record["owners"] = json.loads((run_dir / "owner.json").read_text())["runs"]
     record["job_after"] = job_state(run_dir, "extract.0")
     record["extract_a"] = task_instances(stack, run_a)["extract[0]"]
@@ -699,8 +809,12 @@ def test_box_bs_stage_meets_box_as_live_job_as_foreign_and_starts_nothing(foreig
     assert tis["extract[0]"]["state"] == "failed", {task: ti["state"] for task, ti in tis.items()}
     log = foreign_job["extract_b_log"]
     assert "running on another host" in log and stack.host_ids["gpu_box"] in log, log[-3000:]
-    assert (after["pid"], after["try"], after["status"], after["host_id"]) == \
-        (before["pid"], before["try"], "running", before["host_id"]), (before, after)
+    assert (after["pid"], after["try"], after["status"], after["host_id"]) == (
+        before["pid"],
+        before["try"],
+        "running",
+        before["host_id"],
+    ), (before, after)
     assert psutil.pid_exists(before["pid"])
     assert foreign_job["extract_a"]["state"] == "deferred", foreign_job["extract_a"]
 
@@ -717,18 +831,35 @@ def cleared_inside_deadline(stack, tiny_target, foreign_job):
     started = time.monotonic()
     run_dir = stack.root / "box" / "runs" / CLEARED_RUN
     (stack.root / KILL_TRAIN).touch()
-    run_id = stack.api(f"/dags/{DAG_ID_2}/dagRuns", {
-        "logical_date": None, "conf": run_conf(tiny_target, "gpu_box_2", CLEARED_RUN, seed=1)})["dag_run_id"]
+    run_id = stack.api(
+        f"/dags/{DAG_ID_2}/dagRuns",
+        {"logical_date": None, "conf": run_conf(tiny_target, "gpu_box_2", CLEARED_RUN, seed=1)},
+    )["dag_run_id"]
     poll(stack, lambda: _ended(stack, run_id, DAG_ID_2), f"the run {run_id} to fail at train")
-    record = {"run_id": run_id, "run_dir": run_dir, "failed_run": stack.api(f"/dags/{DAG_ID_2}/dagRuns/{run_id}"),
-              "failed_train": task_instances(stack, run_id, DAG_ID_2)["train"],
-              "checkpoints": sorted(path.name for path in (run_dir / "train" / "checkpoints").glob("step-*")),
-              "deadlines": deadlines(stack, DAG_ID_2, run_id), "cleared_at": datetime.now(UTC)}
+    record = {
+        "run_id": run_id,
+        "run_dir": run_dir,
+        "failed_run": stack.api(f"/dags/{DAG_ID_2}/dagRuns/{run_id}"),
+        "failed_train": task_instances(stack, run_id, DAG_ID_2)["train"],
+        "checkpoints": sorted(path.name for path in (run_dir / "train" / "checkpoints").glob("step-*")),
+        "deadlines": deadlines(stack, DAG_ID_2, run_id),
+        "cleared_at": datetime.now(UTC),
+    }
     (stack.root / KILL_TRAIN).unlink()
     try:
-        answer = stack.request(f"/api/v2/dags/{DAG_ID_2}/clearTaskInstances", {
-            "dry_run": False, "dag_run_id": run_id, "task_ids": ["train"], "only_failed": False,
-            "include_downstream": True, "include_upstream": False, "reset_dag_runs": True}, token=stack.token)
+        answer = stack.request(
+            f"/api/v2/dags/{DAG_ID_2}/clearTaskInstances",
+            {
+                "dry_run": False,
+                "dag_run_id": run_id,
+                "task_ids": ["train"],
+                "only_failed": False,
+                "include_downstream": True,
+                "include_upstream": False,
+                "reset_dag_runs": True,
+            },
+            token=stack.token,
+        )
         record["clear"] = (200, json.loads(answer))
     except urllib.error.HTTPError as err:
         record["clear"] = (err.code, err.read().decode(errors="replace"))
@@ -749,13 +880,18 @@ def test_a_failed_train_cleared_inside_its_lateness_deadline_resumes_from_its_ch
     checkpoint the dead tries left, and the run succeeds."""
     record = cleared_inside_deadline
     failed_train, (deadline,) = record["failed_train"], record["deadlines"]
-    assert (record["failed_run"]["state"], failed_train["state"], failed_train["try_number"]) == \
-        ("failed", "failed", 3), (record["failed_run"], failed_train)
+    assert (record["failed_run"]["state"], failed_train["state"], failed_train["try_number"]) == (
+        "failed",
+        "failed",
+        3,
+    ), (record["failed_run"], failed_train)
     assert not deadline["missed"] and datetime.fromisoformat(deadline["deadline_time"]) > record["cleared_at"]
     status, answer = record["clear"]
     assert status == 200, answer
     assert record["checkpoints"], "the dead tries left no checkpoint"
     resumed = f"train: resumed from {record['run_dir'] / 'train' / 'checkpoints' / record['checkpoints'][-1]}"
     assert resumed in record["train_log"], record["train_log"][-3000:]
-    assert (record["run"]["state"], record["train"]["state"]) == ("success", "success"), (record["run"],
-                                                                                         record["train"])
+    assert (record["run"]["state"], record["train"]["state"]) == ("success", "success"), (
+        record["run"],
+        record["train"],
+    )

@@ -30,10 +30,17 @@ EVALUATE = {"num_prompts": 6, "max_new_tokens": 16, "draft_lengths": [3]}
 
 def run_like(trained, make_config, name: str, noise: float = 0.0, **evaluate):
     """A run of the same lineage with the trained run's drafter (its weights disturbed by `noise`: a worse one)."""
-    shutil.copytree(trained.run_dir, trained.run_dir.with_name(name), symlinks=True,  # all but its config.json
-                    ignore=lambda directory, names: ["config.json"] if directory == str(trained.run_dir) else [])
-    cfg = make_config(run_name=name, evaluate={**EVALUATE, **evaluate},
-                      **{k: trained.model_dump()[k] for k in ("train", "vocab", "extract")})
+    shutil.copytree(
+        trained.run_dir,
+        trained.run_dir.with_name(name),
+        symlinks=True,  # all but its config.json
+        ignore=lambda directory, names: ["config.json"] if directory == str(trained.run_dir) else [],
+    )
+    cfg = make_config(
+        run_name=name,
+        evaluate={**EVALUATE, **evaluate},
+        **{k: trained.model_dump()[k] for k in ("train", "vocab", "extract")},
+    )
     write_run_config(cfg)
     if noise:
         weights_file = cfg.run_dir / "drafter" / "model.safetensors"
@@ -72,8 +79,9 @@ def test_the_better_drafter_is_promoted_on_the_pinned_set_and_a_worse_one_is_not
     assert promotion["accept_length"]["3"] > promotion["current_before"]["accept_length"]["3"]
     assert lineage.current().name == promotion["version"] and lineage.current().name.startswith("good-")
     assert lineage.current().record["previous"]["version"].startswith("weak-")
-    assert (lineage.current().path / "model.safetensors").read_bytes() == \
-        (good.run_dir / "drafter" / "model.safetensors").read_bytes()
+    assert (lineage.current().path / "model.safetensors").read_bytes() == (
+        good.run_dir / "drafter" / "model.safetensors"
+    ).read_bytes()
 
     # A later run with the same samples, vocab and settings would train this drafter again: nothing changed.
     check = check_inputs(good)
@@ -95,7 +103,8 @@ def test_the_better_drafter_is_promoted_on_the_pinned_set_and_a_worse_one_is_not
 
 @pytest.mark.slow
 def test_a_promotion_held_for_approval_switches_only_when_promoted_and_never_over_a_newer_drafter(
-        trained_config, make_config):
+    trained_config, make_config
+):
     """The deployment's approve_promotion: `evaluate --hold-promotion` decides but switches nothing; `lineage promote`
     (after the approval) switches and rewrites the report, and a retry of it changes nothing. A held promotion whose
     measured-against drafter was replaced meanwhile is not made: it no longer compares with what is current."""
@@ -163,8 +172,12 @@ def test_training_and_validation_leave_the_pinned_evaluation_prompts_out(trained
 
 def promote_by_hand(cfg, drafter_dir, run_name: str, expected_current: str | None):
     """Make `drafter_dir` the lineage's current drafter without measuring it (the warm-start tests' setup)."""
-    record = {"run": run_name, "weights_sha256": weights_digest(drafter_dir), "accept_length": {},
-              "promoted_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    record = {
+        "run": run_name,
+        "weights_sha256": weights_digest(drafter_dir),
+        "accept_length": {},
+        "promoted_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
     return Lineage(cfg).promote(drafter_dir, run_name, record, keep=5, expected_current=expected_current)
 
 
@@ -186,8 +199,11 @@ def test_a_warm_start_begins_from_the_current_drafter_and_every_try_from_the_sam
     assert pinned["version"] == current.name and pinned["weights_sha256"] == weights_digest(current.path)
 
     def first_loss(run_dir):
-        return next(r["loss"] for line in (run_dir / "train" / "metrics.jsonl").read_text().splitlines()
-                    if "loss" in (r := json.loads(line)))
+        return next(
+            r["loss"]
+            for line in (run_dir / "train" / "metrics.jsonl").read_text().splitlines()
+            if "loss" in (r := json.loads(line))
+        )
 
     scratch, warmed = first_loss(trained_config.run_dir), first_loss(warm.run_dir)
     print(f"first step's loss: {scratch:.3f} from scratch, {warmed:.3f} warm-started from {current.name}")
@@ -215,8 +231,12 @@ def test_a_warm_start_takes_each_draft_vocab_row_by_the_token_it_stands_for(trai
     old_ids = exported["d2t"] + torch.arange(len(exported["d2t"]))
     unused = sorted(set(range(trained_config.target.vocab_size)) - set(old_ids.tolist()))[:3]
     new_ids = torch.tensor(sorted([*old_ids.tolist()[3:], *unused]))  # three tokens out, three new ones in
-    draft = build_draft_model(trained_config.target.model_path, trained_config.vocab.draft_vocab_size,
-                              trained_config.resolved_aux_layers(), trained_config.drafter.model_dump())
+    draft = build_draft_model(
+        trained_config.target.model_path,
+        trained_config.vocab.draft_vocab_size,
+        trained_config.resolved_aux_layers(),
+        trained_config.drafter.model_dump(),
+    )
     fresh = draft.lm_head.weight.detach().clone()
 
     taken = load_warm_start(draft, exported, new_ids)
@@ -240,11 +260,24 @@ def held_drafter(cfg, files: dict[str, bytes] | None = None) -> Path:
     for name, data in (files or {"config.json": b"{}", "model.safetensors": b"the measured weights"}).items():
         (drafter / name).parent.mkdir(parents=True, exist_ok=True)
         (drafter / name).write_bytes(data)
-    record = {"run": cfg.run_name, "run_dir": str(cfg.run_dir), "weights_sha256": weights_digest(drafter),
-              "accept_length": {"3": 2.5}, "promoted_at": "2026-12-01T00:00:00Z", "reason": "first"}
+    record = {
+        "run": cfg.run_name,
+        "run_dir": str(cfg.run_dir),
+        "weights_sha256": weights_digest(drafter),
+        "accept_length": {"3": 2.5},
+        "promoted_at": "2026-12-01T00:00:00Z",
+        "reason": "first",
+    }
     files = hold_for_approval(cfg, record, expected_current=None)
-    report = {"promotion": {"promoted": False, "pending_approval": True, "reason": "the lineage's first drafter",
-                            "weights_sha256": record["weights_sha256"], "drafter_files_sha256": files}}
+    report = {
+        "promotion": {
+            "promoted": False,
+            "pending_approval": True,
+            "reason": "the lineage's first drafter",
+            "weights_sha256": record["weights_sha256"],
+            "drafter_files_sha256": files,
+        }
+    }
     (cfg.run_dir / "evaluate" / "report.json").write_text(json.dumps(report))
     return drafter
 
@@ -268,8 +301,16 @@ def test_lineage_promote_without_an_approver_is_refused_naming_the_flag(make_con
         promote_held(cfg, "eve\n", approved(cfg))  # a control character: not a user name Airflow gives
     assert Lineage(cfg).current() is None
 
-    proc = run_eagle3("lineage", "promote", "--config", str(cfg.config_path), "--approved-by", "alice",
-                      "--approved-files", approved(cfg))
+    proc = run_eagle3(
+        "lineage",
+        "promote",
+        "--config",
+        str(cfg.config_path),
+        "--approved-by",
+        "alice",
+        "--approved-files",
+        approved(cfg),
+    )
     assert json.loads(proc.stdout)["approved_by"] == "alice"
     assert Lineage(cfg).current().record["approved_by"] == "alice"
 
@@ -284,11 +325,22 @@ def test_a_drafter_changed_after_it_was_measured_is_not_promoted(make_config):
     drafter = held_drafter(cfg)
     measured = weights_digest(drafter)
     (drafter / "model.safetensors").write_bytes(b"other weights, never measured")
-    proc = run_eagle3("lineage", "promote", "--config", str(cfg.config_path), "--approved-by", "alice",
-                      "--approved-files", approved(cfg), check=False)
+    proc = run_eagle3(
+        "lineage",
+        "promote",
+        "--config",
+        str(cfg.config_path),
+        "--approved-by",
+        "alice",
+        "--approved-files",
+        approved(cfg),
+        check=False,
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert (f"error: {drafter}: its weights are not the ones that were measured: model.safetensors has sha256 "
-            f"{weights_digest(drafter)}, evaluate measured {measured}.") in proc.stderr
+    assert (
+        f"error: {drafter}: its weights are not the ones that were measured: model.safetensors has sha256 "
+        f"{weights_digest(drafter)}, evaluate measured {measured}."
+    ) in proc.stderr
     lineage = Lineage(cfg)
     assert lineage.current() is None and list((lineage.dir / "versions").iterdir()) == []
 
@@ -296,8 +348,11 @@ def test_a_drafter_changed_after_it_was_measured_is_not_promoted(make_config):
     # weights'.
     (drafter / "model.safetensors").write_bytes(b"the measured weights")
     (drafter / "config.json").write_text('{"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}')
-    with pytest.raises(PromotionRefused, match=rf"^{re.escape(str(drafter))}: config.json differ from what evaluate "
-                       "measured"):
+    with pytest.raises(
+        PromotionRefused,
+        match=rf"^{re.escape(str(drafter))}: config.json differ from what evaluate "
+        "measured",
+    ):
         promote_held(cfg, "alice", approved(cfg))
     assert lineage.current() is None
 
@@ -328,16 +383,20 @@ def test_a_link_in_the_drafter_refuses_the_promotion_and_copies_nothing_it_point
     cfg = make_config()
     drafter = held_drafter(cfg, {"config.json": b"{}", "model.safetensors": b"weights", "vllm/config.json": b"{}"})
     (drafter / "vllm" / "tokenizer.json").symlink_to(secret)  # after evaluate measured it
-    with pytest.raises(PromotionRefused, match=f"^{re.escape(str(drafter / 'vllm' / 'tokenizer.json'))}: a symbolic "
-                       "link, where only regular files and directories may be"):
+    with pytest.raises(
+        PromotionRefused,
+        match=f"^{re.escape(str(drafter / 'vllm' / 'tokenizer.json'))}: a symbolic "
+        "link, where only regular files and directories may be",
+    ):
         promote_held(cfg, "alice", approved(cfg))
     lineage = Lineage(cfg)
     assert lineage.current() is None and list((lineage.dir / "versions").iterdir()) == []
 
     (drafter / "vllm" / "tokenizer.json").unlink()
     os.mkfifo(drafter / "vllm" / "tokenizer.json")  # a FIFO would hang the copy; a device would copy its contents
-    with pytest.raises(PromotionRefused, match=f"^{re.escape(str(drafter / 'vllm' / 'tokenizer.json'))}: not a "
-                       "regular file"):
+    with pytest.raises(
+        PromotionRefused, match=f"^{re.escape(str(drafter / 'vllm' / 'tokenizer.json'))}: not a regular file"
+    ):
         promote_held(cfg, "alice", approved(cfg))
     (drafter / "vllm" / "tokenizer.json").unlink()
     (drafter / "vllm" / "tokenizer.json").symlink_to(secret)
@@ -349,8 +408,12 @@ def test_a_link_in_the_drafter_refuses_the_promotion_and_copies_nothing_it_point
     (drafter / "vllm" / "tokenizer.json").unlink()  # regular files in subdirectories are copied
     promoted = promote_held(cfg, "alice", approved(cfg))
     assert (lineage.current().path / "vllm" / "config.json").read_bytes() == b"{}"
-    assert sorted(p.name for p in lineage.current().path.iterdir()) == \
-        ["config.json", "model.safetensors", "promotion.json", "vllm"]
+    assert sorted(p.name for p in lineage.current().path.iterdir()) == [
+        "config.json",
+        "model.safetensors",
+        "promotion.json",
+        "vllm",
+    ]
     assert promoted["version"] == lineage.current().name
 
 
@@ -372,9 +435,12 @@ def test_keep_versions_removes_only_this_lineages_own_versions(make_config, tmp_
     elsewhere.mkdir()
     (elsewhere / "promotion.json").write_text(json.dumps({**old.record, "version": "linked"}))
     (versions / "linked").symlink_to(elsewhere)
-    strangers = {"no-record": None, "bad-record": "{not json",
-                 "foreign": json.dumps({**old.record, "version": "foreign", "lineage": "0123456789abcdef"}),
-                 "misnamed": json.dumps(old.record)}  # (its record names version old-...)
+    strangers = {
+        "no-record": None,
+        "bad-record": "{not json",
+        "foreign": json.dumps({**old.record, "version": "foreign", "lineage": "0123456789abcdef"}),
+        "misnamed": json.dumps(old.record),
+    }  # (its record names version old-...)
     for name, text in strangers.items():
         (versions / name).mkdir()
         if text is not None:
@@ -396,6 +462,8 @@ def test_a_current_link_that_leads_out_of_versions_is_refused(make_config, tmp_p
     cfg = make_config()
     lineage = Lineage(cfg)
     (lineage.dir / "current").symlink_to(tmp_path)
-    with pytest.raises(PromotionRefused, match=f"^{re.escape(str(lineage.dir / 'current'))}: leads to {tmp_path}, "
-                       "which is not a version directory"):
+    with pytest.raises(
+        PromotionRefused,
+        match=f"^{re.escape(str(lineage.dir / 'current'))}: leads to {tmp_path}, which is not a version directory",
+    ):
         lineage.current()

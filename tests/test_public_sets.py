@@ -27,20 +27,36 @@ def write_jsonl(path, records) -> str:
 
 
 # Made-up records in each set's own format (the hub's field names; MT-Bench also in FastChat's).
-GSM8K = [{"question": "Ann has 3 pears and buys 4 more. How many pears?", "answer": "3 + 4 = 7\n#### 7"},
-         {"question": "What is 12 + 30?", "answer": "#### 42"}]
+GSM8K = [
+    {"question": "Ann has 3 pears and buys 4 more. How many pears?", "answer": "3 + 4 = 7\n#### 7"},
+    {"question": "What is 12 + 30?", "answer": "#### 42"},
+]
 HUMANEVAL = [{"task_id": "Made/0", "prompt": 'def add(a, b):\n    """Return a + b."""\n', "entry_point": "add"}]
-MTBENCH = [{"prompt_id": 1, "category": "math", "prompt": ["What is 5 + 6?", "And 7 + 8?"], "reference": []},
-           {"question_id": 2, "category": "writing",
-            "turns": ["Repeat after me: red blue", "Reverse the words: red blue"]}]
-BFCL = [{"id": "simple_made_0",
-         "question": [[{"role": "user", "content": "How warm is it in Lyon in celsius?"}]],
-         "function": [{"name": "weather.current", "description": "Current temperature of a city.",
-                       "parameters": {"type": "dict", "properties": {
-                           "city": {"type": "string", "description": "The city."},
-                           "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-                           "hours": {"type": "array", "items": {"type": "float"}}},
-                           "required": ["city"]}}]}]
+MTBENCH = [
+    {"prompt_id": 1, "category": "math", "prompt": ["What is 5 + 6?", "And 7 + 8?"], "reference": []},
+    {"question_id": 2, "category": "writing", "turns": ["Repeat after me: red blue", "Reverse the words: red blue"]},
+]
+BFCL = [
+    {
+        "id": "simple_made_0",
+        "question": [[{"role": "user", "content": "How warm is it in Lyon in celsius?"}]],
+        "function": [
+            {
+                "name": "weather.current",
+                "description": "Current temperature of a city.",
+                "parameters": {
+                    "type": "dict",
+                    "properties": {
+                        "city": {"type": "string", "description": "The city."},
+                        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+                        "hours": {"type": "array", "items": {"type": "float"}},
+                    },
+                    "required": ["city"],
+                },
+            }
+        ],
+    }
+]
 
 
 @pytest.fixture
@@ -53,13 +69,16 @@ def tokenizing(tiny_target):
     tokenizer.chat_template = (
         "{% if tools %}<|im_start|>tools\n{{ tools | tojson }}<|im_end|>\n{% endif %}"
         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-        "{% if add_generation_prompt %}<|im_start|>assistant\n{% if thinking %}<think>{% endif %}{% endif %}")
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% if thinking %}<think>{% endif %}{% endif %}"
+    )
     return SampleTokenizer(tokenizer, 4096, "assistant_turn", ("<|eos|>",), {"thinking": True})
 
 
 def test_each_sets_records_become_the_chats_the_target_is_served(tmp_path, tokenizing):
-    loaded = {name: load_set(SETS[name], write_jsonl(tmp_path / f"{name}.jsonl", records), 10, tokenizing)
-              for name, records in (("gsm8k", GSM8K), ("humaneval", HUMANEVAL), ("mtbench", MTBENCH), ("bfcl", BFCL))}
+    loaded = {
+        name: load_set(SETS[name], write_jsonl(tmp_path / f"{name}.jsonl", records), 10, tokenizing)
+        for name, records in (("gsm8k", GSM8K), ("humaneval", HUMANEVAL), ("mtbench", MTBENCH), ("bfcl", BFCL))
+    }
 
     assert [c.turns for c in loaded["gsm8k"].chats] == [(({"role": "user", "content": r["question"]},),) for r in GSM8K]
     assert loaded["humaneval"].chats[0].turns == (({"role": "user", "content": HUMANEVAL[0]["prompt"]},),)
@@ -92,19 +111,25 @@ def test_a_set_is_read_as_a_json_array_json_lines_or_with_blank_lines_and_capped
     assert len(load_set(SETS["gsm8k"], str(array), 1, tokenizing).chats) == 1  # the first N records
 
 
-@pytest.mark.parametrize("name, record, message", [
-    ("gsm8k", {"problem": "What is 2 + 2?"}, '"question" is missing'),
-    ("gsm8k", {"question": ["What is 2 + 2?"]}, '"question" is not a non-empty string'),
-    ("humaneval", {"task_id": "Made/1"}, '"prompt" is missing'),
-    ("mtbench", {"prompt": "What is 2 + 2?"}, '"prompt" (or "turns") is missing or not a list'),
-    ("bfcl", {"question": [[{"role": "user", "content": "Hi"}]]}, '"function" is missing'),
-    ("bfcl", {"question": "Hi", "function": BFCL[0]["function"]}, '"question" is missing or its first turn'),
-    ("bfcl", [1, 2], "not a JSON object"),
-])
-def test_a_record_not_in_its_sets_format_is_refused_naming_the_file_record_field_and_fix(tmp_path, tokenizing, name,
-                                                                                         record, message):
-    path = write_jsonl(tmp_path / "set.jsonl", [*{"gsm8k": GSM8K, "humaneval": HUMANEVAL, "mtbench": MTBENCH,
-                                                  "bfcl": BFCL}[name], record])
+@pytest.mark.parametrize(
+    "name, record, message",
+    [
+        ("gsm8k", {"problem": "What is 2 + 2?"}, '"question" is missing'),
+        ("gsm8k", {"question": ["What is 2 + 2?"]}, '"question" is not a non-empty string'),
+        ("humaneval", {"task_id": "Made/1"}, '"prompt" is missing'),
+        ("mtbench", {"prompt": "What is 2 + 2?"}, '"prompt" (or "turns") is missing or not a list'),
+        ("bfcl", {"question": [[{"role": "user", "content": "Hi"}]]}, '"function" is missing'),
+        ("bfcl", {"question": "Hi", "function": BFCL[0]["function"]}, '"question" is missing or its first turn'),
+        ("bfcl", [1, 2], "not a JSON object"),
+    ],
+)
+def test_a_record_not_in_its_sets_format_is_refused_naming_the_file_record_field_and_fix(
+    tmp_path, tokenizing, name, record, message
+):
+    path = write_jsonl(
+        tmp_path / "set.jsonl",
+        [*{"gsm8k": GSM8K, "humaneval": HUMANEVAL, "mtbench": MTBENCH, "bfcl": BFCL}[name], record],
+    )
     with pytest.raises(DataError) as info:
         load_set(SETS[name], path, 10, tokenizing)
     text = str(info.value)
@@ -143,37 +168,47 @@ def test_without_the_hub_the_error_says_how_to_measure_offline(monkeypatch):
         raise ConnectionError("Couldn't reach 'gorilla-llm/Berkeley-Function-Calling-Leaderboard' on the Hub")
 
     monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
-    with pytest.raises(PublicSetUnavailable, match=r"bfcl could not be loaded from the hub \(gorilla-llm/Berkeley-"
-                                                   r"Function-Calling-Leaderboard, file BFCL_v3_simple\.json\): "
-                                                   r"ConnectionError: .*evaluate\.benchmark_files\.bfcl"):
+    with pytest.raises(
+        PublicSetUnavailable,
+        match=r"bfcl could not be loaded from the hub \(gorilla-llm/Berkeley-"
+        r"Function-Calling-Leaderboard, file BFCL_v3_simple\.json\): "
+        r"ConnectionError: .*evaluate\.benchmark_files\.bfcl",
+    ):
         hub_records(SETS["bfcl"], 10)
     with pytest.raises(PublicSetUnavailable):
         hub_records(SETS["gsm8k"], 10)
-    assert asked == [("gorilla-llm/Berkeley-Function-Calling-Leaderboard", None, "BFCL_v3_simple.json", "train"),
-                     ("openai/gsm8k", "main", None, "test")]
+    assert asked == [
+        ("gorilla-llm/Berkeley-Function-Calling-Leaderboard", None, "BFCL_v3_simple.json", "train"),
+        ("openai/gsm8k", "main", None, "test"),
+    ]
 
 
 def test_a_later_turn_follows_the_targets_own_answer(tmp_path, tokenizing):
     """MT-Bench's second turn is asked after the target's greedy answer to the first, as a client of the server
     would send it back: reasoning apart from the content."""
-    loaded = load_set(SETS["mtbench"], write_jsonl(tmp_path / "mt.jsonl", [*MTBENCH, {"turns": ["Only one turn"]}]),
-                      10, tokenizing)
+    loaded = load_set(
+        SETS["mtbench"], write_jsonl(tmp_path / "mt.jsonl", [*MTBENCH, {"turns": ["Only one turn"]}]), 10, tokenizing
+    )
     tokenizer, eos = tokenizing.tokenizer, tokenizing.tokenizer.convert_tokens_to_ids("<|eos|>")
     asked = []
 
     def ask(prompts, turn):
         asked.append((turn, prompts))
-        return [tokenizer.encode(f"<think>step {turn}.{i}</think>Answer {turn}.{i}") + [eos]
-                for i in range(len(prompts))]
+        return [
+            tokenizer.encode(f"<think>step {turn}.{i}</think>Answer {turn}.{i}") + [eos] for i in range(len(prompts))
+        ]
 
     ask_turn_by_turn(loaded, ask, tokenizing, {eos})
     assert [(turn, len(prompts)) for turn, prompts in asked] == [(1, 3), (2, 2)]  # the one-turn record is done
     assert loaded.prompts == asked[0][1] + asked[1][1] and len(loaded.baseline) == 5
     second = [MTBENCH[0]["prompt"][0], MTBENCH[0]["prompt"][1]]
-    assert asked[1][1][0] == tokenizing.prompt_ids([
-        {"role": "user", "content": second[0]},
-        {"role": "assistant", "content": "Answer 1.0", "reasoning_content": "step 1.0"},
-        {"role": "user", "content": second[1]}])
+    assert asked[1][1][0] == tokenizing.prompt_ids(
+        [
+            {"role": "user", "content": second[0]},
+            {"role": "assistant", "content": "Answer 1.0", "reasoning_content": "step 1.0"},
+            {"role": "user", "content": second[1]},
+        ]
+    )
 
 
 def test_an_answer_goes_back_as_a_reasoning_parser_hands_it_over(tiny_tokenizer):
@@ -183,12 +218,21 @@ def test_an_answer_goes_back_as_a_reasoning_parser_hands_it_over(tiny_tokenizer)
         return answer_message(tiny_tokenizer, tiny_tokenizer.encode(text) + list(end), {eos})
 
     assert message("plain answer", eos) == {"role": "assistant", "content": "plain answer"}
-    assert message("<think>\nsome steps\n</think>\n\nthe answer", eos) == \
-        {"role": "assistant", "content": "the answer", "reasoning_content": "some steps"}
-    assert message("reasoning opened by the prompt</think>done") == \
-        {"role": "assistant", "content": "done", "reasoning_content": "reasoning opened by the prompt"}
-    assert message("<think>cut while thinking") == \
-        {"role": "assistant", "content": "", "reasoning_content": "cut while thinking"}
+    assert message("<think>\nsome steps\n</think>\n\nthe answer", eos) == {
+        "role": "assistant",
+        "content": "the answer",
+        "reasoning_content": "some steps",
+    }
+    assert message("reasoning opened by the prompt</think>done") == {
+        "role": "assistant",
+        "content": "done",
+        "reasoning_content": "reasoning opened by the prompt",
+    }
+    assert message("<think>cut while thinking") == {
+        "role": "assistant",
+        "content": "",
+        "reasoning_content": "cut while thinking",
+    }
 
 
 def test_the_config_names_sets_and_their_files_consistently(tmp_path, tokenizing, make_config):
@@ -196,8 +240,11 @@ def test_the_config_names_sets_and_their_files_consistently(tmp_path, tokenizing
         make_config(evaluate={"benchmarks": ["gsm8k"], "benchmark_files": {"bfcl": "/data/bfcl.jsonl"}})
     with pytest.raises(ConfigError, match=r"names a set twice"):
         make_config(evaluate={"benchmarks": ["gsm8k", "gsm8k"]})
-    with pytest.raises(ConfigError, match=r"evaluate.benchmarks.0: Input should be 'mtbench', 'gsm8k', 'humaneval' "
-                                          r"or 'bfcl'"):
+    with pytest.raises(
+        ConfigError,
+        match=r"evaluate.benchmarks.0: Input should be 'mtbench', 'gsm8k', 'humaneval' "
+        r"or 'bfcl'",
+    ):
         make_config(evaluate={"benchmarks": ["mmlu"]})
     with pytest.raises(ConfigError, match=r"evaluate.benchmark_files.gsm8k: 'gsm8k.jsonl' does not match .*absolute"):
         make_config(evaluate={"benchmarks": ["gsm8k"], "benchmark_files": {"gsm8k": "gsm8k.jsonl"}})

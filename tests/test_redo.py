@@ -15,8 +15,10 @@ from eagle3_airflow.plan import REDO_ORDER
 from eagle3_airflow.remote_job import RemoteJobOperator
 from tests.conftest import CONTEXT, edited, run_dir_of, sealed
 
-WRITE = "import os, sys\nos.makedirs(sys.argv[1], exist_ok=True)\n" \
-        "open(os.path.join(sys.argv[1], 'model'), 'a').write(sys.argv[2])\n"
+WRITE = (
+    "import os, sys\nos.makedirs(sys.argv[1], exist_ok=True)\n"
+    "open(os.path.join(sys.argv[1], 'model'), 'a').write(sys.argv[2])\n"
+)
 
 
 class WritingStage(RemoteJobOperator):
@@ -65,8 +67,16 @@ def test_redo_from_runs_that_stage_and_every_later_one_again_with_the_old_output
 def test_redo_skips_no_stage_as_nothing_changed_and_names_only_known_stages(plan, monkeypatch):
     from eagle3_airflow import tasks
 
-    monkeypatch.setattr(tasks, "check_inputs", lambda plan: {"changed": False, "unchanged_since": "earlier",
-                                                             "current_drafter": "v1", "current_accept_length": 2.5})
+    monkeypatch.setattr(
+        tasks,
+        "check_inputs",
+        lambda plan: {
+            "changed": False,
+            "unchanged_since": "earlier",
+            "current_drafter": "v1",
+            "current_accept_length": 2.5,
+        },
+    )
     assert tasks.inputs_changed(plan, dag_run=CONTEXT["dag_run"]) is False
     assert tasks.inputs_changed(sealed(edited(plan, {"box.redo_from": "evaluate"})), dag_run=CONTEXT["dag_run"]) is True
     assert BoxSettings.model_fields["redo_from"].annotation.__args__ == ("none", *REDO_ORDER)
@@ -86,6 +96,7 @@ def test_redo_from_is_the_forms_choice_and_reaches_the_plan():
     form = {name: param.value for name, param in deployment.form().items() if param.has_value}
     form.update({"target.model_path": "/models/kimi", "data.path": "/data/conversations.jsonl"})
     assert validate_run(form, {}, set(build_params()), RUN, deployment)["plan"]["box"]["redo_from"] == "none"
-    redo = validate_run({**form, "box.redo_from": "train"}, {"box.redo_from": "train"}, set(build_params()), RUN,
-                        deployment)
+    redo = validate_run(
+        {**form, "box.redo_from": "train"}, {"box.redo_from": "train"}, set(build_params()), RUN, deployment
+    )
     assert redo["plan"]["box"]["redo_from"] == "train"

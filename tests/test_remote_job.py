@@ -40,8 +40,9 @@ def start(box, command: list[str], key: str = "stage") -> dict:
 
 def trigger_for(box, key: str = "stage", **kwargs) -> RemoteJobTrigger:
     _, eagle3, jobs_dir = box
-    return RemoteJobTrigger(conn_id="gpu_box", eagle3_argv=eagle3, jobs_dir=jobs_dir, key=key, poll_interval_s=0.3,
-                            **kwargs)
+    return RemoteJobTrigger(
+        conn_id="gpu_box", eagle3_argv=eagle3, jobs_dir=jobs_dir, key=key, poll_interval_s=0.3, **kwargs
+    )
 
 
 async def first_event(trigger: RemoteJobTrigger):
@@ -51,8 +52,9 @@ async def first_event(trigger: RemoteJobTrigger):
 
 def test_trigger_round_trips_through_serialize():
     """The triggerer rebuilds a trigger from its serialized arguments: the same trigger."""
-    trigger = RemoteJobTrigger(conn_id="c", eagle3_argv=["python"], jobs_dir="/w/jobs", key="train", log_offset=7,
-                               stream="ti-1")
+    trigger = RemoteJobTrigger(
+        conn_id="c", eagle3_argv=["python"], jobs_dir="/w/jobs", key="train", log_offset=7, stream="ti-1"
+    )
     classpath, kwargs = trigger.serialize()
     assert classpath == "eagle3_airflow.remote_job.RemoteJobTrigger"
     assert RemoteJobTrigger(**kwargs).serialize() == (classpath, kwargs)
@@ -91,9 +93,11 @@ def test_user_kill_stops_the_whole_process_group(box, tmp_path):
     pid_file = tmp_path / "grandchild.pid"
     # Written whole or not at all (eagle3.disk.fsutil): open() creates a file before write() fills it, and a poll
     # between the two read an empty file (seen once in the suite under load).
-    spawn = (f"import subprocess, sys, time; from eagle3.disk.fsutil import atomic_write_text; "
-             f"p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
-             f"atomic_write_text({str(pid_file)!r}, str(p.pid)); time.sleep(60)")
+    spawn = (
+        f"import subprocess, sys, time; from eagle3.disk.fsutil import atomic_write_text; "
+        f"p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+        f"atomic_write_text({str(pid_file)!r}, str(p.pid)); time.sleep(60)"
+    )
     job = start(box, [sys.executable, "-c", spawn])
     deadline = time.monotonic() + 20
     while not pid_file.exists() and time.monotonic() < deadline:
@@ -102,8 +106,9 @@ def test_user_kill_stops_the_whole_process_group(box, tmp_path):
     asyncio.run(trigger_for(box).on_kill())
     ssh_box, eagle3, jobs_dir = box
     deadline = time.monotonic() + 30  # the kill goes on on the box after on_kill returned (job kill --detach)
-    while (poll := json.loads(ssh_box.run(job_argv(eagle3, jobs_dir, "poll", "stage")).stdout))["effective"] != \
-            "killed" and time.monotonic() < deadline:
+    while (poll := json.loads(ssh_box.run(job_argv(eagle3, jobs_dir, "poll", "stage")).stdout))[
+        "effective"
+    ] != "killed" and time.monotonic() < deadline:
         time.sleep(0.2)
     assert poll["effective"] == "killed"
     for pid in (job["pid"], grandchild):
@@ -118,8 +123,9 @@ def running(pid: int) -> bool:
         return False
 
 
-def test_the_workers_job_start_rides_out_an_outage_and_starts_the_job_once(box, fresh_sshd, tmp_path, capsys,
-                                                                           trust_settings):
+def test_the_workers_job_start_rides_out_an_outage_and_starts_the_job_once(
+    box, fresh_sshd, tmp_path, capsys, trust_settings
+):
     """`job start` from the worker while sshd is down for 4 s: retried with backoff, not a failed try."""
     import threading
     from types import SimpleNamespace
@@ -173,21 +179,25 @@ def test_each_try_streams_its_own_log_lines_and_all_of_them(tmp_path, caplog):
 
     def run_try() -> list[str]:
         LocalBox().run(job_argv(eagle3, jobs_dir, "start", "stage", "--heartbeat-s", "0.5", "--", *command)).check(
-            "job start")
-        trigger = RemoteJobTrigger(conn_id="local", eagle3_argv=eagle3, jobs_dir=jobs_dir, key="stage",
-                                   poll_interval_s=0.2)
+            "job start"
+        )
+        trigger = RemoteJobTrigger(
+            conn_id="local", eagle3_argv=eagle3, jobs_dir=jobs_dir, key="stage", poll_interval_s=0.2
+        )
         trigger._log = logging.getLogger("test.trigger")  # (the triggerer's structlog logger writes past caplog)
         caplog.clear()
         with caplog.at_level("INFO", logger="test.trigger"):
             event = asyncio.run(first_event(trigger))
-        streamed = [r.getMessage().removeprefix("[stage] ") for r in caplog.records
-                    if r.getMessage().startswith("[stage] ")]
+        streamed = [
+            r.getMessage().removeprefix("[stage] ") for r in caplog.records if r.getMessage().startswith("[stage] ")
+        ]
         return event["status"], streamed
 
     status, streamed = run_try()
     assert status == "failed"
     assert [line for line in streamed if line.startswith("try-1")] == [
-        f"try-1 line {i:05d} " + "x" * 48 for i in range(5000)]
+        f"try-1 line {i:05d} " + "x" * 48 for i in range(5000)
+    ]
     assert "try 1 failed" in streamed[-1]
 
     status, streamed = run_try()
@@ -204,17 +214,24 @@ def test_a_trigger_rebuilt_after_a_triggerer_restart_streams_only_the_new_lines(
     from eagle3_airflow.transport import LocalBox
 
     eagle3, jobs_dir, go_on = [sys.executable, "-m", "eagle3"], str(tmp_path / "jobs"), tmp_path / "go-on"
-    script = ("import os, sys, time\nfor i in range(3):\n    print(f'before {i}', flush=True)\n"
-              "while not os.path.exists(sys.argv[1]):\n    time.sleep(0.05)\n"
-              "for i in range(3):\n    print(f'after {i}', flush=True)\n")
-    LocalBox().run(job_argv(eagle3, jobs_dir, "start", "stage", "--heartbeat-s", "0.5", "--", sys.executable, "-c",
-                            script, str(go_on))).check("job start")
-    _, deferred = RemoteJobTrigger(conn_id="local", eagle3_argv=eagle3, jobs_dir=jobs_dir, key="stage",
-                                   poll_interval_s=0.2, stream="ti-0193a1b2").serialize()  # as the deferral stored it
+    script = (
+        "import os, sys, time\nfor i in range(3):\n    print(f'before {i}', flush=True)\n"
+        "while not os.path.exists(sys.argv[1]):\n    time.sleep(0.05)\n"
+        "for i in range(3):\n    print(f'after {i}', flush=True)\n"
+    )
+    LocalBox().run(
+        job_argv(
+            eagle3, jobs_dir, "start", "stage", "--heartbeat-s", "0.5", "--", sys.executable, "-c", script, str(go_on)
+        )
+    ).check("job start")
+    _, deferred = RemoteJobTrigger(
+        conn_id="local", eagle3_argv=eagle3, jobs_dir=jobs_dir, key="stage", poll_interval_s=0.2, stream="ti-0193a1b2"
+    ).serialize()  # as the deferral stored it
 
     def streamed() -> list[str]:
-        return [r.getMessage().removeprefix("[stage] ") for r in caplog.records
-                if r.getMessage().startswith("[stage] ")]
+        return [
+            r.getMessage().removeprefix("[stage] ") for r in caplog.records if r.getMessage().startswith("[stage] ")
+        ]
 
     def rebuilt() -> RemoteJobTrigger:
         trigger = RemoteJobTrigger(**deferred)
@@ -253,10 +270,16 @@ def test_the_triggers_kill_ends_well_inside_the_triggerers_on_kill_timeout(tmp_p
 
     assert ON_KILL_BUDGET_S <= conf.getint("triggerer", "on_kill_timeout") - 5
     eagle3, jobs_dir = [sys.executable, "-m", "eagle3"], str(tmp_path / "jobs")
-    stubborn = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('ignoring', flush=True)\n" \
+    stubborn = (
+        "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('ignoring', flush=True)\n"
         "time.sleep(60)\n"
-    started = json.loads(LocalBox().run(job_argv(eagle3, jobs_dir, "start", "stage", "--heartbeat-s", "0.5", "--",
-                                                 sys.executable, "-c", stubborn)).check("job start").stdout)
+    )
+    started = json.loads(
+        LocalBox()
+        .run(job_argv(eagle3, jobs_dir, "start", "stage", "--heartbeat-s", "0.5", "--", sys.executable, "-c", stubborn))
+        .check("job start")
+        .stdout
+    )
     deadline = time.monotonic() + 20
     while "ignoring" not in job.poll_job(jobs_dir, "stage")["log"] and time.monotonic() < deadline:
         time.sleep(0.1)

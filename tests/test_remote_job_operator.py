@@ -27,8 +27,7 @@ def test_the_worker_phase_has_an_execution_timeout_and_the_deferred_wait_the_sta
     assert WORKER_PHASE_TIMEOUT == timedelta(minutes=30)
     with DAG("d", default_args={"execution_timeout": timedelta(hours=2)}):
         assert RemoteJobOperator(task_id="t", stage="train", plan=plan).execution_timeout == timedelta(hours=2)
-    assert RemoteJobOperator(task_id="t", stage="train", plan=plan,
-                             execution_timeout=None).execution_timeout is None
+    assert RemoteJobOperator(task_id="t", stage="train", plan=plan, execution_timeout=None).execution_timeout is None
 
     operator = RemoteJobOperator(task_id="train", stage="train", plan=plan)
     context = {**CONTEXT, "ti": SimpleNamespace(task_id="train", map_index=-1, try_number=1, id="0193a1b2")}
@@ -40,8 +39,7 @@ def test_the_worker_phase_has_an_execution_timeout_and_the_deferred_wait_the_sta
 
 
 @pytest.mark.slow
-def test_a_worker_phase_that_times_out_fails_the_try_but_leaves_the_job_running(tmp_path, trust_settings,
-                                                                                 monkeypatch):
+def test_a_worker_phase_that_times_out_fails_the_try_but_leaves_the_job_running(tmp_path, trust_settings, monkeypatch):
     """Airflow's task runner interrupts execute at the execution_timeout and calls on_kill. A slow worker (an SSH
     outage being ridden out, a hung command) says nothing against the job: on_kill leaves it for the next try to
     re-attach to."""
@@ -115,8 +113,14 @@ def test_a_stage_starts_as_its_own_airflow_run_and_a_job_on_another_host_fails_t
     (start,) = sent
     assert any(start[i : i + 4] == owner for i in range(len(start))), start
 
-    foreign = {"status": "foreign", "key": "train", "reason": "it runs on host gpu-box-2 (machine id 3f2a...)",
-               "state": {"try": 1}, "log_tail": [], "started_try": 1}
+    foreign = {
+        "status": "foreign",
+        "key": "train",
+        "reason": "it runs on host gpu-box-2 (machine id 3f2a...)",
+        "state": {"try": 1},
+        "log_tail": [],
+        "started_try": 1,
+    }
     with pytest.raises(AirflowFailException, match="train job train foreign .*runs on host gpu-box-2"):
         operator.execute_complete(context, foreign)
 
@@ -125,10 +129,21 @@ def test_clearing_a_finished_stage_says_how_to_run_it_again(plan, monkeypatch, c
     """A clear of a succeeded stage re-attaches to its finished job and runs nothing (its outputs stand); the task
     log says so and how to redo it: box.redo_from for a stage that can be redone, another run_name otherwise. (The
     box is a stand-in answering as `job start` does for a finished job.)"""
+
     class Box:
         def run(self, argv, **_):
-            return SimpleNamespace(returncode=0, stderr="", json=lambda what: {
-                "try": 2, "pid": 7, "log": "log", "status": "succeeded", "attached": True, "refused": None})
+            return SimpleNamespace(
+                returncode=0,
+                stderr="",
+                json=lambda what: {
+                    "try": 2,
+                    "pid": 7,
+                    "log": "log",
+                    "status": "succeeded",
+                    "attached": True,
+                    "refused": None,
+                },
+            )
 
     monkeypatch.setattr(RunPlan, "remote", lambda self, conn_id=None: Box())
     # the task log as a plain logger (Airflow's own goes through structlog, which caplog does not see)
@@ -155,11 +170,21 @@ class JobBox:
         command, key = argv[argv.index("job") + 1], argv[argv.index("--key") + 1]
         status = self.statuses.get(key, "absent")
         if command == "start":
-            answer = {"try": 2, "pid": 7, "log": "log", "status": status if status == "succeeded" else "running",
-                      "attached": status in ("running", "succeeded"), "refused": None}
+            answer = {
+                "try": 2,
+                "pid": 7,
+                "log": "log",
+                "status": status if status == "succeeded" else "running",
+                "attached": status in ("running", "succeeded"),
+                "refused": None,
+            }
         else:
-            answer = {"effective": status, "state": {"try": 1, "status": status, "exit_code": 0}, "log": "",
-                      "log_offset": 0}
+            answer = {
+                "effective": status,
+                "state": {"try": 1, "status": status, "exit_code": 0},
+                "log": "",
+                "log_offset": 0,
+            }
         return SimpleNamespace(returncode=0, stderr="", json=lambda what: answer)
 
 
@@ -177,8 +202,16 @@ class StateStore:
         self.values[key] = value
 
 
-@pytest.mark.parametrize("stored", [None, {}, {"eagle3_job_key": "train"}, {"eagle3_job_key": {"not": "a key"}},
-                                    {"eagle3_job_key": "../../other-run/jobs/evaluate"}])
+@pytest.mark.parametrize(
+    "stored",
+    [
+        None,
+        {},
+        {"eagle3_job_key": "train"},
+        {"eagle3_job_key": {"not": "a key"}},
+        {"eagle3_job_key": "../../other-run/jobs/evaluate"},
+    ],
+)
 def test_every_try_asks_the_boxs_job_record_whatever_the_task_state_store_holds(plan, monkeypatch, stored):
     """The job key is the task's own, and `job start` on the box decides (re-attach, finished, start): an empty or
     missing task_state_store changes nothing, and one holding another stage's key (the store is writable through
@@ -191,8 +224,10 @@ def test_every_try_asks_the_boxs_job_record_whatever_the_task_state_store_holds(
     monkeypatch.setattr(RunPlan, "remote", lambda self, conn_id=None: box)
     monkeypatch.setattr(RunPlan, "ensure_code", lambda self, conn_id=None: "/code")
     operator = RemoteJobOperator(task_id="evaluate", stage="evaluate", plan=plan)
-    context = {**CONTEXT, "ti": SimpleNamespace(task_id="evaluate", map_index=-1, try_number=2, id="0193a1b6",
-                                                   stats_tags={})}
+    context = {
+        **CONTEXT,
+        "ti": SimpleNamespace(task_id="evaluate", map_index=-1, try_number=2, id="0193a1b6", stats_tags={}),
+    }
     if stored is not None:
         context["task_state_store"] = StateStore(stored)
     with pytest.raises(TaskDeferred) as deferred:
@@ -249,11 +284,27 @@ def test_a_start_refused_for_good_fails_the_task_without_spending_its_retries(pl
     verified = operator.verify_plan(context)
     job_dir = Path(verified.jobs_dir) / "train"
     job_dir.mkdir(parents=True, mode=0o700)
-    (job_dir / "state.json").write_text(json.dumps({
-        "key": "train", "try": 1, "status": "running", "pid": 4_000_000, "pgid": 4_000_000, "pid_start_ticks": 1,
-        "boot_id": "boot-of-gpu-box-1", "host": "gpu-box-1", "host_id": "machine-id-of-gpu-box-1", "argv": ["x"],
-        "started_at": "2026-01-01T00:00:00Z", "heartbeat_at": time.time(), "exit_code": None, "ended_at": None,
-        "log_start": 0}))
+    (job_dir / "state.json").write_text(
+        json.dumps(
+            {
+                "key": "train",
+                "try": 1,
+                "status": "running",
+                "pid": 4_000_000,
+                "pgid": 4_000_000,
+                "pid_start_ticks": 1,
+                "boot_id": "boot-of-gpu-box-1",
+                "host": "gpu-box-1",
+                "host_id": "machine-id-of-gpu-box-1",
+                "argv": ["x"],
+                "started_at": "2026-01-01T00:00:00Z",
+                "heartbeat_at": time.time(),
+                "exit_code": None,
+                "ended_at": None,
+                "log_start": 0,
+            }
+        )
+    )
     with pytest.raises(AirflowFailException) as foreign:
         operator.submit_job(context)
     said = str(foreign.value)
@@ -263,8 +314,9 @@ def test_a_start_refused_for_good_fails_the_task_without_spending_its_retries(pl
     assert json.loads((job_dir / "state.json").read_text())["pid"] == 4_000_000  # nothing launched beside it
 
     (job_dir / "state.json").unlink()
-    (Path(verified.run_dir) / "owner.json").write_text(json.dumps({"runs": [
-        {"dag_id": "eagle3_drafter", "run_id": "scheduled__2026-12-01", "triggered_by": None}]}))
+    (Path(verified.run_dir) / "owner.json").write_text(
+        json.dumps({"runs": [{"dag_id": "eagle3_drafter", "run_id": "scheduled__2026-12-01", "triggered_by": None}]})
+    )
     with pytest.raises(AirflowFailException, match=r"refused it, and retrying cannot help") as owned:
         operator.submit_job(context)
     assert "belongs to Airflow run 'scheduled__2026-12-01'" in str(owned.value)

@@ -51,8 +51,10 @@ def promote(workdir: Path, version: str, run_dir: str) -> Path:
 @pytest.mark.slow
 def test_prune_keeps_the_newest_and_every_promoted_or_live_run(tmp_path):
     workdir = tmp_path / "work"
-    runs = {name: make_run(workdir, name, age_s=age) for name, age in
-            [("week-1", 4000), ("week-2", 3000), ("week-3", 2000), ("week-4", 1000), ("week-5", 0)]}
+    runs = {
+        name: make_run(workdir, name, age_s=age)
+        for name, age in [("week-1", 4000), ("week-2", 3000), ("week-3", 2000), ("week-4", 1000), ("week-5", 0)]
+    }
     promote(workdir, "week-1-0123abcd", str(runs["week-1"]))
     run_eagle3("job", "start", "--jobs-dir", str(runs["week-2"] / "jobs"), "--key", "train", "--", "sleep", "60")
     try:
@@ -60,8 +62,10 @@ def test_prune_keeps_the_newest_and_every_promoted_or_live_run(tmp_path):
     finally:
         run_eagle3("job", "kill", "--jobs-dir", str(runs["week-2"] / "jobs"), "--key", "train", "--grace-s", "1")
     assert outcome["removed"] == ["week-3"]
-    assert outcome["kept_beyond_keep"] == {"week-1": "its drafter is a promoted version",
-                                           "week-2": "a job of it is running"}
+    assert outcome["kept_beyond_keep"] == {
+        "week-1": "its drafter is a promoted version",
+        "week-2": "a job of it is running",
+    }
     assert sorted(p.name for p in (workdir / "runs").iterdir()) == ["week-1", "week-2", "week-4", "week-5"]
     assert prune_runs(workdir, keep=1, dry_run=True)["removed"] == ["week-2", "week-4"]  # the job is gone now
     assert (runs["week-4"] / "config.json").exists()  # dry run
@@ -85,11 +89,13 @@ def test_a_run_whose_proposal_may_still_be_approved_is_kept_until_the_approval_t
     workdir = tmp_path / "work"
     runs = {name: make_run(workdir, name, age_s=age) for name, age in [("waiting", 3000), ("newest", 0)]}
     propose(runs["waiting"], age_s=2 * 3600)
-    kept = json.loads(run_eagle3("runs", "prune", "--workdir", str(workdir), "--keep", "1",
-                                 "--keep-proposals-h", "72").stdout)
+    kept = json.loads(
+        run_eagle3("runs", "prune", "--workdir", str(workdir), "--keep", "1", "--keep-proposals-h", "72").stdout
+    )
     assert (kept["removed"], kept["kept_beyond_keep"]) == ([], {"waiting": "its drafter awaits approval"})
-    timed_out = json.loads(run_eagle3("runs", "prune", "--workdir", str(workdir), "--keep", "1",
-                                      "--keep-proposals-h", "1").stdout)
+    timed_out = json.loads(
+        run_eagle3("runs", "prune", "--workdir", str(workdir), "--keep", "1", "--keep-proposals-h", "1").stdout
+    )
     assert timed_out["removed"] == ["waiting"] and not runs["waiting"].exists()
 
 
@@ -100,8 +106,7 @@ def test_store_gc_removes_only_what_no_run_links_to(tmp_path):
     make_run(workdir, "gone", 10, store="b")
     orphan = make_store(workdir, "orphan")
     a, b = store_key("a"), store_key("b")
-    assert gc_stores(workdir, dry_run=True)["stores"] == {"kept": sorted([a, b]), "removed": [orphan],
-                                                          "not_stores": {}}
+    assert gc_stores(workdir, dry_run=True)["stores"] == {"kept": sorted([a, b]), "removed": [orphan], "not_stores": {}}
     assert (workdir / "stores" / orphan).exists()
     assert prune_runs(workdir, keep=1)["removed"] == ["gone"]  # first the run directories, then what they used
     result = json.loads(run_eagle3("store", "gc", "--workdir", str(workdir)).stdout)
@@ -116,8 +121,11 @@ def test_prune_removes_no_folder_that_merely_holds_a_config_json(tmp_path):
     """Attack: `runs prune` in a work directory the trigger chose (here a home directory with a runs/ folder of
     another tool's) removed every old folder that held any config.json."""
     home = tmp_path / "home"
-    theirs = {"experiment": {"lr": 0.1}, "copied": {"run_name": "elsewhere", "workdir": "/data/work"},
-              "relative": {"run_name": "relative", "workdir": "home"}}
+    theirs = {
+        "experiment": {"lr": 0.1},
+        "copied": {"run_name": "elsewhere", "workdir": "/data/work"},
+        "relative": {"run_name": "relative", "workdir": "home"},
+    }
     for name, config in theirs.items():
         (home / "runs" / name).mkdir(parents=True)
         (home / "runs" / name / "config.json").write_text(json.dumps(config))
@@ -170,8 +178,11 @@ def test_a_promoted_run_spelled_differently_in_its_promotion_json_is_kept(tmp_pa
     workdir = tmp_path / "work"
     alias = tmp_path / "alias"
     alias.symlink_to(workdir, target_is_directory=True)
-    spellings = {"slash": f"{workdir}/runs/slash/", "double": f"{workdir}//runs//double",
-                 "linked": f"{alias}/runs/linked"}
+    spellings = {
+        "slash": f"{workdir}/runs/slash/",
+        "double": f"{workdir}//runs//double",
+        "linked": f"{alias}/runs/linked",
+    }
     for age, (name, spelling) in enumerate(spellings.items(), start=1):
         make_run(workdir, name, 100 * age)
         promote(workdir, f"{name}-00000000", spelling)
@@ -237,8 +248,9 @@ def test_store_gc_removes_only_marked_stores_and_nothing_behind_a_link(tmp_path)
         store_key("far"): "a symbolic link, not a store",
     }
     assert (stores / "someones" / "data.txt").exists() and (elsewhere / "stores" / store_key("far")).exists()
-    assert sorted(p.name for p in stores.iterdir()) == sorted([store_key("used"), "someones", "renamed",
-                                                               store_key("far")])
+    assert sorted(p.name for p in stores.iterdir()) == sorted(
+        [store_key("used"), "someones", "renamed", store_key("far")]
+    )
 
 
 def test_a_link_swapped_in_after_the_checks_removes_nothing(tmp_path):
@@ -267,10 +279,23 @@ def another_hosts_running_job(run_dir: Path, key: str = "train") -> dict:
     what the test proves is what this host does on that record."""
     directory = run_dir / "jobs" / key
     directory.mkdir(parents=True)
-    state = {"key": key, "try": 1, "status": "running", "pid": 4_000_000, "pgid": 4_000_000,
-             "pid_start_ticks": 123, "boot_id": "boot-of-gpu-box-1", "host": "gpu-box-1",
-             "host_id": "machine-id-of-gpu-box-1", "argv": ["x"], "started_at": "2026-01-01T00:00:00Z",
-             "heartbeat_at": time.time() - 3600, "exit_code": None, "ended_at": None, "log_start": 0}
+    state = {
+        "key": key,
+        "try": 1,
+        "status": "running",
+        "pid": 4_000_000,
+        "pgid": 4_000_000,
+        "pid_start_ticks": 123,
+        "boot_id": "boot-of-gpu-box-1",
+        "host": "gpu-box-1",
+        "host_id": "machine-id-of-gpu-box-1",
+        "argv": ["x"],
+        "started_at": "2026-01-01T00:00:00Z",
+        "heartbeat_at": time.time() - 3600,
+        "exit_code": None,
+        "ended_at": None,
+        "log_start": 0,
+    }
     (directory / "state.json").write_text(json.dumps(state))
     directory.chmod(0o700)
     return state
@@ -284,8 +309,10 @@ def test_a_run_whose_job_runs_on_another_host_is_never_pruned(tmp_path, monkeypa
     this_host.write_text("machine-id-of-gpu-box-2\n")
     monkeypatch.setenv("EAGLE3_HOST_ID_FILE", str(this_host))
     workdir = tmp_path / "work"
-    runs = {name: make_run(workdir, name, age_s=age) for name, age in [("box-1-run", 3000), ("box-2-old", 2000),
-                                                                         ("box-2-new", 0)]}
+    runs = {
+        name: make_run(workdir, name, age_s=age)
+        for name, age in [("box-1-run", 3000), ("box-2-old", 2000), ("box-2-new", 0)]
+    }
     another_hosts_running_job(runs["box-1-run"])
     own = another_hosts_running_job(runs["box-2-old"])  # this host's own job, recorded before a reboot
     state = runs["box-2-old"] / "jobs" / "train" / "state.json"
@@ -316,14 +343,19 @@ def test_a_run_another_host_made_is_never_pruned_here_even_between_two_stages(tm
     box A made it: box B keeps it, saying so, and prunes its own old run and the run directory no Airflow run owns
     (init by hand). Box A's retention prunes box A's run."""
     workdir = tmp_path / "work"
-    runs = {name: make_run(workdir, name, age_s=age) for name, age in [
-        ("box-1-between-stages", 3000), ("no-owner", 2600), ("box-2-old", 2000), ("box-2-new", 0)]}
+    runs = {
+        name: make_run(workdir, name, age_s=age)
+        for name, age in [("box-1-between-stages", 3000), ("no-owner", 2600), ("box-2-old", 2000), ("box-2-new", 0)]
+    }
     as_host(monkeypatch, tmp_path, "gpu-box-1")
     owned_by_this_host(runs["box-1-between-stages"], "scheduled__box-1")
     done = runs["box-1-between-stages"] / "jobs" / "extract.0"
     done.mkdir(parents=True, mode=0o700)
-    (done / "state.json").write_text(json.dumps({
-        **another_hosts_running_job(tmp_path / "scratch", "extract.0"), "status": "succeeded", "exit_code": 0}))
+    (done / "state.json").write_text(
+        json.dumps(
+            {**another_hosts_running_job(tmp_path / "scratch", "extract.0"), "status": "succeeded", "exit_code": 0}
+        )
+    )
     as_host(monkeypatch, tmp_path, "gpu-box-2")
     for name in ("box-2-old", "box-2-new"):
         owned_by_this_host(runs[name], f"scheduled__{name}")
@@ -332,9 +364,11 @@ def test_a_run_another_host_made_is_never_pruned_here_even_between_two_stages(tm
     assert outcome["removed"] == ["box-2-old", "no-owner"]
     kept = outcome["kept_beyond_keep"]
     assert list(kept) == ["box-1-between-stages"]
-    assert kept["box-1-between-stages"].startswith("owned by host ") and \
-        "(host id machine-id-of-gpu-box-1), which made it: only that host's retention prunes it" in \
-        kept["box-1-between-stages"]
+    assert (
+        kept["box-1-between-stages"].startswith("owned by host ")
+        and "(host id machine-id-of-gpu-box-1), which made it: only that host's retention prunes it"
+        in kept["box-1-between-stages"]
+    )
     assert (runs["box-1-between-stages"] / "jobs" / "extract.0" / "state.json").exists()
 
     as_host(monkeypatch, tmp_path, "gpu-box-1")

@@ -22,8 +22,15 @@ from tests.conftest import REPO
 from tests.test_layer_ids import ENVS
 
 # Kimi-K2's text config RoPE (theta 50000, YaRN x32 over 4096 positions, served to 131,072)
-KIMI_YARN = {"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096, "beta_fast": 1.0,
-             "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+KIMI_YARN = {
+    "type": "yarn",
+    "factor": 32.0,
+    "original_max_position_embeddings": 4096,
+    "beta_fast": 1.0,
+    "beta_slow": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
 SCALINGS = {
     "kimi-yarn": KIMI_YARN,
     "yarn-defaults": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},  # mscale 1.139
@@ -47,8 +54,13 @@ def test_the_tiny_targets_plain_rope_is_the_old_one_bit_for_bit():
 def test_the_targets_rope_is_read_in_both_spellings():
     kimi = {"rope_theta": 50000.0, "rope_scaling": KIMI_YARN}
     assert target_rope(kimi) == (50000.0, KIMI_YARN)
-    transformers5 = {"rope_parameters": {"rope_theta": 50000.0, "rope_type": "yarn",
-                                         **{k: v for k, v in KIMI_YARN.items() if k != "type"}}}
+    transformers5 = {
+        "rope_parameters": {
+            "rope_theta": 50000.0,
+            "rope_type": "yarn",
+            **{k: v for k, v in KIMI_YARN.items() if k != "type"},
+        }
+    }
     assert target_rope(transformers5) == (50000.0, KIMI_YARN)
     assert target_rope({"rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}}) == (10000.0, None)
 
@@ -63,10 +75,20 @@ def test_yarn_interpolates_the_low_frequencies_and_keeps_the_high_ones():
 
 
 def exported_drafter(tmp_path, name: str, scaling) -> str:
-    draft = DraftConfig(hidden_size=7168, intermediate_size=18432, num_attention_heads=56, num_key_value_heads=8,
-                        head_dim=128, rms_norm_eps=1e-6, rope_theta=50000.0, max_position_embeddings=131072,
-                        target_vocab_size=163840, draft_vocab_size=32000, aux_layer_ids=(1, 29, 57),
-                        rope_scaling=scaling)
+    draft = DraftConfig(
+        hidden_size=7168,
+        intermediate_size=18432,
+        num_attention_heads=56,
+        num_key_value_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        rope_theta=50000.0,
+        max_position_embeddings=131072,
+        target_vocab_size=163840,
+        draft_vocab_size=32000,
+        aux_layer_ids=(1, 29, 57),
+        rope_scaling=scaling,
+    )
     config = drafter_config(draft, "KimiK25ForConditionalGeneration", "bfloat16")
     directory = tmp_path / name
     directory.mkdir()
@@ -92,10 +114,15 @@ def test_the_engines_rotate_the_exported_drafter_as_it_trained(tmp_path, engine)
     if not python.exists():
         pytest.fail(f"{python} is missing: `make {engine}-env` builds the real-{engine} test environment")
     directories = [exported_drafter(tmp_path, name, scaling) for name, scaling in SCALINGS.items()]
-    proc = subprocess.run([str(python), str(REPO / "tests" / f"{engine}_real" / "rope_cos_sin.py")],
-                          input=json.dumps({"configs": directories, "positions": POSITIONS}), capture_output=True,
-                          text=True, timeout=600, cwd=REPO / "tests",
-                          env={"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/"), "PYTHONSAFEPATH": "1"})
+    proc = subprocess.run(
+        [str(python), str(REPO / "tests" / f"{engine}_real" / "rope_cos_sin.py")],
+        input=json.dumps({"configs": directories, "positions": POSITIONS}),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO / "tests",
+        env={"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/"), "PYTHONSAFEPATH": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     served = json.loads(proc.stdout.strip().splitlines()[-1])
     for (name, scaling), theirs in zip(SCALINGS.items(), served):

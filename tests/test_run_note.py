@@ -16,7 +16,8 @@ SUMMARY = {
     "measured_accept_length": {"3": 2.821, "7": 3.406},
     "hidden_states": {"store": "/data/eagle3/stores/ab12", "samples": 1078, "extracted": 98, "reused": 980},
     "promotion": {
-        "promoted": True, "reason": "better at k=3: 2.821 against the current 2.538 (margin 0.05)",
+        "promoted": True,
+        "reason": "better at k=3: 2.821 against the current 2.538 (margin 0.05)",
         "current": "/data/eagle3/drafters/f209/current",
         "current_before": {"version": "week-47-1a2b3c4d", "run": "week-47", "accept_length": {"3": 2.538, "7": 2.351}},
     },
@@ -35,8 +36,10 @@ def test_a_promoted_run_says_so_with_both_drafters_figures_and_where_the_drafter
 
 
 def test_the_first_drafter_and_a_refused_one_read_differently():
-    first = {**SUMMARY, "promotion": {"promoted": True, "reason": "the lineage's first drafter (k=3: 2.821)",
-                                      "current_before": None}}
+    first = {
+        **SUMMARY,
+        "promotion": {"promoted": True, "reason": "the lineage's first drafter (k=3: 2.821)", "current_before": None},
+    }
     assert "| 3 | 2.821 | - |" in note_markdown(first)  # no current drafter to compare with
     why = "not better at k=3 by more than 0.05: 2.560 against the current 2.538"
     refused = {**SUMMARY, "promotion": {**SUMMARY["promotion"], "promoted": False, "reason": why}}
@@ -45,15 +48,26 @@ def test_the_first_drafter_and_a_refused_one_read_differently():
 
 def test_a_run_that_proposed_its_drafter_says_it_awaits_approval():
     """approve_promotion: the training run ends with its proposal; the promotion DAG asks a person."""
-    proposed = {**SUMMARY, "promotion": {**SUMMARY["promotion"], "promoted": False, "pending_approval": True,
-                                         "reason": "better at k=3; proposed for approval (the promotion DAG asks)"}}
+    proposed = {
+        **SUMMARY,
+        "promotion": {
+            **SUMMARY["promotion"],
+            "promoted": False,
+            "pending_approval": True,
+            "reason": "better at k=3; proposed for approval (the promotion DAG asks)",
+        },
+    }
     assert note_markdown(proposed).startswith(f"{NOTE_TITLE}: proposed, awaiting approval\n\nbetter at k=3")
 
 
 def test_a_run_that_changed_nothing_names_the_run_it_matches():
-    summary = {"run_dir": "/w/runs/r2", "nothing_changed_since": "week-47", "drafter": "/w/drafters/f209/current",
-               "measured_accept_length": {"3": 2.538},
-               "promotion": {"promoted": False, "reason": "nothing changed since run week-47"}}
+    summary = {
+        "run_dir": "/w/runs/r2",
+        "nothing_changed_since": "week-47",
+        "drafter": "/w/drafters/f209/current",
+        "measured_accept_length": {"3": 2.538},
+        "promotion": {"promoted": False, "reason": "nothing changed since run week-47"},
+    }
     note = note_markdown(summary)
     assert note.startswith(f"{NOTE_TITLE}: nothing changed since run week-47\n")
     assert "| 3 | 2.538 | - |" in note
@@ -91,9 +105,12 @@ def test_markdown_in_a_workdir_a_reason_or_a_forged_figure_renders_as_literal_te
         "drafter": f"{workdir}/runs/r/drafter",
         "measured_accept_length": {"3": 2.821, "<b>7</b>": "**9.999**"},
         "hidden_states": {"extracted": "__98__", "reused": 980},
-        "promotion": {"promoted": False, "reason": f"{bold}\n# Approved\n{image} | cell",
-                      "current": f"{workdir}/drafters/f209/current",
-                      "current_before": {"accept_length": {"3": "[2.538](https://x)"}}},
+        "promotion": {
+            "promoted": False,
+            "reason": f"{bold}\n# Approved\n{image} | cell",
+            "current": f"{workdir}/drafters/f209/current",
+            "current_before": {"accept_length": {"3": "[2.538](https://x)"}},
+        },
     }
     html = render(note_markdown(hostile))
     for markup in ("<img", "<strong>", "<a ", "<h1", "<b>", "<h2"):
@@ -120,16 +137,25 @@ def test_the_public_sets_show_in_the_note_and_the_report_tab_beside_the_publishe
         return {"mean_accept_length": mean, "accept_length_interval95": [low, high], "ceiling_accept_length": 3.9}
 
     evaluation = {
-        "val_acc_per_position": [0.8, 0.6], "offline_accept_length": {"3": 2.7},
+        "val_acc_per_position": [0.8, 0.6],
+        "offline_accept_length": {"3": 2.7},
         "speculative": {"3": figures(2.821, 2.61, 3.02)},
-        "public_sets": {"gsm8k": {"title": "GSM8K", "prompts": 200, "answers_cut_at_max_new_tokens": 3,
-                                  "speculative": {"3": figures(3.104, 3.01, 3.2), "7": figures(4.2, 3.9, 4.5)},
-                                  "published_k3": {"TorchSpec K2.5": 3.2, "AQ-MedAI K2": 3.27}}},
+        "public_sets": {
+            "gsm8k": {
+                "title": "GSM8K",
+                "prompts": 200,
+                "answers_cut_at_max_new_tokens": 3,
+                "speculative": {"3": figures(3.104, 3.01, 3.2), "7": figures(4.2, 3.9, 4.5)},
+                "published_k3": {"TorchSpec K2.5": 3.2, "AQ-MedAI K2": 3.27},
+            }
+        },
     }
     plan = SimpleNamespace(run_dir="/data/runs/r", box=SimpleNamespace(conn_ids=["gpu-box"]))
     summary = summarize(plan, evaluation, [])
-    row = "| GSM8K | 200, 3 cut at max tokens | 3.104 (3.010-3.200) | 4.200 (3.900-4.500) | TorchSpec K2.5 3.20, " \
-          "AQ-MedAI K2 3.27 |"
+    row = (
+        "| GSM8K | 200, 3 cut at max tokens | 3.104 (3.010-3.200) | 4.200 (3.900-4.500) | TorchSpec K2.5 3.20, "
+        "AQ-MedAI K2 3.27 |"
+    )
     assert row in note_markdown(summary)
     page = _summary_html(summary, {})
     assert "<table id='public-sets'>" in page and "<td>3.104 (3.010-3.200)</td>" in page

@@ -24,8 +24,13 @@ from tests.conftest import run_eagle3, tiny_run_data
 ALICE_RUN = ("eagle3_drafter", "manual__2026-12-04T08:00:00+00:00", "alice")
 
 
-def init(draft: Path, dag_id: str | None = None, run_id: str | None = None, user: str | None = None,
-         redo_from: str | None = None):
+def init(
+    draft: Path,
+    dag_id: str | None = None,
+    run_id: str | None = None,
+    user: str | None = None,
+    redo_from: str | None = None,
+):
     """`eagle3 init` as write_config runs it (each value one --name=value argument), or by hand (no dag_id)."""
     owner = [] if dag_id is None else [f"--airflow-dag-id={dag_id}", f"--airflow-run-id={run_id}"]
     owner += [f"--triggered-by={user}"] if user else []
@@ -53,12 +58,17 @@ def test_a_run_directory_is_its_first_airflow_runs_and_another_users_run_is_refu
     assert init(draft, *ALICE_RUN).returncode == 0
     config = (tmp_path / "work" / "runs" / "shared-name" / CONFIG).read_bytes()
     assert init(draft, *ALICE_RUN).returncode == 0  # a retry, or a clear of write_config
-    for other in (("eagle3_drafter", "manual__2026-12-05T08:00:00+00:00", "bob"),
-                  ("eagle3_drafter__gpu-box-2", ALICE_RUN[1], "bob"), ("eagle3_drafter", "scheduled__x", None)):
+    for other in (
+        ("eagle3_drafter", "manual__2026-12-05T08:00:00+00:00", "bob"),
+        ("eagle3_drafter__gpu-box-2", ALICE_RUN[1], "bob"),
+        ("eagle3_drafter", "scheduled__x", None),
+    ):
         refused = init(draft, *other)
         assert refused.returncode == 2, refused.stderr
-        assert "belongs to Airflow run 'manual__2026-12-04T08:00:00+00:00' of DAG 'eagle3_drafter' (triggered " \
-               "by 'alice')" in refused.stderr
+        assert (
+            "belongs to Airflow run 'manual__2026-12-04T08:00:00+00:00' of DAG 'eagle3_drafter' (triggered "
+            "by 'alice')" in refused.stderr
+        )
         assert "clears its failed task" in refused.stderr and "another run_name" in refused.stderr
     assert owners(tmp_path) == [(*ALICE_RUN, None)]
     assert (tmp_path / "work" / "runs" / "shared-name" / CONFIG).read_bytes() == config
@@ -131,9 +141,11 @@ def test_init_by_hand_and_airflow_runs_never_share_a_directory(draft, tmp_path):
 
 @pytest.mark.slow
 def test_a_value_that_names_no_airflow_run_is_refused():
-    for argv, field in ((["--airflow-dag-id=a b", "--airflow-run-id=r"], "--airflow-dag-id"),
-                        (["--airflow-dag-id=d", "--airflow-run-id=r\nx"], "--airflow-run-id"),
-                        (["--airflow-dag-id=d"], "give both")):
+    for argv, field in (
+        (["--airflow-dag-id=a b", "--airflow-run-id=r"], "--airflow-dag-id"),
+        (["--airflow-dag-id=d", "--airflow-run-id=r\nx"], "--airflow-run-id"),
+        (["--airflow-dag-id=d"], "give both"),
+    ):
         proc = run_eagle3("init", "--config", "/nonexistent.json", *argv, check=False)
         assert proc.returncode == 2 and field in proc.stderr, proc.stderr
 
@@ -146,15 +158,25 @@ def test_the_dags_write_config_refuses_another_airflow_runs_directory(tmp_path, 
     """validate then write_config, as the DAG runs them, with this machine as the box: a second Airflow run that
     names the first's run_name fails write_config for good (no retry can help), naming the owner; the first run's
     clear of write_config goes on."""
-    deployment = Deployment(allowed_boxes=["local"], allowed_workdirs=[str(tmp_path)], allowed_pythons=[sys.executable],
-                            box={"python": sys.executable}, params={"box.conn_ids": ["local"]},
-                            run={"workdir": str(tmp_path / "work"), "vocab.draft_vocab_size": 512})
+    deployment = Deployment(
+        allowed_boxes=["local"],
+        allowed_workdirs=[str(tmp_path)],
+        allowed_pythons=[sys.executable],
+        box={"python": sys.executable},
+        params={"box.conn_ids": ["local"]},
+        run={"workdir": str(tmp_path / "work"), "vocab.draft_vocab_size": 512},
+    )
     settings = tmp_path / "dag-settings.json"
     settings.write_text(deployment.model_dump_json(exclude_defaults=True))
     monkeypatch.setenv("EAGLE3_DAG_SETTINGS", str(settings))  # as the DAG file parses it (no task reads it)
     params = {k: p.value for k, p in deployment.form().items() if p.has_value}
-    params.update({"target.model_path": str(tiny_target), "data.path": str(tiny_target / "prompts.jsonl"),
-                   "run_name": "alices-run"})
+    params.update(
+        {
+            "target.model_path": str(tiny_target),
+            "data.path": str(tiny_target / "prompts.jsonl"),
+            "run_name": "alices-run",
+        }
+    )
 
     def trigger(run_id: str, user: str) -> tuple[dict, SimpleNamespace]:
         dag_run = SimpleNamespace(dag_id="eagle3_drafter", run_id=run_id, conf={}, triggering_user_name=user)
@@ -165,8 +187,11 @@ def test_the_dags_write_config_refuses_another_airflow_runs_directory(tmp_path, 
     written = write_config(alice["plan"], dag_run=alice_run)
     assert write_config(alice["plan"], dag_run=alice_run) == written  # cleared: resumes
     bob, bob_run = trigger("manual__2026-12-05T08:00:00+00:00", "bob")
-    with pytest.raises(AirflowFailException, match=r"alices-run belongs to Airflow run 'manual__2026-12-04T08:00:00"
-                                                   r"\+00:00' of DAG 'eagle3_drafter' \(triggered by 'alice'\)"):
+    with pytest.raises(
+        AirflowFailException,
+        match=r"alices-run belongs to Airflow run 'manual__2026-12-04T08:00:00"
+        r"\+00:00' of DAG 'eagle3_drafter' \(triggered by 'alice'\)",
+    ):
         write_config(bob["plan"], dag_run=bob_run)
     record = json.loads((Path(written).parent / OWNER).read_text())
     assert [(run["run_id"], run["triggered_by"]) for run in record["runs"]] == [(alice_run.run_id, "alice")]
@@ -196,13 +221,28 @@ def test_a_stage_of_another_airflow_run_is_not_started_in_an_owned_directory(dra
     jobs = tmp_path / "work" / "runs" / "shared-name" / "jobs"
 
     def start(dag_id: str, run_id: str, *redo: str):
-        return run_eagle3("job", "start", "--jobs-dir", str(jobs), "--key", "train", f"--airflow-dag-id={dag_id}",
-                          f"--airflow-run-id={run_id}", *redo, "--", sys.executable, "-c", "1", check=False)
+        return run_eagle3(
+            "job",
+            "start",
+            "--jobs-dir",
+            str(jobs),
+            "--key",
+            "train",
+            f"--airflow-dag-id={dag_id}",
+            f"--airflow-run-id={run_id}",
+            *redo,
+            "--",
+            sys.executable,
+            "-c",
+            "1",
+            check=False,
+        )
 
     for redo in ([], ["--redo", "run-0123456789abcdef", "--set-aside", str(jobs.parent / "train")]):
         refused = start("eagle3_drafter", "manual__2026-12-06T08:00:00+00:00", *redo)
-        assert refused.returncode == 2 and "belongs to Airflow run 'manual__2026-12-04T08:00:00+00:00'" in \
-            refused.stderr, refused.stderr
+        assert (
+            refused.returncode == 2 and "belongs to Airflow run 'manual__2026-12-04T08:00:00+00:00'" in refused.stderr
+        ), refused.stderr
         assert not (jobs / "train" / "state.json").exists()
     assert json.loads(start("eagle3_drafter", ALICE_RUN[1]).stdout)["try"] == 1
     later = ("eagle3_drafter", "manual__2026-12-07T08:00:00+00:00", "alice")  # alice's next run takes it over

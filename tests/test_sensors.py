@@ -55,8 +55,11 @@ def test_a_box_with_too_few_gpus_for_the_shards_fails_at_once(plan, gpus, capsys
     gpus([{**H200, "index": i, "uuid": f"GPU-{i}", "memory.used": 1} for i in range(4)])
     sglang = {"config.extract.backend": "sglang", "config.extract.sglang.tp_size": 2}
     assert poke(GpuIdleSensor, sealed(edited(plan, {**sglang, "config.extract.num_shards": 2})), capsys)[0]  # 2 x 2
-    with pytest.raises(AirflowFailException, match=r"local has 4 GPUs, this run needs 6 there for 3 extraction "
-                                                   r"shard\(s\) x 2 GPU\(s\) each \(extract.num_shards"):
+    with pytest.raises(
+        AirflowFailException,
+        match=r"local has 4 GPUs, this run needs 6 there for 3 extraction "
+        r"shard\(s\) x 2 GPU\(s\) each \(extract.num_shards",
+    ):
         poke(GpuIdleSensor, sealed(edited(plan, {**sglang, "config.extract.num_shards": 3})), capsys)
     with pytest.raises(AirflowFailException, match=r"needs 8 there for training"):
         poke(GpuIdleSensor, sealed(edited(plan, {"config.train.nproc_per_node": 8})), capsys)
@@ -76,8 +79,11 @@ def test_the_gpu_check_is_the_settings_never_a_triggers():
     from eagle3_airflow.tasks import validate_run
     from tests.conftest import RUN
 
-    deployment = Deployment(run={"workdir": "/data/eagle3"}, allowed_services=["vllm.service"],
-                            box={"require_gpus": True, "gpu_max_used_mib": 512, "stop_services": ["vllm.service"]})
+    deployment = Deployment(
+        run={"workdir": "/data/eagle3"},
+        allowed_services=["vllm.service"],
+        box={"require_gpus": True, "gpu_max_used_mib": 512, "stop_services": ["vllm.service"]},
+    )
     form = {name: param.value for name, param in deployment.form().items() if param.has_value}
     form.update({"target.model_path": "/models/kimi", "data.path": "/data/conversations.jsonl"})
     plan = validate_run(form, {}, set(build_params()), RUN, deployment)["plan"]
@@ -159,18 +165,23 @@ def test_this_runs_own_job_on_the_gpu_is_not_foreign(plan, gpus, capsys):
 
 
 def test_the_plan_knows_how_many_gpus_each_box_needs(make_config):
-    sglang = make_config(extract={"backend": "sglang", "num_shards": 3, "sglang": {"tp_size": 4}},
-                         train={"gpus": [0, 5]})
+    sglang = make_config(
+        extract={"backend": "sglang", "num_shards": 3, "sglang": {"tp_size": 4}}, train={"gpus": [0, 5]}
+    )
     plan = run_plan(sglang, conn_ids=["a", "b"])
-    assert plan.gpus_needed("a") == (8, "2 extraction shard(s) x 4 GPU(s) each (extract.num_shards, "
-                                        "extract.sglang.tp_size with the sglang backend)")
+    assert plan.gpus_needed("a") == (
+        8,
+        "2 extraction shard(s) x 4 GPU(s) each (extract.num_shards, extract.sglang.tp_size with the sglang backend)",
+    )
     assert plan.gpus_needed("b")[0] == 4  # one shard, and no training there
     assert plan.config.train_gpus == 6  # GPU index 5 must exist on the first box
     # (tp 4: the tiny drafter's 4 heads must split across the server that loads it)
     engine = "the serving engine that generate, evaluate or benchmark start (server.tp_size)"
-    for served in (make_config(benchmark={"enabled": True}, server={"tp_size": 4}),
-                   make_config(evaluate={"backend": "server"}, server={"tp_size": 4}),
-                   make_config(generate={"enabled": True, "launch_server": True}, server={"tp_size": 4})):
+    for served in (
+        make_config(benchmark={"enabled": True}, server={"tp_size": 4}),
+        make_config(evaluate={"backend": "server"}, server={"tp_size": 4}),
+        make_config(generate={"enabled": True, "launch_server": True}, server={"tp_size": 4}),
+    ):
         assert run_plan(served).gpus_needed("local") == (4, engine)
     named = run_plan(make_config(extract={"device": "cuda:0", "num_shards": 4}))
     assert named.gpus_needed("local")[0] == 1  # a device the user named: only training's rank counts

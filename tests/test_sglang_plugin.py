@@ -46,10 +46,22 @@ def plugin_run(tmp_path_factory) -> tuple[dict, dict, Path]:
     code, sink, out = synced_code_dir(tmp / "code"), tmp / "sink", tmp / "out"
     sink.mkdir()
     out.mkdir()
-    env = {"PATH": os.environ["PATH"], "HOME": str(tmp), "PYTHONPATH": str(code), "PYTHONSAFEPATH": "1",
-           "SGLANG_PLUGINS": PLUGIN_NAME, SINK_ENV: str(sink)}
-    proc = subprocess.run([str(SGLANG_ENV_PYTHON), str(REPO / "tests" / "sglang_real" / "plugin_child.py"), str(out)],
-                          env=env, cwd=tmp, capture_output=True, text=True, timeout=600)
+    env = {
+        "PATH": os.environ["PATH"],
+        "HOME": str(tmp),
+        "PYTHONPATH": str(code),
+        "PYTHONSAFEPATH": "1",
+        "SGLANG_PLUGINS": PLUGIN_NAME,
+        SINK_ENV: str(sink),
+    }
+    proc = subprocess.run(
+        [str(SGLANG_ENV_PYTHON), str(REPO / "tests" / "sglang_real" / "plugin_child.py"), str(out)],
+        env=env,
+        cwd=tmp,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads((out / "result.json").read_text()), load_file(str(out / "inputs.safetensors")), sink
 

@@ -40,8 +40,11 @@ def test_a_rerun_extracts_nothing_and_grown_data_extracts_exactly_the_new_sample
     same = make_config(run_name="week-2", data={"max_samples": 40})
     rerun = run_extract(same)
     assert (rerun["samples_extracted"], rerun["samples_stored_before"]) == (0, week1["samples_stored"])
-    assert same.store_dir.resolve() == first.store_dir.resolve() == first.store_dir.parent.parent.parent / "stores" / \
-        week1["store"]
+    assert (
+        same.store_dir.resolve()
+        == first.store_dir.resolve()
+        == first.store_dir.parent.parent.parent / "stores" / week1["store"]
+    )
 
     grown = make_config(run_name="week-3", data={"max_samples": 44})  # 10 % more conversations
     new_ids = set(conversation_ids(grown)) - set(conversation_ids(first))
@@ -59,8 +62,14 @@ def test_a_rerun_extracts_nothing_and_grown_data_extracts_exactly_the_new_sample
 def test_a_change_to_what_decides_the_states_starts_another_store(make_config):
     base = make_config(run_name="base", data={"max_samples": 12})
     run_extract(base)
-    for i, change in enumerate([{"extract": {"aux_layers": [2, 3, 4]}}, {"data": {"max_samples": 12, "max_length": 64}},
-                                {"extract": {"state_dtype": "fp8_e4m3"}}, {"extract": {"num_shards": 2}}]):
+    for i, change in enumerate(
+        [
+            {"extract": {"aux_layers": [2, 3, 4]}},
+            {"data": {"max_samples": 12, "max_length": 64}},
+            {"extract": {"state_dtype": "fp8_e4m3"}},
+            {"extract": {"num_shards": 2}},
+        ]
+    ):
         other = make_config(run_name=f"other-{i}", **{"data": {"max_samples": 12}, **change})
         stats = run_extract(other, 0)
         assert other.store_dir.resolve() != base.store_dir.resolve(), change
@@ -126,7 +135,8 @@ sys.exit(main(["extract", "--config", sys.argv[1]]))
 
 @pytest.mark.slow
 def test_a_run_that_finds_another_writing_its_shard_waits_for_it_and_finds_its_samples_stored(
-        make_config, tmp_path, monkeypatch, caplog):
+    make_config, tmp_path, monkeypatch, caplog
+):
     """Two runs of one capture extract the same shard of the shared store at once (on two boxes sharing the disk, or
     one): the second waits for the first's lock instead of failing (a retry came back refused while the first wrote
     for hours, until the retries ran out), naming the holder in its log and beating progress meanwhile, so the job's
@@ -146,8 +156,13 @@ def test_a_run_that_finds_another_writing_its_shard_waits_for_it_and_finds_its_s
     assert first.store_dir.resolve() == second.store_dir.resolve()
     go_on = tmp_path / "go-on"
     env = {name: value for name, value in os.environ.items() if not name.startswith("EAGLE3_")}
-    holder = subprocess.Popen([sys.executable, "-c", HELD_EXTRACT, str(first.config_path), str(go_on)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HELD_EXTRACT, str(first.config_path), str(go_on)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         lock = shard_dir(first.store_dir, 0) / ".lock"
         deadline = time.monotonic() + 120
@@ -163,8 +178,14 @@ def test_a_run_that_finds_another_writing_its_shard_waits_for_it_and_finds_its_s
         from eagle3.stages import extract
 
         allowances = []  # (line, allowance_s) of the stage's beats that announce a silence
-        monkeypatch.setattr(extract, "beat", lambda line, allowance_s=None: (
-            allowance_s is not None and allowances.append((line, allowance_s)), progress.beat(line, allowance_s)))
+        monkeypatch.setattr(
+            extract,
+            "beat",
+            lambda line, allowance_s=None: (
+                allowance_s is not None and allowances.append((line, allowance_s)),
+                progress.beat(line, allowance_s),
+            ),
+        )
         caplog.set_level("INFO", logger="eagle3.stages.extract")
         outcome = {}
         waiter = threading.Thread(target=lambda: outcome.update(run_extract(second)))
@@ -205,8 +226,11 @@ def test_a_writer_that_does_not_wait_gets_store_busy_naming_the_holder_and_is_re
     run_extract(first)
     writing = ShardWriter(first.store_dir, 0, read_meta(first.store_dir), writer="run first")
     try:
-        with pytest.raises(StoreBusy, match=rf"another process is writing this shard \(pid {os.getpid()} on host "
-                                            r".*'run first'") as refused:
+        with pytest.raises(
+            StoreBusy,
+            match=rf"another process is writing this shard \(pid {os.getpid()} on host "
+            r".*'run first'",
+        ) as refused:
             ShardWriter(first.store_dir, 0, read_meta(first.store_dir))
         assert exit_code_for(refused.value) == 1
         with pytest.raises(StoreBusy, match="holds the shard's lock already, in a writer it has not released"):
@@ -233,8 +257,12 @@ def test_kill_9_during_an_incremental_extraction_leaves_the_store_a_clean_one_wo
     write_run_config(killed)
     attach_store(killed)
     before = chunk_count(killed.store_dir)
-    extraction = subprocess.Popen([sys.executable, "-m", "eagle3", "extract", "--config", str(killed.config_path)],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    extraction = subprocess.Popen(
+        [sys.executable, "-m", "eagle3", "extract", "--config", str(killed.config_path)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 300
         while chunk_count(killed.store_dir) == before:
@@ -247,8 +275,10 @@ def test_kill_9_during_an_incremental_extraction_leaves_the_store_a_clean_one_wo
     first_try = chunk_count(killed.store_dir) - before
     second_try = json.loads(run_eagle3("extract", "--config", str(killed.config_path)).stdout)
 
-    print(f"\nincremental extraction killed after {first_try} new chunk(s); the rerun extracted "
-          f"{second_try['samples_extracted']} of the {new} new samples, reused {second_try['samples_stored_before']}")
+    print(
+        f"\nincremental extraction killed after {first_try} new chunk(s); the rerun extracted "
+        f"{second_try['samples_extracted']} of the {new} new samples, reused {second_try['samples_stored_before']}"
+    )
     assert 0 < second_try["samples_extracted"] < new  # the kill landed mid-run: both tries did some of the work
     assert second_try["samples_stored"] == 198
     assert verify(killed.store_dir)["samples"] == verify(clean.store_dir)["samples"] == 198  # each sample once

@@ -24,8 +24,13 @@ from eagle3.stages.split import (
 
 
 def test_normalisation_merges_spellings_of_one_question_and_nothing_more():
-    same = ["What is 2 + 2?", "what is 2 + 2?", "  What  is\t2 +\n2? ", "ＷＨＡＴ ｉｓ ２ ＋ ２？",  # full width
-            "What\u00a0is 2 + 2?"]
+    same = [
+        "What is 2 + 2?",
+        "what is 2 + 2?",
+        "  What  is\t2 +\n2? ",
+        "ＷＨＡＴ ｉｓ ２ ＋ ２？",  # full width
+        "What\u00a0is 2 + 2?",
+    ]
     assert {normalise_prompt(text) for text in same} == {"what is 2 + 2?"}
     assert normalise_prompt("Cafe\u0301") == normalise_prompt("Café") == "café"  # combining accent: NFC's case too
     assert normalise_prompt("Straße") == normalise_prompt("STRASSE")  # casefold, not lower
@@ -47,9 +52,11 @@ def shared_first_prompts(groups: int = 24) -> tuple[list[dict], list[list[int]]]
     rows, members = [], []
     for g in range(groups):
         question = f"Sort these numbers: {g} {3 * g + 1} {7 - g}"
-        variants = [conversation(question, f"Sorted, group {g}."),
-                    conversation(question.upper() + "  ", f"Sorted again, group {g}.", "And reversed?"),
-                    conversation(question.replace(" ", "  "), f"One more, group {g}.", system="Be brief.")]
+        variants = [
+            conversation(question, f"Sorted, group {g}."),
+            conversation(question.upper() + "  ", f"Sorted again, group {g}.", "And reversed?"),
+            conversation(question.replace(" ", "  "), f"One more, group {g}.", system="Be brief."),
+        ]
         members.append(list(range(len(rows), len(rows) + len(variants))))
         rows += variants
     return rows, members
@@ -135,14 +142,19 @@ def test_the_pinned_sets_keys_keep_their_conversations_out_of_training_and_valid
     conversations, _ = read_conversations(data)
     before = run_split(cfg)
     trained = next(g for g in members if before.part_of_conversation(conversations[g[0]].sample_id) == TRAINING)
-    validating = next(g for g in members
-                      if before.part_of_conversation(conversations[g[0]].sample_id) == VALIDATION)
+    validating = next(g for g in members if before.part_of_conversation(conversations[g[0]].sample_id) == VALIDATION)
     # Pinned: a conversation of the validating group (its key), and a later turn that asks the trained group's
     # question (the key of the user message it ends at).
     question = conversations[trained[0]].messages[0]["content"]
-    pin_by_hand(cfg, {"format": 2, "conversation_ids": [conversations[validating[0]].sample_id],
-                      "split_keys": [before.keys[conversations[validating[0]].sample_id], prompt_key(question.upper())],
-                      "prompts": [[1, 2]]})
+    pin_by_hand(
+        cfg,
+        {
+            "format": 2,
+            "conversation_ids": [conversations[validating[0]].sample_id],
+            "split_keys": [before.keys[conversations[validating[0]].sample_id], prompt_key(question.upper())],
+            "prompts": [[1, 2]],
+        },
+    )
     after = run_split(cfg)
     for i in validating + trained:
         assert after.part_of_conversation(conversations[i].sample_id) == EVALUATION

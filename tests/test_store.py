@@ -172,6 +172,7 @@ def set_field(name, value):
 def set_length(value):
     def change(record):
         record["samples"][0][1] = value
+
     return change
 
 
@@ -187,8 +188,11 @@ def assert_refused(store_dir, manifest, *fragments):
             assert fragment in message, message
 
 
-@pytest.mark.parametrize("chunk", ["../../etc/passwd", "/etc/passwd", "chunk-000000.safetensors/../../../x", 7],
-                         ids=["relative", "absolute", "through-a-chunk", "not-a-name"])
+@pytest.mark.parametrize(
+    "chunk",
+    ["../../etc/passwd", "/etc/passwd", "chunk-000000.safetensors/../../../x", 7],
+    ids=["relative", "absolute", "through-a-chunk", "not-a-name"],
+)
 def test_a_manifest_naming_a_chunk_outside_its_shard_is_refused(tmp_path, chunk):
     """Attack: a manifest whose chunk is a path out of the store (relative, absolute, through a chunk's name) or
     not a name at all. Followed, it would mmap any file on the box as hidden states."""
@@ -207,22 +211,40 @@ def test_a_chunk_that_is_a_symlink_out_of_the_store_is_refused(tmp_path):
     chunk.rename(outside)
     chunk.symlink_to(outside)
     manifest = chunk.parent / "manifest.jsonl"
-    assert_refused(tmp_path / "store", manifest, '"chunk" chunk-000000.safetensors is a symlink to',
-                   str(outside), "outside its shard directory")
+    assert_refused(
+        tmp_path / "store",
+        manifest,
+        '"chunk" chunk-000000.safetensors is a symlink to',
+        str(outside),
+        "outside its shard directory",
+    )
 
 
-@pytest.mark.parametrize("change, fragment", [
-    (set_length(-5), '"samples"[0] (0000000000000000) has length -5, not a non-negative integer'),
-    (set_length("12"), "has length '12', not a non-negative integer"),
-    (set_length(3.5), "has length 3.5, not a non-negative integer"),
-    (set_length(True), "has length True, not a non-negative integer"),  # bool is an int to Python, not here
-    (set_field("bytes", -1), '"bytes" is -1, not a non-negative integer'),
-    (set_field("bytes", "4096"), "\"bytes\" is '4096', not a non-negative integer"),
-    (set_field("samples", {"0000000000000000": 12}), '"samples" is {'),
-    (lambda record: record.pop("rejected"), 'the field "rejected" is missing'),
-    (set_length(10**9), "less than its"),  # more tokens than the chunk's bytes can hold at hidden_size 16
-], ids=["negative-length", "string-length", "float-length", "bool-length", "negative-bytes", "string-bytes",
-        "samples-not-a-list", "missing-field", "length-past-the-chunk"])
+@pytest.mark.parametrize(
+    "change, fragment",
+    [
+        (set_length(-5), '"samples"[0] (0000000000000000) has length -5, not a non-negative integer'),
+        (set_length("12"), "has length '12', not a non-negative integer"),
+        (set_length(3.5), "has length 3.5, not a non-negative integer"),
+        (set_length(True), "has length True, not a non-negative integer"),  # bool is an int to Python, not here
+        (set_field("bytes", -1), '"bytes" is -1, not a non-negative integer'),
+        (set_field("bytes", "4096"), "\"bytes\" is '4096', not a non-negative integer"),
+        (set_field("samples", {"0000000000000000": 12}), '"samples" is {'),
+        (lambda record: record.pop("rejected"), 'the field "rejected" is missing'),
+        (set_length(10**9), "less than its"),  # more tokens than the chunk's bytes can hold at hidden_size 16
+    ],
+    ids=[
+        "negative-length",
+        "string-length",
+        "float-length",
+        "bool-length",
+        "negative-bytes",
+        "string-bytes",
+        "samples-not-a-list",
+        "missing-field",
+        "length-past-the-chunk",
+    ],
+)
 def test_a_manifest_with_bad_counts_is_refused(tmp_path, change, fragment):
     """Attack: negative, fractional, string and boolean lengths and byte counts, a missing field, and a length
     the chunk cannot hold. Trusted, they would slice samples short, shifted or past the chunk."""
@@ -243,8 +265,11 @@ def test_lengths_moved_between_samples_are_refused_when_the_chunk_is_read(tmp_pa
 
     tamper_manifest(tmp_path, move_a_token)
     store = HiddenStateStore(tmp_path)  # the manifest alone is consistent
-    with pytest.raises(StoreError, match=r"chunk-000000.safetensors: its offsets disagree with the manifest's sample "
-                                         r"lengths; delete the shard directory .* and run extract again"):
+    with pytest.raises(
+        StoreError,
+        match=r"chunk-000000.safetensors: its offsets disagree with the manifest's sample "
+        r"lengths; delete the shard directory .* and run extract again",
+    ):
         store[samples[0].sample_id]
     with pytest.raises(StoreError, match="offsets disagree"):
         digest(tmp_path)
@@ -259,12 +284,18 @@ def test_a_store_json_that_lies_about_the_hidden_size_is_refused(tmp_path):
     raw = json.loads(meta_path.read_text())
     for bad in ("16", -16, True):
         meta_path.write_text(json.dumps(raw | {"hidden_size": bad}))
-        with pytest.raises(StoreError, match=rf"store.json: hidden_size is {re.escape(repr(bad))}, not a positive "
-                                             r"integer; delete the store directory .* and run extract again"):
+        with pytest.raises(
+            StoreError,
+            match=rf"store.json: hidden_size is {re.escape(repr(bad))}, not a positive "
+            r"integer; delete the store directory .* and run extract again",
+        ):
             HiddenStateStore(tmp_path)
     meta_path.write_text(json.dumps(raw | {"hidden_size": H // 2}))
-    with pytest.raises(StoreError, match=r"aux_hidden_states is BF16 \[\d+, 48\], but .* at hidden_size 8 with 3 "
-                                         r"aux layers make it BF16 \[\d+, 24\]"):
+    with pytest.raises(
+        StoreError,
+        match=r"aux_hidden_states is BF16 \[\d+, 48\], but .* at hidden_size 8 with 3 "
+        r"aux layers make it BF16 \[\d+, 24\]",
+    ):
         HiddenStateStore(tmp_path)[samples[0].sample_id]
 
 
@@ -396,24 +427,46 @@ def set_value(name, value, at=(2, 1)):
             tensors[name].view(torch.uint8)[at] = value
         else:
             tensors[name][at] = value
+
     return change
 
 
-@pytest.mark.parametrize("change, fragment", [
-    (set_value("aux_scales", 0.0), "aux_scales has 1 scale(s) not finite and > 0 (first: token 2, layer 1: 0.0)"),
-    (set_value("aux_scales", -0.5), "aux_scales has 1 scale(s) not finite and > 0 (first: token 2, layer 1: -0.5)"),
-    (set_value("last_scale", float("nan"), (4, 0)), "last_scale has 1 scale(s) not finite and > 0 (first: token 4, "
-                                                    "layer 0: nan)"),
-    (set_value("last_scale", float("inf"), (0, 0)), "last_scale has 1 scale(s) not finite and > 0 (first: token 0"),
-    (set_value("aux_hidden_states", 0x7F), "aux_hidden_states has NaN"),
-    (lambda tensors: tensors.pop("last_scale"), "tensors ['aux_hidden_states', 'aux_scales', 'input_ids', "
-                                                "'last_hidden_state', 'loss_mask', 'offsets'], expected ["),
-    (lambda tensors: tensors.update(aux_scales=tensors["aux_scales"][:, :2].contiguous()),
-     "shapes do not agree with"),
-    (lambda tensors: tensors.update(aux_scales=tensors["aux_scales"].double()), "aux_scales is torch.float64, "
-                                                                                "expected torch.float32"),
-], ids=["zero-scale", "negative-scale", "nan-scale", "inf-scale", "nan-payload", "scales-missing", "scales-short",
-        "scales-float64"])
+@pytest.mark.parametrize(
+    "change, fragment",
+    [
+        (set_value("aux_scales", 0.0), "aux_scales has 1 scale(s) not finite and > 0 (first: token 2, layer 1: 0.0)"),
+        (set_value("aux_scales", -0.5), "aux_scales has 1 scale(s) not finite and > 0 (first: token 2, layer 1: -0.5)"),
+        (
+            set_value("last_scale", float("nan"), (4, 0)),
+            "last_scale has 1 scale(s) not finite and > 0 (first: token 4, layer 0: nan)",
+        ),
+        (set_value("last_scale", float("inf"), (0, 0)), "last_scale has 1 scale(s) not finite and > 0 (first: token 0"),
+        (set_value("aux_hidden_states", 0x7F), "aux_hidden_states has NaN"),
+        (
+            lambda tensors: tensors.pop("last_scale"),
+            "tensors ['aux_hidden_states', 'aux_scales', 'input_ids', "
+            "'last_hidden_state', 'loss_mask', 'offsets'], expected [",
+        ),
+        (
+            lambda tensors: tensors.update(aux_scales=tensors["aux_scales"][:, :2].contiguous()),
+            "shapes do not agree with",
+        ),
+        (
+            lambda tensors: tensors.update(aux_scales=tensors["aux_scales"].double()),
+            "aux_scales is torch.float64, expected torch.float32",
+        ),
+    ],
+    ids=[
+        "zero-scale",
+        "negative-scale",
+        "nan-scale",
+        "inf-scale",
+        "nan-payload",
+        "scales-missing",
+        "scales-short",
+        "scales-float64",
+    ],
+)
 def test_verify_checks_the_fp8_scales_and_payload(tmp_path, change, fragment):
     samples, states = make_samples(10)
     write_fp8_store(tmp_path, samples, states, chunk_bytes=1 << 20)
@@ -479,8 +532,7 @@ def test_fp8_takes_about_half_the_bytes_of_bf16_at_kimi_width(tmp_path):
     h = 7168
     gen = torch.Generator().manual_seed(0)
     samples = [TokenizedSample(f"{i:016x}", list(range(40)), [1] * 40, False) for i in range(4)]
-    states = [CapturedStates(torch.randn(40, 3 * h, generator=gen), torch.randn(40, h, generator=gen))
-              for _ in samples]
+    states = [CapturedStates(torch.randn(40, 3 * h, generator=gen), torch.randn(40, h, generator=gen)) for _ in samples]
     sizes = {}
     for dtype in ("bf16", "fp8_e4m3"):
         writer = ShardWriter(tmp_path / dtype, 0, StoreMeta(h, (1, 3, 4), dtype), chunk_bytes=1 << 30)

@@ -25,9 +25,26 @@ def test_same_seed_same_files_and_a_second_build_is_reused(tmp_path):
     (tests/conftest.py sets one): the files are the same all the same."""
     a = build(tmp_path / "a", SMALL)
     run = subprocess.run(
-        [sys.executable, "-m", "eagle3", "make-tiny-target", str(tmp_path / "b"), "--hidden-size", "64",
-         "--num-layers", "5", "--train-steps", "3", "--num-prompts", "20"],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "3"})
+        [
+            sys.executable,
+            "-m",
+            "eagle3",
+            "make-tiny-target",
+            str(tmp_path / "b"),
+            "--hidden-size",
+            "64",
+            "--num-layers",
+            "5",
+            "--train-steps",
+            "3",
+            "--num-prompts",
+            "20",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "3"},
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     b = tmp_path / "b"
     for name in ("model.safetensors", "tokenizer.json", "prompts.jsonl", "config.json"):
@@ -62,12 +79,18 @@ def test_the_default_target_is_deepseek_v3_shaped_and_has_learned_the_task(tiny_
     # The answer formats are learned: every answer is one of the tasks' and ends its turn. Which format a prompt gets
     # depends on the CPU's float arithmetic, as the target mostly memorises (issue 53): on some CPUs every addition
     # is answered "Sorted: 0 8 21 47." So the prompt is asserted to steer the format, not to pick the right one.
-    formats = [r"\d+ \+ \d+ = \d+\.", r"Sorted:( \d+)+\.", r"The letter \w appears \d+ times? in \w+\.",
-               r"Reversed:( \w+)+\."]
+    formats = [
+        r"\d+ \+ \d+ = \d+\.",
+        r"Sorted:( \d+)+\.",
+        r"The letter \w appears \d+ times? in \w+\.",
+        r"Reversed:( \w+)+\.",
+    ]
     rng = random.Random(0)
     questions = [question for question, _ in (_task(rng) for _ in range(20)) if not question.startswith("Repeat")]
-    answered = [next((i for i, f in enumerate(formats) if re.fullmatch(f + r"<\|im_end\|>", answer(q))), None)
-                for q in questions]
+    answered = [
+        next((i for i, f in enumerate(formats) if re.fullmatch(f + r"<\|im_end\|>", answer(q))), None)
+        for q in questions
+    ]
     assert None not in answered, [answer(q) for q, i in zip(questions, answered) if i is None]
     assert len(set(answered)) >= 3  # 3 of the 4 tasks' formats on the CPU that answers additions so
 

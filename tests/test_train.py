@@ -37,8 +37,9 @@ def test_each_sample_loses_its_own_last_position_not_the_batch_column():
     ids = torch.tensor([[3, 7, 1, 9, 4, 6, 2, 8], [5, 2, 6, 1, 0, 0, 0, 0]])
     last, lm_head = perfect_target(ids, 10)
     mask = torch.tensor([[1] * 8, [1, 1, 1, 1, 0, 0, 0, 0]])
-    t = make_teachers(ids, mask, last, lm_head, torch.arange(10), torch.ones(10, dtype=torch.bool),
-                      lengths=torch.tensor([8, 4]))
+    t = make_teachers(
+        ids, mask, last, lm_head, torch.arange(10), torch.ones(10, dtype=torch.bool), lengths=torch.tensor([8, 4])
+    )
     assert t.loss_mask.tolist() == [[True] * 7 + [False], [True, True, True] + [False] * 5]
 
 
@@ -66,14 +67,25 @@ def test_each_ttt_step_trains_only_chains_that_stay_in_the_answer():
     ids = torch.tensor([[3, 7, 1, 9, 4, 6, 2, 8, 5, 1, 2, 3]])
     last, lm_head = perfect_target(ids, 10)
     mask = torch.tensor([[0, 1, 1, 1, 1, 0, 0, 1, 1, 1, 0, 0]])  # answers: tokens 1-4 and 7-9
-    cfg = DraftConfig(hidden_size=8, intermediate_size=16, num_attention_heads=2, num_key_value_heads=1,
-                      head_dim=4, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=64,
-                      target_vocab_size=10, draft_vocab_size=10, aux_layer_ids=(1, 2, 3))
+    cfg = DraftConfig(
+        hidden_size=8,
+        intermediate_size=16,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=4,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=64,
+        target_vocab_size=10,
+        draft_vocab_size=10,
+        aux_layer_ids=(1, 2, 3),
+    )
     objective = train.TTTObjective(Eagle3Draft(cfg), ttt_length=3)
     trained = {}
     for first_draft in (True, False):
-        teachers = make_teachers(ids, mask, last, lm_head, torch.arange(10), torch.ones(10, dtype=torch.bool),
-                                 first_draft=first_draft)
+        teachers = make_teachers(
+            ids, mask, last, lm_head, torch.arange(10), torch.ones(10, dtype=torch.bool), first_draft=first_draft
+        )
         trained[first_draft] = [m[0].nonzero().flatten().tolist() for m in train.step_masks(teachers, 3)]
         _, _, accs, agrees = objective(torch.randn(1, 12, 24), teachers, torch.arange(10))
         assert agrees.shape == (3, 1, 12) and accs.shape == (3,)
@@ -123,10 +135,15 @@ def test_a_short_run_learns_and_leaves_checkpoints_metrics_and_plots(trained_run
 
     events = EventAccumulator(str(out / "tensorboard"))
     events.Reload()
-    assert {"loss", "ploss/position_6", "acc/position_0", "acc/position_6", "val_offline_accept_length",
-            "val_offline/3/mean_accept_length", "lr"} <= set(
-        events.Tags()["scalars"]
-    )
+    assert {
+        "loss",
+        "ploss/position_6",
+        "acc/position_0",
+        "acc/position_6",
+        "val_offline_accept_length",
+        "val_offline/3/mean_accept_length",
+        "lr",
+    } <= set(events.Tags()["scalars"])
     assert [e.value for e in events.Scalars("loss")] == pytest.approx(losses)
 
 
@@ -231,13 +248,18 @@ def test_no_first_prompt_is_trained_on_that_validation_or_evaluation_holds(make_
     rows, _ = shared_first_prompts()
     data = tmp_path / "shared.jsonl"
     write_jsonl(data, rows)
-    cfg = make_config(data={"path": str(data), "max_samples": None}, train={**TRAIN_SETTINGS, "val_fraction": 0.5},
-                      evaluate={"num_prompts": 64})
+    cfg = make_config(
+        data={"path": str(data), "max_samples": None},
+        train={**TRAIN_SETTINGS, "val_fraction": 0.5},
+        evaluate={"num_prompts": 64},
+    )
     run_extract(cfg)
     run_vocab(cfg)
     conversations, _ = read_conversations(data)
-    first_prompt = {c.sample_id: normalise_prompt(next(m["content"] for m in c.messages if m["role"] == "user"))
-                    for c in conversations}
+    first_prompt = {
+        c.sample_id: normalise_prompt(next(m["content"] for m in c.messages if m["role"] == "user"))
+        for c in conversations
+    }
     trainer = train.Trainer(cfg)
 
     def opened(ids) -> set[str]:
@@ -259,17 +281,35 @@ def test_the_ttt_objective_with_the_linear_memory_kernel_equals_the_dense_attent
     from eagle3.model.drafter import DraftConfig, Eagle3Draft
     from eagle3.model.ttt_attention import dense_ttt_attention
 
-    cfg = DraftConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-                      head_dim=8, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=256,
-                      target_vocab_size=60, draft_vocab_size=30, aux_layer_ids=(1, 2, 3))
+    cfg = DraftConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=256,
+        target_vocab_size=60,
+        draft_vocab_size=30,
+        aux_layer_ids=(1, 2, 3),
+    )
     torch.manual_seed(0)
     draft = Eagle3Draft(cfg)
     ids, aux, last = torch.randint(0, 60, (2, 97)), torch.randn(2, 97, 96), torch.randn(2, 97, 32)
     draft_ids = torch.arange(0, 60, 2)
     t2d = torch.zeros(60, dtype=torch.bool)
     t2d[draft_ids] = True
-    teachers = make_teachers(ids, torch.ones_like(ids), last, torch.randn(60, 32), draft_ids, t2d,
-                             lengths=torch.tensor([97, 70]), first_draft=True)
+    teachers = make_teachers(
+        ids,
+        torch.ones_like(ids),
+        last,
+        torch.randn(60, 32),
+        draft_ids,
+        t2d,
+        lengths=torch.tensor([97, 70]),
+        first_draft=True,
+    )
     objective = train.TTTObjective(draft, ttt_length=7)
 
     def loss_and_grads():
@@ -284,8 +324,9 @@ def test_the_ttt_objective_with_the_linear_memory_kernel_equals_the_dense_attent
     assert (plosses - dense_plosses).abs().max() <= 1e-5, (plosses, dense_plosses)
     for name, grad in grads.items():
         scale = dense_grads[name].abs().max()
-        torch.testing.assert_close(grad, dense_grads[name], rtol=0, atol=1e-5 * scale,
-                                   msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(
+            grad, dense_grads[name], rtol=0, atol=1e-5 * scale, msg=lambda m, n=name: f"{n}: {m}"
+        )
 
 
 def test_the_lk_objectives_are_the_expected_acceptance_losses_of_the_target_full_distribution():
@@ -296,13 +337,27 @@ def test_the_lk_objectives_are_the_expected_acceptance_losses_of_the_target_full
     cross-entropy, whatever the LK fields say."""
     from eagle3.model.drafter import DraftConfig, Eagle3Draft
 
-    cfg = DraftConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-                      head_dim=8, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=256,
-                      target_vocab_size=60, draft_vocab_size=30, aux_layer_ids=(1, 2, 3))
+    cfg = DraftConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=256,
+        target_vocab_size=60,
+        draft_vocab_size=30,
+        aux_layer_ids=(1, 2, 3),
+    )
     torch.manual_seed(0)
     draft = Eagle3Draft(cfg)
-    ids, aux, last, lm_head = (torch.randint(0, 60, (2, 17)), torch.randn(2, 17, 96), torch.randn(2, 17, 32),
-                               torch.randn(60, 32))
+    ids, aux, last, lm_head = (
+        torch.randint(0, 60, (2, 17)),
+        torch.randn(2, 17, 96),
+        torch.randn(2, 17, 32),
+        torch.randn(60, 32),
+    )
     draft_ids = torch.arange(0, 60, 2)
     t2d = torch.zeros(60, dtype=torch.bool)
     t2d[draft_ids] = True
@@ -316,8 +371,7 @@ def test_the_lk_objectives_are_the_expected_acceptance_losses_of_the_target_full
     alpha = torch.minimum(p_full, q).sum(-1)[counted]
     kl = -(counted[..., None] * (p_full / p_full.sum(-1, keepdim=True)) * q.log()).sum() / (2 * 17)
     weight = math.exp(-2.5 * alpha.mean().item())
-    expected = {"kl": kl, "lk_alpha": -alpha.log().mean(),
-                "lk_lambda": weight * kl + (1 - weight) * (1 - alpha.mean())}
+    expected = {"kl": kl, "lk_alpha": -alpha.log().mean(), "lk_lambda": weight * kl + (1 - weight) * (1 - alpha.mean())}
     for objective, want in expected.items():
         loss, plosses, *_ = train.TTTObjective(draft, 1, objective, lk_kl_decay=2.5)(aux, teachers, draft_ids)
         torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6, msg=lambda m, o=objective: f"{o}: {m}")
@@ -329,17 +383,35 @@ def chunking_workload(objective: str = "kl", steps: int = 7, t: int = 97, vocab:
     """A padded batch of 2 for the 7-step objective, seeded: (draft, teachers, aux, draft_ids)."""
     from eagle3.model.drafter import DraftConfig, Eagle3Draft
 
-    cfg = DraftConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-                      head_dim=8, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=1024,
-                      target_vocab_size=2 * vocab, draft_vocab_size=vocab, aux_layer_ids=(1, 2, 3))
+    cfg = DraftConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=1024,
+        target_vocab_size=2 * vocab,
+        draft_vocab_size=vocab,
+        aux_layer_ids=(1, 2, 3),
+    )
     torch.manual_seed(0)
     draft = Eagle3Draft(cfg)
     ids, aux, last = torch.randint(0, 2 * vocab, (2, t)), torch.randn(2, t, 96), torch.randn(2, t, 32)
     draft_ids = torch.arange(0, 2 * vocab, 2)
     t2d = torch.zeros(2 * vocab, dtype=torch.bool)
     t2d[draft_ids] = True
-    teachers = make_teachers(ids, torch.ones_like(ids), last, torch.randn(2 * vocab, 32), draft_ids, t2d,
-                             lengths=torch.tensor([t, t * 2 // 3]), first_draft=True)
+    teachers = make_teachers(
+        ids,
+        torch.ones_like(ids),
+        last,
+        torch.randn(2 * vocab, 32),
+        draft_ids,
+        t2d,
+        lengths=torch.tensor([t, t * 2 // 3]),
+        first_draft=True,
+    )
     return draft, teachers, aux, draft_ids
 
 
@@ -355,10 +427,10 @@ def test_the_loss_in_chunks_of_positions_equals_the_whole_steps(objective):
     def run(chunk):
         draft.zero_grad(set_to_none=True)
         loss, plosses, accs, agrees = train.TTTObjective(draft, 7, objective, logit_chunk=chunk)(
-            aux, teachers, draft_ids)
+            aux, teachers, draft_ids
+        )
         loss.backward()
-        return loss.detach(), plosses, accs, agrees, {n: p.grad for n, p in draft.named_parameters()
-                                                      if p.requires_grad}
+        return loss.detach(), plosses, accs, agrees, {n: p.grad for n, p in draft.named_parameters() if p.requires_grad}
 
     whole = run(97)
     for chunk in (13, 40):
@@ -367,8 +439,13 @@ def test_the_loss_in_chunks_of_positions_equals_the_whole_steps(objective):
         torch.testing.assert_close(plosses, whole[1], rtol=1e-6, atol=1e-7)
         assert torch.equal(accs, whole[2]) and torch.equal(agrees, whole[3])
         for name, grad in grads.items():
-            torch.testing.assert_close(grad, whole[4][name], rtol=0, atol=1e-5 * whole[4][name].abs().max(),
-                                       msg=lambda m, n=name, c=chunk: f"chunk {c}, {n}: {m}")
+            torch.testing.assert_close(
+                grad,
+                whole[4][name],
+                rtol=0,
+                atol=1e-5 * whole[4][name].abs().max(),
+                msg=lambda m, n=name, c=chunk: f"chunk {c}, {n}: {m}",
+            )
 
 
 @pytest.mark.slow
@@ -412,8 +489,13 @@ def dense_objective(draft, teachers, aux, draft_ids, steps: int, objective: str,
     b, n = teachers.input_ids.shape
     positions = torch.arange(n)[None].expand(b, n)
     hidden, cache, loss, plosses, accs, agrees = draft.fc(aux), [], 0.0, [], [], []
-    ids, teacher, in_vocab, p, mass = (teachers.input_ids, teachers.teacher, teachers.in_draft_vocab, teachers.p,
-                                       teachers.draft_mass)
+    ids, teacher, in_vocab, p, mass = (
+        teachers.input_ids,
+        teachers.teacher,
+        teachers.in_draft_vocab,
+        teachers.p,
+        teachers.draft_mass,
+    )
     for i, mask in enumerate(train.step_masks(teachers, steps)):
         logits, hidden = draft.step(ids, hidden, positions + i, cache)
         logp = torch.nn.functional.log_softmax(logits.float(), dim=-1)
@@ -434,14 +516,28 @@ def padded_workload(first_draft: bool, seed: int = 0):
     make_teachers' arguments)."""
     from eagle3.model.drafter import DraftConfig, Eagle3Draft
 
-    cfg = DraftConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-                      head_dim=8, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=256,
-                      target_vocab_size=60, draft_vocab_size=30, aux_layer_ids=(1, 2, 3))
+    cfg = DraftConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=256,
+        target_vocab_size=60,
+        draft_vocab_size=30,
+        aux_layer_ids=(1, 2, 3),
+    )
     torch.manual_seed(seed)
     draft = Eagle3Draft(cfg)
     b, t = 3, 41
-    ids, aux, last, lm_head = (torch.randint(0, 60, (b, t)), torch.randn(b, t, 96), torch.randn(b, t, 32),
-                               torch.randn(60, 32))
+    ids, aux, last, lm_head = (
+        torch.randint(0, 60, (b, t)),
+        torch.randn(b, t, 96),
+        torch.randn(b, t, 32),
+        torch.randn(60, 32),
+    )
     mask = torch.zeros(b, t, dtype=torch.long)
     for row, (start, end, start2, end2) in enumerate([(5, 14, 20, 41), (3, 9, 15, 30), (8, 12, 17, 25)]):
         mask[row, start:end], mask[row, start2:end2] = 1, 1
@@ -468,8 +564,13 @@ def test_the_objective_computed_where_the_loss_reads_equals_the_whole_batchs(obj
         draft.zero_grad(set_to_none=True)
         loss, plosses, accs, agrees = compute()
         loss.backward()
-        return loss.detach(), plosses, accs, agrees, {n: p.grad.clone() for n, p in draft.named_parameters()
-                                                      if p.requires_grad}
+        return (
+            loss.detach(),
+            plosses,
+            accs,
+            agrees,
+            {n: p.grad.clone() for n, p in draft.named_parameters() if p.requires_grad},
+        )
 
     whole = run(lambda: dense_objective(draft, make_teachers(*args), aux, draft_ids, steps, objective))
     teachers = make_teachers(*args, only_read=True)
@@ -484,8 +585,9 @@ def test_the_objective_computed_where_the_loss_reads_equals_the_whole_batchs(obj
         wanted = mask | drafted
         assert torch.equal(got[3][i][wanted], whole[3][i][wanted]) and not got[3][i][~wanted].any(), i
     for name, grad in got[4].items():
-        torch.testing.assert_close(grad, whole[4][name], rtol=0, atol=1e-5 * whole[4][name].abs().max(),
-                                   msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(
+            grad, whole[4][name], rtol=0, atol=1e-5 * whole[4][name].abs().max(), msg=lambda m, n=name: f"{n}: {m}"
+        )
 
 
 def test_teachers_made_only_where_a_step_reads_them_are_the_whole_batchs_there():
@@ -525,8 +627,9 @@ def test_batches_computed_together_give_each_batchs_own_figures(objective):
         group = torch.tensor([g for g, rows in enumerate(batches) for _ in rows])
         padded = torch.tensor([len(rows) * float(lengths[rows].max()) for rows in batches])
         together = (ids[order], mask[order], last[order], lm_head, draft_ids, t2d, lengths[order], True)
-        loss, plosses, accs, _ = objective_(aux[order], make_teachers(*together, only_read=True), draft_ids,
-                                            groups=(group, padded))
+        loss, plosses, accs, _ = objective_(
+            aux[order], make_teachers(*together, only_read=True), draft_ids, groups=(group, padded)
+        )
     for g, (want_loss, want_plosses, want_accs) in enumerate(alone):
         torch.testing.assert_close(loss[g], want_loss, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(plosses[:, g], want_plosses, rtol=1e-5, atol=1e-6)
@@ -541,8 +644,9 @@ def test_validation_in_passes_of_several_batches_gives_the_figures_of_a_pass_a_b
     trainer = train.Trainer(trained_config)
     trainer.resume()
     # batches of one or two of its few validation samples
-    trainer.cfg = trained_config.model_copy(update={"train": trained_config.train.model_copy(
-        update={"batch_tokens": 64})})
+    trainer.cfg = trained_config.model_copy(
+        update={"train": trained_config.train.model_copy(update={"batch_tokens": 64})}
+    )
     batches = train.plan_epoch(trainer.val_ids, 64, trained_config.seed, 0)
     assert len(train.merge_batches(batches, dict(trainer.val_ids), train.VAL_BATCH_TOKENS)) == 1 < len(batches)
     together = trainer.validate()
@@ -563,8 +667,9 @@ def test_a_batch_with_nothing_to_train_gives_every_weight_a_zero_gradient():
     for first_draft in (True, False):
         teachers = make_teachers(args[0], mask, *args[2:7], first_draft, only_read=True)
         draft.zero_grad(set_to_none=True)
-        loss, _, accs, agrees = train.TTTObjective(draft, 7)(aux, teachers, draft_ids,
-                                                             train.decoding_masks(mask, args[6], 7))
+        loss, _, accs, agrees = train.TTTObjective(draft, 7)(
+            aux, teachers, draft_ids, train.decoding_masks(mask, args[6], 7)
+        )
         loss.backward()
         assert loss.item() == 0 and not accs.any() and not agrees.any()
         assert all(p.grad is not None and not p.grad.any() for p in draft.parameters() if p.requires_grad)

@@ -96,13 +96,15 @@ def test_hostile_paths_travel_as_data_through_ssh(ssh_box, tmp_path, tiny_target
     validate -> write_config over SSH: stored verbatim."""
     from eagle3_airflow.deployment import Deployment
 
-    deployment = Deployment(allowed_boxes=["local", "gpu_box"], allowed_workdirs=[str(tmp_path)],
-                            allowed_pythons=[sys.executable], box={"python": sys.executable},
-                            run={"workdir": str(tmp_path / "work"), "vocab.reuse_from": hostile(tmp_path),
-                                 "vocab.draft_vocab_size": 512})
+    deployment = Deployment(
+        allowed_boxes=["local", "gpu_box"],
+        allowed_workdirs=[str(tmp_path)],
+        allowed_pythons=[sys.executable],
+        box={"python": sys.executable},
+        run={"workdir": str(tmp_path / "work"), "vocab.reuse_from": hostile(tmp_path), "vocab.draft_vocab_size": 512},
+    )
     params = {k: p.value for k, p in deployment.form().items() if p.has_value}
-    params.update({"target.model_path": str(tiny_target), "data.path": hostile(tmp_path),
-                   "box.conn_ids": ["gpu_box"]})
+    params.update({"target.model_path": str(tiny_target), "data.path": hostile(tmp_path), "box.conn_ids": ["gpu_box"]})
     settings = tmp_path / "dag-settings.json"
     settings.write_text(deployment.model_dump_json(exclude_defaults=True))
     monkeypatch.setenv("EAGLE3_DAG_SETTINGS", str(settings))  # what write_config checks the plan against
@@ -133,8 +135,7 @@ def test_a_code_dir_planted_under_the_digest_name_is_moved_aside_and_never_runs(
     aside and unpacks the real package; a planted bytecode cache is deleted as well."""
     marker = tmp_path / "pwned"
     planted = Path(code_dir(str(tmp_path / "work"))) / "eagle3"
-    shutil.copytree(PACKAGE_DIR, planted,
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(PACKAGE_DIR, planted, ignore=shutil.ignore_patterns("__pycache__"))
     (planted / "__init__.py").write_text(PLANTED.format(marker=str(marker)))
     synced = ensure_code(LocalBox(), sys.executable, str(tmp_path / "work"))
     assert "did not match the package (eagle3/__init__.py differs" in caplog.text
@@ -177,8 +178,10 @@ def test_a_box_python_whose_tarfile_lacks_the_extraction_filter_is_refused(tmp_p
     from airflow.sdk.exceptions import AirflowFailException
 
     old_python = tmp_path / "python3.10"
-    old_python.write_text(f'#!/bin/sh\nexec {sys.executable} -I -c \'import sys, tarfile; del tarfile.data_filter; '
-                          'exec(compile(sys.argv.pop(1), "<unpack>", "exec"))\' "$3" "$4" "$5"\n')
+    old_python.write_text(
+        f"#!/bin/sh\nexec {sys.executable} -I -c 'import sys, tarfile; del tarfile.data_filter; "
+        'exec(compile(sys.argv.pop(1), "<unpack>", "exec"))\' "$3" "$4" "$5"\n'
+    )
     old_python.chmod(0o755)
     with pytest.raises(AirflowFailException, match="lacks the extraction filter .* point box.python at Python 3.11.4"):
         ensure_code(LocalBox(), str(old_python), str(tmp_path / "work"))
@@ -227,8 +230,10 @@ def test_a_retry_after_a_deploy_runs_the_code_its_run_was_validated_with(tmp_pat
     assert plan.ensure_code() == first == plan.code_dir  # the run goes on with its own code
     assert f"this run's code is {pinned} (pinned when it was validated)" in caplog.text
     shutil.rmtree(first)  # a reimaged box lost the directory: unpacked again from the box's copy
-    assert plan.ensure_code() == first and (Path(first) / "eagle3" / "__init__.py").read_text() == \
-        (PACKAGE_DIR / "__init__.py").read_text()
+    assert (
+        plan.ensure_code() == first
+        and (Path(first) / "eagle3" / "__init__.py").read_text() == (PACKAGE_DIR / "__init__.py").read_text()
+    )
     result = LocalBox().run(plan.eagle3("--help"))
     assert result.returncode == 0 and "extract" in result.stdout
 
@@ -239,12 +244,18 @@ def test_a_retry_after_a_deploy_runs_the_code_its_run_was_validated_with(tmp_pat
         plan.ensure_code()
     kept.write_bytes(original)
     kept.unlink()
-    with pytest.raises(AirflowFailException, match=rf"validated with code {pinned}, the worker's package is \w+ now.*"
-                       "clear this run's validate task with its downstream tasks"):
+    with pytest.raises(
+        AirflowFailException,
+        match=rf"validated with code {pinned}, the worker's package is \w+ now.*"
+        "clear this run's validate task with its downstream tasks",
+    ):
         plan.ensure_code()
     # Clearing validate pins the new code: a run validated now syncs and runs it.
-    assert plan.model_copy(update={"code_digest": package_archive().digest}).ensure_code().endswith(
-        package_archive().digest)
+    assert (
+        plan.model_copy(update={"code_digest": package_archive().digest})
+        .ensure_code()
+        .endswith(package_archive().digest)
+    )
 
 
 @pytest.mark.slow
@@ -262,8 +273,9 @@ def test_a_command_killed_under_the_async_transport_counts_as_an_outage(ssh_box)
 
 @pytest.mark.slow
 @pytest.mark.parametrize("transport", ["local", "ssh"])
-def test_fetch_reads_regular_files_of_the_given_size_and_refuses_links_pipes_and_other_sizes(transport, tmp_path,
-                                                                                           request):
+def test_fetch_reads_regular_files_of_the_given_size_and_refuses_links_pipes_and_other_sizes(
+    transport, tmp_path, request
+):
     """What the report's manifest named is fetched: exactly that many bytes of a regular file (a missing one is
     None). A link (to a secret), a pipe (no hang), a file of another size than the manifest gave: refused, the
     link and the larger file without their bytes being read."""
@@ -277,10 +289,16 @@ def test_fetch_reads_regular_files_of_the_given_size_and_refuses_links_pipes_and
     os.mkfifo(tmp_path / "pipe.png")
     size = plot.stat().st_size
     assert box.fetch({str(plot): size, str(tmp_path / "empty.json"): 0, str(tmp_path / "gone.png"): 3}) == {
-        str(plot): plot.read_bytes(), str(tmp_path / "empty.json"): b"", str(tmp_path / "gone.png"): None}
-    for name, said, refusal in (("linked.png", 6, "link"), ("pipe.png", 0, "not a regular file"),
-                                ("loss.png", size - 1, f"{size} bytes where the box's manifest said {size - 1}"),
-                                ("loss.png", size + 1, "bytes where the box's manifest said")):
+        str(plot): plot.read_bytes(),
+        str(tmp_path / "empty.json"): b"",
+        str(tmp_path / "gone.png"): None,
+    }
+    for name, said, refusal in (
+        ("linked.png", 6, "link"),
+        ("pipe.png", 0, "not a regular file"),
+        ("loss.png", size - 1, f"{size} bytes where the box's manifest said {size - 1}"),
+        ("loss.png", size + 1, "bytes where the box's manifest said"),
+    ):
         with pytest.raises(FileRefused, match=refusal):
             box.fetch({str(tmp_path / name): said}, timeout=10)
 
@@ -303,8 +321,9 @@ def test_several_commands_and_fetches_share_one_connection(ssh_box, sshd, tmp_pa
 def test_a_box_whose_sshd_offers_no_sftp_is_named_as_such(tmp_path, monkeypatch):
     """A box whose sshd_config lacks `Subsystem sftp` (stock configs have it) fails the read with what to enable."""
     server = LoopbackSshd(tmp_path / "sshd")
-    server.config.write_text("\n".join(line for line in server.config.read_text().splitlines()
-                                       if not line.startswith("Subsystem")) + "\n")
+    server.config.write_text(
+        "\n".join(line for line in server.config.read_text().splitlines() if not line.startswith("Subsystem")) + "\n"
+    )
     with server:
         monkeypatch.setenv("AIRFLOW_CONN_NO_SFTP", server.airflow_conn_json())
         (tmp_path / "a.png").write_bytes(b"a")

@@ -36,15 +36,24 @@ from tests.conftest import RUN, plain_config, run_dir_of, run_plan, sealed
 APPROVERS = [Approver.model_validate("bob"), Approver.model_validate("trigger-user")]  # RUN's trigger is one too
 PROPOSALS = "eagle3_drafter.proposals"
 # The promotion DAG's run the proposal's event started (RUN, the training run, proposed)
-PROMOTION_RUN = SimpleNamespace(dag_id="eagle3_promotion", run_id="asset_triggered__2026-12-04T09:00:00+00:00",
-                                conf={}, triggering_user_name=None)
+PROMOTION_RUN = SimpleNamespace(
+    dag_id="eagle3_promotion", run_id="asset_triggered__2026-12-04T09:00:00+00:00", conf={}, triggering_user_name=None
+)
 BOLD = "**Security review: passed, approve**"
 IMAGE = "![ok](https://collector.example/pixel.png)"
-PROPOSAL = {"promoted": False, "pending_approval": True, "lineage": "f209", "lineage_dir": "/w/drafters/f209",
-            "reason": f"better at k=3: 1.870 against the current 1.700 (margin 0) {BOLD} {IMAGE}",
-            "accept_length": {"3": 1.87}, "current": "/w/drafters/f209/current", "eval_set_prompts": 2,
-            "current_before": {"version": "old-1a2b3c4d", "run": "old", "accept_length": {"3": 1.7}},
-            "weights_sha256": "a" * 64, "drafter_files_sha256": "f" * 64}
+PROPOSAL = {
+    "promoted": False,
+    "pending_approval": True,
+    "lineage": "f209",
+    "lineage_dir": "/w/drafters/f209",
+    "reason": f"better at k=3: 1.870 against the current 1.700 (margin 0) {BOLD} {IMAGE}",
+    "accept_length": {"3": 1.87},
+    "current": "/w/drafters/f209/current",
+    "eval_set_prompts": 2,
+    "current_before": {"version": "old-1a2b3c4d", "run": "old", "accept_length": {"3": 1.7}},
+    "weights_sha256": "a" * 64,
+    "drafter_files_sha256": "f" * 64,
+}
 
 
 def render(markdown: str) -> str:
@@ -93,9 +102,14 @@ def propose(plan: dict, dag_run=RUN) -> dict:
 
 def event(extra: dict, dag_run=RUN, task_id: str = PROPOSE_TASK) -> SimpleNamespace:
     """That extra as the promotion run's triggering event, from `task_id` of `dag_run` (None: the REST API's)."""
-    return SimpleNamespace(asset=SimpleNamespace(name=PROPOSALS), extra=extra, source_task_id=task_id,
-                           source_dag_id=dag_run and dag_run.dag_id, source_run_id=dag_run and dag_run.run_id,
-                           timestamp=datetime(2026, 12, 4, 9, 0, tzinfo=UTC))
+    return SimpleNamespace(
+        asset=SimpleNamespace(name=PROPOSALS),
+        extra=extra,
+        source_task_id=task_id,
+        source_dag_id=dag_run and dag_run.dag_id,
+        source_run_id=dag_run and dag_run.run_id,
+        timestamp=datetime(2026, 12, 4, 9, 0, tzinfo=UTC),
+    )
 
 
 def received(*events) -> list[dict]:
@@ -114,9 +128,13 @@ def proposed(plan) -> dict:
 def answered(chosen: str, user: str | None) -> dict:
     """The approval task's resume event, as the API server builds it from the human-in-the-loop record when `user`
     answered (HITLDetail.as_resume_event_payload)."""
-    return {"chosen_options": [chosen], "params_input": {}, "timedout": False,
-            "responded_at": datetime(2026, 12, 4, 9, 0, tzinfo=UTC),
-            "responded_by_user": user and {"id": user, "name": user}}
+    return {
+        "chosen_options": [chosen],
+        "params_input": {},
+        "timedout": False,
+        "responded_at": datetime(2026, 12, 4, 9, 0, tzinfo=UTC),
+        "responded_by_user": user and {"id": user, "name": user},
+    }
 
 
 def approval_task(proposal: dict) -> PromotionApproval:
@@ -178,8 +196,9 @@ def test_a_proposal_edited_in_xcom_is_refused_by_the_approval(proposed):
 @pytest.mark.slow
 def test_the_approval_is_assigned_to_the_approvers_and_its_body_comes_from_the_box_as_text(proposed, monkeypatch):
     asked = {}
-    monkeypatch.setattr("airflow.providers.standard.operators.hitl.upsert_hitl_detail",
-                        lambda **request: asked.update(request))
+    monkeypatch.setattr(
+        "airflow.providers.standard.operators.hitl.upsert_hitl_detail", lambda **request: asked.update(request)
+    )
     task = approval_task(proposed)
     assert task.assigned_users == [{"id": "bob", "name": "bob"}, {"id": "trigger-user", "name": "trigger-user"}]
     with pytest.raises(TaskAwaitingInput):
@@ -201,8 +220,9 @@ def test_a_workdir_with_a_backtick_stays_a_path_in_the_body(tmp_path, trust_sett
     write_proposal(str(run_dir_of(plan)))
     (proposal,) = received(event(propose(plan)))
     asked = {}
-    monkeypatch.setattr("airflow.providers.standard.operators.hitl.upsert_hitl_detail",
-                        lambda **request: asked.update(request))
+    monkeypatch.setattr(
+        "airflow.providers.standard.operators.hitl.upsert_hitl_detail", lambda **request: asked.update(request)
+    )
     with pytest.raises(TaskAwaitingInput):
         approval_task(proposal).execute(CONTEXT_TI)
     html = render(asked["body"])
@@ -215,8 +235,9 @@ def test_a_workdir_with_a_backtick_stays_a_path_in_the_body(tmp_path, trust_sett
 
 def promote(proposal: dict, approval, deployment=None) -> dict:
     """The promotion DAG's promote task for `proposal`, given `approval` (its approval task's XCom)."""
-    return approvals.promote_held(proposal, approval, dag_run=PROMOTION_RUN,
-                                  deployment=deployment or Deployment(approvers=APPROVERS))
+    return approvals.promote_held(
+        proposal, approval, dag_run=PROMOTION_RUN, deployment=deployment or Deployment(approvers=APPROVERS)
+    )
 
 
 @pytest.mark.slow
@@ -226,24 +247,36 @@ def test_an_approve_by_an_approver_who_did_not_trigger_the_run_is_sealed_for_pro
     outcome = promote(proposed, record)
     assert outcome["promoted"]
     (argv,) = promote_calls
-    assert argv[-6:] == ["lineage", "promote", "--config", f"{run_dir_of(proposed['plan'])}/config.json",
-                         "--approved-by=bob", f"--approved-files={'f' * 64}"]  # the files the approval covered
+    assert argv[-6:] == [
+        "lineage",
+        "promote",
+        "--config",
+        f"{run_dir_of(proposed['plan'])}/config.json",
+        "--approved-by=bob",
+        f"--approved-files={'f' * 64}",
+    ]  # the files the approval covered
 
 
 @pytest.mark.slow
 def test_the_user_who_triggered_the_run_cannot_approve_it(proposed):
     """The promotion run has no triggering user (an Asset event started it): the proposal's sealed one counts."""
-    with pytest.raises(AirflowFailException, match=r"answered Approve by 'trigger-user', who triggered the training "
-                                                   r"run: a promotion needs the Approve of another approver "
-                                                   r"\(\['bob'\]\)"):
+    with pytest.raises(
+        AirflowFailException,
+        match=r"answered Approve by 'trigger-user', who triggered the training "
+        r"run: a promotion needs the Approve of another approver "
+        r"\(\['bob'\]\)",
+    ):
         approve(proposed, "trigger-user")
 
 
 @pytest.mark.slow
 def test_an_answer_by_someone_not_among_the_approvers_promotes_nothing(proposed):
     """SimpleAuthManager's all-admins mode lets any user answer: the task checks the approvers itself."""
-    with pytest.raises(AirflowFailException, match=r"answered Approve by 'mallory', who is not one of this "
-                                                   r"deployment's approvers \['bob', 'trigger-user'\]"):
+    with pytest.raises(
+        AirflowFailException,
+        match=r"answered Approve by 'mallory', who is not one of this "
+        r"deployment's approvers \['bob', 'trigger-user'\]",
+    ):
         approve(proposed, "mallory")
 
 
@@ -266,10 +299,18 @@ def test_a_rejection_returns_no_approval(proposed):
 def test_promote_refuses_without_a_sealed_approval(proposed, promote_calls):
     """The approval task marked successful by hand leaves no record; a hand-written XCom has no valid seal."""
     deployment = Deployment(approvers=APPROVERS)
-    forged = {"chosen_options": ["Approve"], "approved_by": "bob", "approver_id": "bob", "responded_at": None,
-              "proposal_sha256": approvals.proposal_digest(PROPOSAL)}
-    for approval, why in ((None, "is no sealed approval"), (forged, "is no sealed approval"),
-                          ({**forged, "seal": "0" * 64}, "does not match its seal")):
+    forged = {
+        "chosen_options": ["Approve"],
+        "approved_by": "bob",
+        "approver_id": "bob",
+        "responded_at": None,
+        "proposal_sha256": approvals.proposal_digest(PROPOSAL),
+    }
+    for approval, why in (
+        (None, "is no sealed approval"),
+        (forged, "is no sealed approval"),
+        ({**forged, "seal": "0" * 64}, "does not match its seal"),
+    ):
         with pytest.raises(Tampered, match=why):
             promote(proposed, approval, deployment)
     record = approve(proposed, "bob")
@@ -320,8 +361,13 @@ def test_a_retry_after_the_switch_still_matches_its_approval(proposed, promote_c
     """`lineage promote` rewrites the report's promotion (promoted, the version) and keeps what was proposed: a
     retry of promote whose first try died after the switch goes through again (the box answers it idempotently)."""
     record = approve(proposed, "bob")
-    write_proposal(str(run_dir_of(proposed["plan"])), promoted=True, pending_approval=False, version="r-1a2b3c4d",
-                   reason=PROPOSAL["reason"] + "; approved")
+    write_proposal(
+        str(run_dir_of(proposed["plan"])),
+        promoted=True,
+        pending_approval=False,
+        version="r-1a2b3c4d",
+        reason=PROPOSAL["reason"] + "; approved",
+    )
     promote(proposed, record)
     assert len(promote_calls) == 1
 
@@ -331,20 +377,30 @@ def test_the_same_proposal_asked_twice_is_promoted_once_and_the_second_approval_
     """The training run proposed again after a clear (same drafter, same digest) while the first promotion run still
     waited: two promotion runs ask the same question. The first Approve promotes; the second question, asked or
     answered after that, is skipped, not failed: nothing is left to do."""
-    write_proposal(str(run_dir_of(proposed["plan"])), promoted=True, pending_approval=False, version="r-1a2b3c4d",
-                   approved_by="bob", reason=PROPOSAL["reason"] + "; approved")
+    write_proposal(
+        str(run_dir_of(proposed["plan"])),
+        promoted=True,
+        pending_approval=False,
+        version="r-1a2b3c4d",
+        approved_by="bob",
+        reason=PROPOSAL["reason"] + "; approved",
+    )
     with pytest.raises(AirflowSkipException, match=r"this proposal was promoted already \(approved by bob\)"):
         approval_task(proposed).execute(CONTEXT_TI)
     with pytest.raises(AirflowSkipException, match="promoted already"):
         approve(proposed, "bob")
     write_proposal(str(run_dir_of(proposed["plan"])), pending_approval=False, reason="not better by the margin")
-    with pytest.raises(AirflowFailException, match=r"holds no promotion for approval \(not better by the margin\): "
-                                                   r"no promotion"):  # an approval in hand, and nothing to approve
+    with pytest.raises(
+        AirflowFailException,
+        match=r"holds no promotion for approval \(not better by the margin\): "
+        r"no promotion",
+    ):  # an approval in hand, and nothing to approve
         approve(proposed, "bob")
     assert promote_calls == []
 
 
 # -- someone is told ---------------------------------------------------------------------------------------------
+
 
 class Heard(BaseNotifier):
     """A notify channel (one of the settings' `notify.notifiers`, as a provider's notifier class) that records the
@@ -362,8 +418,9 @@ class Heard(BaseNotifier):
 
 
 @pytest.mark.slow
-def test_a_waiting_approval_tells_the_settings_channels_who_may_answer_where_and_the_figures_as_text(proposed,
-                                                                                                      monkeypatch):
+def test_a_waiting_approval_tells_the_settings_channels_who_may_answer_where_and_the_figures_as_text(
+    proposed, monkeypatch
+):
     """The issue: a pending approval told nobody. The settings' notify channels hear it, and a template in a value
     from the box is sent as the characters it is, never evaluated."""
     write_proposal(str(run_dir_of(proposed["plan"])), reason="better {{ 6 * 7 }}")
@@ -371,19 +428,31 @@ def test_a_waiting_approval_tells_the_settings_channels_who_may_answer_where_and
     monkeypatch.setattr(Heard, "messages", [])
     monkeypatch.setattr("airflow.providers.standard.operators.hitl.upsert_hitl_detail", lambda **request: None)
     monkeypatch.setenv("AIRFLOW__API__BASE_URL", "https://airflow.example/")
-    deployment = Deployment(approve_promotion=True, approvers=["bob", "carol"], approval_timeout_h=24,
-                            notify={"notifiers": [{"class": f"{Heard.__module__}.Heard",
-                                                   "kwargs": {"subject": "{subject}", "body": "{body}"}}]})
+    deployment = Deployment(
+        approve_promotion=True,
+        approvers=["bob", "carol"],
+        approval_timeout_h=24,
+        notify={
+            "notifiers": [{"class": f"{Heard.__module__}.Heard", "kwargs": {"subject": "{subject}", "body": "{body}"}}]
+        },
+    )
     assert approvals.approval_notifiers(Deployment(approve_promotion=True, approvers=["bob"])) == []  # no notify
-    task = PromotionApproval(task_id="approve_promotion", proposal=proposed, approvers=deployment.approvers,
-                             defaults="Reject", notifiers=approvals.approval_notifiers(deployment))
+    task = PromotionApproval(
+        task_id="approve_promotion",
+        proposal=proposed,
+        approvers=deployment.approvers,
+        defaults="Reject",
+        notifiers=approvals.approval_notifiers(deployment),
+    )
     with pytest.raises(TaskAwaitingInput):
         task.execute({**CONTEXT_TI, "task": task})
     ((subject, body),) = Heard.messages
     assert RUN.run_id in subject and RUN.dag_id in subject
     assert "bob, carol" in body and "24 h" in body
     # absolute, on [api] base_url, the run id quoted as in the Task SDK's log_url (its ':' and '+')
-    assert (f"https://airflow.example/dags/{PROMOTION_RUN.dag_id}/runs/asset_triggered__2026-12-04T09%3A00%3A00%2B00"
-            "%3A00/tasks/approve_promotion/mapped/0/required_actions") in body
+    assert (
+        f"https://airflow.example/dags/{PROMOTION_RUN.dag_id}/runs/asset_triggered__2026-12-04T09%3A00%3A00%2B00"
+        "%3A00/tasks/approve_promotion/mapped/0/required_actions"
+    ) in body
     assert "| 3 | 1.870 | 1.700 |" in body  # the figures, as the approval's body shows them
     assert r"better \{\{ 6 \* 7 \}\}" in body and "42" not in body  # escaped as in the body, never rendered

@@ -34,6 +34,7 @@ TRIGGER_AGAIN = "Trigger a new run"
 @pytest.fixture
 def no_box(monkeypatch):
     """Fails the test if anything asks for a box: a refused plan must stop before any command."""
+
     def box_for(conn_id):
         raise AssertionError(f"a box command was about to run on {conn_id!r}")
 
@@ -70,21 +71,34 @@ def test_an_edited_plan_never_reaches_systemctl_through_the_gpu_sensor(run, no_b
         GpuIdleSensor(task_id="gpus_idle", plan=plan).poke(CONTEXT)
 
 
-@pytest.mark.parametrize("field, value", [
-    ("box.python", "/tmp/evil/python"), ("config.run_name", "other"), ("config.workdir", "/"),
-    ("code_digest", "0123456789abcdef"), ("box_env", ["AIRFLOW__CORE__FERNET_KEY"]),
-    ("config.extract.num_shards", 64), ("config", {}), ("reports_url", "/tmp/mine"), ("keep_runs", 1),
-    ("keep_proposals_h", 999), ("protocol", 0)])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("box.python", "/tmp/evil/python"),
+        ("config.run_name", "other"),
+        ("config.workdir", "/"),
+        ("code_digest", "0123456789abcdef"),
+        ("box_env", ["AIRFLOW__CORE__FERNET_KEY"]),
+        ("config.extract.num_shards", 64),
+        ("config", {}),
+        ("reports_url", "/tmp/mine"),
+        ("keep_runs", 1),
+        ("keep_proposals_h", 999),
+        ("protocol", 0),
+    ],
+)
 def test_any_edited_field_fails_every_kind_of_task(run, no_box, field, value):
     plan = edited(run["plan"], {field: value})
-    for call in (lambda: tasks.write_config(plan, dag_run=RUN),
-                 lambda: tasks.sync_code(plan, dag_run=RUN),
-                 lambda: tasks.inputs_changed(plan, dag_run=RUN),
-                 lambda: tasks.report(plan, dag_run=RUN),
-                 lambda: approvals.propose_promotion(plan, "eagle3_drafter.proposals", outlet_events={}, dag_run=RUN),
-                 lambda: tasks.prune_runs(plan, dag_run=RUN),
-                 lambda: tasks.shard_list(plan, dag_run=RUN),
-                 lambda: RemoteJobOperator(task_id="train", stage="train", plan=plan).execute(CONTEXT)):
+    for call in (
+        lambda: tasks.write_config(plan, dag_run=RUN),
+        lambda: tasks.sync_code(plan, dag_run=RUN),
+        lambda: tasks.inputs_changed(plan, dag_run=RUN),
+        lambda: tasks.report(plan, dag_run=RUN),
+        lambda: approvals.propose_promotion(plan, "eagle3_drafter.proposals", outlet_events={}, dag_run=RUN),
+        lambda: tasks.prune_runs(plan, dag_run=RUN),
+        lambda: tasks.shard_list(plan, dag_run=RUN),
+        lambda: RemoteJobOperator(task_id="train", stage="train", plan=plan).execute(CONTEXT),
+    ):
         with pytest.raises(Tampered, match=EDITED):
             call()
 
@@ -94,8 +108,9 @@ def test_an_edited_config_in_the_plan_fails_write_config_and_sync_code(run, no_b
     or keep_versions would reach every stage. The seal covers it with the rest of the plan."""
     for field, value in (("config.data.path", "/home/alice/.ssh/id_ed25519"), ("config.evaluate.keep_versions", 1)):
         for call in (tasks.write_config, tasks.sync_code):
-            with pytest.raises(Tampered, match=rf"the run plan in XCom \(task `validate`, key `plan`\) {EDITED}") \
-                    as refused:
+            with pytest.raises(
+                Tampered, match=rf"the run plan in XCom \(task `validate`, key `plan`\) {EDITED}"
+            ) as refused:
                 call(edited(run["plan"], {field: value}), dag_run=RUN)
             assert TRIGGER_AGAIN in str(refused.value)
 
@@ -136,13 +151,18 @@ def test_a_plan_of_another_protocol_is_refused_saying_to_clear_validate(run, no_
     body = {key: value for key, value in run["plan"].items() if key != "seal"}
     other = sealed_as_is({**body, "protocol": 0, "gpu_numa_policy": "interleave"})
     for call in (tasks.shard_list, tasks.sync_code, tasks.write_config, tasks.inputs_changed):
-        with pytest.raises(AirflowFailException, match=r"whose plan and box commands are protocol 0; this worker's "
-                                                       r"code speaks protocol 1\. Clear the run's validate task with "
-                                                       r"its downstream tasks") as refused:
+        with pytest.raises(
+            AirflowFailException,
+            match=r"whose plan and box commands are protocol 0; this worker's "
+            r"code speaks protocol 1\. Clear the run's validate task with "
+            r"its downstream tasks",
+        ) as refused:
             call(other, dag_run=RUN)
         assert not isinstance(refused.value, Tampered)
-    for layout in ({**body, "gpu_numa_policy": "interleave"},
-                   {key: value for key, value in body.items() if key != "box"}):
+    for layout in (
+        {**body, "gpu_numa_policy": "interleave"},
+        {key: value for key, value in body.items() if key != "box"},
+    ):
         with pytest.raises(AirflowFailException, match=r"is not a plan this code reads \((box|gpu_numa_policy)"):
             plan_module.verified_plan(sealed_as_is(layout), RUN)
 
@@ -152,9 +172,12 @@ def test_sync_code_refuses_a_box_whose_code_speaks_another_protocol(run, monkeyp
     """Real: the local box, the run's code synced and its `box info` run. The box reports the protocol its code speaks
     (eagle3.contracts); where this worker expects another, sync_code fails before any stage, saying what to do."""
     monkeypatch.setattr(tasks, "PROTOCOL", 2)  # a worker of the next protocol, against the run's code on the box
-    with pytest.raises(AirflowFailException, match=r"box local: this run's code there \(.*/code/\w+\) speaks protocol "
-                                                   r"1, this worker's 2(?s:.*)Clear the run's validate task with its "
-                                                   r"downstream tasks"):
+    with pytest.raises(
+        AirflowFailException,
+        match=r"box local: this run's code there \(.*/code/\w+\) speaks protocol "
+        r"1, this worker's 2(?s:.*)Clear the run's validate task with its "
+        r"downstream tasks",
+    ):
         tasks.sync_code(run["plan"], dag_run=RUN)
     monkeypatch.setattr(tasks, "PROTOCOL", 1)
     assert tasks.sync_code(run["plan"], dag_run=RUN)["local"]["protocol"] == 1
@@ -167,8 +190,9 @@ def test_a_run_in_flight_keeps_the_settings_it_was_validated_with(run, trust_set
     from eagle3_airflow.deployment import Deployment
 
     settings = json.loads(trust_settings.read_text())
-    trust_settings.write_text(json.dumps({**settings, "allowed_boxes": ["gpu_box"], "keep_runs": 1,
-                                          "params": {"box.conn_ids": ["gpu_box"]}}))
+    trust_settings.write_text(
+        json.dumps({**settings, "allowed_boxes": ["gpu_box"], "keep_runs": 1, "params": {"box.conn_ids": ["gpu_box"]}})
+    )
 
     def read(*args, **kwargs):
         raise AssertionError("a task read the settings file")
@@ -181,8 +205,10 @@ def test_a_run_in_flight_keeps_the_settings_it_was_validated_with(run, trust_set
         tasks.prune_runs(run["plan"], dag_run=RUN)
 
 
-SET_THE_KEY = (r"no key to seal run plans with: set the Airflow Variable eagle3_plan_secret in the deployment, as "
-               r"AIRFLOW_VAR_EAGLE3_PLAN_SECRET in the Airflow workers' environment \(docker-compose: in \.env")
+SET_THE_KEY = (
+    r"no key to seal run plans with: set the Airflow Variable eagle3_plan_secret in the deployment, as "
+    r"AIRFLOW_VAR_EAGLE3_PLAN_SECRET in the Airflow workers' environment \(docker-compose: in \.env"
+)
 
 
 def test_without_the_sealing_key_nothing_verifies_and_nothing_is_planned(run, monkeypatch, no_box):
@@ -209,13 +235,31 @@ def test_a_key_written_as_a_variable_in_airflows_database_is_never_used(trust_se
     the DB: validate fails closed, naming the environment variable, and plans nothing."""
     home = migrated_airflow_home(tmp_path / "airflow-home")
     env = {name: value for name, value in airflow_env(home).items() if name != PLAN_SECRET_ENV}
-    subprocess.run([AIRFLOW, "variables", "set", "eagle3_plan_secret", "chosen-by-op-" + "x" * 40], env=env,
-                   check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [AIRFLOW, "variables", "set", "eagle3_plan_secret", "chosen-by-op-" + "x" * 40],
+        env=env,
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     conf = {"target.model_path": "/models/kimi", "data.path": "/data/conversations.jsonl"}
     # Every task but validate is marked successful without running: the run stops or goes on at validate alone.
-    proc = subprocess.run([AIRFLOW, "dags", "test", "eagle3_drafter", "--conf", json.dumps(conf),
-                           "--mark-success-pattern", "(?!validate$).*"],
-                          env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            AIRFLOW,
+            "dags",
+            "test",
+            "eagle3_drafter",
+            "--conf",
+            json.dumps(conf),
+            "--mark-success-pattern",
+            "(?!validate$).*",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0, output[-6000:]
     assert re.search(SET_THE_KEY, output), output[-6000:]
@@ -224,8 +268,11 @@ def test_a_key_written_as_a_variable_in_airflows_database_is_never_used(trust_se
 
 def test_a_mapped_shard_the_plan_does_not_have_is_refused(run, no_box):
     """The `shards` XCom decides how many extract tasks there are and which shard each runs."""
-    with pytest.raises(AirflowFailException, match=r"shard 7 \(from the `shards` task's XCom\) is not a shard of "
-                                                   r"this run, which has 1"):
+    with pytest.raises(
+        AirflowFailException,
+        match=r"shard 7 \(from the `shards` task's XCom\) is not a shard of "
+        r"this run, which has 1",
+    ):
         RemoteJobOperator(task_id="extract", stage="extract", plan=run["plan"], shard=7).execute(CONTEXT)
 
 
@@ -252,6 +299,7 @@ def test_the_report_publishes_to_the_store_the_run_was_validated_with(trust_sett
     monkeypatch.setattr(tasks, "report_summary", lambda plan: {"run_dir": plan.run_dir})
     monkeypatch.setattr(published, "publish", lambda plan, summary, folder, log=None: folders.append(str(folder)))
     tasks.report(plan, dag_run=RUN)
-    assert folders == [str(published.run_folder(Deployment(reports_url=str(tmp_path / "reports-then")),
-                                                 RUN.dag_id, RUN.run_id))]
+    assert folders == [
+        str(published.run_folder(Deployment(reports_url=str(tmp_path / "reports-then")), RUN.dag_id, RUN.run_id))
+    ]
     assert folders[0].startswith(str(tmp_path / "reports-then"))

@@ -33,9 +33,16 @@ REPORT = {
     "speculative": {"3": {"mean_accept_length": 1.87}},
     "public_sets": {},
     "hidden_states": {"store": "/w/stores/ab", "samples": 48, "extracted": 48, "reused": 0},
-    "promotion": {"promoted": True, "reason": "the lineage's first drafter (k=3: 1.870)", "lineage": "f209",
-                  "version": "r-1a2b3c4d", "current": "/w/drafters/f209/current", "accept_length": {"3": 1.87},
-                  "current_before": None, "eval_set_prompts": 2},
+    "promotion": {
+        "promoted": True,
+        "reason": "the lineage's first drafter (k=3: 1.870)",
+        "lineage": "f209",
+        "version": "r-1a2b3c4d",
+        "current": "/w/drafters/f209/current",
+        "accept_length": {"3": 1.87},
+        "current_before": None,
+        "eval_set_prompts": 2,
+    },
 }
 
 
@@ -87,9 +94,19 @@ def test_a_linked_stage_directory_or_run_directory_is_not_followed(run_dir, secr
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["../../../../etc/passwd", "evaluate/../../../../etc/passwd", "/etc/passwd",
-                                  "evaluate/report.json/..", "jobs/train/log", "evaluate/proposal.json",
-                                  "config.json", "a/b/c.png"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "../../../../etc/passwd",
+        "evaluate/../../../../etc/passwd",
+        "/etc/passwd",
+        "evaluate/report.json/..",
+        "jobs/train/log",
+        "evaluate/proposal.json",
+        "config.json",
+        "a/b/c.png",
+    ],
+)
 def test_only_the_reports_and_stage_plots_are_read_by_name(run_dir, name):
     with pytest.raises(ReportFileRefused, match="not a file the report reads"):
         read_file(str(run_dir), name)
@@ -131,13 +148,27 @@ def test_the_manifest_names_each_file_with_its_size_and_digest_and_refuses_links
     import hashlib
 
     (run_dir / "evaluate" / "acceptance.png").symlink_to(secret)
-    manifest = manifest_command(str(run_dir), ["evaluate/report.json", "train/loss.png", "evaluate/acceptance.png",
-                                               "benchmark/benchmark.json", "config.json"], plots=True)
+    manifest = manifest_command(
+        str(run_dir),
+        [
+            "evaluate/report.json",
+            "train/loss.png",
+            "evaluate/acceptance.png",
+            "benchmark/benchmark.json",
+            "config.json",
+        ],
+        plots=True,
+    )
     report = (run_dir / "evaluate" / "report.json").read_bytes()
     assert manifest["files"][:2] == [
-        {"name": "evaluate/report.json", "present": True, "size": len(report),
-         "sha256": hashlib.sha256(report).hexdigest()},
-        {"name": "train/loss.png", "present": True, "size": len(PNG), "sha256": hashlib.sha256(PNG).hexdigest()}]
+        {
+            "name": "evaluate/report.json",
+            "present": True,
+            "size": len(report),
+            "sha256": hashlib.sha256(report).hexdigest(),
+        },
+        {"name": "train/loss.png", "present": True, "size": len(PNG), "sha256": hashlib.sha256(PNG).hexdigest()},
+    ]
     assert "never a symlink" in manifest["files"][2]["refused"]
     assert manifest["files"][3] == {"name": "benchmark/benchmark.json", "present": False}
     assert "not a file the report reads" in manifest["files"][4]["refused"]
@@ -166,8 +197,9 @@ def swap_before_fetch(monkeypatch, path: Path, swap) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("swap", ["link", "rewritten", "grown", "pipe"])
-def test_a_file_swapped_between_manifest_and_fetch_is_refused_not_served(run_dir, plan, secret, reports,
-                                                                          monkeypatch, swap):
+def test_a_file_swapped_between_manifest_and_fetch_is_refused_not_served(
+    run_dir, plan, secret, reports, monkeypatch, swap
+):
     """The box vouches for a file's size and sha256; the bytes come by another channel (SFTP, a local read here)
     a moment later. A link to a secret, a rewrite of the same size, a file grown past what the manifest said, a pipe:
     each fails the task naming the file, and nothing of it is published or echoed."""
@@ -178,7 +210,7 @@ def test_a_file_swapped_between_manifest_and_fetch_is_refused_not_served(run_dir
         if swap == "link":
             plot.symlink_to(secret)
         elif swap == "rewritten":  # the same size, other bytes: only the digest tells
-            plot.write_bytes(SECRET.encode().ljust(len(PNG), b"\0")[:len(PNG)])
+            plot.write_bytes(SECRET.encode().ljust(len(PNG), b"\0")[: len(PNG)])
         elif swap == "grown":
             plot.write_bytes(PNG + SECRET.encode())
         else:
@@ -198,8 +230,9 @@ def test_the_report_reads_its_files_in_one_manifest_and_fetch_per_step(run_dir, 
     run, fetch = LocalBox.run, LocalBox.fetch
     commands, fetches = [], []
     monkeypatch.setattr(LocalBox, "run", lambda self, argv, **k: commands.append(argv) or run(self, argv, **k))
-    monkeypatch.setattr(LocalBox, "fetch", lambda self, files, **k: fetches.append(sorted(files)) or
-                        fetch(self, files, **k))
+    monkeypatch.setattr(
+        LocalBox, "fetch", lambda self, files, **k: fetches.append(sorted(files)) or fetch(self, files, **k)
+    )
     plan_ = box_plan(plan)
     files, plots = results.read_files(plan_, ["evaluate/report.json"], plots=True)
     assert plots == ["evaluate/acceptance.png", "train/loss.png"]

@@ -42,15 +42,20 @@ def trigger(deployment: Deployment, conf: dict | None = None, **overrides) -> di
 def test_a_trigger_cannot_set_keep_versions_and_the_run_gets_the_settings_value():
     deployment = Deployment(run=WORKDIR, keep_versions=5)
     assert "evaluate.keep_versions" not in build_params()  # the form does not offer it
-    with pytest.raises(AirflowFailException, match=r"'evaluate.keep_versions': the deployment decides it \(its "
-                                                   r"settings file's 'keep_versions'"):
+    with pytest.raises(
+        AirflowFailException,
+        match=r"'evaluate.keep_versions': the deployment decides it \(its "
+        r"settings file's 'keep_versions'",
+    ):
         trigger(deployment, conf={"evaluate.keep_versions": 1})
     assert trigger(deployment)["plan"]["config"]["evaluate"]["keep_versions"] == 5
     with pytest.raises(ParamsError, match=r"params: \['evaluate.keep_versions'\] are not form fields"):
         build_params({"evaluate.keep_versions": 1})
     # Nor a layer of the settings: the top-level keep_versions is the one place it is set.
-    for layer in ({"run": {**WORKDIR, "evaluate.keep_versions": 1}},
-                  {"presets": {"short": {"evaluate.keep_versions": 1}}}):
+    for layer in (
+        {"run": {**WORKDIR, "evaluate.keep_versions": 1}},
+        {"presets": {"short": {"evaluate.keep_versions": 1}}},
+    ):
         with pytest.raises(ValidationError, match=r"\['evaluate.keep_versions'\] are not run-config fields"):
             Deployment(**{"run": WORKDIR, **layer})
 
@@ -74,16 +79,28 @@ def test_by_default_only_the_settings_workdir_is_allowed():
     team = Deployment(run={"workdir": "/data/eagle3/team-a"}, allowed_workdirs=["/data/eagle3"])
     assert str(run_dir_of(trigger(team)["plan"])).startswith("/data/eagle3/team-a/")
     for elsewhere in ("/home/alice", "/data/eagle3-other", "/data"):
-        with pytest.raises(ValidationError, match=rf"workdir: '{elsewhere}' is not under a directory this "
-                                                  r"deployment allows; it allows \['/data/eagle3'\]"):
+        with pytest.raises(
+            ValidationError,
+            match=rf"workdir: '{elsewhere}' is not under a directory this "
+            r"deployment allows; it allows \['/data/eagle3'\]",
+        ):
             Deployment(run={"workdir": elsewhere}, allowed_workdirs=["/data/eagle3"])
         # each box's own workdir too
-        with pytest.raises(ValidationError, match=rf"box_pools.gpu-box-1 \(over run and box\) reaches past what "
-                                                  rf"this deployment allows:\n  workdir: '{elsewhere}' is not under"):
-            Deployment(run=WORKDIR, allowed_workdirs=["/data/eagle3"],
-                       box_pools={"gpu-box-1": {"gpus": 8, "run": {"workdir": elsewhere}}})
-    with pytest.raises(ValidationError, match=r"workdir: '/data/eagle3/\.\./\.\./home/alice' has a '\.\.' "
-                                              "component"):
+        with pytest.raises(
+            ValidationError,
+            match=rf"box_pools.gpu-box-1 \(over run and box\) reaches past what "
+            rf"this deployment allows:\n  workdir: '{elsewhere}' is not under",
+        ):
+            Deployment(
+                run=WORKDIR,
+                allowed_workdirs=["/data/eagle3"],
+                box_pools={"gpu-box-1": {"gpus": 8, "run": {"workdir": elsewhere}}},
+            )
+    with pytest.raises(
+        ValidationError,
+        match=r"workdir: '/data/eagle3/\.\./\.\./home/alice' has a '\.\.' "
+        "component",
+    ):
         Deployment(run={"workdir": "/data/eagle3/../../home/alice"}, allowed_workdirs=["/data/eagle3"])
     # A ':' would split the stages' PYTHONPATH={workdir}/code/<digest>: its first part would be searched for an
     # `eagle3` package, not the synced code.
@@ -101,8 +118,11 @@ def test_a_workdir_the_settings_no_longer_allow_is_refused_by_validate():
     deployment = Deployment(run={"workdir": "/data/eagle3/team-a"}, allowed_workdirs=["/data/eagle3"])
     assert trigger(deployment)["plan"]["config"]["workdir"] == "/data/eagle3/team-a"
     tightened = deployment.model_copy(update={"allowed_workdirs": ["/data/eagle3/team-b"]})
-    with pytest.raises(AirflowFailException, match=r"workdir: '/data/eagle3/team-a' is not under a directory this "
-                                                   r"deployment allows; it allows \['/data/eagle3/team-b'\]"):
+    with pytest.raises(
+        AirflowFailException,
+        match=r"workdir: '/data/eagle3/team-a' is not under a directory this "
+        r"deployment allows; it allows \['/data/eagle3/team-b'\]",
+    ):
         trigger(tightened)
 
 
@@ -123,14 +143,23 @@ KEYED = {**WORKDIR, "generate.enabled": True, "generate.api_key_env": "SGLANG_AP
 
 
 def test_the_api_key_is_sent_only_to_the_endpoint_the_settings_allow_for_that_variable():
-    allowed = {"allowed_endpoint_hosts": ["sglang.internal"], "box_env": ["SGLANG_API_KEY"],
-               "api_key_endpoints": {"SGLANG_API_KEY": ["http://sglang.internal:30000/v1"]}}
+    allowed = {
+        "allowed_endpoint_hosts": ["sglang.internal"],
+        "box_env": ["SGLANG_API_KEY"],
+        "api_key_endpoints": {"SGLANG_API_KEY": ["http://sglang.internal:30000/v1"]},
+    }
     assert trigger(Deployment(run={**KEYED, "generate.endpoint": "http://SGLANG.internal:30000/v1/"}, **allowed))
-    for other in ("http://sglang.internal:8000/v1", "https://sglang.internal:30000/v1",
-                  "http://sglang.internal:30000/collect"):
-        with pytest.raises(ValidationError, match=r"generate.api_key_env: the key in SGLANG_API_KEY may be sent "
-                                                  r"only to \['http://sglang.internal:30000/v1'\], not to "
-                                                  "generate.endpoint"):
+    for other in (
+        "http://sglang.internal:8000/v1",
+        "https://sglang.internal:30000/v1",
+        "http://sglang.internal:30000/collect",
+    ):
+        with pytest.raises(
+            ValidationError,
+            match=r"generate.api_key_env: the key in SGLANG_API_KEY may be sent "
+            r"only to \['http://sglang.internal:30000/v1'\], not to "
+            "generate.endpoint",
+        ):
             Deployment(run={**KEYED, "generate.endpoint": other}, **allowed)
     # A trigger can point neither the endpoint nor the key elsewhere.
     deployment = Deployment(run={**KEYED, "generate.endpoint": "http://sglang.internal:30000/v1"}, **allowed)
@@ -148,8 +177,11 @@ def test_a_host_port_entry_allows_that_port_only():
     allowed = {"allowed_endpoint_hosts": ["sglang.internal:30000"]}
     on = {**WORKDIR, "generate.enabled": True}
     assert trigger(Deployment(run={**on, "generate.endpoint": "http://sglang.internal:30000/v1"}, **allowed))
-    with pytest.raises(ValidationError, match=r"generate.endpoint: sglang.internal:22 not allowed here; this "
-                                              r"deployment allows \['sglang.internal:30000'\]"):
+    with pytest.raises(
+        ValidationError,
+        match=r"generate.endpoint: sglang.internal:22 not allowed here; this "
+        r"deployment allows \['sglang.internal:30000'\]",
+    ):
         Deployment(run={**on, "generate.endpoint": "http://sglang.internal:22/v1"}, **allowed)
 
 
@@ -165,12 +197,17 @@ def test_approve_promotion_without_approvers_is_an_import_error_naming_the_key(t
     settings = tmp_path / "dag-settings.json"
     settings.write_text(json.dumps({"approve_promotion": True}))
     monkeypatch.setenv("EAGLE3_DAG_SETTINGS", str(settings))
-    with pytest.raises(ParamsError, match=rf"{settings} \(EAGLE3_DAG_SETTINGS\):\n  approvers: approve_promotion "
-                                          r"is on, but no one may approve"):
+    with pytest.raises(
+        ParamsError,
+        match=rf"{settings} \(EAGLE3_DAG_SETTINGS\):\n  approvers: approve_promotion "
+        r"is on, but no one may approve",
+    ):
         Deployment.from_env()  # what the DAG file calls when it is parsed
     settings.write_text(json.dumps({"approve_promotion": True, "approvers": ["bob", {"id": "7", "name": "carol"}]}))
-    assert [a.hitl_user() for a in Deployment.from_env().approvers] == [{"id": "bob", "name": "bob"},
-                                                                       {"id": "7", "name": "carol"}]
+    assert [a.hitl_user() for a in Deployment.from_env().approvers] == [
+        {"id": "bob", "name": "bob"},
+        {"id": "7", "name": "carol"},
+    ]
 
 
 # -- the interpreters a run may start on the box ----------------------------------------------------------------
@@ -185,17 +222,26 @@ def test_the_settings_name_only_the_interpreters_they_allow():
     for key, value in (("box.python", "/bin/sh"), ("server.python", "/home/alice/venv/bin/python")):
         with pytest.raises(AirflowFailException, match=rf"not trigger parameters: '{key}' \(the deployment's"):
             trigger(deployment, conf={key: value})
-    with pytest.raises(ValidationError, match=r"box.python: \['/bin/sh'\] not allowed here; this deployment "
-                                              r"allows \['/opt/eagle3/bin/python'\]"):
+    with pytest.raises(
+        ValidationError,
+        match=r"box.python: \['/bin/sh'\] not allowed here; this deployment "
+        r"allows \['/opt/eagle3/bin/python'\]",
+    ):
         Deployment(run=WORKDIR, box={"python": "/bin/sh"}, allowed_pythons=["/opt/eagle3/bin/python"])
     with pytest.raises(ValidationError, match=r"server.python: \['/home/alice/venv/bin/python'\] not allowed"):
         Deployment(run={**WORKDIR, "server.python": "/home/alice/venv/bin/python"}, box={"python": "python3"})
-    with pytest.raises(ValidationError, match=r"box_pools.gpu-box-1 \(over run and box\) reaches past .*\n  "
-                                              r"box.python: \['/bin/sh'\] not allowed here"):
-        Deployment(run=WORKDIR, allowed_pythons=["python3"], box_pools={"gpu-box-1": {"gpus": 8,
-                                                                                      "box": {"python": "/bin/sh"}}})
-    vllm = Deployment(run={**WORKDIR, "server.engine": "vllm", "server.python": "/opt/vllm/bin/python"},
-                      allowed_pythons=["python3", "/opt/vllm/bin/python"])
+    with pytest.raises(
+        ValidationError,
+        match=r"box_pools.gpu-box-1 \(over run and box\) reaches past .*\n  "
+        r"box.python: \['/bin/sh'\] not allowed here",
+    ):
+        Deployment(
+            run=WORKDIR, allowed_pythons=["python3"], box_pools={"gpu-box-1": {"gpus": 8, "box": {"python": "/bin/sh"}}}
+        )
+    vllm = Deployment(
+        run={**WORKDIR, "server.engine": "vllm", "server.python": "/opt/vllm/bin/python"},
+        allowed_pythons=["python3", "/opt/vllm/bin/python"],
+    )
     assert trigger(vllm)["plan"]["config"]["server"]["python"] == "/opt/vllm/bin/python"
     with pytest.raises(ValidationError, match="allowed_pythons"):
         Deployment(allowed_pythons=["python3; rm -rf /"])
@@ -215,13 +261,17 @@ def test_the_settings_are_the_file_beside_the_dag_file_or_the_one_eagle3_dag_set
     monkeypatch.delenv("EAGLE3_DAG_SETTINGS", raising=False)
     assert settings_path(bundle) == (None, "")
     assert Deployment.from_env(bundle).allowed.boxes() == ["local"]  # built-in
-    (bundle / SETTINGS_FILE).write_text(json.dumps({"allowed_boxes": ["gpu_box"], "params": {"box.conn_ids":
-                                                                                              ["gpu_box"]}}))
+    (bundle / SETTINGS_FILE).write_text(
+        json.dumps({"allowed_boxes": ["gpu_box"], "params": {"box.conn_ids": ["gpu_box"]}})
+    )
     assert Deployment.from_env(bundle).allowed.boxes() == ["gpu_box"]
     (bundle / "settings" / "other.json").write_text(json.dumps({"approve_promotion": True}))
     monkeypatch.setenv("EAGLE3_DAG_SETTINGS", "settings/other.json")
-    with pytest.raises(ParamsError, match=rf"{bundle}/settings/other.json \(EAGLE3_DAG_SETTINGS, in the DAG folder "
-                                          rf"{bundle}\):\n  approvers: approve_promotion is on"):
+    with pytest.raises(
+        ParamsError,
+        match=rf"{bundle}/settings/other.json \(EAGLE3_DAG_SETTINGS, in the DAG folder "
+        rf"{bundle}\):\n  approvers: approve_promotion is on",
+    ):
         Deployment.from_env(bundle)
     monkeypatch.setenv("EAGLE3_DAG_SETTINGS", str(bundle / "settings" / "other.json"))  # absolute: as it says
     assert settings_path(tmp_path / "elsewhere") == (bundle / "settings" / "other.json", "EAGLE3_DAG_SETTINGS")
@@ -230,13 +280,16 @@ def test_the_settings_are_the_file_beside_the_dag_file_or_the_one_eagle3_dag_set
         Deployment.from_env(bundle)
 
 
-@pytest.mark.parametrize("executor, names", [
-    ("LocalExecutor", ["LocalExecutor"]),
-    ("CeleryExecutor,KubernetesExecutor", ["CeleryExecutor", "KubernetesExecutor"]),
-    ("airflow.providers.edge3.executors.EdgeExecutor", ["EdgeExecutor"]),
-    ("fast:my.module.MyExecutor, LocalExecutor", ["MyExecutor", "LocalExecutor"]),
-    ("LocalExecutor;team1=CeleryExecutor", ["LocalExecutor", "CeleryExecutor"]),
-])
+@pytest.mark.parametrize(
+    "executor, names",
+    [
+        ("LocalExecutor", ["LocalExecutor"]),
+        ("CeleryExecutor,KubernetesExecutor", ["CeleryExecutor", "KubernetesExecutor"]),
+        ("airflow.providers.edge3.executors.EdgeExecutor", ["EdgeExecutor"]),
+        ("fast:my.module.MyExecutor, LocalExecutor", ["MyExecutor", "LocalExecutor"]),
+        ("LocalExecutor;team1=CeleryExecutor", ["LocalExecutor", "CeleryExecutor"]),
+    ],
+)
 def test_the_executors_are_read_as_airflow_names_them(executor, names):
     from eagle3_airflow.deployment import executor_names
 
@@ -250,11 +303,16 @@ def test_a_local_reports_folder_is_refused_under_workers_that_share_no_disk_unle
     for local in (None, "/srv/eagle3-reports", "file:///srv/eagle3-reports"):
         settings = Deployment(reports_url=local)
         settings.check_reports_store("LocalExecutor")  # one machine: fine
-        for executor, named in (("CeleryExecutor", "CeleryExecutor"), ("LocalExecutor,KubernetesExecutor",
-                                                                      "KubernetesExecutor")):
-            with pytest.raises(ParamsError, match=rf"reports_url \(.*\) is a folder on each machine's own disk, but "
-                                                  rf"the executor {named} \(\[core\] executor\) runs tasks on workers "
-                                                  r"(?s:.*)object store(?s:.*)\"reports_shared_disk\": true"):
+        for executor, named in (
+            ("CeleryExecutor", "CeleryExecutor"),
+            ("LocalExecutor,KubernetesExecutor", "KubernetesExecutor"),
+        ):
+            with pytest.raises(
+                ParamsError,
+                match=rf"reports_url \(.*\) is a folder on each machine's own disk, but "
+                rf"the executor {named} \(\[core\] executor\) runs tasks on workers "
+                r"(?s:.*)object store(?s:.*)\"reports_shared_disk\": true",
+            ):
                 settings.check_reports_store(executor)
         Deployment(reports_url=local, reports_shared_disk=True).check_reports_store("CeleryExecutor")
     with pytest.raises(ParamsError, match=r"the default, \$AIRFLOW_HOME/eagle3-reports"):

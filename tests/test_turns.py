@@ -27,12 +27,25 @@ from tests.test_data import (
     with_template,
 )
 
-DS_SPECIALS = ["<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>", "<think>", "</think>",
-               "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>",
-               "<｜tool▁calls▁end｜>", "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"]
+DS_SPECIALS = [
+    "<｜User｜>",
+    "<｜Assistant｜>",
+    "<｜end▁of▁sentence｜>",
+    "<think>",
+    "</think>",
+    "<｜tool▁calls▁begin｜>",
+    "<｜tool▁call▁begin｜>",
+    "<｜tool▁sep｜>",
+    "<｜tool▁call▁end｜>",
+    "<｜tool▁calls▁end｜>",
+    "<｜tool▁output▁begin｜>",
+    "<｜tool▁output▁end｜>",
+]
 DS_END = ("<｜end▁of▁sentence｜>",)
-DS_CALL = ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{\"city\": \"Paris\"}"
-           "<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
+DS_CALL = (
+    '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}'
+    "<｜tool▁call▁end｜><｜tool▁calls▁end｜>"
+)
 # DeepSeek-V3.1's rules: a turn after a user message opens with <｜Assistant｜></think> and never shows reasoning;
 # a turn after a tool's result has no opening, and nothing is served for it after the result. In thinking mode
 # the generation prompt ends <think>: the target writes its reasoning, then </think>.
@@ -89,16 +102,32 @@ def test_deepseek_thinking_turns_are_trained_after_the_think_the_server_opened(t
     "another prefix", extract stored nothing and exited 0. Each turn is now the served prompt, then the reasoning,
     </think> and the rest of the turn as rendered."""
     tokenizer = with_template(tiny_tokenizer, DS_THINKING_LIKE, DS_SPECIALS)
-    conv = conversation([user("Hi"), bot("Hello!", reasoning_content="Greet."), user("Weather?"),
-                         bot("", tool_calls=[CALL]), TOOL_RESULT, bot("It is 18C."),
-                         user("Thanks."), bot("You are welcome.", reasoning_content="Be polite.")], TOOLS)
+    conv = conversation(
+        [
+            user("Hi"),
+            bot("Hello!", reasoning_content="Greet."),
+            user("Weather?"),
+            bot("", tool_calls=[CALL]),
+            TOOL_RESULT,
+            bot("It is 18C."),
+            user("Thanks."),
+            bot("You are welcome.", reasoning_content="Be polite."),
+        ],
+        TOOLS,
+    )
     samples, stats = tokenize_all(tokenizer, conv, template_kwargs={"thinking": True})
     own = [s for s in samples if "." in s.sample_id]
-    assert_served_then_generated(tokenizer, own, conv, {
-        1: "Greet.</think>Hello!<｜end▁of▁sentence｜>",
-        3: f"</think>{DS_CALL}<｜end▁of▁sentence｜>",  # no reasoning: the target closes the block at once
-        7: "Be polite.</think>You are welcome.<｜end▁of▁sentence｜>",
-    }, thinking=True)
+    assert_served_then_generated(
+        tokenizer,
+        own,
+        conv,
+        {
+            1: "Greet.</think>Hello!<｜end▁of▁sentence｜>",
+            3: f"</think>{DS_CALL}<｜end▁of▁sentence｜>",  # no reasoning: the target closes the block at once
+            7: "Be polite.</think>You are welcome.<｜end▁of▁sentence｜>",
+        },
+        thinking=True,
+    )
     # The answer after the tool's result: nothing is served after it, the whole rendering shows it as generated.
     [whole] = [s for s in samples if s.sample_id == conv.sample_id]
     assert masked_runs(tokenizer, whole) == ["It is 18C.<｜end▁of▁sentence｜>"]
@@ -112,16 +141,22 @@ def test_an_indented_generation_prompt_is_laid_over_the_turn_ignoring_its_layout
     rendered turn has 6: every conversation was skipped. The served prompt is matched over the turn's opening
     piece by piece; the template's indentation is layout, not generated text."""
     tokenizer = with_template(tiny_tokenizer, INDENTED_TOOL_LIKE, DS_SPECIALS)
-    conv = conversation([user("Hi"), bot("Hello!"), user("Weather?"), bot("", tool_calls=[CALL]), TOOL_RESULT,
-                         bot("It is 18C.")], TOOLS)
+    conv = conversation(
+        [user("Hi"), bot("Hello!"), user("Weather?"), bot("", tool_calls=[CALL]), TOOL_RESULT, bot("It is 18C.")], TOOLS
+    )
     served = tokenizer.apply_chat_template([user("Hi")], tokenize=False, add_generation_prompt=True)
     assert served.endswith("Hi    <｜Assistant｜></think>")
     assert "Hi      <｜Assistant｜></think>Hello!" in tokenizer.apply_chat_template(list(conv.messages), tokenize=False)
     samples, stats = tokenize_all(tokenizer, conv)
-    assert_served_then_generated(tokenizer, [s for s in samples if "." in s.sample_id], conv, {
-        1: "Hello!<｜end▁of▁sentence｜>",
-        3: f"{DS_CALL}<｜end▁of▁sentence｜>",
-    })
+    assert_served_then_generated(
+        tokenizer,
+        [s for s in samples if "." in s.sample_id],
+        conv,
+        {
+            1: "Hello!<｜end▁of▁sentence｜>",
+            3: f"{DS_CALL}<｜end▁of▁sentence｜>",
+        },
+    )
     assert (stats.trained_turns, stats.turns_dropped) == (3, {})
 
 
@@ -136,10 +171,14 @@ def test_kimi_k25_whose_generation_prompt_opens_the_think_block(tiny_tokenizer, 
     tokenizer = with_template(tiny_tokenizer, template, [*KIMI_SPECIALS, "<think>", "</think>"])
     conv = conversation(KIMI_AGENT_CONVERSATION, TOOLS)
     stats = TokenizeStats()
-    samples = list(SampleTokenizer(tokenizer, 4096, "assistant_turn", end_of_turn_tokens(tokenizer, tiny_target))
-                   .iter([conv], stats))
-    assert_served_then_generated(tokenizer, samples, conv,
-                                 {i: text.removeprefix("<think>") for i, text in KIMI_AGENT_GENERATED.items()})
+    samples = list(
+        SampleTokenizer(tokenizer, 4096, "assistant_turn", end_of_turn_tokens(tokenizer, tiny_target)).iter(
+            [conv], stats
+        )
+    )
+    assert_served_then_generated(
+        tokenizer, samples, conv, {i: text.removeprefix("<think>") for i, text in KIMI_AGENT_GENERATED.items()}
+    )
     assert (stats.trained_turns, stats.turns_dropped) == (5, {})
 
 
@@ -159,10 +198,15 @@ def test_a_generation_prompt_that_matches_nothing_is_not_guessed(tiny_tokenizer)
     stats = TokenizeStats()
     assert list(SampleTokenizer(tokenizer, 4096).iter([conv], stats)) == []
     assert (stats.assistant_turns, stats.trained_turns, stats.turns_dropped) == (2, 0, {"not_placed": 2})
-    assert "another opening than the generation prompt it is served with ('<|im_start|>assistant' where the turn " \
-           "shows '<|im_start|>bot" in stats.skipped[f"{conv.sample_id}.1"]
-    with pytest.raises(ValueError, match=r"turn 1 \(assistant\): the chat template renders this turn with another "
-                                         "opening"):
+    assert (
+        "another opening than the generation prompt it is served with ('<|im_start|>assistant' where the turn "
+        "shows '<|im_start|>bot" in stats.skipped[f"{conv.sample_id}.1"]
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"turn 1 \(assistant\): the chat template renders this turn with another "
+        "opening",
+    ):
         SampleTokenizer(tokenizer, 4096).samples(conv)
 
 

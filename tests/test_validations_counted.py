@@ -31,12 +31,25 @@ from eagle3_airflow.transport import CommandResult
 from tests.conftest import RUN
 
 # The tasks of a one-shard run that verify the plan before anything else (sensors, remote jobs, announce).
-VERIFYING_TASKS = ("box_reachable", "gpus_idle", "disk_space", "generate", "extract[0]", "gpus_released", "vocab",
-                   "train", "export", "evaluate", "benchmark", "promoted")
-REPLIES = {"box info": {"protocol": PROTOCOL, "python": "3.11", "packages": {}, "cuda": None, "gpus": [],
-                        "missing": []},
-           "runs prune": {"runs": 1, "removed": [], "kept_beyond_keep": []},
-           "lineage check": {"changed": True}}
+VERIFYING_TASKS = (
+    "box_reachable",
+    "gpus_idle",
+    "disk_space",
+    "generate",
+    "extract[0]",
+    "gpus_released",
+    "vocab",
+    "train",
+    "export",
+    "evaluate",
+    "benchmark",
+    "promoted",
+)
+REPLIES = {
+    "box info": {"protocol": PROTOCOL, "python": "3.11", "packages": {}, "cuda": None, "gpus": [], "missing": []},
+    "runs prune": {"runs": 1, "removed": [], "kept_beyond_keep": []},
+    "lineage check": {"changed": True},
+}
 
 
 class Counted:
@@ -53,6 +66,7 @@ class Counted:
         def counted(*args, **kwargs):
             self.counts[self.what] += 1
             return attr(*args, **kwargs)
+
         return counted
 
 
@@ -69,10 +83,12 @@ def counts(trust_settings, monkeypatch) -> dict:
     settings = json.loads(trust_settings.read_text())
     trust_settings.write_text(json.dumps({**settings, "keep_runs": 3, "reports_url": str(trust_settings.parent)}))
     counts = {"config validations": 0, "plan loads": 0, "settings reads": 0}
-    monkeypatch.setattr(RunConfig, "__pydantic_validator__", Counted(RunConfig.__pydantic_validator__, counts,
-                                                                     "config validations"))
-    monkeypatch.setattr(RunPlan, "__pydantic_validator__", Counted(RunPlan.__pydantic_validator__, counts,
-                                                                   "plan loads"))
+    monkeypatch.setattr(
+        RunConfig, "__pydantic_validator__", Counted(RunConfig.__pydantic_validator__, counts, "config validations")
+    )
+    monkeypatch.setattr(
+        RunPlan, "__pydantic_validator__", Counted(RunPlan.__pydantic_validator__, counts, "plan loads")
+    )
     read_text = pathlib.Path.read_text
 
     def read(path, *args, **kwargs):
@@ -127,16 +143,22 @@ def test_init_resolves_the_targets_facts_once_and_a_stage_reads_only_the_runs_co
     from eagle3.config import write_run_config
 
     counts = {"config validations": 0}
-    monkeypatch.setattr(RunConfig, "__pydantic_validator__", Counted(RunConfig.__pydantic_validator__, counts,
-                                                                     "config validations"))
+    monkeypatch.setattr(
+        RunConfig, "__pydantic_validator__", Counted(RunConfig.__pydantic_validator__, counts, "config validations")
+    )
     path = write_run_config(make_config())
     assert counts["config validations"] == 2  # make_config: parse_run_config, then resolve_target_facts
 
     def refused(*args, **kwargs):
         raise AssertionError("a stage read the target's files for facts init resolved")
 
-    for name in ("read_text_config", "read_target_facts", "read_architecture", "serving_sampling",
-                 "resolve_target_facts"):
+    for name in (
+        "read_text_config",
+        "read_target_facts",
+        "read_architecture",
+        "serving_sampling",
+        "resolve_target_facts",
+    ):
         monkeypatch.setattr(target, name, refused)
     counts["config validations"] = 0
     cfg = load_config(str(path))

@@ -57,14 +57,20 @@ def test_vocab_stage_writes_sglang_mapping_files(extracted):
 def test_reuse_is_checked_against_this_stores_coverage(extracted, make_config, tmp_path):
     run_vocab(extracted)
     source = str(extracted.run_dir / "vocab_mapping")
-    ok = make_config(run_name="reuse-ok", workdir=extracted.run_dir.parents[1],
-                     vocab={"draft_vocab_size": 128, "reuse_from": source, "min_coverage": 0.5})
+    ok = make_config(
+        run_name="reuse-ok",
+        workdir=extracted.run_dir.parents[1],
+        vocab={"draft_vocab_size": 128, "reuse_from": source, "min_coverage": 0.5},
+    )
     run_extract(ok)
     meta = run_vocab(ok)
     assert meta["reused_from"] == source and meta["coverage"] == meta["fresh_coverage"]
 
-    strict = make_config(run_name="reuse-strict", workdir=extracted.run_dir.parents[1],
-                         vocab={"draft_vocab_size": 128, "reuse_from": source, "min_coverage": 0.999999})
+    strict = make_config(
+        run_name="reuse-strict",
+        workdir=extracted.run_dir.parents[1],
+        vocab={"draft_vocab_size": 128, "reuse_from": source, "min_coverage": 0.999999},
+    )
     run_extract(strict)
     with pytest.raises(VocabError) as info:
         run_vocab(strict)
@@ -77,8 +83,11 @@ def test_reuse_is_checked_against_this_stores_coverage(extracted, make_config, t
 @pytest.mark.slow
 def test_reuse_of_a_mapping_with_other_sizes_is_refused(extracted, make_config):
     run_vocab(extracted)
-    other = make_config(run_name="other-size", workdir=extracted.run_dir.parents[1],
-                        vocab={"draft_vocab_size": 64, "reuse_from": str(extracted.run_dir / "vocab_mapping")})
+    other = make_config(
+        run_name="other-size",
+        workdir=extracted.run_dir.parents[1],
+        vocab={"draft_vocab_size": 64, "reuse_from": str(extracted.run_dir / "vocab_mapping")},
+    )
     run_extract(other)
     with pytest.raises(VocabError, match="maps 128 of .* this run needs 64"):
         run_vocab(other)

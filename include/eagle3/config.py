@@ -87,8 +87,7 @@ class TargetConfig(Section):
         None, ge=1, le=MAX_LAYERS, title="Decoder layers", description="Filled from config.json."
     )
     hidden_size: int | None = Field(
-        None, ge=1, le=MAX_WIDTH, title="Hidden size",
-        description="Filled from config.json."
+        None, ge=1, le=MAX_WIDTH, title="Hidden size", description="Filled from config.json."
     )
     vocab_size: int | None = Field(
         None, ge=1, le=16 * MAX_WIDTH, title="Vocabulary size", description="Filled from config.json."
@@ -105,14 +104,16 @@ class DataConfig(Section):
         pattern=ABS_PATH_PATTERN,
     )
     max_length: int = Field(
-        4096, ge=16, le=1_048_576, title="Max tokens per sample",
+        4096,
+        ge=16,
+        le=1_048_576,
+        title="Max tokens per sample",
         description="A longer conversation keeps its start and the turns that end within it; each later turn gets "
         "a sample of its own, its context cut from the left (a turn longer than this is cut at its end). Counted in "
         "the extract stats.",
     )
     max_samples: int | None = Field(
-        None, ge=1, le=MAX_COUNT, title="Max samples",
-        description="Use only the first N lines."
+        None, ge=1, le=MAX_COUNT, title="Max samples", description="Use only the first N lines."
     )
     on_bad_record: Literal["error", "skip"] = Field(
         "error",
@@ -122,7 +123,7 @@ class DataConfig(Section):
     chat_template_kwargs: dict[str, str | int | float | bool] = Field(
         default_factory=dict,
         title="Chat template arguments",
-        description='Passed to the target\'s chat template wherever it renders (and to SGLang in generate), e.g. '
+        description="Passed to the target's chat template wherever it renders (and to SGLang in generate), e.g. "
         '{"enable_thinking": true} for Qwen3, or a template\'s option to keep reasoning in earlier turns.',
     )
     generation_chat_template: str | None = Field(
@@ -141,7 +142,10 @@ class DataConfig(Section):
         "the end-of-turn token included. content: only the content and reasoning text.",
     )
     max_untrained_fraction: float = Field(
-        0.01, ge=0, le=1, title="Untrained turns allowed",
+        0.01,
+        ge=0,
+        le=1,
+        title="Untrained turns allowed",
         description="Extract refuses the run (exit 2) when more than this fraction of the assistant turns, or of "
         "their tokens, cannot be trained as the target generated them (the chat template renders them otherwise: "
         "set data.generation_chat_template). 0: none may be lost; 1: never refuse. Counted in the extract stats.",
@@ -154,12 +158,14 @@ class ServerConfig(Section):
     use it."""
 
     engine: Literal["sglang", "vllm"] = Field(
-        "sglang", title="Serving engine",
+        "sglang",
+        title="Serving engine",
         description="sglang: the box's engine for large targets. vllm: vLLM's OpenAI-compatible server (its CPU "
         "build serves small targets without a GPU).",
     )
     python: str | None = Field(
-        None, title="Engine's interpreter",
+        None,
+        title="Engine's interpreter",
         description="The Python that has the engine installed (SGLang and vLLM rarely share one environment). Empty: "
         "box.python.",
         pattern=ABS_PATH_PATTERN,
@@ -167,7 +173,10 @@ class ServerConfig(Section):
     port: int = Field(30000, ge=1024, le=65535, title="Port", description="On 127.0.0.1 of the box.")
     tp_size: int = Field(1, ge=1, le=64, title="Tensor parallel size", description="GPUs per server (Kimi-K2.5: 8).")
     mem_fraction_static: float | None = Field(
-        None, gt=0.0, lt=1.0, title="Static memory fraction",
+        None,
+        gt=0.0,
+        lt=1.0,
+        title="Static memory fraction",
         description="Of each GPU (SGLang's --mem-fraction-static, vLLM's --gpu-memory-utilization); empty: the "
         "engine's default.",
     )
@@ -176,39 +185,70 @@ class ServerConfig(Section):
         title="Extra server arguments",
         description='Other flags of the engine\'s server, e.g. {"attention-backend": "triton", "reasoning-parser": '
         '"kimi_k2"}; true: a bare flag. Each goes as one --name=value argument. Only flags eagle3/engine_flags.py '
-        'lists as reviewed, or reviewed_flags names.',
+        "lists as reviewed, or reviewed_flags names.",
     )
     reviewed_flags: list[Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9-]{0,99}$")]] = Field(
-        default_factory=list, title="Flags the operator reviewed",
+        default_factory=list,
+        title="Flags the operator reviewed",
         description="extra_args flags the deployment allows beyond the project's reviewed list, each by name (a "
         "settings-file decision: what the flag reads, writes or reaches is the operator's to know).",
     )
     startup_timeout_s: float = Field(
-        1800, gt=0, le=DAY_S, title="Startup timeout (s)",
-        description="Until /health answers; loading a 1T model takes a while."
+        1800,
+        gt=0,
+        le=DAY_S,
+        title="Startup timeout (s)",
+        description="Until /health answers; loading a 1T model takes a while.",
     )
 
     # Flags extra_args must leave alone, per engine, and why, reviewed or not. argparse takes any unambiguous prefix
     # of a flag ('--hos' is '--host'), so a name that begins one of these is refused too. A name ending in '-' stands
     # for a family of flags.
-    FROM_CONFIG_WHY: ClassVar[str] = ("comes from the run config (target.*, server.tp_size, "
-                                      "server.mem_fraction_static): set it there")
-    KEPT_LOCAL_WHY: ClassVar[str] = ("is the launcher's: the server listens on 127.0.0.1:server.port of one box, with "
-                                     "no config file of its own; remove it")
+    FROM_CONFIG_WHY: ClassVar[str] = (
+        "comes from the run config (target.*, server.tp_size, server.mem_fraction_static): set it there"
+    )
+    KEPT_LOCAL_WHY: ClassVar[str] = (
+        "is the launcher's: the server listens on 127.0.0.1:server.port of one box, with "
+        "no config file of its own; remove it"
+    )
     SET_BY_STAGES_WHY: ClassVar[str] = "is set by the stages (evaluate.*, benchmark.*): remove it"
     RESERVED: ClassVar[dict[str, dict[str, str]]] = {
         "sglang": {
-            **dict.fromkeys(("model-path", "model", "tokenizer-path", "trust-remote-code", "dtype", "tp-size",
-                             "tensor-parallel-size", "mem-fraction-static"), FROM_CONFIG_WHY),
-            **dict.fromkeys(("host", "port", "config", "dist-init-addr", "nccl-init-addr", "nnodes", "node-rank"),
-                            KEPT_LOCAL_WHY),
+            **dict.fromkeys(
+                (
+                    "model-path",
+                    "model",
+                    "tokenizer-path",
+                    "trust-remote-code",
+                    "dtype",
+                    "tp-size",
+                    "tensor-parallel-size",
+                    "mem-fraction-static",
+                ),
+                FROM_CONFIG_WHY,
+            ),
+            **dict.fromkeys(
+                ("host", "port", "config", "dist-init-addr", "nccl-init-addr", "nnodes", "node-rank"), KEPT_LOCAL_WHY
+            ),
             "speculative-": SET_BY_STAGES_WHY,
         },
         "vllm": {
-            **dict.fromkeys(("model", "tokenizer", "trust-remote-code", "dtype", "tensor-parallel-size", "tp",
-                             "gpu-memory-utilization"), FROM_CONFIG_WHY),
-            **dict.fromkeys(("host", "port", "uds", "config", "headless", "data-parallel-address",
-                             "data-parallel-rpc-port"), KEPT_LOCAL_WHY),
+            **dict.fromkeys(
+                (
+                    "model",
+                    "tokenizer",
+                    "trust-remote-code",
+                    "dtype",
+                    "tensor-parallel-size",
+                    "tp",
+                    "gpu-memory-utilization",
+                ),
+                FROM_CONFIG_WHY,
+            ),
+            **dict.fromkeys(
+                ("host", "port", "uds", "config", "headless", "data-parallel-address", "data-parallel-rpc-port"),
+                KEPT_LOCAL_WHY,
+            ),
             # vllm 0.32 also spells speculative decoding --spec-method / --spec-model / --spec-tokens
             **dict.fromkeys(("speculative-", "spec-", "per-request-spec-decode-metrics"), SET_BY_STAGES_WHY),
         },
@@ -267,21 +307,33 @@ class GenerateConfig(Section):
         None, title="Model name in requests", description="Empty: target.model_path, SGLang's default served name."
     )
     temperature: float | None = Field(
-        None, ge=0.0, le=2.0, title="Temperature",
+        None,
+        ge=0.0,
+        le=2.0,
+        title="Temperature",
         description="Empty: the target's own sampling, as its generation_config.json names it (temperature, top_p, "
         "top_k: what SGLang and vLLM serve it with by default, so the drafter learns the answers it will be asked "
         "to predict), filled in at init; greedy when the file names no temperature. 0: greedy.",
     )
     top_p: float | None = Field(
-        None, gt=0.0, le=1.0, title="Top-p",
+        None,
+        gt=0.0,
+        le=1.0,
+        title="Top-p",
         description="Nucleus sampling. Empty: the target's generation_config.json, else 1 (keeps all).",
     )
     top_k: int | None = Field(
-        None, ge=1, le=16 * MAX_WIDTH, title="Top-k",
+        None,
+        ge=1,
+        le=16 * MAX_WIDTH,
+        title="Top-k",
         description="Sample among the k likeliest tokens. Empty: the target's generation_config.json, else no limit.",
     )
     max_tokens: int = Field(
-        32768, ge=1, le=MAX_WIDTH, title="Max new tokens per turn",
+        32768,
+        ge=1,
+        le=MAX_WIDTH,
+        title="Max new tokens per turn",
         description="A longer answer is cut here (SGLang finish_reason length), kept as cut and trained without an "
         "end of turn. Room for a thinking target's reasoning (Kimi-K2.5 thinks for thousands of tokens, and a cut "
         "tool-call turn changes the call); other targets end long before it.",
@@ -293,17 +345,26 @@ class GenerateConfig(Section):
         "which the chat template renders and the drafter learns; or drop it.",
     )
     num_samples: int | None = Field(
-        None, ge=1, le=MAX_COUNT, title="Conversations to regenerate",
-        description="The first N; empty: data.max_samples, or all."
+        None,
+        ge=1,
+        le=MAX_COUNT,
+        title="Conversations to regenerate",
+        description="The first N; empty: data.max_samples, or all.",
     )
     concurrency: int = Field(
-        64, ge=1, le=4096, title="Concurrent requests",
+        64,
+        ge=1,
+        le=4096,
+        title="Concurrent requests",
         description="Conversations in flight; SGLang batches them. Higher keeps the GPUs busier.",
     )
     request_timeout_s: float = Field(
-        3600.0, gt=0, le=DAY_S, title="Request timeout (s)",
+        3600.0,
+        gt=0,
+        le=DAY_S,
+        title="Request timeout (s)",
         description="The whole of one turn's request, from connecting to the last byte of the answer; a timeout is "
-        "retried. An answer of max_tokens at 10-20 tokens/s per request in a full batch takes most of an hour."
+        "retried. An answer of max_tokens at 10-20 tokens/s per request in a full batch takes most of an hour.",
     )
     max_retries: int = Field(
         5, ge=0, le=100, title="Retries per request", description="On connection errors, timeouts, 429 and 5xx."
@@ -316,8 +377,11 @@ class GenerateConfig(Section):
         description="Of the conversations tried (checked after the first 20): a dead server stops the stage early.",
     )
     progress_interval_s: float = Field(
-        30.0, gt=0, le=3600, title="Progress log interval (s)",
-        description="Seconds between progress lines in the task log."
+        30.0,
+        gt=0,
+        le=3600,
+        title="Progress log interval (s)",
+        description="Seconds between progress lines in the task log.",
     )
 
     @field_validator("endpoint", mode="before")
@@ -327,20 +391,26 @@ class GenerateConfig(Section):
         if isinstance(url, str):
             parts = urlsplit(url)
             if "@" in parts.netloc:
-                raise ValueError("generate.endpoint: has user:password in it, which would be printed and stored "
-                                 f"with the URL ({redact_url(url)}); put the key in a variable on the box and name "
-                                 "it in generate.api_key_env")
+                raise ValueError(
+                    "generate.endpoint: has user:password in it, which would be printed and stored "
+                    f"with the URL ({redact_url(url)}); put the key in a variable on the box and name "
+                    "it in generate.api_key_env"
+                )
             if parts.query or parts.fragment or "?" in url or "#" in url:
-                raise ValueError(f"generate.endpoint: {redact_url(url)} has a ?query or #fragment, which would cut "
-                                 "off the /chat/completions the stage appends; give the base URL only, e.g. "
-                                 "http://127.0.0.1:30000/v1")
+                raise ValueError(
+                    f"generate.endpoint: {redact_url(url)} has a ?query or #fragment, which would cut "
+                    "off the /chat/completions the stage appends; give the base URL only, e.g. "
+                    "http://127.0.0.1:30000/v1"
+                )
         return url
 
     @model_validator(mode="after")
     def _hf_starts_no_server(self) -> GenerateConfig:
         if self.backend == "hf" and self.launch_server:
-            raise ValueError("generate.launch_server: the hf backend runs the target inside the stage and starts no "
-                             "server; turn launch_server off (or use backend 'server')")
+            raise ValueError(
+                "generate.launch_server: the hf backend runs the target inside the stage and starts no "
+                "server; turn launch_server off (or use backend 'server')"
+            )
         return self
 
 
@@ -364,30 +434,44 @@ class SglangEngineConfig(Section):
         pattern=r"^[A-Za-z0-9_-]+$",
     )
     capture: Literal["auto", "plugin", "lists"] = Field(
-        "auto", title="Capture path",
+        "auto",
+        title="Capture path",
         description="plugin: one engine, one prefill per sample; its scheduler writes the states to files "
         "(eagle3/capture/sglang_plugin.py). lists: SGLang's public return path, two engines in turn, the prefill "
         "twice. auto: plugin where the sglang version and a start-up probe allow, else lists (logged).",
     )
     extra_args: dict[str, str | int | float | bool] = Field(
-        default_factory=dict, title="Extra engine arguments",
+        default_factory=dict,
+        title="Extra engine arguments",
         description="Other sglang ServerArgs fields, by name: those eagle3/engine_flags.py lists as reviewed, or "
         "reviewed_args names.",
     )
     reviewed_args: list[Annotated[str, Field(pattern=r"^[a-z][a-z0-9_]{0,99}$")]] = Field(
-        default_factory=list, title="Arguments the operator reviewed",
+        default_factory=list,
+        title="Arguments the operator reviewed",
         description="extra_args names the deployment allows beyond the project's reviewed list (a settings-file "
         "decision).",
     )
 
     # Engine arguments extra_args must leave alone, and why (the capture backend sets the first two kinds).
     FROM_CONFIG: ClassVar[tuple[str, ...]] = (
-        "model_path", "tokenizer_path", "trust_remote_code", "dtype", "tp_size", "mem_fraction_static",
+        "model_path",
+        "tokenizer_path",
+        "trust_remote_code",
+        "dtype",
+        "tp_size",
+        "mem_fraction_static",
         "attention_backend",
     )
     FOR_CAPTURE: ClassVar[tuple[str, ...]] = (
-        "skip_tokenizer_init", "disable_radix_cache", "chunked_prefill_size", "enable_return_aux_hidden_states",
-        "speculative_algorithm", "return_aux_hidden_state_layer_ids", "enable_return_hidden_states", "base_gpu_id",
+        "skip_tokenizer_init",
+        "disable_radix_cache",
+        "chunked_prefill_size",
+        "enable_return_aux_hidden_states",
+        "speculative_algorithm",
+        "return_aux_hidden_state_layer_ids",
+        "enable_return_hidden_states",
+        "base_gpu_id",
         "disable_overlap_schedule",
     )
     SPREAD_OVER_GPUS: ClassVar[tuple[str, ...]] = ("dp_size", "pp_size", "gpu_id_step")
@@ -401,17 +485,27 @@ class SglangEngineConfig(Section):
         cls, extra = type(self), self.extra_args
         for name in extra:  # sglang.Engine takes ServerArgs field names as keyword arguments
             if not re.fullmatch(r"[a-z][a-z0-9_]*", name):
-                raise ValueError(f"extract.sglang.extra_args: {name!r} is not a ServerArgs field name; write it with "
-                                 f"underscores, e.g. {name.replace('-', '_').lower()!r}")
+                raise ValueError(
+                    f"extract.sglang.extra_args: {name!r} is not a ServerArgs field name; write it with "
+                    f"underscores, e.g. {name.replace('-', '_').lower()!r}"
+                )
         for names, why in (
             (cls.FROM_CONFIG, "come from the run config (target.*, extract.sglang.*): set them there"),
             (cls.FOR_CAPTURE, "are set by the capture backend for capture to work: remove them"),
-            (cls.SPREAD_OVER_GPUS, "would spread a shard over more GPUs than its group (and pp_size > 1 cannot "
-             "capture aux states): use extract.num_shards for data parallelism"),
-            (cls.LOSES_AUX_STATES, "would run the layers after the dense ones without capturing their aux states "
-             "(SGLang's two-batch overlap): remove them for extraction (serving may still use them)"),
-            (cls.KEPT_LOCAL, "are the engine's own: one capture engine runs on one box, reached by no one else; "
-             "remove them"),
+            (
+                cls.SPREAD_OVER_GPUS,
+                "would spread a shard over more GPUs than its group (and pp_size > 1 cannot "
+                "capture aux states): use extract.num_shards for data parallelism",
+            ),
+            (
+                cls.LOSES_AUX_STATES,
+                "would run the layers after the dense ones without capturing their aux states "
+                "(SGLang's two-batch overlap): remove them for extraction (serving may still use them)",
+            ),
+            (
+                cls.KEPT_LOCAL,
+                "are the engine's own: one capture engine runs on one box, reached by no one else; remove them",
+            ),
         ):
             clash = sorted(set(extra) & set(names))
             if clash:
@@ -434,23 +528,31 @@ class ExtractConfig(Section):
         description="HF convention (output of decoder layer i). Default [1, L//2-1, L-4]: [1, 29, 57] for 61 layers.",
     )
     device: str = Field(
-        "auto", title="Device (hf backend)",
+        "auto",
+        title="Device (hf backend)",
         description="auto: a GPU of the shard's own on its box (see Shards), or the CPU without CUDA.",
         pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$",
     )
     batch_tokens: int = Field(
-        16384, ge=16, le=16 * MAX_WIDTH, title="Tokens per forward batch",
+        16384,
+        ge=16,
+        le=16 * MAX_WIDTH,
+        title="Tokens per forward batch",
         description="Padded tokens per forward pass (hf); tokens per request batch (sglang).",
     )
     state_dtype: Literal["bf16", "fp8_e4m3"] = Field(
-        "bf16", title="Stored state dtype",
+        "bf16",
+        title="Stored state dtype",
         description="bf16: as the target computes them. fp8_e4m3: half the disk, one scale per token and layer.",
     )
     chunk_mib: int = Field(
         256, ge=1, le=16384, title="Chunk size (MiB)", description="Target size of one store chunk file."
     )
     num_shards: int = Field(
-        1, ge=1, le=4096, title="Shards",
+        1,
+        ge=1,
+        le=4096,
+        title="Shards",
         description="Data-parallel extraction jobs, dealt round-robin to the boxes; the shards on one box take "
         "GPUs of their own there: one each (hf), or extract.sglang.tp_size each (sglang).",
     )
@@ -458,8 +560,11 @@ class ExtractConfig(Section):
         2, ge=1, le=64, title="Writer queue depth", description="Batches buffered between compute and disk."
     )
     progress_interval_s: float = Field(
-        30.0, gt=0, le=3600, title="Progress log interval (s)",
-        description="Seconds between progress lines in the task log."
+        30.0,
+        gt=0,
+        le=3600,
+        title="Progress log interval (s)",
+        description="Seconds between progress lines in the task log.",
     )
     sglang: SglangEngineConfig = Field(default_factory=SglangEngineConfig)
 
@@ -479,7 +584,10 @@ class VocabConfig(Section):
     """Draft/target vocabulary mapping (the vocab stage)."""
 
     draft_vocab_size: int = Field(
-        32000, ge=1, le=16 * MAX_WIDTH, title="Draft vocabulary size",
+        32000,
+        ge=1,
+        le=16 * MAX_WIDTH,
+        title="Draft vocabulary size",
         description="The most frequent target tokens in the answers; the drafter predicts only these (d2t, t2d).",
     )
     reuse_from: str | None = Field(
@@ -489,7 +597,10 @@ class VocabConfig(Section):
         pattern=ABS_PATH_PATTERN,
     )
     min_coverage: float = Field(
-        0.95, ge=0.0, le=1.0, title="Minimum coverage for reuse",
+        0.95,
+        ge=0.0,
+        le=1.0,
+        title="Minimum coverage for reuse",
         description="Share of this data's answer tokens a reused mapping must cover; below it the stage stops.",
     )
 
@@ -506,41 +617,59 @@ class DrafterConfig(Section):
     init fills them in, so the run config records them."""
 
     head_dim: int | None = Field(
-        None, ge=1, le=max(SGLANG_HEAD_DIMS), title="Attention head dim",
+        None,
+        ge=1,
+        le=max(SGLANG_HEAD_DIMS),
+        title="Attention head dim",
         description=f"One of {list(SGLANG_HEAD_DIMS)}, what SGLang's attention backends (flashinfer, fa3, triton) "
         "all run. Default 128 (64 for targets narrower than 1024).",
     )
     num_attention_heads: int | None = Field(
-        None, ge=1, le=4096, title="Attention heads",
-        description="Default hidden_size // head_dim (DeepSeek-V3/Kimi: 56)."
+        None,
+        ge=1,
+        le=4096,
+        title="Attention heads",
+        description="Default hidden_size // head_dim (DeepSeek-V3/Kimi: 56).",
     )
     num_key_value_heads: int | None = Field(
-        None, ge=1, le=4096, title="KV heads",
+        None,
+        ge=1,
+        le=4096,
+        title="KV heads",
         description="Grouped-query attention; divides the heads. Default 8 (or the heads, if fewer): the draft KV "
         "cache SGLang keeps per token.",
     )
     intermediate_size: int | None = Field(
-        None, ge=1, le=MAX_WIDTH, title="MLP width",
-        description="Default the target's dense intermediate_size (DeepSeek-V3: 18432)."
+        None,
+        ge=1,
+        le=MAX_WIDTH,
+        title="MLP width",
+        description="Default the target's dense intermediate_size (DeepSeek-V3: 18432).",
     )
     rope_theta: float | None = Field(
-        None, gt=0, le=1e12, title="RoPE theta",
+        None,
+        gt=0,
+        le=1e12,
+        title="RoPE theta",
         description="Default the target's rope_theta (Kimi-K2.5: 50000).",
     )
     rope_scaling: Literal["target", "none"] = Field(
-        "target", title="RoPE scaling",
+        "target",
+        title="RoPE scaling",
         description="target: train and export the drafter with the target's RoPE scaling (Kimi-K2.5's YaRN), as the "
         "engines will apply it from the drafter's config.json. none: plain theta, knowingly (init warns when the "
         "target scales its RoPE).",
     )
 
     fc_norm: bool = Field(
-        False, title="EAGLE-3.1: norm each aux state",
+        False,
+        title="EAGLE-3.1: norm each aux state",
         description="An RMSNorm on each of the target's aux states before the drafter's fc (EAGLE-3.1; SGLang and "
         "vLLM read fc_norm from the drafter's config.json).",
     )
     norm_output: bool = Field(
-        False, title="EAGLE-3.1: pass the normed state on",
+        False,
+        title="EAGLE-3.1: pass the normed state on",
         description="Each draft step hands the next one its hidden state after the final norm, not before "
         "(EAGLE-3.1; SGLang and vLLM read norm_output).",
     )
@@ -549,18 +678,20 @@ class DrafterConfig(Section):
     @classmethod
     def _served_head_dim(cls, head_dim: int | None) -> int | None:
         if head_dim is not None and head_dim not in SGLANG_HEAD_DIMS:
-            raise ValueError(f"drafter.head_dim: {head_dim} is not one SGLang's attention backends all run; "
-                             f"use one of {list(SGLANG_HEAD_DIMS)} (or leave it empty for the default)")
+            raise ValueError(
+                f"drafter.head_dim: {head_dim} is not one SGLang's attention backends all run; "
+                f"use one of {list(SGLANG_HEAD_DIMS)} (or leave it empty for the default)"
+            )
         return head_dim
 
     @model_validator(mode="after")
     def _kv_heads_divide(self) -> DrafterConfig:
         heads, kv = self.num_attention_heads, self.num_key_value_heads
         if heads is not None and kv is not None and heads % kv:
-            raise ValueError(f"drafter.num_key_value_heads: {kv} does not divide num_attention_heads {heads}; "
-                             "pick a divisor")
+            raise ValueError(
+                f"drafter.num_key_value_heads: {kv} does not divide num_attention_heads {heads}; pick a divisor"
+            )
         return self
-
 
 
 class TrainConfig(Section):
@@ -575,29 +706,38 @@ class TrainConfig(Section):
         description="GPU indices to train on, e.g. [0, 1, 2, 3] for 4 of 8; one rank each. Empty: all visible.",
     )
     first_draft_position: bool = Field(
-        True, title="Train the drafts decoding makes",
+        True,
+        title="Train the drafts decoding makes",
         description="Train the drafts speculative decoding makes, and only those: from the prompt's last token "
         "(the first draft after prefill) to the answer's end of turn, each chain only while it stays in the answer. "
         "Off: SpecForge's mask exactly (targets after the end of turn included).",
     )
     ttt_length: int = Field(
-        7, ge=1, le=16, title="Training-time-test steps",
+        7,
+        ge=1,
+        le=16,
+        title="Training-time-test steps",
         description="Draft positions unrolled per step, each fed the previous one's output (SpecForge: 7).",
     )
     objective: Literal["kl", "lk_lambda", "lk_alpha"] = Field(
-        "kl", title="Training objective",
+        "kl",
+        title="Training objective",
         description="kl: SpecForge's (cross-entropy to the target's distribution over the draft vocab). lk_lambda / "
         "lk_alpha: LK losses (arXiv 2602.23881, SpecForge's lk_loss_type), which target the expected acceptance "
         "directly: lk_lambda blends KL (while the drafter is poor) into 1 - acceptance (once it is good), lk_alpha "
         "is -log acceptance. docs/results.md has the paired-seed comparison.",
     )
     lk_kl_decay: float = Field(
-        3.0, ge=0, le=100, title="LK: KL weight decay",
+        3.0,
+        ge=0,
+        le=100,
+        title="LK: KL weight decay",
         description="lk_lambda's KL weight is exp(-decay * acceptance): higher hands over to acceptance sooner.",
     )
     epochs: int = Field(1, ge=1, le=10_000, title="Epochs", description="Passes over the training split of the store.")
     init_from: Literal["scratch", "current"] = Field(
-        "scratch", title="Start from",
+        "scratch",
+        title="Start from",
         description="scratch: fresh seeded weights. current: the lineage's promoted drafter "
         "({workdir}/drafters/<lineage>/current; scratch while there is none), its draft-vocab rows matched by token. "
         "Chosen by the first try and kept: retries start from the same weights.",
@@ -610,29 +750,43 @@ class TrainConfig(Section):
     )
     max_grad_norm: float = Field(0.5, gt=0, le=1e6, title="Gradient clip norm", description="Global L2 norm, per step.")
     batch_tokens: int | None = Field(
-        None, ge=16, le=16 * MAX_WIDTH, title="Tokens per rank per step",
+        None,
+        ge=16,
+        le=16 * MAX_WIDTH,
+        title="Tokens per rank per step",
         description="Padded tokens per rank per step (samples packed up to it). Empty: one sample per rank per "
         "step, SpecForge's default, which trained the better drafter on the same tokens (bench/train_recipe.py).",
     )
     val_fraction: float = Field(
-        0.02, ge=0, lt=1, title="Held-out fraction",
+        0.02,
+        ge=0,
+        lt=1,
+        title="Held-out fraction",
         description="Held out of training, by first user prompt: the lower half gives evaluate's and benchmark's "
         "prompts, the upper half validates and picks the best checkpoint.",
     )
     save_every_steps: int = Field(
-        1000, ge=1, le=MAX_COUNT, title="Checkpoint every N steps",
+        1000,
+        ge=1,
+        le=MAX_COUNT,
+        title="Checkpoint every N steps",
         description="Also validates. A crash loses at most this many steps; the last step is always saved.",
     )
     keep_last: int = Field(
-        2, ge=1, le=1000, title="Checkpoints kept (plus best)",
+        2,
+        ge=1,
+        le=1000,
+        title="Checkpoints kept (plus best)",
         description="Older ones are deleted; the best by offline acceptance length (decoding replayed on the "
         "validation split) is kept too.",
     )
     progress_interval_s: float = Field(
-        30.0, gt=0, le=3600, title="Progress log interval (s)",
-        description="Seconds between progress lines in the task log."
+        30.0,
+        gt=0,
+        le=3600,
+        title="Progress log interval (s)",
+        description="Seconds between progress lines in the task log.",
     )
-
 
     @field_validator("gpus")
     @classmethod
@@ -658,27 +812,37 @@ class EvaluateConfig(Section):
     """Measuring acceptance length (the evaluate stage)."""
 
     backend: Literal["hf", "server"] = Field(
-        "hf", title="Measured on",
+        "hf",
+        title="Measured on",
         description="hf: speculative decoding on the target in transformers inside the stage (the reference; targets "
         "that fit one device). server: the serving engine (server.engine) with the drafter loaded, what users get; "
         "for targets transformers cannot hold (Kimi-K2.5). Either way the figure that gates promotion.",
     )
 
     num_prompts: int = Field(
-        64, ge=1, le=MAX_WIDTH, title="Held-out prompts",
+        64,
+        ge=1,
+        le=MAX_WIDTH,
+        title="Held-out prompts",
         description="From the evaluation part of the split (by first user prompt), never trained on: first user "
-        "turns, up to half later turns."
+        "turns, up to half later turns.",
     )
     draft_lengths: list[DraftLength] = Field(
-        default_factory=lambda: [3, 7], min_length=1, title="Draft lengths k",
+        default_factory=lambda: [3, 7],
+        min_length=1,
+        title="Draft lengths k",
         description="Draft tokens proposed per verify step; acceptance length is measured for each.",
     )
     max_new_tokens: int = Field(
-        256, ge=1, le=MAX_WIDTH, title="Max new tokens per prompt",
-        description="Answered by the target with and without the drafter; raise it for reasoning answers."
+        256,
+        ge=1,
+        le=MAX_WIDTH,
+        title="Max new tokens per prompt",
+        description="Answered by the target with and without the drafter; raise it for reasoning answers.",
     )
     sampling: Literal["greedy", "serving"] = Field(
-        "greedy", title="Answers drawn",
+        "greedy",
+        title="Answers drawn",
         description="greedy: temperature 0; every answer with the drafter must equal the plain one token for token. "
         "serving: the target's serving sampling (generate.temperature, top_p, top_k as init resolved them from its "
         "generation_config.json), as users are served: a draft is accepted with the target's probability of it and "
@@ -687,12 +851,16 @@ class EvaluateConfig(Section):
         "samples at temperature 0.",
     )
     promote: bool = Field(
-        True, title="Promote a better drafter",
+        True,
+        title="Promote a better drafter",
         description="Measure the lineage's current drafter on the same pinned prompts and make this run's the "
         "current one ({workdir}/drafters/<lineage>/current) if it is better.",
     )
     promote_margin: float = Field(
-        0.0, ge=0, le=100, title="Promotion margin",
+        0.0,
+        ge=0,
+        le=100,
+        title="Promotion margin",
         description="How much longer the acceptance length at the first draft length must be than the current "
         "drafter's.",
     )
@@ -700,12 +868,17 @@ class EvaluateConfig(Section):
         3, ge=1, le=1000, title="Promoted versions kept", description="Older promoted drafters are removed."
     )
     progress_interval_s: float = Field(
-        30.0, gt=0, le=3600, title="Progress log interval (s)",
-        description="Seconds between progress lines in the task log."
+        30.0,
+        gt=0,
+        le=3600,
+        title="Progress log interval (s)",
+        description="Seconds between progress lines in the task log.",
     )
     # Public sets (eagle3.data.public_sets): the names there, SETS, are these.
     benchmarks: list[PublicSet] = Field(
-        default_factory=list, max_length=4, title="Public benchmark sets",
+        default_factory=list,
+        max_length=4,
+        title="Public benchmark sets",
         description="Also measure this run's drafter on public sets, at the configurations published Kimi drafters "
         "report (3 steps / topk 1 / 4 draft tokens, and 7 / 1 / 8: k=3 and k=7), beside the held-out prompts: "
         "mtbench (MT-Bench, both turns), gsm8k, humaneval, bfcl (BFCL v3 simple, with its tools). Read from the "
@@ -713,17 +886,24 @@ class EvaluateConfig(Section):
         "chat template and data.chat_template_kwargs. Empty: none, and nothing is downloaded.",
     )
     benchmark_prompts: int | None = Field(
-        None, ge=1, le=MAX_WIDTH, title="Records per public set",
+        None,
+        ge=1,
+        le=MAX_WIDTH,
+        title="Records per public set",
         description="The first N records of each set (an MT-Bench record asks two prompts). Empty: SpecForge's "
         "bench sizes, MT-Bench 80, GSM8K 200, HumanEval 200 (all 164), BFCL 200.",
     )
     benchmark_files: dict[PublicSet, Annotated[str, Field(pattern=ABS_PATH_PATTERN)]] = Field(
-        default_factory=dict, title="Public sets from local files",
-        description='A local copy per set, read instead of the hub (offline boxes): the set\'s own records as a JSON '
+        default_factory=dict,
+        title="Public sets from local files",
+        description="A local copy per set, read instead of the hub (offline boxes): the set's own records as a JSON "
         'array, JSON lines or parquet, e.g. {"gsm8k": "/data/gsm8k-test.jsonl"} of {"question": ...} records.',
     )
     benchmark_max_new_tokens: int = Field(
-        2048, ge=1, le=MAX_WIDTH, title="Max new tokens per public-set prompt",
+        2048,
+        ge=1,
+        le=MAX_WIDTH,
+        title="Max new tokens per public-set prompt",
         description="Greedy; 2048 as SpecForge's MT-Bench bench asks. A thinking target reasons longer: the answers "
         "cut here are counted in report.json (public_sets.<set>.answers_cut_at_max_new_tokens).",
     )
@@ -734,8 +914,10 @@ class EvaluateConfig(Section):
             raise ValueError(f"evaluate.benchmarks: {self.benchmarks} names a set twice; name each once")
         unused = sorted(set(self.benchmark_files) - set(self.benchmarks))
         if unused:
-            raise ValueError(f"evaluate.benchmark_files: {', '.join(unused)} is not in evaluate.benchmarks "
-                             f"{self.benchmarks}; add it there to measure it, or remove its file")
+            raise ValueError(
+                f"evaluate.benchmark_files: {', '.join(unused)} is not in evaluate.benchmarks "
+                f"{self.benchmarks}; add it there to measure it, or remove its file"
+            )
         return self
 
 
@@ -743,16 +925,19 @@ class BenchmarkConfig(Section):
     """Serving the drafter with the serving engine (server.engine) against the plain target (the benchmark stage)."""
 
     enabled: bool = Field(
-        False, title="Benchmark in the serving engine",
-        description="Needs the engine on the box (server.engine); off in the CPU demo."
+        False,
+        title="Benchmark in the serving engine",
+        description="Needs the engine on the box (server.engine); off in the CPU demo.",
     )
     num_prompts: int = Field(
-        64, ge=1, le=MAX_WIDTH, title="Held-out prompts",
-        description="The same for both servers, from the evaluation part of the split."
+        64,
+        ge=1,
+        le=MAX_WIDTH,
+        title="Held-out prompts",
+        description="The same for both servers, from the evaluation part of the split.",
     )
     max_new_tokens: int = Field(
-        512, ge=1, le=MAX_WIDTH, title="Max new tokens per prompt",
-        description="Greedy (temperature 0)."
+        512, ge=1, le=MAX_WIDTH, title="Max new tokens per prompt", description="Greedy (temperature 0)."
     )
     concurrency: int = Field(
         1, ge=1, le=1024, title="Concurrent requests", description="Speculation pays most at small batch sizes."
@@ -764,7 +949,10 @@ class BenchmarkConfig(Section):
         1, ge=1, le=16, title="--speculative-eagle-topk", description="Branches per draft step; 1 is a chain."
     )
     num_draft_tokens: int = Field(
-        4, ge=2, le=64, title="--speculative-num-draft-tokens",
+        4,
+        ge=2,
+        le=64,
+        title="--speculative-num-draft-tokens",
         description="Tokens verified per step; with topk 1 it must be num_steps + 1.",
     )
 
@@ -782,7 +970,9 @@ class ServeConfig(Section):
     """Where the drafter will be served: nothing runs with these; init checks the drafter's shape against them."""
 
     tp_sizes: list[Annotated[int, Field(ge=1, le=1024)]] = Field(
-        default_factory=lambda: [1], min_length=1, title="Serving tensor-parallel sizes",
+        default_factory=lambda: [1],
+        min_length=1,
+        title="Serving tensor-parallel sizes",
         description="The TP sizes the target and drafter will be served at (Kimi-K2.5: [8, 16]). The drafter's "
         "attention heads must split evenly across each, and its KV heads split or replicate evenly.",
     )
@@ -801,9 +991,7 @@ class RunConfig(Section):
         description="Persistent directory on the box (never /tmp): code, runs and jobs live under it.",
         pattern=ABS_PATH_PATTERN,
     )
-    seed: int = Field(
-        0, ge=0, le=2**32 - 1, title="Seed", description="Drafter initial weights and data order."
-    )
+    seed: int = Field(0, ge=0, le=2**32 - 1, title="Seed", description="Drafter initial weights and data order.")
     target: TargetConfig
     data: DataConfig
     generate: GenerateConfig = Field(default_factory=GenerateConfig)
@@ -851,9 +1039,11 @@ class RunConfig(Section):
     @classmethod
     def _workdir_is_one_path_entry(cls, workdir: str) -> str:
         if ":" in workdir:  # stages run with PYTHONPATH={workdir}/code/<digest>: a ':' would add other entries
-            raise ValueError(f"workdir: {workdir[:120]!r} has a ':', which would split the stages' PYTHONPATH "
-                             "({workdir}/code/...) into entries that are not the synced code; name a directory "
-                             "without one")
+            raise ValueError(
+                f"workdir: {workdir[:120]!r} has a ':', which would split the stages' PYTHONPATH "
+                "({workdir}/code/...) into entries that are not the synced code; name a directory "
+                "without one"
+            )
         return workdir
 
     def _check_served_tp(self) -> None:
@@ -868,12 +1058,18 @@ class RunConfig(Section):
                 raise ValueError(
                     f"drafter.num_attention_heads: {heads} heads do not split across tp {tp} ({where}); set "
                     f"drafter.num_attention_heads to a multiple of {tp}"
-                    + (f", e.g. {fits} (with head_dim {self.drafter.head_dim}: the attention is then "
-                       f"{fits * self.drafter.head_dim} wide, the hidden size stays)" if fits and self.drafter.head_dim
-                       else ""))
+                    + (
+                        f", e.g. {fits} (with head_dim {self.drafter.head_dim}: the attention is then "
+                        f"{fits * self.drafter.head_dim} wide, the hidden size stays)"
+                        if fits and self.drafter.head_dim
+                        else ""
+                    )
+                )
             if kv is not None and kv % tp and tp % kv:
-                raise ValueError(f"drafter.num_key_value_heads: {kv} KV heads neither split across nor replicate "
-                                 f"evenly over tp {tp} ({where}); pick a divisor or a multiple of {tp}")
+                raise ValueError(
+                    f"drafter.num_key_value_heads: {kv} KV heads neither split across nor replicate "
+                    f"evenly over tp {tp} ({where}); pick a divisor or a multiple of {tp}"
+                )
 
     # -- derived facts, defined here alone: the control plane (the GPU sensor, the pools, code sync) and the box read
     #    these, never the fields they come from.
@@ -897,7 +1093,8 @@ class RunConfig(Section):
         """box.python must have sglang: the sglang capture backend, or an SGLang server started from box.python
         (without a server.python of its own)."""
         return self.extract.backend == "sglang" or (
-            self.starts_server and self.server.engine == "sglang" and not self.server.python)
+            self.starts_server and self.server.engine == "sglang" and not self.server.python
+        )
 
     @property
     def gpus_per_shard(self) -> int:

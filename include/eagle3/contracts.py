@@ -39,11 +39,29 @@ Effective = Literal["running", "succeeded", "failed", "killed", "dead", "foreign
 
 # state.json, written by the job's supervisor (a try) and read by every start, poll and kill. (Functional syntax:
 # "try" is a Python keyword.)
-JobState = TypedDict("JobState", {
-    "key": str, "try": int, "status": JobStatus, "pid": int, "pgid": int, "pid_start_ticks": int, "boot_id": str,
-    "host": str, "host_id": str, "argv": list[str], "started_at": str, "heartbeat_at": float,
-    "exit_code": int | None, "ended_at": str | None, "log": str, "log_start": int,
-    "child_pid": NotRequired[int], "code": NotRequired[str]})
+JobState = TypedDict(
+    "JobState",
+    {
+        "key": str,
+        "try": int,
+        "status": JobStatus,
+        "pid": int,
+        "pgid": int,
+        "pid_start_ticks": int,
+        "boot_id": str,
+        "host": str,
+        "host_id": str,
+        "argv": list[str],
+        "started_at": str,
+        "heartbeat_at": float,
+        "exit_code": int | None,
+        "ended_at": str | None,
+        "log": str,
+        "log_start": int,
+        "child_pid": NotRequired[int],
+        "code": NotRequired[str],
+    },
+)
 
 
 class JobStart(JobState):

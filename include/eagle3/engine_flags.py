@@ -194,18 +194,24 @@ def check_extra_args(field: str, extra: dict, allowed: dict[str, str], reviewed:
     value that is not a plain value. `separator`: '-' for command-line flags, '_' for keyword arguments."""
     for name, value in extra.items():
         if separator == "-" and not re.fullmatch(r"[a-z0-9][a-z0-9-]*", name):
-            raise ValueError(f"{field}: {name[:80]!r} is not a flag name; write it as the engine spells it, without "
-                             "'--', e.g. 'disable-radix-cache'")
+            raise ValueError(
+                f"{field}: {name[:80]!r} is not a flag name; write it as the engine spells it, without "
+                "'--', e.g. 'disable-radix-cache'"
+            )
         if separator == "_" and not re.fullmatch(r"[a-z][a-z0-9_]*", name):
-            raise ValueError(f"{field}: {name[:80]!r} is not an argument name; write it with underscores, e.g. "
-                             f"{name.replace('-', '_').lower()[:80]!r}")
+            raise ValueError(
+                f"{field}: {name[:80]!r} is not an argument name; write it with underscores, e.g. "
+                f"{name.replace('-', '_').lower()[:80]!r}"
+            )
         if name not in allowed and name not in reviewed:
             setting = "reviewed_flags" if separator == "-" else "reviewed_args"
             raise ValueError(
                 f"{field}: {name!r} is not one of the engine flags this project reviewed (eagle3/engine_flags.py "
                 f"lists them, each with why it is safe); remove it, or have the deployment's operator allow it by "
-                f"name in the settings' run ({field.rsplit('.', 1)[0]}.{setting})")
+                f"name in the settings' run ({field.rsplit('.', 1)[0]}.{setting})"
+            )
         if isinstance(value, str) and not re.fullmatch(FLAG_VALUE_PATTERN, value, flags=re.DOTALL):
             raise ValueError(
                 f"{field}: the value of {name!r} ({value[:40]!r}{'...' if len(value) > 40 else ''}) starts with '-', "
-                "holds a control character or is over 1024 characters; give a plain value")
+                "holds a control character or is over 1024 characters; give a plain value"
+            )

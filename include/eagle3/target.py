@@ -67,8 +67,9 @@ def read_text_config(model_path: str | Path) -> dict:
         raise ConfigError(f"{config_file}: not valid JSON ({err}); restore the model's own config.json") from None
     text_config = hf_config.get("text_config") or hf_config if isinstance(hf_config, dict) else None
     if not isinstance(text_config, dict):
-        raise ConfigError(f"{config_file}: not a JSON object (or its text_config is not); restore the model's own "
-                          "config.json")
+        raise ConfigError(
+            f"{config_file}: not a JSON object (or its text_config is not); restore the model's own config.json"
+        )
     return text_config
 
 
@@ -86,8 +87,10 @@ def read_target_facts(model_path: str | Path) -> dict[str, int]:
         value = text_config[key]
         bounds = TARGET_FACT_LIMITS[key]  # the same bounds as the TargetConfig field the fact fills in
         if type(value) is not int or not 1 <= value <= bounds:  # (bool is an int subclass: not a size)
-            raise ConfigError(f"{config_file}: {key} is {value!r}, not a whole number from 1 to {bounds}; fix the "
-                              "file, or point target.model_path at the model's own directory")
+            raise ConfigError(
+                f"{config_file}: {key} is {value!r}, not a whole number from 1 to {bounds}; fix the "
+                "file, or point target.model_path at the model's own directory"
+            )
         facts[key] = value
     return facts
 
@@ -107,11 +110,15 @@ def resolve_target_facts(cfg: RunConfig) -> RunConfig:
     try:
         data["drafter"] = drafter_shape(cfg.drafter, read_text_config(cfg.target.model_path))
     except KeyError as err:
-        raise ConfigError(f"{cfg.target.model_path}/config.json: has no {err}; set drafter.{err.args[0]} to derive "
-                          "the drafter's shape without it") from None
+        raise ConfigError(
+            f"{cfg.target.model_path}/config.json: has no {err}; set drafter.{err.args[0]} to derive "
+            "the drafter's shape without it"
+        ) from None
     except (TypeError, ValueError) as err:  # a size that is not a number
-        raise ConfigError(f"{cfg.target.model_path}/config.json: a size the drafter's shape is derived from is not a "
-                          f"whole number ({err}); fix the file, or set drafter.* explicitly") from None
+        raise ConfigError(
+            f"{cfg.target.model_path}/config.json: a size the drafter's shape is derived from is not a "
+            f"whole number ({err}); fix the file, or set drafter.* explicitly"
+        ) from None
     data["generate"].update(serving_sampling(cfg.generate, cfg.target.model_path))
     resolved = parse_run_config(data, f"{cfg.run_name} (with facts from {cfg.target.model_path})")
     check_layers_served(resolved, read_architecture(cfg.target.model_path))
@@ -135,11 +142,15 @@ def serving_sampling(gen: GenerateConfig, model_path: str | Path) -> dict:
     try:
         served = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
     except (ValueError, UnicodeDecodeError) as err:
-        raise ConfigError(f"{config_file}: not valid JSON ({err}); restore the model's own file, or set "
-                          "generate.temperature, top_p and top_k") from None
+        raise ConfigError(
+            f"{config_file}: not valid JSON ({err}); restore the model's own file, or set "
+            "generate.temperature, top_p and top_k"
+        ) from None
     if not isinstance(served, dict):
-        raise ConfigError(f"{config_file}: not a JSON object; restore the model's own file, or set "
-                          "generate.temperature, top_p and top_k")
+        raise ConfigError(
+            f"{config_file}: not a JSON object; restore the model's own file, or set "
+            "generate.temperature, top_p and top_k"
+        )
     defaults = dict(GREEDY)
     if served.get("temperature") is not None:
         defaults.update({key: served[key] for key in ("temperature", "top_p", "top_k") if served.get(key) is not None})
@@ -150,8 +161,10 @@ def serving_sampling(gen: GenerateConfig, model_path: str | Path) -> dict:
         GenerateConfig.model_validate({**gen.model_dump(), **filled})
     except ValidationError as err:
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))} {e['input']!r}: {e['msg']}" for e in err.errors())
-        raise ConfigError(f"{config_file}: its sampling does not fit generate's bounds ({problems}); set "
-                          "generate.temperature, top_p and top_k explicitly") from None
+        raise ConfigError(
+            f"{config_file}: its sampling does not fit generate's bounds ({problems}); set "
+            "generate.temperature, top_p and top_k explicitly"
+        ) from None
     return filled
 
 
@@ -161,8 +174,10 @@ def check_rope_carried(cfg: RunConfig, text_config: dict) -> None:
     scaling = target_rope(text_config)[1]
     why = unsupported(scaling) if cfg.drafter.rope_scaling == "target" else None
     if why:
-        raise ConfigError(f"drafter.rope_scaling: {cfg.target.model_path}/config.json: {why}; set drafter.rope_scaling "
-                          "to \"none\" to train and serve the drafter with plain RoPE (theta only), knowingly")
+        raise ConfigError(
+            f"drafter.rope_scaling: {cfg.target.model_path}/config.json: {why}; set drafter.rope_scaling "
+            'to "none" to train and serve the drafter with plain RoPE (theta only), knowingly'
+        )
 
 
 def read_architecture(model_path: str | Path) -> str:
@@ -170,7 +185,7 @@ def read_architecture(model_path: str | Path) -> str:
     config_file = Path(model_path) / "config.json"
     architectures = json.loads(config_file.read_text(encoding="utf-8")).get("architectures")
     if not isinstance(architectures, list) or not architectures or not isinstance(architectures[0], str):
-        raise ConfigError(f"{config_file}: has no \"architectures\" list; restore the model's own config.json")
+        raise ConfigError(f'{config_file}: has no "architectures" list; restore the model\'s own config.json')
     return architectures[0]
 
 
@@ -195,7 +210,13 @@ def drafter_shape(drafter: DrafterConfig, text_config: dict) -> dict:
     head_dim = drafter.head_dim or (128 if hidden >= 1024 else 64)
     heads = drafter.num_attention_heads or max(1, hidden // head_dim)
     kv = drafter.num_key_value_heads or next(d for d in range(min(8, heads), 0, -1) if heads % d == 0)
-    return {"head_dim": head_dim, "num_attention_heads": heads, "num_key_value_heads": kv,
-            "intermediate_size": drafter.intermediate_size or int(text_config["intermediate_size"]),
-            "rope_theta": drafter.rope_theta or target_rope(text_config)[0], "rope_scaling": drafter.rope_scaling,
-            "fc_norm": drafter.fc_norm, "norm_output": drafter.norm_output}
+    return {
+        "head_dim": head_dim,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "intermediate_size": drafter.intermediate_size or int(text_config["intermediate_size"]),
+        "rope_theta": drafter.rope_theta or target_rope(text_config)[0],
+        "rope_scaling": drafter.rope_scaling,
+        "fc_norm": drafter.fc_norm,
+        "norm_output": drafter.norm_output,
+    }

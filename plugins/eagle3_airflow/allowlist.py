@@ -45,10 +45,13 @@ class Settings(Protocol):
 
     def default_list(self, dotted: str, model_default: list[str]) -> list[str]: ...
 
+
 LOOPBACK_HOSTS = ["127.0.0.1", "localhost"]
 DEFAULT_PORTS = {"http": 80, "https": 443}
-SETTINGS_KEYS = ("allowed_boxes, allowed_services, allowed_endpoint_hosts, api_key_endpoints, allowed_workdirs, "
-                 "allowed_pythons, box_env")
+SETTINGS_KEYS = (
+    "allowed_boxes, allowed_services, allowed_endpoint_hosts, api_key_endpoints, allowed_workdirs, "
+    "allowed_pythons, box_env"
+)
 
 
 def normal_dir(path: str) -> str:
@@ -67,8 +70,12 @@ def endpoint_key(url: str) -> tuple[str, str, int | None, str]:
         port = parts.port
     except ValueError:  # a port beyond 65535
         port = None
-    return parts.scheme.lower(), parts.hostname or "", port or DEFAULT_PORTS.get(parts.scheme.lower()), \
-        parts.path.rstrip("/")
+    return (
+        parts.scheme.lower(),
+        parts.hostname or "",
+        port or DEFAULT_PORTS.get(parts.scheme.lower()),
+        parts.path.rstrip("/"),
+    )
 
 
 class Allowlist:
@@ -92,8 +99,9 @@ class Allowlist:
     def endpoint_hosts(self) -> list[str]:
         if self.settings.allowed_endpoint_hosts is not None:
             return self.settings.allowed_endpoint_hosts
-        endpoints = {run.get("generate.endpoint") or GenerateConfig().endpoint
-                     for _, run, _ in self.settings.box_layers()}
+        endpoints = {
+            run.get("generate.endpoint") or GenerateConfig().endpoint for _, run, _ in self.settings.box_layers()
+        }
         return sorted({*LOOPBACK_HOSTS, *(urlsplit(url).hostname or "" for url in endpoints)} - {""})
 
     def pythons(self) -> list[str]:
@@ -120,8 +128,10 @@ class Allowlist:
         except ValueError as err:
             return f"workdir: {err}"
         if ":" in workdir:  # the stages run with PYTHONPATH={workdir}/code/<digest>: a ':' would add other entries
-            return (f"workdir: {workdir!r} has a ':', which would split the stages' PYTHONPATH ({workdir}/code/...) "
-                    "into entries that are not the synced code; name a directory without one")
+            return (
+                f"workdir: {workdir!r} has a ':', which would split the stages' PYTHONPATH ({workdir}/code/...) "
+                "into entries that are not the synced code; name a directory without one"
+            )
         if any(normal == allowed or normal.startswith(allowed.rstrip("/") + "/") for allowed in self.workdirs()):
             return None
         return f"workdir: {workdir!r} is not under a directory this deployment allows; it allows {self.workdirs()}"
@@ -141,57 +151,95 @@ class Allowlist:
         if endpoint_key(endpoint) in {endpoint_key(url) for url in allowed}:
             return None
         where = f"only to {allowed}" if allowed else "to no endpoint (api_key_endpoints lists none for it)"
-        return (f"generate.api_key_env: the key in {api_key_env} may be sent {where}, not to generate.endpoint "
-                f"{redact_url(endpoint)}")
+        return (
+            f"generate.api_key_env: the key in {api_key_env} may be sent {where}, not to generate.endpoint "
+            f"{redact_url(endpoint)}"
+        )
 
-    def check(self, conn_ids: list[str], services: list[str], endpoint: str | None, api_key_env: str | None,
-              source: str = "the run", workdir: str | None = None, box_env: list[str] | None = None,
-              pythons: dict[str, str | None] | None = None) -> None:
+    def check(
+        self,
+        conn_ids: list[str],
+        services: list[str],
+        endpoint: str | None,
+        api_key_env: str | None,
+        source: str = "the run",
+        workdir: str | None = None,
+        box_env: list[str] | None = None,
+        pythons: dict[str, str | None] | None = None,
+    ) -> None:
         """Refuse a run that reaches past what this deployment allows; the message names the field, the allowed
         values and where they are set. `endpoint`: the one generate sends conversations to (None when the stage
         starts its own server); `box_env`: the variables a plan passes to the stages; `pythons`: field -> the
         interpreter it names (box.python, server.python)."""
         problems: list[str | None] = []  # None: a check that found nothing
-        for field, chosen, allowed in (("box.conn_ids", conn_ids, self.boxes()),
-                                       ("box.stop_services", services, self.services()),
-                                       ("box_env", box_env or [], self.settings.box_env),
-                                       *((field, [python], self.pythons())
-                                         for field, python in (pythons or {}).items() if python)):
+        for field, chosen, allowed in (
+            ("box.conn_ids", conn_ids, self.boxes()),
+            ("box.stop_services", services, self.services()),
+            ("box_env", box_env or [], self.settings.box_env),
+            *((field, [python], self.pythons()) for field, python in (pythons or {}).items() if python),
+        ):
             outside = [value for value in chosen if value not in allowed]
             if outside:
                 problems.append(f"{field}: {outside} not allowed here; this deployment allows {allowed}")
         if endpoint is not None and not self.endpoint_allowed(endpoint):
             scheme, host, port, _ = endpoint_key(endpoint)
-            problems.append(f"generate.endpoint: {host}:{port} not allowed here; this deployment allows "
-                            f"{self.endpoint_hosts()}")
+            problems.append(
+                f"generate.endpoint: {host}:{port} not allowed here; this deployment allows {self.endpoint_hosts()}"
+            )
         if api_key_env is not None and api_key_env not in self.settings.box_env:
-            problems.append(f"generate.api_key_env: {api_key_env!r} is not a variable this deployment passes to the "
-                            f"stages; it passes {self.settings.box_env}")
+            problems.append(
+                f"generate.api_key_env: {api_key_env!r} is not a variable this deployment passes to the "
+                f"stages; it passes {self.settings.box_env}"
+            )
         elif api_key_env is not None and endpoint is not None:
             problems.append(self.key_endpoint_problem(api_key_env, endpoint))
         if workdir is not None:
             problems.append(self.workdir_problem(workdir))
         found = [problem for problem in problems if problem]
         if found:
-            raise ParamsError("\n  ".join([f"{source} reaches past what this deployment allows:", *found])
-                              + f"\nThe deployment sets these in {self.settings.source} ({SETTINGS_KEYS}); ask "
-                              "whoever runs this Airflow.")
+            raise ParamsError(
+                "\n  ".join([f"{source} reaches past what this deployment allows:", *found])
+                + f"\nThe deployment sets these in {self.settings.source} ({SETTINGS_KEYS}); ask "
+                "whoever runs this Airflow."
+            )
 
-    def check_run(self, config: RunConfig, conn_ids: list[str], services: list[str], box_env: list[str] | None = None,
-                  source: str = "the run", python: str | None = None) -> None:
+    def check_run(
+        self,
+        config: RunConfig,
+        conn_ids: list[str],
+        services: list[str],
+        box_env: list[str] | None = None,
+        source: str = "the run",
+        python: str | None = None,
+    ) -> None:
         """`check` for a whole run config (and `python`, the plan's box.python); the keep_versions it carries must
         keep at least the settings' versions."""
         gen = config.generate
         uses_endpoint = gen.enabled and gen.backend == "server" and not gen.launch_server
-        self.check(conn_ids, services, gen.endpoint if uses_endpoint else None, gen.api_key_env, source=source,
-                   workdir=config.workdir, box_env=box_env,
-                   pythons={"box.python": python, "server.python": config.server.python})
+        self.check(
+            conn_ids,
+            services,
+            gen.endpoint if uses_endpoint else None,
+            gen.api_key_env,
+            source=source,
+            workdir=config.workdir,
+            box_env=box_env,
+            pythons={"box.python": python, "server.python": config.server.python},
+        )
         resource = self.settings.resource
         overuse = resource.overuse(config) if resource else []
         if resource is not None and overuse:
-            raise ParamsError("\n  ".join([f"{source} uses more GPUs than the DAG {resource.dag_id} holds in the "
-                                           f"pool {resource.pool}:", *overuse])
-                              + "\nChange the run, or ask whoever runs this Airflow to change box_pools.")
+            raise ParamsError(
+                "\n  ".join(
+                    [
+                        f"{source} uses more GPUs than the DAG {resource.dag_id} holds in the pool {resource.pool}:",
+                        *overuse,
+                    ]
+                )
+                + "\nChange the run, or ask whoever runs this Airflow to change box_pools."
+            )
         if config.evaluate.keep_versions < self.settings.keep_versions:
-            raise ParamsError(f"{source}: evaluate.keep_versions {config.evaluate.keep_versions} keeps fewer promoted "
-                              f"drafters than this deployment's keep_versions ({self.settings.keep_versions})")
+            raise ParamsError(
+                f"{source}: evaluate.keep_versions {config.evaluate.keep_versions} keeps fewer promoted "
+                f"drafters than this deployment's keep_versions ({self.settings.keep_versions})"
+            )

@@ -76,8 +76,15 @@ TRIGGER_AGAIN = "Clear the training run's propose_promotion task to propose its 
 ASK_AGAIN = "Clear this proposal's approve_promotion task to ask the approvers again."
 # What a person saw and approved, as evaluate held it: `lineage promote` rewrites the report's promotion (promoted,
 # version, reason) but keeps these, so a retried promote still matches its approval.
-PROPOSAL_KEYS = ("lineage", "accept_length", "current_before", "eval_set_prompts", "eval_set_pinned_by",
-                 "weights_sha256", "drafter_files_sha256")
+PROPOSAL_KEYS = (
+    "lineage",
+    "accept_length",
+    "current_before",
+    "eval_set_prompts",
+    "eval_set_pinned_by",
+    "weights_sha256",
+    "drafter_files_sha256",
+)
 
 
 def proposals_asset_name(drafter_asset: str) -> str:
@@ -105,25 +112,36 @@ def proposed_promotion(plan: RunPlan) -> dict[str, Any] | None:
     """The promotion evaluate held for approval, from the run's report on the box; None if there is none."""
     promotion = report_promotion(plan)
     if promotion is None or promotion.get("pending_approval") is not True:
-        log.info("no promotion to approve: %s", (promotion or {}).get("reason") if isinstance(promotion, dict)
-                 else "the report has none")
+        log.info(
+            "no promotion to approve: %s",
+            (promotion or {}).get("reason") if isinstance(promotion, dict) else "the report has none",
+        )
         return None
     return promotion
 
 
-def sealed_proposal(plan_dict: dict[str, Any], plan: RunPlan, promotion: dict[str, Any],
-                    dag_run: RunIds | None) -> dict[str, Any]:
+def sealed_proposal(
+    plan_dict: dict[str, Any], plan: RunPlan, promotion: dict[str, Any], dag_run: RunIds | None
+) -> dict[str, Any]:
     """The proposal event's extra: the sealed plan (plan_dict, which `plan` verified), who triggered the run and the
     digest of the proposal held on the box, sealed for the training run (dag_run); the figures, for a person reading
     the event, are not sealed."""
-    body = {"plan": plan_dict, "triggered_by": getattr(dag_run, "triggering_user_name", None),
-            "proposal_sha256": proposal_digest(promotion)}
-    return {**body, "seal": seal("proposal", body, RunRef.of(dag_run), task_key()),
-            "run_dir": plan.run_dir, "accept_length": promotion.get("accept_length")}
+    body = {
+        "plan": plan_dict,
+        "triggered_by": getattr(dag_run, "triggering_user_name", None),
+        "proposal_sha256": proposal_digest(promotion),
+    }
+    return {
+        **body,
+        "seal": seal("proposal", body, RunRef.of(dag_run), task_key()),
+        "run_dir": plan.run_dir,
+        "accept_length": promotion.get("accept_length"),
+    }
 
 
-def propose_promotion(plan_dict: dict[str, Any], asset_name: str, outlet_events: Any = None,
-                      dag_run: RunIds | None = None) -> dict[str, Any]:
+def propose_promotion(
+    plan_dict: dict[str, Any], asset_name: str, outlet_events: Any = None, dag_run: RunIds | None = None
+) -> dict[str, Any]:
     """With the settings' approve_promotion: an event on the proposals Asset when evaluate held a promotion for
     approval, which starts the promotion DAG; skipped (no event) when it holds none. The event's extra is sealed for
     this run; its proposal is read from the box, never from another task's XCom."""
@@ -133,8 +151,9 @@ def propose_promotion(plan_dict: dict[str, Any], asset_name: str, outlet_events:
         raise AirflowSkipException("nothing proposed for promotion: no approval asked")
     extra = sealed_proposal(plan_dict, plan, promotion, dag_run)
     outlet_events[Asset(asset_name)].extra = extra
-    log.info("proposed %s for promotion: event on asset %s; the promotion DAG asks the approvers", plan.run_dir,
-             asset_name)
+    log.info(
+        "proposed %s for promotion: event on asset %s; the promotion DAG asks the approvers", plan.run_dir, asset_name
+    )
     return {"run_dir": plan.run_dir, "proposal_sha256": extra["proposal_sha256"]}
 
 
@@ -160,27 +179,45 @@ def verified_proposal(item: object) -> Proposal:
     source = RunRef(str(item["source"].get("dag_id")), str(item["source"].get("run_id")))
     body = {key: item.get(key) for key in ("plan", "triggered_by", "proposal_sha256")}
     if not is_drafter_dag(source.dag_id) or not is_sealed("proposal", body, source, task_key(), item["seal"]):
-        raise Tampered(f"{PROPOSAL_XCOM} does not match its seal for {source.run_id} of {source.dag_id}: it was "
-                       "edited, or it is another run's. " + TRIGGER_AGAIN)
+        raise Tampered(
+            f"{PROPOSAL_XCOM} does not match its seal for {source.run_id} of {source.dag_id}: it was "
+            "edited, or it is another run's. " + TRIGGER_AGAIN
+        )
     triggered_by = body["triggered_by"]
-    return Proposal(source, verified_plan(body["plan"], source), None if triggered_by is None else str(triggered_by),
-                    str(body["proposal_sha256"]))
+    return Proposal(
+        source,
+        verified_plan(body["plan"], source),
+        None if triggered_by is None else str(triggered_by),
+        str(body["proposal_sha256"]),
+    )
 
 
 def proposals_from_events(triggering_asset_events: Any, asset_name: str) -> list[dict[str, Any]]:
     """The promotion run's proposals: each of its triggering events on the proposals Asset (`asset_name`) that a
     drafter DAG's propose task emitted and sealed, once per training run and proposal. An event that is none is
     left out, saying why in the log; with none left (a manual run, too) the run is skipped."""
-    events = [event for asset in triggering_asset_events or {} for event in triggering_asset_events[asset]
-              if event.asset.name == asset_name]
+    events = [
+        event
+        for asset in triggering_asset_events or {}
+        for event in triggering_asset_events[asset]
+        if event.asset.name == asset_name
+    ]
     found: dict[tuple[RunRef, str], dict[str, Any]] = {}
     for event in events:
         extra = dict(event.extra or {})
         where = f"event of {event.timestamp:%Y-%m-%d %H:%M:%S} (from {event.source_dag_id}.{event.source_task_id})"
-        if extra.get("from_rest_api") or event.source_task_id != PROPOSE_TASK or not event.source_dag_id \
-                or not is_drafter_dag(event.source_dag_id) or not event.source_run_id:
-            log.warning("%s: not emitted by a drafter DAG's %s task (created through the REST API?): no proposal",
-                        where, PROPOSE_TASK)
+        if (
+            extra.get("from_rest_api")
+            or event.source_task_id != PROPOSE_TASK
+            or not event.source_dag_id
+            or not is_drafter_dag(event.source_dag_id)
+            or not event.source_run_id
+        ):
+            log.warning(
+                "%s: not emitted by a drafter DAG's %s task (created through the REST API?): no proposal",
+                where,
+                PROPOSE_TASK,
+            )
             continue
         item = {"source": {"dag_id": event.source_dag_id, "run_id": event.source_run_id}, **extra}
         try:
@@ -200,8 +237,11 @@ def approval_body(plan: RunPlan, promotion: dict[str, Any]) -> str:
     """The approval's markdown: both drafters' figures and why evaluate proposes the switch, every value escaped."""
     from eagle3_airflow.run_note import note_markdown  # when the task runs: the DAG's parse does without it
 
-    summary = {"drafter": f"{plan.run_dir}/{DRAFTER_DIR}", "promotion": promotion,
-               "measured_accept_length": promotion.get("accept_length")}
+    summary = {
+        "drafter": f"{plan.run_dir}/{DRAFTER_DIR}",
+        "promotion": promotion,
+        "measured_accept_length": promotion.get("accept_length"),
+    }
     return note_markdown(summary, headline="proposed for promotion")
 
 
@@ -210,14 +250,17 @@ def check_approver(user_id: str, user_name: str, approvers: list[Approver], trig
     who triggered the run."""
     names = [approver.name for approver in approvers]
     if user_id not in {approver.id for approver in approvers}:
-        raise AirflowFailException(f"approve_promotion was answered Approve by {user_name!r}, who is not one of this "
-                                   f"deployment's approvers {names} (settings key approvers): no promotion. "
-                                   + ASK_AGAIN)
+        raise AirflowFailException(
+            f"approve_promotion was answered Approve by {user_name!r}, who is not one of this "
+            f"deployment's approvers {names} (settings key approvers): no promotion. " + ASK_AGAIN
+        )
     if triggering_user is not None and user_name == triggering_user:
         others = [name for name in names if name != user_name]
-        raise AirflowFailException(f"approve_promotion was answered Approve by {user_name!r}, who triggered the "
-                                   f"training run: a promotion needs the Approve of another approver "
-                                   f"({others or 'none listed'}). " + ASK_AGAIN)
+        raise AirflowFailException(
+            f"approve_promotion was answered Approve by {user_name!r}, who triggered the "
+            f"training run: a promotion needs the Approve of another approver "
+            f"({others or 'none listed'}). " + ASK_AGAIN
+        )
 
 
 def held_proposal(proposal: Proposal, fail: bool = False) -> dict[str, Any]:
@@ -230,11 +273,15 @@ def held_proposal(proposal: Proposal, fail: bool = False) -> dict[str, Any]:
     if same and promotion.get("pending_approval") is True:
         return promotion
     if same and promotion.get("promoted") is True:
-        raise AirflowSkipException(f"{proposal.label}: this proposal was promoted already (approved by "
-                                   f"{promotion.get('approved_by', 'another approval')}): nothing left to do")
-    why = (f"{proposal.plan.run_dir} holds another proposal than {proposal.label} made (evaluate ran again since)"
-           if promotion.get("pending_approval") is True else
-           f"{proposal.plan.run_dir} holds no promotion for approval ({promotion.get('reason', 'no report')})")
+        raise AirflowSkipException(
+            f"{proposal.label}: this proposal was promoted already (approved by "
+            f"{promotion.get('approved_by', 'another approval')}): nothing left to do"
+        )
+    why = (
+        f"{proposal.plan.run_dir} holds another proposal than {proposal.label} made (evaluate ran again since)"
+        if promotion.get("pending_approval") is True
+        else f"{proposal.plan.run_dir} holds no promotion for approval ({promotion.get('reason', 'no report')})"
+    )
     if fail:
         raise AirflowFailException(f"{why}: no promotion. {ASK_AGAIN}")
     raise AirflowSkipException(f"{why}: nothing to approve")
@@ -245,8 +292,16 @@ class ApprovalAsked(BaseNotifier):
 
     template_fields = ()
 
-    def __init__(self, *, approvers: list[Approver], response_timeout_h: float, smtp_conn_id: str | None,
-                 to: list[str], from_email: str | None, notifiers: list[dict[str, Any]]) -> None:
+    def __init__(
+        self,
+        *,
+        approvers: list[Approver],
+        response_timeout_h: float,
+        smtp_conn_id: str | None,
+        to: list[str],
+        from_email: str | None,
+        notifiers: list[dict[str, Any]],
+    ) -> None:
         super().__init__()
         self.approvers = [approver.name for approver in approvers]
         self.response_timeout_h = response_timeout_h
@@ -265,13 +320,17 @@ class ApprovalAsked(BaseNotifier):
         # Absolute, on the API server's [api] base_url, as the Task SDK builds a task's log_url: a mail reader has no
         # page to resolve a relative link against.
         base_url = conf.get("api", "base_url", fallback="http://localhost:8080/").rstrip("/")
-        body = "\n".join([
-            f"Run {source.run_id} of DAG {source.dag_id} proposes its drafter for promotion.",
-            f"Who may approve: {', '.join(self.approvers)} (not the user who triggered the run).",
-            f"Unanswered for {self.response_timeout_h:g} h, it is rejected.",
-            f"Answer in the Airflow UI: {base_url}/dags/{dag_run.dag_id}/runs/{quote(dag_run.run_id)}/tasks/"
-            f"{task.task_id}{mapped}/required_actions (Browse > Required Actions).",
-            "", task.body or ""])
+        body = "\n".join(
+            [
+                f"Run {source.run_id} of DAG {source.dag_id} proposes its drafter for promotion.",
+                f"Who may approve: {', '.join(self.approvers)} (not the user who triggered the run).",
+                f"Unanswered for {self.response_timeout_h:g} h, it is rejected.",
+                f"Answer in the Airflow UI: {base_url}/dags/{dag_run.dag_id}/runs/{quote(dag_run.run_id)}/tasks/"
+                f"{task.task_id}{mapped}/required_actions (Browse > Required Actions).",
+                "",
+                task.body or "",
+            ]
+        )
         send(subject, body, context, self.smtp_conn_id, self.to, self.from_email, self.notifiers)
 
 
@@ -279,8 +338,11 @@ def approval_notifiers(settings: Deployment) -> list[ApprovalAsked]:
     """The promotion approval's notifiers: the settings' notify channels hear that an approval is waiting."""
     if settings.notify is None:
         return []
-    return [ApprovalAsked(approvers=settings.approvers, response_timeout_h=settings.approval_timeout_h,
-                          **settings.notify.kwargs())]
+    return [
+        ApprovalAsked(
+            approvers=settings.approvers, response_timeout_h=settings.approval_timeout_h, **settings.notify.kwargs()
+        )
+    ]
 
 
 class PromotionApproval(ApprovalOperator):
@@ -294,8 +356,9 @@ class PromotionApproval(ApprovalOperator):
 
     # proposal: an XComArg, a dict once rendered (verified_proposal checks it); kwargs: ApprovalOperator's
     def __init__(self, *, proposal: Any, approvers: list[Approver], **kwargs: Any) -> None:
-        super().__init__(subject="Promote a drafter?", assigned_users=[approver.hitl_user() for approver in approvers],
-                         **kwargs)
+        super().__init__(
+            subject="Promote a drafter?", assigned_users=[approver.hitl_user() for approver in approvers], **kwargs
+        )
         self.proposal = proposal
         self.approvers = list(approvers)
         self.source: RunRef | None = None
@@ -316,50 +379,70 @@ class PromotionApproval(ApprovalOperator):
             return answer
         user = event.get("responded_by_user")  # the API server's: the authenticated user who answered
         if not isinstance(user, dict) or not user.get("id") or not user.get("name"):
-            raise Tampered("approve_promotion resumed with Approve, but with no user who answered it: no promotion. "
-                           + ASK_AGAIN)
+            raise Tampered(
+                "approve_promotion resumed with Approve, but with no user who answered it: no promotion. " + ASK_AGAIN
+            )
         user_id, user_name = str(user["id"]), str(user["name"])
         check_approver(user_id, user_name, self.approvers, proposal.triggered_by)
         promotion = held_proposal(proposal, fail=True)
         responded_at: object = event.get("responded_at")
         record: dict[str, Any] = {
-            "chosen_options": [self.APPROVE], "approved_by": user_name, "approver_id": user_id,
+            "chosen_options": [self.APPROVE],
+            "approved_by": user_name,
+            "approver_id": user_id,
             "responded_at": responded_at.isoformat() if hasattr(responded_at, "isoformat") else None,
             "source": {"dag_id": proposal.source.dag_id, "run_id": proposal.source.run_id},
-            "proposal_sha256": proposal_digest(promotion)}
-        log.info("approved by %s (id %s), one of the approvers: %s, proposal %s", user_name, user_id, proposal.label,
-                 record["proposal_sha256"][:16])
+            "proposal_sha256": proposal_digest(promotion),
+        }
+        log.info(
+            "approved by %s (id %s), one of the approvers: %s, proposal %s",
+            user_name,
+            user_id,
+            proposal.label,
+            record["proposal_sha256"][:16],
+        )
         return {**record, "seal": seal("approval", record, RunRef.of(dag_run), task_key())}
 
 
-def verified_approval(approval: object, proposal: Proposal, promotion: dict[str, Any], dag_run: RunIds | None,
-                      deployment: Deployment) -> str:
+def verified_approval(
+    approval: object, proposal: Proposal, promotion: dict[str, Any], dag_run: RunIds | None, deployment: Deployment
+) -> str:
     """The approver's name, if `approval` (the approval task's XCom) is a sealed Approve, in this promotion run, of
     this proposal's `promotion` by one of the settings' approvers who did not trigger the training run; otherwise
     the promote task fails, saying why."""
     if not isinstance(approval, dict) or "seal" not in approval:
-        raise Tampered(f"{APPROVAL_XCOM} is no sealed approval (was the task marked successful by hand, or its XCom "
-                       "edited?): no promotion. " + ASK_AGAIN)
+        raise Tampered(
+            f"{APPROVAL_XCOM} is no sealed approval (was the task marked successful by hand, or its XCom "
+            "edited?): no promotion. " + ASK_AGAIN
+        )
     body = {key: value for key, value in approval.items() if key != "seal"}
     if not is_sealed("approval", body, RunRef.of(dag_run), task_key(), approval["seal"]):
-        raise Tampered(f"{APPROVAL_XCOM} does not match its seal: it was edited, or it is another run's: no promotion. "
-                       + ASK_AGAIN)
+        raise Tampered(
+            f"{APPROVAL_XCOM} does not match its seal: it was edited, or it is another run's: no promotion. "
+            + ASK_AGAIN
+        )
     if body.get("chosen_options") != [ApprovalOperator.APPROVE]:
         raise Tampered(f"{APPROVAL_XCOM} is no Approve: no promotion. " + ASK_AGAIN)
     if body.get("source") != {"dag_id": proposal.source.dag_id, "run_id": proposal.source.run_id}:
-        raise Tampered(f"{APPROVAL_XCOM} approved another training run's proposal than {proposal.label}: no "
-                       "promotion. " + ASK_AGAIN)
-    check_approver(str(body.get("approver_id")), str(body.get("approved_by")), deployment.approvers,
-                   proposal.triggered_by)
+        raise Tampered(
+            f"{APPROVAL_XCOM} approved another training run's proposal than {proposal.label}: no "
+            "promotion. " + ASK_AGAIN
+        )
+    check_approver(
+        str(body.get("approver_id")), str(body.get("approved_by")), deployment.approvers, proposal.triggered_by
+    )
     if body.get("proposal_sha256") != proposal_digest(promotion):
-        raise Tampered(f"{APPROVAL_XCOM} approved another proposal than the one {proposal.plan.run_dir} holds now "
-                       "(evaluate ran again since): no promotion. " + ASK_AGAIN)
+        raise Tampered(
+            f"{APPROVAL_XCOM} approved another proposal than the one {proposal.plan.run_dir} holds now "
+            "(evaluate ran again since): no promotion. " + ASK_AGAIN
+        )
     return str(body["approved_by"])
 
 
 # -- the switch, and the event that announces it --------------------------------------------------------------------
-def promote_held(proposal_item: dict[str, Any], approval: object, dag_run: RunIds | None = None,
-                 deployment: Deployment | None = None) -> dict[str, Any]:
+def promote_held(
+    proposal_item: dict[str, Any], approval: object, dag_run: RunIds | None = None, deployment: Deployment | None = None
+) -> dict[str, Any]:
     """Approved (the promotion DAG): make the switch the training run's evaluate held (`python -m eagle3 lineage
     promote --approved-by USER`, safe to retry), only on an Approve the approval task sealed in this run for this
     proposal, by one of the settings' approvers who did not trigger the training run; then publish the training
@@ -378,13 +461,16 @@ def promote_held(proposal_item: dict[str, Any], approval: object, dag_run: RunId
     approver = verified_approval(approval, proposal, promotion, dag_run, deployment)
     files = promotion.get("drafter_files_sha256")
     if not isinstance(files, str):
-        raise AirflowFailException(f"{plan.run_dir}/{REPORT}: the held promotion names no drafter files; evaluate "
-                                   "again and approve that")
-    argv = plan.eagle3("lineage", "promote", "--config", plan.config_path, f"--approved-by={approver}",
-                       f"--approved-files={files}")
+        raise AirflowFailException(
+            f"{plan.run_dir}/{REPORT}: the held promotion names no drafter files; evaluate again and approve that"
+        )
+    argv = plan.eagle3(
+        "lineage", "promote", "--config", plan.config_path, f"--approved-by={approver}", f"--approved-files={files}"
+    )
     outcome: dict[str, Any] = plan.remote().run(argv, timeout=3600).json("python -m eagle3 lineage promote")
-    log.info("%s: %s (approved by %s)", "promoted" if outcome["promoted"] else "not promoted", outcome["reason"],
-             approver)
+    log.info(
+        "%s: %s (approved by %s)", "promoted" if outcome["promoted"] else "not promoted", outcome["reason"], approver
+    )
     # The training run's report tab: promoted now. Done is done: a failure here must not fail (and retry) the promote
     # task, whose `promoted` event deployments wait on.
     try:
@@ -392,21 +478,24 @@ def promote_held(proposal_item: dict[str, Any], approval: object, dag_run: RunId
         folder = run_folder(plan, proposal.source.dag_id, proposal.source.run_id)
         read_or_fail(lambda: publish(plan, report_summary(plan), folder, log))
     except (AirflowFailException, OSError, ValueError) as err:
-        log.warning("the report of %s was not published again (its report tab still says proposed): %s",
-                    proposal.label, err)
+        log.warning(
+            "the report of %s was not published again (its report tab still says proposed): %s", proposal.label, err
+        )
     return outcome
 
 
-def announce_promotion(plan_dict: dict[str, Any], asset_name: str, outlet_events: Any = None,
-                       dag_run: RunIds | None = None) -> dict[str, Any]:
+def announce_promotion(
+    plan_dict: dict[str, Any], asset_name: str, outlet_events: Any = None, dag_run: RunIds | None = None
+) -> dict[str, Any]:
     """An event on the drafter Asset when the run's drafter was promoted, for a deployment DAG scheduled on it;
     skipped (no event) when it was not, with the reason. The event's extra comes from the run's report on the box
     and the verified plan, never from the report task's XCom."""
     return _announce(verified_plan(plan_dict, dag_run), asset_name, outlet_events)
 
 
-def announce_approved_promotion(proposal_item: dict[str, Any], asset_name: str,
-                                outlet_events: Any = None) -> dict[str, Any]:
+def announce_approved_promotion(
+    proposal_item: dict[str, Any], asset_name: str, outlet_events: Any = None
+) -> dict[str, Any]:
     """announce_promotion, in the promotion DAG: for the training run of a verified proposal."""
     return _announce(verified_proposal(proposal_item).plan, asset_name, outlet_events)
 
@@ -418,8 +507,7 @@ def _announce(plan: RunPlan, asset_name: str, outlet_events: Any) -> dict[str, A
     promotion: dict[str, Any] = evaluation["promotion"] if isinstance(evaluation.get("promotion"), dict) else {}
     if promotion.get("promoted") is not True:
         raise AirflowSkipException(f"not promoted: {promotion.get('reason', 'no promotion in the report')}")
-    states: dict[str, Any] = \
-        evaluation["hidden_states"] if isinstance(evaluation.get("hidden_states"), dict) else {}
+    states: dict[str, Any] = evaluation["hidden_states"] if isinstance(evaluation.get("hidden_states"), dict) else {}
     try:
         extra = {
             "run_dir": plan.run_dir,

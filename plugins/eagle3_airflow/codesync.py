@@ -208,8 +208,14 @@ def ensure_code(box: Box, python: str, workdir: str, digest: str | None = None) 
     digest = digest or archive.digest
     root = f"{workdir.rstrip('/')}/code"
     if digest != archive.digest:
-        log.info("%s: this run's code is %s (pinned when it was validated); the worker's package is %s now, so the box "
-                 "uses its copy of %s", box.conn_id, digest, archive.digest, digest)
+        log.info(
+            "%s: this run's code is %s (pinned when it was validated); the worker's package is %s now, so the box "
+            "uses its copy of %s",
+            box.conn_id,
+            digest,
+            archive.digest,
+            digest,
+        )
     payload = archive.gzipped if digest == archive.digest else b""
     result = box.run([python, "-I", "-c", UNPACK_SCRIPT, root, digest], input=payload, timeout=300)
     if result.returncode == UNUSABLE_PYTHON_EXIT:
@@ -219,10 +225,12 @@ def ensure_code(box: Box, python: str, workdir: str, digest: str | None = None) 
             f"{result.stderr.strip()}: this run was validated with code {digest}, the worker's package is "
             f"{archive.digest} now, and {box.conn_id} no longer has {digest}. To go on with the new code, clear this "
             "run's validate task with its downstream tasks: validate pins the worker's code again, and stages that "
-            "finished stay finished (their jobs succeeded)")
+            "finished stay finished (their jobs succeeded)"
+        )
     for line in result.stderr.splitlines():  # a directory that did not match and was unpacked again
         log.warning("%s: %s", box.conn_id, line)
     if result.returncode != 0:  # (the message leaves out the script, which check() would print whole)
-        raise RemoteCommandError(f"code sync to {root} on {box.conn_id} failed (exit {result.returncode}): "
-                                 f"{result.stderr.strip()[-2000:]}")
+        raise RemoteCommandError(
+            f"code sync to {root} on {box.conn_id} failed (exit {result.returncode}): {result.stderr.strip()[-2000:]}"
+        )
     return result.stdout.strip()

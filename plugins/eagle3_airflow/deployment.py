@@ -137,11 +137,15 @@ MailAddress = Annotated[str, StringConstraints(pattern=r"^[^@\s<>,;]+@[^@\s<>,;]
 # A class by its dotted import path: package.module.Class.
 DottedClass = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")]
 # An absolute directory, or scheme://bucket/prefix (no credentials in it: they belong in reports_conn_id).
-ReportsUrl = Annotated[str, StringConstraints(max_length=4096, pattern=r"^(/[^\x00-\x1f]*|[a-z][a-z0-9+.-]*://[^\s@]+)$")]
+ReportsUrl = Annotated[
+    str, StringConstraints(max_length=4096, pattern=r"^(/[^\x00-\x1f]*|[a-z][a-z0-9+.-]*://[^\s@]+)$")
+]
 
 
-EXAMPLE_NOTIFIER = ('{"class": "airflow.providers.slack.notifications.slack.SlackNotifier", "kwargs": '
-                    '{"slack_conn_id": "slack_api_default", "channel": "#eagle3", "text": "{subject}\\n{body}"}}')
+EXAMPLE_NOTIFIER = (
+    '{"class": "airflow.providers.slack.notifications.slack.SlackNotifier", "kwargs": '
+    '{"slack_conn_id": "slack_api_default", "channel": "#eagle3", "text": "{subject}\\n{body}"}}'
+)
 
 
 class NotifierEntry(BaseModel):
@@ -151,12 +155,16 @@ class NotifierEntry(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     notifier_class: DottedClass = Field(
-        alias="class", description="A subclass of airflow.sdk.BaseNotifier by dotted path, e.g. "
+        alias="class",
+        description="A subclass of airflow.sdk.BaseNotifier by dotted path, e.g. "
         "airflow.providers.slack.notifications.slack.SlackNotifier; its provider installed wherever Airflow reads "
-        "these settings.")
+        "these settings.",
+    )
     kwargs: dict[str, Any] = Field(
-        default_factory=dict, description="Its keyword arguments, a JSON object; in any string among them, {subject}, "
-        "{body} and {body_html} are replaced by the message (plain substitution, never a template).")
+        default_factory=dict,
+        description="Its keyword arguments, a JSON object; in any string among them, {subject}, "
+        "{body} and {body_html} are replaced by the message (plain substitution, never a template).",
+    )
 
     @field_validator("notifier_class")
     @classmethod
@@ -167,12 +175,16 @@ class NotifierEntry(BaseModel):
         try:
             found = import_string(path)
         except Exception as err:  # noqa: BLE001 - a module that fails on import is as unusable as a missing one
-            raise ValueError(f"cannot import {path!r} ({type(err).__name__}: {err}); install the provider that has it "
-                             "on every Airflow machine that reads these settings, or fix the path") from None
+            raise ValueError(
+                f"cannot import {path!r} ({type(err).__name__}: {err}); install the provider that has it "
+                "on every Airflow machine that reads these settings, or fix the path"
+            ) from None
         if not (isinstance(found, type) and issubclass(found, BaseNotifier)):
-            raise ValueError(f"{path!r} is not an Airflow notifier (a subclass of airflow.sdk.BaseNotifier); name a "
-                             "notifier class, such as airflow.providers.slack.notifications.slack.SlackNotifier or "
-                             "airflow.providers.smtp.notifications.smtp.SmtpNotifier")
+            raise ValueError(
+                f"{path!r} is not an Airflow notifier (a subclass of airflow.sdk.BaseNotifier); name a "
+                "notifier class, such as airflow.providers.slack.notifications.slack.SlackNotifier or "
+                "airflow.providers.smtp.notifications.smtp.SmtpNotifier"
+            )
         return path
 
     @field_validator("kwargs")
@@ -195,10 +207,14 @@ class NotifierEntry(BaseModel):
         try:
             signature.bind(**kwargs)
         except TypeError as err:
-            named = [name for name, parameter in signature.parameters.items()
-                     if parameter.kind not in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD)]
-            raise ValueError(f"{info.data['notifier_class']} cannot be made with these arguments ({err}); it takes "
-                             f"{named}") from None
+            named = [
+                name
+                for name, parameter in signature.parameters.items()
+                if parameter.kind not in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD)
+            ]
+            raise ValueError(
+                f"{info.data['notifier_class']} cannot be made with these arguments ({err}); it takes {named}"
+            ) from None
         return kwargs
 
 
@@ -212,26 +228,36 @@ class NotifySettings(BaseModel):
     from_email: MailAddress | None = Field(None, description="Sender; default: the SMTP connection's from_email.")
     notifiers: list[NotifierEntry] = Field(
         default_factory=list,
-        description="Other channels: Airflow notifier classes, each {\"class\": dotted path, \"kwargs\": {...}}, "
-        "made anew for each message, the message in their string kwargs' {subject}, {body}, {body_html}.")
+        description='Other channels: Airflow notifier classes, each {"class": dotted path, "kwargs": {...}}, '
+        "made anew for each message, the message in their string kwargs' {subject}, {body}, {body_html}.",
+    )
     late_after_h: float | None = Field(
-        None, gt=0, le=24 * 60,
+        None,
+        gt=0,
+        le=24 * 60,
         description="Warn when a run is still running this many hours after it was first queued (a clear does not "
-        "restart the clock).")
+        "restart the clock).",
+    )
 
     @model_validator(mode="before")
     @classmethod
     def _no_callables(cls, data: Any) -> Any:  # the settings' JSON, before validation
         if isinstance(data, dict) and "callables" in data:
-            raise ValueError("`callables` (module:function channels) is no longer read: each channel is now an Airflow "
-                             f"notifier class in `notifiers`, e.g. \"notifiers\": [{EXAMPLE_NOTIFIER}] "
-                             "(docs/deployment.md); move each callable's channel there, then remove `callables`")
+            raise ValueError(
+                "`callables` (module:function channels) is no longer read: each channel is now an Airflow "
+                f'notifier class in `notifiers`, e.g. "notifiers": [{EXAMPLE_NOTIFIER}] '
+                "(docs/deployment.md); move each callable's channel there, then remove `callables`"
+            )
         return data
 
     def kwargs(self) -> dict[str, Any]:
         """What notify.py's senders take: plain JSON (the lateness callback's kwargs are stored by Airflow)."""
-        return {"smtp_conn_id": self.smtp_conn_id, "to": self.to, "from_email": self.from_email,
-                "notifiers": [entry.model_dump(by_alias=True) for entry in self.notifiers]}
+        return {
+            "smtp_conn_id": self.smtp_conn_id,
+            "to": self.to,
+            "from_email": self.from_email,
+            "notifiers": [entry.model_dump(by_alias=True) for entry in self.notifiers],
+        }
 
 
 class Deployment(BaseModel):
@@ -246,104 +272,146 @@ class Deployment(BaseModel):
         default_factory=list,
         description="Airflow Assets whose update starts a run: the prompt set and the target (a DAG that refreshes "
         "the data or publishes a checkpoint updates them). With schedule too, a run starts on either (Airflow's "
-        "AssetOrTimeSchedule).")
+        "AssetOrTimeSchedule).",
+    )
     max_consecutive_failed_runs: int = Field(
-        3, ge=0, le=1000,
+        3,
+        ge=0,
+        le=1000,
         description="Airflow pauses a DAG after this many failed runs in a row (its max_consecutive_failed_dag_runs), "
-        "so a broken schedule stops instead of failing every tick; unpause it once fixed. 0: never paused.")
+        "so a broken schedule stops instead of failing every tick; unpause it once fixed. 0: never paused.",
+    )
     params: dict[str, Any] = Field(
         default_factory=dict,
         description="The trigger form's defaults, by its fields' dotted names (run_name, preset, target.model_path, "
-        "data.path, train.epochs, ...: docs/params.md); a scheduled run takes them.")
+        "data.path, train.epochs, ...: docs/params.md); a scheduled run takes them.",
+    )
     run: dict[str, Any] = Field(
         default_factory=dict,
         description="The box's facts and every run-config field the form does not hold, by dotted name: workdir, "
-        "target.dtype, extract.*, server.* (engine, python, extra_args), generate.endpoint, ... Every run gets them.")
+        "target.dtype, extract.*, server.* (engine, python, extra_args), generate.endpoint, ... Every run gets them.",
+    )
     presets: dict[PresetName, dict[str, Any]] = Field(
         default_factory=dict,
         description="Named recipes the form offers: each sets run-config fields over `run` (the training knobs a "
-        "person rarely touches). 'default' is always offered (`run` alone, unless listed here).")
+        "person rarely touches). 'default' is always offered (`run` alone, unless listed here).",
+    )
     box: dict[str, Any] = Field(
         default_factory=dict,
         description="How the DAG works the box (BoxSettings but conn_ids and redo_from, which the form chooses): "
-        "python, require_gpus, stop_services, the watchers' thresholds.")
-    pool: str = Field("eagle3_box", pattern=r"^[A-Za-z0-9_.-]{1,256}$",
-                      description="Airflow pool every remote stage runs in; counts deferred tasks.")
-    pool_slots: int = Field(8, ge=1, le=4096, description="The GPUs of the box(es) the pool stands for: its slots "
-                            "(eagle3_airflow/pools.py says what each task holds).")
+        "python, require_gpus, stop_services, the watchers' thresholds.",
+    )
+    pool: str = Field(
+        "eagle3_box",
+        pattern=r"^[A-Za-z0-9_.-]{1,256}$",
+        description="Airflow pool every remote stage runs in; counts deferred tasks.",
+    )
+    pool_slots: int = Field(
+        8,
+        ge=1,
+        le=4096,
+        description="The GPUs of the box(es) the pool stands for: its slots "
+        "(eagle3_airflow/pools.py says what each task holds).",
+    )
     box_pools: dict[ConnId, BoxPool] = Field(
         default_factory=dict,
-        description="One DAG and one pool per box, e.g. {\"gpu-box-1\": {\"gpus\": 8}}: each box's runs go on "
+        description='One DAG and one pool per box, e.g. {"gpu-box-1": {"gpus": 8}}: each box\'s runs go on '
         "at once, each holding its own box's GPUs (eagle3_airflow/pools.py). The default box's DAG (params' "
         "box.conn_ids, else the first listed) is eagle3_drafter and alone runs the schedule; each other box's is "
-        "eagle3_drafter__<box>, triggered only. Empty: one DAG whose runs may use any allowed box, in `pool`.")
+        "eagle3_drafter__<box>, triggered only. Empty: one DAG whose runs may use any allowed box, in `pool`.",
+    )
     sensor_timeout_h: float = Field(12, gt=0, le=24 * 14, description="How long a box sensor waits.")
     retries: int = Field(3, ge=0, le=100)
     retry_delay_s: float = Field(60, ge=0, le=24 * 3600)
     retry_exponential_backoff: bool = True
     allowed_boxes: list[ConnId] | None = Field(
-        None, description="Airflow SSH connection ids the form's box.conn_ids may name; default: its default's.")
+        None, description="Airflow SSH connection ids the form's box.conn_ids may name; default: its default's."
+    )
     allowed_services: list[SystemdUnit] | None = Field(
-        None, description="systemd units box.stop_services may name; default: those `box` names.")
+        None, description="systemd units box.stop_services may name; default: those `box` names."
+    )
     allowed_endpoint_hosts: list[HostName] | None = Field(
-        None, description="Hosts generate.endpoint may name, each as host (any port) or host:port (that port only); "
-        "default: the loopback and the host of `run`'s endpoint.")
+        None,
+        description="Hosts generate.endpoint may name, each as host (any port) or host:port (that port only); "
+        "default: the loopback and the host of `run`'s endpoint.",
+    )
     allowed_workdirs: list[AbsDir] | None = Field(
-        None, description="Directories a run's workdir must equal or lie under (compared as normalised paths; '..' "
-        "refused); default: `run`'s workdir only, and none without one.")
+        None,
+        description="Directories a run's workdir must equal or lie under (compared as normalised paths; '..' "
+        "refused); default: `run`'s workdir only, and none without one.",
+    )
     allowed_pythons: list[Interpreter] | None = Field(
-        None, description="Interpreters box.python and server.python may name on the box (absolute paths, or a "
+        None,
+        description="Interpreters box.python and server.python may name on the box (absolute paths, or a "
         "command found on the box's PATH); default: `box`'s python only. A run that could name "
-        "any executable would run it with the stage's arguments.")
+        "any executable would run it with the stage's arguments.",
+    )
     box_env: list[EnvName] = Field(
         default_factory=list,
         description="Box environment variables passed to the stages besides the built-in ones (CUDA_*, HF_*, ...); "
-        "generate.api_key_env must be one of them.")
+        "generate.api_key_env must be one of them.",
+    )
     api_key_endpoints: dict[EnvName, list[Endpoint]] = Field(
         default_factory=dict,
         description="For each box_env variable that holds an API key: the exact endpoints (scheme, host, port, path) "
-        "generate may send it to, e.g. {\"SGLANG_API_KEY\": [\"http://sglang.internal:30000/v1\"]}. A run that names "
-        "generate.api_key_env with an endpoint not listed for that variable is refused.")
+        'generate may send it to, e.g. {"SGLANG_API_KEY": ["http://sglang.internal:30000/v1"]}. A run that names '
+        "generate.api_key_env with an endpoint not listed for that variable is refused.",
+    )
     keep_versions: int = Field(
-        3, ge=1, le=1000,
+        3,
+        ge=1,
+        le=1000,
         description="Promoted drafter versions each lineage keeps; older ones are removed. Put into every run's "
-        "config (evaluate.keep_versions) by the validate task; a trigger cannot set it.")
+        "config (evaluate.keep_versions) by the validate task; a trigger cannot set it.",
+    )
     approvers: list[Approver] = Field(
         default_factory=list,
         description="Airflow users who may approve a promotion (approve_promotion): the approval task is assigned to "
-        "them, and the promote task promotes only on an Approve by one of them who did not trigger the run.")
+        "them, and the promote task promotes only on an Approve by one of them who did not trigger the run.",
+    )
     notify: NotifySettings | None = Field(None, description="Failure and lateness notifications; none: silent.")
     keep_runs: int | None = Field(
-        None, ge=1, le=100_000,
+        None,
+        ge=1,
+        le=100_000,
         description="Run directories kept on the box after a run (the newest; promoted drafters' and live ones "
-        "too); none: all kept. Shared stores stay: `python -m eagle3 store gc` removes unused ones.")
+        "too); none: all kept. Shared stores stay: `python -m eagle3 store gc` removes unused ones.",
+    )
     drafter_asset: AssetName = Field(
         "eagle3_drafter",
         description="The Airflow Asset a promoted drafter updates (its event's extra: lineage, version, figures, "
-        "the previous ones, store and code): schedule a deployment DAG on it.")
+        "the previous ones, store and code): schedule a deployment DAG on it.",
+    )
     approve_promotion: bool = Field(
         False,
         description="A person approves each promotion: evaluate only proposes it, an approval task (Airflow's "
-        "human-in-the-loop ApprovalOperator, under Required Actions) waits, and the switch happens on Approve.")
+        "human-in-the-loop ApprovalOperator, under Required Actions) waits, and the switch happens on Approve.",
+    )
     approval_timeout_h: float = Field(
-        72, gt=0, le=24 * 60, description="How long the approval task waits; then the promotion is rejected.")
+        72, gt=0, le=24 * 60, description="How long the approval task waits; then the promotion is rejected."
+    )
     reports_url: ReportsUrl | None = Field(
         None,
         description="Where the report task publishes each run's report and plots, and the report tab reads them "
         "(Airflow object storage): an absolute local directory, or a URL such as s3://bucket/prefix with "
         "reports_conn_id. Default: $AIRFLOW_HOME/eagle3-reports, which the workers and the API server must share "
-        "(one machine, or a shared volume).")
+        "(one machine, or a shared volume).",
+    )
     reports_conn_id: ConnId | None = Field(
-        None, description="The Airflow connection reports_url's store is opened with (its provider installed); none: "
-        "the local filesystem, or the store's own environment credentials.")
+        None,
+        description="The Airflow connection reports_url's store is opened with (its provider installed); none: "
+        "the local filesystem, or the store's own environment credentials.",
+    )
     reports_shared_disk: bool = Field(
         False,
         description="The workers and the API server share reports_url's local folder (a volume every Airflow "
         "container of one host mounts, NFS). Without it, an executor whose workers share no disk (CeleryExecutor, "
         "KubernetesExecutor, EdgeExecutor, ...) refuses a local reports_url, the default included: the report tab "
-        "would never see what a worker published.")
-    _source: str = PrivateAttr(f"the built-in settings (no {SETTINGS_FILE} beside the DAG file, and {SETTINGS_ENV} "
-                               "names no file)")
+        "would never see what a worker published.",
+    )
+    _source: str = PrivateAttr(
+        f"the built-in settings (no {SETTINGS_FILE} beside the DAG file, and {SETTINGS_ENV} names no file)"
+    )
     _resource: BoxResource | None = PrivateAttr(None)  # set on the settings of one generated DAG (for_box)
 
     @field_validator("allowed_workdirs")
@@ -356,28 +424,42 @@ class Deployment(BaseModel):
         """Each layer sets only the fields that are its (a form field in `run` would be overridden silently by the
         form, a typo never read), and together they make a valid run with each preset, on each box."""
         own = set(run_layer_fields())
-        problems = [f"params: {sorted(set(self.params) - set(FORM_FIELDS))} are not form fields (the form holds "
-                    f"{list(FORM_FIELDS)}); put run-config fields in \"run\" or a preset, box ones in \"box\""
-                    ] if set(self.params) - set(FORM_FIELDS) else []
+        problems = (
+            [
+                f"params: {sorted(set(self.params) - set(FORM_FIELDS))} are not form fields (the form holds "
+                f'{list(FORM_FIELDS)}); put run-config fields in "run" or a preset, box ones in "box"'
+            ]
+            if set(self.params) - set(FORM_FIELDS)
+            else []
+        )
         if self.params.get(PRESET, DEFAULT_PRESET) not in self.preset_names():
             problems.append(f"params: the default preset {self.params[PRESET]!r} is not one of {self.preset_names()}")
-        run_layers = [("run", self.run), *((f"presets.{name}", values) for name, values in self.presets.items()),
-                      *((f"box_pools.{conn_id}.run", pool.run) for conn_id, pool in self.box_pools.items())]
+        run_layers = [
+            ("run", self.run),
+            *((f"presets.{name}", values) for name, values in self.presets.items()),
+            *((f"box_pools.{conn_id}.run", pool.run) for conn_id, pool in self.box_pools.items()),
+        ]
         for where, layer in run_layers:
             form = sorted(set(layer) & set(FORM_FIELDS))
             if form:
-                problems.append(f"{where}: {form} are the form's (a trigger sets them); give their defaults in "
-                                "\"params\"")
+                problems.append(
+                    f'{where}: {form} are the form\'s (a trigger sets them); give their defaults in "params"'
+                )
             unknown = sorted(set(layer) - own - set(FORM_FIELDS))
             if unknown:
-                problems.append(f"{where}: {unknown} are not run-config fields the settings set (docs/params.md "
-                                "lists them)")
-        for where, layer in (("box", self.box),
-                             *((f"box_pools.{conn_id}.box", pool.box) for conn_id, pool in self.box_pools.items())):
+                problems.append(
+                    f"{where}: {unknown} are not run-config fields the settings set (docs/params.md lists them)"
+                )
+        for where, layer in (
+            ("box", self.box),
+            *((f"box_pools.{conn_id}.box", pool.box) for conn_id, pool in self.box_pools.items()),
+        ):
             outside = sorted(set(layer) - set(box_layer_fields()))
             if outside:
-                problems.append(f"{where}: {outside} are not box settings (it takes {box_layer_fields()}; which "
-                                "boxes a run uses is the form's box.conn_ids, among allowed_boxes)")
+                problems.append(
+                    f"{where}: {outside} are not box settings (it takes {box_layer_fields()}; which "
+                    "boxes a run uses is the form's box.conn_ids, among allowed_boxes)"
+                )
         if problems:
             raise ValueError("\n  ".join(problems))
         # Values: each preset over `run`, with stand-ins for what the form gives, must make a run on every box.
@@ -391,9 +473,13 @@ class Deployment(BaseModel):
 
     def box_layers(self) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
         """(where, run, box) for the settings and, under box_pools, each box: its own facts over the settings'."""
-        return [("the settings' run and box", self.run, self.box),
-                *((f"box_pools.{conn_id} (over run and box)", {**self.run, **pool.run}, {**self.box, **pool.box})
-                  for conn_id, pool in self.box_pools.items())]
+        return [
+            ("the settings' run and box", self.run, self.box),
+            *(
+                (f"box_pools.{conn_id} (over run and box)", {**self.run, **pool.run}, {**self.box, **pool.box})
+                for conn_id, pool in self.box_pools.items()
+            ),
+        ]
 
     def layered_runs(self) -> Iterator[tuple[str, str, dict[str, Any], dict[str, Any]]]:
         """(where, preset name, run layers with the preset over them, box) for every box and preset: what the
@@ -406,28 +492,41 @@ class Deployment(BaseModel):
     def _defaults_are_allowed(self) -> Deployment:
         unused = sorted(set(self.api_key_endpoints) - set(self.box_env))
         if unused:
-            raise ValueError(f"api_key_endpoints: {unused} not in box_env {self.box_env}, so no stage gets them; add "
-                             "them to box_env or remove them")
+            raise ValueError(
+                f"api_key_endpoints: {unused} not in box_env {self.box_env}, so no stage gets them; add "
+                "them to box_env or remove them"
+            )
         outside = [conn_id for conn_id in self.box_pools if conn_id not in self.allowed.boxes()]
         if outside:
-            raise ValueError(f"box_pools: {outside} not in the allowed boxes {self.allowed.boxes()}; add them to "
-                             "allowed_boxes "
-                             "or remove them from box_pools")
-        narrow = [f"{conn_id}: shard_gpus {box.shard_gpus} > gpus {box.gpus}" for conn_id, box in self.box_pools.items()
-                  if box.shard_gpus > box.gpus]
+            raise ValueError(
+                f"box_pools: {outside} not in the allowed boxes {self.allowed.boxes()}; add them to "
+                "allowed_boxes "
+                "or remove them from box_pools"
+            )
+        narrow = [
+            f"{conn_id}: shard_gpus {box.shard_gpus} > gpus {box.gpus}"
+            for conn_id, box in self.box_pools.items()
+            if box.shard_gpus > box.gpus
+        ]
         if narrow:
             raise ValueError(f"box_pools: a shard cannot hold more GPUs than its box has ({'; '.join(narrow)})")
         if self.approve_promotion and not self.approvers:
-            raise ValueError("approvers: approve_promotion is on, but no one may approve; list the Airflow user names "
-                             "who may (\"approvers\": [\"alice\", \"bob\"]), or turn approve_promotion off")
+            raise ValueError(
+                "approvers: approve_promotion is on, but no one may approve; list the Airflow user names "
+                'who may ("approvers": ["alice", "bob"]), or turn approve_promotion off'
+            )
         # What every run gets (the settings' run and box, each box's own over them) must pass the deployment's own
         # check, with the form's default boxes (with box_pools, each box's DAG makes that box its runs' default).
         for where, name, run, box in self.layered_runs():  # a preset may name what `run` does: checked with each
-            self.allowed.check(self.default_list("box.conn_ids", list(self.box_pools)[:1] or BoxSettings().conn_ids),
-                       list(box.get("stop_services") or []), run.get("generate.endpoint"),
-                       run.get("generate.api_key_env"), source=f"a run with the preset {name!r} on {where}",
-                       workdir=run.get("workdir"),
-                       pythons={"box.python": box.get("python"), "server.python": run.get("server.python")})
+            self.allowed.check(
+                self.default_list("box.conn_ids", list(self.box_pools)[:1] or BoxSettings().conn_ids),
+                list(box.get("stop_services") or []),
+                run.get("generate.endpoint"),
+                run.get("generate.api_key_env"),
+                source=f"a run with the preset {name!r} on {where}",
+                workdir=run.get("workdir"),
+                pythons={"box.python": box.get("python"), "server.python": run.get("server.python")},
+            )
         return self
 
     @classmethod
@@ -462,9 +561,10 @@ class Deployment(BaseModel):
                 f"{self._source}: reports_url ({where}) is a folder on each machine's own disk, but the executor "
                 f"{', '.join(multi_host)} ([core] executor) runs tasks on workers that need not share one with each "
                 "other or the API server: the report tab would not find what the report task published. Set "
-                "reports_url to an object store (e.g. \"s3://bucket/eagle3-reports\" with reports_conn_id), or, "
+                'reports_url to an object store (e.g. "s3://bucket/eagle3-reports" with reports_conn_id), or, '
                 "where every worker and the API server mount that folder (one host's volume, NFS), set "
-                "\"reports_shared_disk\": true there.")
+                '"reports_shared_disk": true there.'
+            )
 
     # -- a run's config, from the form over the layers ---------------------------------------------------
     def preset_names(self) -> list[str]:
@@ -479,8 +579,10 @@ class Deployment(BaseModel):
             raise ParamsError(f"preset: {preset!r} is not one of this deployment's presets {self.preset_names()}")
         layers = {**self.run, **self.presets.get(preset, {})}
         if not layers.get("workdir"):
-            raise ParamsError(f"workdir: {self._source} name no work directory on the box; set \"run\": "
-                              "{\"workdir\": \"/data/eagle3\"} there (or each box's under box_pools)")
+            raise ParamsError(
+                f'workdir: {self._source} name no work directory on the box; set "run": '
+                '{"workdir": "/data/eagle3"} there (or each box\'s under box_pools)'
+            )
         return params_to_configs(params, run_id, self.run, self.presets.get(preset), self.box, preset)
 
     # -- boxes as resources (eagle3_airflow/pools.py) ------------------------------------------------
@@ -500,10 +602,17 @@ class Deployment(BaseModel):
         if not self.box_pools:
             return [BoxResource(dag_id=DAG_ID, conn_id=None, pool=self.pool, gpus=self.pool_slots, shard_gpus=1)]
         default = self.default_box()
-        return [BoxResource(dag_id=DAG_ID if conn_id == default else f"{DAG_ID}__{conn_id}", conn_id=conn_id,
-                            pool=box.pool or f"eagle3_box_{conn_id}", gpus=box.gpus, shard_gpus=box.shard_gpus,
-                            scheduled=conn_id == default)
-                for conn_id, box in self.box_pools.items()]
+        return [
+            BoxResource(
+                dag_id=DAG_ID if conn_id == default else f"{DAG_ID}__{conn_id}",
+                conn_id=conn_id,
+                pool=box.pool or f"eagle3_box_{conn_id}",
+                gpus=box.gpus,
+                shard_gpus=box.shard_gpus,
+                scheduled=conn_id == default,
+            )
+            for conn_id, box in self.box_pools.items()
+        ]
 
     def for_box(self, resource: BoxResource) -> Deployment:
         """The settings of the DAG that holds `resource`: with a box of its own, its runs may use that box only,
@@ -513,11 +622,15 @@ class Deployment(BaseModel):
             settings = self.model_copy()
         else:
             pool = self.box_pools[resource.conn_id]
-            settings = self.model_copy(update={"allowed_boxes": [resource.conn_id],
-                                               "params": {**self.params, "box.conn_ids": [resource.conn_id]},
-                                               "run": {**self.run, **pool.run}, "box": {**self.box, **pool.box},
-                                               **({} if resource.scheduled else {"schedule": None,
-                                                                                 "schedule_assets": []})})
+            settings = self.model_copy(
+                update={
+                    "allowed_boxes": [resource.conn_id],
+                    "params": {**self.params, "box.conn_ids": [resource.conn_id]},
+                    "run": {**self.run, **pool.run},
+                    "box": {**self.box, **pool.box},
+                    **({} if resource.scheduled else {"schedule": None, "schedule_assets": []}),
+                }
+            )
         settings._source = self._source
         settings._resource = resource
         return settings
@@ -529,13 +642,22 @@ class Deployment(BaseModel):
         error the UI shows, naming the settings file. `params`: the DAG's Params (eagle3_airflow.params)."""
         if self.schedule is None and not self.schedule_assets:
             return
-        what = " and ".join(filter(None, [self.schedule and f"schedule {self.schedule!r}",
-                                          f"schedule_assets {self.schedule_assets}" if self.schedule_assets else None]))
+        what = " and ".join(
+            filter(
+                None,
+                [
+                    self.schedule and f"schedule {self.schedule!r}",
+                    f"schedule_assets {self.schedule_assets}" if self.schedule_assets else None,
+                ],
+            )
+        )
         why = f"{self._source}: {what} starts runs with the trigger form's defaults"
         missing = [name for name in required_params() if self.params.get(name) is None]
         if missing:
-            raise ParamsError(f"{why}, and these required params have none: {missing}. Give them defaults in its "
-                              f"\"params\" (e.g. \"params\": {{\"{missing[0]}\": ...}}), or remove the schedule")
+            raise ParamsError(
+                f"{why}, and these required params have none: {missing}. Give them defaults in its "
+                f'"params" (e.g. "params": {{"{missing[0]}": ...}}), or remove the schedule'
+            )
         try:
             self.configs({name: param.value for name, param in params.items()}, "scheduled__check")
         except ParamsError as err:
@@ -568,9 +690,12 @@ class Deployment(BaseModel):
             workdir = normal_dir(config.workdir)
         except ValueError as err:
             raise ParamsError(f"workdir: {err}") from None
-        return config.model_copy(update={
-            "workdir": workdir,
-            "evaluate": config.evaluate.model_copy(update={"keep_versions": self.keep_versions})})
+        return config.model_copy(
+            update={
+                "workdir": workdir,
+                "evaluate": config.evaluate.model_copy(update={"keep_versions": self.keep_versions}),
+            }
+        )
 
     def form_choices(self) -> dict[str, list[str]]:
         """The values the trigger form offers for the list params whose items the deployment chooses."""
@@ -579,7 +704,6 @@ class Deployment(BaseModel):
     def form(self) -> dict[str, Param]:
         """The trigger form's Params under these settings."""
         return build_params(self.params, self.form_choices(), self.preset_names())
-
 
 
 def settings_path(dag_folder: str | os.PathLike[str] | None = None) -> tuple[Path | None, str]:
@@ -605,10 +729,19 @@ def create_pool_argvs(settings: Deployment, airflow: str = "airflow") -> list[li
     """`airflow pools set` for each box's pool, its slots the box's GPUs. include_deferred: the remote stages defer
     within seconds of starting and wait in the triggerer for hours; a pool that does not count deferred tasks bounds
     nothing."""
-    return [[airflow, "pools", "set", resource.pool, str(resource.gpus),
-             f"the GPUs of {'box ' + resource.conn_id if resource.conn_id else 'the eagle3 box'}: eagle3 stages hold "
-             "those they use (deferred ones count)", "--include-deferred"]
-            for resource in settings.resources()]
+    return [
+        [
+            airflow,
+            "pools",
+            "set",
+            resource.pool,
+            str(resource.gpus),
+            f"the GPUs of {'box ' + resource.conn_id if resource.conn_id else 'the eagle3 box'}: eagle3 stages hold "
+            "those they use (deferred ones count)",
+            "--include-deferred",
+        ]
+        for resource in settings.resources()
+    ]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -619,9 +752,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m eagle3_airflow.deployment",
         description="Create or update the Airflow pools (one per box of box_pools) of the DAG's settings file "
-                    f"({SETTINGS_FILE} in [core] dags_folder, or the one {SETTINGS_ENV} names; the built-in "
-                    "settings without one), counting deferred tasks. make demo, make airflow and the compose file's "
-                    "airflow-init run it.")
+        f"({SETTINGS_FILE} in [core] dags_folder, or the one {SETTINGS_ENV} names; the built-in "
+        "settings without one), counting deferred tasks. make demo, make airflow and the compose file's "
+        "airflow-init run it.",
+    )
     parser.add_argument("command", choices=["create-pool"])
     parser.add_argument("--airflow", default=shutil.which("airflow") or "airflow", help="the airflow executable")
     args = parser.parse_args(argv)

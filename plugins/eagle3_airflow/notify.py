@@ -77,16 +77,18 @@ def task_failure_message(context: Context) -> tuple[str, str]:
         box = None
     subject = f"[eagle3] {ti.dag_id}: {task_name} failed in run {run_id}"
     log_url = getattr(ti, "log_url", None)  # absolute: the Task SDK builds it on [api] base_url
-    body = "\n".join([
-        f"Run:   {ti.dag_id} / {run_id}",
-        f"Task:  {task_name}, try {ti.try_number} (no retries left)",
-        f"Box:   {box or '(not a box task)'}",
-        *([f"Log:   {log_url}"] if isinstance(log_url, str) else []),
-        "",
-        _describe_exception(context),
-        "",
-        "Clear the task in the Airflow UI to resume the stage where it stopped.",
-    ])
+    body = "\n".join(
+        [
+            f"Run:   {ti.dag_id} / {run_id}",
+            f"Task:  {task_name}, try {ti.try_number} (no retries left)",
+            f"Box:   {box or '(not a box task)'}",
+            *([f"Log:   {log_url}"] if isinstance(log_url, str) else []),
+            "",
+            _describe_exception(context),
+            "",
+            "Clear the task in the Airflow UI to resume the stage where it stopped.",
+        ]
+    )
     return subject, body
 
 
@@ -95,12 +97,14 @@ def run_failure_message(context: Context) -> tuple[str, str]:
     dag_id = getattr(context.get("dag"), "dag_id", None) or getattr(dag_run, "dag_id", "?")
     run_id = getattr(dag_run, "run_id", None) or context.get("run_id")
     subject = f"[eagle3] {dag_id}: run {run_id} failed"
-    body = "\n".join([
-        f"Run:    {dag_id} / {run_id}",
-        f"Reason: {context.get('reason') or 'a task failed'}",
-        "",
-        "Clear the failed task in the Airflow UI to resume the run where it stopped.",
-    ])
+    body = "\n".join(
+        [
+            f"Run:    {dag_id} / {run_id}",
+            f"Reason: {context.get('reason') or 'a task failed'}",
+            "",
+            "Clear the failed task in the Airflow UI to resume the run where it stopped.",
+        ]
+    )
     return subject, body
 
 
@@ -114,8 +118,15 @@ class FailureNotifier(BaseNotifier):
 
     template_fields = ()
 
-    def __init__(self, *, scope: str, smtp_conn_id: str | None, to: list[str], from_email: str | None,
-                 notifiers: list[dict[str, Any]]):
+    def __init__(
+        self,
+        *,
+        scope: str,
+        smtp_conn_id: str | None,
+        to: list[str],
+        from_email: str | None,
+        notifiers: list[dict[str, Any]],
+    ):
         super().__init__()
         self.scope = scope  # "task" or "run"
         self.smtp_conn_id = smtp_conn_id
@@ -147,8 +158,15 @@ def fill(value: Any, message: dict[str, str]) -> Any:  # any JSON value
     return value
 
 
-def send(subject: str, body: str, context: Any, smtp_conn_id: str | None, to: list[str], from_email: str | None,
-         notifiers: list[dict[str, Any]]) -> None:
+def send(
+    subject: str,
+    body: str,
+    context: Any,
+    smtp_conn_id: str | None,
+    to: list[str],
+    from_email: str | None,
+    notifiers: list[dict[str, Any]],
+) -> None:
     """Every channel gets the message: a mail to `to`, and each of the settings' `notify.notifiers` ({"class": dotted
     path, "kwargs": {...}}, NotifySettings.kwargs()). One that fails is logged and does not stop the others.
     `context`: Airflow's, handed on to each notifier: a task's or a run's Context, or late_run's dict."""
@@ -158,8 +176,13 @@ def send(subject: str, body: str, context: Any, smtp_conn_id: str | None, to: li
 
         # Every field given: SmtpNotifier renders the ones left None (from_email included) as templates, asking the
         # DAG for a Jinja environment that a DAG-level callback's serialized DAG does not have.
-        mail = SmtpNotifier(to=to, from_email=from_email or _connection_sender(smtp_conn_id), subject=subject,
-                            smtp_conn_id=smtp_conn_id, html_content=html_body)
+        mail = SmtpNotifier(
+            to=to,
+            from_email=from_email or _connection_sender(smtp_conn_id),
+            subject=subject,
+            smtp_conn_id=smtp_conn_id,
+            html_content=html_body,
+        )
         try:
             mail.notify(context)  # not mail(context): that would render subject and body as Jinja first
             log.info("sent '%s' to %s", subject, to)
@@ -193,9 +216,15 @@ def _connection_sender(smtp_conn_id: str | None) -> str:
     return sender or f"eagle3-airflow@{socket.getfqdn()}"
 
 
-async def late_run(smtp_conn_id: str | None, to: list[str], from_email: str | None, late_after_h: float,
-                   notifiers: list[dict[str, Any]] | None = None, context: dict[str, Any] | None = None,
-                   **_: Any) -> None:
+async def late_run(
+    smtp_conn_id: str | None,
+    to: list[str],
+    from_email: str | None,
+    late_after_h: float,
+    notifiers: list[dict[str, Any]] | None = None,
+    context: dict[str, Any] | None = None,
+    **_: Any,
+) -> None:
     """The DeadlineAlert's callback (it runs in the triggerer): the run is late, if it is still running. Airflow
     misses a deadline whatever the run's state (it drops a deadline only when its run succeeds in time), so a run that
     failed, or ended after the deadline but before the scheduler noticed, is not mailed as late. (A deadline stored
@@ -207,17 +236,25 @@ async def late_run(smtp_conn_id: str | None, to: list[str], from_email: str | No
     context = context or {}
     dag_run = context.get("dag_run") or {}
     if isinstance(dag_run, dict):
-        run_id, dag_id, state = dag_run.get("dag_run_id") or dag_run.get("run_id"), dag_run.get("dag_id"), \
-            dag_run.get("state")
+        run_id, dag_id, state = (
+            dag_run.get("dag_run_id") or dag_run.get("run_id"),
+            dag_run.get("dag_id"),
+            dag_run.get("state"),
+        )
     else:  # (a DagRun, should a later Airflow pass the full context)
-        run_id, dag_id, state = getattr(dag_run, "run_id", None), getattr(dag_run, "dag_id", None), \
-            getattr(dag_run, "state", None)
+        run_id, dag_id, state = (
+            getattr(dag_run, "run_id", None),
+            getattr(dag_run, "dag_id", None),
+            getattr(dag_run, "state", None),
+        )
     if state in ENDED_RUN_STATES:
         log.info("run %s / %s is %s, not late: no lateness message", dag_id, run_id, state)
         return
     subject = f"[eagle3] {dag_id or 'eagle3_drafter'}: run {run_id} is late"
-    body = (f"Run {dag_id} / {run_id} is still running {timedelta(hours=late_after_h)} after it was first queued "
-            "(notify.late_after_h in the DAG settings). It may be waiting for a box, GPUs or disk, or a stage is slow.")
+    body = (
+        f"Run {dag_id} / {run_id} is still running {timedelta(hours=late_after_h)} after it was first queued "
+        "(notify.late_after_h in the DAG settings). It may be waiting for a box, GPUs or disk, or a stage is slow."
+    )
     await asyncio.to_thread(send, subject, body, context, smtp_conn_id, to, from_email, notifiers or [])
 
 
@@ -261,6 +298,10 @@ def deadline(settings: Deployment) -> DeadlineAlert | None:
     if settings.notify is None or settings.notify.late_after_h is None:
         return None
     return DeadlineAlert(
-        reference=RunFirstQueuedAt(), interval=timedelta(hours=settings.notify.late_after_h),
-        callback=AsyncCallback("eagle3_airflow.notify.late_run",
-                               kwargs={**settings.notify.kwargs(), "late_after_h": settings.notify.late_after_h}))
+        reference=RunFirstQueuedAt(),
+        interval=timedelta(hours=settings.notify.late_after_h),
+        callback=AsyncCallback(
+            "eagle3_airflow.notify.late_run",
+            kwargs={**settings.notify.kwargs(), "late_after_h": settings.notify.late_after_h},
+        ),
+    )

@@ -60,7 +60,10 @@ class BoxSettings(BaseModel):
     )
     require_gpus: bool = Field(True, title="Require GPUs", description="Off only for CPU demos: no GPU check.")
     gpu_max_used_mib: int = Field(
-        1024, ge=0, le=1 << 24, title="GPU memory counted as idle (MiB)",
+        1024,
+        ge=0,
+        le=1 << 24,
+        title="GPU memory counted as idle (MiB)",
         description="A GPU with more memory in use than this, or with any compute process, is busy.",
     )
     stop_services: list[SystemdUnit] = Field(
@@ -70,39 +73,61 @@ class BoxSettings(BaseModel):
         "those the deployment allows.",
     )
     disk_margin: float = Field(
-        1.2, ge=1.0, le=10.0, title="Disk estimate margin",
+        1.2,
+        ge=1.0,
+        le=10.0,
+        title="Disk estimate margin",
         description="The disk sensor waits for this many times the estimated hidden-state bytes to be free.",
     )
     poll_interval_s: float = Field(
-        10.0, ge=0.2, le=600, title="Job poll interval (s)",
+        10.0,
+        ge=0.2,
+        le=600,
+        title="Job poll interval (s)",
         description="How often a waiting task asks the box for its job's state (one SSH command each).",
     )
     ssh_grace_s: float = Field(
-        900.0, ge=0, le=7 * 24 * 3600, title="SSH outage tolerated (s)",
+        900.0,
+        ge=0,
+        le=7 * 24 * 3600,
+        title="SSH outage tolerated (s)",
         description="While a job runs, SSH failures are retried with backoff for this long before the task fails "
         "(the job keeps running; a retry re-attaches).",
     )
     stale_after_s: float = Field(
-        STALE_AFTER_S, ge=1, le=24 * 3600, title="Heartbeat timeout (s)",
-        description="A job whose heartbeat is older is dead."
+        STALE_AFTER_S,
+        ge=1,
+        le=24 * 3600,
+        title="Heartbeat timeout (s)",
+        description="A job whose heartbeat is older is dead.",
     )
     stall_timeout_s: float = Field(
-        900.0, ge=0, le=7 * 24 * 3600, title="Stall limit (s)",
+        900.0,
+        ge=0,
+        le=7 * 24 * 3600,
+        title="Stall limit (s)",
         description="A stage that reports no progress (a batch, a step, a conversation) for this long is hung (an "
         "NCCL hang, a stuck filesystem): it is killed and the try fails; the retry resumes. 0: never.",
     )
     first_progress_timeout_s: float = Field(
-        3600.0, ge=0, le=7 * 24 * 3600, title="Limit before the first progress (s)",
+        3600.0,
+        ge=0,
+        le=7 * 24 * 3600,
+        title="Limit before the first progress (s)",
         description="The same, until a stage's first progress report: loading the target comes first. (Starting an "
         "SGLang server or engine allows its own startup time.)",
     )
     stage_timeout_h: float = Field(
-        168.0, gt=0, le=24 * 90, title="Stage time limit (h)",
+        168.0,
+        gt=0,
+        le=24 * 90,
+        title="Stage time limit (h)",
         description="How long a task waits for its stage at most (the deferral's timeout), however it progresses.",
     )
     # "none", not "": the web form's select takes an empty string for no value at all, and refuses the run.
     redo_from: Literal["none", "vocab", "train", "export", "evaluate", "benchmark"] = Field(
-        "none", title="Redo from stage",
+        "none",
+        title="Redo from stage",
         description="Run this stage and every later one again from scratch, even where an earlier Airflow run of "
         "this run_name finished them (a clear only re-attaches to a finished stage): their outputs (vocab_mapping/, "
         "train/, drafter/, evaluate/, benchmark/) are renamed aside to NAME.before-redo-<time>, never mixed with the "
@@ -114,8 +139,20 @@ BOX_PREFIX = "box"
 # What a person chooses per run: the trigger form, in this order. Every name but PRESET and NOTES is a field of
 # RunConfig (or, under box., of BoxSettings) and gets that field's schema and help.
 PRESET, NOTES = "preset", "notes"
-FORM_FIELDS = ("run_name", PRESET, NOTES, "target.model_path", "data.path", "train.epochs", "train.learning_rate",
-               "train.ttt_length", "evaluate.draft_lengths", "seed", "box.conn_ids", "box.redo_from")
+FORM_FIELDS = (
+    "run_name",
+    PRESET,
+    NOTES,
+    "target.model_path",
+    "data.path",
+    "train.epochs",
+    "train.learning_rate",
+    "train.ttt_length",
+    "evaluate.draft_lengths",
+    "seed",
+    "box.conn_ids",
+    "box.redo_from",
+)
 BOX_FORM_FIELDS = ("conn_ids", "redo_from")  # the BoxSettings a run chooses; the deployment's `box` sets the rest
 DEFAULT_PRESET = "default"  # always offered: the settings' `run` alone
 NOTES_MAX = 500
@@ -125,10 +162,21 @@ SETTINGS_ONLY = {"evaluate.keep_versions": "keep_versions"}
 JSON_SCHEMA_DRAFT = "http://json-schema.org/draft-07/schema#"
 # run_name may be left empty in the form: the run is then named after its DAG id and Airflow run id.
 RUN_NAME_OR_EMPTY = f"^$|{RUN_NAME_PATTERN}"
-RUN, DATA, RECIPE, WHERE = ("run: its name, preset and why", "data: the target and the conversations",
-                            "recipe: the knobs people change per run", "box: where it runs")
-SECTIONS = {"run_name": RUN, PRESET: RUN, NOTES: RUN, "target.model_path": DATA, "data.path": DATA,
-            "box.conn_ids": WHERE, "box.redo_from": WHERE}  # the rest: RECIPE
+RUN, DATA, RECIPE, WHERE = (
+    "run: its name, preset and why",
+    "data: the target and the conversations",
+    "recipe: the knobs people change per run",
+    "box: where it runs",
+)
+SECTIONS = {
+    "run_name": RUN,
+    PRESET: RUN,
+    NOTES: RUN,
+    "target.model_path": DATA,
+    "data.path": DATA,
+    "box.conn_ids": WHERE,
+    "box.redo_from": WHERE,
+}  # the rest: RECIPE
 
 
 # -- model -> params ---------------------------------------------------------------------------
@@ -200,8 +248,11 @@ def model_leaves() -> dict[str, tuple[str, dict[str, Any], Any]]:
 
 def run_layer_fields() -> list[str]:
     """The run-config fields the settings' `run` and presets may set: all but the form's and the settings' own."""
-    return [name for name in model_leaves() if not name.startswith(BOX_PREFIX + ".") and name not in FORM_FIELDS
-            and name not in SETTINGS_ONLY]
+    return [
+        name
+        for name in model_leaves()
+        if not name.startswith(BOX_PREFIX + ".") and name not in FORM_FIELDS and name not in SETTINGS_ONLY
+    ]
 
 
 def box_layer_fields() -> list[str]:
@@ -209,8 +260,11 @@ def box_layer_fields() -> list[str]:
     return [name for name in BoxSettings.model_fields if name not in BOX_FORM_FIELDS]
 
 
-def build_params(defaults: dict[str, Any] | None = None, choices: dict[str, list[str]] | None = None,
-                 presets: list[str] | None = None) -> dict[str, Param]:
+def build_params(
+    defaults: dict[str, Any] | None = None,
+    choices: dict[str, list[str]] | None = None,
+    presets: list[str] | None = None,
+) -> dict[str, Param]:
     """Airflow Params for the trigger form (FORM_FIELDS); `defaults` (dotted names) override the models' defaults,
     `choices` (dotted names of list params) limit what their items may be (the deployment's allowed boxes), and
     `presets` are the names the preset field offers."""
@@ -219,9 +273,11 @@ def build_params(defaults: dict[str, Any] | None = None, choices: dict[str, list
     defaults, choices = defaults or {}, choices or {}
     unknown = sorted(set(defaults) - set(FORM_FIELDS))
     if unknown:  # a typo, or a field that is the deployment's: the form's default would silently stay
-        raise ParamsError(f"the settings' params: {unknown} are not form fields; params sets the form's "
-                          f"defaults for {list(FORM_FIELDS)}. A box's facts and the other run-config fields go in "
-                          "the settings' \"run\" or a preset, BoxSettings in its \"box\"")
+        raise ParamsError(
+            f"the settings' params: {unknown} are not form fields; params sets the form's "
+            f"defaults for {list(FORM_FIELDS)}. A box's facts and the other run-config fields go in "
+            'the settings\' "run" or a preset, BoxSettings in its "box"'
+        )
     leaves = model_leaves()
     params: dict[str, Param] = {}
     for dotted in FORM_FIELDS:
@@ -230,8 +286,11 @@ def build_params(defaults: dict[str, Any] | None = None, choices: dict[str, list
         if dotted == PRESET:
             names = presets or [DEFAULT_PRESET]
             schema = {"type": "string", "enum": names}
-            prop = {"title": "Preset", "description": "The recipe: a named set of the knobs a person rarely "
-                    "touches, from the deployment's settings (their \"presets\"; default: their \"run\" alone)."}
+            prop = {
+                "title": "Preset",
+                "description": "The recipe: a named set of the knobs a person rarely "
+                'touches, from the deployment\'s settings (their "presets"; default: their "run" alone).',
+            }
             default = defaults.get(PRESET, names[0])
         elif dotted == NOTES:
             schema = {"type": ["string", "null"], "maxLength": NOTES_MAX}
@@ -261,8 +320,9 @@ def build_params(defaults: dict[str, Any] | None = None, choices: dict[str, list
         description = _describe(prop, default is ...)
         if dotted == "run_name":
             description += " Empty: named after its DAG id and Airflow run id."
-        kwargs: dict[str, Any] = dict(title=prop.get("title", dotted), description=description,
-                                      section=SECTIONS.get(dotted, RECIPE))
+        kwargs: dict[str, Any] = dict(
+            title=prop.get("title", dotted), description=description, section=SECTIONS.get(dotted, RECIPE)
+        )
         # A required field with no default (a path on the box) gets no default: the form then demands a
         # value, and a scheduled run needs one from the settings file's params.
         params[dotted] = Param(**kwargs, **schema) if default is ... else Param(default, **kwargs, **schema)
@@ -296,26 +356,33 @@ def check_unknown_keys(conf: dict[str, Any], known: set[str]) -> None:
     """Airflow merges conf keys that are not params into params unvalidated: refuse them here, saying whose they are."""
     decided = sorted(set(conf) & set(SETTINGS_ONLY))
     if decided:
-        raise ParamsError("; ".join(f"{name!r}: the deployment decides it (its settings file's "
-                                    f"{SETTINGS_ONLY[name]!r}), not a trigger; leave it out"
-                                    for name in decided))
+        raise ParamsError(
+            "; ".join(
+                f"{name!r}: the deployment decides it (its settings file's "
+                f"{SETTINGS_ONLY[name]!r}), not a trigger; leave it out"
+                for name in decided
+            )
+        )
     unknown = sorted(set(conf) - known)
     if not unknown:
         return
     deployments = set(model_leaves())
     hints = []
     for key in unknown:
-        near = [k for k in sorted(known) if k.split(".")[-1] == key.split(".")[-1]] or \
-            difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.8)
+        near = [k for k in sorted(known) if k.split(".")[-1] == key.split(".")[-1]] or difflib.get_close_matches(
+            key, sorted(known), n=1, cutoff=0.8
+        )
         if near:
             hints.append(f"{key!r} (did you mean {near[0]!r}?)")
         elif key in deployments:
             hints.append(f"{key!r} (the deployment's: its settings' run, box or a preset)")
         else:
             hints.append(repr(key))
-    raise ParamsError(f"not trigger parameters: {', '.join(hints)}. A trigger chooses only the form's fields "
-                      f"{sorted(known)}; everything about the box and the recipe is the deployment's settings file "
-                      "(dags/eagle3_settings.json, or EAGLE3_DAG_SETTINGS), which whoever runs this Airflow reviews.")
+    raise ParamsError(
+        f"not trigger parameters: {', '.join(hints)}. A trigger chooses only the form's fields "
+        f"{sorted(known)}; everything about the box and the recipe is the deployment's settings file "
+        "(dags/eagle3_settings.json, or EAGLE3_DAG_SETTINGS), which whoever runs this Airflow reviews."
+    )
 
 
 def unflatten(flat: dict[str, Any]) -> dict[str, Any]:
@@ -344,19 +411,29 @@ def default_run_name(dag_id: str, run_id: str) -> str:
     if len(readable) <= RUN_NAME_MAX and re.match(RUN_NAME_PATTERN, readable):
         return readable
     digest = hashlib.sha256(f"{dag_id}\0{run_id}".encode()).hexdigest()[:12]
-    return f"{readable[:RUN_NAME_MAX - len(digest) - 1].rstrip('-.') or 'run'}-{digest}"
+    return f"{readable[: RUN_NAME_MAX - len(digest) - 1].rstrip('-.') or 'run'}-{digest}"
 
 
-def params_to_configs(params: dict[str, Any], run_id: str, run: dict[str, Any] | None = None,
-                      preset: dict[str, Any] | None = None, box: dict[str, Any] | None = None,
-                      preset_name: str = DEFAULT_PRESET) -> tuple[RunConfig, BoxSettings]:
+def params_to_configs(
+    params: dict[str, Any],
+    run_id: str,
+    run: dict[str, Any] | None = None,
+    preset: dict[str, Any] | None = None,
+    box: dict[str, Any] | None = None,
+    preset_name: str = DEFAULT_PRESET,
+) -> tuple[RunConfig, BoxSettings]:
     """The form's values over the deployment's layers (`run`, then the chosen `preset`; `box` for BoxSettings),
     validated into a RunConfig and BoxSettings; errors name the dotted field and the fix."""
     form = {key: value for key, value in params.items() if key in FORM_FIELDS and key not in (PRESET, NOTES)}
-    run_params = {**(run or {}), **(preset or {}),
-                  **{k: v for k, v in form.items() if not k.startswith(BOX_PREFIX + ".")}}
-    box_params = {**(box or {}),
-                  **{k.removeprefix(BOX_PREFIX + "."): v for k, v in form.items() if k.startswith(BOX_PREFIX + ".")}}
+    run_params = {
+        **(run or {}),
+        **(preset or {}),
+        **{k: v for k, v in form.items() if not k.startswith(BOX_PREFIX + ".")},
+    }
+    box_params = {
+        **(box or {}),
+        **{k.removeprefix(BOX_PREFIX + "."): v for k, v in form.items() if k.startswith(BOX_PREFIX + ".")},
+    }
     if not run_params.get("run_name"):  # (validate names it after its own DAG first; this is the settings' checks)
         run_params["run_name"] = default_run_name(DAG_ID, run_id)
     source = f"the run (the form over the preset {preset_name!r} and the settings' run)"

@@ -60,10 +60,18 @@ class RunPlan(BaseModel):
     @classmethod
     def build(cls, config: RunConfig, box: BoxSettings, settings: Deployment, notes: str = "") -> RunPlan:
         """The plan of a run validated under `settings`, pinned to this worker's code."""
-        return cls(protocol=PROTOCOL, code_digest=package_archive().digest, config=config, box=box,
-                   box_env=list(settings.box_env), notes=notes, reports_url=settings.reports_url,
-                   reports_conn_id=settings.reports_conn_id, keep_runs=settings.keep_runs,
-                   keep_proposals_h=settings.approval_timeout_h if settings.approve_promotion else 0.0)
+        return cls(
+            protocol=PROTOCOL,
+            code_digest=package_archive().digest,
+            config=config,
+            box=box,
+            box_env=list(settings.box_env),
+            notes=notes,
+            reports_url=settings.reports_url,
+            reports_conn_id=settings.reports_conn_id,
+            keep_runs=settings.keep_runs,
+            keep_proposals_h=settings.approval_timeout_h if settings.approve_promotion else 0.0,
+        )
 
     @classmethod
     def from_trusted(cls, data: dict[str, Any]) -> RunPlan:
@@ -101,8 +109,9 @@ class RunPlan(BaseModel):
 
     def redoes(self, stage: str) -> bool:
         """Whether this run runs `stage` again from scratch (box.redo_from names it or an earlier stage)."""
-        return bool(self.redo_from) and stage in REDO_ORDER and \
-            REDO_ORDER.index(stage) >= REDO_ORDER.index(self.redo_from)
+        return (
+            bool(self.redo_from) and stage in REDO_ORDER and REDO_ORDER.index(stage) >= REDO_ORDER.index(self.redo_from)
+        )
 
     # -- which box does what --------------------------------------------------------------------
     def conn_for_shard(self, shard: int) -> str:
@@ -117,13 +126,18 @@ class RunPlan(BaseModel):
         """How many GPUs `conn_id` must have for this run, and why (for the message when it has fewer)."""
         config = self.config
         shards = sum(self.conn_for_shard(s) == conn_id for s in range(config.extract.num_shards))
-        needs = [(shards * config.gpus_per_shard,
-                  f"{shards} extraction shard(s) x {config.gpus_per_shard} GPU(s) each (extract.num_shards, "
-                  "extract.sglang.tp_size with the sglang backend)")]
+        needs = [
+            (
+                shards * config.gpus_per_shard,
+                f"{shards} extraction shard(s) x {config.gpus_per_shard} GPU(s) each (extract.num_shards, "
+                "extract.sglang.tp_size with the sglang backend)",
+            )
+        ]
         if conn_id == self.box.conn_ids[0]:
             needs.append((config.train_gpus, "training (train.gpus / train.nproc_per_node)"))
-            needs.append((config.server_gpus, "the serving engine that generate, evaluate or benchmark start "
-                                              "(server.tp_size)"))
+            needs.append(
+                (config.server_gpus, "the serving engine that generate, evaluate or benchmark start (server.tp_size)")
+            )
         return max(needs)
 
     # -- reaching the box -----------------------------------------------------------------------
@@ -142,8 +156,17 @@ class RunPlan(BaseModel):
         torchrun's ranks): `python -m` would otherwise put the working directory, the SSH login directory, first
         on the path, where an `eagle3/` of anyone's would shadow the synced package. No bytecode is written into
         the code directory (PYTHONDONTWRITEBYTECODE), which code sync keeps exactly the archive's files."""
-        return ["env", f"PYTHONPATH={self.code_dir}", "PYTHONSAFEPATH=1", "PYTHONDONTWRITEBYTECODE=1",
-                self.box.python, "-P", "-m", "eagle3", *args]
+        return [
+            "env",
+            f"PYTHONPATH={self.code_dir}",
+            "PYTHONSAFEPATH=1",
+            "PYTHONDONTWRITEBYTECODE=1",
+            self.box.python,
+            "-P",
+            "-m",
+            "eagle3",
+            *args,
+        ]
 
 
 def verified_plan(data: object, dag_run: RunIds | None, *, key: bytes | None = None) -> RunPlan:
@@ -151,22 +174,27 @@ def verified_plan(data: object, dag_run: RunIds | None, *, key: bytes | None = N
     otherwise (the task fails at once, saying what and what to do). `key`: default, the task's (seal.task_key).
     The settings are not read: validate checked the run against them, and the seal says nothing changed since."""
     if not isinstance(data, dict) or "seal" not in data:
-        raise Tampered(f"{PLAN_XCOM} carries no seal: validate did not write it as it is (an XCom edit). "
-                       + TRIGGER_AGAIN)
+        raise Tampered(
+            f"{PLAN_XCOM} carries no seal: validate did not write it as it is (an XCom edit). " + TRIGGER_AGAIN
+        )
     body = {k: v for k, v in data.items() if k != "seal"}
     if not is_sealed("plan", body, RunRef.of(dag_run), key or task_key(), data["seal"]):
-        raise Tampered(f"{PLAN_XCOM} does not match its seal: it was edited after validate planned this run, or it "
-                       "is another run's plan. " + TRIGGER_AGAIN)
+        raise Tampered(
+            f"{PLAN_XCOM} does not match its seal: it was edited after validate planned this run, or it "
+            "is another run's plan. " + TRIGGER_AGAIN
+        )
     if body.get("protocol") != PROTOCOL:
         raise OtherProtocol(
             f"this run was validated with code {body.get('code_digest')!r}, whose plan and box commands are protocol "
             f"{body.get('protocol')!r}; this worker's code speaks protocol {PROTOCOL}. Clear the run's validate task "
             "with its downstream tasks: validate pins this worker's code, and stages that finished stay finished "
-            "(their jobs succeeded). Or let workers of the run's own version finish it.")
+            "(their jobs succeeded). Or let workers of the run's own version finish it."
+        )
     try:
         return RunPlan.model_validate(body)
     except ValidationError as err:
         fields = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors()[:5])
-        raise OtherProtocol(f"{PLAN_XCOM} is sealed but is not a plan this code reads ({fields}): the code that "
-                            "planned it changed the plan without changing eagle3.contracts.PROTOCOL. "
-                            + TRIGGER_AGAIN) from None
+        raise OtherProtocol(
+            f"{PLAN_XCOM} is sealed but is not a plan this code reads ({fields}): the code that "
+            "planned it changed the plan without changing eagle3.contracts.PROTOCOL. " + TRIGGER_AGAIN
+        ) from None

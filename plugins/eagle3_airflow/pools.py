@@ -55,13 +55,23 @@ class BoxPool(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     gpus: int = Field(ge=1, le=1024, description="The box's GPUs: its pool's slots.")
-    shard_gpus: int = Field(1, ge=1, le=1024, description="GPUs each extract shard holds (its GPU group): 1 for the "
-                            "hf backend, extract.sglang.tp_size for sglang.")
+    shard_gpus: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description="GPUs each extract shard holds (its GPU group): 1 for the "
+        "hf backend, extract.sglang.tp_size for sglang.",
+    )
     pool: PoolName | None = Field(None, description="The Airflow pool's name; default eagle3_box_<connection id>.")
-    run: dict[str, Any] = Field(default_factory=dict, description="This box's own facts over the settings' `run` "
-                                "(its workdir, engine flags, ...), by dotted run-config name.")
-    box: dict[str, Any] = Field(default_factory=dict, description="This box's BoxSettings over the settings' `box` "
-                                "(its python, services, thresholds).")
+    run: dict[str, Any] = Field(
+        default_factory=dict,
+        description="This box's own facts over the settings' `run` "
+        "(its workdir, engine flags, ...), by dotted run-config name.",
+    )
+    box: dict[str, Any] = Field(
+        default_factory=dict,
+        description="This box's BoxSettings over the settings' `box` (its python, services, thresholds).",
+    )
 
 
 class BoxResource(BaseModel):
@@ -92,14 +102,19 @@ class BoxResource(BaseModel):
         where = f"box_pools.{self.conn_id} in the settings file"
         problems = []
         if config.train_gpus > self.gpus:
-            problems.append(f"train: uses {config.train_gpus} GPUs (train.gpus / train.nproc_per_node) but box "
-                            f"{self.conn_id} has {self.gpus} ({where}.gpus)")
+            problems.append(
+                f"train: uses {config.train_gpus} GPUs (train.gpus / train.nproc_per_node) but box "
+                f"{self.conn_id} has {self.gpus} ({where}.gpus)"
+            )
         if config.gpus_per_shard > self.shard_gpus:
-            problems.append(f"extract: each shard uses {config.gpus_per_shard} GPUs (extract.sglang.tp_size) but holds "
-                            f"{self.shard_gpus} in the pool ({where}.shard_gpus): set it to {config.gpus_per_shard}")
+            problems.append(
+                f"extract: each shard uses {config.gpus_per_shard} GPUs (extract.sglang.tp_size) but holds "
+                f"{self.shard_gpus} in the pool ({where}.shard_gpus): set it to {config.gpus_per_shard}"
+            )
         if config.server_gpus > self.gpus:
-            problems.append(f"server.tp_size: {config.server.tp_size} GPUs but box {self.conn_id} has {self.gpus} "
-                            f"({where}.gpus)")
+            problems.append(
+                f"server.tp_size: {config.server.tp_size} GPUs but box {self.conn_id} has {self.gpus} ({where}.gpus)"
+            )
         return problems
 
 

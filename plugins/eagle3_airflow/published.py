@@ -51,7 +51,8 @@ PUBLISHED_REPORT, PUBLISHED_BENCHMARK = PurePosixPath(REPORT).name, PurePosixPat
 FORMAT = 1  # of summary.json; a reader refuses another
 # The only names a publication has: a summary.json that names another path (edited in the store) names nothing.
 PUBLISHED_NAME = re.compile(
-    rf"^({re.escape(PUBLISHED_REPORT)}|{re.escape(PUBLISHED_BENCHMARK)}|plots/[0-9]{{3,6}}\.png)$")
+    rf"^({re.escape(PUBLISHED_REPORT)}|{re.escape(PUBLISHED_BENCHMARK)}|plots/[0-9]{{3,6}}\.png)$"
+)
 
 
 class NotPublished(Exception):
@@ -84,13 +85,17 @@ def _put(path: ObjectStoragePath, data: bytes) -> None:
     temporary.rename(path)
 
 
-def publish(plan: RunPlan, summary: dict[str, Any], folder: ObjectStoragePath,
-            log: logging.Logger | None = None) -> dict[str, Any]:
+def publish(
+    plan: RunPlan, summary: dict[str, Any], folder: ObjectStoragePath, log: logging.Logger | None = None
+) -> dict[str, Any]:
     """Copy the run's report, benchmark and plots (those `summary` lists) from its box into `folder`, then its summary;
     return summary.json's content. Files the summary does not name (no report: nothing changed) are not read."""
     folder.mkdir(parents=True, exist_ok=True)
-    reports = [(REPORT, PUBLISHED_REPORT), *(((BENCHMARK_REPORT, PUBLISHED_BENCHMARK),) if summary.get("benchmark")
-                                             else ())] if summary.get("report") else []
+    reports = (
+        [(REPORT, PUBLISHED_REPORT), *(((BENCHMARK_REPORT, PUBLISHED_BENCHMARK),) if summary.get("benchmark") else ())]
+        if summary.get("report")
+        else []
+    )
     # The plots the summary listed on the box a moment ago (results.summarize: run_dir/<stage>/<name>.png).
     names = [path.removeprefix(f"{plan.run_dir}/") for path in summary.get("plots") or []]
     wanted = [name for name, _ in reports] + names
@@ -126,8 +131,11 @@ def read_manifest(folder: ObjectStoragePath) -> dict[str, Any]:
         raise NotPublished(f"nothing published in {folder}: the run's report task has not run yet") from None
     except ValueError:
         raise NotPublished(f"{path} is not JSON: run the report task again (clear it)") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(manifest.get("summary"),
-                                                                                             dict):
+    if (
+        not isinstance(manifest, dict)
+        or manifest.get("format") != FORMAT
+        or not isinstance(manifest.get("summary"), dict)
+    ):
         raise NotPublished(f"{path} is not a publication this version reads: run the report task again (clear it)")
     return manifest
 
@@ -137,8 +145,9 @@ def read_published(folder: ObjectStoragePath, manifest: dict[str, Any], file: st
     gone."""
     if not PUBLISHED_NAME.match(file):
         return None
-    named = set(manifest.get("files") or {}) | {plot.get("file") for plot in manifest.get("plots") or []
-                                                  if isinstance(plot, dict)}
+    named = set(manifest.get("files") or {}) | {
+        plot.get("file") for plot in manifest.get("plots") or [] if isinstance(plot, dict)
+    }
     if file not in named:
         return None
     try:

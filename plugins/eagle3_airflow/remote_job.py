@@ -82,12 +82,14 @@ TERMINAL = {"succeeded", "failed", "killed", "dead", "absent", "foreign"}
 def foreign_advice(jobs_dir: str, key: str) -> str:
     """What to do about a job another host runs (the box's message names the host): this box can neither wait on
     its processes nor start a second copy beside it, so retrying from here cannot help while it runs."""
-    return (f"Retrying from this box cannot help while that host runs it, so this task does not retry. Either let it "
-            f"finish there, then clear this task (a job that succeeded is this task's result then, one that failed "
-            f"runs again here); or stop it there: mark failed the Airflow task that runs it on that host (its kill "
-            f"stops the job), or on that host run `python -m eagle3 job kill --jobs-dir {jobs_dir} --key {key}`, "
-            f"then clear this task. If that host is gone for good, and its job with it, move "
-            f"{jobs_dir}/{key}/state.json aside, then clear this task")
+    return (
+        f"Retrying from this box cannot help while that host runs it, so this task does not retry. Either let it "
+        f"finish there, then clear this task (a job that succeeded is this task's result then, one that failed "
+        f"runs again here); or stop it there: mark failed the Airflow task that runs it on that host (its kill "
+        f"stops the job), or on that host run `python -m eagle3 job kill --jobs-dir {jobs_dir} --key {key}`, "
+        f"then clear this task. If that host is gone for good, and its job with it, move "
+        f"{jobs_dir}/{key}/state.json aside, then clear this task"
+    )
 
 
 def job_key(task_id: str, map_index: int | None) -> str:
@@ -119,14 +121,25 @@ def outage_retry(conn_id: str, grace_s: float, log: RetryLog) -> dict[str, Any]:
     with exponential backoff and jitter capped at OUTAGE_BACKOFF_MAX_S, for up to `grace_s`; then the last
     error is raised. One policy for the worker's commands and the trigger's polls. A command that ran and
     failed is not an outage and is not retried."""
+
     def log_retry(state: RetryCallState) -> None:
         error = state.outcome.exception() if state.outcome is not None else None  # (set before a retry's sleep)
-        log.warning("box %s unreachable for %.0f s (tolerated for %.0f s); retrying in %.0f s: %s",
-                    conn_id, state.seconds_since_start, grace_s, state.upcoming_sleep, error)
+        log.warning(
+            "box %s unreachable for %.0f s (tolerated for %.0f s); retrying in %.0f s: %s",
+            conn_id,
+            state.seconds_since_start,
+            grace_s,
+            state.upcoming_sleep,
+            error,
+        )
 
-    return {"retry": retry_if_exception_type(OUTAGE_ERRORS), "stop": stop_after_delay(grace_s),
-            "wait": wait_exponential_jitter(initial=1, max=OUTAGE_BACKOFF_MAX_S), "before_sleep": log_retry,
-            "reraise": True}
+    return {
+        "retry": retry_if_exception_type(OUTAGE_ERRORS),
+        "stop": stop_after_delay(grace_s),
+        "wait": wait_exponential_jitter(initial=1, max=OUTAGE_BACKOFF_MAX_S),
+        "before_sleep": log_retry,
+        "reraise": True,
+    }
 
 
 # What the worker does around a stage takes seconds; riding out an SSH outage takes up to ssh_grace_s (15 min by
@@ -154,8 +167,16 @@ class RemoteJobOperator(BaseOperator):
     template_fields = ("plan", "shard")
     ui_color = "#e8eefc"
 
-    def __init__(self, *, stage: str, plan: Any, shard: int | None = None, only_if: str | None = None,
-                 stage_args: list[str] | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        stage: str,
+        plan: Any,
+        shard: int | None = None,
+        only_if: str | None = None,
+        stage_args: list[str] | None = None,
+        **kwargs: Any,
+    ) -> None:
         # The worker's part only (sync, `job start`, the polls around the deferral): in Airflow 3.3 the task runner
         # times each worker run of a task on its own, and the wait in the triggerer is not one (the deferral's own
         # timeout, stage_timeout_h, governs it). default_args or the task may set another.
@@ -180,8 +201,10 @@ class RemoteJobOperator(BaseOperator):
         plan = verified_plan(self.plan, context.get("dag_run"))
         shards = plan.config.extract.num_shards
         if self.shard is not None and not (isinstance(self.shard, int) and 0 <= self.shard < shards):
-            raise AirflowFailException(f"shard {self.shard!r} (from the `shards` task's XCom) is not a shard of this "
-                                       f"run, which has {shards}: the XCom was edited. Trigger a new run.")
+            raise AirflowFailException(
+                f"shard {self.shard!r} (from the `shards` task's XCom) is not a shard of this "
+                f"run, which has {shards}: the XCom was edited. Trigger a new run."
+            )
         self._verified = plan
         return plan
 
@@ -201,11 +224,25 @@ class RemoteJobOperator(BaseOperator):
 
     def _stage_argv(self) -> list[str]:
         plan = self.run_plan
-        argv = [plan.box.python, "-P", "-m", "eagle3", self.stage, "--config", plan.config_path,  # -P: RunPlan.eagle3
-                *self.stage_args]
+        argv = [
+            plan.box.python,
+            "-P",
+            "-m",
+            "eagle3",
+            self.stage,
+            "--config",
+            plan.config_path,  # -P: RunPlan.eagle3
+            *self.stage_args,
+        ]
         if self.shard is not None:
-            argv += ["--shard", str(self.shard), "--num-shards", str(plan.config.extract.num_shards),
-                     "--gpu-group", str(plan.gpu_group_for_shard(self.shard))]
+            argv += [
+                "--shard",
+                str(self.shard),
+                "--num-shards",
+                str(plan.config.extract.num_shards),
+                "--gpu-group",
+                str(plan.gpu_group_for_shard(self.shard)),
+            ]
         return argv
 
     def _job(self, command: str, key: str, *args: str) -> list[str]:
@@ -223,9 +260,13 @@ class RemoteJobOperator(BaseOperator):
             return self.start_or_attach(context)
         except AirflowTaskTimeout:
             self._timed_out = True  # (the task runner calls on_kill next): see on_kill
-            self.log.error("the worker's part of %s (code sync, job start, polls) took longer than its "
-                           "execution_timeout %s; the job, if it started, is left running and the next try "
-                           "re-attaches to it", self.stage, self.execution_timeout)
+            self.log.error(
+                "the worker's part of %s (code sync, job start, polls) took longer than its "
+                "execution_timeout %s; the job, if it started, is left running and the next try "
+                "re-attaches to it",
+                self.stage,
+                self.execution_timeout,
+            )
             raise
 
     def start_or_attach(self, context: Context) -> dict[str, Any] | None:
@@ -247,16 +288,31 @@ class RemoteJobOperator(BaseOperator):
         plan, box_settings = self.run_plan, self.run_plan.box
         heartbeat_s = max(1.0, min(30.0, box_settings.stale_after_s / 4))
         passed_env = [arg for name in plan.box_env for arg in ("--pass-env", name)]
-        stall = ["--stall-timeout-s", f"{box_settings.stall_timeout_s:g}", "--first-progress-timeout-s",
-                 f"{box_settings.first_progress_timeout_s or box_settings.stall_timeout_s:g}"]
+        stall = [
+            "--stall-timeout-s",
+            f"{box_settings.stall_timeout_s:g}",
+            "--first-progress-timeout-s",
+            f"{box_settings.first_progress_timeout_s or box_settings.stall_timeout_s:g}",
+        ]
         # The Airflow run this stage belongs to, from the task's own context (never XCom): the box refuses a stage
         # of a run that does not own the run directory (eagle3.jobs.runowner), as init did
         dag_run = context["dag_run"]
         owner = ["--airflow-dag-id", str(dag_run.dag_id), "--airflow-run-id", str(dag_run.run_id)]
 
-        argv = self._job("start", key, "--heartbeat-s", f"{heartbeat_s:g}", "--stale-after-s",
-                         f"{box_settings.stale_after_s:g}", *stall, *passed_env, *self._redo(context), *owner, "--",
-                         *self._stage_argv())
+        argv = self._job(
+            "start",
+            key,
+            "--heartbeat-s",
+            f"{heartbeat_s:g}",
+            "--stale-after-s",
+            f"{box_settings.stale_after_s:g}",
+            *stall,
+            *passed_env,
+            *self._redo(context),
+            *owner,
+            "--",
+            *self._stage_argv(),
+        )
         box = plan.remote(self.conn_id)
         result = self._riding_out_outages(lambda: box.run(argv, timeout=120))
         self._refuse_without_retry(result, key)
@@ -265,15 +321,31 @@ class RemoteJobOperator(BaseOperator):
         if self._finished_already:
             # A clear of a finished stage re-attaches to the finished job: nothing runs again, which surprises whoever
             # cleared it to redo the stage. Say how to redo it.
-            how = (f"trigger a new run with box.redo_from {self.stage!r} (this stage and every later one run again "
-                   "from scratch, their old outputs renamed aside)" if self.stage in REDO_OUTPUTS else
-                   "trigger a new run with another run_name (this stage's outputs are reused by key, not redone)")
-            self.log.info("%s job %s finished in try %s already: clearing a finished stage runs nothing. To run it "
-                          "again, %s", self.stage, key, state.get("try"), how)
+            how = (
+                f"trigger a new run with box.redo_from {self.stage!r} (this stage and every later one run again "
+                "from scratch, their old outputs renamed aside)"
+                if self.stage in REDO_OUTPUTS
+                else "trigger a new run with another run_name (this stage's outputs are reused by key, not redone)"
+            )
+            self.log.info(
+                "%s job %s finished in try %s already: clearing a finished stage runs nothing. To run it again, %s",
+                self.stage,
+                key,
+                state.get("try"),
+                how,
+            )
         verb = "attached to" if state.get("attached") else "started"
         self._started_try = None if state.get("attached") else state.get("try")
-        self.log.info("%s %s job %s on %s: try %s, pid %s (log: %s)", verb, self.stage, key, self.conn_id,
-                      state.get("try"), state.get("pid"), state.get("log"))
+        self.log.info(
+            "%s %s job %s on %s: try %s, pid %s (log: %s)",
+            verb,
+            self.stage,
+            key,
+            self.conn_id,
+            state.get("try"),
+            state.get("pid"),
+            state.get("log"),
+        )
         return key
 
     def _refuse_without_retry(self, result: CommandResult, key: str) -> None:
@@ -286,10 +358,14 @@ class RemoteJobOperator(BaseOperator):
         said = "\n".join(result.stderr.strip().splitlines()[-20:])
         where = f"{self.stage} job {key} was not started on {self.conn_id}"
         if result.returncode == Exit.FOREIGN:
-            raise AirflowFailException(f"{where}: it runs on another host sharing the work directory.\n{said}\n"
-                                       f"{foreign_advice(self.run_plan.jobs_dir, key)}")
-        raise AirflowFailException(f"{where}: `job start` refused it, and retrying cannot help, so this task does not "
-                                   f"retry. Fix what the box says, then clear this task:\n{said}")
+            raise AirflowFailException(
+                f"{where}: it runs on another host sharing the work directory.\n{said}\n"
+                f"{foreign_advice(self.run_plan.jobs_dir, key)}"
+            )
+        raise AirflowFailException(
+            f"{where}: `job start` refused it, and retrying cannot help, so this task does not "
+            f"retry. Fix what the box says, then clear this task:\n{said}"
+        )
 
     def _redo(self, context: Context) -> list[str]:
         """`job start`'s redo flags when this run redoes this stage (box.redo_from): once per DAG run, its earlier
@@ -300,17 +376,27 @@ class RemoteJobOperator(BaseOperator):
         dag_run = context["dag_run"]
         name = "run-" + hashlib.sha256(f"{dag_run.dag_id}/{dag_run.run_id}".encode()).hexdigest()[:16]
         outputs = [arg for output in REDO_OUTPUTS[self.stage] for arg in ("--set-aside", f"{plan.run_dir}/{output}")]
-        self.log.info("box.redo_from %s: %s runs again from scratch (redo %s; its earlier outputs are renamed "
-                      "aside)", plan.redo_from, self.stage, name)
+        self.log.info(
+            "box.redo_from %s: %s runs again from scratch (redo %s; its earlier outputs are renamed aside)",
+            plan.redo_from,
+            self.stage,
+            name,
+        )
         return ["--redo", name, *outputs]
 
     def poll_until_complete(self, key: str, context: Context) -> None:
         plan = self.run_plan
         self.defer(
             trigger=RemoteJobTrigger(
-                conn_id=self.conn_id, eagle3_argv=plan.eagle3(), jobs_dir=plan.jobs_dir, key=str(key),
-                poll_interval_s=plan.box.poll_interval_s, ssh_grace_s=plan.box.ssh_grace_s,
-                stale_after_s=plan.box.stale_after_s, stream=log_stream(context["ti"]), started_try=self._started_try,
+                conn_id=self.conn_id,
+                eagle3_argv=plan.eagle3(),
+                jobs_dir=plan.jobs_dir,
+                key=str(key),
+                poll_interval_s=plan.box.poll_interval_s,
+                ssh_grace_s=plan.box.ssh_grace_s,
+                stale_after_s=plan.box.stale_after_s,
+                stream=log_stream(context["ti"]),
+                started_try=self._started_try,
             ),
             method_name="execute_complete",
             # However it progresses, a stage this long is not waited for (a retry re-attaches, or resumes it).
@@ -335,15 +421,21 @@ class RemoteJobOperator(BaseOperator):
             # its on_kill while Airflow already runs the next try, whose `job start` may find the job still alive
             # and attach to it. What the clear asks for is the stage run again, so it is started again now, in this
             # try (a retry would do the same, spending one); a job this try started and someone killed fails it.
-            self.log.warning("%s job %s (try %s), which this try re-attached to, was killed meanwhile (a clear of the "
-                             "previous try stops its job); starting it again", self.stage, event["key"],
-                             state.get("try"))
+            self.log.warning(
+                "%s job %s (try %s), which this try re-attached to, was killed meanwhile (a clear of the "
+                "previous try stops its job); starting it again",
+                self.stage,
+                event["key"],
+                state.get("try"),
+            )
             self._running_key = self._key(context)
             return self.start_or_attach(context)
         tail = "\n".join(event.get("log_tail") or [])
-        message = (f"{self.stage} job {event['key']} {status} (exit code {state.get('exit_code')}; {event['reason']}) "
-                   f"on {self.conn_id}, try {state.get('try')} (job log on the box: {state.get('log')}). "
-                   f"Last log lines:\n{tail}")
+        message = (
+            f"{self.stage} job {event['key']} {status} (exit code {state.get('exit_code')}; {event['reason']}) "
+            f"on {self.conn_id}, try {state.get('try')} (job log on the box: {state.get('log')}). "
+            f"Last log lines:\n{tail}"
+        )
         if status == "foreign":  # the job became another host's while this try waited on it: see foreign_advice
             raise AirflowFailException(f"{message}\n{foreign_advice(self.run_plan.jobs_dir, event['key'])}")
         if state.get("exit_code") == Exit.REFUSED:
@@ -360,8 +452,12 @@ class RemoteJobOperator(BaseOperator):
     def get_job_result(self, key: str, context: Context) -> dict[str, Any]:
         state: JobState | dict[str, Any] = self._poll(str(key))["state"] or {}
         return {
-            "stage": self.stage, "job": str(key), "box": self.conn_id, "try": state.get("try"),
-            "pid": state.get("pid"), "exit_code": state.get("exit_code"),
+            "stage": self.stage,
+            "job": str(key),
+            "box": self.conn_id,
+            "try": state.get("try"),
+            "pid": state.get("pid"),
+            "exit_code": state.get("exit_code"),
             "seconds": run_seconds(dict(state)),  # (a plain dict, which eagle3.jobs.job reads)
             "log": state.get("log"),
         }
@@ -379,8 +475,7 @@ class RemoteJobOperator(BaseOperator):
             self.log.warning("could not kill job %s: %s", key, err)
 
     def _poll(self, key: str) -> JobPoll:
-        argv = self._job("poll", key, "--max-log-bytes", "0", "--stale-after-s",
-                         f"{self.run_plan.box.stale_after_s:g}")
+        argv = self._job("poll", key, "--max-log-bytes", "0", "--stale-after-s", f"{self.run_plan.box.stale_after_s:g}")
         box = self.run_plan.remote(self.conn_id)
         poll: JobPoll = self._riding_out_outages(lambda: box.run(argv, timeout=60)).json(f"polling job {key}")
         return poll
@@ -389,9 +484,20 @@ class RemoteJobOperator(BaseOperator):
 class RemoteJobTrigger(BaseTrigger):
     """Polls a box-side job from the triggerer until it ends; streams its log into the task log."""
 
-    def __init__(self, *, conn_id: str, eagle3_argv: list[str], jobs_dir: str, key: str, log_offset: int | None = None,
-                 poll_interval_s: float = 10.0, ssh_grace_s: float = 900.0, stale_after_s: float = STALE_AFTER_S,
-                 stream: str | None = None, started_try: int | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        conn_id: str,
+        eagle3_argv: list[str],
+        jobs_dir: str,
+        key: str,
+        log_offset: int | None = None,
+        poll_interval_s: float = 10.0,
+        ssh_grace_s: float = 900.0,
+        stale_after_s: float = STALE_AFTER_S,
+        stream: str | None = None,
+        started_try: int | None = None,
+    ) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # BaseTrigger.__init__ has no annotations (Airflow 3.3)
         self.stream = stream  # the Airflow try whose task log this trigger writes: the box keeps its place (poll_job)
         self.started_try = started_try  # the job try the deferring Airflow try started; None: one it re-attached to
@@ -406,10 +512,16 @@ class RemoteJobTrigger(BaseTrigger):
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return "eagle3_airflow.remote_job.RemoteJobTrigger", {
-            "conn_id": self.conn_id, "eagle3_argv": self.eagle3_argv, "jobs_dir": self.jobs_dir, "key": self.key,
+            "conn_id": self.conn_id,
+            "eagle3_argv": self.eagle3_argv,
+            "jobs_dir": self.jobs_dir,
+            "key": self.key,
             "log_offset": self.log_offset,
-            "poll_interval_s": self.poll_interval_s, "ssh_grace_s": self.ssh_grace_s,
-            "stale_after_s": self.stale_after_s, "stream": self.stream, "started_try": self.started_try,
+            "poll_interval_s": self.poll_interval_s,
+            "ssh_grace_s": self.ssh_grace_s,
+            "stale_after_s": self.stale_after_s,
+            "stream": self.stream,
+            "started_try": self.started_try,
         }
 
     def _argv(self, command: str, *args: str) -> list[str]:
@@ -443,11 +555,16 @@ class RemoteJobTrigger(BaseTrigger):
                 if poll["effective"] in TERMINAL and self.log_offset < poll.get("log_size", 0):
                     continue  # over, but more log than one poll returns: read on at once, then report
                 if poll["effective"] in TERMINAL:
-                    yield TriggerEvent({
-                        "status": poll["effective"], "key": self.key, "reason": poll.get("reason", ""),
-                        "state": poll.get("state"), "log_tail": poll.get("log_tail", []),
-                        "started_try": self.started_try,
-                    })
+                    yield TriggerEvent(
+                        {
+                            "status": poll["effective"],
+                            "key": self.key,
+                            "reason": poll.get("reason", ""),
+                            "state": poll.get("state"),
+                            "log_tail": poll.get("log_tail", []),
+                            "started_try": self.started_try,
+                        }
+                    )
                     return
                 await asyncio.sleep(self.poll_interval_s)
         finally:
@@ -480,9 +597,16 @@ class RemoteJobTrigger(BaseTrigger):
         try:
             answer = await asyncio.wait_for(kill(), ON_KILL_BUDGET_S)
         except OUTAGE_ERRORS as err:  # (TimeoutError: asyncio.wait_for's too)
-            self.log.warning("could not kill job %s within %g s on box %s (%s): it may still run, and the task's next "
-                             "try re-attaches to it; kill it with `python -m eagle3 job kill --jobs-dir %s --key %s` "
-                             "on the box", self.key, ON_KILL_BUDGET_S, self.conn_id, str(err) or "timed out",
-                             self.jobs_dir, self.key)
+            self.log.warning(
+                "could not kill job %s within %g s on box %s (%s): it may still run, and the task's next "
+                "try re-attaches to it; kill it with `python -m eagle3 job kill --jobs-dir %s --key %s` "
+                "on the box",
+                self.key,
+                ON_KILL_BUDGET_S,
+                self.conn_id,
+                str(err) or "timed out",
+                self.jobs_dir,
+                self.key,
+            )
             return
         self.log.info("killing job %s: %s", self.key, answer.strip()[:500])

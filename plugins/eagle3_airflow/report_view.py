@@ -77,12 +77,16 @@ def _unpublished_html(session: Session | None, dag_id: str, run_id: str, why: st
     failed before its report (where), or one whose report task has not run yet (`why`)."""
     e = html.escape
     if not is_drafter_dag(dag_id):
-        return (f"<p id='unpublished'>{e(dag_id)} is not an EAGLE-3 drafter DAG: its runs have no EAGLE-3 report "
-                "(Airflow shows this tab on every DAG's runs).</p>")
+        return (
+            f"<p id='unpublished'>{e(dag_id)} is not an EAGLE-3 drafter DAG: its runs have no EAGLE-3 report "
+            "(Airflow shows this tab on every DAG's runs).</p>"
+        )
     failed = _failed_tasks(session, dag_id, run_id) if session is not None else []
     if failed:
-        return (f"<p id='failed'>The run failed at {e(', '.join(failed))}, before its report was written. The task's "
-                "log says why; clear the failed task to resume the stage where it stopped.</p>")
+        return (
+            f"<p id='failed'>The run failed at {e(', '.join(failed))}, before its report was written. The task's "
+            "log says why; clear the failed task to resume the stage where it stopped.</p>"
+        )
     return f"<p id='unpublished'>{e(why)}.</p>"
 
 
@@ -156,31 +160,48 @@ def _summary_html(summary: dict[str, Any], manifest: dict[str, Any]) -> Escaped:
     ours = summary.get("measured_accept_length") or {}
     theirs = (promotion.get("current_before") or {}).get("accept_length") or {}
     if ours:
-        rows = "".join(f"<tr><td>{e(k)}</td><td>{e(figure(value))}</td><td>{e(figure(theirs.get(k)))}</td>"
-                       + "".join(f"<td>{e(cell)}</td>" for cell in beside_measured(summary, k)) + "</tr>"
-                       for k, value in ours.items())
-        parts.append("<table id='acceptance'><tr><th>draft length k</th><th>acceptance length</th>"
-                     "<th>current drafter</th>" + "".join(f"<th>{e(name)}</th>" for name in BESIDE_MEASURED)
-                     + f"</tr>{rows}</table>")
+        rows = "".join(
+            f"<tr><td>{e(k)}</td><td>{e(figure(value))}</td><td>{e(figure(theirs.get(k)))}</td>"
+            + "".join(f"<td>{e(cell)}</td>" for cell in beside_measured(summary, k))
+            + "</tr>"
+            for k, value in ours.items()
+        )
+        parts.append(
+            "<table id='acceptance'><tr><th>draft length k</th><th>acceptance length</th>"
+            "<th>current drafter</th>"
+            + "".join(f"<th>{e(name)}</th>" for name in BESIDE_MEASURED)
+            + f"</tr>{rows}</table>"
+        )
     public = public_set_rows(summary)
     if public:
         rows = "".join("<tr>" + "".join(f"<td>{e(cell)}</td>" for cell in row) + "</tr>" for row in public)
-        parts.append("<table id='public-sets'><tr><th>public set</th>"
-                     + "".join(f"<th>{e(name)}</th>" for name in PUBLIC_SET_COLUMNS) + f"</tr>{rows}</table>")
+        parts.append(
+            "<table id='public-sets'><tr><th>public set</th>"
+            + "".join(f"<th>{e(name)}</th>" for name in PUBLIC_SET_COLUMNS)
+            + f"</tr>{rows}</table>"
+        )
     states = summary["hidden_states"] if isinstance(summary.get("hidden_states"), dict) else None
     facts = {
         "val accuracy per position": summary.get("val_acc_per_position"),
-        "hidden states": states and (f"{states.get('samples')} samples: {states.get('extracted')} extracted by this "
-                                     f"run, {states.get('reused')} reused from the store {states.get('store')}"),
+        "hidden states": states
+        and (
+            f"{states.get('samples')} samples: {states.get('extracted')} extracted by this "
+            f"run, {states.get('reused')} reused from the store {states.get('store')}"
+        ),
         "drafter": summary.get("drafter"),
         "lineage's current drafter": promotion.get("current"),
         "run directory": summary.get("run_dir"),
     }
-    parts.append("<dl>" + "".join(f"<dt>{e(name)}</dt><dd>{e(_text(value))}</dd>"
-                                  for name, value in facts.items() if value is not None) + "</dl>")
+    parts.append(
+        "<dl>"
+        + "".join(f"<dt>{e(name)}</dt><dd>{e(_text(value))}</dd>" for name, value in facts.items() if value is not None)
+        + "</dl>"
+    )
     if PUBLISHED_REPORT in (manifest.get("files") or {}):
-        parts.append(f"<p><a href='report.json' target='_blank'>evaluation report (JSON)</a> "
-                     f"<code>{e(summary['report'])}</code></p>")
+        parts.append(
+            f"<p><a href='report.json' target='_blank'>evaluation report (JSON)</a> "
+            f"<code>{e(summary['report'])}</code></p>"
+        )
     for index, published in enumerate(manifest.get("plots") or []):
         name = _text(published.get("name") if isinstance(published, dict) else published)
         parts.append(f"<figure><img src='plots/{index}' alt='{e(name)}'><figcaption>{e(name)}</figcaption></figure>")
@@ -192,7 +213,9 @@ def _text(value: object) -> str:
 
 
 def _page(run_id: str, body: Escaped) -> str:
-    return (f"<!doctype html><html><head><meta charset='utf-8'><title>EAGLE-3 report: {html.escape(run_id)}</title>"
-            "<style>body{font-family:sans-serif;margin:1.5em}img{max-width:100%}"
-            "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:.2em .6em}</style></head>"
-            f"<body><h1>EAGLE-3 report: {html.escape(run_id)}</h1>\n{body}\n</body></html>")
+    return (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>EAGLE-3 report: {html.escape(run_id)}</title>"
+        "<style>body{font-family:sans-serif;margin:1.5em}img{max-width:100%}"
+        "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:.2em .6em}</style></head>"
+        f"<body><h1>EAGLE-3 report: {html.escape(run_id)}</h1>\n{body}\n</body></html>"
+    )

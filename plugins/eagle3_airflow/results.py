@@ -48,9 +48,17 @@ def read_files(plan: RunPlan, names: list[str], plots: bool = False) -> tuple[di
             raise ValueError(f"{name!r} is not a report file name")
     box = plan.remote()
     with box.connected():
-        result = box.run(plan.eagle3("report", "manifest", "--run-dir", plan.run_dir,
-                                     *(arg for name in names for arg in ("--name", name)),
-                                     *(("--plots",) if plots else ())), timeout=READ_TIMEOUT_S)
+        result = box.run(
+            plan.eagle3(
+                "report",
+                "manifest",
+                "--run-dir",
+                plan.run_dir,
+                *(arg for name in names for arg in ("--name", name)),
+                *(("--plots",) if plots else ()),
+            ),
+            timeout=READ_TIMEOUT_S,
+        )
         if result.returncode == Exit.REFUSED:  # the run directory itself (a link, not absolute, missing)
             raise RunFileRefused(f"{where}: {_last_error(result)}")
         manifest: FileManifest = result.json("python -m eagle3 report manifest")
@@ -60,17 +68,20 @@ def read_files(plan: RunPlan, names: list[str], plots: bool = False) -> tuple[di
         try:
             fetched = box.fetch({path: entry["size"] for path, entry in wanted.items()}, timeout=READ_TIMEOUT_S)
         except FileRefused as err:
-            raise RunFileRefused(f"{where}: {err} (changed since the box's manifest: a link, a pipe or another file "
-                                 "put in its place)") from None
+            raise RunFileRefused(
+                f"{where}: {err} (changed since the box's manifest: a link, a pipe or another file put in its place)"
+            ) from None
     files: dict[str, bytes | None] = dict.fromkeys(names)
     for path, entry in wanted.items():
         data = fetched.get(path)
         if data is None:  # removed since the manifest (a retention run): as if it never was
             continue
         if len(data) != entry["size"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
-            raise RunFileRefused(f"{path} on {where}: its bytes differ from the box's manifest (size or sha256): it "
-                                 "changed between the manifest and the fetch, or was swapped; refused. Run the task "
-                                 "again once nothing writes the run directory")
+            raise RunFileRefused(
+                f"{path} on {where}: its bytes differ from the box's manifest (size or sha256): it "
+                "changed between the manifest and the fetch, or was swapped; refused. Run the task "
+                "again once nothing writes the run directory"
+            )
         files[entry["name"]] = data
     return files, list(manifest.get("plots") or []) if plots else []
 
@@ -80,8 +91,10 @@ def _checked_entries(manifest: FileManifest, names: list[str], where: str) -> di
     raises RunFileRefused with the box's reason."""
     try:
         entries = {entry["name"]: entry for entry in manifest["files"]}
-        if set(entries) != set(names) or (manifest.get("plots") is not None and not all(
-                isinstance(name, str) and allowed_name(name) for name in manifest["plots"])):
+        if set(entries) != set(names) or (
+            manifest.get("plots") is not None
+            and not all(isinstance(name, str) and allowed_name(name) for name in manifest["plots"])
+        ):
             raise ValueError("other names than asked for")
         for name in names:
             entry = entries[name]
@@ -90,12 +103,17 @@ def _checked_entries(manifest: FileManifest, names: list[str], where: str) -> di
             if entry["present"] is not True:
                 entry["present"] = False
                 continue
-            if not (isinstance(entry["size"], int) and 0 <= entry["size"] <= MAX_FILE_BYTES
-                    and isinstance(entry["sha256"], str) and SHA256.match(entry["sha256"])):
+            if not (
+                isinstance(entry["size"], int)
+                and 0 <= entry["size"] <= MAX_FILE_BYTES
+                and isinstance(entry["sha256"], str)
+                and SHA256.match(entry["sha256"])
+            ):
                 raise ValueError(f"{name}: no size within {MAX_FILE_BYTES} bytes and sha256")
     except (KeyError, TypeError, ValueError, AttributeError) as err:
-        raise RunFileRefused(f"{where}: `python -m eagle3 report manifest` answered what it never prints ({err})") \
-            from None
+        raise RunFileRefused(
+            f"{where}: `python -m eagle3 report manifest` answered what it never prints ({err})"
+        ) from None
     return entries
 
 
@@ -123,15 +141,18 @@ def _json_object(plan: RunPlan, name: str, data: bytes | None) -> dict[str, Any]
         value = json.loads(data)
     except (ValueError, UnicodeDecodeError) as err:
         where = f" (line {err.lineno}, column {err.colno})" if isinstance(err, json.JSONDecodeError) else ""
-        raise RunFileRefused(f"{path} is not valid JSON{where}; the stage that writes it did not finish it, or "
-                             "someone replaced it: run that stage again (clear its task)") from None
+        raise RunFileRefused(
+            f"{path} is not valid JSON{where}; the stage that writes it did not finish it, or "
+            "someone replaced it: run that stage again (clear its task)"
+        ) from None
     if not isinstance(value, dict):
         raise RunFileRefused(f"{path} is not a JSON object; run the stage that writes it again (clear its task)")
     return value
 
 
-def summarize(plan: RunPlan, evaluation: dict[str, Any], plots: list[str],
-              benchmark: dict[str, Any] | None = None) -> dict[str, Any]:
+def summarize(
+    plan: RunPlan, evaluation: dict[str, Any], plots: list[str], benchmark: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """The run's figures, promotion and files (evaluate's report read from the box; paths from the plan)."""
     try:
         summary: dict[str, Any] = {
@@ -142,20 +163,24 @@ def summarize(plan: RunPlan, evaluation: dict[str, Any], plots: list[str],
             "val_acc_per_position": [round(float(a), 3) for a in evaluation["val_acc_per_position"]],
             "measured_accept_length": {k: v["mean_accept_length"] for k, v in evaluation["speculative"].items()},
             # beside it: its noise over prompts, the ceiling on the same answers, training's offline prediction
-            "accept_length_interval95": {k: v.get("accept_length_interval95")
-                                         for k, v in evaluation["speculative"].items()},
+            "accept_length_interval95": {
+                k: v.get("accept_length_interval95") for k, v in evaluation["speculative"].items()
+            },
             "ceiling_accept_length": {k: v.get("ceiling_accept_length") for k, v in evaluation["speculative"].items()},
             "offline_accept_length": evaluation.get("offline_accept_length"),
             # per public set (evaluate.benchmarks): the figures at each published configuration, the published
             # drafters' own at k=3 beside them
-            "public_sets": {name: {"title": report.get("title", name), "prompts": report.get("prompts"),
-                                   "answers_cut": report.get("answers_cut_at_max_new_tokens"),
-                                   "accept_length": {k: v["mean_accept_length"]
-                                                     for k, v in report["speculative"].items()},
-                                   "interval95": {k: v.get("accept_length_interval95")
-                                                  for k, v in report["speculative"].items()},
-                                   "published_k3": report.get("published_k3")}
-                            for name, report in evaluation["public_sets"].items()},
+            "public_sets": {
+                name: {
+                    "title": report.get("title", name),
+                    "prompts": report.get("prompts"),
+                    "answers_cut": report.get("answers_cut_at_max_new_tokens"),
+                    "accept_length": {k: v["mean_accept_length"] for k, v in report["speculative"].items()},
+                    "interval95": {k: v.get("accept_length_interval95") for k, v in report["speculative"].items()},
+                    "published_k3": report.get("published_k3"),
+                }
+                for name, report in evaluation["public_sets"].items()
+            },
             # samples extracted by this run, and reused from the store runs with the same capture share
             "hidden_states": evaluation.get("hidden_states"),
             # measured against the lineage's current drafter on its pinned prompts; promoted or not, and why
@@ -166,13 +191,16 @@ def summarize(plan: RunPlan, evaluation: dict[str, Any], plots: list[str],
                 "engine": benchmark["engine"],
                 "report": f"{plan.run_dir}/{BENCHMARK_REPORT}",
                 "accept_length": benchmark["mean_accept_length"],
-                "output_tokens_per_s": {name: benchmark[name]["output_tokens_per_s"]
-                                        for name in ("baseline", "eagle3")},
+                "output_tokens_per_s": {
+                    name: benchmark[name]["output_tokens_per_s"] for name in ("baseline", "eagle3")
+                },
                 "speedup": benchmark["speedup"],
             }
     except (KeyError, TypeError, ValueError, AttributeError) as err:
-        raise RunFileRefused(f"{plan.run_dir}/{REPORT} (or {BENCHMARK_REPORT}) on {plan.box.conn_ids[0]} lacks what a "
-                             f"report has ({type(err).__name__}: {err}); run evaluate again (clear its task)") from None
+        raise RunFileRefused(
+            f"{plan.run_dir}/{REPORT} (or {BENCHMARK_REPORT}) on {plan.box.conn_ids[0]} lacks what a "
+            f"report has ({type(err).__name__}: {err}); run evaluate again (clear its task)"
+        ) from None
     return summary
 
 
@@ -185,8 +213,10 @@ def run_summary(plan: RunPlan) -> dict[str, Any] | None:
         return None
     benchmark = _json_object(plan, BENCHMARK_REPORT, files.get(BENCHMARK_REPORT))
     if plan.config.benchmark.enabled and benchmark is None:
-        raise RunFileRefused(f"{plan.run_dir}/{BENCHMARK_REPORT} is missing on {plan.box.conn_ids[0]}, though the run "
-                             "has benchmark.enabled: the benchmark stage did not finish")
+        raise RunFileRefused(
+            f"{plan.run_dir}/{BENCHMARK_REPORT} is missing on {plan.box.conn_ids[0]}, though the run "
+            "has benchmark.enabled: the benchmark stage did not finish"
+        )
     return summarize(plan, evaluation, plots, benchmark)
 
 
@@ -214,12 +244,22 @@ def report_summary(plan: RunPlan) -> dict[str, Any]:
         check = check_inputs(plan)
         if check["changed"]:
             raise AirflowFailException(f"{report_path} is missing, though the inputs changed: evaluate did not run")
-        summary = _with_notes({
-            "run_dir": plan.run_dir, "nothing_changed_since": check["unchanged_since"],
-            "drafter": check["current_drafter"], "measured_accept_length": check["current_accept_length"],
-            "promotion": {"promoted": False, "reason": f"nothing changed since run {check['unchanged_since']}"}}, plan)
-        log.info("nothing changed since run %s; the lineage's drafter stays %s (measured acceptance %s)",
-                 check["unchanged_since"], check["current_drafter"], check["current_accept_length"])
+        summary = _with_notes(
+            {
+                "run_dir": plan.run_dir,
+                "nothing_changed_since": check["unchanged_since"],
+                "drafter": check["current_drafter"],
+                "measured_accept_length": check["current_accept_length"],
+                "promotion": {"promoted": False, "reason": f"nothing changed since run {check['unchanged_since']}"},
+            },
+            plan,
+        )
+        log.info(
+            "nothing changed since run %s; the lineage's drafter stays %s (measured acceptance %s)",
+            check["unchanged_since"],
+            check["current_drafter"],
+            check["current_accept_length"],
+        )
         return summary
     summary = _with_notes(summary, plan)
     if (summary["promotion"] or {}).get("pending_approval"):  # the promotion DAG asks; its promote republishes

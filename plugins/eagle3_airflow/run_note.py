@@ -45,8 +45,10 @@ BLOCK_START = re.compile(r"^(\s*)([-+=]|\d+(?=[.)]))")
 def text(value: object) -> str:
     """Any value as markdown that renders as exactly its characters, on one line."""
     flat = " ".join(str(value).split())  # newlines would start new blocks: a heading, a list, a table row
-    return BLOCK_START.sub(lambda m: m.group(1) + "\\" + m.group(2) if not m.group(2)[0].isdigit()
-                          else m.group(1) + m.group(2) + "\\", MARKUP.sub(r"\\\1", flat))
+    return BLOCK_START.sub(
+        lambda m: m.group(1) + "\\" + m.group(2) if not m.group(2)[0].isdigit() else m.group(1) + m.group(2) + "\\",
+        MARKUP.sub(r"\\\1", flat),
+    )
 
 
 def code(value: object) -> str:
@@ -80,8 +82,10 @@ def note_markdown(summary: dict[str, Any], failed_tasks: list[str] | None = None
     ours = _mapping(summary.get("measured_accept_length"))
     theirs = _mapping(_mapping(promotion.get("current_before")).get("accept_length"))
     if ours:
-        lines += ["| k | acceptance length | current drafter | " + " | ".join(BESIDE_MEASURED) + " |",
-                  "|---|---|---|" + "---|" * len(BESIDE_MEASURED)]
+        lines += [
+            "| k | acceptance length | current drafter | " + " | ".join(BESIDE_MEASURED) + " |",
+            "|---|---|---|" + "---|" * len(BESIDE_MEASURED),
+        ]
         for k, value in ours.items():
             cells = [text(k), number(value), figure(theirs.get(k)), *beside_measured(summary, k)]
             lines.append("| " + " | ".join(cells) + " |")
@@ -94,8 +98,10 @@ def note_markdown(summary: dict[str, Any], failed_tasks: list[str] | None = None
     facts = []
     states = _mapping(summary.get("hidden_states"))
     if states:
-        facts.append(f"hidden states: {number(states.get('extracted'), 'd')} extracted, "
-                     f"{number(states.get('reused'), 'd')} reused")
+        facts.append(
+            f"hidden states: {number(states.get('extracted'), 'd')} extracted, "
+            f"{number(states.get('reused'), 'd')} reused"
+        )
     if facts:
         lines += [" · ".join(facts), ""]
     if summary.get("drafter"):
@@ -107,9 +113,15 @@ def note_markdown(summary: dict[str, Any], failed_tasks: list[str] | None = None
 
 
 def failure_markdown(failed_tasks: list[str]) -> str:
-    return _fit([f"{NOTE_TITLE}: run failed", "",
-                 f"failed: {text(', '.join(failed_tasks) or 'none (the run was marked failed)')}", "",
-                 "Clear a failed task to resume: the stage picks up where it stopped."])
+    return _fit(
+        [
+            f"{NOTE_TITLE}: run failed",
+            "",
+            f"failed: {text(', '.join(failed_tasks) or 'none (the run was marked failed)')}",
+            "",
+            "Clear a failed task to resume: the stage picks up where it stopped.",
+        ]
+    )
 
 
 def verdict(summary: dict[str, Any]) -> str:
@@ -155,14 +167,18 @@ def public_set_rows(summary: dict[str, Any], escape: Callable[[object], str] = s
         at = {k: figure(measured.get(k)) + _spread(intervals.get(k)) for k in ("3", "7")}
         cut = figures.get("answers_cut")
         prompts = number(figures.get("prompts"), "d") + (f", {number(cut, 'd')} cut at max tokens" if cut else "")
-        published = ", ".join(f"{escape(who)} {number(value, '.2f')}" for who, value in
-                              _mapping(figures.get("published_k3")).items()) or "-"
+        published = (
+            ", ".join(
+                f"{escape(who)} {number(value, '.2f')}" for who, value in _mapping(figures.get("published_k3")).items()
+            )
+            or "-"
+        )
         rows.append([escape(figures.get("title") or name), prompts, at["3"], at["7"], published])
     return rows
 
 
 def _spread(interval: object) -> str:
-    """ (low-high), or nothing where the report has no interval."""
+    """(low-high), or nothing where the report has no interval."""
     if isinstance(interval, list) and len(interval) == 2:
         return f" ({number(interval[0])}-{number(interval[1])})"
     return ""
@@ -201,13 +217,19 @@ def publish(dag_run: DagRun) -> None:
     if dag_run.note and not dag_run.note.startswith(NOTE_TITLE):
         log.info("run %s has a note written by a person: not replaced", dag_run.run_id)
         return
-    row = session.scalars(select(XComModel).where(
-        XComModel.dag_run_id == dag_run.id, XComModel.task_id == "report", XComModel.map_index == -1,
-        XComModel.key == "return_value")).first()
+    row = session.scalars(
+        select(XComModel).where(
+            XComModel.dag_run_id == dag_run.id,
+            XComModel.task_id == "report",
+            XComModel.map_index == -1,
+            XComModel.key == "return_value",
+        )
+    ).first()
     # airflow.sdk's TaskInstanceState, the public one: another str enum than the ORM's that get_task_instances names,
     # of the same values, which the query compares as strings.
-    failed = sorted({ti.task_id for ti in dag_run.get_task_instances(
-        state=[TaskInstanceState.FAILED], session=session)})  # type: ignore[list-item]
+    failed = sorted(
+        {ti.task_id for ti in dag_run.get_task_instances(state=[TaskInstanceState.FAILED], session=session)}
+    )  # type: ignore[list-item]
     if row is not None:
         dag_run.note = note_markdown(XComModel.deserialize_value(row), failed)
     else:

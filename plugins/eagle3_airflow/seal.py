@@ -33,9 +33,11 @@ MIN_KEY_CHARS = 32  # what `secrets.token_urlsafe(32)` makes has 43
 # to the metadata database (through the Execution API on a worker), which the OP role writes.
 KEY_SOURCES = ["airflow.secrets.environment_variables.EnvironmentVariablesBackend"]
 MAKE_A_KEY = "python3 -c 'import secrets; print(secrets.token_urlsafe(32))'"
-TRIGGER_AGAIN = ("Nothing was run on the box. Trigger a new run (or clear this run's `validate` task with its "
-                 "downstream tasks: validate plans the run again from its trigger parameters, which XCom edits "
-                 "cannot reach).")
+TRIGGER_AGAIN = (
+    "Nothing was run on the box. Trigger a new run (or clear this run's `validate` task with its "
+    "downstream tasks: validate plans the run again from its trigger parameters, which XCom edits "
+    "cannot reach)."
+)
 
 
 class Tampered(AirflowFailException):
@@ -123,11 +125,13 @@ def task_key() -> bytes:
             f"no key to seal run plans with: set the Airflow Variable {SECRET_VARIABLE} in the deployment, as "
             f"{KEY_ENV} in the Airflow workers' environment (docker-compose: in .env, then `docker-compose up -d`) "
             f"or in its secrets backend; make one with {MAKE_A_KEY}. A Variable stored in Airflow's database is not "
-            "read: the OP role may write those. Nothing was run on the box; trigger the run again once it is set.")
+            "read: the OP role may write those. Nothing was run on the box; trigger the run again once it is set."
+        )
     mask_secret(value, SECRET_VARIABLE)  # a log line that quotes it shows ***, as for any Variable read
     if len(value) < MIN_KEY_CHARS:
         raise NoSealingKey(
             f"the Airflow Variable {SECRET_VARIABLE} (the key run plans are sealed with; {KEY_ENV}, or the secrets "
             f"backend) has {len(value)} characters; a guessable key lets anyone seal an edited plan. Set one of at "
-            f"least {MIN_KEY_CHARS} random characters: {MAKE_A_KEY}. Nothing was run on the box.")
+            f"least {MIN_KEY_CHARS} random characters: {MAKE_A_KEY}. Nothing was run on the box."
+        )
     return value.encode()

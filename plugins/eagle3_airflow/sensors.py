@@ -81,12 +81,24 @@ async def gpus_idle(plan: RunPlan, run: RunOnBox, log: Log) -> bool:
             )
         ours = [p for p in report["processes"] if p.get("job")]
         for process in ours:
-            log.info("%s: pid %s %s (%s MiB) belongs to this run's job %s: not foreign", conn_id,
-                     process["pid"], process["name"], process["used_mib"], process["job"])
+            log.info(
+                "%s: pid %s %s (%s MiB) belongs to this run's job %s: not foreign",
+                conn_id,
+                process["pid"],
+                process["name"],
+                process["used_mib"],
+                process["job"],
+            )
         box_idle, problems = judge_gpus(report, plan.box.gpu_max_used_mib, [p["pid"] for p in ours])
         for gpu in report.get("gpus", []):
-            log.info("%s GPU %s %s: %s of %s MiB used", conn_id, gpu.get("index"), gpu.get("name"),
-                     gpu.get("memory_used_mib"), gpu.get("memory_total_mib"))
+            log.info(
+                "%s GPU %s %s: %s of %s MiB used",
+                conn_id,
+                gpu.get("index"),
+                gpu.get("name"),
+                gpu.get("memory_used_mib"),
+                gpu.get("memory_total_mib"),
+            )
         for problem in problems:
             log.warning("%s: %s", conn_id, problem)
         idle = idle and box_idle
@@ -103,8 +115,14 @@ async def _stop_services(plan: RunPlan, conn_id: str, run: RunOnBox, log: Log) -
         if result.returncode == 0:
             log.warning("%s: stopped service %s, which was running", conn_id, unit)
         else:
-            log.error("%s: could not stop service %s (exit %s): %s; the SSH user needs the right to stop it "
-                      "(root, or a polkit/sudo rule)", conn_id, unit, result.returncode, result.stderr.strip())
+            log.error(
+                "%s: could not stop service %s (exit %s): %s; the SSH user needs the right to stop it "
+                "(root, or a polkit/sudo rule)",
+                conn_id,
+                unit,
+                result.returncode,
+                result.stderr.strip(),
+            )
 
 
 async def disk_enough(plan: RunPlan, run: RunOnBox, log: Log) -> bool:
@@ -149,10 +167,16 @@ class _BoxSensor(BaseSensorOperator):
             return super().execute(context)
         if self.poke(context):  # the usual case: ready now, no deferral
             return None
-        self.log.info("not ready; waiting in the triggerer, checking every %s s for up to %s", self.poke_interval,
-                      timedelta(seconds=self.timeout))
-        self.defer(trigger=BoxCheckTrigger(check=self.check, plan=self.plan, poke_interval_s=self.poke_interval),
-                   method_name="execute_complete", timeout=timedelta(seconds=self.timeout))
+        self.log.info(
+            "not ready; waiting in the triggerer, checking every %s s for up to %s",
+            self.poke_interval,
+            timedelta(seconds=self.timeout),
+        )
+        self.defer(
+            trigger=BoxCheckTrigger(check=self.check, plan=self.plan, poke_interval_s=self.poke_interval),
+            method_name="execute_complete",
+            timeout=timedelta(seconds=self.timeout),
+        )
 
     def execute_complete(self, context: Context, event: dict[str, Any]) -> None:
         if event["status"] == "failed":
@@ -203,7 +227,10 @@ class BoxCheckTrigger(BaseTrigger):
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return "eagle3_airflow.sensors.BoxCheckTrigger", {
-            "check": self.check, "plan": self.plan, "poke_interval_s": self.poke_interval_s}
+            "check": self.check,
+            "plan": self.plan,
+            "poke_interval_s": self.poke_interval_s,
+        }
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         plan = RunPlan.from_trusted(self.plan)  # the plan the sensor verified before it deferred

@@ -29,8 +29,9 @@ log = logging.getLogger(__name__)
 REQUIRED_BOX_PACKAGES = ["torch", "transformers", "tokenizers", "safetensors", "numpy", "pydantic"]
 
 
-def validate_run(params: dict[str, Any], conf: dict[str, Any], known: set[str], dag_run: RunIds,
-                 deployment: Deployment | None = None) -> dict[str, Any]:
+def validate_run(
+    params: dict[str, Any], conf: dict[str, Any], known: set[str], dag_run: RunIds, deployment: Deployment | None = None
+) -> dict[str, Any]:
     """Params -> {"plan": the sealed run plan}, the run config inside it. Bad input, or a run that reaches past what
     the deployment allows (another box, service, endpoint, workdir or box variable), fails the task at once (no
     retries): nothing has started. `deployment`: the settings as the DAG file parsed them (default: the built-in
@@ -47,8 +48,14 @@ def validate_run(params: dict[str, Any], conf: dict[str, Any], known: set[str], 
     except ParamsError as err:
         raise AirflowFailException(str(err)) from None
     plan = RunPlan.build(config, box, deployment, notes=form.get(NOTES) or "")
-    log.info("run %s in %s on %s, preset %s; %d extraction shard(s)", config.run_name, plan.run_dir,
-             ", ".join(box.conn_ids), form.get(PRESET) or DEFAULT_PRESET, config.extract.num_shards)
+    log.info(
+        "run %s in %s on %s, preset %s; %d extraction shard(s)",
+        config.run_name,
+        plan.run_dir,
+        ", ".join(box.conn_ids),
+        form.get(PRESET) or DEFAULT_PRESET,
+        config.extract.num_shards,
+    )
     return {"plan": plan.sealed(dag_run, task_key())}
 
 
@@ -79,10 +86,17 @@ def sync_code(plan_dict: dict[str, Any], dag_run: RunIds | None = None) -> dict[
                 f"box {conn_id}: this run's code there ({where}) speaks protocol {info.get('protocol')!r}, this "
                 f"worker's {PROTOCOL}: the run was validated with other code than this worker runs. Clear the run's "
                 "validate task with its downstream tasks (validate pins this worker's code; stages that finished stay "
-                "finished), or let workers of the run's own version finish it")
-        log.info("%s: code in %s; python %s; packages %s; cuda %s; gpus %s", conn_id, where,
-                 info["python"].split()[0], info["packages"], info.get("cuda"),
-                 [(g.get("name"), g.get("memory_total_mib")) for g in info.get("gpus", [])])
+                "finished), or let workers of the run's own version finish it"
+            )
+        log.info(
+            "%s: code in %s; python %s; packages %s; cuda %s; gpus %s",
+            conn_id,
+            where,
+            info["python"].split()[0],
+            info["packages"],
+            info.get("cuda"),
+            [(g.get("name"), g.get("memory_total_mib")) for g in info.get("gpus", [])],
+        )
         if info["missing"]:
             raise AirflowFailException(
                 f"box {conn_id}: {plan.box.python} lacks {', '.join(info['missing'])}; install requirements-box.txt "
@@ -97,9 +111,12 @@ def init_owner_args(plan: RunPlan, dag_run: RunIds) -> list[str]:
     (eagle3.jobs.runowner): from the task's own DAG run, never XCom; each one `--name=value` argument, so that no value
     (a run id is the API caller's choice) can read as an option."""
     user = getattr(dag_run, "triggering_user_name", None)
-    return [f"--airflow-dag-id={dag_run.dag_id}", f"--airflow-run-id={dag_run.run_id}",
-            *([f"--triggered-by={user}"] if user else []),
-            *([f"--redo-from={plan.redo_from}"] if plan.redo_from else [])]
+    return [
+        f"--airflow-dag-id={dag_run.dag_id}",
+        f"--airflow-run-id={dag_run.run_id}",
+        *([f"--triggered-by={user}"] if user else []),
+        *([f"--redo-from={plan.redo_from}"] if plan.redo_from else []),
+    ]
 
 
 def write_config(plan_dict: dict[str, Any], dag_run: RunIds | None = None) -> str:
@@ -109,8 +126,9 @@ def write_config(plan_dict: dict[str, Any], dag_run: RunIds | None = None) -> st
     plan = verified_plan(plan_dict, dag_run)
     assert dag_run is not None  # (verified_plan refuses a missing one)
     owner = init_owner_args(plan, dag_run)
-    result = plan.remote().run(plan.eagle3("init", "--config", "-", *owner),
-                               input=plan.config.model_dump_json().encode(), timeout=300)
+    result = plan.remote().run(
+        plan.eagle3("init", "--config", "-", *owner), input=plan.config.model_dump_json().encode(), timeout=300
+    )
     if result.returncode == Exit.REFUSED:  # a configuration the box refuses, or another run's directory
         raise AirflowFailException(result.stderr.strip().removeprefix("error: "))
     path = result.check("python -m eagle3 init").stdout.strip()
@@ -129,8 +147,13 @@ def inputs_changed(plan_dict: dict[str, Any], dag_run: RunIds | None = None) -> 
     if check["changed"]:
         log.info("inputs: new since the current drafter (%s); training", check.get("current") or "none yet")
         return True
-    log.info("nothing changed since run %s: its drafter %s is current (acceptance %s); skipping training, export "
-             "and evaluation", check["unchanged_since"], check["current_drafter"], check["current_accept_length"])
+    log.info(
+        "nothing changed since run %s: its drafter %s is current (acceptance %s); skipping training, export "
+        "and evaluation",
+        check["unchanged_since"],
+        check["current_drafter"],
+        check["current_accept_length"],
+    )
     return False
 
 
@@ -156,11 +179,24 @@ def prune_runs(plan_dict: dict[str, Any], dag_run: RunIds | None = None) -> dict
 
     plan = verified_plan(plan_dict, dag_run)
     if plan.keep_runs is None:
-        raise AirflowSkipException("keep_runs was not set in the settings this run was validated with: every run "
-                                   "directory is kept")
-    argv = plan.eagle3("runs", "prune", "--workdir", plan.config.workdir, "--keep", str(plan.keep_runs),
-                       f"--keep-proposals-h={plan.keep_proposals_h:g}")
+        raise AirflowSkipException(
+            "keep_runs was not set in the settings this run was validated with: every run directory is kept"
+        )
+    argv = plan.eagle3(
+        "runs",
+        "prune",
+        "--workdir",
+        plan.config.workdir,
+        "--keep",
+        str(plan.keep_runs),
+        f"--keep-proposals-h={plan.keep_proposals_h:g}",
+    )
     outcome: dict[str, Any] = plan.remote().run(argv, timeout=3600).json("python -m eagle3 runs prune")
-    log.info("retention: %d run directories, kept the newest %d; removed %s; kept beyond that: %s", outcome["runs"],
-             plan.keep_runs, outcome["removed"] or "none", outcome["kept_beyond_keep"] or "none")
+    log.info(
+        "retention: %d run directories, kept the newest %d; removed %s; kept beyond that: %s",
+        outcome["runs"],
+        plan.keep_runs,
+        outcome["removed"] or "none",
+        outcome["kept_beyond_keep"] or "none",
+    )
     return outcome

@@ -194,8 +194,10 @@ class SSHBox(Box):
                 if transport is None or not transport.is_active():
                     raise BoxUnreachable(f"connection to box {self.conn_id!r} lost: {err}") from err
                 # the connection is up and the subsystem request was refused: sshd has no `Subsystem sftp`
-                raise RemoteCommandError(f"box {self.conn_id!r} offers no SFTP ({err}): the report files come by the "
-                                         "SSH connection's SFTP; enable sshd's `Subsystem sftp` on the box") from None
+                raise RemoteCommandError(
+                    f"box {self.conn_id!r} offers no SFTP ({err}): the report files come by the "
+                    "SSH connection's SFTP; enable sshd's `Subsystem sftp` on the box"
+                ) from None
             except (OSError, EOFError) as err:
                 raise BoxUnreachable(f"connection to box {self.conn_id!r} lost: {err}") from err
             with sftp:
@@ -243,8 +245,10 @@ class SSHBox(Box):
             # Every async command (job polls, box checks) is safe to repeat, so a killed one counts as the box's
             # outage and is retried within the grace period, on a new connection.
             await self.aclose()
-            raise BoxUnreachable(f"a command on box {self.conn_id!r} was killed by {result.exit_signal[0]} "
-                                 f"while running {argv[:3]} (sshd stopped under it?)")
+            raise BoxUnreachable(
+                f"a command on box {self.conn_id!r} was killed by {result.exit_signal[0]} "
+                f"while running {argv[:3]} (sshd stopped under it?)"
+            )
         return CommandResult(argv, result.exit_status, _text(result.stdout), _text(result.stderr))
 
     async def aclose(self) -> None:

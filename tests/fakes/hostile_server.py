@@ -17,8 +17,10 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 Answer = Callable[[BaseHTTPRequestHandler], None]
-GOOD = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "A fine answer."},
-                     "finish_reason": "stop"}], "usage": {"completion_tokens": 4}}
+GOOD = {
+    "choices": [{"index": 0, "message": {"role": "assistant", "content": "A fine answer."}, "finish_reason": "stop"}],
+    "usage": {"completion_tokens": 4},
+}
 
 
 def body(content: bytes | dict | list, status: int = 200, headers: dict | None = None) -> Answer:
@@ -39,6 +41,7 @@ def body(content: bytes | dict | list, status: int = 200, headers: dict | None =
 def trickle(every_s: float, for_at_most_s: float = 30.0) -> Answer:
     """Headers at once, promising a megabyte, then one byte every `every_s`: each read comes in well within any
     read timeout, so only a deadline on the whole request ends it."""
+
     def answer(handler) -> None:
         handler.send_response(200)
         handler.send_header("Content-Type", "application/json")
@@ -87,9 +90,15 @@ def redirect(location: str) -> Answer:
 def echo_headers(status: int = 400) -> Answer:
     """An error whose body repeats the request's headers, as some proxies' error pages do (the credentials
     first, where even a short excerpt of the page would show them)."""
+
     def answer(handler) -> None:
-        body({"error": f"rejected Authorization: {handler.headers.get('Authorization')}; all you sent: "
-                       f"{dict(handler.headers)}"}, status=status)(handler)
+        body(
+            {
+                "error": f"rejected Authorization: {handler.headers.get('Authorization')}; all you sent: "
+                f"{dict(handler.headers)}"
+            },
+            status=status,
+        )(handler)
 
     return answer
 

@@ -80,12 +80,18 @@ class FakeSglangEngine:
             assert config.architectures[0] in DEEPSEEK_FAMILY, "this stand-in reads ids the DeepSeek way only"
             self.input_of_layers = [i + 1 for i in ids] if ids[0] == 1 else list(ids)
             if max(self.input_of_layers) >= config.num_hidden_layers:
-                raise ValueError("The model captured 2 aux hidden states, but --return-aux-hidden-state-layer-ids "
-                                 "names 3 layers. A layer this model cannot capture, usually its last layer, ...")
+                raise ValueError(
+                    "The model captured 2 aux hidden states, but --return-aux-hidden-state-layer-ids "
+                    "names 3 layers. A layer this model cannot capture, usually its last layer, ..."
+                )
         selected = os.environ.get("SGLANG_PLUGINS", "").split(",")
         self.plugin_sink = None  # what the scheduler processes would read from the environment at start
-        if (self.mode == "aux" and sglang_plugin.PLUGIN_NAME in selected and os.environ.get(sglang_plugin.SINK_ENV)
-                and not os.environ.get("FAKE_SGLANG_PLUGIN_SILENT")):
+        if (
+            self.mode == "aux"
+            and sglang_plugin.PLUGIN_NAME in selected
+            and os.environ.get(sglang_plugin.SINK_ENV)
+            and not os.environ.get("FAKE_SGLANG_PLUGIN_SILENT")
+        ):
             assert kwargs.get("disable_overlap_schedule") is True, "overlap's CPU copy leaves the final states out"
             self.plugin_sink = Path(os.environ[sglang_plugin.SINK_ENV])
         dtype = getattr(torch, kwargs.get("dtype", "float32"))
@@ -120,8 +126,9 @@ class FakeSglangEngine:
         for row, n in enumerate(lengths):
             meta = {"prompt_tokens": n, "completion_tokens": 1}
             if return_hidden_states and self.plugin_sink is not None:
-                sglang_plugin.write_request_states(self.plugin_sink, rid[row], states[row, :n],
-                                                   out.last_hidden_state[row, :n])
+                sglang_plugin.write_request_states(
+                    self.plugin_sink, rid[row], states[row, :n], out.last_hidden_state[row, :n]
+                )
                 meta["hidden_states"] = []  # the list path left empty
             elif return_hidden_states:
                 meta["hidden_states"] = [states[row, :n].tolist()]

@@ -48,17 +48,24 @@ def parse_args(argv=None):
     p.add_argument("--speculative-eagle-topk", type=int, default=1)
     p.add_argument("--speculative-num-draft-tokens", type=int, default=4)
     g = p.add_argument_group("stand-in", "misbehaviour on purpose")
-    g.add_argument("--faults", default="",
-                   help="comma list consumed one per chat request, in order: ok, 500, 429, drop (close the "
-                        "connection without an answer), slow (sleep --slow-s first), empty (an empty message)")
+    g.add_argument(
+        "--faults",
+        default="",
+        help="comma list consumed one per chat request, in order: ok, 500, 429, drop (close the "
+        "connection without an answer), slow (sleep --slow-s first), empty (an empty message)",
+    )
     g.add_argument("--always", default="", help="every chat request fails this way (500, 429, drop)")
     g.add_argument("--slow-s", type=float, default=5.0)
     g.add_argument("--reasoning", default="", help="return this as every answer's reasoning_content")
     g.add_argument("--startup-delay-s", type=float, default=0.0, help="serve /health only after this long")
     g.add_argument("--exit-at-start", type=int, default=None, help="exit with this code instead of serving")
     g.add_argument("--record", default=None, help="append each chat request's messages to this JSONL file")
-    g.add_argument("--tool-call", default="", help="answer a request that offers tools, and whose last message is "
-                   "no tool result, with a call of this function (as a tool-calling model would)")
+    g.add_argument(
+        "--tool-call",
+        default="",
+        help="answer a request that offers tools, and whose last message is "
+        "no tool result, with a call of this function (as a tool-calling model would)",
+    )
     args, _ = p.parse_known_args(argv)  # SGLang flags it does not model (tp size, dtype, ...) are accepted
     return args
 
@@ -88,12 +95,18 @@ class Model:
         from eagle3.target import resolve_target_facts
 
         drafter, d2t = load_exported_drafter(args.speculative_draft_model_path, args.model_path)
-        cfg = resolve_target_facts(parse_run_config({
-            "run_name": "stand-in", "workdir": "/nonexistent", "data": {"path": "/nonexistent"},
-            "target": {"model_path": args.model_path, "dtype": "float32"},
-            "extract": {"aux_layers": list(drafter.cfg.aux_layer_ids), "device": "cpu"},
-            "vocab": {"draft_vocab_size": drafter.cfg.draft_vocab_size},
-        }))
+        cfg = resolve_target_facts(
+            parse_run_config(
+                {
+                    "run_name": "stand-in",
+                    "workdir": "/nonexistent",
+                    "data": {"path": "/nonexistent"},
+                    "target": {"model_path": args.model_path, "dtype": "float32"},
+                    "extract": {"aux_layers": list(drafter.cfg.aux_layer_ids), "device": "cpu"},
+                    "vocab": {"draft_vocab_size": drafter.cfg.draft_vocab_size},
+                }
+            )
+        )
         return HfCapture(cfg), drafter, d2t, args.speculative_num_steps
 
     def chat(self, messages: list[dict], max_tokens: int) -> tuple[str, int, int, str]:
@@ -112,9 +125,14 @@ class Model:
                 target, drafter, d2t, k = self.speculative
                 new, accepted = speculative_greedy(target, drafter, d2t, ids, k, max_new, self.eos)
                 return new, accepted
-            out = self.model.generate(self.torch.tensor([ids]), max_new_tokens=max_new, do_sample=False,
-                                      eos_token_id=list(self.eos), pad_token_id=next(iter(self.eos)))
-            return out[0, len(ids):].tolist(), None
+            out = self.model.generate(
+                self.torch.tensor([ids]),
+                max_new_tokens=max_new,
+                do_sample=False,
+                eos_token_id=list(self.eos),
+                pad_token_id=next(iter(self.eos)),
+            )
+            return out[0, len(ids) :].tolist(), None
 
 
 class Misbehaviour:
@@ -142,8 +160,9 @@ class Misbehaviour:
             fault = args.always or next(self.faults, "ok")
             if args.record:
                 with open(args.record, "a") as f:
-                    f.write(json.dumps({"messages": body["messages"], "tools": body.get("tools"),
-                                        "fault": fault}) + "\n")
+                    f.write(
+                        json.dumps({"messages": body["messages"], "tools": body.get("tools"), "fault": fault}) + "\n"
+                    )
             return fault, args
 
     def end_request(self) -> None:
@@ -216,33 +235,59 @@ def serve(args) -> None:
                 return
             if fault == "slow":
                 time.sleep(options.slow_s)
-            content, prompt_tokens, completion_tokens, finish = state["model"].chat(body["messages"],
-                                                                                   body.get("max_tokens", 256))
+            content, prompt_tokens, completion_tokens, finish = state["model"].chat(
+                body["messages"], body.get("max_tokens", 256)
+            )
             message = {"role": "assistant", "content": "" if fault == "empty" else content}
             if options.tool_call and body.get("tools") and body["messages"][-1]["role"] != "tool":
-                message = {"role": "assistant", "content": "", "tool_calls": [{
-                    "id": f"call_{next(counter)}", "type": "function",
-                    "function": {"name": options.tool_call, "arguments": "{}"}}]}
+                message = {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [
+                        {
+                            "id": f"call_{next(counter)}",
+                            "type": "function",
+                            "function": {"name": options.tool_call, "arguments": "{}"},
+                        }
+                    ],
+                }
             if options.reasoning:
                 message["reasoning_content"] = options.reasoning
-            self.reply(200, {
-                "id": f"chatcmpl-{next(counter)}", "object": "chat.completion", "model": body.get("model"),
-                "choices": [{"index": 0, "message": message, "finish_reason": finish}],
-                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                          "total_tokens": prompt_tokens + completion_tokens},
-            })
+            self.reply(
+                200,
+                {
+                    "id": f"chatcmpl-{next(counter)}",
+                    "object": "chat.completion",
+                    "model": body.get("model"),
+                    "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+                    "usage": {
+                        "prompt_tokens": prompt_tokens,
+                        "completion_tokens": completion_tokens,
+                        "total_tokens": prompt_tokens + completion_tokens,
+                    },
+                },
+            )
 
         def native_generate(self, body: dict) -> None:
             t0 = time.monotonic()
             params = body.get("sampling_params", {})
             new, accepted = state["model"].generate(body["input_ids"], params.get("max_new_tokens", 128))
-            meta = {"prompt_tokens": len(body["input_ids"]), "completion_tokens": len(new),
-                    "e2e_latency": time.monotonic() - t0}
+            meta = {
+                "prompt_tokens": len(body["input_ids"]),
+                "completion_tokens": len(new),
+                "e2e_latency": time.monotonic() - t0,
+            }
             if accepted is not None:
                 meta["spec_verify_ct"] = max(len(accepted), 1)
                 meta["spec_num_correct_drafts"] = sum(accepted)
-            self.reply(200, {"text": state["model"].tokenizer.decode(new, skip_special_tokens=True),
-                             "output_ids": new, "meta_info": meta})
+            self.reply(
+                200,
+                {
+                    "text": state["model"].tokenizer.decode(new, skip_special_tokens=True),
+                    "output_ids": new,
+                    "meta_info": meta,
+                },
+            )
 
     counter = itertools.count()
     server = ThreadingHTTPServer((args.host, args.port), Handler)

@@ -57,9 +57,11 @@ def test_a_full_disk_is_a_clear_error_keeps_nothing_partial_and_the_rerun_comple
     grow("64m")  # space freed; the task is cleared
     run_eagle3("extract", "--config", str(cfg.config_path))
     after = verify(cfg.store_dir)["samples"]
-    print(f"\ndrill 4 (disk full): exit code {proc.returncode}: {message}\n  partial chunks left: {partial}; "
-          f"samples stored at the full disk {stored}, after space was freed and the stage rerun {after} "
-          f"(of {verify(reference.store_dir)['samples']})")
+    print(
+        f"\ndrill 4 (disk full): exit code {proc.returncode}: {message}\n  partial chunks left: {partial}; "
+        f"samples stored at the full disk {stored}, after space was freed and the stage rerun {after} "
+        f"(of {verify(reference.store_dir)['samples']})"
+    )
     assert "no space left on the device" in message and str(shard) in message
     assert "MiB free of 3.00 MiB" in message and "run the stage again" in message
     assert not partial, "a partial chunk was left behind"

@@ -51,12 +51,12 @@ def started_at(state: dict) -> float:
 
 class ExtractKiller(threading.Thread):
     """SIGKILLs the running extract job, once per try, in four kinds taken in turn:
-      what:  the stage process alone (child_pid: the supervisor records the signal, the task fails), or the job's
-             whole process group (supervisor too: nobody records anything, the job is dead);
-      when:  0-0.3 s after the try has stored a chunk of its own (mid-batch, mid-write: where resume can go
-             wrong), or at a random moment 0.3-2.5 s into the try (imports, tokenizing, model load: a kill before
-             any progress must cost nothing but time). A try stores its first chunk about 3 s in on 2 cores, so
-             both kinds land however fast the extraction itself is."""
+    what:  the stage process alone (child_pid: the supervisor records the signal, the task fails), or the job's
+           whole process group (supervisor too: nobody records anything, the job is dead);
+    when:  0-0.3 s after the try has stored a chunk of its own (mid-batch, mid-write: where resume can go
+           wrong), or at a random moment 0.3-2.5 s into the try (imports, tokenizing, model load: a kill before
+           any progress must cost nothing but time). A try stores its first chunk about 3 s in on 2 cores, so
+           both kinds land however fast the extraction itself is."""
 
     def __init__(self, run_dir: Path, seed: int):
         super().__init__(daemon=True)
@@ -119,14 +119,22 @@ class ExtractKiller(threading.Thread):
             os.killpg(target, signal.SIGKILL)
         else:
             process.kill()
-        self.kills.append({"shard": shard, "try": state["try"], "killed": "job group" if whole_group else "stage",
-                           "when": "after a fresh chunk" if after_chunk else "at random", "pid": target,
-                           "chunks_new_this_try": chunk_count(store, shard) - before,
-                           "seconds_into_try": round(time.time() - started_at(state), 1)})
+        self.kills.append(
+            {
+                "shard": shard,
+                "try": state["try"],
+                "killed": "job group" if whole_group else "stage",
+                "when": "after a fresh chunk" if after_chunk else "at random",
+                "pid": target,
+                "chunks_new_this_try": chunk_count(store, shard) - before,
+                "seconds_into_try": round(time.time() - started_at(state), 1),
+            }
+        )
 
 
-def test_extract_killed_10_times_in_a_dag_run_loses_nothing_and_duplicates_nothing(tiny_target, airflow_home,
-                                                                                     make_config, tmp_path):
+def test_extract_killed_10_times_in_a_dag_run_loses_nothing_and_duplicates_nothing(
+    tiny_target, airflow_home, make_config, tmp_path
+):
     """10 SIGKILLs of the extract job (stage process or whole job; half of them right after the try stored a
     chunk of its own, half at a random moment early in the try) during one `airflow dags test` run with retries
     on: each kill fails the task, Airflow retries it, the job relaunches and resumes after the
@@ -137,21 +145,40 @@ def test_extract_killed_10_times_in_a_dag_run_loses_nothing_and_duplicates_nothi
     started = time.monotonic()
     # The reference: the same two shard commands the DAG's jobs run, uninterrupted, in the background while
     # Airflow starts up.
-    reference = make_config(run_name="uninterrupted", data={"max_samples": SAMPLES},
-                            extract={"batch_tokens": 512, "num_shards": SHARDS, "state_dtype": STATE_DTYPE})
+    reference = make_config(
+        run_name="uninterrupted",
+        data={"max_samples": SAMPLES},
+        extract={"batch_tokens": 512, "num_shards": SHARDS, "state_dtype": STATE_DTYPE},
+    )
     write_run_config(reference)
     reference_jobs = [
-        subprocess.Popen([sys.executable, "-m", "eagle3", "extract", "--config", str(reference.config_path),
-                          "--shard", str(shard), "--num-shards", str(SHARDS)],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "eagle3",
+                "extract",
+                "--config",
+                str(reference.config_path),
+                "--shard",
+                str(shard),
+                "--num-shards",
+                str(SHARDS),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
         for shard in range(SHARDS)
     ]
 
-    conf, env = tiny_run(tiny_target, tmp_path / "box", "killed", settings_dir=tmp_path,
-                         settings={"retry_delay_s": 1, "retry_exponential_backoff": False,
-                                   "retries": MAX_KILLS_PER_SHARD + 2},
-                         **{"data.max_samples": SAMPLES, "extract.batch_tokens": 512,
-                            "extract.state_dtype": STATE_DTYPE})
+    conf, env = tiny_run(
+        tiny_target,
+        tmp_path / "box",
+        "killed",
+        settings_dir=tmp_path,
+        settings={"retry_delay_s": 1, "retry_exponential_backoff": False, "retries": MAX_KILLS_PER_SHARD + 2},
+        **{"data.max_samples": SAMPLES, "extract.batch_tokens": 512, "extract.state_dtype": STATE_DTYPE},
+    )
     run_dir = tmp_path / "box" / "runs" / "killed"
     killer = ExtractKiller(run_dir, seed=20261129)
     killer.start()
@@ -178,8 +205,10 @@ def test_extract_killed_10_times_in_a_dag_run_loses_nothing_and_duplicates_nothi
     print(f"\ndrill 1 (extract kill -9 in a DAG run): {len(killer.kills)} kills")
     for kill in killer.kills:
         print(f"  kill: {kill}")
-    print(f"  samples: {len(wanted)} expected, {stats['samples']} stored ({stats['chunks']} {stats['state_dtype']} "
-          f"chunks), lost {lost}, duplicated {duplicated}; tries per shard {tries}")
+    print(
+        f"  samples: {len(wanted)} expected, {stats['samples']} stored ({stats['chunks']} {stats['state_dtype']} "
+        f"chunks), lost {lost}, duplicated {duplicated}; tries per shard {tries}"
+    )
     print(f"  store digest {got[:16]}..., uninterrupted {expected[:16]}...; DAG run {dag_seconds:.0f} s")
 
     assert len(killer.kills) == KILLS, f"only {len(killer.kills)} kills landed: {killer.kills}"

@@ -20,8 +20,10 @@ def test_gpus_busy_with_a_foreign_process_is_named_until_it_is_gone(plan, gpus, 
     gpus([{**H200, "memory.used": 3}])  # someone killed it
     idle, log = poke(GpuIdleSensor, plan, capsys)
     named = [line.strip() for _, text in pokes for line in text.splitlines() if "4242" in line]
-    print(f"\ndrill 5 (foreign GPU process): pokes while busy -> {[p[0] for p in pokes]}, naming it: {named}; "
-          f"after it is gone -> {idle}")
+    print(
+        f"\ndrill 5 (foreign GPU process): pokes while busy -> {[p[0] for p in pokes]}, naming it: {named}; "
+        f"after it is gone -> {idle}"
+    )
     for busy, text in pokes:
         assert not busy
         assert "pid 4242 python3 -m vllm.entrypoints.openai.api_server (70000 MiB)" in text

@@ -62,9 +62,13 @@ def test_worker_kill_then_box_reboot_mid_train(tiny_target, airflow_home, baseli
     box_tmp = tmp_path / "box-tmp"
     box_tmp.mkdir()
     python = str(box_python(tmp_path, box_tmp))
-    conf, settings = tiny_run(tiny_target, workdir, settings_dir=tmp_path, **{"box.python": python},
-                              settings={"retry_delay_s": 1, "retries": 2, "allowed_boxes": ["local", "gpu_box"],
-                                        "allowed_pythons": [python]})  # the dagruns settings, the drill's python
+    conf, settings = tiny_run(
+        tiny_target,
+        workdir,
+        settings_dir=tmp_path,
+        **{"box.python": python},
+        settings={"retry_delay_s": 1, "retries": 2, "allowed_boxes": ["local", "gpu_box"], "allowed_pythons": [python]},
+    )  # the dagruns settings, the drill's python
     train_state = run_dir / "jobs" / "train" / "state.json"
     boot_id = tmp_path / "boot_id"
     boot_id.write_text("boot-before-the-crash\n")
@@ -72,10 +76,12 @@ def test_worker_kill_then_box_reboot_mid_train(tiny_target, airflow_home, baseli
     logical_date = "2026-03-01T00:00:00+00:00"
     first_log, second_log = tmp_path / "first-run.log", tmp_path / "second-run.log"
     started = time.monotonic()
-    first = start_dag_run(airflow_home, conf, first_log, logical_date=logical_date, env=env,
-                          mark_success=f"{BOX_CHECKS}|{LATER_STAGES}")
+    first = start_dag_run(
+        airflow_home, conf, first_log, logical_date=logical_date, env=env, mark_success=f"{BOX_CHECKS}|{LATER_STAGES}"
+    )
     second = None
     try:
+
         def first_checkpoint() -> bool:
             assert first.poll() is None, "the DAG run ended before training wrote a checkpoint"
             return train_state.exists() and bool(list((run_dir / "train" / "checkpoints").glob("step-*")))
@@ -87,21 +93,32 @@ def test_worker_kill_then_box_reboot_mid_train(tiny_target, airflow_home, baseli
         assert state["status"] == "running", "training finished before the worker could be killed"
         os.killpg(state["pgid"], signal.SIGSTOP)  # the job lives on, frozen until the new attempt has attached
         frozen_at = time.monotonic()
-        second = start_dag_run(airflow_home, conf, second_log, logical_date=logical_date, env=env,
-                               mark_success=f"{BOX_CHECKS}|{LATER_STAGES}")
+        second = start_dag_run(
+            airflow_home,
+            conf,
+            second_log,
+            logical_date=logical_date,
+            env=env,
+            mark_success=f"{BOX_CHECKS}|{LATER_STAGES}",
+        )
 
         def attach_line() -> str | None:
             assert second.poll() is None, "the second DAG run ended early:\n" + second_log.read_text()[-6000:]
-            found = re.search(r"(attached to|started) train job train on local: try (\d+), pid (\d+)",
-                              second_log.read_text(errors="replace"))
+            found = re.search(
+                r"(attached to|started) train job train on local: try (\d+), pid (\d+)",
+                second_log.read_text(errors="replace"),
+            )
             return found
 
         wait_for(attach_line, 600, "the new attempt to reach the train job")
         attached = attach_line()
         frozen_s = time.monotonic() - frozen_at
         # The new attempt is deferred once its trigger streams the job's log (from the start) into the task log.
-        wait_for(lambda: "[train] ==== eagle3 job train try 1" in second_log.read_text(errors="replace"), 120,
-                 "the new attempt's trigger to poll the job")
+        wait_for(
+            lambda: "[train] ==== eagle3 job train try 1" in second_log.read_text(errors="replace"),
+            120,
+            "the new attempt's trigger to poll the job",
+        )
         # 2. the VM goes down: every process of the job (frozen or not, SIGKILL ends it), no cleanup ...
         pids = group_members(state["pgid"])
         os.killpg(state["pgid"], signal.SIGKILL)
@@ -122,13 +139,17 @@ def test_worker_kill_then_box_reboot_mid_train(tiny_target, airflow_home, baseli
     after = job_state(run_dir, "train")
     resumed = (run_dir / "jobs" / "train" / "log").read_text().split("try 2 started")[1]
     resumed_at = re.search(r"train: resumed from \S+ \(step (\d+)/(\d+)\)", resumed)
-    print(f"\nworker-kill drill: train job pid {state['pid']} (try {state['try']}) when the Airflow side was killed; "
-          f"the new attempt: {attached.group(0)!r}, after the job had waited {frozen_s:.0f} s frozen")
-    print(f"drill 2 (reboot mid-train): killed the job's pids {pids}; wiped the box's /tmp ({len(wiped)} entries: "
-          f"{wiped[:4]}) and code dirs {[c.name for c in code_dirs]}; boot id now {after['boot_id']!r}; train try "
-          f"{after['try']} pid {after['pid']} {resumed_at.group(0) if resumed_at else 'did not resume'}; the retry "
-          f"finished {time.monotonic() - crashed_at:.0f} s after the crash; both DAG runs "
-          f"{time.monotonic() - started:.0f} s")
+    print(
+        f"\nworker-kill drill: train job pid {state['pid']} (try {state['try']}) when the Airflow side was killed; "
+        f"the new attempt: {attached.group(0)!r}, after the job had waited {frozen_s:.0f} s frozen"
+    )
+    print(
+        f"drill 2 (reboot mid-train): killed the job's pids {pids}; wiped the box's /tmp ({len(wiped)} entries: "
+        f"{wiped[:4]}) and code dirs {[c.name for c in code_dirs]}; boot id now {after['boot_id']!r}; train try "
+        f"{after['try']} pid {after['pid']} {resumed_at.group(0) if resumed_at else 'did not resume'}; the retry "
+        f"finished {time.monotonic() - crashed_at:.0f} s after the crash; both DAG runs "
+        f"{time.monotonic() - started:.0f} s"
+    )
     assert (attached.group(1), int(attached.group(2)), int(attached.group(3))) == ("attached to", 1, state["pid"])
     assert (after["status"], after["try"], after["boot_id"]) == ("succeeded", 2, "boot-after-the-crash")
     assert after["pid"] != state["pid"]

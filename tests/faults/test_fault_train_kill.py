@@ -71,10 +71,14 @@ def kill_at_steps(run_dir: Path, steps: list[int]) -> list[dict]:
     last rerun finish. Returns what each try did."""
     tries = []
     for kill_step in [*steps, None]:
-        proc = subprocess.Popen(train_command(run_dir), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                start_new_session=True)
-        resumed_from = sorted(p.name for p in (run_dir / "train" / "checkpoints").glob("step-*"))[-1:] \
-            if (run_dir / "train" / "checkpoints").exists() else []
+        proc = subprocess.Popen(
+            train_command(run_dir), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+        )
+        resumed_from = (
+            sorted(p.name for p in (run_dir / "train" / "checkpoints").glob("step-*"))[-1:]
+            if (run_dir / "train" / "checkpoints").exists()
+            else []
+        )
         if kill_step is None:
             _, err = proc.communicate(timeout=600)
             assert proc.returncode == 0, err.decode()[-3000:]
@@ -123,10 +127,15 @@ def test_kill_9_at_random_steps_and_rerun_gives_the_baselines_drafter_bit_for_bi
     rng = random.Random(20261129)
     steps = [rng.randint(5, 11), rng.randint(13, 22)]  # each after a checkpoint
     tries = kill_at_steps(run_dir, steps)
-    subprocess.run([sys.executable, "-m", "eagle3", "export", "--config", str(run_dir / "config.json")],
-                   check=True, capture_output=True)
-    print(f"\ndrill 6 (train kill -9, 1 process): aimed at steps {steps}; tries {tries}; "
-          f"{time.monotonic() - started:.0f} s")
+    subprocess.run(
+        [sys.executable, "-m", "eagle3", "export", "--config", str(run_dir / "config.json")],
+        check=True,
+        capture_output=True,
+    )
+    print(
+        f"\ndrill 6 (train kill -9, 1 process): aimed at steps {steps}; tries {tries}; "
+        f"{time.monotonic() - started:.0f} s"
+    )
     assert_same_training(load_checkpoint(final_checkpoint(run_dir)), load_checkpoint(final_checkpoint(baseline_run)))
     assert sha256(run_dir / "drafter" / "model.safetensors") == sha256(baseline_run / "drafter" / "model.safetensors")
     assert_metrics_not_duplicated(run_dir)
@@ -148,8 +157,10 @@ def test_kill_9_of_torchrun_with_2_ranks_at_a_random_step_and_rerun_is_bit_ident
     victim = prepare(baseline_run, tmp_path / "victim", nproc_per_node=2, epochs=1)
     step = random.Random(2).randint(5, 10)
     tries = kill_at_steps(victim, [step])
-    print(f"\ndrill 6 (train kill -9, torchrun 2 ranks): aimed at step {step}; tries {tries}; "
-          f"{time.monotonic() - started:.0f} s")
+    print(
+        f"\ndrill 6 (train kill -9, torchrun 2 ranks): aimed at step {step}; tries {tries}; "
+        f"{time.monotonic() - started:.0f} s"
+    )
     assert_same_training(load_checkpoint(final_checkpoint(victim)), expected)
     assert_metrics_not_duplicated(victim)
     assert tries[0]["killed_at_step"] >= step and tries[1]["resumed_from"]

@@ -8,5 +8,19 @@ import sys
 from sglang.srt.server_args import prepare_server_args
 
 args = prepare_server_args(json.load(sys.stdin))
-print(json.dumps({name: getattr(args, name) for name in (
-    "host", "port", "model_path", "trust_remote_code", "tp_size", "model_checksum", "reasoning_parser")}))
+print(
+    json.dumps(
+        {
+            name: getattr(args, name)
+            for name in (
+                "host",
+                "port",
+                "model_path",
+                "trust_remote_code",
+                "tp_size",
+                "model_checksum",
+                "reasoning_parser",
+            )
+        }
+    )
+)

@@ -51,8 +51,13 @@ def main(out: Path) -> None:
     # does not commit (store=False), the rows of all of them side by side as the logits processor leaves them.
     torch.manual_seed(0)
     hidden = 8
-    requests = [("a-0", 5, True, True), ("a-1", 1, True, True), ("no-states", 3, False, True),
-                ("a-3", 7, True, True), ("not-stored", 2, True, False)]
+    requests = [
+        ("a-0", 5, True, True),
+        ("a-1", 1, True, True),
+        ("no-states", 3, False, True),
+        ("a-3", 7, True, True),
+        ("not-stored", 2, True, False),
+    ]
     rows = sum(n for _, n, _, _ in requests)
     aux = torch.randn(rows, 3 * hidden).to(torch.bfloat16)
     last = torch.randn(rows, hidden).to(torch.bfloat16)
@@ -65,11 +70,20 @@ def main(out: Path) -> None:
         with get_parallel().override(tp_rank=tp_rank):
             offset = 0
             for rid, n, wants_states, store in requests:
-                req = Req(f"{prefix}{rid}", "", list(range(n)), SamplingParams(max_new_tokens=1),
-                          return_hidden_states=wants_states)
+                req = Req(
+                    f"{prefix}{rid}",
+                    "",
+                    list(range(n)),
+                    SamplingParams(max_new_tokens=1),
+                    return_hidden_states=wants_states,
+                )
                 offset = processor._append_prefill_hidden_states(
-                    req=req, logits_output=output, hidden_state_offset=offset, capture_hidden_mode=mode,
-                    extend_input_len=n, store=store,
+                    req=req,
+                    logits_output=output,
+                    hidden_state_offset=offset,
+                    capture_hidden_mode=mode,
+                    extend_input_len=n,
+                    store=store,
                 )
                 offsets.append(offset)
                 lists[req.rid] = len(req.hidden_states)

@@ -11,6 +11,7 @@ read = []
 for body in json.load(sys.stdin):
     params = SamplingParams(**body["sampling_params"])
     params.verify(vocab_size=1000)
-    read.append({name: getattr(params, name) for name in (
-        "temperature", "top_p", "top_k", "sampling_seed", "max_new_tokens")})
+    read.append(
+        {name: getattr(params, name) for name in ("temperature", "top_p", "top_k", "sampling_seed", "max_new_tokens")}
+    )
 print(json.dumps(read))

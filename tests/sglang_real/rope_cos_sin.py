@@ -29,8 +29,15 @@ for directory in request["configs"]:
         theta, scaling = rope_parameters.get("rope_theta", 10000), dict(rope_parameters)
     else:
         theta, scaling = getattr(config, "rope_theta", 10000), getattr(config, "rope_scaling", None)
-    rope = get_rope(config.head_dim, rotary_dim=config.head_dim, max_position=config.max_position_embeddings,
-                    base=theta, rope_scaling=scaling, is_neox_style=True, dtype=torch.float32)
+    rope = get_rope(
+        config.head_dim,
+        rotary_dim=config.head_dim,
+        max_position=config.max_position_embeddings,
+        base=theta,
+        rope_scaling=scaling,
+        is_neox_style=True,
+        dtype=torch.float32,
+    )
     cos, sin = rope.cos_sin_cache[positions].float().chunk(2, dim=-1)
     out.append({"type": type(rope).__name__, "cos": cos.tolist(), "sin": sin.tolist()})
 print(json.dumps(out))

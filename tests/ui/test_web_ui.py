@@ -58,18 +58,36 @@ def settings_for(data: Path, tiny_target: Path, workdir: Path, public_sets: dict
     `data` holds all the conversations the runs use (no max_samples: a run reads all, so the set can grow), and
     runs warm-start from the lineage's promoted drafter once there is one. `public_sets`: evaluate.benchmarks, each
     read from the local file named (set -> path)."""
-    public = {"evaluate.benchmarks": list(public_sets), "evaluate.benchmark_files": public_sets,
-              "evaluate.benchmark_max_new_tokens": 8} if public_sets else {}
-    conf, layers = tiny_layers(tiny_target, workdir, run_name="", **public, **{
-        "data.path": str(data), "data.max_samples": None, "extract.num_shards": 1,
-        "train.val_fraction": 0.2, "train.init_from": "current",  # 30 samples: 6 held out
-        "train.epochs": 1,  # what the form test leaves (it enters 0, the form puts the minimum back), so the asset-
-        # started runs, which take these defaults, have run 1's settings: their inputs differ only in the data
-        "evaluate.num_prompts": 1, "evaluate.max_new_tokens": 8,
-        # Run 1, the lineage's first drafter, is proposed for promotion whatever it measures; run 3 never is (its
-        # figures against run 1's vary with the machine the tiny target was built on, so the test fixes the outcome).
-        "evaluate.promote_margin": 100,
-    })
+    public = (
+        {
+            "evaluate.benchmarks": list(public_sets),
+            "evaluate.benchmark_files": public_sets,
+            "evaluate.benchmark_max_new_tokens": 8,
+        }
+        if public_sets
+        else {}
+    )
+    conf, layers = tiny_layers(
+        tiny_target,
+        workdir,
+        run_name="",
+        **public,
+        **{
+            "data.path": str(data),
+            "data.max_samples": None,
+            "extract.num_shards": 1,
+            "train.val_fraction": 0.2,
+            "train.init_from": "current",  # 30 samples: 6 held out
+            "train.epochs": 1,  # what the form test leaves (it enters 0, the form puts the minimum back), so the asset-
+            # started runs, which take these defaults, have run 1's settings: their inputs differ only in the data
+            "evaluate.num_prompts": 1,
+            "evaluate.max_new_tokens": 8,
+            # Run 1, the lineage's first drafter, is proposed for promotion whatever it measures; run 3 never is (its
+            # figures against run 1's vary with the machine the tiny target was built on, so the test fixes the
+            # outcome).
+            "evaluate.promote_margin": 100,
+        },
+    )
     return {"params": conf, **layers}
 
 
@@ -84,8 +102,10 @@ def write_prompts(tiny_target: Path, path: Path, count: int) -> None:
 def chromium() -> Path:
     """The browser, checked before anything starts: a missing one fails the test, never skips it."""
     if not CHROMIUM.exists():
-        pytest.fail(f"{CHROMIUM} is missing: the web UI test drives Debian's chromium. Install it as .ci/run does "
-                    "(apt-get install -y --no-install-recommends chromium); CI runs .ci/run, which installs it.")
+        pytest.fail(
+            f"{CHROMIUM} is missing: the web UI test drives Debian's chromium. Install it as .ci/run does "
+            "(apt-get install -y --no-install-recommends chromium); CI runs .ci/run, which installs it."
+        )
     try:
         import playwright.sync_api  # noqa: F401
     except ImportError:
@@ -110,21 +130,35 @@ def standalone(chromium, artifacts, tiny_target, tmp_path):
     started at the end, pass or fail."""
     workdir = tmp_path / "box"
     write_prompts(tiny_target, tmp_path / "prompts.jsonl", CONVERSATIONS)
-    public_sets = {"gsm8k": write_jsonl(tmp_path / "gsm8k.jsonl", GSM8K),
-                   "mtbench": write_jsonl(tmp_path / "mtbench.jsonl", MTBENCH)}
+    public_sets = {
+        "gsm8k": write_jsonl(tmp_path / "gsm8k.jsonl", GSM8K),
+        "mtbench": write_jsonl(tmp_path / "mtbench.jsonl", MTBENCH),
+    }
     settings = tmp_path / "dag-settings.json"
-    settings.write_text(json.dumps({**settings_for(tmp_path / "prompts.jsonl", tiny_target, workdir, public_sets),
-                                    "schedule_assets": [PROMPTS_ASSET], "approve_promotion": True,
-                                    "approvers": [REVIEWER], "retry_delay_s": 1,
-                                    # every clear is inside its run's lateness deadline (Airflow 3.3's own queued-at
-                                    # one answered it HTTP 500: apache/airflow#70368)
-                                    "notify": {"late_after_h": 1}}))
+    settings.write_text(
+        json.dumps(
+            {
+                **settings_for(tmp_path / "prompts.jsonl", tiny_target, workdir, public_sets),
+                "schedule_assets": [PROMPTS_ASSET],
+                "approve_promotion": True,
+                "approvers": [REVIEWER],
+                "retry_delay_s": 1,
+                # every clear is inside its run's lateness deadline (Airflow 3.3's own queued-at
+                # one answered it HTTP 500: apache/airflow#70368)
+                "notify": {"late_after_h": 1},
+            }
+        )
+    )
     with airflow_standalone(
-            tmp_path, artifacts / "standalone.log", [DAG_ID, PROMOTION_DAG_ID], STARTUP_TIMEOUT_S,
-            # The admin triggers; the reviewer (role user), the settings' approver, approves: nobody approves a run
-            # of their own (eagle3_airflow/approvals.py).
-            AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS=f"admin:admin,{REVIEWER}:user",
-            EAGLE3_DAG_SETTINGS=str(settings)) as server:
+        tmp_path,
+        artifacts / "standalone.log",
+        [DAG_ID, PROMOTION_DAG_ID],
+        STARTUP_TIMEOUT_S,
+        # The admin triggers; the reviewer (role user), the settings' approver, approves: nobody approves a run
+        # of their own (eagle3_airflow/approvals.py).
+        AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS=f"admin:admin,{REVIEWER}:user",
+        EAGLE3_DAG_SETTINGS=str(settings),
+    ) as server:
         # The admin deploying turns the promotion DAG on (a DAG is paused when it first appears); the drafter DAG
         # the trigger form unpauses.
         server.api(f"/dags/{PROMOTION_DAG_ID}", {"is_paused": False}, method="PATCH")
@@ -159,8 +193,12 @@ def test_trigger_form_run_and_clear_in_a_real_browser(standalone, chromium, arti
         to nothing on about:blank); waiting away took the test's chromium time from 71 to 55 CPU-seconds. The
         page is then loaded afresh and read as a user would."""
         page.goto("about:blank")
-        standalone.wait_until(lambda: finished(standalone.api(f"/dags/{DAG_ID}/dagRuns/{run_id}")),
-                              what, time.monotonic() + RUN_TIMEOUT_S, every_s=RUN_POLL_S)
+        standalone.wait_until(
+            lambda: finished(standalone.api(f"/dags/{DAG_ID}/dagRuns/{run_id}")),
+            what,
+            time.monotonic() + RUN_TIMEOUT_S,
+            every_s=RUN_POLL_S,
+        )
 
     shots: list[Path] = []
     expect.set_options(timeout=60_000)  # a loaded 2-core machine: the UI's polls can lag by many seconds
@@ -261,8 +299,12 @@ def test_trigger_form_run_and_clear_in_a_real_browser(standalone, chromium, arti
             def promotion_runs() -> list[dict]:
                 return standalone.api(f"/dags/{PROMOTION_DAG_ID}/dagRuns")["dag_runs"]
 
-            standalone.wait_until(lambda: bool(promotion_runs()), "the proposal to start a promotion run",
-                                  time.monotonic() + 120, every_s=RUN_POLL_S)
+            standalone.wait_until(
+                lambda: bool(promotion_runs()),
+                "the proposal to start a promotion run",
+                time.monotonic() + 120,
+                every_s=RUN_POLL_S,
+            )
             (promotion_run,) = promotion_runs()
             promotion_run_id = promotion_run["dag_run_id"]
             assert promotion_run["run_type"] == "asset_triggered", promotion_run
@@ -281,32 +323,44 @@ def test_trigger_form_run_and_clear_in_a_real_browser(standalone, chromium, arti
             def approval_asked(answered_try: int) -> bool:
                 run = standalone.api(f"/dags/{PROMOTION_DAG_ID}/dagRuns/{promotion_run_id}")
                 asking = approval()
-                return run["state"] != "running" or (asking.get("state") == "awaiting_input"
-                                                     and asking["try_number"] > answered_try)
+                return run["state"] != "running" or (
+                    asking.get("state") == "awaiting_input" and asking["try_number"] > answered_try
+                )
 
             def asking_worker_gone(try_number: int) -> bool:
-                event = (f"Received executor event with state success for task instance TaskInstanceKey(dag_id="
-                         f"'{PROMOTION_DAG_ID}', task_id='{APPROVAL_TASK}', run_id='{promotion_run_id}', "
-                         f"try_number={try_number},")
+                event = (
+                    f"Received executor event with state success for task instance TaskInstanceKey(dag_id="
+                    f"'{PROMOTION_DAG_ID}', task_id='{APPROVAL_TASK}', run_id='{promotion_run_id}', "
+                    f"try_number={try_number},"
+                )
                 return event in standalone.log.read_text(errors="replace")
 
             answered_try = 0
             for _ in range(3):
-                standalone.wait_until(lambda answered=answered_try: approval_asked(answered),
-                                      "the promotion to await approval", time.monotonic() + RUN_TIMEOUT_S,
-                                      every_s=RUN_POLL_S)
+                standalone.wait_until(
+                    lambda answered=answered_try: approval_asked(answered),
+                    "the promotion to await approval",
+                    time.monotonic() + RUN_TIMEOUT_S,
+                    every_s=RUN_POLL_S,
+                )
                 asking = approval()
                 if asking["state"] != "awaiting_input":
                     break
-                standalone.wait_until(lambda number=asking["try_number"]: asking_worker_gone(number),
-                                      f"the scheduler to take the exit of {APPROVAL_TASK}'s try "
-                                      f"{asking['try_number']}, which asked", time.monotonic() + 120, every_s=1)
+                standalone.wait_until(
+                    lambda number=asking["try_number"]: asking_worker_gone(number),
+                    f"the scheduler to take the exit of {APPROVAL_TASK}'s try {asking['try_number']}, which asked",
+                    time.monotonic() + 120,
+                    every_s=1,
+                )
                 if answered_try:
-                    print(f"{APPROVAL_TASK} asked again (try {asking['try_number']}): Airflow's stale exit "
-                          f"event lost the answer to try {answered_try}")
+                    print(
+                        f"{APPROVAL_TASK} asked again (try {asking['try_number']}): Airflow's stale exit "
+                        f"event lost the answer to try {answered_try}"
+                    )
                 if reviewer_page is None:  # the approver signs in in a browser session of their own
-                    reviewer_page = browser.new_context(viewport={"width": 1400, "height": 1000},
-                                                        reduced_motion="reduce").new_page()
+                    reviewer_page = browser.new_context(
+                        viewport={"width": 1400, "height": 1000}, reduced_motion="reduce"
+                    ).new_page()
                     reviewer_page.set_default_timeout(60_000)
                     reviewer_page.goto(f"{url}/dags/{DAG_ID}")
                     reviewer_page.get_by_label("Username").fill(REVIEWER)
@@ -323,13 +377,27 @@ def test_trigger_form_run_and_clear_in_a_real_browser(standalone, chromium, arti
                 expect(reviewer_page.get_by_text(re.compile("response successful"))).to_be_visible()
                 reviewer_page.goto("about:blank")  # an open page of the UI keeps a core busy
                 answered_try = asking["try_number"]
-            standalone.wait_until(lambda: standalone.api(f"/dags/{PROMOTION_DAG_ID}/dagRuns/{promotion_run_id}")[
-                "state"] in ("success", "failed"), "the promotion run to end", time.monotonic() + RUN_TIMEOUT_S,
-                every_s=RUN_POLL_S)
-            promotion_tis = {ti["task_id"]: ti["state"] for ti in standalone.api(
-                f"/dags/{PROMOTION_DAG_ID}/dagRuns/{promotion_run_id}/taskInstances")["task_instances"]}
-            assert promotion_tis == {"proposals": "success", APPROVAL_TASK: "success", "proposal.promote": "success",
-                                     "proposal.promoted": "success"}, (promotion_tis, standalone.tail())
+            standalone.wait_until(
+                lambda: (
+                    standalone.api(f"/dags/{PROMOTION_DAG_ID}/dagRuns/{promotion_run_id}")["state"]
+                    in ("success", "failed")
+                ),
+                "the promotion run to end",
+                time.monotonic() + RUN_TIMEOUT_S,
+                every_s=RUN_POLL_S,
+            )
+            promotion_tis = {
+                ti["task_id"]: ti["state"]
+                for ti in standalone.api(f"/dags/{PROMOTION_DAG_ID}/dagRuns/{promotion_run_id}/taskInstances")[
+                    "task_instances"
+                ]
+            }
+            assert promotion_tis == {
+                "proposals": "success",
+                APPROVAL_TASK: "success",
+                "proposal.promote": "success",
+                "proposal.promoted": "success",
+            }, (promotion_tis, standalone.tail())
             page.goto(f"{url}/dags/{DAG_ID}")
             page.locator(f'a[href="/dags/{DAG_ID}/runs/{run_id}/"]').click()
             header = page.get_by_test_id("header-card")
@@ -370,8 +438,11 @@ def test_trigger_form_run_and_clear_in_a_real_browser(standalone, chromium, arti
 
             def rerun_over(run: dict) -> bool:
                 tis = task_instances(run_id)
-                return (run["state"] in ("success", "failed") and tis["export"]["try_number"] > tries_before["export"]
-                        and all(tis[task]["state"] in ("success", "failed", "upstream_failed") for task in cleared))
+                return (
+                    run["state"] in ("success", "failed")
+                    and tis["export"]["try_number"] > tries_before["export"]
+                    and all(tis[task]["state"] in ("success", "failed", "upstream_failed") for task in cleared)
+                )
 
             wait_away_from_the_ui(run_id, rerun_over, "the cleared tasks to run again")
             page.goto(task_page)
@@ -379,8 +450,9 @@ def test_trigger_form_run_and_clear_in_a_real_browser(standalone, chromium, arti
             expect(try_number).to_have_text(re.compile(rf"Try Number\s*{tries_before['export'] + 1}$"))
             expect(header_state).to_have_text("Success")
             # the remote stage re-attached to its finished job on the box instead of running it again
-            expect(page.get_by_text(re.compile("finished in try 1 already: clearing a finished stage runs nothing"))
-                   ).to_be_visible()
+            expect(
+                page.get_by_text(re.compile("finished in try 1 already: clearing a finished stage runs nothing"))
+            ).to_be_visible()
             for task_id in cleared:
                 grid_state(task_id, "Success")
             shot("export-cleared-and-succeeded")
@@ -400,9 +472,11 @@ def test_trigger_form_run_and_clear_in_a_real_browser(standalone, chromium, arti
             # The public sets of evaluate.benchmarks (local files in each set's format), a row each with the
             # figures at k=3 and k=7 that report.json holds, the published Kimi drafters' beside GSM8K's.
             public = json.loads((tmp_path / "box" / "runs" / RUN_NAME / "evaluate" / "report.json").read_text())[
-                "public_sets"]
+                "public_sets"
+            ]
             assert list(public) == ["gsm8k", "mtbench"] and all(
-                list(one["speculative"]) == ["3", "7"] for one in public.values()), public
+                list(one["speculative"]) == ["3", "7"] for one in public.values()
+            ), public
             for one in public.values():
                 row = report.locator("#public-sets tr", has_text=one["title"])
                 for k in ("3", "7"):
@@ -425,7 +499,11 @@ def test_trigger_form_run_and_clear_in_a_real_browser(standalone, chromium, arti
     assert runs[0]["conf"]["run_name"] == RUN_NAME and runs[0]["conf"]["train.epochs"] == 1
     tries = task_tries(run_id)
     assert {task: tries[task] - tries_before[task] for task in ("train", "export", "evaluate", "report")} == {
-        "train": 0, "export": 1, "evaluate": 1, "report": 1}, (tries_before, tries)
+        "train": 0,
+        "export": 1,
+        "evaluate": 1,
+        "report": 1,
+    }, (tries_before, tries)
     assert (tmp_path / "box" / "runs" / RUN_NAME / "drafter" / "model.safetensors").exists()
     # The remote stages ran in the DAG's pool, which counts them while they wait deferred in the triggerer.
     pool = standalone.api("/pools/eagle3_box")
@@ -433,7 +511,7 @@ def test_trigger_form_run_and_clear_in_a_real_browser(standalone, chromium, arti
     note = standalone.api(f"/dags/{DAG_ID}/dagRuns/{run_id}")["note"]
     assert note.startswith("### EAGLE-3 drafter: promoted") and "the lineage's first drafter" in note, note
     # approved before the clear; the clear's rerun found nothing left to approve (promote skipped then)
-    current, = (tmp_path / "box" / "drafters").glob("*/current")
+    (current,) = (tmp_path / "box" / "drafters").glob("*/current")
     assert "; approved" in note and json.loads((current / "promotion.json").read_text())["approved"] is True
 
     # The report view: Airflow's access control, and only the files the run's report names.
@@ -453,8 +531,11 @@ def test_trigger_form_run_and_clear_in_a_real_browser(standalone, chromium, arti
 
 
 def states_of(standalone, run_id: str) -> dict[str, str]:
-    return {ti["task_id"]: ti["state"] for ti in
-            standalone.api(f"/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances")["task_instances"] if ti["map_index"] == -1}
+    return {
+        ti["task_id"]: ti["state"]
+        for ti in standalone.api(f"/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances")["task_instances"]
+        if ti["map_index"] == -1
+    }
 
 
 def scheduled_runs_on_asset_updates(standalone, tiny_target: Path, tmp_path: Path, first: str) -> None:
@@ -469,14 +550,22 @@ def scheduled_runs_on_asset_updates(standalone, tiny_target: Path, tmp_path: Pat
         standalone.api("/assets/events", {"asset_id": asset_id})
 
         def started_and_ended() -> bool:
-            runs = [run for run in standalone.api(f"/dags/{DAG_ID}/dagRuns")["dag_runs"]
-                    if run["dag_run_id"] not in previous]
+            runs = [
+                run
+                for run in standalone.api(f"/dags/{DAG_ID}/dagRuns")["dag_runs"]
+                if run["dag_run_id"] not in previous
+            ]
             return bool(runs) and runs[0]["state"] in ("success", "failed")
 
-        standalone.wait_until(started_and_ended, "a run started by the asset event to end",
-                              time.monotonic() + RUN_TIMEOUT_S, every_s=RUN_POLL_S)
-        run, = [run for run in standalone.api(f"/dags/{DAG_ID}/dagRuns")["dag_runs"]
-                if run["dag_run_id"] not in previous]
+        standalone.wait_until(
+            started_and_ended,
+            "a run started by the asset event to end",
+            time.monotonic() + RUN_TIMEOUT_S,
+            every_s=RUN_POLL_S,
+        )
+        (run,) = [
+            run for run in standalone.api(f"/dags/{DAG_ID}/dagRuns")["dag_runs"] if run["dag_run_id"] not in previous
+        ]
         assert (run["run_type"], run["state"]) == ("asset_triggered", "success"), (run, standalone.tail())
         return run["dag_run_id"], tmp_path / "box" / "runs" / default_run_name(DAG_ID, run["dag_run_id"])
 
@@ -490,7 +579,8 @@ def scheduled_runs_on_asset_updates(standalone, tiny_target: Path, tmp_path: Pat
     states = states_of(standalone, second)
     assert {states[task] for task in ("train", "export", "evaluate", "propose_promotion")} == {"skipped"}, states
     assert standalone.api(f"/dags/{DAG_ID}/dagRuns/{second}")["note"].startswith(
-        f"### EAGLE-3 drafter: nothing changed since run {RUN_NAME}")
+        f"### EAGLE-3 drafter: nothing changed since run {RUN_NAME}"
+    )
 
     # Run 3: 10 % more conversations. Exactly those are extracted; training warm-starts from run 1's drafter; the
     # new drafter and the current one are measured on the lineage's pinned prompts, and both figures reported.
@@ -498,7 +588,8 @@ def scheduled_runs_on_asset_updates(standalone, tiny_target: Path, tmp_path: Pat
     third, third_dir = next_run({first, second})
     assert extracted(third_dir) == (GROWN - CONVERSATIONS, CONVERSATIONS)
     first_version = json.loads((tmp_path / "box" / "runs" / RUN_NAME / "evaluate" / "report.json").read_text())[
-        "promotion"]["version"]
+        "promotion"
+    ]["version"]
     assert json.loads((third_dir / "train" / "summary.json").read_text())["started_from"] == first_version
     promotion = json.loads((third_dir / "evaluate" / "report.json").read_text())["promotion"]
     assert promotion["current_before"]["version"] == first_version

@@ -29,8 +29,9 @@ ONE_RANK = SimpleNamespace(is_first_rank=True, is_last_rank=True, world_size=1)
 
 def drafter_ids(drafter_dir: str):
     hf_config = get_config(drafter_dir, trust_remote_code=False)
-    runner = SimpleNamespace(speculative_config=SimpleNamespace(
-        draft_model_config=SimpleNamespace(hf_config=hf_config)))
+    runner = SimpleNamespace(
+        speculative_config=SimpleNamespace(draft_model_config=SimpleNamespace(hf_config=hf_config))
+    )
     ids = GPUModelRunner._get_eagle3_aux_layers_from_config(runner)
     return list(ids) if ids is not None else None
 
@@ -38,6 +39,7 @@ def drafter_ids(drafter_dir: str):
 def marking_layer(j: int):
     def layer(positions, hidden_states, residual, *args, **kwargs):
         return torch.zeros_like(hidden_states), torch.full_like(hidden_states, float(j + 1))
+
     layer.use_sequence_parallel_moe = False
     return layer
 

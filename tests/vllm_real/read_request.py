@@ -10,6 +10,10 @@ from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 read = []
 for body in json.load(sys.stdin):
     params = CompletionRequest.model_validate(body).to_sampling_params(max_tokens=body["max_tokens"])
-    read.append({"unknown": sorted(set(body) - set(CompletionRequest.model_fields)),
-                 **{name: getattr(params, name) for name in ("temperature", "top_p", "top_k", "seed", "max_tokens")}})
+    read.append(
+        {
+            "unknown": sorted(set(body) - set(CompletionRequest.model_fields)),
+            **{name: getattr(params, name) for name in ("temperature", "top_p", "top_k", "seed", "max_tokens")},
+        }
+    )
 print(json.dumps(read))

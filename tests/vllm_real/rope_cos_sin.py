@@ -17,8 +17,13 @@ out = []
 for directory in request["configs"]:
     config = get_config(directory, trust_remote_code=False)
     with set_current_vllm_config(VllmConfig()):  # vLLM's custom ops are made inside a config's scope
-        rope = get_rope(config.head_dim, max_position=config.max_position_embeddings, is_neox_style=True,
-                        rope_parameters=getattr(config, "rope_parameters", None), dtype=torch.float32)
+        rope = get_rope(
+            config.head_dim,
+            max_position=config.max_position_embeddings,
+            is_neox_style=True,
+            rope_parameters=getattr(config, "rope_parameters", None),
+            dtype=torch.float32,
+        )
     cos, sin = rope.cos_sin_cache[positions].float().chunk(2, dim=-1)
     out.append({"type": type(rope).__name__, "cos": cos.tolist(), "sin": sin.tolist()})
 print(json.dumps(out))

@@ -115,14 +115,16 @@ def parse_gpus(text: str) -> tuple[list[dict], list[str]]:
         if fields is None or index is None:
             unparsed.append(line)
             continue
-        gpus.append({
-            "index": index,
-            "uuid": _value(fields[1]),
-            "name": _value(fields[2]),
-            "memory_used_mib": _int(fields[3]),  # N/A at the GPU level when MIG is enabled
-            "memory_total_mib": _int(fields[4]),
-            "mig": (_value(fields[5]) or "").lower() == "enabled",
-        })
+        gpus.append(
+            {
+                "index": index,
+                "uuid": _value(fields[1]),
+                "name": _value(fields[2]),
+                "memory_used_mib": _int(fields[3]),  # N/A at the GPU level when MIG is enabled
+                "memory_total_mib": _int(fields[4]),
+                "mig": (_value(fields[5]) or "").lower() == "enabled",
+            }
+        )
     return gpus, unparsed
 
 
@@ -144,13 +146,15 @@ def parse_processes(text: str, gpus: list[dict]) -> tuple[list[dict], list[str]]
         gpu_index = index_of_uuid.get(uuid)
         if gpu_index is None and uuid and uuid.startswith("MIG-") and len(mig_gpus) == 1:
             gpu_index = mig_gpus[0]
-        processes.append({
-            "gpu_index": gpu_index,
-            "gpu_uuid": uuid,
-            "pid": _int(fields[1]),
-            "name": _value(fields[2]),
-            "used_mib": _int(fields[3]),  # N/A for processes in MIG instances on some drivers
-        })
+        processes.append(
+            {
+                "gpu_index": gpu_index,
+                "gpu_uuid": uuid,
+                "pid": _int(fields[1]),
+                "name": _value(fields[2]),
+                "used_mib": _int(fields[3]),  # N/A for processes in MIG instances on some drivers
+            }
+        )
     return processes, unparsed
 
 
@@ -158,7 +162,9 @@ def _run_nvidia_smi(executable: str, query: str) -> tuple[int, str]:
     """(exit code, stdout + stderr) of one CSV query."""
     proc = subprocess.run(
         [executable, query, "--format=csv,noheader,nounits"],
-        capture_output=True, text=True, timeout=NVIDIA_SMI_TIMEOUT_S,
+        capture_output=True,
+        text=True,
+        timeout=NVIDIA_SMI_TIMEOUT_S,
     )
     return proc.returncode, proc.stdout + proc.stderr
 
@@ -286,8 +292,9 @@ def judge_gpus(
     return not problems, problems
 
 
-def _judge_memory(label: str, used_mib: int | None, processes: list[dict], allowed: set[int],
-                  max_used_mib: int) -> str | None:
+def _judge_memory(
+    label: str, used_mib: int | None, processes: list[dict], allowed: set[int], max_used_mib: int
+) -> str | None:
     """A problem line if the memory used by others exceeds the limit, else None."""
     foreign = [p for p in processes if p["pid"] not in allowed]
     own_mib = sum(p["used_mib"] or 0 for p in processes if p["pid"] in allowed)
@@ -394,10 +401,15 @@ def count_tokens(cfg: RunConfig) -> dict:
         tokens += len(sample.input_ids)
         samples += 1
         truncated += sample.truncated
-    return {"tokens": tokens, "samples": samples, "skipped": len(stats.skipped), "truncated": truncated,
-            "bad_records": len(read_stats.bad),
-            # what of a shared store is this data's (store_held_bytes)
-            "conversation_ids": sorted(c.sample_id for c in conversations)}
+    return {
+        "tokens": tokens,
+        "samples": samples,
+        "skipped": len(stats.skipped),
+        "truncated": truncated,
+        "bad_records": len(read_stats.bad),
+        # what of a shared store is this data's (store_held_bytes)
+        "conversation_ids": sorted(c.sample_id for c in conversations),
+    }
 
 
 def _token_cache_key(cfg: RunConfig) -> dict:

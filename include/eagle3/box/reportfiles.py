@@ -57,8 +57,9 @@ def _open_run_dir(run_dir: str) -> int:
     except FileNotFoundError:
         raise ReportFileRefused(f"{run_dir}: no such run directory on this box") from None
     except OSError as err:  # ELOOP / ENOTDIR: a symlink or a file where the run directory should be
-        raise ReportFileRefused(f"{run_dir}: not a real directory ({os.strerror(err.errno)}); a run directory "
-                                "is never a symlink") from None
+        raise ReportFileRefused(
+            f"{run_dir}: not a real directory ({os.strerror(err.errno)}); a run directory is never a symlink"
+        ) from None
 
 
 def _open_below(dir_fd: int, name: str, path: str, directory: bool) -> int | None:
@@ -69,15 +70,18 @@ def _open_below(dir_fd: int, name: str, path: str, directory: bool) -> int | Non
     except FileNotFoundError:
         return None
     except OSError as err:
-        raise ReportFileRefused(f"{path}: refused ({os.strerror(err.errno)}): only regular files and real "
-                                "directories of the run are read, never a symlink") from None
+        raise ReportFileRefused(
+            f"{path}: refused ({os.strerror(err.errno)}): only regular files and real "
+            "directories of the run are read, never a symlink"
+        ) from None
 
 
 def read_file(run_dir: str, name: str) -> bytes | None:
     """The bytes of RUN_DIR/name, or None if it does not exist; ReportFileRefused for anything else."""
     if not allowed_name(name):
-        raise ReportFileRefused(f"{name!r}: not a file the report reads (only <stage>/<name>.png and "
-                                f"{', '.join(READABLE_REPORTS)})")
+        raise ReportFileRefused(
+            f"{name!r}: not a file the report reads (only <stage>/<name>.png and {', '.join(READABLE_REPORTS)})"
+        )
     stage, filename = name.split("/")
     path = f"{run_dir.rstrip('/')}/{name}"
     run_fd = _open_run_dir(run_dir)
@@ -98,8 +102,9 @@ def read_file(run_dir: str, name: str) -> bytes | None:
         if not stat.S_ISREG(info.st_mode):
             raise ReportFileRefused(f"{path}: not a regular file; refused")
         if info.st_size > MAX_FILE_BYTES:
-            raise ReportFileRefused(f"{path}: {info.st_size} bytes, more than the {MAX_FILE_BYTES} a report file may "
-                                    "have; refused")
+            raise ReportFileRefused(
+                f"{path}: {info.st_size} bytes, more than the {MAX_FILE_BYTES} a report file may have; refused"
+            )
         data = file.read(MAX_FILE_BYTES + 1)  # the file may grow after the fstat
     if len(data) > MAX_FILE_BYTES:
         raise ReportFileRefused(f"{path}: grew past the {MAX_FILE_BYTES} bytes a report file may have; refused")
@@ -121,9 +126,13 @@ def list_plots(run_dir: str) -> list[str]:
                     continue
                 try:
                     with os.scandir(stage_fd) as files:
-                        plots += [f"{stage.name}/{entry.name}" for entry in files
-                                  if PLOT_NAME.match(entry.name) and entry.is_file(follow_symlinks=False)
-                                  and entry.stat(follow_symlinks=False).st_size <= MAX_FILE_BYTES]
+                        plots += [
+                            f"{stage.name}/{entry.name}"
+                            for entry in files
+                            if PLOT_NAME.match(entry.name)
+                            and entry.is_file(follow_symlinks=False)
+                            and entry.stat(follow_symlinks=False).st_size <= MAX_FILE_BYTES
+                        ]
                 finally:
                     os.close(stage_fd)
     finally:
@@ -143,8 +152,11 @@ def manifest_command(run_dir: str, names: list[str], plots: bool = False) -> Fil
         except ReportFileRefused as err:
             files.append({"name": name, "refused": str(err)})
             continue
-        files.append({"name": name, "present": False} if data is None else
-                     {"name": name, "present": True, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()})
+        files.append(
+            {"name": name, "present": False}
+            if data is None
+            else {"name": name, "present": True, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        )
     answer: FileManifest = {"run_dir": run_dir, "files": files}
     if plots:
         answer["plots"] = list_plots(run_dir)

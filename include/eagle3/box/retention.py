@@ -78,7 +78,8 @@ def refuse_links(workdir: Path, *roots: str) -> None:
             raise RetentionRefused(
                 f"{path}: a symbolic link (to {os.readlink(path)}); retention removes nothing through a link, for "
                 f"what it removed would be the link's target. Give --workdir as the real directory, and make "
-                f"{', '.join(f'{r}/' for r in roots)} real directories in it; nothing was removed")
+                f"{', '.join(f'{r}/' for r in roots)} real directories in it; nothing was removed"
+            )
 
 
 def read_marker(path: Path) -> tuple[object, str | None]:
@@ -111,8 +112,12 @@ def run_dir_problem(run_dir: Path) -> str | None:
     config, problem = read_marker(run_dir / CONFIG)
     if problem:
         return problem
-    if not (isinstance(config, dict) and isinstance(config.get("workdir"), str)
-            and isinstance(config.get("run_name"), str) and os.path.isabs(config["workdir"])):
+    if not (
+        isinstance(config, dict)
+        and isinstance(config.get("workdir"), str)
+        and isinstance(config.get("run_name"), str)
+        and os.path.isabs(config["workdir"])
+    ):
         return "its config.json is not a run config (no absolute workdir and run_name)"
     named = run_dir_of(config["workdir"], config["run_name"])
     if named.resolve() != run_dir.resolve():
@@ -137,7 +142,8 @@ def promoted_run_dirs(workdir: Path) -> set[Path]:
         raise RetentionRefused(
             f"{record_path}: {problem or 'not a JSON object'}; it should name the run directory its drafter came "
             "from, which must never be pruned. Restore it (or remove its version directory), then prune again; "
-            "nothing was removed")
+            "nothing was removed"
+        )
     return dirs
 
 
@@ -166,13 +172,17 @@ def other_hosts_run(run_dir: Path) -> str | None:
     record, problem = read_marker(run_dir / OWNER)
     runs = record.get("runs") if isinstance(record, dict) else None
     if problem or not (isinstance(runs, list) and runs and all(isinstance(entry, dict) for entry in runs)):
-        return (f"{problem or 'its owner.json is not a record of the Airflow runs that wrote it'}: which host's it is "
-                "cannot be told; look at it, then remove the directory by hand if it is to go")
+        return (
+            f"{problem or 'its owner.json is not a record of the Airflow runs that wrote it'}: which host's it is "
+            "cannot be told; look at it, then remove the directory by hand if it is to go"
+        )
     host = owner_host(runs)
     if host["host_id"] == read_host_id():
         return None
-    return (f"owned by host {host['host']!r} (host id {host['host_id']}), which made it: only that host's retention "
-            "prunes it (if that host is gone for good, remove the directory by hand)")
+    return (
+        f"owned by host {host['host']!r} (host id {host['host_id']}), which made it: only that host's retention "
+        "prunes it (if that host is gone for good, remove the directory by hand)"
+    )
 
 
 def awaits_approval(run_dir: Path, hold_s: float) -> bool:
@@ -182,8 +192,7 @@ def awaits_approval(run_dir: Path, hold_s: float) -> bool:
     report, problem = read_marker(report_path)
     if problem or not isinstance(report, dict) or not isinstance(report.get("promotion"), dict):
         return False
-    return (report["promotion"].get("pending_approval") is True
-            and time.time() - report_path.stat().st_mtime < hold_s)
+    return report["promotion"].get("pending_approval") is True and time.time() - report_path.stat().st_mtime < hold_s
 
 
 def prune_runs(workdir: str | Path, keep: int, dry_run: bool = False, proposal_hold_s: float = 0) -> dict:
@@ -220,8 +229,14 @@ def prune_runs(workdir: str | Path, keep: int, dry_run: bool = False, proposal_h
             removed.append(run_dir.name)
             if not dry_run:
                 remove_tree_in(runs_root, run_dir.name)
-    return {"runs": len(runs), "keep": keep, "removed": sorted(removed), "kept_beyond_keep": kept_for,
-            "not_run_dirs": not_run_dirs, "dry_run": dry_run}
+    return {
+        "runs": len(runs),
+        "keep": keep,
+        "removed": sorted(removed),
+        "kept_beyond_keep": kept_for,
+        "not_run_dirs": not_run_dirs,
+        "dry_run": dry_run,
+    }
 
 
 def store_problem(directory: Path) -> str | None:

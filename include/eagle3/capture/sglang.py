@@ -216,8 +216,9 @@ class SglangCapture:
         self.hidden_size = cfg.target.hidden_size
         self.num_aux = len(cfg.resolved_aux_layers())
         # Every argument set is built (and so checked) now, before an engine spends minutes loading.
-        self.kwargs = {capture: engine_kwargs(cfg, architecture, capture, gpu_group)
-                       for capture in ("plugin", "last", "aux")}
+        self.kwargs = {
+            capture: engine_kwargs(cfg, architecture, capture, gpu_group) for capture in ("plugin", "last", "aux")
+        }
         self.capture_setting = cfg.extract.sglang.capture
         self.staged = StagedStates(staging_dir(cfg.run_dir, shard), self.hidden_size)
         self.sink = sink_dir(cfg.run_dir, shard)
@@ -243,8 +244,11 @@ class SglangCapture:
         return [states_from_output(out, len(p), width) for p, out in zip(prompts, outputs, strict=True)]
 
     def stats(self) -> dict:
-        return {"capture_path": self.path, "capture_fallback": self.fallback,
-                "prefill_passes": {"plugin": 1, "lists": 2}.get(self.path)}
+        return {
+            "capture_path": self.path,
+            "capture_fallback": self.fallback,
+            "prefill_passes": {"plugin": 1, "lists": 2}.get(self.path),
+        }
 
     # -- choosing the path ---------------------------------------------------------------------------------------
 
@@ -267,8 +271,12 @@ class SglangCapture:
                     "back to the list path, the prefill twice) or 'lists'; bench/gpu_capture_check.py checks the "
                     "plugin on a GPU box"
                 )
-            log.warning("%s: the capture plugin cannot be used (%s); falling back to the list path: two engines in "
-                        "turn, the prefill twice, states as Python lists", self.label, problem)
+            log.warning(
+                "%s: the capture plugin cannot be used (%s); falling back to the list path: two engines in "
+                "turn, the prefill twice, states as Python lists",
+                self.label,
+                problem,
+            )
             self.fallback = problem
             batches = itertools.chain([first], batches)
         self.path = "lists"
@@ -300,8 +308,10 @@ class SglangCapture:
         self.engine.generate(input_ids=[prompt], sampling_params=self.SAMPLING, return_hidden_states=True, rid=[rid])
         path = sglang_plugin.states_file(self.sink, rid)
         if not path.exists():
-            raise ProbeFailed(f"the start-up probe's request produced no states file in {self.sink}: the plugin did "
-                              f"not run in the engine's scheduler (its log says why: look for 'eagle3 capture plugin')")
+            raise ProbeFailed(
+                f"the start-up probe's request produced no states file in {self.sink}: the plugin did "
+                f"not run in the engine's scheduler (its log says why: look for 'eagle3 capture plugin')"
+            )
         try:
             self._read_states(path, len(prompt))
         except RuntimeError as err:
@@ -325,8 +335,10 @@ class SglangCapture:
         for sample, rid in zip(batch, rids, strict=True):
             path = sglang_plugin.states_file(self.sink, rid)
             if not path.exists():
-                raise RuntimeError(f"sglang capture: the plugin wrote no states for request {rid} (sample "
-                                   f"{sample.sample_id}) into {self.sink}; the engine's log says why")
+                raise RuntimeError(
+                    f"sglang capture: the plugin wrote no states for request {rid} (sample "
+                    f"{sample.sample_id}) into {self.sink}; the engine's log says why"
+                )
             aux, last = self._read_states(path, len(sample.input_ids))
             self.files[sample.sample_id] = path
             captured.append(CapturedStates(aux, last))
@@ -339,8 +351,10 @@ class SglangCapture:
         for name, tensor in (("aux", aux), ("final", last)):
             shape = None if tensor is None else tuple(tensor.shape)
             if shape != expected[name]:
-                raise RuntimeError(f"{path}: {name} states of shape {shape}, expected {expected[name]} for a "
-                                   f"{num_tokens}-token prompt (radix cache or chunked prefill on?)")
+                raise RuntimeError(
+                    f"{path}: {name} states of shape {shape}, expected {expected[name]} for a "
+                    f"{num_tokens}-token prompt (radix cache or chunked prefill on?)"
+                )
         return aux.to(torch.bfloat16), last.to(torch.bfloat16)
 
     def release_stored(self) -> None:
@@ -365,8 +379,9 @@ class SglangCapture:
     def _final_state_pass(self, batches, total: int) -> None:
         """Stage the final state of every sample in `batches` that is not staged yet. The final-state engine is
         started only when a batch needs it, and always shut down."""
-        progress = ProgressLog(f"{self.label} final-state pass", total, 0, self.progress_interval_s, log,
-                               track_bytes=False)
+        progress = ProgressLog(
+            f"{self.label} final-state pass", total, 0, self.progress_interval_s, log, track_bytes=False
+        )
         engine = None
         try:
             for batch in batches:

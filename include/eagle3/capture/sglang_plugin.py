@@ -43,11 +43,20 @@ from pkgutil import resolve_name
 
 PLUGIN_NAME = "eagle3_capture"  # the entry point's name, what SGLANG_PLUGINS selects
 SINK_ENV = "EAGLE3_CAPTURE_SINK"  # the directory the engine's scheduler writes states into
-HOOK_TARGET = ("sglang.srt.managers.scheduler_components.batch_result_processor."
-               "SchedulerBatchResultProcessor._append_prefill_hidden_states")
+HOOK_TARGET = (
+    "sglang.srt.managers.scheduler_components.batch_result_processor."
+    "SchedulerBatchResultProcessor._append_prefill_hidden_states"
+)
 CHECKED_VERSIONS = ("0.5.23",)  # read and tested against these exactly; anything else takes the list path
-EXPECTED_PARAMETERS = ("self", "req", "logits_output", "hidden_state_offset", "capture_hidden_mode",
-                       "extend_input_len", "store")
+EXPECTED_PARAMETERS = (
+    "self",
+    "req",
+    "logits_output",
+    "hidden_state_offset",
+    "capture_hidden_mode",
+    "extend_input_len",
+    "store",
+)
 AUX_KEY, LAST_KEY = "aux_hidden_states", "last_hidden_state"
 # A request id becomes a file name; the backend makes them of these characters only.
 SAFE_RID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
@@ -69,8 +78,10 @@ def gate_problem() -> str | None:
     except Exception as err:  # noqa: BLE001 - any import failure means: no plugin
         return f"cannot import the hooked method {HOOK_TARGET}: {type(err).__name__}: {err}"
     if version not in CHECKED_VERSIONS:
-        return (f"sglang {version} is installed and the capture plugin was checked against sglang "
-                f"{', '.join(CHECKED_VERSIONS)} only")
+        return (
+            f"sglang {version} is installed and the capture plugin was checked against sglang "
+            f"{', '.join(CHECKED_VERSIONS)} only"
+        )
     parameters = tuple(inspect.signature(inspect.unwrap(method)).parameters)
     if parameters != EXPECTED_PARAMETERS:
         return f"{HOOK_TARGET} takes {parameters} in sglang {version}, the plugin was written for {EXPECTED_PARAMETERS}"
@@ -80,8 +91,7 @@ def gate_problem() -> str | None:
 def register() -> None:
     """The entry point: registers the hook in an engine the sglang backend started, else nothing."""
     if not os.environ.get(SINK_ENV):
-        log.info("eagle3 capture plugin: %s is not set, so this engine is not an eagle3 capture; not hooking",
-                 SINK_ENV)
+        log.info("eagle3 capture plugin: %s is not set, so this engine is not an eagle3 capture; not hooking", SINK_ENV)
         return
     problem = gate_problem()
     if problem:
@@ -116,8 +126,9 @@ def write_then_skip_the_lists(original, arguments: dict):
     start = arguments["hidden_state_offset"]
     end = original(**{**arguments, "store": False})  # SGLang's row bookkeeping, nothing appended
     if _tp_rank() == 0:
-        write_request_states(Path(os.environ[SINK_ENV]), req.rid, output.hidden_states[start:end],
-                             output.last_hidden_states[start:end])
+        write_request_states(
+            Path(os.environ[SINK_ENV]), req.rid, output.hidden_states[start:end], output.last_hidden_states[start:end]
+        )
     return end
 
 
@@ -138,8 +149,10 @@ def write_request_states(sink: Path, rid: str, aux, last) -> Path | None:
         log.warning("eagle3 capture plugin: request id %r is not one of the backend's; not writing it", rid)
         return None
     if aux.shape[0] != last.shape[0]:
-        raise RuntimeError(f"eagle3 capture plugin: request {rid} has {aux.shape[0]} aux rows and {last.shape[0]} "
-                           "final-state rows; they must be the same tokens")
+        raise RuntimeError(
+            f"eagle3 capture plugin: request {rid} has {aux.shape[0]} aux rows and {last.shape[0]} "
+            "final-state rows; they must be the same tokens"
+        )
     final = states_file(sink, rid)
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
     tensors = {AUX_KEY: aux.detach().cpu().contiguous(), LAST_KEY: last.detach().cpu().contiguous()}

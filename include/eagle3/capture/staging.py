@@ -72,15 +72,20 @@ class StagedStates:
         """Stage one batch as one part: samples in order, state i is [len(samples[i].input_ids), H]."""
         for sample, state in zip(samples, states, strict=True):
             if state.shape != (len(sample.input_ids), self.hidden_size):
-                raise ValueError(f"sample {sample.sample_id}: staged state {tuple(state.shape)} does not match "
-                                 f"{len(sample.input_ids)} tokens x hidden_size {self.hidden_size}")
+                raise ValueError(
+                    f"sample {sample.sample_id}: staged state {tuple(state.shape)} does not match "
+                    f"{len(sample.input_ids)} tokens x hidden_size {self.hidden_size}"
+                )
         ids = [s.sample_id for s in samples]
         lengths = [len(s.input_ids) for s in samples]
         final = self.dir / f"part-{self.next_part:06d}.safetensors"
         tmp = tmp_path_for(final)
         try:
-            save_file({"last_hidden_state": torch.cat([s.to(STATE_DTYPE) for s in states])},
-                      str(tmp), metadata={"sample_ids": json.dumps(ids), "lengths": json.dumps(lengths)})
+            save_file(
+                {"last_hidden_state": torch.cat([s.to(STATE_DTYPE) for s in states])},
+                str(tmp),
+                metadata={"sample_ids": json.dumps(ids), "lengths": json.dumps(lengths)},
+            )
             commit(tmp, final)
         except BaseException:
             tmp.unlink(missing_ok=True)
@@ -93,11 +98,15 @@ class StagedStates:
         try:
             part, start, end = self._where[sample.sample_id]
         except KeyError:
-            raise RuntimeError(f"{self.dir}: no staged final state for sample {sample.sample_id}; the final-state "
-                               "pass must run over every sample before the aux pass") from None
+            raise RuntimeError(
+                f"{self.dir}: no staged final state for sample {sample.sample_id}; the final-state "
+                "pass must run over every sample before the aux pass"
+            ) from None
         if end - start != len(sample.input_ids):
-            raise RuntimeError(f"{self.dir}: staged state of sample {sample.sample_id} has {end - start} rows for a "
-                               f"{len(sample.input_ids)}-token sample; delete {self.dir} and run extract again")
+            raise RuntimeError(
+                f"{self.dir}: staged state of sample {sample.sample_id} has {end - start} rows for a "
+                f"{len(sample.input_ids)}-token sample; delete {self.dir} and run extract again"
+            )
         if self._open is None or self._open[0] != part:
             self._open = (part, safe_open(str(part), framework="pt"))
         return self._open[1].get_slice("last_hidden_state")[start:end].clone()

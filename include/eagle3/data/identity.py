@@ -48,8 +48,16 @@ KEY_CHARS = 16  # hex digits of the sha256 in the directory name
 
 # Files that define how text becomes ids (HF fast/slow, sentencepiece, tiktoken as Kimi-K2.5 ships it), and the
 # chat template when it is a file of its own.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "tiktoken.model", "vocab.json", "merges.txt", "vocab.txt")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "tiktoken.model",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+)
 TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth")
 WHOLE_FILE_LIMIT = 64 << 20
@@ -103,8 +111,10 @@ def capture_fields(cfg: RunConfig) -> dict:
     """Every field that decides the stored bytes (see the module docstring); `cfg` has its target facts."""
     template = cfg.data.generation_chat_template
     if template and not os.path.lexists(template):
-        raise ConfigError(f"data.generation_chat_template: {template} does not exist on the box; copy the template "
-                          "there or leave the field empty")
+        raise ConfigError(
+            f"data.generation_chat_template: {template} does not exist on the box; copy the template "
+            "there or leave the field empty"
+        )
     # Read as the stages read it (a small regular file, no link, nothing in /proc): a naive read of
     # /proc/self/pagemap would never end, and init would hang before any stage refused the file.
     template_digest = hashlib.sha256(template_file_bytes(template)).hexdigest() if template else None
@@ -138,8 +148,13 @@ def attach_store(cfg: RunConfig) -> Path:
     directory. Idempotent. Refuses a run whose link names another key: its target or a capture field changed
     since the run started, and one store must never hold two captures."""
     fields = capture_fields(cfg)
-    return link_shared(cfg.store_dir, shared_store_dir(cfg.workdir, capture_key(fields)), fields,
-                       "hidden states were captured into store", "target or capture settings")
+    return link_shared(
+        cfg.store_dir,
+        shared_store_dir(cfg.workdir, capture_key(fields)),
+        fields,
+        "hidden states were captured into store",
+        "target or capture settings",
+    )
 
 
 def generation_fields(cfg: RunConfig) -> dict:
@@ -170,8 +185,13 @@ def attach_generated(cfg: RunConfig) -> Path:
     a conversation answered by an earlier run with the same key is not asked again."""
     fields = generation_fields(cfg)
     key = capture_key(fields)
-    return link_shared(cfg.run_dir / GENERATED_PARTS, Path(cfg.workdir) / GENERATED / key, fields,
-                       "answers were generated into cache", "target or generation settings")
+    return link_shared(
+        cfg.run_dir / GENERATED_PARTS,
+        Path(cfg.workdir) / GENERATED / key,
+        fields,
+        "answers were generated into cache",
+        "target or generation settings",
+    )
 
 
 def link_shared(link: Path, shared: Path, fields: dict, made_into: str, what_changed: str) -> Path:

@@ -76,6 +76,7 @@ def single_question(field_name: str) -> Callable[[dict], Chat]:
     def to_chat(record: dict) -> Chat:
         message = {"role": "user", "content": text_field(record, field_name)}
         return Chat(((message,),))
+
     return to_chat
 
 
@@ -88,15 +89,31 @@ def mtbench_chat(record: dict) -> Chat:
 
 
 # BFCL names some parameter types by Python's or Java's names; a tool's parameters are JSON Schema for the template.
-BFCL_TYPES = {"dict": "object", "float": "number", "tuple": "array", "list": "array", "any": "string",
-              "bool": "boolean", "double": "number", "long": "integer", "short": "integer", "byte": "integer",
-              "char": "string", "String": "string", "Any": "string", "HashMap": "object", "ArrayList": "array"}
+BFCL_TYPES = {
+    "dict": "object",
+    "float": "number",
+    "tuple": "array",
+    "list": "array",
+    "any": "string",
+    "bool": "boolean",
+    "double": "number",
+    "long": "integer",
+    "short": "integer",
+    "byte": "integer",
+    "char": "string",
+    "String": "string",
+    "Any": "string",
+    "HashMap": "object",
+    "ArrayList": "array",
+}
 
 
 def json_schema(node):
     if isinstance(node, dict):
-        return {key: BFCL_TYPES.get(value, value) if key == "type" and isinstance(value, str) else json_schema(value)
-                for key, value in node.items()}
+        return {
+            key: BFCL_TYPES.get(value, value) if key == "type" and isinstance(value, str) else json_schema(value)
+            for key, value in node.items()
+        }
     if isinstance(node, list):
         return [json_schema(item) for item in node]
     return node
@@ -105,18 +122,40 @@ def json_schema(node):
 def bfcl_chat(record: dict) -> Chat:
     question, functions = record.get("question"), record.get("function")
     first = question[0] if isinstance(question, list) and question else None
-    if not isinstance(first, list) or not first or not all(
+    if (
+        not isinstance(first, list)
+        or not first
+        or not all(
             isinstance(m, dict) and m.get("role") in ("system", "user") and isinstance(m.get("content"), str)
-            for m in first):
-        raise RecordError('"question" is missing or its first turn is not a list of {"role": "system" | "user", '
-                          '"content": str} messages')
-    if not isinstance(functions, list) or not functions or not all(
+            for m in first
+        )
+    ):
+        raise RecordError(
+            '"question" is missing or its first turn is not a list of {"role": "system" | "user", '
+            '"content": str} messages'
+        )
+    if (
+        not isinstance(functions, list)
+        or not functions
+        or not all(
             isinstance(f, dict) and isinstance(f.get("name"), str) and isinstance(f.get("parameters"), dict)
-            for f in functions):
-        raise RecordError('"function" is missing or not a list of {"name": str, "description": str, "parameters": '
-                          '{...}} definitions')
-    tools = tuple({"type": "function", "function": {"name": f["name"], "description": f.get("description") or "",
-                                                    "parameters": json_schema(f["parameters"])}} for f in functions)
+            for f in functions
+        )
+    ):
+        raise RecordError(
+            '"function" is missing or not a list of {"name": str, "description": str, "parameters": {...}} definitions'
+        )
+    tools = tuple(
+        {
+            "type": "function",
+            "function": {
+                "name": f["name"],
+                "description": f.get("description") or "",
+                "parameters": json_schema(f["parameters"]),
+            },
+        }
+        for f in functions
+    )
     return Chat((tuple({"role": m["role"], "content": m["content"]} for m in first),), tools)
 
 
@@ -142,18 +181,58 @@ class PublicSet:
 
 
 TORCHSPEC, AQ_MEDAI = "TorchSpec Kimi-K2.5 EAGLE-3", "AQ-MedAI Kimi-K2 EAGLE-3"
-SETS = {s.name: s for s in (
-    PublicSet("mtbench", "MT-Bench", "HuggingFaceH4/mt_bench_prompts", None, "train", None,
-              '{"prompt": ["<turn 1>", "<turn 2>"], ...}', 80, mtbench_chat, {TORCHSPEC: 2.69, AQ_MEDAI: 2.39}),
-    PublicSet("gsm8k", "GSM8K", "openai/gsm8k", "main", "test", None, '{"question": "<the problem>", ...}', 200,
-              single_question("question"), {TORCHSPEC: 3.20, AQ_MEDAI: 3.27}),
-    PublicSet("humaneval", "HumanEval", "openai/openai_humaneval", None, "test", None,
-              '{"prompt": "<the function stub>", ...}', 200, single_question("prompt"),
-              {TORCHSPEC: 3.29, AQ_MEDAI: 3.36}),
-    PublicSet("bfcl", "BFCL (simple)", "gorilla-llm/Berkeley-Function-Calling-Leaderboard", None, "train",
-              "BFCL_v3_simple.json", '{"question": [[{"role": "user", "content": "..."}]], "function": [{"name", '
-              '"description", "parameters"}]}', 200, bfcl_chat),
-)}
+SETS = {
+    s.name: s
+    for s in (
+        PublicSet(
+            "mtbench",
+            "MT-Bench",
+            "HuggingFaceH4/mt_bench_prompts",
+            None,
+            "train",
+            None,
+            '{"prompt": ["<turn 1>", "<turn 2>"], ...}',
+            80,
+            mtbench_chat,
+            {TORCHSPEC: 2.69, AQ_MEDAI: 2.39},
+        ),
+        PublicSet(
+            "gsm8k",
+            "GSM8K",
+            "openai/gsm8k",
+            "main",
+            "test",
+            None,
+            '{"question": "<the problem>", ...}',
+            200,
+            single_question("question"),
+            {TORCHSPEC: 3.20, AQ_MEDAI: 3.27},
+        ),
+        PublicSet(
+            "humaneval",
+            "HumanEval",
+            "openai/openai_humaneval",
+            None,
+            "test",
+            None,
+            '{"prompt": "<the function stub>", ...}',
+            200,
+            single_question("prompt"),
+            {TORCHSPEC: 3.29, AQ_MEDAI: 3.36},
+        ),
+        PublicSet(
+            "bfcl",
+            "BFCL (simple)",
+            "gorilla-llm/Berkeley-Function-Calling-Leaderboard",
+            None,
+            "train",
+            "BFCL_v3_simple.json",
+            '{"question": [[{"role": "user", "content": "..."}]], "function": [{"name", "description", "parameters"}]}',
+            200,
+            bfcl_chat,
+        ),
+    )
+}
 
 
 # -- reading records -------------------------------------------------------------------------------------------
@@ -165,8 +244,10 @@ def read_local_records(path: Path) -> list[tuple[str, dict]]:
         try:
             import pyarrow.parquet
         except ImportError:
-            raise ConfigError(f"{path}: reading parquet needs pyarrow (installed with {DATASETS_PIN}, "
-                              "requirements-box.txt); install it, or give the file as JSON lines") from None
+            raise ConfigError(
+                f"{path}: reading parquet needs pyarrow (installed with {DATASETS_PIN}, "
+                "requirements-box.txt); install it, or give the file as JSON lines"
+            ) from None
         return [(f"row {i + 1}", row) for i, row in enumerate(pyarrow.parquet.read_table(path).to_pylist())]
     try:  # a regular file only, as every file a config names (a FIFO would hang the stage)
         text = read_small_file(path, MAX_SET_FILE_BYTES).decode("utf-8")
@@ -189,8 +270,10 @@ def read_local_records(path: Path) -> list[tuple[str, dict]]:
         try:
             records.append((f"line {number}", json.loads(line)))
         except json.JSONDecodeError as err:
-            raise DataError(f"{path}, line {number}: not JSON ({err.msg}); the file must hold the set's records as a "
-                            "JSON array, one JSON object a line, or parquet") from None
+            raise DataError(
+                f"{path}, line {number}: not JSON ({err.msg}); the file must hold the set's records as a "
+                "JSON array, one JSON object a line, or parquet"
+            ) from None
     return records
 
 
@@ -200,21 +283,27 @@ class PublicSetUnavailable(RuntimeError):
 
 def hub_records(spec: PublicSet, count: int) -> list[tuple[str, dict]]:
     """The set's first `count` records from the Hugging Face hub, through the datasets library."""
-    fix = (f"set evaluate.benchmark_files.{spec.name} to a local copy of {spec.hub_source} (the box reads it from "
-           "there, offline)")
+    fix = (
+        f"set evaluate.benchmark_files.{spec.name} to a local copy of {spec.hub_source} (the box reads it from "
+        "there, offline)"
+    )
     try:
         import datasets
     except ImportError:
-        raise ConfigError(f"evaluate.benchmarks: {spec.name} is loaded with the `datasets` library, which "
-                          f"{sys.executable} lacks: install {DATASETS_PIN} (requirements-box.txt), or {fix}") from None
+        raise ConfigError(
+            f"evaluate.benchmarks: {spec.name} is loaded with the `datasets` library, which "
+            f"{sys.executable} lacks: install {DATASETS_PIN} (requirements-box.txt), or {fix}"
+        ) from None
     try:
         rows = datasets.load_dataset(spec.dataset, spec.config, data_files=spec.data_file, split=spec.split)
         return [(f"row {i + 1}", dict(rows[i])) for i in range(min(count, len(rows)))]
     except Exception as err:  # noqa: BLE001 - the hub's and the library's errors are many; each means the same here
         what = " ".join(str(err).split())[:300].rstrip(".")
-        raise PublicSetUnavailable(f"evaluate.benchmarks: {spec.name} could not be loaded from the hub "
-                                   f"({spec.hub_source}): {type(err).__name__}: {what}. Stages reach huggingface.co "
-                                   f"with the HF_* settings of their environment; or {fix}") from err
+        raise PublicSetUnavailable(
+            f"evaluate.benchmarks: {spec.name} could not be loaded from the hub "
+            f"({spec.hub_source}): {type(err).__name__}: {what}. Stages reach huggingface.co "
+            f"with the HF_* settings of their environment; or {fix}"
+        ) from err
 
 
 @dataclass
@@ -252,8 +341,13 @@ def load_set(spec: PublicSet, local: str | None, count: int, tokenizing) -> Load
         except RecordError as err:
             raise DataError(f"{where}, {at}: {err}; a {spec.title} record is {spec.record_format}; {fix}") from None
     first = [tokenizing.prompt_ids(list(chat.turns[0]), chat.tools) for chat in chats]
-    log.info("evaluate: %s: %d records (%d prompts) from %s", spec.title, len(chats),
-             sum(len(chat.turns) for chat in chats), source)
+    log.info(
+        "evaluate: %s: %d records (%d prompts) from %s",
+        spec.title,
+        len(chats),
+        sum(len(chat.turns) for chat in chats),
+        source,
+    )
     return LoadedSet(spec, source, chats, first)
 
 
@@ -261,8 +355,12 @@ def load_public_sets(cfg: RunConfig, tokenizing) -> list[LoadedSet]:
     """evaluate.benchmarks, loaded and their first turns rendered: before anything is measured, so that a missing
     file or a bad record stops the stage in seconds."""
     ev = cfg.evaluate
-    return [load_set(SETS[name], ev.benchmark_files.get(name), ev.benchmark_prompts or SETS[name].default_records,
-                     tokenizing) for name in ev.benchmarks]
+    return [
+        load_set(
+            SETS[name], ev.benchmark_files.get(name), ev.benchmark_prompts or SETS[name].default_records, tokenizing
+        )
+        for name in ev.benchmarks
+    ]
 
 
 # -- asking the chats, turn by turn ----------------------------------------------------------------------------
@@ -281,8 +379,9 @@ def answer_message(tokenizer, answer: list[int], end_ids: set[int]) -> dict:
     return {"role": "assistant", "content": content.strip(), **({"reasoning_content": reasoning} if reasoning else {})}
 
 
-def ask_turn_by_turn(loaded: LoadedSet, ask: Callable[[list[list[int]], int], list[list[int]]], tokenizing,
-                     end_ids: set[int]) -> None:
+def ask_turn_by_turn(
+    loaded: LoadedSet, ask: Callable[[list[list[int]], int], list[list[int]]], tokenizing, end_ids: set[int]
+) -> None:
     """Ask every chat's first turn, then each later turn with the target's own answers before it, until no chat has
     one left; `ask(prompts, turn)` answers greedily (turn: 1, 2, ...). Fills loaded.prompts and loaded.baseline,
     every turn's in order."""

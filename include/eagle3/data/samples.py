@@ -115,6 +115,7 @@ class TokenizedSample:
 def sample_id_of(messages: list[dict], tools=None) -> str:
     """Stable id: sha256 of the normalised conversation, first 16 hex digits (64 bits). Plain chat hashes
     as it always did; tool calls, tool-call ids and a tools list are part of the content when present."""
+
     def canonical(m: dict) -> list:
         row = [m["role"], m["content"], *([m["reasoning_content"]] if "reasoning_content" in m else [])]
         extras = {k: m[k] for k in ("tool_calls", "finish_reason", *TOOL_EXTRAS) if k in m}
@@ -205,17 +206,25 @@ def open_data_file(path: Path, missing_hint: str):
     except FileNotFoundError:
         raise DataError(missing_hint.format(path=path)) from None
     except OSError as err:
-        raise DataError(f"{path}: cannot open the conversations file ({err.strerror}); check data.path and the "
-                        "file's permissions") from None
+        raise DataError(
+            f"{path}: cannot open the conversations file ({err.strerror}); check data.path and the file's permissions"
+        ) from None
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)
-        kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else
-                "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else
-                "not a regular file")
+        kind = (
+            "a directory"
+            if stat.S_ISDIR(mode)
+            else "a FIFO"
+            if stat.S_ISFIFO(mode)
+            else "a device"
+            if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+            else "a socket"
+            if stat.S_ISSOCK(mode)
+            else "not a regular file"
+        )
         what = "data.path must name" if "data.path" in missing_hint else "conversations are read from"
-        raise DataError(f"{path}: is {kind}, not a regular file; {what} a JSONL file of conversations (one per "
-                        "line)")
+        raise DataError(f"{path}: is {kind}, not a regular file; {what} a JSONL file of conversations (one per line)")
     os.set_blocking(fd, True)
     return os.fdopen(fd, "rb")
 
@@ -236,8 +245,12 @@ def read_lines(handle, max_bytes: int) -> Iterator[tuple[int, bytes | None]]:
         yield line_no, line
 
 
-def read_conversations(path: str | Path, on_bad_record: str = "error", max_samples: int | None = None,
-                       missing_hint: str = "data.path: {path} does not exist"):
+def read_conversations(
+    path: str | Path,
+    on_bad_record: str = "error",
+    max_samples: int | None = None,
+    missing_hint: str = "data.path: {path} does not exist",
+):
     """Read and validate a JSONL file. Returns (conversations in file order, ReadStats)."""
     path = Path(path)
     stats = ReadStats()
@@ -249,15 +262,19 @@ def read_conversations(path: str | Path, on_bad_record: str = "error", max_sampl
                 break
             if raw is None:
                 stats.lines += 1
-                stats.bad[line_no] = (f"longer than {MAX_LINE_BYTES:,} bytes, the most one conversation may take "
-                                      "(eagle3.data.samples.MAX_LINE_BYTES); split or shorten it")
+                stats.bad[line_no] = (
+                    f"longer than {MAX_LINE_BYTES:,} bytes, the most one conversation may take "
+                    "(eagle3.data.samples.MAX_LINE_BYTES); split or shorten it"
+                )
                 continue
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as err:
                 stats.lines += 1
-                stats.bad[line_no] = (f"not UTF-8 text (byte 0x{raw[err.start]:02x} at byte {err.start + 1} of the "
-                                      "line); save the file as UTF-8")
+                stats.bad[line_no] = (
+                    f"not UTF-8 text (byte 0x{raw[err.start]:02x} at byte {err.start + 1} of the "
+                    "line); save the file as UTF-8"
+                )
                 continue
             if not line.strip():
                 continue
@@ -406,8 +423,10 @@ class TokenizeStats:
             "turns_dropped": dict(sorted(self.turns_dropped.items())),
             "turn_tokens": self.turn_tokens,
             "turn_tokens_dropped": dict(sorted(self.tokens_dropped.items())),
-            "untrained_fraction": {"turns": round(dropped_turns / max(self.assistant_turns, 1), 6),
-                                   "tokens": round(dropped_tokens / max(self.turn_tokens, 1), 6)},
+            "untrained_fraction": {
+                "turns": round(dropped_turns / max(self.assistant_turns, 1), 6),
+                "tokens": round(dropped_tokens / max(self.turn_tokens, 1), 6),
+            },
             "trained_tokens": self.trained_tokens,
             "reasoning_tokens_trained": self.reasoning_tokens,
             "turns_cut_at_max_tokens": self.cut_at_max_tokens,
@@ -424,8 +443,9 @@ def prompted_turns(conversation: Conversation) -> list[int]:
     return [i for i, m in enumerate(conversation.messages) if m["role"] == "assistant" and i > 0]
 
 
-def untrained_refusal(stats: TokenizeStats, max_fraction: float, template: str, total_turns: int | None = None,
-                      where: str = "") -> DataError | None:
+def untrained_refusal(
+    stats: TokenizeStats, max_fraction: float, template: str, total_turns: int | None = None, where: str = ""
+) -> DataError | None:
     """The error that refuses a run when more than `max_fraction` of its assistant turns, or of their tokens,
     cannot be trained as generated (data.max_untrained_fraction); None when within it. With `total_turns` (the
     assistant turns of all the data, some not tokenised yet), decided on turns alone as soon as it is certain."""
@@ -435,12 +455,16 @@ def untrained_refusal(stats: TokenizeStats, max_fraction: float, template: str, 
     over_tokens = total_turns is None and dropped_tokens > max_fraction * stats.turn_tokens
     if not (over_turns or over_tokens):
         return None
-    reasons = ", ".join(f"{reason}: {n} turns / {stats.tokens_dropped[reason]:,} tokens"
-                        for reason, n in sorted(stats.turns_dropped.items()))
+    reasons = ", ".join(
+        f"{reason}: {n} turns / {stats.tokens_dropped[reason]:,} tokens"
+        for reason, n in sorted(stats.turns_dropped.items())
+    )
     share = f"({dropped_turns / max(turns, 1):.1%})"
     if total_turns is None:
-        counts = f"{dropped_turns} of {turns} assistant turns {share} and {dropped_tokens:,} of their " \
-                 f"{stats.turn_tokens:,} tokens ({dropped_tokens / max(stats.turn_tokens, 1):.1%})"
+        counts = (
+            f"{dropped_turns} of {turns} assistant turns {share} and {dropped_tokens:,} of their "
+            f"{stats.turn_tokens:,} tokens ({dropped_tokens / max(stats.turn_tokens, 1):.1%})"
+        )
     else:
         counts = f"{dropped_turns} of the {turns} assistant turns {share} already"
     first = next(iter(stats.skipped.values()), "")
@@ -458,8 +482,9 @@ def turn_text_tokens(tokenizer, message: dict) -> tuple[int, int]:
     """The tokens of an assistant turn's own text (reasoning, content, tool calls' names and arguments), and of
     its reasoning alone: what counts toward data.max_untrained_fraction, however the template renders it."""
     reasoning = len(encode(tokenizer, message["reasoning_content"])) if message.get("reasoning_content") else 0
-    calls = "".join(c["function"]["name"] + str(c["function"].get("arguments", ""))
-                    for c in message.get("tool_calls") or ())
+    calls = "".join(
+        c["function"]["name"] + str(c["function"].get("arguments", "")) for c in message.get("tool_calls") or ()
+    )
     rest = "".join(part for part in (message.get("content"), calls) if part)
     return reasoning + (len(encode(tokenizer, rest)) if rest else 0), reasoning
 
@@ -501,8 +526,10 @@ def template_file_bytes(path: str, field_name: str = "data.generation_chat_templ
     """The bytes of the chat template file that config field `field_name` names: a regular file, not a link,
     outside /proc and /sys, of at most MAX_TEMPLATE_BYTES (fsutil.read_small_file). Raises DataError naming the
     field, the file and the fix. (What a digest of the template is taken of.)"""
-    fix = (f"point {field_name} at the jinja chat template file itself: a regular file on the box (not a link, "
-           f"nothing in /proc or /sys) of at most {MAX_TEMPLATE_BYTES >> 20} MiB")
+    fix = (
+        f"point {field_name} at the jinja chat template file itself: a regular file on the box (not a link, "
+        f"nothing in /proc or /sys) of at most {MAX_TEMPLATE_BYTES >> 20} MiB"
+    )
     try:
         return read_small_file(path, MAX_TEMPLATE_BYTES)
     except UnsafeFile as err:
@@ -517,8 +544,9 @@ def read_template_file(path: str, field_name: str = "data.generation_chat_templa
     try:
         text = template_file_bytes(path, field_name).decode("utf-8")
     except UnicodeDecodeError:
-        raise ChatTemplateError(f"{field_name} {path}: not UTF-8 text; point it at a jinja chat template "
-                                "file") from None
+        raise ChatTemplateError(
+            f"{field_name} {path}: not UTF-8 text; point it at a jinja chat template file"
+        ) from None
     return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
@@ -535,6 +563,7 @@ def run_with_time_limit(work: Callable[[], object], seconds: float) -> bool:
     that is abandoned when the time is up: it spins on until the process exits, which the caller's refusal
     brings soon (a stage exits 2)."""
     if threading.current_thread() is threading.main_thread() and signal.getitimer(signal.ITIMER_REAL)[0] == 0:
+
         def expire(signum, frame):
             raise _Expired
 
@@ -591,16 +620,25 @@ class SampleTokenizer:
         field_name = "target.tokenizer_path" if cfg.target.tokenizer_path else "target.model_path"
         template_origin = TemplateOrigin(
             f"{chat_template_file(cfg.tokenizer_dir)}, the chat template of {field_name}",
-            "Fix the template there, or set target.tokenizer_path to a tokenizer whose chat template renders.")
+            "Fix the template there, or set target.tokenizer_path to a tokenizer whose chat template renders.",
+        )
         generation_template, generation_origin, path = None, GENERATION_TEMPLATE, cfg.data.generation_chat_template
         if path:
             generation_origin = TemplateOrigin(
                 f"data.generation_chat_template {path}",
-                "Fix that file, or point data.generation_chat_template at one that renders.")
+                "Fix that file, or point data.generation_chat_template at one that renders.",
+            )
             generation_template = read_template_file(path)
-        tokenizing = cls(tokenizer, cfg.data.max_length, cfg.data.loss_mask,
-                         end_of_turn_tokens(tokenizer, cfg.target.model_path), dict(cfg.data.chat_template_kwargs),
-                         generation_template, template_origin, generation_origin)
+        tokenizing = cls(
+            tokenizer,
+            cfg.data.max_length,
+            cfg.data.loss_mask,
+            end_of_turn_tokens(tokenizer, cfg.target.model_path),
+            dict(cfg.data.chat_template_kwargs),
+            generation_template,
+            template_origin,
+            generation_origin,
+        )
         tokenizing.check_templates()
         return tokenizing
 
@@ -614,8 +652,9 @@ class SampleTokenizer:
             templates.append((self.generation_template, self.generation_template_origin))
         for template, origin in templates:
             if template is None and not getattr(self.tokenizer, "chat_template", None):
-                raise ChatTemplateError(f"{origin.where}: there is none, so what the target is served is unknown. "
-                                        f"{origin.fix}")
+                raise ChatTemplateError(
+                    f"{origin.where}: there is none, so what the target is served is unknown. {origin.fix}"
+                )
 
             def probe(template=template):
                 for upto, prompt in ((1, True), (2, False)):  # a generation prompt, and a whole conversation
@@ -624,14 +663,19 @@ class SampleTokenizer:
             try:
                 finished = run_with_time_limit(probe, limit)
             except TemplateFailed as err:
-                raise ChatTemplateError(f"{origin.where}: fails in jinja's sandbox on a two-message conversation "
-                                        f"({err}). {origin.fix}") from None
+                raise ChatTemplateError(
+                    f"{origin.where}: fails in jinja's sandbox on a two-message conversation ({err}). {origin.fix}"
+                ) from None
             except Exception as err:  # noqa: BLE001 - whatever stops the simplest conversation condemns the template
-                raise ChatTemplateError(f"{origin.where}: cannot render a two-message conversation "
-                                        f"({' '.join(str(err).split())[:300]}). {origin.fix}") from None
+                raise ChatTemplateError(
+                    f"{origin.where}: cannot render a two-message conversation "
+                    f"({' '.join(str(err).split())[:300]}). {origin.fix}"
+                ) from None
             if not finished:
-                raise ChatTemplateError(f"{origin.where}: took longer than {limit:g} s to render a two-message "
-                                        f"conversation (a loop or a recursion without end?). {origin.fix}")
+                raise ChatTemplateError(
+                    f"{origin.where}: took longer than {limit:g} s to render a two-message "
+                    f"conversation (a loop or a recursion without end?). {origin.fix}"
+                )
 
     @property
     def template_where(self) -> str:
@@ -648,12 +692,19 @@ class SampleTokenizer:
         """The conversation's renderings, and the assistant turns that cannot be placed (eagle3.data.turns)."""
         try:
             if self.generation_template is not None:
-                return renderings_as_generated(self.tokenizer, conversation, self.loss_mask, self.end_tokens,
-                                               self.template_kwargs, self.generation_template)
+                return renderings_as_generated(
+                    self.tokenizer,
+                    conversation,
+                    self.loss_mask,
+                    self.end_tokens,
+                    self.template_kwargs,
+                    self.generation_template,
+                )
             if self._pattern is None:
                 self._pattern = markup_pattern(self.tokenizer)
-            return plan_renderings(self.tokenizer, conversation, self.loss_mask, self.end_tokens,
-                                   self.template_kwargs, self._pattern)
+            return plan_renderings(
+                self.tokenizer, conversation, self.loss_mask, self.end_tokens, self.template_kwargs, self._pattern
+            )
         except TemplateFailed as err:
             raise self._refused(err, f"the conversation on line {conversation.line_no} of the data") from None
 
@@ -694,8 +745,9 @@ class SampleTokenizer:
         bos = getattr(self.tokenizer, "bos_token_id", None)
         return 1 if bos is not None and ids[:1] == [bos] and self.max_length >= 4 else 0
 
-    def fit(self, rendering: Rendering, stats: TokenizeStats | None = None,
-            head: Callable[[], str] = lambda: "") -> list[TokenizedSample]:
+    def fit(
+        self, rendering: Rendering, stats: TokenizeStats | None = None, head: Callable[[], str] = lambda: ""
+    ) -> list[TokenizedSample]:
         """The rendering's samples within max_length tokens, every turn it trains kept. The whole conversation
         keeps its start and the turns that end within max_length; each other turn becomes a sample of its own
         ("<conversation id>.<turn>", its context cut from the left: window_of_turn), which keeps its conversation's
@@ -722,8 +774,9 @@ class SampleTokenizer:
             stats.context_cut_tokens += start - kept
             stats.turn_cut_samples += cut_turn > 0
             stats.turn_cut_tokens += cut_turn
-            return [TokenizedSample(rendering.sample_id, ids[:kept] + ids[start:end], mask[:kept] + mask[start:end],
-                                    True)]
+            return [
+                TokenizedSample(rendering.sample_id, ids[:kept] + ids[start:end], mask[:kept] + mask[start:end], True)
+            ]
         conversation_id = conversation_id_of(rendering.sample_id)
         fits = [turn for turn in rendering.turns if all(at[end] <= limit for _, end in turn.spans)]
         samples = []
@@ -734,8 +787,13 @@ class SampleTokenizer:
             samples.append(TokenizedSample(rendering.sample_id, ids[:limit], kept, True))
         for turn in rendering.turns:
             if turn not in fits:
-                own = Rendering(f"{conversation_id}.{turn.index}", turn.text, turn.spans,
-                                (dataclasses.replace(turn, in_whole=False),), turn.prompt_end)
+                own = Rendering(
+                    f"{conversation_id}.{turn.index}",
+                    turn.text,
+                    turn.spans,
+                    (dataclasses.replace(turn, in_whole=False),),
+                    turn.prompt_end,
+                )
                 samples += self.fit(own, stats, head)
         return samples
 
@@ -747,11 +805,14 @@ class SampleTokenizer:
             raise self._refused(err, "a generation prompt") from None
         except TemplateRefused as err:
             last = str(messages[-1].get("content") or "")[:60] if messages else ""
-            raise DataError(f"{self.template_origin.where}: {err} (the one whose last message begins {last!r}); "
-                            "fix or drop that conversation in the data") from None
+            raise DataError(
+                f"{self.template_origin.where}: {err} (the one whose last message begins {last!r}); "
+                "fix or drop that conversation in the data"
+            ) from None
 
-    def iter(self, conversations, stats: TokenizeStats | None = None,
-             check: Callable[[TokenizeStats], None] | None = None) -> Iterator[TokenizedSample]:
+    def iter(
+        self, conversations, stats: TokenizeStats | None = None, check: Callable[[TokenizeStats], None] | None = None
+    ) -> Iterator[TokenizedSample]:
         """Tokenise lazily, a conversation's samples together, counting every assistant turn in `stats`: trained,
         or dropped with its reason (a turn the template cannot be placed in, a conversation the template refuses,
         a sample left with no trained token) and recorded in `stats.skipped` (id -> reason) rather than yielded.
@@ -775,14 +836,19 @@ class SampleTokenizer:
         placed = [t for r in plan.renderings for t in r.turns]
         # A turn with no text to train under data.loss_mask "content" (tool calls only) is no turn lost.
         empty = {t.index for t in placed if not any(end > start for start, end in t.spans)}
-        sizes = {i: turn_text_tokens(self.tokenizer, messages[i]) for i in prompted_turns(conversation)
-                 if i not in empty}
+        sizes = {
+            i: turn_text_tokens(self.tokenizer, messages[i]) for i in prompted_turns(conversation) if i not in empty
+        }
         stats.assistant_turns += len(sizes)
         stats.turn_tokens += sum(total for total, _ in sizes.values())
         stats.cut_at_max_tokens += sum(messages[i].get("finish_reason") == "length" for i in sizes)
         for i, err in plan.dropped.items():
-            stats.drop(conversation.sample_id if err.reason == TEMPLATE_REFUSED else f"{conversation.sample_id}.{i}",
-                       err.reason, f"{line}: {err}", sizes[i][0])
+            stats.drop(
+                conversation.sample_id if err.reason == TEMPLATE_REFUSED else f"{conversation.sample_id}.{i}",
+                err.reason,
+                f"{line}: {err}",
+                sizes[i][0],
+            )
         samples, lost = [], set()
         head = functools.cache(lambda: self.head_of(conversation))  # rendered only for a sample whose context is cut
         for rendering in plan.renderings:
@@ -790,12 +856,19 @@ class SampleTokenizer:
                 continue
             for sample in self.fit(rendering, stats, head):
                 if not any(sample.loss_mask):
-                    turns = [int(sample.sample_id.split(".")[1])] if "." in sample.sample_id else \
-                        [t.index for t in rendering.turns if t.index not in empty]
+                    turns = (
+                        [int(sample.sample_id.split(".")[1])]
+                        if "." in sample.sample_id
+                        else [t.index for t in rendering.turns if t.index not in empty]
+                    )
                     for i in turns:
                         lost.add(i)
-                        stats.drop(sample.sample_id, NO_TRAINED_TOKEN, f"{line}: no trained token within max_length",
-                                   sizes[i][0])
+                        stats.drop(
+                            sample.sample_id,
+                            NO_TRAINED_TOKEN,
+                            f"{line}: no trained token within max_length",
+                            sizes[i][0],
+                        )
                     continue
                 samples.append(sample)
                 stats.samples += 1

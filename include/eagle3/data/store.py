@@ -72,7 +72,11 @@ SAMPLE_TENSORS = ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_st
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448: a layer's largest |value| is stored as this
 SCALE_BYTES = 4  # float32
 SAFETENSORS_DTYPES = {  # how a chunk's header names each dtype (safe_open's get_dtype)
-    torch.int32: "I32", torch.uint8: "U8", torch.int64: "I64", torch.float32: "F32", torch.bfloat16: "BF16",
+    torch.int32: "I32",
+    torch.uint8: "U8",
+    torch.int64: "I64",
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
     torch.float8_e4m3fn: "F8_E4M3",
 }
 
@@ -113,11 +117,18 @@ class StoreMeta:
         return self.state_dtype == "fp8_e4m3"
 
     def to_json(self) -> str:
-        return json.dumps(
-            {"format": STORE_FORMAT, "hidden_size": self.hidden_size, "aux_layers": list(self.aux_layers),
-             "dtype": _torch_name(self.stored_dtype)},
-            indent=2,
-        ) + "\n"
+        return (
+            json.dumps(
+                {
+                    "format": STORE_FORMAT,
+                    "hidden_size": self.hidden_size,
+                    "aux_layers": list(self.aux_layers),
+                    "dtype": _torch_name(self.stored_dtype),
+                },
+                indent=2,
+            )
+            + "\n"
+        )
 
     @property
     def bytes_per_token(self) -> int:
@@ -132,7 +143,8 @@ class StoreMeta:
         per-token ones first, in the order the digest hashes them."""
         h, k = self.hidden_size, len(self.aux_layers)
         tensors = {
-            "input_ids": ([tokens], torch.int32), "loss_mask": ([tokens], torch.uint8),
+            "input_ids": ([tokens], torch.int32),
+            "loss_mask": ([tokens], torch.uint8),
             "aux_hidden_states": ([tokens, k * h], self.stored_dtype),
             "last_hidden_state": ([tokens, h], self.stored_dtype),
         }
@@ -289,8 +301,10 @@ def record_problem(record: object, meta: StoreMeta | None = None) -> str | None:
         return f'the field "{missing[0]}" is missing'
     chunk, size, samples, rejected = (record[name] for name in RECORD_FIELDS)
     if chunk is not None and not (isinstance(chunk, str) and CHUNK_NAME.fullmatch(chunk)):
-        return (f'"chunk" is {_shown(chunk)}, not the name of a chunk file in its shard directory '
-                "(chunk-NNNNNN.safetensors)")
+        return (
+            f'"chunk" is {_shown(chunk)}, not the name of a chunk file in its shard directory '
+            "(chunk-NNNNNN.safetensors)"
+        )
     if not is_count(size):
         return f'"bytes" is {_shown(size)}, not a non-negative integer'
     for name, pairs, second in (("samples", samples, "token count"), ("rejected", rejected, "reason")):
@@ -308,8 +322,10 @@ def record_problem(record: object, meta: StoreMeta | None = None) -> str | None:
     if meta is not None and chunk is not None:
         tokens = sum(length for _, length in samples)
         if tokens * meta.bytes_per_token > size:
-            return (f'"bytes" is {size}, less than its {tokens} tokens take at hidden_size {meta.hidden_size} with '
-                    f"{len(meta.aux_layers)} aux layers in {meta.state_dtype} ({tokens * meta.bytes_per_token} bytes)")
+            return (
+                f'"bytes" is {size}, less than its {tokens} tokens take at hidden_size {meta.hidden_size} with '
+                f"{len(meta.aux_layers)} aux layers in {meta.state_dtype} ({tokens * meta.bytes_per_token} bytes)"
+            )
     return None
 
 
@@ -327,8 +343,10 @@ def _escape_problem(directory: Path, chunk: str | None, seen: set[str]) -> str |
 
 
 def _damaged(manifest: Path, what: str) -> str:
-    return (f"{manifest}: {what}. The manifest was edited or damaged, so this shard's chunks cannot be trusted; "
-            f"delete the shard directory {manifest.parent} and run extract again (it recomputes that shard only).")
+    return (
+        f"{manifest}: {what}. The manifest was edited or damaged, so this shard's chunks cannot be trusted; "
+        f"delete the shard directory {manifest.parent} and run extract again (it recomputes that shard only)."
+    )
 
 
 # -- writing ---------------------------------------------------------------------------------
@@ -346,8 +364,15 @@ class ShardWriter:
     who this writer is, for the others' on_busy (a run's name).
     """
 
-    def __init__(self, store_dir: Path, shard: int, meta: StoreMeta, chunk_bytes: int = 256 << 20,
-                 on_busy: Callable[[str, float], None] | None = None, writer: str = ""):
+    def __init__(
+        self,
+        store_dir: Path,
+        shard: int,
+        meta: StoreMeta,
+        chunk_bytes: int = 256 << 20,
+        on_busy: Callable[[str, float], None] | None = None,
+        writer: str = "",
+    ):
         self.dir = shard_dir(store_dir, shard)
         self.dir.mkdir(parents=True, exist_ok=True)
         ensure_meta(store_dir, meta)
@@ -369,16 +394,25 @@ class ShardWriter:
         while (lock := try_exclusive_lock(path)) is None:
             holder = read_holder(path)
             if on_busy is None:
-                raise StoreBusy(f"{self.dir}: another process is writing this shard ({describe_holder(holder)}): "
-                                "another run sharing this store, or a stray extract. A retry waits for it, or stop it")
+                raise StoreBusy(
+                    f"{self.dir}: another process is writing this shard ({describe_holder(holder)}): "
+                    "another run sharing this store, or a stray extract. A retry waits for it, or stop it"
+                )
             if holder.get("pid") == os.getpid() and holder.get("host_id") == read_host_id():
-                raise StoreBusy(f"{self.dir}: this process (pid {os.getpid()}) holds the shard's lock already, in a "
-                                "writer it has not released: waiting for it would never end")
+                raise StoreBusy(
+                    f"{self.dir}: this process (pid {os.getpid()}) holds the shard's lock already, in a "
+                    "writer it has not released: waiting for it would never end"
+                )
             on_busy(describe_holder(holder), time.monotonic() - started)
             time.sleep(delay)
             delay = min(2 * delay, LOCK_POLL_MAX_S)
-        record = {"host": socket.gethostname(), "host_id": read_host_id(), "pid": os.getpid(),
-                  "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "writer": writer}
+        record = {
+            "host": socket.gethostname(),
+            "host_id": read_host_id(),
+            "pid": os.getpid(),
+            "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "writer": writer,
+        }
         lock.seek(0)
         lock.truncate()
         lock.write(json.dumps(record) + "\n")
@@ -410,8 +444,9 @@ class ShardWriter:
         """
         rejected = 0
         for sample, state in zip(samples, states, strict=True):
-            rejected += not self._add(sample.sample_id, sample.input_ids, sample.loss_mask,
-                                      state.aux_hidden_states, state.last_hidden_state)
+            rejected += not self._add(
+                sample.sample_id, sample.input_ids, sample.loss_mask, state.aux_hidden_states, state.last_hidden_state
+            )
         if self._pending_tokens >= self.chunk_tokens:
             self.flush()
         return rejected
@@ -430,9 +465,12 @@ class ShardWriter:
         if not (all_finite(aux) and all_finite(last)):  # before quantising, which would carry inf/NaN into a scale
             self._pending_rejects.append((sample_id, "non-finite hidden state"))
             return False
-        rows = {"input_ids": torch.as_tensor(input_ids, dtype=torch.int32),
-                "loss_mask": torch.as_tensor(loss_mask, dtype=torch.uint8),
-                "aux_hidden_states": aux, "last_hidden_state": last}
+        rows = {
+            "input_ids": torch.as_tensor(input_ids, dtype=torch.int32),
+            "loss_mask": torch.as_tensor(loss_mask, dtype=torch.uint8),
+            "aux_hidden_states": aux,
+            "last_hidden_state": last,
+        }
         if self.meta.quantized:  # here, on the writer thread: the forward pass does not wait for it
             rows["aux_hidden_states"], rows["aux_scales"] = quantize_fp8(aux, len(self.meta.aux_layers))
             rows["last_hidden_state"], rows["last_scale"] = quantize_fp8(last, 1)
@@ -572,8 +610,10 @@ class HiddenStateStore:
             self.rejected = {sid: reason for sid, reason in self.rejected.items() if sid in only}
             missing = only.difference(self.locations, self.rejected)
             if missing:
-                raise StoreError(f"{self.dir}: {len(missing)} of the run's samples are not in the store (e.g. "
-                                 f"{min(missing)}); run extract again, it adds what is missing")
+                raise StoreError(
+                    f"{self.dir}: {len(missing)} of the run's samples are not in the store (e.g. "
+                    f"{min(missing)}); run extract again, it adds what is missing"
+                )
 
     def __len__(self) -> int:
         return len(self.locations)
@@ -648,8 +688,11 @@ class HiddenStateStore:
                 out[i, :length] = row[name]
             return out.to(device)
 
-        batch = {"input_ids": padded("input_ids").long(), "loss_mask": padded("loss_mask").long(),
-                 "lengths": torch.tensor(lengths).to(device)}
+        batch = {
+            "input_ids": padded("input_ids").long(),
+            "loss_mask": padded("loss_mask").long(),
+            "lengths": torch.tensor(lengths).to(device),
+        }
         for name, scales in SCALE_OF.items():
             batch[name] = dequantize_fp8(padded(name), padded(scales)) if self.meta.quantized else padded(name).float()
         return batch
@@ -696,8 +739,10 @@ def open_run_store(cfg: RunConfig) -> HiddenStateStore:
         try:
             ids.update(path.read_text().split())
         except FileNotFoundError:
-            raise StoreError(f"{path}: missing, so extract shard {shard} of this run has not finished; run it "
-                             f"(python -m eagle3 extract --config {cfg.config_path} --shard {shard})") from None
+            raise StoreError(
+                f"{path}: missing, so extract shard {shard} of this run has not finished; run it "
+                f"(python -m eagle3 extract --config {cfg.config_path} --shard {shard})"
+            ) from None
     return HiddenStateStore(cfg.store_dir, only=ids)
 
 
@@ -735,8 +780,10 @@ def _header_problem(handle, record: dict, meta: StoreMeta) -> str | None:
     for name, (shape, dtype) in expected.items():
         tensor, dtype = handle.get_slice(name), SAFETENSORS_DTYPES[dtype]
         if list(tensor.get_shape()) != shape or tensor.get_dtype() != dtype:
-            return (f"{name} is {tensor.get_dtype()} {list(tensor.get_shape())}, but the manifest's {len(lengths)} "
-                    f"samples of {n} tokens at hidden_size {h} with {k} aux layers make it {dtype} {shape}")
+            return (
+                f"{name} is {tensor.get_dtype()} {list(tensor.get_shape())}, but the manifest's {len(lengths)} "
+                f"samples of {n} tokens at hidden_size {h} with {k} aux layers make it {dtype} {shape}"
+            )
     offsets = handle.get_tensor("offsets").tolist()
     if [b - a for a, b in zip(offsets, offsets[1:])] != lengths or offsets[0] != 0:
         return "its offsets disagree with the manifest's sample lengths"
@@ -779,8 +826,9 @@ def verify(store_dir: str | Path) -> dict:
                 with safe_open(str(path), framework="pt") as f:
                     found = set(f.keys())
                     if found != names:
-                        problems.append(f"{path}: tensors {sorted(found)}, expected {sorted(names)} "
-                                        f"(a {meta.state_dtype} store's)")
+                        problems.append(
+                            f"{path}: tensors {sorted(found)}, expected {sorted(names)} (a {meta.state_dtype} store's)"
+                        )
                         continue
                     t = {name: f.get_tensor(name) for name in names}
                     metadata = f.metadata() or {}
@@ -817,8 +865,10 @@ def _check_chunk(path, record, t, metadata, meta: StoreMeta) -> list[str]:
             problems.append(f"{path}: {name} is {t[name].dtype}, expected {dtype}")
     if any(list(t[name].shape) != shape for name, (shape, _) in expected.items() if name != "offsets"):
         scales = ", one scale per token and layer" if meta.quantized else ""
-        problems.append(f"{path}: shapes do not agree with {n} tokens, hidden_size {meta.hidden_size}, "
-                        f"{len(meta.aux_layers)} aux layers{scales}")
+        problems.append(
+            f"{path}: shapes do not agree with {n} tokens, hidden_size {meta.hidden_size}, "
+            f"{len(meta.aux_layers)} aux layers{scales}"
+        )
     offsets = t["offsets"].tolist()
     if offsets[0] != 0 or offsets[-1] != n or [b - a for a, b in zip(offsets, offsets[1:])] != lengths:
         problems.append(f"{path}: offsets {offsets[:4]}... disagree with the manifest's sample lengths")
@@ -836,9 +886,11 @@ def _check_chunk(path, record, t, metadata, meta: StoreMeta) -> list[str]:
             bad = ~(torch.isfinite(scales) & (scales > 0))
             if bad.any():
                 token, layer = (int(i) for i in bad.nonzero()[0])
-                problems.append(f"{path}: {scale_name} has {int(bad.sum())} scale(s) not finite and > 0 (first: token "
-                                f"{token}, layer {layer}: {float(scales[token, layer])}); a scale dequantizes its "
-                                f"layer's {meta.hidden_size} values")
+                problems.append(
+                    f"{path}: {scale_name} has {int(bad.sum())} scale(s) not finite and > 0 (first: token "
+                    f"{token}, layer {layer}: {float(scales[token, layer])}); a scale dequantizes its "
+                    f"layer's {meta.hidden_size} values"
+                )
     return problems
 
 

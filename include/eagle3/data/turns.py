@@ -41,8 +41,7 @@ NO_TRAINED_TOKEN = "no_trained_token"
 
 PLACEHOLDER = "\u27e6eagle3:{}\u27e7"  # marks a field in a rendering; no template or text has it
 # A tool call given to a turn without one, to see how the template writes the turn's reasoning when it writes it.
-PROBE_CALL = {"id": "eagle3_probe:0", "type": "function",
-              "function": {"name": "eagle3_probe", "arguments": "{}"}}
+PROBE_CALL = {"id": "eagle3_probe:0", "type": "function", "function": {"name": "eagle3_probe", "arguments": "{}"}}
 # Pieces of markup the generation prompt is matched by: tags (<think>, <｜Assistant｜>, <|im_start|>), words,
 # single other characters; whitespace runs separate them. The tokenizer's own special tokens go first.
 MARKUP_PIECES = r"(?P<tag><[^<>\s]{1,80}>)|\w+|\S"
@@ -79,13 +78,24 @@ def one_line(error: BaseException) -> str:
     return f"{type(error).__name__}{where}: {text[:300]}" if text else f"{type(error).__name__}{where}"
 
 
-def render(tokenizer, messages, tools=None, add_generation_prompt: bool = False, template_kwargs=None,
-           chat_template: str | None = None) -> str:
+def render(
+    tokenizer,
+    messages,
+    tools=None,
+    add_generation_prompt: bool = False,
+    template_kwargs=None,
+    chat_template: str | None = None,
+) -> str:
     """The chat template's text (the tokenizer's own, or `chat_template` given as a template string)."""
     try:
-        return tokenizer.apply_chat_template(list(messages), tools=list(tools) if tools else None, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt, chat_template=chat_template,
-                                             **(template_kwargs or {}))
+        return tokenizer.apply_chat_template(
+            list(messages),
+            tools=list(tools) if tools else None,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            chat_template=chat_template,
+            **(template_kwargs or {}),
+        )
     except jinja2.TemplateError as err:
         if type(err) is jinja2.TemplateError:  # the template's own raise_exception(): it refuses this conversation
             reason = " ".join(str(err).split())
@@ -143,8 +153,17 @@ def end_of_turn(text: str, start: int, end: int, end_tokens: tuple[str, ...]) ->
     return end_of_turn_span(text, start, end, end_tokens)[1]
 
 
-def content_spans(tokenizer, messages, i: int, tools, host: str, start: int, template_kwargs=None,
-                  chat_template: str | None = None, fields=None):
+def content_spans(
+    tokenizer,
+    messages,
+    i: int,
+    tools,
+    host: str,
+    start: int,
+    template_kwargs=None,
+    chat_template: str | None = None,
+    fields=None,
+):
     """Where the reasoning and content of assistant turn i stand in `host` (whose turn i's generated text begins
     at `start`); only those of `fields` when given. The turn is rendered once more with a unique placeholder in
     place of each field; the template's own text between them must then equal `host`'s, and each field must
@@ -152,24 +171,41 @@ def content_spans(tokenizer, messages, i: int, tools, host: str, start: int, tem
     call or the end-of-turn token is still placed right."""
     message = messages[i]
     fields = [key for key in (fields or ("reasoning_content", "content")) if message.get(key)]
-    marked = render(tokenizer, [*messages[:i], {**message, **{k: PLACEHOLDER.format(k) for k in fields}}], tools,
-                    template_kwargs=template_kwargs, chat_template=chat_template)
+    marked = render(
+        tokenizer,
+        [*messages[:i], {**message, **{k: PLACEHOLDER.format(k) for k in fields}}],
+        tools,
+        template_kwargs=template_kwargs,
+        chat_template=chat_template,
+    )
     spans, at, cursor = [], start, start  # at: position in host; cursor: in the marked rendering
     for key in sorted(fields, key=lambda k: marked.find(PLACEHOLDER.format(k), start)):
         where = marked.find(PLACEHOLDER.format(key), cursor)
         literal = marked[cursor:where]
         if where < 0 or not host.startswith(literal, at) or not host.startswith(message[key], at + len(literal)):
-            raise TurnNotPlaced(NOT_VERBATIM, f"turn {i} (assistant): the chat template does not render its {key} "
-                                "verbatim (it rewrites or drops it), so the content-only mask cannot be placed; use "
-                                "data.loss_mask 'assistant_turn'")
+            raise TurnNotPlaced(
+                NOT_VERBATIM,
+                f"turn {i} (assistant): the chat template does not render its {key} "
+                "verbatim (it rewrites or drops it), so the content-only mask cannot be placed; use "
+                "data.loss_mask 'assistant_turn'",
+            )
         at += len(literal)
         spans.append((at, at + len(message[key])))
         at, cursor = at + len(message[key]), where + len(PLACEHOLDER.format(key))
     return spans
 
 
-def cut_end(tokenizer, messages, i: int, tools, host: str, start: int, eot_start: int, template_kwargs=None,
-            chat_template: str | None = None) -> int:
+def cut_end(
+    tokenizer,
+    messages,
+    i: int,
+    tools,
+    host: str,
+    start: int,
+    eot_start: int,
+    template_kwargs=None,
+    chat_template: str | None = None,
+) -> int:
     """Where a turn cut at generate.max_tokens ends in `host`: after its last field (content, else reasoning),
     or before its end-of-turn token when it calls tools; the template's closing text after it, and the
     end-of-turn token, were never generated."""
@@ -178,8 +214,11 @@ def cut_end(tokenizer, messages, i: int, tools, host: str, start: int, eot_start
     try:
         spans = content_spans(tokenizer, messages, i, tools, host, start, template_kwargs, chat_template)
     except TurnNotPlaced:
-        raise TurnNotPlaced(NOT_VERBATIM, f"turn {i} (assistant): cut at generate.max_tokens, and the chat template "
-                            "does not render its text verbatim, so where the target stopped cannot be placed") from None
+        raise TurnNotPlaced(
+            NOT_VERBATIM,
+            f"turn {i} (assistant): cut at generate.max_tokens, and the chat template "
+            "does not render its text verbatim, so where the target stopped cannot be placed",
+        ) from None
     return max(end for _, end in spans)
 
 
@@ -204,8 +243,9 @@ def markup_pattern(tokenizer) -> re.Pattern:
     except (AttributeError, NotImplementedError):
         pass
     alternatives = [re.escape(s) for s in sorted((s for s in specials if s.strip()), key=len, reverse=True)]
-    return re.compile("|".join([*(["(?P<special>" + "|".join(alternatives) + ")"] if alternatives else []),
-                                MARKUP_PIECES]))
+    return re.compile(
+        "|".join([*(["(?P<special>" + "|".join(alternatives) + ")"] if alternatives else []), MARKUP_PIECES])
+    )
 
 
 def _pieces(pattern: re.Pattern, text: str, start: int = 0, end: int | None = None) -> list[tuple[str, int, int]]:
@@ -225,8 +265,7 @@ def _whitespace_run(text: str, at: int, limit: int) -> int:
     return end - at
 
 
-def align_generation_prompt(tail: str, turn: str, low: int, high: int, pattern: re.Pattern,
-                            i: int) -> tuple[int, bool]:
+def align_generation_prompt(tail: str, turn: str, low: int, high: int, pattern: re.Pattern, i: int) -> tuple[int, bool]:
     """Where the generated text begins in `turn`, whose turn opening lies in turn[low:high]: after what the
     generation prompt's own text `tail` covers of it. Returns that position and whether `tail` has markup the
     turn does not show (it opened something: DeepSeek-V3.1's `<think>`). See the module docstring, step 3."""
@@ -237,9 +276,12 @@ def align_generation_prompt(tail: str, turn: str, low: int, high: int, pattern: 
     texts = [piece for piece, _, _ in opening]
     anchors = [j for j, piece in enumerate(texts) if piece == served[0][0]]
     if not anchors:
-        raise TurnNotPlaced(NOT_PLACED, f"turn {i} (assistant): the chat template renders this turn with another "
-                            f"opening than the generation prompt it is served with ({tail.strip()[:60]!r}), so what "
-                            "the target generated cannot be placed")
+        raise TurnNotPlaced(
+            NOT_PLACED,
+            f"turn {i} (assistant): the chat template renders this turn with another "
+            f"opening than the generation prompt it is served with ({tail.strip()[:60]!r}), so what "
+            "the target generated cannot be placed",
+        )
     j = anchors[-1]
     k = 1
     while k < len(served) and j + k < len(texts) and texts[j + k] == served[k][0]:
@@ -248,15 +290,21 @@ def align_generation_prompt(tail: str, turn: str, low: int, high: int, pattern: 
     before_first = opening[j][1]
     while before_first > low and turn[before_first - 1].isspace():
         before_first -= 1
-    relaid = any(tail[served[m - 1][2] if m else 0 : served[m][1]]
-                 != turn[opening[j + m - 1][2] if m else before_first : opening[j + m][1]] for m in range(k))
-    position, rest = opening[j + k - 1][2], tail[served[k - 1][2]:]
+    relaid = any(
+        tail[served[m - 1][2] if m else 0 : served[m][1]]
+        != turn[opening[j + m - 1][2] if m else before_first : opening[j + m][1]]
+        for m in range(k)
+    )
+    position, rest = opening[j + k - 1][2], tail[served[k - 1][2] :]
     run = _whitespace_run(turn, position, high)
     if not all(_is_markup(pattern, piece) for piece, _, _ in served[k:]):
-        raise TurnNotPlaced(NOT_PLACED, f"turn {i} (assistant): the chat template renders this turn with another "
-                            f"opening than the generation prompt it is served with ({tail.strip()[:60]!r} where the "
-                            f"turn shows {turn[opening[j][1]:high].strip()[:60]!r}), so what the target generated "
-                            "cannot be placed")
+        raise TurnNotPlaced(
+            NOT_PLACED,
+            f"turn {i} (assistant): the chat template renders this turn with another "
+            f"opening than the generation prompt it is served with ({tail.strip()[:60]!r} where the "
+            f"turn shows {turn[opening[j][1] : high].strip()[:60]!r}), so what the target generated "
+            "cannot be placed",
+        )
     if k < len(served) or relaid:
         return position + run, k < len(served)  # the turn's layout whitespace there is the template's, not generated
     if rest and turn.startswith(rest, position) and position + len(rest) <= high:
@@ -273,8 +321,9 @@ def reasoning_slot(tokenizer, context, marked_message, marked: str, start: int, 
     if marked_message.get("tool_calls"):
         return None  # as rendered already: a tool-calling turn the template still blanks shows nothing more
     try:
-        probe = render(tokenizer, [*context, {**marked_message, "tool_calls": [PROBE_CALL]}], tools, False,
-                       template_kwargs)
+        probe = render(
+            tokenizer, [*context, {**marked_message, "tool_calls": [PROBE_CALL]}], tools, False, template_kwargs
+        )
     except (TemplateRefused, TemplateFailed):
         return None  # the template will not take the made-up call: nothing learnt
     at, content = probe.find(reasoning_mark), probe.find(content_mark)
@@ -290,8 +339,18 @@ def reasoning_slot(tokenizer, context, marked_message, marked: str, start: int, 
     return slot
 
 
-def placed_as_rendered(tokenizer, messages, i: int, tools, whole: str, served: str, through: str, loss_mask: str,
-                       end_tokens, template_kwargs=None) -> PlacedTurn | None:
+def placed_as_rendered(
+    tokenizer,
+    messages,
+    i: int,
+    tools,
+    whole: str,
+    served: str,
+    through: str,
+    loss_mask: str,
+    end_tokens,
+    template_kwargs=None,
+) -> PlacedTurn | None:
     """Turn i placed where the template renders it as generated: `through` (the conversation rendered through
     it) starts with `served` (rendered before it with the generation prompt) and holds the turn's reasoning.
     None when it does not."""
@@ -306,13 +365,26 @@ def placed_as_rendered(tokenizer, messages, i: int, tools, whole: str, served: s
         return None  # (a template may trim the reasoning's newlines: Qwen3's does)
     if message.get("finish_reason") == "length":
         end = cut_end(tokenizer, messages, i, tools, host, start, eot_start, template_kwargs)
-    spans = [(start, end)] if loss_mask == "assistant_turn" else \
-        content_spans(tokenizer, messages, i, tools, host, start, template_kwargs)
+    spans = (
+        [(start, end)]
+        if loss_mask == "assistant_turn"
+        else content_spans(tokenizer, messages, i, tools, host, start, template_kwargs)
+    )
     return PlacedTurn(i, host[: max(len(through), end)], tuple(spans), in_whole=in_whole)
 
 
-def derived_turn(tokenizer, messages, i: int, tools, served: str, turn: str, loss_mask: str, end_tokens,
-                 template_kwargs, pattern: re.Pattern) -> PlacedTurn:
+def derived_turn(
+    tokenizer,
+    messages,
+    i: int,
+    tools,
+    served: str,
+    turn: str,
+    loss_mask: str,
+    end_tokens,
+    template_kwargs,
+    pattern: re.Pattern,
+) -> PlacedTurn:
     """Turn i as the target generated it, for a template that does not render it so (the module docstring,
     steps 1-5): `served` (the prompt with the generation prompt), then the generated text, found in `turn` (the
     conversation rendered through turn i). Raises TurnNotPlaced."""
@@ -322,12 +394,15 @@ def derived_turn(tokenizer, messages, i: int, tools, served: str, turn: str, los
         return render(tokenizer, upto_messages, tools, False, template_kwargs)
 
     reasoning = message.get("reasoning_content") or ""
-    marked_message = {**message, "content": PLACEHOLDER.format("content"),
-                      **({"reasoning_content": PLACEHOLDER.format("reasoning_content")} if reasoning else {})}
+    marked_message = {
+        **message,
+        "content": PLACEHOLDER.format("content"),
+        **({"reasoning_content": PLACEHOLDER.format("reasoning_content")} if reasoning else {}),
+    }
     alone, marked = text(context), text([*context, marked_message])
     first_field = common_prefix(turn, marked)
     low = min(common_prefix(turn, alone), first_field)
-    tail = served[common_prefix(served, alone):]
+    tail = served[common_prefix(served, alone) :]
     start, opened = align_generation_prompt(tail, turn, low, first_field, pattern, i)
     eot_start, end = end_of_turn_span(turn, start, len(turn), end_tokens)
     if eot_start == end == len(turn):  # no end-of-turn token: the template may write it once a message follows
@@ -341,13 +416,22 @@ def derived_turn(tokenizer, messages, i: int, tools, served: str, turn: str, los
         if insert is None and opened:
             insert = start  # the generation prompt opened the reasoning: the target writes it first
         if insert is None or insert < start or insert > end:
-            raise TurnNotPlaced(REASONING_NOT_RENDERED, f"turn {i} (assistant): the chat template never renders "
-                                "its reasoning_content, and leaves no place after the generation prompt to put it")
+            raise TurnNotPlaced(
+                REASONING_NOT_RENDERED,
+                f"turn {i} (assistant): the chat template never renders "
+                "its reasoning_content, and leaves no place after the generation prompt to put it",
+            )
     kept = ("content",) if insert is not None else None  # the fields the template writes
     if message.get("finish_reason") == "length":
-        end = cut_end(tokenizer, messages, i, tools, turn, start, eot_start, template_kwargs) if kept is None else \
-            eot_start if message.get("tool_calls") else \
-            max(b for _, b in content_spans(tokenizer, messages, i, tools, turn, start, template_kwargs, fields=kept))
+        end = (
+            cut_end(tokenizer, messages, i, tools, turn, start, eot_start, template_kwargs)
+            if kept is None
+            else eot_start
+            if message.get("tool_calls")
+            else max(
+                b for _, b in content_spans(tokenizer, messages, i, tools, turn, start, template_kwargs, fields=kept)
+            )
+        )
 
     def moved(position: int) -> int:  # a position in turn -> in the sample's text
         return len(served) + position - start + (len(reasoning) if insert is not None and position >= insert else 0)
@@ -357,15 +441,23 @@ def derived_turn(tokenizer, messages, i: int, tools, served: str, turn: str, los
     if loss_mask == "assistant_turn":
         spans = [(len(served), len(sample))]
     else:
-        spans = [(moved(a), moved(b)) for a, b in content_spans(tokenizer, messages, i, tools, turn, start,
-                                                                 template_kwargs, fields=kept)]
+        spans = [
+            (moved(a), moved(b))
+            for a, b in content_spans(tokenizer, messages, i, tools, turn, start, template_kwargs, fields=kept)
+        ]
         if insert is not None:
             spans = sorted([*spans, (moved(insert) - len(reasoning), moved(insert))])
     return PlacedTurn(i, sample, tuple(spans), prompt_end=len(served), derived=True)
 
 
-def plan_renderings(tokenizer, conversation, loss_mask: str = "assistant_turn", end_tokens: tuple[str, ...] = (),
-                    template_kwargs=None, pattern: re.Pattern | None = None) -> Plan:
+def plan_renderings(
+    tokenizer,
+    conversation,
+    loss_mask: str = "assistant_turn",
+    end_tokens: tuple[str, ...] = (),
+    template_kwargs=None,
+    pattern: re.Pattern | None = None,
+) -> Plan:
     """The samples of one conversation: the whole conversation with the turns it shows as generated, then one
     sample for each other assistant turn (rendered through it, or derived). Tool results are never trained;
     neither is an assistant turn with nothing before it (nothing prompted it)."""
@@ -379,10 +471,11 @@ def plan_renderings(tokenizer, conversation, loss_mask: str = "assistant_turn", 
         served = render(tokenizer, messages[:i], tools, True, template_kwargs)
         through = render(tokenizer, messages[: i + 1], tools, False, template_kwargs)
         try:
-            turn = placed_as_rendered(tokenizer, messages, i, tools, whole, served, through, loss_mask, end_tokens,
-                                      template_kwargs) or \
-                derived_turn(tokenizer, messages, i, tools, served, through, loss_mask, end_tokens, template_kwargs,
-                             pattern)
+            turn = placed_as_rendered(
+                tokenizer, messages, i, tools, whole, served, through, loss_mask, end_tokens, template_kwargs
+            ) or derived_turn(
+                tokenizer, messages, i, tools, served, through, loss_mask, end_tokens, template_kwargs, pattern
+            )
         except TurnNotPlaced as err:
             dropped[i] = err
             continue
@@ -394,14 +487,17 @@ def assemble(conversation_id: str, whole: str, placed: list[PlacedTurn]) -> list
     """The whole rendering with the turns it hosts (under the conversation's id), then a sample per other turn
     ("<conversation id>.<turn index>")."""
     hosted = tuple(t for t in placed if t.in_whole)
-    renderings = [Rendering(conversation_id, whole, tuple(s for t in hosted for s in t.spans), hosted)] if hosted \
-        else []
-    return renderings + [Rendering(f"{conversation_id}.{t.index}", t.text, t.spans, (t,), t.prompt_end)
-                         for t in placed if not t.in_whole]
+    renderings = (
+        [Rendering(conversation_id, whole, tuple(s for t in hosted for s in t.spans), hosted)] if hosted else []
+    )
+    return renderings + [
+        Rendering(f"{conversation_id}.{t.index}", t.text, t.spans, (t,), t.prompt_end) for t in placed if not t.in_whole
+    ]
 
 
-def renderings_as_generated(tokenizer, conversation, loss_mask: str, end_tokens: tuple[str, ...], template_kwargs,
-                            generation_template: str) -> Plan:
+def renderings_as_generated(
+    tokenizer, conversation, loss_mask: str, end_tokens: tuple[str, ...], template_kwargs, generation_template: str
+) -> Plan:
     """data.generation_chat_template: for targets whose template never renders a turn's reasoning as it was
     generated, when the derivation above does not do (or to be explicit). Each assistant turn is a sample of
     its own: its prompt as the target's template renders it (what the target was served), then the turn as the
@@ -418,23 +514,40 @@ def renderings_as_generated(tokenizer, conversation, loss_mask: str, end_tokens:
         through = render(tokenizer, messages[: i + 1], tools, False, template_kwargs, generation_template)
         try:
             if not through.startswith(before):
-                raise TurnNotPlaced(NOT_PLACED, f"turn {i} (assistant): data.generation_chat_template renders this "
-                                    "turn with another prefix than its generation prompt; it must render every turn "
-                                    "as generated (append-only)")
+                raise TurnNotPlaced(
+                    NOT_PLACED,
+                    f"turn {i} (assistant): data.generation_chat_template renders this "
+                    "turn with another prefix than its generation prompt; it must render every turn "
+                    "as generated (append-only)",
+                )
             eot_start, end = end_of_turn_span(through, len(before), len(through), end_tokens)
             if message.get("finish_reason") == "length":
-                end = cut_end(tokenizer, messages, i, tools, through, len(before), eot_start, template_kwargs,
-                              generation_template)
+                end = cut_end(
+                    tokenizer, messages, i, tools, through, len(before), eot_start, template_kwargs, generation_template
+                )
             text = prompt + through[len(before) : end]
             shift = len(prompt) - len(before)
-            spans = [(len(prompt), len(text))] if loss_mask == "assistant_turn" else [
-                (a + shift, b + shift)
-                for a, b in content_spans(tokenizer, messages, i, tools, through, len(before), template_kwargs,
-                                          generation_template)]
+            spans = (
+                [(len(prompt), len(text))]
+                if loss_mask == "assistant_turn"
+                else [
+                    (a + shift, b + shift)
+                    for a, b in content_spans(
+                        tokenizer, messages, i, tools, through, len(before), template_kwargs, generation_template
+                    )
+                ]
+            )
         except TurnNotPlaced as err:
             dropped[i] = err
             continue
         turn = PlacedTurn(i, text, tuple(spans), prompt_end=len(prompt), derived=True)
-        renderings.append(Rendering(conversation.sample_id if i == last else f"{conversation.sample_id}.{i}", text,
-                                    tuple(spans), (turn,), len(prompt)))
+        renderings.append(
+            Rendering(
+                conversation.sample_id if i == last else f"{conversation.sample_id}.{i}",
+                text,
+                tuple(spans),
+                (turn,),
+                len(prompt),
+            )
+        )
     return Plan(renderings, dropped)

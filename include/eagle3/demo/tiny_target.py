@@ -113,7 +113,10 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     )
     bpe.train_from_iterator(texts, trainer)
     return PreTrainedTokenizerFast(
-        tokenizer_object=bpe, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>",
+        tokenizer_object=bpe,
+        bos_token="<|bos|>",
+        eos_token="<|eos|>",
+        pad_token="<|pad|>",
         chat_template=CHAT_TEMPLATE,
     )
 

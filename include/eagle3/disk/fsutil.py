@@ -178,8 +178,10 @@ def _walk_regular(directory_fd: int, shown: Path, prefix: str) -> Iterator[tuple
         if kind == stat.S_IFLNK:
             raise UnsafeTree(f"{shown / name}: a symbolic link, where only regular files and directories may be")
         if kind not in (stat.S_IFREG, stat.S_IFDIR):
-            raise UnsafeTree(f"{shown / name}: not a regular file (a FIFO, socket or device), where only regular "
-                             "files and directories may be")
+            raise UnsafeTree(
+                f"{shown / name}: not a regular file (a FIFO, socket or device), where only regular "
+                "files and directories may be"
+            )
         fd, st = _open_nofollow(name, directory_fd, shown / name)
         if stat.S_IFMT(st.st_mode) != kind:
             os.close(fd)
@@ -273,9 +275,15 @@ class UnsafeFile(ValueError):
 
 def file_kind(mode: int) -> str:
     """What a stat mode is, for a message: "a directory", "a FIFO", ..."""
-    kinds = ((stat.S_ISREG, "a regular file"), (stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a directory"),
-             (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a device"),
-             (stat.S_ISBLK, "a device"))
+    kinds = (
+        (stat.S_ISREG, "a regular file"),
+        (stat.S_ISLNK, "a symbolic link"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a device"),
+        (stat.S_ISBLK, "a device"),
+    )
     return next((kind for test, kind in kinds if test(mode)), "a special file")
 
 
@@ -311,8 +319,10 @@ def read_small_file(path: str | Path, max_bytes: int) -> bytes:
     path = Path(path)
     root = _pseudo_filesystem_of(path)
     if root is not None:
-        raise UnsafeFile(f"{path}: a file in {root}, the kernel's view of processes and devices, not a data file "
-                         "(a read there may block or never end)")
+        raise UnsafeFile(
+            f"{path}: a file in {root}, the kernel's view of processes and devices, not a data file "
+            "(a read there may block or never end)"
+        )
     info = os.lstat(path)
     if not stat.S_ISREG(info.st_mode):
         raise UnsafeFile(f"{path}: {file_kind(info.st_mode)}, not a regular file")
@@ -339,6 +349,7 @@ def read_small_file(path: str | Path, max_bytes: int) -> bytes:
         os.close(fd)
     data = b"".join(chunks)
     if len(data) > max_bytes:
-        raise UnsafeFile(f"{path}: more than the {max_bytes} bytes read here (it grew while it was read, or is not "
-                         "the size it says)")
+        raise UnsafeFile(
+            f"{path}: more than the {max_bytes} bytes read here (it grew while it was read, or is not the size it says)"
+        )
     return data

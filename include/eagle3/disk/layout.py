@@ -53,8 +53,13 @@ READABLE_REPORTS = (REPORT, BENCHMARK_REPORT)
 
 # What each stage a run may redo (the DAG's box.redo_from) writes in the run directory, in pipeline order: a redo
 # renames these aside and redoes every later stage too, so that no output from before a redo sits beside one after.
-REDO_OUTPUTS = {"vocab": (MAPPING_DIR,), "train": (TRAIN_DIR,), "export": (DRAFTER_DIR,), "evaluate": (EVALUATE_DIR,),
-                "benchmark": (BENCHMARK_DIR,)}
+REDO_OUTPUTS = {
+    "vocab": (MAPPING_DIR,),
+    "train": (TRAIN_DIR,),
+    "export": (DRAFTER_DIR,),
+    "evaluate": (EVALUATE_DIR,),
+    "benchmark": (BENCHMARK_DIR,),
+}
 
 # -- a drafter directory (RUN_DIR/drafter, and each promoted version of a lineage) ----------------------------------
 DRAFTER_CONFIG = "config.json"  # what the engines load

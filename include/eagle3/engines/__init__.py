@@ -36,8 +36,17 @@ from eagle3.model.layer_ids import DEEPSEEK_FAMILY
 if TYPE_CHECKING:
     from eagle3.config import RunConfig
 
-__all__ = ["GREEDY", "Completion", "Sampling", "Speculation", "engine_for", "flag_tokens", "reached_per_step",
-           "reached_total", "served_config_gaps"]
+__all__ = [
+    "GREEDY",
+    "Completion",
+    "Sampling",
+    "Speculation",
+    "engine_for",
+    "flag_tokens",
+    "reached_per_step",
+    "reached_total",
+    "served_config_gaps",
+]
 
 
 def engine_for(cfg: RunConfig):
@@ -51,10 +60,10 @@ def engine_for(cfg: RunConfig):
 # written by transformers' DeepseekV3Config (a converted or home-made checkpoint) lacks the first three.
 SERVED_CONFIG_FIELDS = {
     "deepseek": {
-        "topk_method": "SGLang reads it with no default; vLLM without \"noaux_tc\" creates no "
-                       "gate.e_score_correction_bias and fails to load the weights",
+        "topk_method": 'SGLang reads it with no default; vLLM without "noaux_tc" creates no '
+        "gate.e_score_correction_bias and fails to load the weights",
         "scoring_func": "SGLang reads it with no default; vLLM falls back to softmax where transformers routes by "
-                        "sigmoid",
+        "sigmoid",
         "moe_layer_freq": "SGLang reads it with no default",
         "n_group": "SGLang reads it with no default",
         "topk_group": "SGLang reads it with no default",

@@ -98,8 +98,10 @@ def wait_until_healthy(process: subprocess.Popen, base_url: str, log_path: Path,
     with httpx.Client(timeout=5.0) as client:
         while True:
             if process.poll() is not None:
-                raise ServerError(f"the server exited with code {process.returncode} before it served; "
-                                  f"last lines of {log_path}:\n" + "\n".join(read_log_tail(log_path)))
+                raise ServerError(
+                    f"the server exited with code {process.returncode} before it served; "
+                    f"last lines of {log_path}:\n" + "\n".join(read_log_tail(log_path))
+                )
             try:
                 if client.get(f"{base_url}/health").status_code == 200:
                     log.info("server: healthy after %.0f s at %s", time.monotonic() - started, base_url)
@@ -107,9 +109,10 @@ def wait_until_healthy(process: subprocess.Popen, base_url: str, log_path: Path,
             except httpx.TransportError:
                 pass
             if time.monotonic() > deadline:
-                raise ServerError(f"the server did not answer {base_url}/health within {timeout_s:.0f} s "
-                                  f"(server.startup_timeout_s); last lines of {log_path}:\n"
-                                  + "\n".join(read_log_tail(log_path)))
+                raise ServerError(
+                    f"the server did not answer {base_url}/health within {timeout_s:.0f} s "
+                    f"(server.startup_timeout_s); last lines of {log_path}:\n" + "\n".join(read_log_tail(log_path))
+                )
             if time.monotonic() > next_note:
                 next_note += 60
                 log.info("server: still starting after %.0f s (log: %s)", time.monotonic() - started, log_path)
@@ -131,8 +134,9 @@ def stop(process: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:
 
 
 @contextlib.contextmanager
-def serving(cfg: RunConfig, log_path: Path,
-            speculation: Speculation | None = None, tree: dict | None = None) -> Iterator[str]:
+def serving(
+    cfg: RunConfig, log_path: Path, speculation: Speculation | None = None, tree: dict | None = None
+) -> Iterator[str]:
     """Start the run's engine (with the drafter of `speculation`, if any; `tree`: benchmark's SGLang tree shape),
     wait for /health, yield its base URL; stop it on the way out, whatever happened."""
     argv = engine_for(cfg).launch_argv(cfg, speculation, tree)
@@ -142,13 +146,26 @@ def serving(cfg: RunConfig, log_path: Path,
     base_url = f"http://{HOST}:{cfg.server.port}"
     log.info("server: starting %s (log: %s)", shlex.join(argv), log_path)
     with sigterm_as_exit(), open(log_path, "ab") as log_file:
-        process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
-                                   start_new_session=True, preexec_fn=_die_with_parent)
+        process = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
         try:
-            atomic_write_text(record_path, json.dumps({
-                "pgid": process.pid, "pid_start_ticks": pid_start_ticks(process.pid), "boot_id": read_boot_id(),
-                "argv": argv,
-            }))
+            atomic_write_text(
+                record_path,
+                json.dumps(
+                    {
+                        "pgid": process.pid,
+                        "pid_start_ticks": pid_start_ticks(process.pid),
+                        "boot_id": read_boot_id(),
+                        "argv": argv,
+                    }
+                ),
+            )
             # The supervisor's stall limit would count a 1T model's load as a hang: announce the silence.
             beat(f"server: starting {cfg.target.model_path}", allowance_s=cfg.server.startup_timeout_s + 60)
             wait_until_healthy(process, base_url, log_path, cfg.server.startup_timeout_s)

@@ -27,8 +27,9 @@ from eagle3.engines.base import GREEDY, Completion, Sampling, Speculation, flag_
 class SglangEngine:
     name = "sglang"
 
-    def launch_argv(self, cfg: RunConfig,
-                    speculation: Speculation | None = None, tree: dict | None = None) -> list[str]:
+    def launch_argv(
+        self, cfg: RunConfig, speculation: Speculation | None = None, tree: dict | None = None
+    ) -> list[str]:
         """The server's argv: the run config's settings, server.extra_args, then the drafter's flags. `tree`
         (benchmark: num_steps, eagle_topk, num_draft_tokens) replaces the chain's shape."""
         server = cfg.server
@@ -44,8 +45,11 @@ class SglangEngine:
             **server.extra_args,
         }
         if speculation is not None:
-            shape = tree or {"num_steps": speculation.draft_length, "eagle_topk": 1,
-                             "num_draft_tokens": speculation.draft_length + 1}
+            shape = tree or {
+                "num_steps": speculation.draft_length,
+                "eagle_topk": 1,
+                "num_draft_tokens": speculation.draft_length + 1,
+            }
             flags |= {
                 "speculative-algorithm": "EAGLE3",
                 "speculative-draft-model-path": str(speculation.drafter),
@@ -67,14 +71,25 @@ class SglangEngine:
             )
         return [python, "-m", "sglang.launch_server"]
 
-    async def complete(self, client: httpx.AsyncClient, base_url: str, prompt: list[int],
-                       max_new_tokens: int, sampling: Sampling = GREEDY, seed: int | None = None) -> Completion:
-        drawn = {} if sampling.greedy else {"top_p": sampling.top_p, "top_k": sampling.top_k or -1,
-                                            "sampling_seed": seed}
-        response = await client.post(f"{base_url}/generate", json={
-            "input_ids": prompt,
-            "sampling_params": {"temperature": sampling.temperature, "max_new_tokens": max_new_tokens, **drawn},
-        })
+    async def complete(
+        self,
+        client: httpx.AsyncClient,
+        base_url: str,
+        prompt: list[int],
+        max_new_tokens: int,
+        sampling: Sampling = GREEDY,
+        seed: int | None = None,
+    ) -> Completion:
+        drawn = (
+            {} if sampling.greedy else {"top_p": sampling.top_p, "top_k": sampling.top_k or -1, "sampling_seed": seed}
+        )
+        response = await client.post(
+            f"{base_url}/generate",
+            json={
+                "input_ids": prompt,
+                "sampling_params": {"temperature": sampling.temperature, "max_new_tokens": max_new_tokens, **drawn},
+            },
+        )
         response.raise_for_status()
         answer = response.json()
         meta = answer["meta_info"]
@@ -85,5 +100,4 @@ class SglangEngine:
         correct = meta.get("spec_num_correct_drafts")
         if correct is None:  # an older SGLang: only completion tokens and verify steps
             correct = meta["completion_tokens"] - 1 - steps
-        return Completion(output, verify_steps=steps,
-                          accepted=reached_total(correct, meta["completion_tokens"], steps))
+        return Completion(output, verify_steps=steps, accepted=reached_total(correct, meta["completion_tokens"], steps))

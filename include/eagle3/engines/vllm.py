@@ -33,8 +33,9 @@ if TYPE_CHECKING:
 class VllmEngine:
     name = "vllm"
 
-    def launch_argv(self, cfg: RunConfig,
-                    speculation: Speculation | None = None, tree: dict | None = None) -> list[str]:
+    def launch_argv(
+        self, cfg: RunConfig, speculation: Speculation | None = None, tree: dict | None = None
+    ) -> list[str]:
         if tree is not None and tree["eagle_topk"] != 1:
             raise ValueError("vLLM drafts EAGLE-3 chains only (eagle_topk 1)")  # the run config refuses it first
         server = cfg.server
@@ -52,20 +53,35 @@ class VllmEngine:
         if speculation is not None:
             draft_length = tree["num_steps"] if tree else speculation.draft_length
             flags |= {
-                "speculative-config": json.dumps({"method": "eagle3", "model": str(speculation.drafter),
-                                                  "num_speculative_tokens": draft_length}, separators=(",", ":")),
+                "speculative-config": json.dumps(
+                    {"method": "eagle3", "model": str(speculation.drafter), "num_speculative_tokens": draft_length},
+                    separators=(",", ":"),
+                ),
                 "per-request-spec-decode-metrics": "detailed",
             }
         python = cfg.server.python or sys.executable
         return [python, "-m", "vllm.entrypoints.openai.api_server", *flag_tokens(flags)]
 
-    async def complete(self, client: httpx.AsyncClient, base_url: str, prompt: list[int],
-                       max_new_tokens: int, sampling: Sampling = GREEDY, seed: int | None = None) -> Completion:
+    async def complete(
+        self,
+        client: httpx.AsyncClient,
+        base_url: str,
+        prompt: list[int],
+        max_new_tokens: int,
+        sampling: Sampling = GREEDY,
+        seed: int | None = None,
+    ) -> Completion:
         drawn = {} if sampling.greedy else {"top_p": sampling.top_p, "top_k": sampling.top_k or -1, "seed": seed}
-        response = await client.post(f"{base_url}/v1/completions", json={
-            "prompt": prompt, "max_tokens": max_new_tokens, "temperature": sampling.temperature,
-            "return_token_ids": True, **drawn,
-        })
+        response = await client.post(
+            f"{base_url}/v1/completions",
+            json={
+                "prompt": prompt,
+                "max_tokens": max_new_tokens,
+                "temperature": sampling.temperature,
+                "return_token_ids": True,
+                **drawn,
+            },
+        )
         response.raise_for_status()
         answer = response.json()
         output = list(answer["choices"][0]["token_ids"])

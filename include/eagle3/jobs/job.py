@@ -126,8 +126,10 @@ def start_job(
         raise JobError(f"--redo {redo!r} is invalid: it must match {KEY_PATTERN.pattern}")
     outputs = [output_to_set_aside(directory, path) for path in set_aside]
     if not 0 < heartbeat_s <= stale_after_s / 2:
-        raise JobError(f"--heartbeat-s {heartbeat_s:g} must be positive and at most half of --stale-after-s "
-                       f"{stale_after_s:g}, or a healthy job would look dead")
+        raise JobError(
+            f"--heartbeat-s {heartbeat_s:g} must be positive and at most half of --stale-after-s "
+            f"{stale_after_s:g}, or a healthy job would look dead"
+        )
     env = stage_environment(pass_env)
     if owner is not None:
         check_owner(directory.parent.parent, owner)
@@ -161,8 +163,9 @@ def start_job(
                 raise ForeignJob(f"job {key} (try {state['try']}) is {reason}")
             refused = stop_last_try(state, directory) if state is not None else None
             try_number = (state["try"] if state else 0) + 1
-        supervisor = launch_supervisor(directory, argv, heartbeat_s, try_number, env, stall,
-                                       redo if redo is not None else recorded_redo)
+        supervisor = launch_supervisor(
+            directory, argv, heartbeat_s, try_number, env, stall, redo if redo is not None else recorded_redo
+        )
         return {**wait_for_report(directory, supervisor, try_number), "attached": False, "refused": refused}
 
 
@@ -180,8 +183,10 @@ def output_to_set_aside(directory: Path, path: str) -> Path:
     REDO_OUTPUTS), directly in the run directory the jobs directory is in."""
     run_dir, name = directory.parent.parent, Path(path).name
     if Path(path).parent.absolute() != run_dir or name not in REDONE_OUTPUTS:
-        raise JobError(f"--set-aside {path!r} is not an output this job may move: it must be one of "
-                       f"{', '.join(sorted(REDONE_OUTPUTS))} in the run directory {run_dir}")
+        raise JobError(
+            f"--set-aside {path!r} is not an output this job may move: it must be one of "
+            f"{', '.join(sorted(REDONE_OUTPUTS))} in the run directory {run_dir}"
+        )
     return run_dir / name
 
 
@@ -198,10 +203,12 @@ def redo_job(directory: Path, redo: str, outputs: list[Path], stale_after_s: flo
     if effective == "foreign":
         raise ForeignJob(f"job {directory.name} (try {state['try']}) is {reason}; a redo does not start beside it")
     if effective == "running":
-        raise JobLaunchError(f"job {directory.name} is running (try {state['try']}, pid {state['pid']}): a redo does "
-                             "not start beside a live try. Wait for it to end, or kill it (mark the task failed, or "
-                             f"`python -m eagle3 job kill --jobs-dir {directory.parent} --key {directory.name}`), then "
-                             "start again")
+        raise JobLaunchError(
+            f"job {directory.name} is running (try {state['try']}, pid {state['pid']}): a redo does "
+            "not start beside a live try. Wait for it to end, or kill it (mark the task failed, or "
+            f"`python -m eagle3 job kill --jobs-dir {directory.parent} --key {directory.name}`), then "
+            "start again"
+        )
     if state is not None:
         stop_last_try(state, directory)
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
@@ -209,8 +216,9 @@ def redo_job(directory: Path, redo: str, outputs: list[Path], stale_after_s: flo
         if output.exists() or output.is_symlink():
             os.rename(output, output.with_name(f"{output.name}.before-redo-{stamp}"))
     archive = directory / "redone" / stamp
-    names = [name for name in ("state.json", "spec.json", "log", "progress.json", CURSOR_FILE)
-             if (directory / name).exists()]
+    names = [
+        name for name in ("state.json", "spec.json", "log", "progress.json", CURSOR_FILE) if (directory / name).exists()
+    ]
     if names:
         archive.mkdir(mode=0o700, parents=True, exist_ok=True)
         for name in ("state.json", "progress.json", CURSOR_FILE, "log", "spec.json"):  # spec last: it names the redo
@@ -229,18 +237,32 @@ def stop_last_try(state: dict, directory: Path) -> str | None:
     except SignalRefused as err:
         return str(err)
     except PermissionError as err:
-        raise JobLaunchError(f"what is left of try {state['try']} of job {state['key']} cannot be stopped: "
-                             f"{permission_refusal(state, err)}; then start the job again") from None
+        raise JobLaunchError(
+            f"what is left of try {state['try']} of job {state['key']} cannot be stopped: "
+            f"{permission_refusal(state, err)}; then start the job again"
+        ) from None
     return None
 
 
 def launch_supervisor(
-    directory: Path, argv: list[str], heartbeat_s: float, try_number: int, env: dict[str, str],
-    stall: StallLimits | None = None, redo: str | None = None,
+    directory: Path,
+    argv: list[str],
+    heartbeat_s: float,
+    try_number: int,
+    env: dict[str, str],
+    stall: StallLimits | None = None,
+    redo: str | None = None,
 ) -> subprocess.Popen:
     """Start the supervisor with `env` (stage_environment's), which it hands on to the stage."""
-    spec = {"argv": list(argv), "cwd": os.getcwd(), "env_names": sorted(env), "heartbeat_s": heartbeat_s,
-            "try": try_number, "stall": dataclasses.asdict(stall) if stall else None, "redo": redo}
+    spec = {
+        "argv": list(argv),
+        "cwd": os.getcwd(),
+        "env_names": sorted(env),
+        "heartbeat_s": heartbeat_s,
+        "try": try_number,
+        "stall": dataclasses.asdict(stall) if stall else None,
+        "redo": redo,
+    }
     atomic_write_text(directory / "spec.json", json.dumps(spec, indent=2) + "\n", private=True)
     # The supervisor's own stderr (a traceback, should it ever crash) goes to the log.
     with open(directory / "log", "ab", opener=private_opener) as log_file:
@@ -253,8 +275,11 @@ def launch_supervisor(
             close_fds=True,  # in particular not the lock, which would stay held as long as the supervisor runs
             # The job's directory marks the supervisor (and, inherited, its stage) as this job's: see
             # group_ownership_problem.
-            env={**env, "PYTHONPATH": supervisor_python_path(env.get("PYTHONPATH")),
-                 JOB_DIR_VAR: os.path.realpath(directory)},
+            env={
+                **env,
+                "PYTHONPATH": supervisor_python_path(env.get("PYTHONPATH")),
+                JOB_DIR_VAR: os.path.realpath(directory),
+            },
         )
 
 
@@ -344,6 +369,7 @@ def poll_job(
         "log_tail": read_log_tail(directory / "log") if effective in ("failed", "dead", "killed") else [],
     }
 
+
 CURSOR_FILE = "cursor.json"  # {"stream", "try", "offset"}: how far one stream has copied the log (poll --stream)
 
 
@@ -389,8 +415,12 @@ def kill_job(jobs_dir: str | Path, key: str, grace_s: float = CHILD_GRACE_S, det
     if (directory / "state.json").exists():  # (no state: nothing to kill, and no directory to create for the lock)
         with locked(directory):  # held throughout, so that no start relaunches the job while it is being killed
             signalled, refused, detached = stop_running_job(directory, grace_s, detach)
-    return {**poll_job(jobs_dir, key, max_log_bytes=0), "signalled": signalled, "refused": refused,
-            "detached": detached}
+    return {
+        **poll_job(jobs_dir, key, max_log_bytes=0),
+        "signalled": signalled,
+        "refused": refused,
+        "detached": detached,
+    }
 
 
 def stop_running_job(directory: Path, grace_s: float, detach: bool = False) -> tuple[bool, str | None, bool]:
@@ -400,8 +430,14 @@ def stop_running_job(directory: Path, grace_s: float, detach: bool = False) -> t
     except CorruptState as err:
         alive = supervisor_pids(directory)
         who = f"its supervisor (pid {alive[0]}) still runs and" if alive else "if the job still runs, its supervisor"
-        return False, (f"{err}; nothing was signalled on its word: {who} rewrites the file within a heartbeat; "
-                       "kill the job again then"), False
+        return (
+            False,
+            (
+                f"{err}; nothing was signalled on its word: {who} rewrites the file within a heartbeat; "
+                "kill the job again then"
+            ),
+            False,
+        )
     if state is None or state["status"] != "running":
         return False, None, False
     foreign = foreign_host(state)

@@ -64,11 +64,14 @@ def make_private_dirs(directory: Path) -> None:
         if info.st_uid != os.geteuid():
             if path == directory.parent:
                 continue  # not ours to change (a shared directory); the job's dir below is checked all the same
-            raise JobError(f"job directory {path} belongs to uid {info.st_uid}, not to this user "
-                           f"(uid {os.geteuid()}): its files would not be private; remove it or use another --jobs-dir")
+            raise JobError(
+                f"job directory {path} belongs to uid {info.st_uid}, not to this user "
+                f"(uid {os.geteuid()}): its files would not be private; remove it or use another --jobs-dir"
+            )
         shared = info.st_mode & S_ISVTX and info.st_mode & S_IWOTH
         if S_IMODE(info.st_mode) != 0o700 and not shared:
             os.chmod(path, 0o700)
+
 
 # A job's directory and files are made by its own user, private (make_private_dirs), and never links. poll and kill
 # open them so, each step through a descriptor opened with O_NOFOLLOW and checked once open: a link would have them
@@ -77,16 +80,19 @@ JOB_OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # (NONBLOCK: a FI
 
 
 def unsafe_job_file(path: Path, problem: str) -> UnsafeJobFile:
-    return UnsafeJobFile(f"{path}: {problem}. A job's files are its own user's and never links, so someone else put "
-                         "this there: nothing was read from it or done on its word. Look at who did; remove it (as its "
-                         "owner or root), then run the job command again, or use another --jobs-dir")
+    return UnsafeJobFile(
+        f"{path}: {problem}. A job's files are its own user's and never links, so someone else put "
+        "this there: nothing was read from it or done on its word. Look at who did; remove it (as its "
+        "owner or root), then run the job command again, or use another --jobs-dir"
+    )
 
 
 def check_job_entry(path: Path, info: os.stat_result, directory: bool) -> None:
     """Raise UnsafeJobFile unless `info` is of a directory (`directory`) or regular file of this user."""
     if not (S_ISDIR if directory else S_ISREG)(info.st_mode):
-        raise unsafe_job_file(path, f"{file_kind(info.st_mode)}, where the job keeps "
-                                    f"{'its directory' if directory else 'a regular file'}")
+        raise unsafe_job_file(
+            path, f"{file_kind(info.st_mode)}, where the job keeps {'its directory' if directory else 'a regular file'}"
+        )
     if info.st_uid != os.geteuid():
         raise unsafe_job_file(path, f"owned by uid {info.st_uid}, not by this user (uid {os.geteuid()})")
 
@@ -132,8 +138,19 @@ def read_job_file(path: Path) -> bytes:
     with os.fdopen(open_job_file(path), "rb") as f:
         return f.read()
 
-STATE_FIELDS = {"key": str, "try": int, "status": str, "pid": int, "pgid": int, "pid_start_ticks": int,
-                "boot_id": str, "host_id": str, "heartbeat_at": (int, float), "log_start": int}
+
+STATE_FIELDS = {
+    "key": str,
+    "try": int,
+    "status": str,
+    "pid": int,
+    "pgid": int,
+    "pid_start_ticks": int,
+    "boot_id": str,
+    "host_id": str,
+    "heartbeat_at": (int, float),
+    "log_start": int,
+}
 
 STATUSES = ("running", "succeeded", "failed", "killed")
 

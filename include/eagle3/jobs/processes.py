@@ -63,8 +63,18 @@ def group_members(pgid: int) -> list[int]:
 
 def supervisor_argv(directory: Path) -> list[str]:
     # -P: the working directory (an SSH login directory) stays off the path, so no eagle3/ there can shadow this one
-    return [sys.executable, "-P", "-m", "eagle3", "job", "supervise", "--jobs-dir", str(directory.parent),
-            "--key", directory.name]
+    return [
+        sys.executable,
+        "-P",
+        "-m",
+        "eagle3",
+        "job",
+        "supervise",
+        "--jobs-dir",
+        str(directory.parent),
+        "--key",
+        directory.name,
+    ]
 
 
 def supervisor_pids(directory: Path) -> list[int]:
@@ -161,17 +171,22 @@ def group_ownership_problem(state: dict, marked: bool = True, directory: Path | 
             return None
         if any(carries_mark(member, mark, directory) for member in group_members(pid)):
             return None  # (a supervisor started before JOB_DIR_VAR existed: its stage carries the mark)
-        marks = ([f"{JOB_DIR_VAR}={os.path.realpath(directory)}"] if directory is not None else []) + \
-            [f"{GROUP_MARK_VAR}={mark}"]
-        return (f"pid {pid} leads a live process group, but neither it nor any process of its group carries this "
-                f"job's marks ({', '.join(marks)}): it is not the job's supervisor")
+        marks = ([f"{JOB_DIR_VAR}={os.path.realpath(directory)}"] if directory is not None else []) + [
+            f"{GROUP_MARK_VAR}={mark}"
+        ]
+        return (
+            f"pid {pid} leads a live process group, but neither it nor any process of its group carries this "
+            f"job's marks ({', '.join(marks)}): it is not the job's supervisor"
+        )
     members = group_members(pid)
     older = [member for member in members if (pid_start_ticks(member) or ticks) < ticks]
     if older:
         return f"process {older[0]} of group {pid} started before the group's recorded leader: not the job's group"
     if marked and members and not any(carries_mark(member, mark, directory) for member in members):
-        return (f"supervisor {pid} is gone, and no process left in group {pid} carries its mark "
-                f"{GROUP_MARK_VAR}={mark}: the group is not the job's")
+        return (
+            f"supervisor {pid} is gone, and no process left in group {pid} carries its mark "
+            f"{GROUP_MARK_VAR}={mark}: the group is not the job's"
+        )
     return None
 
 
@@ -191,13 +206,16 @@ def signal_group(state: dict, signum: int, marked: bool = True, directory: Path 
 
 
 def permission_refusal(state: dict, err: PermissionError) -> str:
-    return (f"the kernel refused to signal process group {state['pgid']} ({err.strerror or err}): some of its "
-            f"processes belong to another user or are out of this user's reach; stop them as their owner "
-            f"(kill -KILL -- -{state['pgid']}) and check with ps -g {state['pgid']}")
+    return (
+        f"the kernel refused to signal process group {state['pgid']} ({err.strerror or err}): some of its "
+        f"processes belong to another user or are out of this user's reach; stop them as their owner "
+        f"(kill -KILL -- -{state['pgid']}) and check with ps -g {state['pgid']}"
+    )
 
 
-def sigkill_group(state: dict, wait_s: float = LEFTOVER_WAIT_S, marked: bool = True,
-                  directory: Path | None = None) -> bool:
+def sigkill_group(
+    state: dict, wait_s: float = LEFTOVER_WAIT_S, marked: bool = True, directory: Path | None = None
+) -> bool:
     """SIGKILL the job's process group and wait (up to wait_s) until it is gone. Raises as signal_group does."""
     if not signal_group(state, signal.SIGKILL, marked, directory):
         return False
@@ -232,10 +250,12 @@ def foreign_host(state: dict) -> str | None:
     if recorded == read_host_id():
         return None
     age = time.time() - state["heartbeat_at"]
-    return (f"running on another host, {state.get('host')!r} (host id {recorded}), as pid {state['pid']}: this host "
-            f"({socket.gethostname()!r}, host id {read_host_id()}) cannot see its processes, so it neither restarts "
-            f"nor kills it; its last heartbeat was {age:.0f} s ago. Run this stage from that host's box, or, if that "
-            "host is gone for good and the job with it, move this job's state.json aside and start it again")
+    return (
+        f"running on another host, {state.get('host')!r} (host id {recorded}), as pid {state['pid']}: this host "
+        f"({socket.gethostname()!r}, host id {read_host_id()}) cannot see its processes, so it neither restarts "
+        f"nor kills it; its last heartbeat was {age:.0f} s ago. Run this stage from that host's box, or, if that "
+        "host is gone for good and the job with it, move this job's state.json aside and start it again"
+    )
 
 
 def liveness(state: JobState | None, stale_after_s: float) -> tuple[Effective, str]:

@@ -72,8 +72,17 @@ class ProgressLog:
     """Counts work done and logs one line every `interval_s`: `{label}: done/total {unit} (%), [N failed, ]
     tokens/s, [GiB written, ]elapsed, ETA`. Failures (track_failures) count towards the ETA as work done."""
 
-    def __init__(self, label: str, total: int, already_done: int, interval_s: float, logger: logging.Logger,
-                 unit: str = "samples", track_bytes: bool = True, track_failures: bool = False):
+    def __init__(
+        self,
+        label: str,
+        total: int,
+        already_done: int,
+        interval_s: float,
+        logger: logging.Logger,
+        unit: str = "samples",
+        track_bytes: bool = True,
+        track_failures: bool = False,
+    ):
         self.label, self.total, self.done, self.interval_s, self.log = label, total, already_done, interval_s, logger
         self.unit, self.track_bytes, self.track_failures = unit, track_bytes, track_failures
         self.started = self.last = time.monotonic()
@@ -100,7 +109,9 @@ class ProgressLog:
         pct = 100.0 * self.done / self.total if self.total else 100.0
         failed = f"{self.failed} failed, " if self.track_failures else ""
         written = f"{self.bytes / 2**30:.2f} GiB written, " if self.track_bytes else ""
-        line = (f"{self.label}: {self.done}/{self.total} {self.unit} ({pct:.1f}%), {failed}"
-                f"{self.tokens / elapsed:.0f} tokens/s, {written}elapsed {human_duration(elapsed)}, ETA {eta}")
+        line = (
+            f"{self.label}: {self.done}/{self.total} {self.unit} ({pct:.1f}%), {failed}"
+            f"{self.tokens / elapsed:.0f} tokens/s, {written}elapsed {human_duration(elapsed)}, ETA {eta}"
+        )
         self.log.info("%s", line)
         beat(line)

@@ -67,9 +67,11 @@ class AirflowRun:
     redo_from: str | None = None
 
     def __post_init__(self) -> None:
-        for name, value, pattern in (("--airflow-dag-id", self.dag_id, DAG_ID_PATTERN),
-                                     ("--airflow-run-id", self.run_id, PRINTABLE_PATTERN),
-                                     ("--triggered-by", self.triggered_by, PRINTABLE_PATTERN)):
+        for name, value, pattern in (
+            ("--airflow-dag-id", self.dag_id, DAG_ID_PATTERN),
+            ("--airflow-run-id", self.run_id, PRINTABLE_PATTERN),
+            ("--triggered-by", self.triggered_by, PRINTABLE_PATTERN),
+        ):
             if value is not None and not pattern.fullmatch(value):
                 raise RunDirOwned(f"{name} {value!r}: not an Airflow name (it must match {pattern.pattern})")
         if self.redo_from is not None and self.redo_from not in REDO_OUTPUTS:
@@ -80,9 +82,14 @@ class AirflowRun:
 
     def record(self) -> dict:
         """Its owner.json entry, made on this host."""
-        return {"dag_id": self.dag_id, "run_id": self.run_id, "triggered_by": self.triggered_by,
-                "redo_from": self.redo_from, "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                **this_host()}
+        return {
+            "dag_id": self.dag_id,
+            "run_id": self.run_id,
+            "triggered_by": self.triggered_by,
+            "redo_from": self.redo_from,
+            "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            **this_host(),
+        }
 
 
 def this_host() -> dict:
@@ -107,20 +114,24 @@ def read_owners(run_dir: Path) -> list[dict] | None:
     that cannot be read: whose the directory is is then unknown."""
     path = run_dir / OWNER
     try:
-        data = path.read_bytes()[:OWNER_MAX_BYTES + 1]
+        data = path.read_bytes()[: OWNER_MAX_BYTES + 1]
     except FileNotFoundError:
         return None
     except OSError as err:
-        raise RunDirOwned(f"{path}: cannot be read ({err.strerror or err}); whose {run_dir} is cannot be told. "
-                          "Trigger with another run_name") from None
+        raise RunDirOwned(
+            f"{path}: cannot be read ({err.strerror or err}); whose {run_dir} is cannot be told. "
+            "Trigger with another run_name"
+        ) from None
     try:
         runs = json.loads(data)["runs"]
         if not (runs and len(data) <= OWNER_MAX_BYTES and all(isinstance(entry, dict) for entry in runs)):
             raise ValueError("no runs")
     except (ValueError, TypeError, KeyError):  # (UnicodeDecodeError is a ValueError)
-        raise RunDirOwned(f"{path}: not a record of the Airflow runs that wrote {run_dir} (a JSON object whose "
-                          "\"runs\" lists them); whose the directory is cannot be told. Trigger with another "
-                          "run_name") from None
+        raise RunDirOwned(
+            f"{path}: not a record of the Airflow runs that wrote {run_dir} (a JSON object whose "
+            '"runs" lists them); whose the directory is cannot be told. Trigger with another '
+            "run_name"
+        ) from None
     return runs
 
 
@@ -133,16 +144,20 @@ def refusal(run_dir: Path, runs: list[dict], run: AirflowRun | None) -> str | No
     owner itself, or a run of the owner's user, which then takes the directory over."""
     owner = runs[-1]
     if run is None:
-        return (f"{run_dir} belongs to {describe(owner)}: init by hand does not write into an Airflow run's "
-                "directory. Clear that run's write_config task to init it again, or init another run_name")
+        return (
+            f"{run_dir} belongs to {describe(owner)}: init by hand does not write into an Airflow run's "
+            "directory. Clear that run's write_config task to init it again, or init another run_name"
+        )
     if run.same_run(owner) or run.triggered_by == owner.get("triggered_by"):
         return None  # a retry or clear of the owner; or the same user's next run (a redo), which takes it over
     redo = f"box.redo_from {run.redo_from}: " if run.redo_from else ""
-    return (f"{redo}{run_dir} belongs to {describe(owner)}, and {describe(run.record())} was triggered by another "
-            "user. A run directory is written by one user's runs: whoever approves a promotion must have made no "
-            "part of the drafter, and the approval knows the user who triggered the run that proposes it. To go on "
-            "with that run, its user clears its failed task (a clear resumes it); for a run of your own, trigger "
-            "with another run_name, or leave it empty (the run is then named after its DAG and run id)")
+    return (
+        f"{redo}{run_dir} belongs to {describe(owner)}, and {describe(run.record())} was triggered by another "
+        "user. A run directory is written by one user's runs: whoever approves a promotion must have made no "
+        "part of the drafter, and the approval knows the user who triggered the run that proposes it. To go on "
+        "with that run, its user clears its failed task (a clear resumes it); for a run of your own, trigger "
+        "with another run_name, or leave it empty (the run is then named after its DAG and run id)"
+    )
 
 
 def check_owner(run_dir: Path, run: AirflowRun) -> None:
@@ -153,9 +168,11 @@ def check_owner(run_dir: Path, run: AirflowRun) -> None:
     if runs is None or run.same_run(runs[-1]):
         return
     taken = " (it took the directory over from this run)" if any(run.same_run(entry) for entry in runs) else ""
-    raise RunDirOwned(f"{run_dir} belongs to {describe(runs[-1])}{taken}: stages of Airflow run {run.run_id!r} of DAG "
-                      f"{run.dag_id!r} do not start in it. Go on with the run that owns it (clear its failed task), "
-                      "or trigger with another run_name")
+    raise RunDirOwned(
+        f"{run_dir} belongs to {describe(runs[-1])}{taken}: stages of Airflow run {run.run_id!r} of DAG "
+        f"{run.dag_id!r} do not start in it. Go on with the run that owns it (clear its failed task), "
+        "or trigger with another run_name"
+    )
 
 
 @contextmanager
@@ -171,9 +188,11 @@ def claimed(run_dir: Path, run: AirflowRun | None) -> Iterator[None]:
         runs = read_owners(run_dir)
         if runs is None:
             if run is not None and (run_dir / CONFIG).exists():
-                raise RunDirOwned(f"{run_dir} holds a run config but no record of the Airflow run that owns it (made "
-                                  "by `eagle3 init` by hand): whose it is cannot be told. Trigger with another "
-                                  "run_name")
+                raise RunDirOwned(
+                    f"{run_dir} holds a run config but no record of the Airflow run that owns it (made "
+                    "by `eagle3 init` by hand): whose it is cannot be told. Trigger with another "
+                    "run_name"
+                )
             if run is not None:
                 write_owners(run_dir, [run.record()])
             yield

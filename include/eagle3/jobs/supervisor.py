@@ -112,11 +112,23 @@ def supervise(jobs_dir: str | Path, key: str) -> None:
         # Which code this try runs: on a box, the synced directory named by the digest the run pinned at validate.
         log_line(f"started {utc_now()} on {host}, code {package_root()}")
         state = {
-            "key": key, "try": spec["try"], "status": "running", "pid": os.getpid(), "pgid": os.getpgid(0),
-            "pid_start_ticks": pid_start_ticks(os.getpid()), "boot_id": read_boot_id(), "host": host,
+            "key": key,
+            "try": spec["try"],
+            "status": "running",
+            "pid": os.getpid(),
+            "pgid": os.getpgid(0),
+            "pid_start_ticks": pid_start_ticks(os.getpid()),
+            "boot_id": read_boot_id(),
+            "host": host,
             "host_id": read_host_id(),
-            "argv": spec["argv"], "started_at": utc_now(), "heartbeat_at": time.time(), "exit_code": None,
-            "ended_at": None, "log": str(log_path), "log_start": log_start, "code": package_root(),
+            "argv": spec["argv"],
+            "started_at": utc_now(),
+            "heartbeat_at": time.time(),
+            "exit_code": None,
+            "ended_at": None,
+            "log": str(log_path),
+            "log_start": log_start,
+            "code": package_root(),
         }
         # The stage gets this process's environment, which start filtered already, with the caller's PYTHONPATH
         # and the group's mark, by which a later start or kill recognises what is left of it once this is gone.
@@ -134,8 +146,12 @@ def supervise(jobs_dir: str | Path, key: str) -> None:
         try:
             # Same process group as the supervisor (the default), so that kill's killpg reaches the whole stage.
             child = subprocess.Popen(
-                spec["argv"], cwd=spec["cwd"], env=stage_env,
-                stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+                spec["argv"],
+                cwd=spec["cwd"],
+                env=stage_env,
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
             )
         except OSError as err:  # no such program, cwd gone, ...
             log_line(f"cannot start {spec['argv'][0]!r}: {err}")
@@ -176,5 +192,13 @@ def supervise(jobs_dir: str | Path, key: str) -> None:
             status = "succeeded" if child.returncode == 0 else "failed"
         # The log is complete before the state says so: a poll that sees the end then reads the whole log.
         log_line(f"{status} (exit code {child.returncode}) {utc_now()}")
-        write_state(directory, {**state, "status": status, "exit_code": child.returncode, "ended_at": utc_now(),
-                                "heartbeat_at": time.time()})
+        write_state(
+            directory,
+            {
+                **state,
+                "status": status,
+                "exit_code": child.returncode,
+                "ended_at": utc_now(),
+                "heartbeat_at": time.time(),
+            },
+        )

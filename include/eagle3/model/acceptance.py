@@ -28,6 +28,7 @@ import numpy as np
 def figures(cycles: list[int], first_cycles: list[int], k: int) -> dict:
     """Acceptance of one draft length from the drafts accepted in each cycle (`first_cycles`: those of the answers'
     first cycles, also in `cycles`)."""
+
     def per_step(accepted: int, steps: int) -> float:
         return 1 + accepted / max(steps, 1)
 
@@ -95,8 +96,13 @@ def interval95(per_prompt: list[tuple[int, int]], resamples: int = 2000, seed: i
     return float(low), float(high)
 
 
-def same_distribution_p(plain: list[list[int]], drawn: list[list[int]], positions: range = range(1, 9),
-                        permutations: int = 2000, seed: int = 0) -> float:
+def same_distribution_p(
+    plain: list[list[int]],
+    drawn: list[list[int]],
+    positions: range = range(1, 9),
+    permutations: int = 2000,
+    seed: int = 0,
+) -> float:
     """Whether answers sampled with a drafter follow plain sampling's distribution, from one answer of each per prompt
     (the same prompts, drawn independently): the p-value of a paired permutation test. Statistic: at each answer
     position in `positions` (prefill's token 0 is left out: no drafter decides it), the total variation distance

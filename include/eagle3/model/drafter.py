@@ -122,8 +122,11 @@ class TTTAttention(nn.Module):
         else:  # the steps before's at this step's rows (within theirs), then this step's
             before_k, before_v, before = kv_cache[1]
             at = torch.searchsorted(before, rows.index)
-            kv_cache[1] = (torch.cat([before_k[at], k[:, None]], 1), torch.cat([before_v[at], v[:, None]], 1),
-                           rows.index)
+            kv_cache[1] = (
+                torch.cat([before_k[at], k[:, None]], 1),
+                torch.cat([before_v[at], v[:, None]], 1),
+                rows.index,
+            )
         later_k = later_v = None
         if len(kv_cache) > 1:
             later_k, later_v = kv_cache[1][:2]
@@ -186,8 +189,9 @@ class DraftConfig:
     norm_output: bool = False  # EAGLE-3.1: the next step reads the normed hidden state (engines: norm_output)
 
     @classmethod
-    def from_target(cls, model_path: str | Path, draft_vocab_size: int, aux_layer_ids,
-                    geometry: dict | None = None) -> DraftConfig:
+    def from_target(
+        cls, model_path: str | Path, draft_vocab_size: int, aux_layer_ids, geometry: dict | None = None
+    ) -> DraftConfig:
         """The drafter's shape: hidden size, norms, RoPE and vocab from the target's config.json (Kimi-style
         `text_config` read too); heads, head_dim, MLP width and RoPE choices from `geometry` (the run config's
         drafter section), or derived as eagle3.config.DrafterConfig derives them. Not the target's own head shapes:
@@ -225,8 +229,11 @@ class AuxProjection(nn.Linear):
 
     def __init__(self, cfg: DraftConfig):
         super().__init__(len(cfg.aux_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
-        self.norms = (nn.ModuleList(RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) for _ in cfg.aux_layer_ids)
-                      if cfg.fc_norm else None)
+        self.norms = (
+            nn.ModuleList(RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) for _ in cfg.aux_layer_ids)
+            if cfg.fc_norm
+            else None
+        )
 
     def forward(self, aux: torch.Tensor) -> torch.Tensor:
         if self.norms is not None:
@@ -301,15 +308,18 @@ def load_target_tensor(model_path: str | Path, candidates: tuple[str, ...]) -> t
     raise KeyError(f"{model_path}: none of {list(candidates)} in its safetensors; is this an HF causal LM?")
 
 
-def build_draft_model(model_path: str | Path, draft_vocab_size: int, aux_layer_ids,
-                      geometry: dict | None = None) -> Eagle3Draft:
+def build_draft_model(
+    model_path: str | Path, draft_vocab_size: int, aux_layer_ids, geometry: dict | None = None
+) -> Eagle3Draft:
     """A fresh drafter shaped after the target, with the target's token embedding (frozen)."""
     cfg = DraftConfig.from_target(model_path, draft_vocab_size, aux_layer_ids, geometry)
     model = Eagle3Draft(cfg)
     embedding = load_target_tensor(model_path, EMBED_KEYS)
     if embedding.shape != model.embed_tokens.weight.shape:
-        raise ValueError(f"{model_path}: embedding shape {tuple(embedding.shape)}, config implies "
-                         f"{tuple(model.embed_tokens.weight.shape)}")
+        raise ValueError(
+            f"{model_path}: embedding shape {tuple(embedding.shape)}, config implies "
+            f"{tuple(model.embed_tokens.weight.shape)}"
+        )
     with torch.no_grad():
         model.embed_tokens.weight.copy_(embedding.float())
     return model

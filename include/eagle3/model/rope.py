@@ -26,8 +26,16 @@ from dataclasses import dataclass
 import torch
 
 # The keys of a scaling the engines read for the supported types (others are dropped from the export).
-YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
-             "attn_factor", "truncate")
+YARN_KEYS = (
+    "factor",
+    "original_max_position_embeddings",
+    "beta_fast",
+    "beta_slow",
+    "mscale",
+    "mscale_all_dim",
+    "attn_factor",
+    "truncate",
+)
 
 
 def exported_scaling(scaling: dict | None) -> dict | None:

@@ -74,7 +74,8 @@ class FusedCPU:
     @staticmethod
     def backward(dout, q, k, v, out, lse, scale, extra):
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, True, scale=scale)
+            dout, q, k, v, out, lse, 0.0, True, scale=scale
+        )
 
 
 class FusedCUDA:
@@ -83,19 +84,23 @@ class FusedCUDA:
     @staticmethod
     def forward(q, k, v, scale):
         out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
-            q, k, v, 0.0, True, False, scale=scale)
+            q, k, v, 0.0, True, False, scale=scale
+        )
         if lse.shape != q.shape[:-1]:  # the merge reads it as [B, heads, T]; a torch that pads it would misalign
-            raise RuntimeError(f"torch {torch.__version__}: flash attention's logsumexp is {tuple(lse.shape)} for "
-                               f"queries {tuple(q.shape)}, not [B, heads, T] as this module merges it; "
-                               "set eagle3.model.ttt_attention.causal_core to return Blocked, or use a torch it was "
-                               "written for (2.13/2.14)")
+            raise RuntimeError(
+                f"torch {torch.__version__}: flash attention's logsumexp is {tuple(lse.shape)} for "
+                f"queries {tuple(q.shape)}, not [B, heads, T] as this module merges it; "
+                "set eagle3.model.ttt_attention.causal_core to return Blocked, or use a torch it was "
+                "written for (2.13/2.14)"
+            )
         return out, lse, (cum_q, cum_k, max_q, max_k, seed, offset)
 
     @staticmethod
     def backward(dout, q, k, v, out, lse, scale, extra):
         cum_q, cum_k, max_q, max_k, seed, offset = extra
         return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, True, seed, offset, scale=scale)
+            dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, True, seed, offset, scale=scale
+        )
 
 
 class Blocked:
@@ -140,7 +145,8 @@ def causal_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     if q.device.type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
         return FusedCPU
     if q.device.type == "cuda" and torch.backends.cuda.can_use_flash_attention(
-            torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, True, False)):
+        torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, True, False)
+    ):
         return FusedCUDA
     return Blocked
 
@@ -242,8 +248,9 @@ def _merge_rows(q, out0, lse0, later_k, later_v, scale):
         return out0, lse0
     s = (q.float()[:, None] * later_k.float()).sum(-1) * scale  # [N, steps, heads]
     lse = torch.logsumexp(torch.cat([lse0[:, None], s.to(lse0.dtype)], 1), 1)
-    merged = torch.exp(lse0 - lse)[..., None] * out0.float() + \
-        (torch.exp(s - lse[:, None])[..., None] * later_v.float()).sum(1)
+    merged = torch.exp(lse0 - lse)[..., None] * out0.float() + (
+        torch.exp(s - lse[:, None])[..., None] * later_v.float()
+    ).sum(1)
     return merged.to(q.dtype), lse
 
 
@@ -280,21 +287,36 @@ class _TTTAttentionRows(torch.autograd.Function):
         b = k.shape[0]
         # The causal core's backward over the (cropped) batch, given the merged out and lse at the query rows.
         # Elsewhere q, dout and out are 0, so those rows add nothing to dk0 and dv0 (P * (dP - delta) = 0 there).
-        dq, dk, dv = ctx.core.backward(_spread(dout.contiguous(), local, b, width), _spread(q, local, b, width), k, v,
-                                       _spread(out, local, b, width), _spread(lse, local, b, width).contiguous(),
-                                       ctx.scale, ctx.extra)
+        dq, dk, dv = ctx.core.backward(
+            _spread(dout.contiguous(), local, b, width),
+            _spread(q, local, b, width),
+            k,
+            v,
+            _spread(out, local, b, width),
+            _spread(lse, local, b, width).contiguous(),
+            ctx.scale,
+            ctx.extra,
+        )
         if used is not None:
             dk0, dv0 = torch.zeros_like(k0), torch.zeros_like(v0)
             dk0[used, :, :width], dv0[used, :, :width] = dk, dv
             dk, dv = dk0, dv0
-        dq, dlater_k, dlater_v = _later_backward_rows(dout, q, out, lse, _gather(dq, local), later_k, later_v,
-                                                      ctx.scale)
+        dq, dlater_k, dlater_v = _later_backward_rows(
+            dout, q, out, lse, _gather(dq, local), later_k, later_v, ctx.scale
+        )
         return None, None, None, dq, dk, dv, dlater_k, dlater_v
 
 
-def ttt_attention_rows(q: torch.Tensor, index: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor,
-                       later_k: torch.Tensor | None, later_v: torch.Tensor | None, scale: float,
-                       core=None) -> torch.Tensor:
+def ttt_attention_rows(
+    q: torch.Tensor,
+    index: torch.Tensor,
+    k0: torch.Tensor,
+    v0: torch.Tensor,
+    later_k: torch.Tensor | None,
+    later_v: torch.Tensor | None,
+    scale: float,
+    core=None,
+) -> torch.Tensor:
     """ttt_attention for queries at some positions of the batch only: q [N, heads, d] at flat positions `index`
     (b * T + t); k0, v0 step 0's keys/values over the whole batch [B, heads, T, d]; later_k, later_v steps 1..i's at
     the queries' own positions, stacked [N, i, heads, d] (None at step 0). Returns [N, heads, d]: ttt_attention's

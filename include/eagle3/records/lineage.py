@@ -78,10 +78,16 @@ def read_record(path: Path) -> dict:
         raise PromotionRefused(f"{path}: missing, so the version it should describe is unknown; {fix}") from None
     except (OSError, UnicodeDecodeError, ValueError) as err:
         raise PromotionRefused(f"{path}: cannot be read as JSON ({err}); {fix}") from None
-    if not (isinstance(record, dict) and isinstance(record.get("weights_sha256"), str)
-            and SHA256_PATTERN.fullmatch(record["weights_sha256"]) and isinstance(record.get("promoted_at"), str)):
-        raise PromotionRefused(f"{path}: not a promotion record (a JSON object of at most {RECORD_MAX_BYTES} bytes "
-                               f"with weights_sha256 and promoted_at); {fix}")
+    if not (
+        isinstance(record, dict)
+        and isinstance(record.get("weights_sha256"), str)
+        and SHA256_PATTERN.fullmatch(record["weights_sha256"])
+        and isinstance(record.get("promoted_at"), str)
+    ):
+        raise PromotionRefused(
+            f"{path}: not a promotion record (a JSON object of at most {RECORD_MAX_BYTES} bytes "
+            f"with weights_sha256 and promoted_at); {fix}"
+        )
     return record
 
 
@@ -142,8 +148,11 @@ class Lineage:
         with self.locked():
             pinned = self.eval_set()
             if pinned is None:
-                pinned = {**{key: chosen[key] for key in EVAL_SET_FIELDS}, "pinned_by": run_name,
-                          "pinned_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+                pinned = {
+                    **{key: chosen[key] for key in EVAL_SET_FIELDS},
+                    "pinned_by": run_name,
+                    "pinned_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                }
                 atomic_write_text(self.dir / EVAL_SET, json.dumps(pinned) + "\n")
             return pinned
 
@@ -157,13 +166,22 @@ class Lineage:
             return None
         target = link.resolve()
         if target.parent != (self.dir / VERSIONS).resolve() or not target.is_dir():
-            raise PromotionRefused(f"{link}: leads to {target}, which is not a version directory in "
-                                   f"{self.dir / VERSIONS}; point it at one (ln -sfn {VERSIONS}/<name> {link}) or "
-                                   "remove it")
+            raise PromotionRefused(
+                f"{link}: leads to {target}, which is not a version directory in "
+                f"{self.dir / VERSIONS}; point it at one (ln -sfn {VERSIONS}/<name> {link}) or "
+                "remove it"
+            )
         return Version(target.name, target)
 
-    def promote(self, drafter_dir: Path, run_name: str, record: dict, keep: int,
-                expected_current: str | None, expected_files: dict[str, str] | None = None) -> Version | None:
+    def promote(
+        self,
+        drafter_dir: Path,
+        run_name: str,
+        record: dict,
+        keep: int,
+        expected_current: str | None,
+        expected_files: dict[str, str] | None = None,
+    ) -> Version | None:
         """Copy the drafter into versions/, check that the copy holds the weights the record's weights_sha256
         names (and, given `expected_files`, exactly those files with those digests), switch `current` to it, drop
         the oldest versions beyond `keep`. None, and nothing switched, if `current` is no longer `expected_current`
@@ -182,8 +200,10 @@ class Lineage:
                     try:
                         copy_regular_tree(drafter_dir, tmp)
                     except UnsafeTree as err:
-                        raise PromotionRefused(f"{err} (a link would copy its target into {self.dir / VERSIONS}); "
-                                               "nothing was promoted. Export the drafter again") from None
+                        raise PromotionRefused(
+                            f"{err} (a link would copy its target into {self.dir / VERSIONS}); "
+                            "nothing was promoted. Export the drafter again"
+                        ) from None
                     self._check_copy(tmp, drafter_dir, record["weights_sha256"], expected_files)
                     kept = {**record, "version": name, "lineage": self.key}
                     (tmp / PROMOTION_RECORD).write_text(json.dumps(kept, indent=2) + "\n")
@@ -197,21 +217,25 @@ class Lineage:
         try:
             digests = {path: digest for path, digest in tree_digests(copy).items() if path != PROMOTION_RECORD}
         except UnsafeTree as err:
-            raise PromotionRefused(f"{err}; the version directory was changed by hand: remove {copy} and promote "
-                                   "again") from None
+            raise PromotionRefused(
+                f"{err}; the version directory was changed by hand: remove {copy} and promote again"
+            ) from None
         again = "Nothing was promoted: export and evaluate again, then approve what that measured"
         if digests.get(WEIGHTS) != weights_sha256:
             raise PromotionRefused(
                 f"{drafter_dir}: its weights are not the ones that were measured: {WEIGHTS} has sha256 "
-                f"{digests.get(WEIGHTS)}, evaluate measured {weights_sha256}. {again}")
+                f"{digests.get(WEIGHTS)}, evaluate measured {weights_sha256}. {again}"
+            )
         if expected_files is not None:
             expected = {path: digest for path, digest in expected_files.items() if path != PROMOTION_RECORD}
-            changed = sorted(path for path in digests.keys() | expected.keys()
-                             if digests.get(path) != expected.get(path))
+            changed = sorted(
+                path for path in digests.keys() | expected.keys() if digests.get(path) != expected.get(path)
+            )
             if changed:
                 raise PromotionRefused(
                     f"{drafter_dir}: {', '.join(changed[:5])}{' ...' if len(changed) > 5 else ''} differ from what "
-                    f"evaluate measured (files added, removed or changed since). {again}")
+                    f"evaluate measured (files added, removed or changed since). {again}"
+                )
 
     def also_made_from(self, version: Version, digest: str) -> None:
         """Record that inputs with `digest` trained `version`'s exact weights too (a run whose drafter was the current
@@ -241,8 +265,9 @@ class Lineage:
         finds nothing wrong with: whatever else is in versions/ stays, with a warning naming it."""
         versions_dir = self.dir / VERSIONS
         if self.dir.is_symlink() or versions_dir.is_symlink():
-            log.warning("%s: a symbolic link is on the way (the lineage or its versions/): nothing pruned",
-                        versions_dir)
+            log.warning(
+                "%s: a symbolic link is on the way (the lineage or its versions/): nothing pruned", versions_dir
+            )
             return
         dated = []
         for path in sorted(versions_dir.iterdir()):

@@ -44,8 +44,7 @@ log = logging.getLogger(__name__)
 logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request would drown the progress lines
 
 
-async def send_prompts(engine, base_url: str, prompts: list[list[int]], max_new_tokens: int,
-                       concurrency: int) -> dict:
+async def send_prompts(engine, base_url: str, prompts: list[list[int]], max_new_tokens: int, concurrency: int) -> dict:
     """Every prompt once, `concurrency` at a time; per-request and whole-run figures."""
     slots = asyncio.Semaphore(concurrency)
     results: list[dict | None] = [None] * len(prompts)
@@ -99,12 +98,21 @@ def run_benchmark(cfg: RunConfig) -> dict:
     runs = {}
     for name, spec in (("baseline", None), ("eagle3", speculation)):
         with serving(cfg, out / f"server-{name}.log", spec, tree if spec else None) as base_url:
-            log.info("benchmark: %s on %s: %d prompts, up to %d new tokens, concurrency %d", name, engine.name,
-                     len(prompts), bench.max_new_tokens, bench.concurrency)
+            log.info(
+                "benchmark: %s on %s: %d prompts, up to %d new tokens, concurrency %d",
+                name,
+                engine.name,
+                len(prompts),
+                bench.max_new_tokens,
+                bench.concurrency,
+            )
             runs[name] = asyncio.run(send_prompts(engine, base_url, prompts, bench.max_new_tokens, bench.concurrency))
-        log.info("benchmark: %s: %.1f output tokens/s%s", name, runs[name]["output_tokens_per_s"],
-                 f", accept length {runs[name]['mean_accept_length']:.3f}" if "mean_accept_length" in runs[name]
-                 else "")
+        log.info(
+            "benchmark: %s: %.1f output tokens/s%s",
+            name,
+            runs[name]["output_tokens_per_s"],
+            f", accept length {runs[name]['mean_accept_length']:.3f}" if "mean_accept_length" in runs[name] else "",
+        )
 
     pairs = zip(runs["baseline"]["requests"], runs["eagle3"]["requests"])
     identical = sum(b["output_ids"] == e["output_ids"] for b, e in pairs)
@@ -124,8 +132,13 @@ def run_benchmark(cfg: RunConfig) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(cfg.run_dir / BENCHMARK_REPORT, json.dumps(report, indent=2) + "\n")
     plot_benchmark(report, cfg.run_dir / BENCHMARK_PLOT)
-    log.info("benchmark: speedup %.2fx, accept length %s, identical outputs %s -> %s", report["speedup"],
-             report["mean_accept_length"], report["identical_outputs"], cfg.run_dir / BENCHMARK_REPORT)
+    log.info(
+        "benchmark: speedup %.2fx, accept length %s, identical outputs %s -> %s",
+        report["speedup"],
+        report["mean_accept_length"],
+        report["identical_outputs"],
+        cfg.run_dir / BENCHMARK_REPORT,
+    )
     return {k: v for k, v in report.items() if k not in runs} | {
         name: {k: v for k, v in run.items() if k != "requests"} for name, run in runs.items()
     }
@@ -140,11 +153,13 @@ def plot_benchmark(report: dict, path) -> None:
     fig, (speed, accept) = plt.subplots(1, 2, figsize=(10, 4))
     names = ["baseline", "eagle3"]
     speed.bar(names, [report[n]["output_tokens_per_s"] for n in names], color=["gray", "tab:blue"])
-    speed.set(ylabel="output tokens/s", title=f"speedup {report['speedup']:.2f}x "
-                                              f"(concurrency {report['concurrency']})")
+    speed.set(ylabel="output tokens/s", title=f"speedup {report['speedup']:.2f}x (concurrency {report['concurrency']})")
     lengths = [r["accept_length"] for r in report["eagle3"]["requests"] if "accept_length" in r]
     accept.hist(lengths, bins=min(20, max(len(lengths), 1)), color="tab:blue")
-    accept.set(xlabel="accept length (tokens per verify step)", ylabel="requests",
-               title=f"mean {report['mean_accept_length']} over {report['prompts']} prompts")
+    accept.set(
+        xlabel="accept length (tokens per verify step)",
+        ylabel="requests",
+        title=f"mean {report['mean_accept_length']} over {report['prompts']} prompts",
+    )
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)

@@ -56,11 +56,18 @@ log = logging.getLogger(__name__)
 
 EXPORT_KEYS = (
     "fc.weight",
-    "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight",
-    "midlayer.self_attn.v_proj.weight", "midlayer.self_attn.o_proj.weight",
-    "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight",
-    "midlayer.hidden_norm.weight", "midlayer.input_layernorm.weight", "midlayer.post_attention_layernorm.weight",
-    "norm.weight", "lm_head.weight",
+    "midlayer.self_attn.q_proj.weight",
+    "midlayer.self_attn.k_proj.weight",
+    "midlayer.self_attn.v_proj.weight",
+    "midlayer.self_attn.o_proj.weight",
+    "midlayer.mlp.gate_proj.weight",
+    "midlayer.mlp.up_proj.weight",
+    "midlayer.mlp.down_proj.weight",
+    "midlayer.hidden_norm.weight",
+    "midlayer.input_layernorm.weight",
+    "midlayer.post_attention_layernorm.weight",
+    "norm.weight",
+    "lm_head.weight",
 )
 
 
@@ -114,8 +121,10 @@ def drafter_config(draft: DraftConfig, target_architecture: str, dtype: str) -> 
 # Where each engine looks for the aux layer ids in a drafter's config.json, first found wins (sglang 0.5.23
 # model_runner_components/spec_aux_hidden_state.py; vllm 0.32 v1/worker/gpu_model_runner.py
 # _get_eagle3_aux_layers_from_config). tests/engines_real/ runs those functions on an exported config.
-READ_FROM = {"sglang": ("eagle_config.eagle_aux_hidden_state_layer_ids",),
-             "vllm": ("eagle_aux_hidden_state_layer_ids", "eagle_config.eagle_aux_hidden_state_layer_ids")}
+READ_FROM = {
+    "sglang": ("eagle_config.eagle_aux_hidden_state_layer_ids",),
+    "vllm": ("eagle_aux_hidden_state_layer_ids", "eagle_config.eagle_aux_hidden_state_layer_ids"),
+}
 
 
 def ids_read_by(config: dict, engine: str) -> tuple[str, list[int]] | None:
@@ -163,9 +172,15 @@ def run_export(cfg: RunConfig) -> dict:
     family(architecture)  # refuse a target whose engines' layer-id rules were never read, before writing anything
     config = drafter_config(draft, architecture, cfg.export.dtype)
     engines = engines_of(config, architecture, list(draft.aux_layer_ids))
-    report = {"checkpoint": str(checkpoint), "step": meta["step"], "val_acc": meta["val_acc"],
-              # the offline acceptance length per k (decoding replayed on the validation split)
-              "val_offline": meta["val_offline"], "dtype": cfg.export.dtype, "engines": engines}
+    report = {
+        "checkpoint": str(checkpoint),
+        "step": meta["step"],
+        "val_acc": meta["val_acc"],
+        # the offline acceptance length per k (decoding replayed on the validation split)
+        "val_offline": meta["val_offline"],
+        "dtype": cfg.export.dtype,
+        "engines": engines,
+    }
 
     if out.exists() and json.loads((out / EXPORT_RECORD).read_text()) == report:
         log.info("export: %s already holds step %d", out, meta["step"])
@@ -174,13 +189,19 @@ def run_export(cfg: RunConfig) -> dict:
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
         (tmp / DRAFTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         (tmp / EXPORT_RECORD).write_text(json.dumps(report, indent=2) + "\n")
-    offline = ", ".join(f"k={k} {figures['mean_accept_length']:.3f}"
-                        for k, figures in (report["val_offline"] or {}).items())
+    offline = ", ".join(
+        f"k={k} {figures['mean_accept_length']:.3f}" for k, figures in (report["val_offline"] or {}).items()
+    )
     log.info("export: step %d (offline acceptance length %s) -> %s", meta["step"], offline or "not recorded", out)
     for engine, reading in engines.items():
         if reading["served"]:
-            log.info("export: %s reads aux layer ids %s from %s: HF layers %s, as trained", engine, reading["ids"],
-                     reading["reads"], reading["hf_layers"])
+            log.info(
+                "export: %s reads aux layer ids %s from %s: HF layers %s, as trained",
+                engine,
+                reading["ids"],
+                reading["reads"],
+                reading["hf_layers"],
+            )
         else:
             log.warning("export: not for %s: %s", engine, reading["why"])
     return report
@@ -205,14 +226,20 @@ def load_exported_drafter(drafter_dir: str | Path, target_model_path: str | Path
     config = json.loads((drafter_dir / DRAFTER_CONFIG).read_text())
     architecture = read_architecture(target_model_path)
     draft = DraftConfig(
-        hidden_size=config["hidden_size"], intermediate_size=config["intermediate_size"],
-        num_attention_heads=config["num_attention_heads"], num_key_value_heads=config["num_key_value_heads"],
-        head_dim=config["head_dim"], rms_norm_eps=config["rms_norm_eps"], rope_theta=config["rope_theta"],
-        max_position_embeddings=config["max_position_embeddings"], target_vocab_size=config["vocab_size"],
+        hidden_size=config["hidden_size"],
+        intermediate_size=config["intermediate_size"],
+        num_attention_heads=config["num_attention_heads"],
+        num_key_value_heads=config["num_key_value_heads"],
+        head_dim=config["head_dim"],
+        rms_norm_eps=config["rms_norm_eps"],
+        rope_theta=config["rope_theta"],
+        max_position_embeddings=config["max_position_embeddings"],
+        target_vocab_size=config["vocab_size"],
         rope_scaling=target_rope(config)[1],  # as the engines read it from this config.json
         draft_vocab_size=config["draft_vocab_size"],
         aux_layer_ids=tuple(aux_layers_of(drafter_dir, config, architecture)),
-        fc_norm=bool(config.get("fc_norm", False)), norm_output=bool(config.get("norm_output", False)),
+        fc_norm=bool(config.get("fc_norm", False)),
+        norm_output=bool(config.get("norm_output", False)),
     )
     model = Eagle3Draft(draft)
     exported = load_file(str(drafter_dir / WEIGHTS))

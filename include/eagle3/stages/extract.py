@@ -103,8 +103,10 @@ class BusyShardWait:
 
     def __call__(self, holder: str, waited_s: float) -> None:
         self.waited_s = waited_s
-        line = f"{self.label}: waiting for the shard, which another writer holds ({holder}); waited " \
-               f"{human_duration(waited_s)}"
+        line = (
+            f"{self.label}: waiting for the shard, which another writer holds ({holder}); waited "
+            f"{human_duration(waited_s)}"
+        )
         now = time.monotonic()
         if self.logged_at is None or now - self.logged_at >= self.interval_s:
             self.logged_at = now
@@ -185,14 +187,25 @@ def run_extract(cfg: RunConfig, shard: int = 0, num_shards: int | None = None, g
     store = attach_store(cfg)  # shared by every run of the same capture: only what it lacks is computed
     meta = StoreMeta(cfg.target.hidden_size, tuple(cfg.resolved_aux_layers()), cfg.extract.state_dtype)
     waiting = BusyShardWait(f"extract shard {shard}", cfg.extract.progress_interval_s, log)
-    writer = ShardWriter(cfg.store_dir, shard, meta, chunk_bytes=cfg.extract.chunk_mib << 20, on_busy=waiting,
-                         writer=f"run {cfg.run_name}")
+    writer = ShardWriter(
+        cfg.store_dir,
+        shard,
+        meta,
+        chunk_bytes=cfg.extract.chunk_mib << 20,
+        on_busy=waiting,
+        writer=f"run {cfg.run_name}",
+    )
     waiting.took_lock()
     done_before = sum(conversation_id_of(sid) in mine_ids for sid in [*writer.done_ids, *writer.rejected])
     stored_conversations = {conversation_id_of(sid) for sid in writer.done_ids} & mine_ids
     log.info(
         "extract shard %d/%d: %d conversations in this shard, %d samples already in store %s, aux layers %s",
-        shard, num_shards, len(mine), done_before, store.name, list(meta.aux_layers),
+        shard,
+        num_shards,
+        len(mine),
+        done_before,
+        store.name,
+        list(meta.aux_layers),
     )
     tokenizing = SampleTokenizer.for_run(cfg)
     stats_of_pass = TokenizeStats()
@@ -201,8 +214,13 @@ def run_extract(cfg: RunConfig, shard: int = 0, num_shards: int | None = None, g
     def refuse_untrained(stats: TokenizeStats, total_turns: int | None = shard_turns) -> None:
         """Stop as soon as more of the shard's assistant turns cannot be trained as generated than
         data.max_untrained_fraction allows (on turns while tokenising; on turns and tokens at the end)."""
-        refusal = untrained_refusal(stats, cfg.data.max_untrained_fraction, tokenizing.template_where, total_turns,
-                                    f"extract shard {shard}/{num_shards}: ")
+        refusal = untrained_refusal(
+            stats,
+            cfg.data.max_untrained_fraction,
+            tokenizing.template_where,
+            total_turns,
+            f"extract shard {shard}/{num_shards}: ",
+        )
         if refusal is not None:
             raise refusal
 
@@ -254,23 +272,38 @@ def run_extract(cfg: RunConfig, shard: int = 0, num_shards: int | None = None, g
         if completed:  # every sample is in the store now; discarded under the shard lock
             discard_staging(cfg.run_dir, shard)
             # The run's part of the shared store; written last, so that it exists means the shard is done.
-            atomic_write_text(run_samples_path(cfg.run_dir, shard),
-                              "".join(f"{sid}\n" for sid in sorted(run_sample_ids) if writer.is_done(sid)))
+            atomic_write_text(
+                run_samples_path(cfg.run_dir, shard),
+                "".join(f"{sid}\n" for sid in sorted(run_sample_ids) if writer.is_done(sid)),
+            )
         writer.release()
         if backend is not None:
             backend.close()
     progress.emit()
     turns = stats_of_pass.as_dict()
     if turns["turns_dropped"]:
-        log.warning("extract shard %d: %d of %d assistant turns not trained as generated (%s; within "
-                    "data.max_untrained_fraction %g); first: %s", shard, sum(turns["turns_dropped"].values()),
-                    turns["assistant_turns"], ", ".join(f"{k}: {n}" for k, n in turns["turns_dropped"].items()),
-                    cfg.data.max_untrained_fraction, next(iter(stats_of_pass.skipped.values()), ""))
+        log.warning(
+            "extract shard %d: %d of %d assistant turns not trained as generated (%s; within "
+            "data.max_untrained_fraction %g); first: %s",
+            shard,
+            sum(turns["turns_dropped"].values()),
+            turns["assistant_turns"],
+            ", ".join(f"{k}: {n}" for k, n in turns["turns_dropped"].items()),
+            cfg.data.max_untrained_fraction,
+            next(iter(stats_of_pass.skipped.values()), ""),
+        )
     if stats_of_pass.context_cut_samples or stats_of_pass.turn_cut_samples:
-        log.warning("extract shard %d: data.max_length (%d) cut the context of %d sample(s) from the left (%d tokens) "
-                    "and the end of %d turn(s) longer than it (%d trained tokens lost); raise data.max_length to keep "
-                    "them", shard, cfg.data.max_length, stats_of_pass.context_cut_samples,
-                    stats_of_pass.context_cut_tokens, stats_of_pass.turn_cut_samples, stats_of_pass.turn_cut_tokens)
+        log.warning(
+            "extract shard %d: data.max_length (%d) cut the context of %d sample(s) from the left (%d tokens) "
+            "and the end of %d turn(s) longer than it (%d trained tokens lost); raise data.max_length to keep "
+            "them",
+            shard,
+            cfg.data.max_length,
+            stats_of_pass.context_cut_samples,
+            stats_of_pass.context_cut_tokens,
+            stats_of_pass.turn_cut_samples,
+            stats_of_pass.turn_cut_tokens,
+        )
 
     seconds = time.monotonic() - started
     stats = {

@@ -176,8 +176,12 @@ def _is_tool_call(call: object) -> bool:
     """OpenAI's shape, which Regeneration and the chat templates rely on: {"id"?, "function": {"name",
     "arguments"?: a JSON string}}."""
     function = call.get("function") if isinstance(call, dict) else None
-    return (isinstance(function, dict) and isinstance(function.get("name"), str)
-            and isinstance(function.get("arguments", ""), str) and isinstance(call.get("id", ""), str))
+    return (
+        isinstance(function, dict)
+        and isinstance(function.get("name"), str)
+        and isinstance(function.get("arguments", ""), str)
+        and isinstance(call.get("id", ""), str)
+    )
 
 
 def parse_reply(body: bytes, keep_reasoning: bool = True) -> Reply:
@@ -211,9 +215,12 @@ def parse_reply(body: bytes, keep_reasoning: bool = True) -> Reply:
     for field, value, ok, expected in (
         ("message.content", content, isinstance(content, str), "a string or null"),
         ("message.reasoning_content", reasoning, reasoning is None or isinstance(reasoning, str), "a string"),
-        ("message.tool_calls", tool_calls,
-         tool_calls is None or (isinstance(tool_calls, list) and all(map(_is_tool_call, tool_calls))),
-         'a list of {"id", "function": {"name", "arguments"}} calls'),
+        (
+            "message.tool_calls",
+            tool_calls,
+            tool_calls is None or (isinstance(tool_calls, list) and all(map(_is_tool_call, tool_calls))),
+            'a list of {"id", "function": {"name", "arguments"}} calls',
+        ),
         ("choices[0].finish_reason", finish_reason, isinstance(finish_reason, str), "a string"),
         # Past 2^32 no answer's count, and past 1e308 one that would break the stats' float arithmetic.
         ("usage.completion_tokens", tokens, type(tokens) is int and 0 <= tokens < 1 << 32, "a count"),
@@ -236,11 +243,14 @@ class ChatClient:
         gen = cfg.generate
         self.url = endpoint_url(base_url, "chat/completions")
         self.shown_url = redact_url(str(self.url))
-        self.body = {"model": gen.model or cfg.target.model_path, "temperature": gen.temperature, "top_p": gen.top_p,
-                     **({"top_k": gen.top_k} if gen.top_k else {}),  # (SGLang's and vLLM's extension of the API)
-                     "max_tokens": gen.max_tokens,
-                     **({"chat_template_kwargs": cfg.data.chat_template_kwargs} if cfg.data.chat_template_kwargs
-                        else {})}
+        self.body = {
+            "model": gen.model or cfg.target.model_path,
+            "temperature": gen.temperature,
+            "top_p": gen.top_p,
+            **({"top_k": gen.top_k} if gen.top_k else {}),  # (SGLang's and vLLM's extension of the API)
+            "max_tokens": gen.max_tokens,
+            **({"chat_template_kwargs": cfg.data.chat_template_kwargs} if cfg.data.chat_template_kwargs else {}),
+        }
         self.keep_reasoning = gen.reasoning == "keep"
         self.attempts = gen.max_retries + 1
         self.deadline_s = gen.request_timeout_s
@@ -261,8 +271,10 @@ class ChatClient:
     async def reply(self, messages: list[dict], tools=None) -> Reply:
         body = {**self.body, "messages": messages, **({"tools": list(tools)} if tools else {})}
         async for attempt in AsyncRetrying(
-            retry=retry_if_exception_type(Transient), stop=stop_after_attempt(self.attempts),
-            wait=wait_exponential_jitter(multiplier=0.5, jitter=0.5, max=30.0), reraise=True,
+            retry=retry_if_exception_type(Transient),
+            stop=stop_after_attempt(self.attempts),
+            wait=wait_exponential_jitter(multiplier=0.5, jitter=0.5, max=30.0),
+            reraise=True,
             before_sleep=self._count_retry,
         ):
             with attempt:
@@ -276,8 +288,10 @@ class ChatClient:
                 async with self.http.stream("POST", self.url, json=body) as response:
                     return await self._body_of(response)
         except TimeoutError:
-            raise Transient("timeout", f"no whole answer from {self.shown_url} within generate.request_timeout_s "
-                                       f"({self.deadline_s:g} s)") from None
+            raise Transient(
+                "timeout",
+                f"no whole answer from {self.shown_url} within generate.request_timeout_s ({self.deadline_s:g} s)",
+            ) from None
         except httpx.TransportError as err:
             reason = "timeout" if isinstance(err, httpx.TimeoutException) else "connection"
             raise Transient(reason, f"{self.shown_url}: {describe(err)}") from None
@@ -285,8 +299,10 @@ class ChatClient:
     async def _body_of(self, response: httpx.Response) -> bytes:
         status = response.status_code
         if response.is_redirect:
-            raise RowFailed(f"http {status}", f"HTTP {status}: a redirect, not followed: the stage calls "
-                                              f"{self.shown_url} and nothing else")
+            raise RowFailed(
+                f"http {status}",
+                f"HTTP {status}: a redirect, not followed: the stage calls {self.shown_url} and nothing else",
+            )
         if not response.is_success:
             text = (await read_capped(response, ERROR_BODY_BYTES))[0].decode("utf-8", "replace")
             if self.api_key:  # a proxy that echoes the request's headers back must not put the key in a row
@@ -295,13 +311,19 @@ class ChatClient:
             raise error(f"http {status}", f"HTTP {status}: {one_line(text)}")
         encoding = response.headers.get("Content-Encoding", "identity").lower()
         if encoding != "identity":
-            raise RowFailed("malformed", f"malformed answer: compressed ({one_line(encoding, 40)}) though the "
-                                         "request asked for none (Accept-Encoding: identity)")
+            raise RowFailed(
+                "malformed",
+                f"malformed answer: compressed ({one_line(encoding, 40)}) though the "
+                "request asked for none (Accept-Encoding: identity)",
+            )
         answer, more = await read_capped(response, self.max_bytes)
         if more:
-            raise RowFailed("oversize", f"response over {self.max_bytes} bytes, more than an answer of "
-                                        f"generate.max_tokens ({self.body['max_tokens']}) tokens can take; not "
-                                        "read further")
+            raise RowFailed(
+                "oversize",
+                f"response over {self.max_bytes} bytes, more than an answer of "
+                f"generate.max_tokens ({self.body['max_tokens']}) tokens can take; not "
+                "read further",
+            )
         return answer
 
     def _count_retry(self, retry_state) -> None:
@@ -345,8 +367,11 @@ class Regeneration:
             self.failed = "the target answered with an empty message"
             return
         original = self.turns[self.index]
-        message = {"role": "assistant", "content": reply.content,
-                   **({"reasoning_content": reply.reasoning} if reply.reasoning else {})}
+        message = {
+            "role": "assistant",
+            "content": reply.content,
+            **({"reasoning_content": reply.reasoning} if reply.reasoning else {}),
+        }
         old_calls, new_calls = original.get("tool_calls") or [], reply.tool_calls or []
         if [c["function"]["name"] for c in old_calls] != [c["function"]["name"] for c in new_calls]:
             self.cut_short = bool(old_calls)  # what follows answered calls this turn no longer makes
@@ -357,8 +382,10 @@ class Regeneration:
             for old, new in zip(old_calls, new_calls):
                 if "id" in old and "id" in new:
                     self.call_ids[old["id"]] = new["id"]
-            new_calls = [{**new, **({"id": old["id"]} if "id" in old and "id" not in new else {})}
-                         for old, new in zip(old_calls, new_calls)]
+            new_calls = [
+                {**new, **({"id": old["id"]} if "id" in old and "id" not in new else {})}
+                for old, new in zip(old_calls, new_calls)
+            ]
         if new_calls:
             message["tool_calls"] = new_calls
         if reply.finish_reason == "length":  # cut at generate.max_tokens: extract trains no end of turn for it
@@ -369,9 +396,13 @@ class Regeneration:
         self.truncated |= reply.finish_reason == "length"
 
     def result(self) -> dict:
-        return {"messages": self.history, **({"tools": list(self.conversation.tools)} if self.conversation.tools
-                                              else {}),
-                "completion_tokens": self.tokens, "truncated": self.truncated, "cut_at_tool_call": self.cut_short}
+        return {
+            "messages": self.history,
+            **({"tools": list(self.conversation.tools)} if self.conversation.tools else {}),
+            "completion_tokens": self.tokens,
+            "truncated": self.truncated,
+            "cut_at_tool_call": self.cut_short,
+        }
 
 
 async def regenerate(client: ChatClient, conversation: Conversation) -> dict:
@@ -395,15 +426,24 @@ class HfChat:
         self.torch, self.gen = torch, cfg.generate
         self.device = pick_device(cfg.extract.device)
         self.tokenizing = SampleTokenizer.for_run(cfg)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            cfg.target.model_path, dtype=getattr(torch, cfg.target.dtype),
-            trust_remote_code=cfg.target.trust_remote_code,
-        ).to(self.device).eval()
+        self.model = (
+            AutoModelForCausalLM.from_pretrained(
+                cfg.target.model_path,
+                dtype=getattr(torch, cfg.target.dtype),
+                trust_remote_code=cfg.target.trust_remote_code,
+            )
+            .to(self.device)
+            .eval()
+        )
         eos = self.model.generation_config.eos_token_id or self.model.config.eos_token_id
         self.eos = eos if isinstance(eos, list) else [eos]
         self.pad_id = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else self.eos[0]
-        log.info("generate: %s in transformers on %s, %d conversations at a time", cfg.target.model_path,
-                 self.device, self.gen.concurrency)
+        log.info(
+            "generate: %s in transformers on %s, %d conversations at a time",
+            cfg.target.model_path,
+            self.device,
+            self.gen.concurrency,
+        )
 
     def replies(self, requests: list[tuple[list[dict], tuple | None]]) -> list[Reply]:
         """One reply per (history, tools), generated together."""
@@ -413,15 +453,28 @@ class HfChat:
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         attention = torch.zeros_like(ids)
         for row, prompt in enumerate(prompts):
-            ids[row, width - len(prompt):] = torch.as_tensor(prompt)
-            attention[row, width - len(prompt):] = 1
+            ids[row, width - len(prompt) :] = torch.as_tensor(prompt)
+            attention[row, width - len(prompt) :] = 1
         # top_k 0: transformers' "no limit" (its own default would be 50, which the server path never applies)
-        sampling = ({"do_sample": True, "temperature": self.gen.temperature, "top_p": self.gen.top_p,
-                     "top_k": self.gen.top_k or 0} if self.gen.temperature > 0 else {"do_sample": False})
+        sampling = (
+            {
+                "do_sample": True,
+                "temperature": self.gen.temperature,
+                "top_p": self.gen.top_p,
+                "top_k": self.gen.top_k or 0,
+            }
+            if self.gen.temperature > 0
+            else {"do_sample": False}
+        )
         with torch.inference_mode():
-            out = self.model.generate(input_ids=ids.to(self.device), attention_mask=attention.to(self.device),
-                                      max_new_tokens=self.gen.max_tokens, eos_token_id=self.eos,
-                                      pad_token_id=self.pad_id, **sampling)
+            out = self.model.generate(
+                input_ids=ids.to(self.device),
+                attention_mask=attention.to(self.device),
+                max_new_tokens=self.gen.max_tokens,
+                eos_token_id=self.eos,
+                pad_token_id=self.pad_id,
+                **sampling,
+            )
         replies = []
         for new in out[:, width:].tolist():
             stop = next((i for i, token in enumerate(new) if token in self.eos), None)
@@ -473,8 +526,10 @@ class PartWriter:
         self.dir.mkdir(parents=True, exist_ok=True)
         self._lock = try_exclusive_lock(self.dir / ".lock")
         if self._lock is None:
-            raise GenerateBusy(f"{self.dir}: another run is generating into this cache of answers now; the retry "
-                               "finds its answers there") from None
+            raise GenerateBusy(
+                f"{self.dir}: another run is generating into this cache of answers now; the retry "
+                "finds its answers there"
+            ) from None
         existing = [int(p.stem.split("-")[1]) for p in self.dir.glob("part-*.jsonl")]
         self.next_index = max(existing, default=-1) + 1
         self.rows: list[dict] = []
@@ -513,8 +568,14 @@ def read_rows(parts_dir: Path) -> dict[str, dict]:
 # -- the stage -------------------------------------------------------------------------------------------------
 
 
-async def regenerate_all(cfg: RunConfig, base_url: str, todo: list[Conversation], writer: PartWriter,
-                         progress: ProgressLog, api_key: str | None = None) -> dict:
+async def regenerate_all(
+    cfg: RunConfig,
+    base_url: str,
+    todo: list[Conversation],
+    writer: PartWriter,
+    progress: ProgressLog,
+    api_key: str | None = None,
+) -> dict:
     """Run the conversations through `concurrency` workers, counting into `progress` (done_here: regenerated,
     failed, tokens). Returns {"retries": retried requests, "truncated": answers cut at max_tokens}."""
     gen = cfg.generate
@@ -537,8 +598,10 @@ async def regenerate_all(cfg: RunConfig, base_url: str, todo: list[Conversation]
                 progress.update(0, 0, failed=1)
                 tried = progress.done_here + progress.failed
                 if tried >= min(MIN_TRIED_BEFORE_ABORT, len(todo)) and progress.failed > gen.max_failure_rate * tried:
-                    abort.append(f"{progress.failed} of the {tried} conversations tried failed "
-                                 f"(generate.max_failure_rate {gen.max_failure_rate:.0%}); last error: {err}")
+                    abort.append(
+                        f"{progress.failed} of the {tried} conversations tried failed "
+                        f"(generate.max_failure_rate {gen.max_failure_rate:.0%}); last error: {err}"
+                    )
                 continue
             truncated += result["truncated"]
             writer.add({**row, "status": "ok", **result})
@@ -562,8 +625,10 @@ async def check_endpoint(base_url: str, api_key: str | None = None) -> None:
     refuses the key. Only the status line and headers are read, within PROBE_TIMEOUT_S all told."""
     shown = redact_url(base_url)
     try:
-        async with asyncio.timeout(PROBE_TIMEOUT_S), httpx.AsyncClient(
-                headers=auth_headers(api_key), timeout=PROBE_TIMEOUT_S, follow_redirects=False) as http:
+        async with (
+            asyncio.timeout(PROBE_TIMEOUT_S),
+            httpx.AsyncClient(headers=auth_headers(api_key), timeout=PROBE_TIMEOUT_S, follow_redirects=False) as http,
+        ):
             async with http.stream("GET", endpoint_url(base_url, "models")) as response:
                 status = response.status_code
     except (TimeoutError, httpx.TransportError) as err:
@@ -575,7 +640,8 @@ async def check_endpoint(base_url: str, api_key: str | None = None) -> None:
     if status in (401, 403):
         raise GenerateAborted(
             f"generate.endpoint: {shown}/models answered HTTP {status}: the server wants an API key"
-            + (" and refused the one sent" if api_key else "") + "; name the variable on the box that holds it "
+            + (" and refused the one sent" if api_key else "")
+            + "; name the variable on the box that holds it "
             "in generate.api_key_env"
         )
 
@@ -598,18 +664,37 @@ def run_generate(cfg: RunConfig) -> dict:
         writer.release()
 
 
-def _generate(cfg: RunConfig, out: Path, conversations: list[Conversation], read_stats, writer: PartWriter, cache: str,
-              started: float, api_key: str | None) -> dict:
+def _generate(
+    cfg: RunConfig,
+    out: Path,
+    conversations: list[Conversation],
+    read_stats,
+    writer: PartWriter,
+    cache: str,
+    started: float,
+    api_key: str | None,
+) -> dict:
     gen = cfg.generate
     rows = read_rows(writer.dir)
     todo = [c for c in conversations if rows.get(c.sample_id, {}).get("status") != "ok"]
-    progress = ProgressLog("generate", len(conversations), len(conversations) - len(todo), gen.progress_interval_s,
-                           log, unit="conversations", track_bytes=False, track_failures=True)
-    log.info("generate: sampling at temperature %s, top_p %s, top_k %s (empty fields: the target's "
-             "generation_config.json; greedy when it names no temperature)", gen.temperature, gen.top_p,
-             gen.top_k or "unlimited")
-    log.info("generate: %d conversations, %d already regenerated, %d to go", progress.total, progress.done,
-             len(todo))
+    progress = ProgressLog(
+        "generate",
+        len(conversations),
+        len(conversations) - len(todo),
+        gen.progress_interval_s,
+        log,
+        unit="conversations",
+        track_bytes=False,
+        track_failures=True,
+    )
+    log.info(
+        "generate: sampling at temperature %s, top_p %s, top_k %s (empty fields: the target's "
+        "generation_config.json; greedy when it names no temperature)",
+        gen.temperature,
+        gen.top_p,
+        gen.top_k or "unlimited",
+    )
+    log.info("generate: %d conversations, %d already regenerated, %d to go", progress.total, progress.done, len(todo))
     outcome = {"retries": 0, "truncated": 0}
     if todo:
         random.Random(cfg.seed).shuffle(todo)  # long and short conversations mixed: a steadier ETA
@@ -625,12 +710,14 @@ def _generate(cfg: RunConfig, out: Path, conversations: list[Conversation], read
 
     rows = read_rows(writer.dir)
     ok_rows = [rows[c.sample_id] for c in conversations if rows.get(c.sample_id, {}).get("status") == "ok"]
-    failed_rows = {c.line_no: rows[c.sample_id] for c in conversations
-                   if rows.get(c.sample_id, {}).get("status") == "failed"}
+    failed_rows = {
+        c.line_no: rows[c.sample_id] for c in conversations if rows.get(c.sample_id, {}).get("status") == "failed"
+    }
     failed = {line_no: row["error"] for line_no, row in failed_rows.items()}
     records = [{"messages": r["messages"], **({"tools": r["tools"]} if r.get("tools") else {})} for r in ok_rows]
-    atomic_write_text(out / "conversations.jsonl",
-                      "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records))
+    atomic_write_text(
+        out / "conversations.jsonl", "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
+    )
     elapsed = time.monotonic() - started
     stats = {
         "conversations": len(conversations),
@@ -653,6 +740,10 @@ def _generate(cfg: RunConfig, out: Path, conversations: list[Conversation], read
     }
     atomic_write_text(out / "stats.json", json.dumps(stats, indent=2) + "\n")
     if failed:
-        log.warning("generate: %d conversation(s) failed and are left out of the data (first: line %d: %s); "
-                    "run the stage again to retry them", len(failed), *next(iter(failed.items())))
+        log.warning(
+            "generate: %d conversation(s) failed and are left out of the data (first: line %d: %s); "
+            "run the stage again to retry them",
+            len(failed),
+            *next(iter(failed.items())),
+        )
     return stats

@@ -37,8 +37,9 @@ def stage_output(path: Path, stage: str) -> bytes:
     try:
         return path.read_bytes()
     except FileNotFoundError:
-        raise ConfigError(f"{path}: missing, so this run's {stage} stage has not finished; run it first (clear its "
-                          "task)") from None
+        raise ConfigError(
+            f"{path}: missing, so this run's {stage} stage has not finished; run it first (clear its task)"
+        ) from None
 
 
 def training_inputs(cfg: RunConfig) -> dict:
@@ -65,7 +66,8 @@ def training_inputs(cfg: RunConfig) -> dict:
         # The split decides which samples train: its rule, and what the pinned set keeps out of training.
         "split": SPLIT_RULE,
         "eval_set": hashlib.sha256(json.dumps([pinned["conversation_ids"], kept_out]).encode()).hexdigest()
-        if pinned else None,
+        if pinned
+        else None,
     }
 
 
@@ -106,6 +108,7 @@ def decide(new: dict, current: dict | None, k: int, margin: float) -> tuple[bool
 
 # -- promotion held for approval -------------------------------------------------------------------------------
 
+
 def files_digest(files: dict[str, str]) -> str:
     """One sha256 over a drafter's files and theirs ({path: sha256}): what an approval names (--approved-files)."""
     return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
@@ -121,9 +124,11 @@ def hold_for_approval(cfg: RunConfig, record: dict, expected_current: str | None
     except UnsafeTree as err:
         raise PromotionRefused(f"{err}; nothing was proposed. Export the drafter again") from None
     if files.get(WEIGHTS) != record["weights_sha256"]:
-        raise PromotionRefused(f"{drafter_dir}: {WEIGHTS} changed while evaluate measured it (sha256 "
-                               f"{files.get(WEIGHTS)}, measured {record['weights_sha256']}); nothing was proposed. "
-                               "Evaluate again")
+        raise PromotionRefused(
+            f"{drafter_dir}: {WEIGHTS} changed while evaluate measured it (sha256 "
+            f"{files.get(WEIGHTS)}, measured {record['weights_sha256']}); nothing was proposed. "
+            "Evaluate again"
+        )
     proposal = {"record": record, "expected_current": expected_current, "files_sha256": files}
     atomic_write_text(cfg.run_dir / PROPOSAL, json.dumps(proposal, indent=2) + "\n")
     return files_digest(files)
@@ -131,8 +136,10 @@ def hold_for_approval(cfg: RunConfig, record: dict, expected_current: str | None
 
 def check_approver(approved_by: object) -> str:
     if not isinstance(approved_by, str) or not APPROVER_PATTERN.fullmatch(approved_by) or not approved_by.strip():
-        raise ConfigError(f"--approved-by {str(approved_by)[:80]!r}: name the user who approved the promotion (1 to "
-                          "256 characters, no control characters)")
+        raise ConfigError(
+            f"--approved-by {str(approved_by)[:80]!r}: name the user who approved the promotion (1 to "
+            "256 characters, no control characters)"
+        )
     return approved_by
 
 
@@ -147,8 +154,10 @@ def promote_held(cfg: RunConfig, approved_by: str, approved_files: str) -> dict:
     measured against a drafter that is no longer current."""
     approved_by = check_approver(approved_by)
     if not isinstance(approved_files, str) or not SHA256_PATTERN.fullmatch(approved_files):
-        raise ConfigError(f"--approved-files {str(approved_files)[:80]!r}: give the sha256 of the drafter files the "
-                          "approval named (64 lowercase hex digits: the held promotion's drafter_files_sha256)")
+        raise ConfigError(
+            f"--approved-files {str(approved_files)[:80]!r}: give the sha256 of the drafter files the "
+            "approval named (64 lowercase hex digits: the held promotion's drafter_files_sha256)"
+        )
     report_path = cfg.run_dir / REPORT
     report = json.loads(report_path.read_text())
     promotion = report["promotion"]
@@ -156,50 +165,88 @@ def promote_held(cfg: RunConfig, approved_by: str, approved_files: str) -> dict:
         current = Lineage(cfg).current()
         if current is not None and current.name == promotion.get("version"):
             return {**promotion, "already_current": True, "reason": f"{promotion['reason']}; already current"}
-        return {**promotion, "already_current": False,
-                "reason": f"{promotion['reason']}; since replaced: the current drafter is "
-                f"{current.name if current else 'none'}"}
+        return {
+            **promotion,
+            "already_current": False,
+            "reason": f"{promotion['reason']}; since replaced: the current drafter is "
+            f"{current.name if current else 'none'}",
+        }
     if not promotion.get("pending_approval"):
-        raise ConfigError(f"{report_path}: evaluate held no promotion for approval ({promotion.get('reason')}); "
-                          "nothing to promote")
+        raise ConfigError(
+            f"{report_path}: evaluate held no promotion for approval ({promotion.get('reason')}); nothing to promote"
+        )
     proposal = json.loads((cfg.run_dir / PROPOSAL).read_text())
     if files_digest(proposal.get("files_sha256") or {}) != approved_files:
-        raise PromotionRefused(f"{cfg.run_dir / PROPOSAL}: its drafter files are not the ones approved (files digest "
-                               f"{files_digest(proposal.get('files_sha256') or {})}, approved {approved_files}): the "
-                               "proposal was changed after the approval. Nothing was promoted; evaluate again and ask "
-                               "for a new approval")
-    record = {**proposal["record"], "approved": True, "approved_by": approved_by,
-              "promoted_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        raise PromotionRefused(
+            f"{cfg.run_dir / PROPOSAL}: its drafter files are not the ones approved (files digest "
+            f"{files_digest(proposal.get('files_sha256') or {})}, approved {approved_files}): the "
+            "proposal was changed after the approval. Nothing was promoted; evaluate again and ask "
+            "for a new approval"
+        )
+    record = {
+        **proposal["record"],
+        "approved": True,
+        "approved_by": approved_by,
+        "promoted_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
     lineage = Lineage(cfg)
     current = lineage.current()
     if current is not None and current.record["weights_sha256"] == record["weights_sha256"]:
         version = current  # switched by a try that died before it rewrote the report
     else:
-        version = lineage.promote(cfg.run_dir / DRAFTER_DIR, cfg.run_name, record, cfg.evaluate.keep_versions,
-                                  expected_current=proposal["expected_current"],
-                                  expected_files=proposal.get("files_sha256"))  # (none: held before they were)
+        version = lineage.promote(
+            cfg.run_dir / DRAFTER_DIR,
+            cfg.run_name,
+            record,
+            cfg.evaluate.keep_versions,
+            expected_current=proposal["expected_current"],
+            expected_files=proposal.get("files_sha256"),
+        )  # (none: held before they were)
     if version is None:
-        outcome = {**promotion, "pending_approval": False,
-                   "reason": f"{promotion['reason']}; approved, but another run promoted a drafter since this one "
-                   "was measured: evaluate again to compare with it"}
+        outcome = {
+            **promotion,
+            "pending_approval": False,
+            "reason": f"{promotion['reason']}; approved, but another run promoted a drafter since this one "
+            "was measured: evaluate again to compare with it",
+        }
     else:
-        outcome = {**promotion, "promoted": True, "pending_approval": False, "version": version.name,
-                   "approved_by": approved_by, "reason": f"{promotion['reason']}; approved"}
+        outcome = {
+            **promotion,
+            "promoted": True,
+            "pending_approval": False,
+            "version": version.name,
+            "approved_by": approved_by,
+            "reason": f"{promotion['reason']}; approved",
+        }
     report["promotion"] = outcome
     atomic_write_text(report_path, json.dumps(report, indent=2) + "\n")
     return outcome
 
 
-def compare_and_promote(cfg: RunConfig, lineage, pinned: dict, results: dict, ours: str, measure_drafter,
-                        started_from: str | None, hold: bool = False) -> dict:
+def compare_and_promote(
+    cfg: RunConfig,
+    lineage,
+    pinned: dict,
+    results: dict,
+    ours: str,
+    measure_drafter,
+    started_from: str | None,
+    hold: bool = False,
+) -> dict:
     """Measure the lineage's current drafter (`measure_drafter(its dir)`) on the same prompts, and promote this
     run's (`ours`: its weights' sha256, taken before it was measured; `started_from`: the version its training was
     warm-started from, or None) if it is better by evaluate.promote_margin (decide). `hold`: decide, but leave the
     switch to `lineage promote`, which the DAG runs once a person approved (the deployment's approve_promotion)."""
     k = cfg.evaluate.draft_lengths[0]
     figures = {key: value["mean_accept_length"] for key, value in results.items()}
-    outcome = {"lineage": lineage.key, "lineage_dir": str(lineage.dir), "eval_set_prompts": len(pinned["prompts"]),
-               "eval_set_pinned_by": pinned["pinned_by"], "accept_length": figures, "current_before": None}
+    outcome = {
+        "lineage": lineage.key,
+        "lineage_dir": str(lineage.dir),
+        "eval_set_prompts": len(pinned["prompts"]),
+        "eval_set_pinned_by": pinned["pinned_by"],
+        "accept_length": figures,
+        "current_before": None,
+    }
     if not cfg.evaluate.promote:
         return {**outcome, "promoted": False, "reason": "evaluate.promote is off"}
     current = lineage.current()
@@ -209,27 +256,58 @@ def compare_and_promote(cfg: RunConfig, lineage, pinned: dict, results: dict, ou
         outcome["current_before"] = {"version": current.name, "run": record["run"]}
         if record["weights_sha256"] == ours:  # a retried evaluate, or a rerun whose inputs had not changed
             lineage.also_made_from(current, inputs_digest(cfg))  # the next run with these inputs skips training
-            return {**outcome, "promoted": False, "current": str(lineage.dir / CURRENT),
-                    "reason": f"this drafter is the current one already ({current.name}, the same weights)"}
+            return {
+                **outcome,
+                "promoted": False,
+                "current": str(lineage.dir / CURRENT),
+                "reason": f"this drafter is the current one already ({current.name}, the same weights)",
+            }
         theirs = measure_drafter(current.path)
         outcome["current_before"]["accept_length"] = {key: v["mean_accept_length"] for key, v in theirs.items()}
     promote, reason = decide(results, theirs, k, cfg.evaluate.promote_margin)
     log.info("evaluate: %s %s", "promoting this run's drafter:" if promote else "not promoted:", reason)
     if not promote:
         return {**outcome, "promoted": False, "reason": reason, "current": str(lineage.dir / CURRENT)}
-    record = {"run": cfg.run_name, "run_dir": str(cfg.run_dir), "weights_sha256": ours, "accept_length": figures,
-              "inputs_digest": inputs_digest(cfg),  # a later run with the same inputs skips training
-              "started_from": started_from,  # train.init_from current: the version it was warm-started from
-              "promoted_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "reason": reason,
-              "previous": outcome["current_before"], "eval_set_prompts": len(pinned["prompts"])}
+    record = {
+        "run": cfg.run_name,
+        "run_dir": str(cfg.run_dir),
+        "weights_sha256": ours,
+        "accept_length": figures,
+        "inputs_digest": inputs_digest(cfg),  # a later run with the same inputs skips training
+        "started_from": started_from,  # train.init_from current: the version it was warm-started from
+        "promoted_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "reason": reason,
+        "previous": outcome["current_before"],
+        "eval_set_prompts": len(pinned["prompts"]),
+    }
     if hold:  # the approval covers these digests: `lineage promote` switches to no other bytes
         files = hold_for_approval(cfg, record, expected_current=current.name if current else None)
-        return {**outcome, "promoted": False, "pending_approval": True, "reason": reason,
-                "current": str(lineage.dir / CURRENT), "weights_sha256": ours, "drafter_files_sha256": files}
-    version = lineage.promote(cfg.run_dir / DRAFTER_DIR, cfg.run_name, record, cfg.evaluate.keep_versions,
-                              expected_current=current.name if current else None)
+        return {
+            **outcome,
+            "promoted": False,
+            "pending_approval": True,
+            "reason": reason,
+            "current": str(lineage.dir / CURRENT),
+            "weights_sha256": ours,
+            "drafter_files_sha256": files,
+        }
+    version = lineage.promote(
+        cfg.run_dir / DRAFTER_DIR,
+        cfg.run_name,
+        record,
+        cfg.evaluate.keep_versions,
+        expected_current=current.name if current else None,
+    )
     if version is None:
-        return {**outcome, "promoted": False, "reason": "another run promoted a drafter while this one was measured; "
-                "evaluate again to compare with it"}
-    return {**outcome, "promoted": True, "reason": reason, "current": str(lineage.dir / CURRENT),
-            "version": version.name}
+        return {
+            **outcome,
+            "promoted": False,
+            "reason": "another run promoted a drafter while this one was measured; evaluate again to compare with it",
+        }
+    return {
+        **outcome,
+        "promoted": True,
+        "reason": reason,
+        "current": str(lineage.dir / CURRENT),
+        "version": version.name,
+    }

@@ -104,7 +104,8 @@ class Split:
         except KeyError:
             raise SplitError(
                 f"conversation {conversation_id} is in the run's samples but not in {self.source}: the file changed "
-                "since extract read it. Restore it, or run extract again (clear the run's extract tasks)") from None
+                "since extract read it. Restore it, or run extract again (clear the run's extract tasks)"
+            ) from None
         if conversation_id in self.pinned_ids or key in self.pinned_keys:
             return EVALUATION
         return part_of_key(key, self.val_fraction)
@@ -121,8 +122,10 @@ class Split:
 
     def pinned_out(self, sample_ids) -> int:
         """How many of these samples the pinned set takes out of the part their bucket gives them."""
-        return sum(self.part_of_conversation(c) == EVALUATION != part_of_key(self.keys[c], self.val_fraction)
-                   for c in map(conversation_id_of, sample_ids))
+        return sum(
+            self.part_of_conversation(c) == EVALUATION != part_of_key(self.keys[c], self.val_fraction)
+            for c in map(conversation_id_of, sample_ids)
+        )
 
 
 def source_stamp(path: Path) -> dict:
@@ -142,8 +145,11 @@ def conversation_keys(cfg: RunConfig, conversations=None) -> dict[str, str]:
         cached = json.loads(cache.read_text())
     except (FileNotFoundError, ValueError):
         cached = None
-    if isinstance(cached, dict) and cached.get("rule") == SPLIT_RULE and \
-            (stamp["source"] is None or cached.get("source") == stamp["source"]):
+    if (
+        isinstance(cached, dict)
+        and cached.get("rule") == SPLIT_RULE
+        and (stamp["source"] is None or cached.get("source") == stamp["source"])
+    ):
         if stamp["source"] is None:
             log.info("split: %s is gone; the keys recorded in %s are used", path, cache)
         return cached["keys"]

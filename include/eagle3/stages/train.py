@@ -118,8 +118,17 @@ class Teachers:
         return self.in_draft_vocab & self.loss_mask
 
 
-def make_teachers(input_ids, loss_mask, last_hidden, target_lm_head, draft_ids, t2d, lengths=None,
-                  first_draft: bool = False, only_read: bool = False) -> Teachers:
+def make_teachers(
+    input_ids,
+    loss_mask,
+    last_hidden,
+    target_lm_head,
+    draft_ids,
+    t2d,
+    lengths=None,
+    first_draft: bool = False,
+    only_read: bool = False,
+) -> Teachers:
     """Targets for one padded batch. Never builds [T, full vocab] logits for a whole sample at once.
 
     loss_mask: [B, T] the answer tokens (assistant turns). lengths: [B] each sample's own length (None: all fill
@@ -142,8 +151,9 @@ def make_teachers(input_ids, loss_mask, last_hidden, target_lm_head, draft_ids, 
     b, n = loss_mask.shape
     rows = rows_of(trained | drafted(answer)) if only_read else torch.arange(b * n, device=loss_mask.device)
     last = read_shifted(last_hidden, rows, 1).float()  # the final state after each position: shifted once
-    teacher, full_logsumexp = (torch.empty(len(rows), dtype=dtype, device=last.device) for dtype in
-                               (torch.long, torch.float32))
+    teacher, full_logsumexp = (
+        torch.empty(len(rows), dtype=dtype, device=last.device) for dtype in (torch.long, torch.float32)
+    )
     for start in range(0, len(rows), LOGIT_CHUNK):
         logits = last[start : start + LOGIT_CHUNK] @ target_lm_head.T
         teacher[start : start + LOGIT_CHUNK] = logits.argmax(-1)
@@ -152,8 +162,9 @@ def make_teachers(input_ids, loss_mask, last_hidden, target_lm_head, draft_ids, 
     p = draft_logits.softmax(-1)
     draft_mass = (draft_logits.logsumexp(-1) - full_logsumexp).exp()
     if only_read:  # back to the batch's layout, zeros where nothing reads
-        teacher, p, draft_mass = (x.new_zeros(b * n, *x.shape[1:]).index_copy_(0, rows, x)
-                                  for x in (teacher, p, draft_mass))
+        teacher, p, draft_mass = (
+            x.new_zeros(b * n, *x.shape[1:]).index_copy_(0, rows, x) for x in (teacher, p, draft_mass)
+        )
     teacher, p, draft_mass = teacher.view(b, n), p.view(b, n, -1), draft_mass.view(b, n)
     return Teachers(shift_left(input_ids), p, teacher, t2d[teacher], trained, draft_mass, chained=first_draft)
 
@@ -200,8 +211,9 @@ def expected_acceptance(p_full: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.minimum(p_full, q).sum(-1)
 
 
-def step_loss(objective: str, ploss: torch.Tensor, alpha: torch.Tensor, mask: torch.Tensor,
-              kl_decay: float, total=torch.sum) -> torch.Tensor:
+def step_loss(
+    objective: str, ploss: torch.Tensor, alpha: torch.Tensor, mask: torch.Tensor, kl_decay: float, total=torch.sum
+) -> torch.Tensor:
     """One TTT step's loss: `ploss` the KL-equivalent cross-entropy (SpecForge's normalisation), `alpha` the
     expected acceptance at some positions, `mask` those it counts over. `total`: how positions are summed (per
     group of them: TTTObjective's groups)."""
@@ -276,8 +288,14 @@ class TTTObjective(nn.Module):
     T = 32k, 4 GB each, a step) and the loss part of the peak is one chunk's. The teacher p is gathered from the one
     tensor make_teachers built inside each chunk, never copied per step."""
 
-    def __init__(self, draft: Eagle3Draft, ttt_length: int, objective: str = "kl", lk_kl_decay: float = 3.0,
-                 logit_chunk: int | None = None):
+    def __init__(
+        self,
+        draft: Eagle3Draft,
+        ttt_length: int,
+        objective: str = "kl",
+        lk_kl_decay: float = 3.0,
+        logit_chunk: int | None = None,
+    ):
         super().__init__()
         if objective not in OBJECTIVES:
             raise ValueError(f"train.objective {objective!r}: one of {', '.join(OBJECTIVES)}")
@@ -324,8 +342,7 @@ class TTTObjective(nn.Module):
         for i, (mask, run, want) in enumerate(zip(masks, runs, wanted)):
             here = rows_of(run)
             if i == 0:  # keys and values at every row of the prefix, queries where step 0 runs
-                rows, ids, positions = Rows(previous, (b, n), slot[here]), t.input_ids.flatten()[previous], \
-                    previous % n
+                rows, ids, positions = Rows(previous, (b, n), slot[here]), t.input_ids.flatten()[previous], previous % n
             else:
                 read = Shifted.at(here, i, n)
                 rows, ids, positions = Rows(here, (b, n)), read(t.input_ids), here % n + i
@@ -345,9 +362,17 @@ class TTTObjective(nn.Module):
             if len(scored) <= size:
                 ce, alpha, agree = self.chunk_terms(*args, 0, len(scored))
             else:
-                parts = [checkpoint(self.chunk_terms, *args, start, min(start + size, len(scored)),
-                                    use_reentrant=False, preserve_rng_state=False)
-                         for start in range(0, len(scored), size)]
+                parts = [
+                    checkpoint(
+                        self.chunk_terms,
+                        *args,
+                        start,
+                        min(start + size, len(scored)),
+                        use_reentrant=False,
+                        preserve_rng_state=False,
+                    )
+                    for start in range(0, len(scored), size)
+                ]
                 ce = torch.cat([part[0] for part in parts])
                 alpha = torch.cat([part[1] for part in parts]) if self.kind != "kl" else None
                 agree = torch.cat([part[2] for part in parts])
@@ -362,8 +387,9 @@ class TTTObjective(nn.Module):
 # -- data ---------------------------------------------------------------------------------------
 
 
-def plan_epoch(ids_and_lengths: list[tuple[str, int]], batch_tokens: int | None, seed: int,
-               epoch: int) -> list[list[str]]:
+def plan_epoch(
+    ids_and_lengths: list[tuple[str, int]], batch_tokens: int | None, seed: int, epoch: int
+) -> list[list[str]]:
     """Shuffle by (seed, epoch), then cut into batches of at most `batch_tokens` padded tokens (None: one
     sample each)."""
     order = torch.randperm(len(ids_and_lengths), generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
@@ -432,19 +458,23 @@ def load_warm_start(draft: Eagle3Draft, weights: dict[str, torch.Tensor], draft_
     weights.pop("t2d", None)
     state = {k: v for k, v in draft.state_dict().items() if k != "embed_tokens.weight"}
     if set(weights) != set(state) or any(weights[k].shape != state[k].shape for k in state):
-        raise ConfigError("train.init_from current: the lineage's drafter does not fit this drafter's shape; "
-                          "set train.init_from to scratch")
+        raise ConfigError(
+            "train.init_from current: the lineage's drafter does not fit this drafter's shape; "
+            "set train.init_from to scratch"
+        )
     row_of_token = {int(token): row for row, token in enumerate(d2t + torch.arange(len(d2t)))}
-    taken = [(row, row_of_token[int(token)]) for row, token in enumerate(draft_ids.tolist())
-             if int(token) in row_of_token]
+    taken = [
+        (row, row_of_token[int(token)]) for row, token in enumerate(draft_ids.tolist()) if int(token) in row_of_token
+    ]
     with torch.no_grad():
         for key, tensor in weights.items():
             if key != "lm_head.weight":
                 state[key].copy_(tensor.float())
         if taken:
             rows, old_rows = map(torch.tensor, zip(*taken))
-            state["lm_head.weight"][rows.to(state["lm_head.weight"].device)] = \
+            state["lm_head.weight"][rows.to(state["lm_head.weight"].device)] = (
                 weights["lm_head.weight"][old_rows].float().to(state["lm_head.weight"].device)
+            )
     return len(taken)
 
 
@@ -478,8 +508,9 @@ class Trainer:
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         self.rank = dist.get_rank() if self.distributed else 0
         self.world = dist.get_world_size() if self.distributed else 1
-        self.device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available()
-                                   else "cpu")
+        self.device = torch.device(
+            f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
+        )
         if self.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
             # The drafter's CPU operations are small: a second intra-op thread gains nothing, and while another
             # process holds a core (Airflow's polls, other jobs) OpenMP's spinning barriers made steps 6-12x slower
@@ -494,11 +525,12 @@ class Trainer:
         self.draft_ids = torch.as_tensor(mapping.draft_ids, device=self.device)
         self.t2d = torch.as_tensor(mapping.t2d(cfg.target.vocab_size), device=self.device)
         self.target_lm_head = load_target_tensor(cfg.target.model_path, LM_HEAD_KEYS).float().to(self.device)
-        draft = build_draft_model(cfg.target.model_path, cfg.vocab.draft_vocab_size, cfg.resolved_aux_layers(),
-                                  cfg.drafter.model_dump())
+        draft = build_draft_model(
+            cfg.target.model_path, cfg.vocab.draft_vocab_size, cfg.resolved_aux_layers(), cfg.drafter.model_dump()
+        )
         self.draft = draft.to(self.device)
         self.objective = TTTObjective(self.draft, cfg.train.ttt_length, cfg.train.objective, cfg.train.lk_kl_decay)
-        self.ddp = (nn.parallel.DistributedDataParallel(self.objective) if self.distributed else self.objective)
+        self.ddp = nn.parallel.DistributedDataParallel(self.objective) if self.distributed else self.objective
 
         lengths = {sid: loc.end - loc.start for sid, loc in self.store.locations.items()}
         # The split by first user prompt (eagle3.stages.split): training, validation (the best checkpoint) and
@@ -509,9 +541,14 @@ class Trainer:
         self.train_ids = [(s, lengths[s]) for s in parts[TRAINING]]
         self.val_ids = [(s, lengths[s]) for s in parts[VALIDATION]]
         if self.rank == 0:
-            log.info("train: %d training samples, %d validation; %d held out for evaluation (%d of them by the "
-                     "lineage's pinned evaluation set)", len(self.train_ids), len(self.val_ids),
-                     len(parts[EVALUATION]), split.pinned_out(parts[EVALUATION]))
+            log.info(
+                "train: %d training samples, %d validation; %d held out for evaluation (%d of them by the "
+                "lineage's pinned evaluation set)",
+                len(self.train_ids),
+                len(self.val_ids),
+                len(parts[EVALUATION]),
+                split.pinned_out(parts[EVALUATION]),
+            )
         # Packing depends on the shuffle, so each epoch has its own number of steps (the same on every rank:
         # a tail of fewer than `world` batches is dropped).
         self.epoch_steps = [len(self.plan(epoch)) // self.world for epoch in range(cfg.train.epochs)]
@@ -585,8 +622,12 @@ class Trainer:
             log.info("train: train.init_from current, but the lineage has no promoted drafter yet: from scratch")
             return
         taken = load_warm_start(self.draft, load_file(init_dir / WEIGHTS), self.draft_ids)
-        log.info("train: warm start from the lineage's drafter %s (%d of %d draft-vocab rows by token)",
-                 record["version"], taken, len(self.draft_ids))
+        log.info(
+            "train: warm start from the lineage's drafter %s (%d of %d draft-vocab rows by token)",
+            record["version"],
+            taken,
+            len(self.draft_ids),
+        )
 
     def autocast(self):
         """bf16 matmuls on GPU over fp32 master weights (the loss itself is taken in fp32); fp32 on CPU,
@@ -597,9 +638,17 @@ class Trainer:
         return {k: v for k, v in self.draft.state_dict().items() if k != "embed_tokens.weight"}
 
     def teachers(self, batch) -> Teachers:
-        return make_teachers(batch["input_ids"], batch["loss_mask"], batch["last_hidden_state"], self.target_lm_head,
-                             self.draft_ids, self.t2d, batch["lengths"], self.cfg.train.first_draft_position,
-                             only_read=True)
+        return make_teachers(
+            batch["input_ids"],
+            batch["loss_mask"],
+            batch["last_hidden_state"],
+            self.target_lm_head,
+            self.draft_ids,
+            self.t2d,
+            batch["lengths"],
+            self.cfg.train.first_draft_position,
+            only_read=True,
+        )
 
     def train_step(self, sample_ids) -> tuple[float, list[float], list[float], int]:
         batch = self.store.batch(sample_ids, self.device)
@@ -634,15 +683,20 @@ class Trainer:
         for together in merge_batches(mine, lengths, VAL_BATCH_TOKENS):  # (by length: little padding)
             batch = self.store.batch([sid for sample_ids in together for sid in sample_ids], self.device)
             group = torch.tensor([g for g, sample_ids in enumerate(together) for _ in sample_ids], device=self.device)
-            padded = torch.tensor([len(ids) * max(lengths[sid] for sid in ids) for ids in together],
-                                  dtype=torch.float32, device=self.device)
+            padded = torch.tensor(
+                [len(ids) * max(lengths[sid] for sid in ids) for ids in together],
+                dtype=torch.float32,
+                device=self.device,
+            )
             t = self.teachers(batch)
             replayed = decoding_masks(batch["loss_mask"], batch["lengths"], steps)  # what replay reads of agrees
             with self.autocast():
-                losses, _, accs, agrees = self.objective(batch["aux_hidden_states"], t, self.draft_ids, replayed,
-                                                         (group, padded))
+                losses, _, accs, agrees = self.objective(
+                    batch["aux_hidden_states"], t, self.draft_ids, replayed, (group, padded)
+                )
             weights = torch.zeros(len(together), dtype=torch.long, device=self.device).index_add(
-                0, group, t.loss_mask.sum(1))
+                0, group, t.loss_mask.sum(1)
+            )
             for loss, batch_accs, weight in zip(losses.tolist(), accs.T.tolist(), weights.tolist()):
                 hits = [hit + acc * weight for hit, acc in zip(hits, batch_accs)]
                 count, loss_sum, batch_count = count + weight, loss_sum + loss, batch_count + 1
@@ -657,12 +711,20 @@ class Trainer:
             mine, shares = shares[0], [None] * self.world
             dist.all_gather_object(shares, mine)
         count = sum(s["count"] for s in shares)
-        offline = {str(k): acceptance_figures([c for s in shares for c in s["cycles"][k][0]],
-                                              [c for s in shares for c in s["cycles"][k][1]], min(k, steps))
-                   for k in ks}
-        return {"val_loss": sum(s["loss"] for s in shares) / max(sum(s["batches"] for s in shares), 1),
-                "val_acc": [sum(s["hits"][i] for s in shares) / max(count, 1) for i in range(steps)] if count else [],
-                "val_offline": offline, BEST_BY: offline[str(ks[0])]["mean_accept_length"]}
+        offline = {
+            str(k): acceptance_figures(
+                [c for s in shares for c in s["cycles"][k][0]],
+                [c for s in shares for c in s["cycles"][k][1]],
+                min(k, steps),
+            )
+            for k in ks
+        }
+        return {
+            "val_loss": sum(s["loss"] for s in shares) / max(sum(s["batches"] for s in shares), 1),
+            "val_acc": [sum(s["hits"][i] for s in shares) / max(count, 1) for i in range(steps)] if count else [],
+            "val_offline": offline,
+            BEST_BY: offline[str(ks[0])]["mean_accept_length"],
+        }
 
     def log_metrics(self, metrics_file: Path, record: dict) -> None:
         """One record to metrics.jsonl and to TensorBoard (rank 0 only): lists by position, dicts by key."""
@@ -690,18 +752,36 @@ class Trainer:
         if val[BEST_BY] > self.best["accept_length"]:
             self.best = {"step": self.step, "accept_length": val[BEST_BY]}
         self.log_metrics(metrics_file, {"step": self.step, **val})
-        state = {"model": self.trainable_state(), "optimizer": self.optimizer.state_dict(),
-                 "scheduler": self.scheduler.state_dict(), "rng": torch.get_rng_state(), "step": self.step,
-                 "best": self.best}
-        meta = {"step": self.step, "total_steps": self.total_steps, "world_size": self.world, **val,
-                "draft_config": self.draft.cfg.to_json()}
+        state = {
+            "model": self.trainable_state(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "rng": torch.get_rng_state(),
+            "step": self.step,
+            "best": self.best,
+        }
+        meta = {
+            "step": self.step,
+            "total_steps": self.total_steps,
+            "world_size": self.world,
+            **val,
+            "draft_config": self.draft.cfg.to_json(),
+        }
         started = time.monotonic()
         path = save_checkpoint(self.ckpt_root, state, meta, self.cfg.train.keep_last, self.best["step"])
-        offline = ", ".join(f"k={k} {figures['mean_accept_length']:.3f} (first cycle "
-                            f"{figures['first_cycle_accept_length']:.3f})" for k, figures in val["val_offline"].items())
-        log.info("train: step %d: val acc %s; offline acceptance length (decoding replayed on the validation split) "
-                 "%s; saved %s in %.2fs", self.step, [round(a, 3) for a in val["val_acc"]], offline, path,
-                 time.monotonic() - started)
+        offline = ", ".join(
+            f"k={k} {figures['mean_accept_length']:.3f} (first cycle {figures['first_cycle_accept_length']:.3f})"
+            for k, figures in val["val_offline"].items()
+        )
+        log.info(
+            "train: step %d: val acc %s; offline acceptance length (decoding replayed on the validation split) "
+            "%s; saved %s in %.2fs",
+            self.step,
+            [round(a, 3) for a in val["val_acc"]],
+            offline,
+            path,
+            time.monotonic() - started,
+        )
 
     def run(self) -> dict:
         from torch.utils.tensorboard import SummaryWriter
@@ -723,10 +803,26 @@ class Trainer:
             if self.rank == 0 and (now - last_log >= self.cfg.train.progress_interval_s or steps_here == 1):
                 last_log, rate = now, tokens / (now - started)
                 eta = human_duration((self.total_steps - self.step) * (now - started) / steps_here)
-                log.info("train: step %d/%d, %.0f tokens/s, loss %.4f, acc_0 %.3f, ETA %s",
-                         self.step, self.total_steps, rate, loss, accs[0], eta)
-                self.log_metrics(metrics_file, {"step": self.step, "loss": loss, "ploss": plosses, "acc": accs,
-                                                "tokens_per_s": rate, "lr": self.scheduler.get_last_lr()[0]})
+                log.info(
+                    "train: step %d/%d, %.0f tokens/s, loss %.4f, acc_0 %.3f, ETA %s",
+                    self.step,
+                    self.total_steps,
+                    rate,
+                    loss,
+                    accs[0],
+                    eta,
+                )
+                self.log_metrics(
+                    metrics_file,
+                    {
+                        "step": self.step,
+                        "loss": loss,
+                        "ploss": plosses,
+                        "acc": accs,
+                        "tokens_per_s": rate,
+                        "lr": self.scheduler.get_last_lr()[0],
+                    },
+                )
             if self.step % self.cfg.train.save_every_steps == 0 or self.step == self.total_steps:
                 val = self.validate()  # every rank validates a share
                 if self.rank == 0:
@@ -736,8 +832,13 @@ class Trainer:
         if self.rank == 0:
             self.tensorboard.close()
             plot_metrics(metrics_file, self.cfg.run_dir / LOSS_PLOT, self.cfg.run_dir / ACCURACY_PLOT)
-            summary = {"steps": self.step, "best": self.best, "seconds": round(time.monotonic() - started, 1),
-                       "checkpoint": str(checkpoint_dirs(self.ckpt_root)[-1]), "started_from": started_from(self.cfg)}
+            summary = {
+                "steps": self.step,
+                "best": self.best,
+                "seconds": round(time.monotonic() - started, 1),
+                "checkpoint": str(checkpoint_dirs(self.ckpt_root)[-1]),
+                "started_from": started_from(self.cfg),
+            }
             atomic_write_text(self.cfg.run_dir / TRAIN_SUMMARY, json.dumps(summary, indent=2) + "\n")
         if self.distributed:
             dist.destroy_process_group()
@@ -768,10 +869,17 @@ def plot_metrics(metrics_file: Path, loss_png: Path, accuracy_png: Path) -> None
         accuracy.set(xlabel="step", ylabel="validation accuracy", ylim=(0, 1), title="per-position accuracy")
         accuracy.legend(fontsize=8)
         for k in val[-1].get("val_offline") or {}:
-            acceptance.plot(steps, [(r.get("val_offline") or {}).get(k, {}).get("mean_accept_length") for r in val],
-                            marker="o", label=f"k={k}")
-        acceptance.set(xlabel="step", ylabel="tokens per verify step",
-                       title="offline acceptance length (decoding replayed on the validation split)")
+            acceptance.plot(
+                steps,
+                [(r.get("val_offline") or {}).get(k, {}).get("mean_accept_length") for r in val],
+                marker="o",
+                label=f"k={k}",
+            )
+        acceptance.set(
+            xlabel="step",
+            ylabel="tokens per verify step",
+            title="offline acceptance length (decoding replayed on the validation split)",
+        )
         acceptance.legend(fontsize=8)
         fig.savefig(accuracy_png, dpi=120, bbox_inches="tight")
         plt.close(fig)
@@ -787,8 +895,19 @@ def launch_command(cfg: RunConfig, config_path) -> tuple[list[str], dict[str, st
     env = dict(os.environ)
     if cfg.train.gpus:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, cfg.train.gpus))
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-            str(cfg.train.ranks), "-m", "eagle3", "train", "--config", str(config_path)]
+    argv = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(cfg.train.ranks),
+        "-m",
+        "eagle3",
+        "train",
+        "--config",
+        str(config_path),
+    ]
     return argv, env
 
 

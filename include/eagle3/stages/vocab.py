@@ -142,8 +142,10 @@ def run_vocab(cfg: RunConfig) -> dict:
     training = run_split(cfg).parts(store.sample_ids)[TRAINING]
     counts = count_tokens(store, target_vocab, training)
     if counts.total == 0:
-        raise VocabError(f"{cfg.store_dir}: no loss-masked tokens in the run's {len(training)} training samples (of "
-                         f"{len(store.sample_ids)}); run extract first, or lower train.val_fraction")
+        raise VocabError(
+            f"{cfg.store_dir}: no loss-masked tokens in the run's {len(training)} training samples (of "
+            f"{len(store.sample_ids)}); run extract first, or lower train.val_fraction"
+        )
 
     if out_dir.exists():  # a retried task: done, if it was made from the same tokens
         _, meta = load_mapping(out_dir)
@@ -167,15 +169,28 @@ def run_vocab(cfg: RunConfig) -> dict:
         "fresh_coverage": round(fresh.coverage(counts.counts), 6),
     }
     if cfg.vocab.reuse_from:
-        mapping = check_reuse(cfg.vocab.reuse_from, fingerprint, target_vocab, draft_vocab, counts.counts,
-                              cfg.vocab.min_coverage, meta["fresh_coverage"])
+        mapping = check_reuse(
+            cfg.vocab.reuse_from,
+            fingerprint,
+            target_vocab,
+            draft_vocab,
+            counts.counts,
+            cfg.vocab.min_coverage,
+            meta["fresh_coverage"],
+        )
         meta |= {"reused_from": cfg.vocab.reuse_from, "coverage": round(mapping.coverage(counts.counts), 6)}
     else:
         mapping = fresh
         meta["coverage"] = meta["fresh_coverage"]
     write_mapping(out_dir, mapping, target_vocab, meta)
-    log.info("vocab: %d of %d target ids cover %.2f%% of %d loss-masked tokens -> %s",
-             draft_vocab, target_vocab, 100 * meta["coverage"], counts.total, out_dir)
+    log.info(
+        "vocab: %d of %d target ids cover %.2f%% of %d loss-masked tokens -> %s",
+        draft_vocab,
+        target_vocab,
+        100 * meta["coverage"],
+        counts.total,
+        out_dir,
+    )
     return meta
 
 

@@ -120,8 +120,14 @@ def run_evaluate(cfg: RunConfig, hold_promotion: bool = False) -> dict:
     prompts = pinned["prompts"]
     kinds = pinned["kinds"]
     turns = {"first": kinds.count("first"), "later": kinds.count("later")}
-    log.info("evaluate: %d prompts (%d first user turns, %d later ones) of lineage %s's evaluation set (pinned by "
-             "run %s)", len(prompts), turns["first"], turns["later"], lineage.key, pinned["pinned_by"])
+    log.info(
+        "evaluate: %d prompts (%d first user turns, %d later ones) of lineage %s's evaluation set (pinned by run %s)",
+        len(prompts),
+        turns["first"],
+        turns["later"],
+        lineage.key,
+        pinned["pinned_by"],
+    )
     measurer = (HfMeasurer if cfg.evaluate.backend == "hf" else EngineMeasurer)(cfg)
     held = HeldOutSet(prompts)
 
@@ -129,9 +135,15 @@ def run_evaluate(cfg: RunConfig, hold_promotion: bool = False) -> dict:
         answer_without_drafter(cfg, measurer, held, public, tokenizing)
         results, on_public = measure_drafter(cfg, measurer, drafter_dir, held, public)
         promotion = compare_and_promote(
-            cfg, lineage, pinned, results, digest,
+            cfg,
+            lineage,
+            pinned,
+            results,
+            digest,
             lambda current_dir: measure_drafter(cfg, measurer, current_dir, held, (), "current drafter, ")[0],
-            started_from(cfg), hold=hold_promotion)
+            started_from(cfg),
+            hold=hold_promotion,
+        )
     export = json.loads((drafter_dir / EXPORT_RECORD).read_text())
     report = {
         "backend": measurer.name,
@@ -139,16 +151,18 @@ def run_evaluate(cfg: RunConfig, hold_promotion: bool = False) -> dict:
         "prompt_turns": turns,
         "max_new_tokens": cfg.evaluate.max_new_tokens,
         # evaluate.sampling: greedy, or the target's serving sampling (verified by the speculative sampling rule)
-        "sampling": {"temperature": measurer.sampling.temperature, "top_p": measurer.sampling.top_p,
-                     "top_k": measurer.sampling.top_k},
+        "sampling": {
+            "temperature": measurer.sampling.temperature,
+            "top_p": measurer.sampling.top_p,
+            "top_k": measurer.sampling.top_k,
+        },
         "generated_tokens": sum(len(b) for b in held.baseline),
         "speculative": results,
         # per public set (evaluate.benchmarks), per published configuration k: the same figures
         # (eagle3.data.public_sets)
         "public_sets": public_sets_report(cfg, public, on_public, tokenizing),
         # per k, decoding replayed on the validation split's stored states (eagle3.stages.train): training's prediction
-        "offline_accept_length": {k: figures["mean_accept_length"] for k, figures in
-                                  export["val_offline"].items()},
+        "offline_accept_length": {k: figures["mean_accept_length"] for k, figures in export["val_offline"].items()},
         "target_greedy_accuracy_held_out": target_greedy_accuracy(cfg, *measurer.lm_head()),
         "val_acc_per_position": export["val_acc"],
         "hidden_states": extraction_summary(cfg),
@@ -163,8 +177,12 @@ def run_evaluate(cfg: RunConfig, hold_promotion: bool = False) -> dict:
 
 def extraction_summary(cfg: RunConfig) -> dict:
     """What extract did for this run: how many samples it computed, how many it found in the shared store."""
-    shards = [json.loads(path.read_text()) for shard in range(cfg.extract.num_shards)
-              if (path := run_stats_path(cfg.run_dir, shard)).exists()]
+    shards = [
+        json.loads(path.read_text())
+        for shard in range(cfg.extract.num_shards)
+        if (path := run_stats_path(cfg.run_dir, shard)).exists()
+    ]
+
     def total(key: str, part: str | None = None) -> int:
         return sum(s[key][part] if part else s[key] for s in shards)
 
@@ -180,11 +198,17 @@ def extraction_summary(cfg: RunConfig) -> dict:
         "reused": sum(s["samples_stored_before"] for s in shards),
         # Assistant turns trained as the target generated them, and the ones dropped, per reason
         # (eagle3.data.turns).
-        "turns": {"assistant": turns, "trained": total("turns_trained"), "derived": total("turns_derived"),
-                  "dropped": dropped_turns},
+        "turns": {
+            "assistant": turns,
+            "trained": total("turns_trained"),
+            "derived": total("turns_derived"),
+            "dropped": dropped_turns,
+        },
         "turn_tokens": {"assistant": tokens, "dropped": dropped_tokens},
-        "untrained_fraction": {"turns": round(sum(dropped_turns.values()) / max(turns, 1), 6),
-                               "tokens": round(sum(dropped_tokens.values()) / max(tokens, 1), 6)},
+        "untrained_fraction": {
+            "turns": round(sum(dropped_turns.values()) / max(turns, 1), 6),
+            "tokens": round(sum(dropped_tokens.values()) / max(tokens, 1), 6),
+        },
         "trained_tokens": total("trained_tokens"),
         "reasoning_tokens_trained": total("reasoning_tokens_trained"),
         "turns_cut_at_max_tokens": total("turns_cut_at_max_tokens"),

@@ -82,8 +82,16 @@ class SamplingRule:
         return a, self.draw(rest)
 
 
-def speculative_decode(target, drafter, draft_to_target, prompt: list[int], k: int, max_new: int, eos: set[int],
-                       rule: GreedyRule | SamplingRule):
+def speculative_decode(
+    target,
+    drafter,
+    draft_to_target,
+    prompt: list[int],
+    k: int,
+    max_new: int,
+    eos: set[int],
+    rule: GreedyRule | SamplingRule,
+):
     """Decoding with k-token greedy chain drafts, each verify step judged by `rule`. Returns (new tokens, drafts of
     each cycle that reached them)."""
     seq = list(prompt)

@@ -21,14 +21,24 @@ def lossless(outputs: list[list[int]], baseline: list[list[int]], sampling: Samp
         return {"identical_to_greedy": identical}, f"{identical} outputs equal greedy"
     p_value = acceptance.same_distribution_p(baseline, outputs)
     if p_value < 0.01:
-        log.warning("evaluate: the answers with the drafter do not follow plain sampling's distribution (p=%.4f): the "
-                    "verification is not exact", p_value)
-    return ({"identical_to_greedy": None, "same_distribution_as_plain_p": p_value},
-            f"answers vs plain sampling: p={p_value:.3f} (same distribution)")
+        log.warning(
+            "evaluate: the answers with the drafter do not follow plain sampling's distribution (p=%.4f): the "
+            "verification is not exact",
+            p_value,
+        )
+    return (
+        {"identical_to_greedy": None, "same_distribution_as_plain_p": p_value},
+        f"answers vs plain sampling: p={p_value:.3f} (same distribution)",
+    )
 
 
-def figures_of(answers: list[tuple[list[int], list[int]]], baseline: list[list[int]], k: int, label: str,
-               sampling: Sampling = GREEDY) -> dict:
+def figures_of(
+    answers: list[tuple[list[int], list[int]]],
+    baseline: list[list[int]],
+    k: int,
+    label: str,
+    sampling: Sampling = GREEDY,
+) -> dict:
     """Acceptance figures of one draft length from (answer, drafts of each verify step that reached it) per prompt,
     and whether the answers are those of plain decoding (lossless)."""
     cycles = [a for _, accepted in answers for a in accepted]
@@ -37,41 +47,71 @@ def figures_of(answers: list[tuple[list[int], list[int]]], baseline: list[list[i
     figures = acceptance.figures(cycles, first_cycles, k)
     # meta_info's spec_accept_length: completion tokens (prefill's first one too) / verify steps
     figures["completion_tokens_per_verify_step"] = sum(len(tokens) for tokens, _ in answers) / max(len(cycles), 1)
-    figures.update(noise_and_ceiling([(sum(accepted), len(accepted)) for _, accepted in answers], baseline, k,
-                                     figures["mean_accept_length"]))
+    figures.update(
+        noise_and_ceiling(
+            [(sum(accepted), len(accepted)) for _, accepted in answers], baseline, k, figures["mean_accept_length"]
+        )
+    )
     figures.update(checked)
-    log.info("evaluate: %sk=%d: mean acceptance length %.3f %s over %d cycles (first cycle %.3f); %s; %s", label, k,
-             figures["mean_accept_length"], interval_text(figures), len(cycles), figures["first_cycle_accept_length"],
-             ceiling_text(figures), checked_text)
+    log.info(
+        "evaluate: %sk=%d: mean acceptance length %.3f %s over %d cycles (first cycle %.3f); %s; %s",
+        label,
+        k,
+        figures["mean_accept_length"],
+        interval_text(figures),
+        len(cycles),
+        figures["first_cycle_accept_length"],
+        ceiling_text(figures),
+        checked_text,
+    )
     return figures
 
 
-def figures_of_totals(completions: list, baseline: list[list[int]], k: int, label: str,
-                      sampling: Sampling = GREEDY) -> dict:
+def figures_of_totals(
+    completions: list, baseline: list[list[int]], k: int, label: str, sampling: Sampling = GREEDY
+) -> dict:
     """The same from each answer's totals (drafts that reached it, verify steps): no per-position rates, no first
     cycle."""
     steps = sum(c.verify_steps or 0 for c in completions)
     tokens = sum(len(c.output_ids) for c in completions)
     checked, checked_text = lossless([c.output_ids for c in completions], baseline, sampling)
-    figures = {"mean_accept_length": 1 + sum(c.accepted or 0 for c in completions) / max(steps, 1),
-               "first_cycle_accept_length": None, "later_cycles_accept_length": None,
-               "completion_tokens_per_verify_step": tokens / max(steps, 1), "accept_rate_per_position": None,
-               "cycles": steps, **checked}
-    figures.update(noise_and_ceiling([(c.accepted or 0, c.verify_steps or 0) for c in completions], baseline, k,
-                                     figures["mean_accept_length"]))
-    log.info("evaluate: %sk=%d: mean acceptance length %.3f %s over %d cycles (the engine reports totals: no first "
-             "cycle or per-position rates); %s; %s", label, k, figures["mean_accept_length"], interval_text(figures),
-             steps, ceiling_text(figures), checked_text)
+    figures = {
+        "mean_accept_length": 1 + sum(c.accepted or 0 for c in completions) / max(steps, 1),
+        "first_cycle_accept_length": None,
+        "later_cycles_accept_length": None,
+        "completion_tokens_per_verify_step": tokens / max(steps, 1),
+        "accept_rate_per_position": None,
+        "cycles": steps,
+        **checked,
+    }
+    figures.update(
+        noise_and_ceiling(
+            [(c.accepted or 0, c.verify_steps or 0) for c in completions], baseline, k, figures["mean_accept_length"]
+        )
+    )
+    log.info(
+        "evaluate: %sk=%d: mean acceptance length %.3f %s over %d cycles (the engine reports totals: no first "
+        "cycle or per-position rates); %s; %s",
+        label,
+        k,
+        figures["mean_accept_length"],
+        interval_text(figures),
+        steps,
+        ceiling_text(figures),
+        checked_text,
+    )
     return figures
 
 
-def figures_of_completions(completions: list[Completion], baseline: list[list[int]], k: int, label: str,
-                           sampling: Sampling = GREEDY) -> dict:
+def figures_of_completions(
+    completions: list[Completion], baseline: list[list[int]], k: int, label: str, sampling: Sampling = GREEDY
+) -> dict:
     """Acceptance figures of one draft length from the answers with the drafter: per verify step where the backend
     reports steps (hf, vLLM), from each answer's totals where it reports only those (SGLang)."""
     if all(c.accepted_per_step is not None or not c.verify_steps for c in completions):
-        return figures_of([(c.output_ids, c.accepted_per_step or []) for c in completions], baseline, k, label,
-                          sampling)
+        return figures_of(
+            [(c.output_ids, c.accepted_per_step or []) for c in completions], baseline, k, label, sampling
+        )
     return figures_of_totals(completions, baseline, k, label, sampling)
 
 
@@ -81,8 +121,11 @@ def noise_and_ceiling(per_prompt: list[tuple[int, int]], baseline: list[list[int
     reach on the same greedy answers (eagle3.model.acceptance.ceiling_cycles), with the share of it reached."""
     ceiling = [acceptance.ceiling_cycles(len(answer), k) for answer in baseline]
     ceiling_length = 1 + sum(map(sum, ceiling)) / max(sum(map(len, ceiling)), 1)
-    return {"accept_length_interval95": list(acceptance.interval95(per_prompt)),
-            "ceiling_accept_length": ceiling_length, "share_of_ceiling": measured / ceiling_length}
+    return {
+        "accept_length_interval95": list(acceptance.interval95(per_prompt)),
+        "ceiling_accept_length": ceiling_length,
+        "share_of_ceiling": measured / ceiling_length,
+    }
 
 
 def interval_text(figures: dict) -> str:
@@ -105,12 +148,20 @@ def plot_acceptance(report: dict, path) -> None:
     for k, result in report["speculative"].items():
         rates = result["accept_rate_per_position"] or []  # None: an engine that reports totals only
         low, high = result.get("accept_length_interval95") or (math.nan, math.nan)
-        ax.plot(range(1, len(rates) + 1), rates, marker="o",
-                label=f"k={k}: accept length {result['mean_accept_length']:.2f} [{low:.2f}, {high:.2f}] of "
-                f"{result.get('ceiling_accept_length', math.nan):.2f} possible; offline {offline.get(k, math.nan):.2f}"
-                + ("" if rates else " (per position: not reported)"))
-    ax.set(xlabel="draft position", ylabel="acceptance rate (given the earlier ones)", ylim=(0, 1.05),
-           title=f"speculative decoding ({report.get('backend', 'hf')}) on {report['prompts']} held-out prompts")
+        ax.plot(
+            range(1, len(rates) + 1),
+            rates,
+            marker="o",
+            label=f"k={k}: accept length {result['mean_accept_length']:.2f} [{low:.2f}, {high:.2f}] of "
+            f"{result.get('ceiling_accept_length', math.nan):.2f} possible; offline {offline.get(k, math.nan):.2f}"
+            + ("" if rates else " (per position: not reported)"),
+        )
+    ax.set(
+        xlabel="draft position",
+        ylabel="acceptance rate (given the earlier ones)",
+        ylim=(0, 1.05),
+        title=f"speculative decoding ({report.get('backend', 'hf')}) on {report['prompts']} held-out prompts",
+    )
     ax.legend()
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)

@@ -44,14 +44,21 @@ def answer_without_drafter(cfg: RunConfig, measurer, held: HeldOutSet, public: l
     with measurer.session("server-greedy.log") as complete:
         held.baseline = [c.output_ids for c in complete(held.prompts, f"{kind} baseline", cfg.evaluate.max_new_tokens)]
         for loaded in public:
+
             def ask(prompts, turn, title=loaded.spec.title):
-                return [c.output_ids for c in complete(prompts, f"{title}: {kind} baseline, turn {turn}",
-                                                       cfg.evaluate.benchmark_max_new_tokens)]
+                return [
+                    c.output_ids
+                    for c in complete(
+                        prompts, f"{title}: {kind} baseline, turn {turn}", cfg.evaluate.benchmark_max_new_tokens
+                    )
+                ]
+
             ask_turn_by_turn(loaded, ask, tokenizing, end_ids)
 
 
-def measure_drafter(cfg: RunConfig, measurer, drafter_dir, held: HeldOutSet, public: list[LoadedSet] | tuple = (),
-                    label: str = "") -> tuple[dict, dict]:
+def measure_drafter(
+    cfg: RunConfig, measurer, drafter_dir, held: HeldOutSet, public: list[LoadedSet] | tuple = (), label: str = ""
+) -> tuple[dict, dict]:
     """Speculative decoding with the drafter in `drafter_dir`, one start of the engine per draft length: the
     held-out prompts at each of evaluate.draft_lengths, the public sets at each published configuration (a chain of
     k = num_steps). Returns ({k: figures}, {set: {k: figures}})."""
@@ -70,7 +77,8 @@ def measure_drafter(cfg: RunConfig, measurer, drafter_dir, held: HeldOutSet, pub
                 steps, topk, tokens = PUBLISHED_CONFIGURATIONS[k]
                 on_public[loaded.spec.name][str(k)] = {
                     "configuration": {"num_steps": steps, "eagle_topk": topk, "num_draft_tokens": tokens},
-                    **figures_of_completions(answers, loaded.baseline, k, f"{title}, ", measurer.sampling)}
+                    **figures_of_completions(answers, loaded.baseline, k, f"{title}, ", measurer.sampling),
+                }
     return results, on_public
 
 
@@ -83,8 +91,12 @@ def public_sets_report(cfg: RunConfig, public: list[LoadedSet], on_public: dict,
     for loaded in public:
         spec = loaded.spec
         report[spec.name] = {
-            "title": spec.title, "source": loaded.source, "records": len(loaded.chats), "prompts": len(loaded.prompts),
-            "max_new_tokens": max_new, "generated_tokens": sum(len(b) for b in loaded.baseline),
+            "title": spec.title,
+            "source": loaded.source,
+            "records": len(loaded.chats),
+            "prompts": len(loaded.prompts),
+            "max_new_tokens": max_new,
+            "generated_tokens": sum(len(b) for b in loaded.baseline),
             "answers_cut_at_max_new_tokens": sum(len(b) >= max_new and b[-1] not in end_ids for b in loaded.baseline),
             "speculative": on_public[spec.name],
             "published_k3": spec.published_k3,  # acceptance length at 3 steps / topk 1 / 4 draft tokens
@@ -92,10 +104,16 @@ def public_sets_report(cfg: RunConfig, public: list[LoadedSet], on_public: dict,
         for k, figures in on_public[spec.name].items():
             low, high = figures["accept_length_interval95"]
             published = ", ".join(f"{who} {value:.2f}" for who, value in spec.published_k3.items()) if k == "3" else ""
-            log.info("evaluate: %s at %s: acceptance length %.3f (95%% interval %.3f-%.3f) on %d prompts%s", spec.title,
-                     "{} steps / topk {} / {} draft tokens".format(*PUBLISHED_CONFIGURATIONS[int(k)]),
-                     figures["mean_accept_length"], low, high, len(loaded.prompts),
-                     f"; published: {published}" if published else "")
+            log.info(
+                "evaluate: %s at %s: acceptance length %.3f (95%% interval %.3f-%.3f) on %d prompts%s",
+                spec.title,
+                "{} steps / topk {} / {} draft tokens".format(*PUBLISHED_CONFIGURATIONS[int(k)]),
+                figures["mean_accept_length"],
+                low,
+                high,
+                len(loaded.prompts),
+                f"; published: {published}" if published else "",
+            )
     return report
 
 
@@ -111,8 +129,9 @@ class HfMeasurer:
 
         from eagle3.capture.hf import HfCapture
 
-        eos = AutoConfig.from_pretrained(cfg.target.model_path,
-                                         trust_remote_code=cfg.target.trust_remote_code).eos_token_id
+        eos = AutoConfig.from_pretrained(
+            cfg.target.model_path, trust_remote_code=cfg.target.trust_remote_code
+        ).eos_token_id
         self.cfg, self.eos = cfg, set(eos if isinstance(eos, list) else [eos])
         self.target = HfCapture(cfg)
         self.sampling = answer_sampling(cfg)
@@ -122,20 +141,25 @@ class HfMeasurer:
         """Yields complete(prompts, what, max_new) -> a Completion per prompt, greedy or sampled (self.sampling; each
         answer seeded by answer_seed), with the drafter of `speculation` (greedy chains of its draft length) or
         without. `log_name` is the engine's (no server here)."""
-        drafter, draft_to_target = (load_exported_drafter(speculation.drafter, self.cfg.target.model_path)
-                                    if speculation else (None, None))
+        drafter, draft_to_target = (
+            load_exported_drafter(speculation.drafter, self.cfg.target.model_path) if speculation else (None, None)
+        )
 
         def complete(prompts: list[list[int]], what: str, max_new: int) -> list[Completion]:
             answers, counting = [], progress_log(self.cfg, what, len(prompts))
             for index, prompt in enumerate(prompts):
-                rule = GREEDY_RULE if self.sampling.greedy else SamplingRule(
-                    self.sampling, torch.Generator().manual_seed(answer_seed(self.cfg, what, index)))
+                rule = (
+                    GREEDY_RULE
+                    if self.sampling.greedy
+                    else SamplingRule(self.sampling, torch.Generator().manual_seed(answer_seed(self.cfg, what, index)))
+                )
                 if speculation is None:
                     answers.append(Completion(plain_decode(self.target, prompt, max_new, self.eos, rule)))
                     counting.update(1, len(answers[-1].output_ids))
                     continue
-                tokens, accepted = speculative_decode(self.target, drafter, draft_to_target, prompt,
-                                                      speculation.draft_length, max_new, self.eos, rule)
+                tokens, accepted = speculative_decode(
+                    self.target, drafter, draft_to_target, prompt, speculation.draft_length, max_new, self.eos, rule
+                )
                 answers.append(Completion(tokens, len(accepted), accepted, sum(accepted)))
                 counting.update(1, len(answers[-1].output_ids))
             counting.emit()
@@ -172,20 +196,29 @@ class EngineMeasurer:
             answers, counting = [], progress_log(self.cfg, f"{what} in {self.engine.name}", len(prompts))
             async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0, connect=30.0)) as client:
                 for index, prompt in enumerate(prompts):
-                    answers.append(await self.engine.complete(client, base_url, prompt, max_new, self.sampling,
-                                                              answer_seed(self.cfg, what, index)))
+                    answers.append(
+                        await self.engine.complete(
+                            client, base_url, prompt, max_new, self.sampling, answer_seed(self.cfg, what, index)
+                        )
+                    )
                     counting.update(1, len(answers[-1].output_ids))
             counting.emit()
             return answers
 
         with serving(self.cfg, log_path, speculation) as base_url:
+
             def complete(prompts: list[list[int]], what: str, max_new: int) -> list[Completion]:
                 completions = asyncio.run(one_at_a_time(base_url, prompts, what, max_new))
-                if speculation is not None and all(c.verify_steps is None for c in completions) and \
-                        any(len(c.output_ids) > 1 for c in completions):
-                    raise ServerError(f"{self.engine.name} reported no speculation with the drafter "
-                                      f"{speculation.drafter} at k={speculation.draft_length}: was it loaded? See "
-                                      f"{log_path}")
+                if (
+                    speculation is not None
+                    and all(c.verify_steps is None for c in completions)
+                    and any(len(c.output_ids) > 1 for c in completions)
+                ):
+                    raise ServerError(
+                        f"{self.engine.name} reported no speculation with the drafter "
+                        f"{speculation.drafter} at k={speculation.draft_length}: was it loaded? See "
+                        f"{log_path}"
+                    )
                 return completions
 
             yield complete
@@ -200,5 +233,6 @@ class EngineMeasurer:
 
 
 def progress_log(cfg: RunConfig, what: str, total: int) -> ProgressLog:
-    return ProgressLog(f"evaluate: {what}", total, 0, cfg.evaluate.progress_interval_s, log, unit="prompts",
-                       track_bytes=False)
+    return ProgressLog(
+        f"evaluate: {what}", total, 0, cfg.evaluate.progress_interval_s, log, unit="prompts", track_bytes=False
+    )

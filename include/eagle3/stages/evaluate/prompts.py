@@ -56,11 +56,19 @@ def held_out(cfg: RunConfig, tokenizing, limit: int | None = None) -> list[HeldO
     later = min(len(laters), int(wanted * LATER_TURN_SHARE))
     first = min(len(firsts), wanted - later)
     later = min(len(laters), wanted - first)
-    chosen = [("first", c) for c in sorted(firsts, key=lambda c: c[0])[:first]] + \
-             [("later", c) for c in sorted(laters, key=lambda c: c[0])[:later]]
-    return [HeldOutPrompt(conversation.sample_id, turn, kind, keys,
-                          tokenizing.prompt_ids(conversation.messages[:turn], conversation.tools))
-            for kind, (_, conversation, turn, keys) in chosen]
+    chosen = [("first", c) for c in sorted(firsts, key=lambda c: c[0])[:first]] + [
+        ("later", c) for c in sorted(laters, key=lambda c: c[0])[:later]
+    ]
+    return [
+        HeldOutPrompt(
+            conversation.sample_id,
+            turn,
+            kind,
+            keys,
+            tokenizing.prompt_ids(conversation.messages[:turn], conversation.tools),
+        )
+        for kind, (_, conversation, turn, keys) in chosen
+    ]
 
 
 def held_out_prompts(cfg: RunConfig, tokenizing, limit: int | None = None) -> list[list[int]]:
@@ -69,9 +77,15 @@ def held_out_prompts(cfg: RunConfig, tokenizing, limit: int | None = None) -> li
 
 def eval_set_record(chosen: list[HeldOutPrompt]) -> dict:
     """The evaluation set a lineage pins (eagle3.records.lineage.EVAL_SET_FIELDS) from held_out's prompts."""
-    return {"format": 2, "split": SPLIT_RULE, "conversation_ids": [h.conversation_id for h in chosen],
-            "turns": [h.turn for h in chosen], "kinds": [h.kind for h in chosen],
-            "split_keys": sorted({key for h in chosen for key in h.keys}), "prompts": [h.prompt for h in chosen]}
+    return {
+        "format": 2,
+        "split": SPLIT_RULE,
+        "conversation_ids": [h.conversation_id for h in chosen],
+        "turns": [h.turn for h in chosen],
+        "kinds": [h.kind for h in chosen],
+        "split_keys": sorted({key for h in chosen for key in h.keys}),
+        "prompts": [h.prompt for h in chosen],
+    }
 
 
 @dataclass
