@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+import eagle3
 from eagle3.contracts import Exit
 from eagle3.disk.hostid import read_host_id
 from eagle3.jobs import job, jobdir, processes, supervisor
@@ -94,7 +95,7 @@ def test_start_poll_and_success_with_the_output_in_the_log(jobs, tmp_path):
     done = wait_for_effective(jobs, "ok", "succeeded")
     assert done["state"]["exit_code"] == 0 and done["state"]["ended_at"] and done["log_tail"] == []
     # The first line of a try names when, where and which code: the directory this package was imported from.
-    code = str(Path(job.__file__).resolve().parents[1])
+    code = str(Path(eagle3.__file__).resolve().parents[1])
     header = rf"==== eagle3 job ok try 1 started \d{{4}}-\d\d-\d\dT[\d:]{{8}}Z on \S+, code {re.escape(code)} ====\n"
     assert re.match(header, done["log"])
     assert done["state"]["code"] == code
@@ -177,12 +178,12 @@ def test_kill_ends_the_whole_process_group(jobs, tmp_path):
     code = f"import subprocess, sys, time\nsubprocess.Popen([sys.executable, '-c', {ignoring!r}])\ntime.sleep(60)\n"
     started = start(jobs, "victim", code)
     grandchild = int(wait_until(lambda: pid_file.exists() and pid_file.read_text(), "the grandchild's pid"))
-    processes = [started["pid"], started["child_pid"], grandchild]
-    assert all(is_running(pid) for pid in processes)
+    pids = [started["pid"], started["child_pid"], grandchild]
+    assert all(is_running(pid) for pid in pids)
 
     killed = eagle3_job("kill", "--jobs-dir", str(jobs), "--key", "victim", "--grace-s", "5")
     assert killed["effective"] == "killed" and killed["state"]["status"] == "killed"
-    assert [pid for pid in processes if is_running(pid)] == []
+    assert [pid for pid in pids if is_running(pid)] == []
     assert processes.group_members(started["pgid"]) == []
     assert "killed" in killed["log_tail"][-1]
 
@@ -919,7 +920,8 @@ def test_a_job_directory_or_file_of_another_user_is_not_read_by_poll_or_kill(job
 
 BEATING = """
 import os, signal, sys, time
-from eagle3.jobs.progress import beat for step in range({steps}):
+from eagle3.jobs.progress import beat
+for step in range({steps}):
     beat(f"step {{step}}")
     print(f"step {{step}}", flush=True)
     time.sleep({pause})
