@@ -144,7 +144,7 @@ class Lineage:
 
     def pin_eval_set(self, chosen: dict, run_name: str) -> dict:
         """The pinned set: the one already there (its figures are the lineage's), or `chosen`
-        (eagle3.stages.evaluate.eval_set_record: EVAL_SET_FIELDS), pinned now."""
+        (eagle3.stages.evaluate.prompts.eval_set_record: EVAL_SET_FIELDS), pinned now."""
         with self.locked():
             pinned = self.eval_set()
             if pinned is None:

@@ -35,7 +35,7 @@ from eagle3.disk.fsutil import atomic_write_text
 from eagle3.disk.layout import BENCHMARK_DIR, BENCHMARK_PLOT, BENCHMARK_REPORT, DRAFTER_CONFIG, DRAFTER_DIR
 from eagle3.engines import Speculation, engine_for
 from eagle3.engines.server import serving
-from eagle3.stages.evaluate import held_out_prompts
+from eagle3.stages.evaluate.prompts import held_out_prompts
 
 if TYPE_CHECKING:
     from eagle3.config import RunConfig

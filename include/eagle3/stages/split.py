@@ -8,7 +8,7 @@ key per conversation would train on evaluated continuations (docs/decisions/2026
 
 Three disjoint parts, by the key's bucket (its 64 bits mod BUCKETS) against train.val_fraction:
   evaluation  bucket < val_fraction / 2: evaluate's prompts (pinned per lineage: eagle3.records.lineage) and benchmark's
-              come from here (eagle3.stages.evaluate.held_out)
+              come from here (eagle3.stages.evaluate.prompts.held_out)
   validation  val_fraction / 2 <= bucket < val_fraction: the trainer's validation, which picks the best checkpoint
   training    the rest: training, and the draft vocabulary's token counts (eagle3.stages.vocab)
 Whatever its bucket, a conversation of the lineage's pinned evaluation set (by id), or one that opens with one of
