@@ -3,6 +3,7 @@ and resume drills (one process, and 2 gloo ranks under torchrun) are in tests/fa
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -10,9 +11,25 @@ import pytest
 import torch
 
 import eagle3.stages.train as train
+from eagle3.model.drafter import DraftConfig
 from eagle3.records.checkpoint import load_checkpoint
 from eagle3.stages.train import make_teachers
 from tests.conftest import TRAIN_SETTINGS, run_eagle3
+
+# A drafter small enough to compare whole computations with: the objective's and validation's tests.
+SMALL_DRAFT = DraftConfig(
+    hidden_size=32,
+    intermediate_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    max_position_embeddings=256,
+    target_vocab_size=60,
+    draft_vocab_size=30,
+    aux_layer_ids=(1, 2, 3),
+)
 
 
 def perfect_target(input_ids: torch.Tensor, vocab: int):
@@ -278,22 +295,10 @@ def test_the_ttt_objective_with_the_linear_memory_kernel_equals_the_dense_attent
     """SpecForge's objective, 7 TTT steps, a padded batch of 2: with eagle3/model/ttt_attention.py's kernel the loss of
     each TTT position is the dense [T, T] attention's within 1e-5 (fp32), and so are the gradients of every
     trained weight (to 1e-5 of the largest)."""
-    from eagle3.model.drafter import DraftConfig, Eagle3Draft
+    from eagle3.model.drafter import Eagle3Draft
     from eagle3.model.ttt_attention import dense_ttt_attention
 
-    cfg = DraftConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        max_position_embeddings=256,
-        target_vocab_size=60,
-        draft_vocab_size=30,
-        aux_layer_ids=(1, 2, 3),
-    )
+    cfg = SMALL_DRAFT
     torch.manual_seed(0)
     draft = Eagle3Draft(cfg)
     ids, aux, last = torch.randint(0, 60, (2, 97)), torch.randn(2, 97, 96), torch.randn(2, 97, 32)
@@ -335,21 +340,9 @@ def test_the_lk_objectives_are_the_expected_acceptance_losses_of_the_target_full
     sum over the draft vocab of min(p_full, q), never renormalised): lk_alpha = -mean log acceptance, lk_lambda =
     w * KL + (1 - w) * (1 - mean acceptance) with w = exp(-decay * mean acceptance). kl stays SpecForge's
     cross-entropy, whatever the LK fields say."""
-    from eagle3.model.drafter import DraftConfig, Eagle3Draft
+    from eagle3.model.drafter import Eagle3Draft
 
-    cfg = DraftConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        max_position_embeddings=256,
-        target_vocab_size=60,
-        draft_vocab_size=30,
-        aux_layer_ids=(1, 2, 3),
-    )
+    cfg = SMALL_DRAFT
     torch.manual_seed(0)
     draft = Eagle3Draft(cfg)
     ids, aux, last, lm_head = (
@@ -381,20 +374,10 @@ def test_the_lk_objectives_are_the_expected_acceptance_losses_of_the_target_full
 
 def chunking_workload(objective: str = "kl", steps: int = 7, t: int = 97, vocab: int = 60):
     """A padded batch of 2 for the 7-step objective, seeded: (draft, teachers, aux, draft_ids)."""
-    from eagle3.model.drafter import DraftConfig, Eagle3Draft
+    from eagle3.model.drafter import Eagle3Draft
 
-    cfg = DraftConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        max_position_embeddings=1024,
-        target_vocab_size=2 * vocab,
-        draft_vocab_size=vocab,
-        aux_layer_ids=(1, 2, 3),
+    cfg = dataclasses.replace(
+        SMALL_DRAFT, max_position_embeddings=1024, target_vocab_size=2 * vocab, draft_vocab_size=vocab
     )
     torch.manual_seed(0)
     draft = Eagle3Draft(cfg)
@@ -514,21 +497,9 @@ def dense_objective(draft, teachers, aux, draft_ids, steps: int, objective: str,
 def padded_workload(first_draft: bool, seed: int = 0):
     """A padded batch of 3 samples of the tiny shapes, with prompts and two answers each (draft, aux, draft_ids,
     make_teachers' arguments)."""
-    from eagle3.model.drafter import DraftConfig, Eagle3Draft
+    from eagle3.model.drafter import Eagle3Draft
 
-    cfg = DraftConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        max_position_embeddings=256,
-        target_vocab_size=60,
-        draft_vocab_size=30,
-        aux_layer_ids=(1, 2, 3),
-    )
+    cfg = SMALL_DRAFT
     torch.manual_seed(seed)
     draft = Eagle3Draft(cfg)
     b, t = 3, 41
