@@ -227,9 +227,8 @@ def publish(dag_run: DagRun) -> None:
     ).first()
     # airflow.sdk's TaskInstanceState, the public one: another str enum than the ORM's that get_task_instances names,
     # of the same values, which the query compares as strings.
-    failed = sorted(
-        {ti.task_id for ti in dag_run.get_task_instances(state=[TaskInstanceState.FAILED], session=session)}
-    )  # type: ignore[list-item]
+    states = [TaskInstanceState.FAILED]
+    failed = sorted({ti.task_id for ti in dag_run.get_task_instances(state=states, session=session)})  # type: ignore[arg-type]
     if row is not None:
         dag_run.note = note_markdown(XComModel.deserialize_value(row), failed)
     else:
