@@ -15,20 +15,11 @@ from eagle3.model.drafter import DraftConfig
 from eagle3.records.checkpoint import load_checkpoint
 from eagle3.stages.train import make_teachers
 from tests.conftest import TRAIN_SETTINGS, run_eagle3
+from tests.test_model import SMALL
 
 # A drafter small enough to compare whole computations with: the objective's and validation's tests.
-SMALL_DRAFT = DraftConfig(
-    hidden_size=32,
-    intermediate_size=64,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    rms_norm_eps=1e-6,
-    rope_theta=10000.0,
-    max_position_embeddings=256,
-    target_vocab_size=60,
-    draft_vocab_size=30,
-    aux_layer_ids=(1, 2, 3),
+SMALL_DRAFT = dataclasses.replace(
+    SMALL, max_position_embeddings=256, target_vocab_size=60, draft_vocab_size=30, aux_layer_ids=(1, 2, 3)
 )
 
 
@@ -79,7 +70,7 @@ def test_first_draft_trains_the_drafts_decoding_makes_and_none_past_the_end_of_t
 def test_each_ttt_step_trains_only_chains_that_stay_in_the_answer():
     """Step i at position t targets token t+2+i: trained only while tokens t+1..t+2+i are all the answer's (with
     first_draft), where SpecForge's mask shifts along and trains targets after the turn and in the next one."""
-    from eagle3.model.drafter import DraftConfig, Eagle3Draft
+    from eagle3.model.drafter import Eagle3Draft
 
     ids = torch.tensor([[3, 7, 1, 9, 4, 6, 2, 8, 5, 1, 2, 3]])
     last, lm_head = perfect_target(ids, 10)

@@ -76,10 +76,9 @@ def read_text_config(model_path: str | Path) -> dict:
 TARGET_FACT_LIMITS = {"num_hidden_layers": MAX_LAYERS, "hidden_size": MAX_WIDTH, "vocab_size": 16 * MAX_WIDTH}
 
 
-def read_target_facts(model_path: str | Path) -> dict[str, int]:
-    """num_hidden_layers, hidden_size, vocab_size from an HF config.json."""
+def read_target_facts(model_path: str | Path, text_config: dict) -> dict[str, int]:
+    """num_hidden_layers, hidden_size, vocab_size from the target's (text) config.json, as read_text_config read it."""
     config_file = Path(model_path) / "config.json"
-    text_config = read_text_config(model_path)
     facts = {}
     for key in ("num_hidden_layers", "hidden_size", "vocab_size"):
         if key not in text_config:
@@ -97,7 +96,8 @@ def read_target_facts(model_path: str | Path) -> dict[str, int]:
 
 def resolve_target_facts(cfg: RunConfig) -> RunConfig:
     """Fill the target's layer count, hidden and vocab size from its config.json, and check them."""
-    facts = read_target_facts(cfg.target.model_path)
+    text_config = read_text_config(cfg.target.model_path)  # read once: every fact below comes from it
+    facts = read_target_facts(cfg.target.model_path, text_config)
     for key, actual in facts.items():
         given = getattr(cfg.target, key)
         if given is not None and given != actual:
@@ -108,7 +108,7 @@ def resolve_target_facts(cfg: RunConfig) -> RunConfig:
     data = cfg.model_dump(mode="json")
     data["target"].update(facts)
     try:
-        data["drafter"] = drafter_shape(cfg.drafter, read_text_config(cfg.target.model_path))
+        data["drafter"] = drafter_shape(cfg.drafter, text_config)
     except KeyError as err:
         raise ConfigError(
             f"{cfg.target.model_path}/config.json: has no {err}; set drafter.{err.args[0]} to derive "
@@ -122,7 +122,7 @@ def resolve_target_facts(cfg: RunConfig) -> RunConfig:
     data["generate"].update(serving_sampling(cfg.generate, cfg.target.model_path))
     resolved = parse_run_config(data, f"{cfg.run_name} (with facts from {cfg.target.model_path})")
     check_layers_served(resolved, read_architecture(cfg.target.model_path))
-    check_rope_carried(resolved, read_text_config(cfg.target.model_path))
+    check_rope_carried(resolved, text_config)
     return resolved
 
 
