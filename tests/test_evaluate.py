@@ -7,6 +7,7 @@ import json
 import pytest
 
 from eagle3.stages.evaluate import run_evaluate
+from eagle3.stages.evaluate.decoding import RowByRow
 from eagle3.stages.export import run_export
 
 
@@ -108,7 +109,7 @@ def test_public_sets_are_measured_at_the_published_configurations_beside_the_hel
         assert (measured["cycles"], measured["mean_accept_length"]) == (len(cycles), 1 + sum(cycles) / len(cycles))
 
 
-class ScriptedTarget:
+class ScriptedTarget(RowByRow):
     """A target whose greedy continuation of anything is SCRIPT, then EOS (logits from the sequence length)."""
 
     SCRIPT, EOS, VOCAB = [5, 6, 7], 9, 10
@@ -133,10 +134,37 @@ def test_a_drafted_end_of_turn_that_the_target_agrees_with_is_accepted(monkeypat
 
     prompt = [1, 2]
     target = ScriptedTarget(len(prompt))
-    monkeypatch.setattr(decoding, "draft_chain", lambda drafter, d2t, aux, next_ids, k: [6, 7, 9][:k])
+    monkeypatch.setattr(decoding, "draft_chains", lambda drafter, d2t, auxes, nexts, k: [[6, 7, 9][:k]] * len(nexts))
     tokens, accepted = decoding.speculative_greedy(target, None, None, prompt, 3, 48, {9})
     assert tokens == decoding.plain_greedy(target, prompt, 48, {9}) == [5, 6, 7, 9]
     assert accepted == [3]  # 6, 7 and the end of turn: one verify step after prefill's first token
+
+
+@pytest.mark.parametrize(
+    ("proposal", "max_new", "passes"),
+    [
+        ([5, 6, 7, 9], 48, 1),  # right: one pass confirms it
+        ([5, 6, 7, 9], 2, 1),  # right up to max_new
+        ([5, 8, 7, 9], 48, 4),  # wrong at 1: decoded on from there (3 tokens, a pass each)
+        ([5, 6], 48, 3),  # right but stops short: decoded on
+        ([], 48, 4),  # nothing proposed: plain decoding
+    ],
+)
+def test_the_greedy_baseline_is_confirmed_from_a_proposal_or_decoded_where_it_is_wrong(proposal, max_new, passes):
+    """HfMeasurer's greedy baseline: whatever is proposed, the answer is plain greedy decoding's; a right proposal
+    costs one forward pass."""
+    from eagle3.stages.evaluate import decoding
+
+    prompt, target = [1, 2], ScriptedTarget(2)
+    calls = []
+    counted = type(
+        "Counted", (RowByRow,), {"logits_and_aux": lambda self, seq: calls.append(seq) or target.logits_and_aux(seq)}
+    )
+
+    (answer,) = decoding.confirmed_greedy_rows(counted(), [prompt], [proposal], max_new, {9})
+
+    assert answer == decoding.plain_greedy(target, prompt, max_new, {9}) == [5, 6, 7, 9][:max_new]
+    assert len(calls) == passes
 
 
 def multi_turn(first: str, *later: str) -> dict:
@@ -213,7 +241,7 @@ def test_held_out_prompts_mix_first_and_later_turns_deterministically(make_confi
     ]
 
 
-class MarkovTarget:
+class MarkovTarget(RowByRow):
     """A target that samples: its next-token distribution depends on the last token only (a fixed random table over
     a vocabulary of 8; token 7 ends the answer), so that plain sampling and speculative sampling can be drawn
     thousands of times in seconds."""
@@ -242,13 +270,14 @@ def sample_both_ways(monkeypatch, sampling, answers: int = 600):
 
     target, prompt = MarkovTarget(), [3, 4]
 
-    def likeliest_chain(drafter, d2t, aux, next_ids, k):
-        chain = [next_ids[-1]]
-        for _ in range(k):
-            chain.append(int(target.table[chain[-1]].argmax()))
-        return chain[1:]
+    def likeliest_chains(drafter, d2t, auxes, nexts, k):
+        chains = [[next_ids[-1]] for next_ids in nexts]
+        for chain in chains:
+            for _ in range(k):
+                chain.append(int(target.table[chain[-1]].argmax()))
+        return [chain[1:] for chain in chains]
 
-    monkeypatch.setattr(decoding, "draft_chain", likeliest_chain)
+    monkeypatch.setattr(decoding, "draft_chains", likeliest_chains)
     plain, drawn, cycles = [], [], []
     for i in range(answers):
         plain.append(

@@ -93,14 +93,23 @@ class HfCapture:
         self.decoder(input_ids=ids.to(self.device), attention_mask=attention_mask.to(self.device), use_cache=False)
 
     @torch.inference_mode()
+    def logits_and_aux_rows(self, seqs: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Sequences in one forward pass, right-padded: per sequence the target's logits (fp32, from the unrounded
+        final state) and its aux states as the store holds them (bf16). For the evaluate stage's decoding."""
+        lengths = [len(seq) for seq in seqs]
+        ids = torch.full((len(seqs), max(lengths)), self.pad_id, dtype=torch.long)
+        attention_mask = torch.zeros_like(ids)
+        for row, seq in enumerate(seqs):
+            ids[row, : lengths[row]] = torch.as_tensor(seq)
+            attention_mask[row, : lengths[row]] = 1
+        self._forward(ids, attention_mask)
+        logits = self.lm_head(self._captured["final_norm"]).float().cpu()
+        aux = torch.cat([self._captured[f"layer{i}"] for i in self.aux_layers], dim=-1).to(torch.bfloat16).cpu()
+        return [(logits[row, :n], aux[row, :n]) for row, n in enumerate(lengths)]
+
     def logits_and_aux(self, input_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One sequence: the target's logits (fp32, from the unrounded final state) and its aux states as
-        the store holds them (bf16). For the evaluate stage's speculative decoding."""
-        ids = torch.as_tensor([input_ids])
-        self._forward(ids, torch.ones_like(ids))
-        logits = self.lm_head(self._captured["final_norm"])[0].float()
-        aux = torch.cat([self._captured[f"layer{i}"] for i in self.aux_layers], dim=-1)[0].to(torch.bfloat16)
-        return logits.cpu(), aux.cpu()
+        """logits_and_aux_rows of one sequence."""
+        return self.logits_and_aux_rows([input_ids])[0]
 
     def close(self) -> None:
         self.decoder = None

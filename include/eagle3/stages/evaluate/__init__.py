@@ -23,7 +23,8 @@ Writes {run dir}/evaluate/:
                 (a drafter that always agrees with the target, on the same answers) and the share of it reached
                 (eagle3.model.acceptance); beside them the offline figure training picked the checkpoint by (decoding
                 replayed on the validation split); and whether every speculative output equalled plain greedy
-                decoding (of the same target in the same backend) token for token (it must: verification makes
+                decoding (of the same target in the same backend; on hf the first k's answers confirmed by one
+                forward pass each, decoding.confirmed_greedy_rows) token for token (it must: verification makes
                 speculation lossless); sampled, a permutation test's p-value that they follow plain sampling's
                 distribution (eagle3.model.acceptance.same_distribution_p). public_sets: the same figures per public set
                 (evaluate.benchmarks) at each published configuration, "3" (3 steps / topk 1 / 4 draft tokens)
@@ -44,7 +45,8 @@ this run's is promoted if better.
 On the hf path the drafter runs at the last position with the training-time-test pattern: step 0 over the context
 (target features at t, token t+1), then each further draft step feeds its own output hidden state and the token it
 just drafted, RoPE position advanced by one. No KV cache: each cycle recomputes, which is simple and fast enough for
-evaluation-sized targets.
+evaluation-sized targets; measurers.DECODE_ROWS prompts are drafted and verified together, right-padded (each answer
+is the one its prompt gets alone).
 """
 
 from __future__ import annotations

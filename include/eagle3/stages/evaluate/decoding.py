@@ -1,6 +1,7 @@
 """How evaluate decodes: the drafter's chain of k drafts, the verify rules (GreedyRule: the longest prefix that
 agrees with the target, then its own next token; SamplingRule: the speculative sampling rule SGLang and vLLM apply),
-and one decoding loop with a drafter and one without. Also the run's sampling (answer_sampling) and each answer's seed.
+one decoding loop with a drafter and one without, and the greedy answer confirmed from a proposed one. Also the run's
+sampling (answer_sampling) and each answer's seed.
 """
 
 from __future__ import annotations
@@ -17,20 +18,26 @@ if TYPE_CHECKING:
     from eagle3.config import RunConfig
 
 
-def draft_chain(drafter, draft_to_target, aux, next_ids, k: int) -> list[int]:
-    """k greedy draft tokens after the context. aux: [n, 3H] target features of positions 0..n-1;
-    next_ids: [n] the token after each position (the last one is the target's newest token)."""
-    n = len(next_ids)
-    ids = torch.as_tensor(next_ids)[None]
-    positions = torch.arange(n)[None]
-    hidden, cache, drafts = drafter.fc(aux.float()[None]), [], []
+def draft_chains(drafter, draft_to_target, auxes: list, nexts: list[list[int]], k: int) -> list[list[int]]:
+    """k greedy draft tokens after each context, the contexts drafted together right-padded (the drafter's attention
+    is causal, so a row never reads its padding). auxes[i]: [n_i, 3H] target features of positions 0..n_i-1;
+    nexts[i]: [n_i] the token after each position (the last one is the target's newest token)."""
+    lengths = torch.tensor([len(n) for n in nexts])
+    width, rows = int(lengths.max()), torch.arange(len(nexts))
+    ids = torch.zeros(len(nexts), width, dtype=torch.long)
+    aux = torch.zeros(len(nexts), width, auxes[0].shape[-1])
+    for row, (features, next_ids) in enumerate(zip(auxes, nexts, strict=True)):
+        ids[row, : len(next_ids)] = torch.as_tensor(next_ids)
+        aux[row, : len(next_ids)] = features.float()
+    positions = torch.arange(width)[None].expand(len(nexts), width)
+    hidden, cache, last, drafts = drafter.fc(aux), [], lengths - 1, []
     for i in range(k):
         logits, hidden = drafter.step(ids, hidden, positions + i, cache)
-        token = int(draft_to_target[logits[0, -1].argmax()])
-        drafts.append(token)
+        tokens = draft_to_target[logits[rows, last].argmax(-1)]
+        drafts.append(tokens.tolist())
         ids = ids.clone()
-        ids[0, -1] = token  # only the last position's output is used
-    return drafts
+        ids[rows, last] = tokens  # only each row's last position's output is used
+    return [list(chain) for chain in zip(*drafts)]
 
 
 class GreedyRule:
@@ -82,6 +89,66 @@ class SamplingRule:
         return a, self.draw(rest)
 
 
+class RowByRow:
+    """A target's logits_and_aux_rows from its logits_and_aux, one sequence at a time (test doubles)."""
+
+    def logits_and_aux_rows(self, seqs: list[list[int]]) -> list:
+        return [self.logits_and_aux(seq) for seq in seqs]
+
+
+class Answer:
+    """One prompt's speculative decoding so far: the sequence, the target's token not yet committed, each verify
+    step's accepted drafts."""
+
+    def __init__(self, prompt: list[int], rule: GreedyRule | SamplingRule):
+        self.prompt, self.seq, self.rule, self.accepted = prompt, list(prompt), rule, []
+        self.token, self.aux, self.ended = -1, None, False
+
+    def new_tokens(self) -> int:
+        return len(self.seq) - len(self.prompt)
+
+    def running(self, max_new: int, eos: set[int]) -> bool:
+        return not self.ended and self.new_tokens() < max_new and self.token not in eos
+
+
+def speculative_decode_rows(
+    target,
+    drafter,
+    draft_to_target,
+    prompts: list[list[int]],
+    k: int,
+    max_new: int,
+    eos: set[int],
+    rules: list[GreedyRule | SamplingRule],
+) -> list[tuple[list[int], list[int]]]:
+    """Decoding with k-token greedy chain drafts, each verify step judged by the prompt's rule, the prompts drafted
+    and verified together (target.logits_and_aux_rows: one forward pass for all of them). Each answer is what
+    decoding its prompt alone gives. Returns (new tokens, drafts of each verify step that reached them) per prompt."""
+    answers = [Answer(prompt, rule) for prompt, rule in zip(prompts, rules, strict=True)]
+    for answer, (logits, aux) in zip(answers, target.logits_and_aux_rows(prompts)):
+        answer.token, answer.aux = answer.rule.first(logits[-1]), aux
+    while running := [a for a in answers if a.running(max_new, eos)]:
+        contexts = [a.aux[: len(a.seq)] for a in running]
+        chains = draft_chains(drafter, draft_to_target, contexts, [a.seq[1:] + [a.token] for a in running], k)
+        verified = target.logits_and_aux_rows([a.seq + [a.token] + drafts for a, drafts in zip(running, chains)])
+        for answer, drafts, (logits, aux) in zip(running, chains, verified):
+            accepted, following = answer.rule.verify(logits[len(answer.seq) :], drafts, eos)
+            answer.seq += [answer.token] + drafts[:accepted]
+            answer.accepted.append(accepted)
+            answer.aux = aux
+            if following is None:  # an accepted end of turn
+                answer.ended = True
+            else:
+                answer.token = following
+    results = []
+    for answer in answers:
+        if not answer.ended and answer.token in eos and answer.new_tokens() < max_new:
+            answer.seq.append(answer.token)
+        tokens = answer.seq[len(answer.prompt) : len(answer.prompt) + max_new]
+        results.append((tokens, reached_per_step(answer.accepted, len(tokens))))  # a cut last step counts what reached
+    return results
+
+
 def speculative_decode(
     target,
     drafter,
@@ -92,26 +159,8 @@ def speculative_decode(
     eos: set[int],
     rule: GreedyRule | SamplingRule,
 ):
-    """Decoding with k-token greedy chain drafts, each verify step judged by `rule`. Returns (new tokens, drafts of
-    each cycle that reached them)."""
-    seq = list(prompt)
-    logits, aux = target.logits_and_aux(seq)
-    token = rule.first(logits[-1])
-    accepted = []
-    while len(seq) - len(prompt) < max_new and token not in eos:
-        drafts = draft_chain(drafter, draft_to_target, aux[: len(seq)], seq[1:] + [token], k)
-        logits, aux = target.logits_and_aux(seq + [token] + drafts)
-        a, following = rule.verify(logits[len(seq) :], drafts, eos)
-        seq += [token] + drafts[:a]
-        accepted.append(a)
-        if following is None:  # an accepted end of turn
-            break
-        token = following
-    else:
-        if token in eos and len(seq) - len(prompt) < max_new:
-            seq.append(token)
-    answer = seq[len(prompt) : len(prompt) + max_new]
-    return answer, reached_per_step(accepted, len(answer))  # a last cycle cut at max_new counts what reached it
+    """speculative_decode_rows for one prompt: (new tokens, drafts of each verify step that reached them)."""
+    return speculative_decode_rows(target, drafter, draft_to_target, [prompt], k, max_new, eos, [rule])[0]
 
 
 def plain_decode(target, prompt: list[int], max_new: int, eos: set[int], rule: GreedyRule | SamplingRule) -> list[int]:
@@ -122,6 +171,31 @@ def plain_decode(target, prompt: list[int], max_new: int, eos: set[int], rule: G
         if token in eos:
             break
     return seq[len(prompt) :]
+
+
+def confirmed_greedy_rows(
+    target, prompts: list[list[int]], proposals: list[list[int]], max_new: int, eos: set[int]
+) -> list[list[int]]:
+    """The target's greedy answer to each prompt, from a proposed one (a speculative answer): one forward pass over
+    every prompt + proposal checks that each proposed token is the target's likeliest after those before it, and
+    plain decoding goes on from the first that is not, or from a proposal that stops short of an end of turn and
+    max_new. Where the proposals are right this costs one pass instead of one per token."""
+    proposed = []
+    for proposal in proposals:
+        ends = next((i + 1 for i, token in enumerate(proposal) if token in eos), len(proposal))
+        proposed.append(proposal[: min(ends, max_new)])
+    checked = iter(target.logits_and_aux_rows([p + a for p, a in zip(prompts, proposed, strict=True) if a]))
+    answers = []
+    for prompt, answer in zip(prompts, proposed):
+        if answer:
+            predictions = next(checked)[0][len(prompt) - 1 :].argmax(-1).tolist()
+            agreed = next((j for j, token in enumerate(answer) if predictions[j] != token), len(answer))
+            if agreed == len(answer) and (answer[-1] in eos or len(answer) == max_new):
+                answers.append(answer)
+                continue
+            answer = answer[:agreed]
+        answers.append(answer + plain_decode(target, prompt + answer, max_new - len(answer), eos, GREEDY_RULE))
+    return answers
 
 
 GREEDY_RULE = GreedyRule()
