@@ -65,7 +65,8 @@ def test_shards_sharing_a_box_take_gpus_of_their_own(monkeypatch, tmp_path):
     assert operator._stage_argv()[-6:] == ["--shard", "4", "--num-shards", "5", "--gpu-group", "2"]
 
     check_gpu_group(3, 2, 8)  # GPUs 6..7 of 8
-    with pytest.raises(ConfigError, match=r"number 4 on its box and needs GPUs 8\.\.9, but the box has 8"):
+    with pytest.raises(ConfigError) as refused:
         check_gpu_group(4, 2, 8)
+    assert refused.value.where == "extract.num_shards" and "needs GPUs 8..9, but the box has 8" in refused.value.fact
     assert pick_device("auto", gpu_group=3) == torch.device("cpu")  # no CUDA on this machine
     assert pick_device("cuda:1", gpu_group=3) == torch.device("cuda:1")  # an explicit device is taken as given

@@ -12,6 +12,7 @@ import pytest
 
 from eagle3.config import (
     ConfigError,
+    InvalidConfig,
     default_aux_layers,
     dump_run_config,
     load_run_config,
@@ -111,12 +112,14 @@ def test_facts_are_filled_from_the_model_and_checked(tiny_target, tmp_path):
     assert cfg.resolved_aux_layers() == [1, 3, 4]
 
     wrong = parse_run_config(with_changes(target={**tiny, "num_hidden_layers": 61}))
-    with pytest.raises(ConfigError, match="target.num_hidden_layers: the config says 61 but .*says 8"):
+    with pytest.raises(ConfigError) as refused:
         resolve_target_facts(wrong)
+    assert refused.value.where == "target.num_hidden_layers"
 
     too_deep = parse_run_config(with_changes(target=tiny, extract={"aux_layers": [1, 3, 9]}))
-    with pytest.raises(ConfigError, match="layer 9 out of range for a 8-layer target"):
+    with pytest.raises(InvalidConfig) as refused:
         resolve_target_facts(too_deep)
+    assert refused.value.fields == ["extract.aux_layers"] and "layer 9" in refused.value.fact
 
 
 def test_generation_samples_as_the_target_is_served_unless_the_config_says_otherwise(tiny_target, tmp_path):
@@ -163,8 +166,9 @@ def test_generation_samples_as_the_target_is_served_unless_the_config_says_other
 
 def test_missing_model_dir_is_named():
     cfg = parse_run_config(with_changes(target={"model_path": "/nonexistent/model"}))
-    with pytest.raises(ConfigError, match="target.model_path: /nonexistent/model/config.json does not exist"):
+    with pytest.raises(ConfigError) as refused:
         resolve_target_facts(cfg)
+    assert refused.value.where == "target.model_path" and "/nonexistent/model/config.json" in refused.value.fact
 
 
 def test_config_is_written_once(tmp_path):
@@ -175,8 +179,9 @@ def test_config_is_written_once(tmp_path):
     assert write_run_config(cfg) == path  # a retried task writes the same thing again: fine
 
     changed = parse_run_config(with_changes(workdir=str(tmp_path), train={"epochs": 3}))
-    with pytest.raises(ConfigError, match="already exists with different values"):
+    with pytest.raises(ConfigError) as refused:
         write_run_config(changed)
+    assert refused.value.where == str(path) and "run_name" in refused.value.fix
     assert load_run_config(path) == cfg
 
 
@@ -192,11 +197,13 @@ def test_a_copy_with_other_workdir_and_run_name_is_an_independent_run(tmp_path):
 def test_loading_names_the_file(tmp_path):
     bad = tmp_path / "config.json"
     bad.write_text(json.dumps(with_changes(seed=-1)))
-    with pytest.raises(ConfigError, match=f"in {bad}:\n  seed:"):
+    with pytest.raises(InvalidConfig) as refused:
         load_run_config(bad)
+    assert (refused.value.where, refused.value.fields) == (str(bad), ["seed"])
     bad.write_text("{not json")
-    with pytest.raises(ConfigError, match="not valid JSON"):
+    with pytest.raises(ConfigError) as refused:
         load_run_config(bad)
+    assert refused.value.where == str(bad)
 
 
 @pytest.mark.slow
@@ -600,8 +607,9 @@ def test_a_target_config_with_a_bad_size_is_a_clear_error_not_a_traceback(tmp_pa
 
 def test_a_target_config_that_is_not_json_is_named(tmp_path):
     (tmp_path / "config.json").write_text("{'hidden_size': 7168,")
-    with pytest.raises(ConfigError, match=f"{tmp_path}/config.json: not valid JSON"):
+    with pytest.raises(ConfigError) as refused:
         resolve_target_facts(parse_run_config(with_changes(target={"model_path": str(tmp_path)})))
+    assert refused.value.where == f"{tmp_path}/config.json"
 
 
 def test_a_workdir_with_a_colon_is_refused_on_the_box_too():
@@ -704,3 +712,18 @@ def test_a_shallow_targets_default_aux_layers_are_three_distinct_layers():
     for layers in range(5, 80):
         ids = default_aux_layers(layers)
         assert len(set(ids)) == 3 and ids == sorted(ids) and ids[-1] <= layers - 2
+
+
+def test_a_config_error_is_where_fact_and_fix_through_pickling():
+    """Every refusal reads "where: fact; fix", and keeps its parts when it crosses a process (torchrun's ranks)."""
+    import pickle
+
+    refused = ConfigError("train.gpus", "lists GPU 9, the box has 8", "name GPUs 0 to 7")
+    assert str(refused) == "train.gpus: lists GPU 9, the box has 8; name GPUs 0 to 7"
+    again = pickle.loads(pickle.dumps(refused))
+    assert (type(again), again.where, again.fact, again.fix) == (ConfigError, refused.where, refused.fact, refused.fix)
+    with pytest.raises(InvalidConfig) as invalid:
+        parse_run_config(with_changes(seed=-1, train={"epochs": 0}))
+    copied = pickle.loads(pickle.dumps(invalid.value))
+    assert sorted(copied.fields) == sorted(invalid.value.fields) == ["seed", "train.epochs"]
+    assert str(copied) == str(invalid.value)

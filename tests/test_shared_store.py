@@ -102,8 +102,9 @@ def test_a_run_whose_target_changed_after_it_started_is_refused(make_config, tin
     cfg = make_config(target={"model_path": str(model)}, data={"max_samples": 8})
     run_extract(cfg)
     (model / "config.json").write_text((model / "config.json").read_text() + "\n")  # "another checkpoint"
-    with pytest.raises(ConfigError, match="its target or capture settings now give .* pick a new run_name"):
+    with pytest.raises(ConfigError) as refused:
         run_extract(cfg)
+    assert refused.value.where == str(cfg.run_dir / "hidden_states") and "run_name" in refused.value.fix
     fresh = make_config(run_name="new-checkpoint", target={"model_path": str(model)}, data={"max_samples": 8})
     assert attach_store(fresh) != cfg.store_dir.resolve()
 

@@ -38,8 +38,9 @@ def load_config(path: str):
     cfg = load_run_config(path)
     if cfg.target.num_hidden_layers is None:
         raise ConfigError(
-            f"{path}: the target's facts are not filled in; write the run's config with "
-            "`python -m eagle3 init --config FILE` first, which resolves them"
+            path,
+            "the target's facts are not filled in",
+            "write the run's config with `python -m eagle3 init --config FILE` first, which resolves them",
         )
     return cfg
 
@@ -65,7 +66,9 @@ def cmd_init(args) -> None:
 
     if (args.airflow_dag_id is None) != (args.airflow_run_id is None):
         raise ConfigError(
-            "--airflow-dag-id and --airflow-run-id name the Airflow run together: give both, or neither (init by hand)"
+            "--airflow-dag-id, --airflow-run-id",
+            "they name the Airflow run together",
+            "give both, or neither (init by hand)",
         )
     owner = (
         AirflowRun(args.airflow_dag_id, args.airflow_run_id, args.triggered_by, args.redo_from)
@@ -76,7 +79,7 @@ def cmd_init(args) -> None:
     try:
         draft = json.loads(sys.stdin.read() if args.config == "-" else Path(args.config).read_text())
     except (OSError, json.JSONDecodeError) as err:
-        raise ConfigError(f"{source}: cannot read it as JSON ({err})") from None
+        raise ConfigError(source, f"cannot read it as JSON ({err})", "give a JSON object of run fields") from None
     from eagle3.data.identity import attach_store
 
     cfg = resolve_target_facts(parse_run_config(draft, source))

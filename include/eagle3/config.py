@@ -41,7 +41,26 @@ def redact_url(url: str) -> str:
 
 
 class ConfigError(ValueError):
-    """A run configuration a stage cannot use; the message names the field or file and the fix."""
+    """A run configuration a stage cannot use, in one shape: where (the field, file or option), what is wrong there
+    (fact), what to do (fix); the message is "where: fact; fix". Tests assert the type and `where`."""
+
+    def __init__(self, where: str | Path, fact: str, fix: str = ""):
+        self.where, self.fact, self.fix = str(where), fact, fix
+        super().__init__(f"{self.where}: {fact}" + (f"; {fix}" if fix else ""))
+
+    def __reduce__(self) -> tuple[type, tuple[str, str, str]]:  # (pickled as its three parts, not as the message)
+        return type(self), (self.where, self.fact, self.fix)
+
+
+class InvalidConfig(ConfigError):
+    """Fields the schema refuses: `fields` names each (dotted), the message one line per field with its fix."""
+
+    def __init__(self, where: str | Path, problems: list[tuple[str, str]]):
+        self.problems, self.fields = problems, [field for field, _ in problems]
+        super().__init__(where, "invalid:\n  " + "\n  ".join(problem_lines(problems)))
+
+    def __reduce__(self) -> tuple[type, tuple[str, list[tuple[str, str]]]]:  # type: ignore[override]
+        return type(self), (self.where, self.problems)
 
 
 class Section(BaseModel):
@@ -1142,7 +1161,7 @@ class RunConfig(Section):
         if self.extract.aux_layers is not None:
             return list(self.extract.aux_layers)
         if self.target.num_hidden_layers is None:
-            raise ConfigError("target.num_hidden_layers is unknown: resolve the target facts first")
+            raise ConfigError("target.num_hidden_layers", "unknown", "resolve the target facts first (init)")
         return default_aux_layers(self.target.num_hidden_layers)
 
 
@@ -1152,7 +1171,7 @@ def default_aux_layers(num_layers: int) -> list[int]:
     same way, from layer 1 to layer L-2 (the last one is no aux layer: SGLang captures a layer's input)."""
     if num_layers < 5:
         raise ConfigError(
-            f"a {num_layers}-layer target is too shallow for the default aux layers; set extract.aux_layers"
+            "extract.aux_layers", f"a {num_layers}-layer target is too shallow for the defaults", "set them"
         )
     layers = [1, num_layers // 2 - 1, num_layers - 4]
     if len(set(layers)) < 3:
@@ -1163,9 +1182,9 @@ def default_aux_layers(num_layers: int) -> list[int]:
 # -- errors a person can act on --------------------------------------------------------------
 
 
-def format_validation_error(err: ValidationError, source: str | None = None) -> str:
-    """One line per problem: `section.field: what is wrong (fix)`."""
-    lines = []
+def validation_problems(err: ValidationError) -> list[tuple[str, str]]:
+    """(section.field, what is wrong and the fix) per problem pydantic found."""
+    problems = []
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"])
         msg = e["msg"].removeprefix("Value error, ")
@@ -1177,16 +1196,28 @@ def format_validation_error(err: ValidationError, source: str | None = None) -> 
             msg = f"{e['input']!r} does not match {e['ctx']['pattern']}" + (
                 " (an absolute path is required)" if e["ctx"]["pattern"] == ABS_PATH_PATTERN else ""
             )
-        lines.append(f"{loc}: {msg}" if loc and not msg.startswith(loc + ":") else msg)
+        named = re.match(r"([a-z_][a-z0-9_.]*): ", msg)  # a validator that names the field it refuses
+        if named and named.group(1).startswith(loc):
+            loc, msg = named.group(1), msg[named.end() :]
+        problems.append((loc, msg))
+    return problems
+
+
+def problem_lines(problems: list[tuple[str, str]]) -> list[str]:
+    return [f"{loc}: {msg}" if loc and not msg.startswith(loc + ":") else msg for loc, msg in problems]
+
+
+def format_validation_error(err: ValidationError, source: str | None = None) -> str:
+    """One line per problem: `section.field: what is wrong (fix)`."""
     where = f" in {source}" if source else ""
-    return f"invalid run configuration{where}:\n  " + "\n  ".join(lines)
+    return f"invalid run configuration{where}:\n  " + "\n  ".join(problem_lines(validation_problems(err)))
 
 
 def parse_run_config(data: dict[str, Any], source: str | None = None) -> RunConfig:
     try:
         return RunConfig.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(format_validation_error(err, source)) from None
+        raise InvalidConfig(source or "the run configuration", validation_problems(err)) from None
 
 
 def load_run_config(path: str | Path) -> RunConfig:
@@ -1194,9 +1225,9 @@ def load_run_config(path: str | Path) -> RunConfig:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise ConfigError(f"{path}: no such run config; write one with `python -m eagle3 init`") from None
+        raise ConfigError(path, "no such run config", "write one with `python -m eagle3 init`") from None
     except json.JSONDecodeError as err:
-        raise ConfigError(f"{path}: not valid JSON ({err})") from None
+        raise ConfigError(path, f"not valid JSON ({err})", "write it with `python -m eagle3 init`") from None
     return parse_run_config(data, str(path))
 
 
@@ -1215,8 +1246,9 @@ def write_run_config(cfg: RunConfig) -> Path:
         if load_run_config(path) == cfg:  # compared as validated models: key order and spelling do not matter
             return path
         raise ConfigError(
-            f"{path} already exists with different values; its outputs were made with those. "
-            "Pick a new run_name, or delete that run directory to start over."
+            path,
+            "already exists with different values; its outputs were made with those",
+            "pick a new run_name, or delete that run directory to start over",
         )
     atomic_write_text(path, dump_run_config(cfg))
     return path

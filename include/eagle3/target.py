@@ -61,14 +61,14 @@ def read_text_config(model_path: str | Path) -> dict:
         hf_config = json.loads(config_file.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError(
-            f"target.model_path: {config_file} does not exist; point it at an HF model directory"
+            "target.model_path", f"{config_file} does not exist", "point it at an HF model directory"
         ) from None
     except (ValueError, UnicodeDecodeError) as err:  # (JSONDecodeError is a ValueError)
-        raise ConfigError(f"{config_file}: not valid JSON ({err}); restore the model's own config.json") from None
+        raise ConfigError(config_file, f"not valid JSON ({err})", "restore the model's own config.json") from None
     text_config = hf_config.get("text_config") or hf_config if isinstance(hf_config, dict) else None
     if not isinstance(text_config, dict):
         raise ConfigError(
-            f"{config_file}: not a JSON object (or its text_config is not); restore the model's own config.json"
+            config_file, "not a JSON object (or its text_config is not)", "restore the model's own config.json"
         )
     return text_config
 
@@ -82,13 +82,16 @@ def read_target_facts(model_path: str | Path, text_config: dict) -> dict[str, in
     facts = {}
     for key in ("num_hidden_layers", "hidden_size", "vocab_size"):
         if key not in text_config:
-            raise ConfigError(f"{config_file}: has no {key!r}; is this a decoder-only language model?")
+            raise ConfigError(
+                config_file, f"has no {key!r}", "point target.model_path at a decoder-only language model"
+            )
         value = text_config[key]
         bounds = TARGET_FACT_LIMITS[key]  # the same bounds as the TargetConfig field the fact fills in
         if type(value) is not int or not 1 <= value <= bounds:  # (bool is an int subclass: not a size)
             raise ConfigError(
-                f"{config_file}: {key} is {value!r}, not a whole number from 1 to {bounds}; fix the "
-                "file, or point target.model_path at the model's own directory"
+                config_file,
+                f"{key} is {value!r}, not a whole number from 1 to {bounds}",
+                "fix the file, or point target.model_path at the model's own directory",
             )
         facts[key] = value
     return facts
@@ -102,8 +105,9 @@ def resolve_target_facts(cfg: RunConfig) -> RunConfig:
         given = getattr(cfg.target, key)
         if given is not None and given != actual:
             raise ConfigError(
-                f"target.{key}: the config says {given} but {cfg.target.model_path}/config.json says {actual}; "
-                "leave it empty or fix it"
+                f"target.{key}",
+                f"the config says {given} but {cfg.target.model_path}/config.json says {actual}",
+                "leave it empty or fix it",
             )
     data = cfg.model_dump(mode="json")
     data["target"].update(facts)
@@ -111,13 +115,15 @@ def resolve_target_facts(cfg: RunConfig) -> RunConfig:
         data["drafter"] = drafter_shape(cfg.drafter, text_config)
     except KeyError as err:
         raise ConfigError(
-            f"{cfg.target.model_path}/config.json: has no {err}; set drafter.{err.args[0]} to derive "
-            "the drafter's shape without it"
+            f"{cfg.target.model_path}/config.json",
+            f"has no {err}",
+            f"set drafter.{err.args[0]} to derive the drafter's shape without it",
         ) from None
     except (TypeError, ValueError) as err:  # a size that is not a number
         raise ConfigError(
-            f"{cfg.target.model_path}/config.json: a size the drafter's shape is derived from is not a "
-            f"whole number ({err}); fix the file, or set drafter.* explicitly"
+            f"{cfg.target.model_path}/config.json",
+            f"a size the drafter's shape is derived from is not a whole number ({err})",
+            "fix the file, or set drafter.* explicitly",
         ) from None
     data["generate"].update(serving_sampling(cfg.generate, cfg.target.model_path))
     resolved = parse_run_config(data, f"{cfg.run_name} (with facts from {cfg.target.model_path})")
@@ -143,13 +149,15 @@ def serving_sampling(gen: GenerateConfig, model_path: str | Path) -> dict:
         served = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
     except (ValueError, UnicodeDecodeError) as err:
         raise ConfigError(
-            f"{config_file}: not valid JSON ({err}); restore the model's own file, or set "
-            "generate.temperature, top_p and top_k"
+            config_file,
+            f"not valid JSON ({err})",
+            "restore the model's own file, or set generate.temperature, top_p and top_k",
         ) from None
     if not isinstance(served, dict):
         raise ConfigError(
-            f"{config_file}: not a JSON object; restore the model's own file, or set "
-            "generate.temperature, top_p and top_k"
+            config_file,
+            "not a JSON object",
+            "restore the model's own file, or set generate.temperature, top_p and top_k",
         )
     defaults = dict(GREEDY)
     if served.get("temperature") is not None:
@@ -162,8 +170,9 @@ def serving_sampling(gen: GenerateConfig, model_path: str | Path) -> dict:
     except ValidationError as err:
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))} {e['input']!r}: {e['msg']}" for e in err.errors())
         raise ConfigError(
-            f"{config_file}: its sampling does not fit generate's bounds ({problems}); set "
-            "generate.temperature, top_p and top_k explicitly"
+            config_file,
+            f"its sampling does not fit generate's bounds ({problems})",
+            "set generate.temperature, top_p and top_k explicitly",
         ) from None
     return filled
 
@@ -175,8 +184,9 @@ def check_rope_carried(cfg: RunConfig, text_config: dict) -> None:
     why = unsupported(scaling) if cfg.drafter.rope_scaling == "target" else None
     if why:
         raise ConfigError(
-            f"drafter.rope_scaling: {cfg.target.model_path}/config.json: {why}; set drafter.rope_scaling "
-            'to "none" to train and serve the drafter with plain RoPE (theta only), knowingly'
+            "drafter.rope_scaling",
+            f"{cfg.target.model_path}/config.json: {why}",
+            'set it to "none" to train and serve the drafter with plain RoPE (theta only), knowingly',
         )
 
 
@@ -185,7 +195,7 @@ def read_architecture(model_path: str | Path) -> str:
     config_file = Path(model_path) / "config.json"
     architectures = json.loads(config_file.read_text(encoding="utf-8")).get("architectures")
     if not isinstance(architectures, list) or not architectures or not isinstance(architectures[0], str):
-        raise ConfigError(f'{config_file}: has no "architectures" list; restore the model\'s own config.json')
+        raise ConfigError(config_file, 'has no "architectures" list', "restore the model's own config.json")
     return architectures[0]
 
 
@@ -201,7 +211,7 @@ def check_layers_served(cfg: RunConfig, architecture: str) -> None:
         if cfg.evaluate.backend == "server" or cfg.benchmark.enabled:
             ids_for(cfg.resolved_aux_layers(), architecture, cfg.server.engine)
     except LayerIdError as err:
-        raise ConfigError(str(err)) from None
+        raise ConfigError("extract.aux_layers", str(err), "choose layers the engines can be told") from None
 
 
 def drafter_shape(drafter: DrafterConfig, text_config: dict) -> dict:

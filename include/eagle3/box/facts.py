@@ -488,7 +488,7 @@ def disk_estimate(cfg: RunConfig, margin: float = 1.2) -> dict:
     With generate on, the tokens are counted from data.path: its answers stand in for the regenerated ones.
     """
     if not (margin > 0 and math.isfinite(margin)):
-        raise ConfigError(f"--margin must be a positive number, got {margin}")
+        raise ConfigError("--margin", f"{margin} is not a positive number", "give one, such as 1.1")
     counts = cached_token_count(cfg, cfg.run_dir / TOKEN_CACHE_NAME)
     states_per_token = len(cfg.resolved_aux_layers()) + 1
     hidden_size = cfg.target.hidden_size

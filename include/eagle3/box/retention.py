@@ -76,9 +76,11 @@ def refuse_links(workdir: Path, *roots: str) -> None:
     for path in (workdir, *(workdir / root for root in roots)):
         if path.is_symlink():
             raise RetentionRefused(
-                f"{path}: a symbolic link (to {os.readlink(path)}); retention removes nothing through a link, for "
-                f"what it removed would be the link's target. Give --workdir as the real directory, and make "
-                f"{', '.join(f'{r}/' for r in roots)} real directories in it; nothing was removed"
+                path,
+                f"a symbolic link (to {os.readlink(path)}); retention removes nothing through a link, for what it "
+                "removed would be the link's target; nothing was removed",
+                f"give --workdir as the real directory, and make {', '.join(f'{r}/' for r in roots)} real "
+                "directories in it",
             )
 
 
@@ -140,9 +142,10 @@ def promoted_run_dirs(workdir: Path) -> set[Path]:
                 continue
             problem = "it names no run directory (run_dir) or run"
         raise RetentionRefused(
-            f"{record_path}: {problem or 'not a JSON object'}; it should name the run directory its drafter came "
-            "from, which must never be pruned. Restore it (or remove its version directory), then prune again; "
-            "nothing was removed"
+            record_path,
+            f"{problem or 'not a JSON object'}; it should name the run directory its drafter came from, which must "
+            "never be pruned; nothing was removed",
+            "restore it (or remove its version directory), then prune again",
         )
     return dirs
 
@@ -202,7 +205,7 @@ def prune_runs(workdir: str | Path, keep: int, dry_run: bool = False, proposal_h
     (the disk is one). "not_run_dirs" lists the entries of runs/ that are not the project's run directories, each
     with the reason: never removed, never counted."""
     if keep < 1:
-        raise ConfigError(f"--keep {keep}: keep at least the newest run directory (1)")
+        raise ConfigError("--keep", f"{keep} would keep no run directory", "keep at least the newest (1)")
     workdir = Path(workdir)
     refuse_links(workdir, RUNS, DRAFTERS)
     runs_root = workdir / RUNS

@@ -20,7 +20,8 @@ def check_gpu_group(gpu_group: int, gpus_per_group: int, gpus: int) -> None:
     """Refuse a shard whose GPU group (its number on the box x GPUs per shard) the box does not have."""
     if (gpu_group + 1) * gpus_per_group > gpus:
         raise ConfigError(
-            f"extract.num_shards: this shard is number {gpu_group} on its box and needs GPUs "
-            f"{gpu_group * gpus_per_group}..{(gpu_group + 1) * gpus_per_group - 1}, but the box has {gpus}; "
-            "lower extract.num_shards (shards per box x GPUs per shard must fit) or add boxes"
+            "extract.num_shards",
+            f"this shard is number {gpu_group} on its box and needs GPUs {gpu_group * gpus_per_group}.."
+            f"{(gpu_group + 1) * gpus_per_group - 1}, but the box has {gpus}",
+            "lower extract.num_shards (shards per box x GPUs per shard must fit) or add boxes",
         )

@@ -112,8 +112,9 @@ def capture_fields(cfg: RunConfig) -> dict:
     template = cfg.data.generation_chat_template
     if template and not os.path.lexists(template):
         raise ConfigError(
-            f"data.generation_chat_template: {template} does not exist on the box; copy the template "
-            "there or leave the field empty"
+            "data.generation_chat_template",
+            f"{template} does not exist on the box",
+            "copy the template there or leave the field empty",
         )
     # Read as the stages read it (a small regular file, no link, nothing in /proc): a naive read of
     # /proc/self/pagemap would never end, and init would hang before any stage refused the file.
@@ -203,9 +204,11 @@ def link_shared(link: Path, shared: Path, fields: dict, made_into: str, what_cha
         linked = Path(link.readlink()).name
         if linked != shared.name:
             raise ConfigError(
-                f"{link}: this run's {made_into} {linked}, but its {what_changed} now give {shared.name} (see "
+                link,
+                f"this run's {made_into} {linked}, but its {what_changed} now give {shared.name} (see "
                 f"{shared / 'key.json'} and {shared.with_name(linked) / 'key.json'} for what differs): a new target "
-                "checkpoint or setting is a new run; pick a new run_name"
+                "checkpoint or setting is a new run",
+                "pick a new run_name",
             )
         return shared
     link.parent.mkdir(parents=True, exist_ok=True)

@@ -245,8 +245,9 @@ def read_local_records(path: Path) -> list[tuple[str, dict]]:
             import pyarrow.parquet
         except ImportError:
             raise ConfigError(
-                f"{path}: reading parquet needs pyarrow (installed with {DATASETS_PIN}, "
-                "requirements-box.txt); install it, or give the file as JSON lines"
+                path,
+                f"reading parquet needs pyarrow (installed with {DATASETS_PIN}, requirements-box.txt)",
+                "install it, or give the file as JSON lines",
             ) from None
         return [(f"row {i + 1}", row) for i, row in enumerate(pyarrow.parquet.read_table(path).to_pylist())]
     try:  # a regular file only, as every file a config names (a FIFO would hang the stage)
@@ -291,8 +292,9 @@ def hub_records(spec: PublicSet, count: int) -> list[tuple[str, dict]]:
         import datasets
     except ImportError:
         raise ConfigError(
-            f"evaluate.benchmarks: {spec.name} is loaded with the `datasets` library, which "
-            f"{sys.executable} lacks: install {DATASETS_PIN} (requirements-box.txt), or {fix}"
+            "evaluate.benchmarks",
+            f"{spec.name} is loaded with the `datasets` library, which {sys.executable} lacks",
+            f"install {DATASETS_PIN} (requirements-box.txt), or {fix}",
         ) from None
     try:
         rows = datasets.load_dataset(spec.dataset, spec.config, data_files=spec.data_file, split=spec.split)

@@ -504,8 +504,8 @@ class TemplateOrigin:
     fix: str
 
 
-TOKENIZER_TEMPLATE = TemplateOrigin("the tokenizer's chat template", "Fix the tokenizer's chat template.")
-GENERATION_TEMPLATE = TemplateOrigin("data.generation_chat_template", "Fix data.generation_chat_template.")
+TOKENIZER_TEMPLATE = TemplateOrigin("the tokenizer's chat template", "fix the tokenizer's chat template")
+GENERATION_TEMPLATE = TemplateOrigin("data.generation_chat_template", "fix data.generation_chat_template")
 
 
 def chat_template_file(tokenizer_dir: str | Path) -> str:
@@ -545,7 +545,7 @@ def read_template_file(path: str, field_name: str = "data.generation_chat_templa
         text = template_file_bytes(path, field_name).decode("utf-8")
     except UnicodeDecodeError:
         raise ChatTemplateError(
-            f"{field_name} {path}: not UTF-8 text; point it at a jinja chat template file"
+            field_name, f"{path} is not UTF-8 text", "point it at a jinja chat template file"
         ) from None
     return text.replace("\r\n", "\n").replace("\r", "\n")
 
@@ -620,13 +620,13 @@ class SampleTokenizer:
         field_name = "target.tokenizer_path" if cfg.target.tokenizer_path else "target.model_path"
         template_origin = TemplateOrigin(
             f"{chat_template_file(cfg.tokenizer_dir)}, the chat template of {field_name}",
-            "Fix the template there, or set target.tokenizer_path to a tokenizer whose chat template renders.",
+            "fix the template there, or set target.tokenizer_path to a tokenizer whose chat template renders",
         )
         generation_template, generation_origin, path = None, GENERATION_TEMPLATE, cfg.data.generation_chat_template
         if path:
             generation_origin = TemplateOrigin(
                 f"data.generation_chat_template {path}",
-                "Fix that file, or point data.generation_chat_template at one that renders.",
+                "fix that file, or point data.generation_chat_template at one that renders",
             )
             generation_template = read_template_file(path)
         tokenizing = cls(
@@ -653,7 +653,7 @@ class SampleTokenizer:
         for template, origin in templates:
             if template is None and not getattr(self.tokenizer, "chat_template", None):
                 raise ChatTemplateError(
-                    f"{origin.where}: there is none, so what the target is served is unknown. {origin.fix}"
+                    origin.where, "there is none, so what the target is served is unknown", origin.fix
                 )
 
             def probe(template=template):
@@ -664,17 +664,20 @@ class SampleTokenizer:
                 finished = run_with_time_limit(probe, limit)
             except TemplateFailed as err:
                 raise ChatTemplateError(
-                    f"{origin.where}: fails in jinja's sandbox on a two-message conversation ({err}). {origin.fix}"
+                    origin.where, f"fails in jinja's sandbox on a two-message conversation ({err})", origin.fix
                 ) from None
             except Exception as err:  # noqa: BLE001 - whatever stops the simplest conversation condemns the template
                 raise ChatTemplateError(
-                    f"{origin.where}: cannot render a two-message conversation "
-                    f"({' '.join(str(err).split())[:300]}). {origin.fix}"
+                    origin.where,
+                    f"cannot render a two-message conversation ({' '.join(str(err).split())[:300]})",
+                    origin.fix,
                 ) from None
             if not finished:
                 raise ChatTemplateError(
-                    f"{origin.where}: took longer than {limit:g} s to render a two-message "
-                    f"conversation (a loop or a recursion without end?). {origin.fix}"
+                    origin.where,
+                    f"took longer than {limit:g} s to render a two-message conversation (a loop or a recursion "
+                    "without end?)",
+                    origin.fix,
                 )
 
     @property
@@ -686,7 +689,7 @@ class SampleTokenizer:
 
     def _refused(self, err: TemplateFailed, what: str) -> ChatTemplateError:
         origin = self.generation_template_origin if err.generation_template else self.template_origin
-        return ChatTemplateError(f"{origin.where}: fails in jinja's sandbox rendering {what} ({err}). {origin.fix}")
+        return ChatTemplateError(origin.where, f"fails in jinja's sandbox rendering {what} ({err})", origin.fix)
 
     def plan(self, conversation: Conversation) -> Plan:
         """The conversation's renderings, and the assistant turns that cannot be placed (eagle3.data.turns)."""

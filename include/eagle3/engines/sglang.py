@@ -66,8 +66,9 @@ class SglangEngine:
             return [python, launcher]
         if not cfg.server.python and importlib.util.find_spec("sglang") is None:
             raise ConfigError(
-                f"sglang is not installed for {sys.executable}: install it on the box (pip install -r "
-                "requirements-box.txt), or name the interpreter that has it in server.python"
+                "server.python",
+                f"sglang is not installed for {sys.executable}",
+                "install it on the box (pip install -r requirements-box.txt), or name the interpreter that has it",
             )
         return [python, "-m", "sglang.launch_server"]
 

@@ -75,9 +75,9 @@ def read_record(path: Path) -> dict:
             data = f.read(RECORD_MAX_BYTES + 1)
         record = json.loads(data.decode("utf-8")) if len(data) <= RECORD_MAX_BYTES else None
     except FileNotFoundError:
-        raise PromotionRefused(f"{path}: missing, so the version it should describe is unknown; {fix}") from None
+        raise PromotionRefused(path, "missing, so the version it should describe is unknown", fix) from None
     except (OSError, UnicodeDecodeError, ValueError) as err:
-        raise PromotionRefused(f"{path}: cannot be read as JSON ({err}); {fix}") from None
+        raise PromotionRefused(path, f"cannot be read as JSON ({err})", fix) from None
     if not (
         isinstance(record, dict)
         and isinstance(record.get("weights_sha256"), str)
@@ -85,8 +85,10 @@ def read_record(path: Path) -> dict:
         and isinstance(record.get("promoted_at"), str)
     ):
         raise PromotionRefused(
-            f"{path}: not a promotion record (a JSON object of at most {RECORD_MAX_BYTES} bytes "
-            f"with weights_sha256 and promoted_at); {fix}"
+            path,
+            f"not a promotion record (a JSON object of at most {RECORD_MAX_BYTES} bytes with weights_sha256 and "
+            "promoted_at)",
+            fix,
         )
     return record
 
@@ -167,9 +169,9 @@ class Lineage:
         target = link.resolve()
         if target.parent != (self.dir / VERSIONS).resolve() or not target.is_dir():
             raise PromotionRefused(
-                f"{link}: leads to {target}, which is not a version directory in "
-                f"{self.dir / VERSIONS}; point it at one (ln -sfn {VERSIONS}/<name> {link}) or "
-                "remove it"
+                link,
+                f"leads to {target}, which is not a version directory in {self.dir / VERSIONS}",
+                f"point it at one (ln -sfn {VERSIONS}/<name> {link}) or remove it",
             )
         return Version(target.name, target)
 
@@ -201,8 +203,9 @@ class Lineage:
                         copy_regular_tree(drafter_dir, tmp)
                     except UnsafeTree as err:
                         raise PromotionRefused(
-                            f"{err} (a link would copy its target into {self.dir / VERSIONS}); "
-                            "nothing was promoted. Export the drafter again"
+                            drafter_dir,
+                            f"{err} (a link would copy its target into {self.dir / VERSIONS}); nothing was promoted",
+                            "export the drafter again",
                         ) from None
                     self._check_copy(tmp, drafter_dir, record["weights_sha256"], expected_files)
                     kept = {**record, "version": name, "lineage": self.key}
@@ -218,13 +221,15 @@ class Lineage:
             digests = {path: digest for path, digest in tree_digests(copy).items() if path != PROMOTION_RECORD}
         except UnsafeTree as err:
             raise PromotionRefused(
-                f"{err}; the version directory was changed by hand: remove {copy} and promote again"
+                copy, f"{err}: the version directory was changed by hand", f"remove {copy} and promote again"
             ) from None
-        again = "Nothing was promoted: export and evaluate again, then approve what that measured"
+        again = "nothing was promoted: export and evaluate again, then approve what that measured"
         if digests.get(WEIGHTS) != weights_sha256:
             raise PromotionRefused(
-                f"{drafter_dir}: its weights are not the ones that were measured: {WEIGHTS} has sha256 "
-                f"{digests.get(WEIGHTS)}, evaluate measured {weights_sha256}. {again}"
+                drafter_dir,
+                f"its weights are not the ones that were measured: {WEIGHTS} has sha256 {digests.get(WEIGHTS)}, "
+                f"evaluate measured {weights_sha256}",
+                again,
             )
         if expected_files is not None:
             expected = {path: digest for path, digest in expected_files.items() if path != PROMOTION_RECORD}
@@ -233,8 +238,10 @@ class Lineage:
             )
             if changed:
                 raise PromotionRefused(
-                    f"{drafter_dir}: {', '.join(changed[:5])}{' ...' if len(changed) > 5 else ''} differ from what "
-                    f"evaluate measured (files added, removed or changed since). {again}"
+                    drafter_dir,
+                    f"{', '.join(changed[:5])}{' ...' if len(changed) > 5 else ''} differ from what evaluate "
+                    "measured (files added, removed or changed since)",
+                    again,
                 )
 
     def also_made_from(self, version: Version, digest: str) -> None:

@@ -117,13 +117,16 @@ def api_key_from_env(gen) -> str | None:
     key = os.environ.get(name, "").strip()
     if not key:
         raise ConfigError(
-            f"generate.api_key_env: the variable {name} is not set in the box's environment; export it (the "
-            "server's API key) where the stage runs, or clear generate.api_key_env if the server needs no key"
+            "generate.api_key_env",
+            f"the variable {name} is not set in the box's environment",
+            "export it (the server's API key) where the stage runs, or clear generate.api_key_env if the server "
+            "needs no key",
         )
     if not (key.isascii() and key.isprintable()) or " " in key:  # it could not travel in an HTTP header
         raise ConfigError(
-            f"generate.api_key_env: the value of {name} is not a usable API key (it holds spaces or characters "
-            "outside printable ASCII); set it to the key alone"
+            "generate.api_key_env",
+            f"the value of {name} is not a usable API key (it holds spaces or characters outside printable ASCII)",
+            "set it to the key alone",
         )
     return key
 

@@ -38,7 +38,7 @@ def stage_output(path: Path, stage: str) -> bytes:
         return path.read_bytes()
     except FileNotFoundError:
         raise ConfigError(
-            f"{path}: missing, so this run's {stage} stage has not finished; run it first (clear its task)"
+            path, f"missing, so this run's {stage} stage has not finished", "run it first (clear its task)"
         ) from None
 
 
@@ -122,12 +122,13 @@ def hold_for_approval(cfg: RunConfig, record: dict, expected_current: str | None
     try:
         files = tree_digests(drafter_dir)
     except UnsafeTree as err:
-        raise PromotionRefused(f"{err}; nothing was proposed. Export the drafter again") from None
+        raise PromotionRefused(drafter_dir, f"{err}; nothing was proposed", "export the drafter again") from None
     if files.get(WEIGHTS) != record["weights_sha256"]:
         raise PromotionRefused(
-            f"{drafter_dir}: {WEIGHTS} changed while evaluate measured it (sha256 "
-            f"{files.get(WEIGHTS)}, measured {record['weights_sha256']}); nothing was proposed. "
-            "Evaluate again"
+            drafter_dir,
+            f"{WEIGHTS} changed while evaluate measured it (sha256 {files.get(WEIGHTS)}, measured "
+            f"{record['weights_sha256']}); nothing was proposed",
+            "evaluate again",
         )
     proposal = {"record": record, "expected_current": expected_current, "files_sha256": files}
     atomic_write_text(cfg.run_dir / PROPOSAL, json.dumps(proposal, indent=2) + "\n")
@@ -137,8 +138,9 @@ def hold_for_approval(cfg: RunConfig, record: dict, expected_current: str | None
 def check_approver(approved_by: object) -> str:
     if not isinstance(approved_by, str) or not APPROVER_PATTERN.fullmatch(approved_by) or not approved_by.strip():
         raise ConfigError(
-            f"--approved-by {str(approved_by)[:80]!r}: name the user who approved the promotion (1 to "
-            "256 characters, no control characters)"
+            "--approved-by",
+            f"{str(approved_by)[:80]!r} is not a user name",
+            "name the user who approved the promotion (1 to 256 characters, no control characters)",
         )
     return approved_by
 
@@ -155,8 +157,10 @@ def promote_held(cfg: RunConfig, approved_by: str, approved_files: str) -> dict:
     approved_by = check_approver(approved_by)
     if not isinstance(approved_files, str) or not SHA256_PATTERN.fullmatch(approved_files):
         raise ConfigError(
-            f"--approved-files {str(approved_files)[:80]!r}: give the sha256 of the drafter files the "
-            "approval named (64 lowercase hex digits: the held promotion's drafter_files_sha256)"
+            "--approved-files",
+            f"{str(approved_files)[:80]!r} is not a sha256",
+            "give the sha256 of the drafter files the approval named (64 lowercase hex digits: the held "
+            "promotion's drafter_files_sha256)",
         )
     report_path = cfg.run_dir / REPORT
     report = json.loads(report_path.read_text())
@@ -173,15 +177,18 @@ def promote_held(cfg: RunConfig, approved_by: str, approved_files: str) -> dict:
         }
     if not promotion.get("pending_approval"):
         raise ConfigError(
-            f"{report_path}: evaluate held no promotion for approval ({promotion.get('reason')}); nothing to promote"
+            report_path,
+            f"evaluate held no promotion for approval ({promotion.get('reason')})",
+            "nothing to promote; evaluate with approvals required to hold one",
         )
     proposal = json.loads((cfg.run_dir / PROPOSAL).read_text())
     if files_digest(proposal.get("files_sha256") or {}) != approved_files:
         raise PromotionRefused(
-            f"{cfg.run_dir / PROPOSAL}: its drafter files are not the ones approved (files digest "
-            f"{files_digest(proposal.get('files_sha256') or {})}, approved {approved_files}): the "
-            "proposal was changed after the approval. Nothing was promoted; evaluate again and ask "
-            "for a new approval"
+            cfg.run_dir / PROPOSAL,
+            f"its drafter files are not the ones approved (files digest "
+            f"{files_digest(proposal.get('files_sha256') or {})}, approved {approved_files}): the proposal was "
+            "changed after the approval",
+            "nothing was promoted; evaluate again and ask for a new approval",
         )
     record = {
         **proposal["record"],

@@ -459,8 +459,7 @@ def load_warm_start(draft: Eagle3Draft, weights: dict[str, torch.Tensor], draft_
     state = {k: v for k, v in draft.state_dict().items() if k != "embed_tokens.weight"}
     if set(weights) != set(state) or any(weights[k].shape != state[k].shape for k in state):
         raise ConfigError(
-            "train.init_from current: the lineage's drafter does not fit this drafter's shape; "
-            "set train.init_from to scratch"
+            "train.init_from", "current: the lineage's drafter does not fit this drafter's shape", "set it to scratch"
         )
     row_of_token = {int(token): row for row, token in enumerate(d2t + torch.arange(len(d2t)))}
     taken = [
@@ -590,9 +589,10 @@ class Trainer:
         written_by = read_meta(checkpoints[-1]).get("world_size", self.world)
         if written_by != self.world:  # checked before the (large) state is read
             raise ConfigError(
-                f"{checkpoints[-1]} was written by {written_by} rank(s), this run has {self.world}: resuming would "
-                "change the data order and the schedule. Set train.gpus (or train.nproc_per_node) back to "
-                f"{written_by} ranks, or start a new run"
+                checkpoints[-1],
+                f"written by {written_by} rank(s), this run has {self.world}: resuming would change the data order "
+                "and the schedule",
+                f"set train.gpus (or train.nproc_per_node) back to {written_by} ranks, or start a new run",
             )
         state = load_checkpoint(checkpoints[-1])
         missing, unexpected = self.draft.load_state_dict(state["model"], strict=False)
