@@ -1,31 +1,21 @@
 """Code sync: the box runs exactly the eagle3 package this DAG was parsed with.
 
-The package (include/eagle3, and beside it the metadata by which SGLang finds its capture plugin) is packed
-into a deterministic tarball (sorted names, zero mtimes and owners), named by its sha256, and unpacked on
-the box into {workdir}/code/{digest}/ through a temp dir and a rename, so a directory with that name is
-always complete. The workdir is persistent storage: the seed run kept its scripts in /tmp and lost them
-to a VM crash. Every remote job syncs before it starts, so a box that lost its code dir (reimaged,
-cleaned by hand) gets it back on the next try.
+The package (include/eagle3, and eagle3_capture-1.0.dist-info beside it, by which SGLang finds the capture plugin)
+is packed into a deterministic tarball named by its sha256 and unpacked on the box into {workdir}/code/{digest}/
+through a temp dir and a rename. Every remote job syncs before it starts, so a box that lost its code gets it back.
 
-A directory's name is not trusted: the workdir may be shared (NFS), and anyone who can write there
-could plant a `code/<digest>/` of their own. So every sync sends the archive and the unpack script
-compares the directory with it, file by file: the same files with the same bytes, owned by the box
-user and writable by nobody else. Bytecode caches are deleted (a planted .pyc would run instead of
-its source; the stages write none, see RunPlan.eagle3). A directory that differs is moved aside
-(`.untrusted-<digest>-<time>`, kept for whoever investigates) and unpacked again.
+The directory's name is not trusted (the workdir may be shared): each sync compares it with the archive, file by
+file, owned by the box user and writable by no one else, and deletes bytecode caches. One that differs is moved to
+`.untrusted-<digest>-<time>` and unpacked again; a code root not the user's own, or writable by others, is refused.
 
-A run keeps the code it started with. The validate task pins the worker's digest in the run plan, and every
-try of every task of that run syncs that digest, so a deploy in the middle of a run never resumes a half-done
-stage (one store, two capture codes) under other code. The box keeps each archive it was sent
-(`code/.archives/<digest>.tar.gz`); a try whose worker has other code by now sends nothing, and the box checks
-that copy against the pinned digest before it verifies or unpacks the directory from it. To move a run to new
-code on purpose, clear its validate task with downstream: validate pins the worker's code again.
+A run keeps the code it started with: validate pins the worker's digest in the run plan, and every try of every task
+syncs that digest. The box keeps each archive it was sent (`code/.archives/<digest>.tar.gz`) and, once the worker
+has other code, unpacks from that copy after checking its digest. To move a run to new code, clear its validate
+task with downstream.
 
-The script runs in Python's isolated mode (-I: neither the login directory nor PYTHON* variables can
-shadow the standard library it imports), and refuses a Python older than 3.11 or whose tarfile lacks
-the extraction filter, which would let a crafted archive write outside the code directory. The stages
-themselves run with safe-path semantics (-P, see RunPlan.eagle3), so an `eagle3/` in the SSH login
-directory cannot shadow the synced package either.
+The script runs as `python -I`. A box python older than 3.11 or whose tarfile lacks the extraction filter
+(UNUSABLE_PYTHON_EXIT), or a pinned digest the box has no sound copy of (CODE_GONE_EXIT), fails the task without a
+retry (AirflowFailException); any other failure raises RemoteCommandError.
 """
 
 from __future__ import annotations

@@ -1,37 +1,23 @@
 """The deployment's settings file: what whoever runs this Airflow decides, and no trigger can change.
 
-A JSON file: `eagle3_settings.json` beside the DAG file, in its bundle (a GitDagBundle versions it with the DAG), or
-the file EAGLE3_DAG_SETTINGS names (a relative path: against the DAG file's folder; docker-compose.yaml mounts
-deploy/settings/ and names one, so a change needs no image rebuild); without either, the built-in settings. Read
-when the DAG file is parsed (and by the report tab and the stack's init), never by a task:
-
-    {"schedule": "@weekly", "retries": 3,
-     "params": {"target.model_path": "/models/kimi-k2.5", "data.path": "/data/conversations.jsonl"},
-     "run": {"workdir": "/data/eagle3", "target.dtype": "bfloat16", "extract.backend": "sglang",
-             "extract.sglang.tp_size": 8, "server.engine": "sglang"},
-     "presets": {"long": {"train.batch_tokens": 32768, "data.max_length": 16384}},
-     "box": {"python": "/opt/eagle3/bin/python", "stop_services": ["vllm.service"]},
-     "allowed_boxes": ["gpu-box-1", "gpu-box-2"], "box_env": ["SGLANG_API_KEY"]}
+A JSON file: `eagle3_settings.json` beside the DAG file, in its bundle, or the file EAGLE3_DAG_SETTINGS names (a
+relative path: against the DAG file's folder; docker-compose.yaml names one in deploy/settings/); without either,
+the built-in settings. It is read when the DAG file is parsed (and by the report tab and the stack's init), never by
+a task. docs/deployment.md describes every key.
 
 A run's config is the trigger form over the chosen preset over `run` (eagle3_airflow/params.py): `params` are the
-form's defaults (a scheduled run takes them, so they must make a valid run: an import error otherwise), `run` the
-box's facts and every run-config field the form does not hold, `presets` named recipes, `box` how the DAG works the
-box. A trigger chooses only the form's dozen fields; the rest is here, where an operator reviews it.
+form's defaults (what a scheduled or Asset-started run takes), `run` the box's facts and every field the form does
+not hold, `presets` named recipes, `box` how the DAG works the box. `allowed_*` and `box_env` bound which boxes,
+systemd units, generate hosts, interpreters, workdirs and environment variables the settings may name; left out,
+each allows only what `run` and `box` use. An unknown key, a layer that makes no valid run, or a name not allowed
+raises ParamsError: the DAG's import error, naming the file and the keys.
 
-`schedule` and `schedule_assets` start runs on time, when an upstream DAG updates one of those Assets (a new prompt
-set, a new target checkpoint), or on either. The `allowed_*` lists and `box_env` bound what the settings themselves
-may name: which machines a run logs in to (the form's box.conn_ids offers only allowed_boxes), which systemd units it
-stops, which hosts generate sends conversations to, which interpreters and workdirs it uses, which of the box's
-environment variables reach a stage and, for an API key, the exact endpoints it may go to. Left out, each allows
-only what `run` and `box` use. `keep_versions` (promoted drafters a lineage keeps) and `approvers` (who may approve
-a promotion) are this file's too.
-
-A run is checked against the settings once, by its validate task, which seals what later tasks need of them into the
-run plan (eagle3_airflow/plan.py: the config, the reports store, keep_runs). So a run in flight keeps the settings it
-started with, even where the DAG bundle is not versioned, and a dag-processor and a worker that parsed different
-versions of the file cannot fail it; a changed file applies from the next run on. To stop a run in flight that the
-new settings would refuse, mark it failed (the run's "Mark as failed" in the UI, or the REST API): the job of its
-running stage is killed on the box, as for any task marked failed (eagle3_airflow/remote_job.py).
+A run's validate task checks it against the settings once and seals what later tasks need into the run plan
+(eagle3_airflow/plan.py): a run in flight keeps the settings it started with, and a changed file applies from the
+next run. To stop a run the new settings would refuse, mark it failed: its running job is killed on the box
+(eagle3_airflow/remote_job.py).
+`python -m eagle3_airflow.deployment create-pool` creates each box's Airflow pool, deferred tasks counted.
+Why: docs/decisions/2026-12-05-run-keeps-its-settings.md, docs/decisions/2026-12-05-twelve-field-form.md.
 """
 
 from __future__ import annotations

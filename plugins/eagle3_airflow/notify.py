@@ -1,31 +1,23 @@
 """Telling someone: one mail per failure (a task that failed for good, or a run failed otherwise: timed out,
 marked failed), and one when a run is late.
 
-Configured in the deployment's settings file (`notify`, eagle3_airflow/deployment.py), never by a trigger. Airflow
-calls these through its notifier interface: the DAG's on_failure_callback (the run failed), every task's
-on_failure_callback (a task failed with no retry left: retries go by silently) and, with `notify.late_after_h`, a
-DeadlineAlert on the run (still running that long after it was first queued: RunFirstQueuedAt).
+Configured in the settings file's `notify` (eagle3_airflow/deployment.py; docs/deployment.md), never by a trigger.
+Airflow calls these as the DAG's on_failure_callback, every task's on_failure_callback (no retry left; retries go
+by silently) and, with `notify.late_after_h`, a DeadlineAlert on the run (RunFirstQueuedAt: that long after it was
+first queued). A message names the run, the task and its try, the box, the task log's URL (on [api] base_url), and
+the error (a remote stage's names the job log on the box and its last lines); nothing else (no params, no
+environment).
 
-A message names the run, the task and its try, the box, the task log's URL (on the API server's [api] base_url),
-the job log's path on the box and the last lines the task reported (the remote-job operator puts the job's log tail
-and path in its failure). It carries nothing else: no params, no environment, nothing a secret could hide in.
-SMTP goes through the smtp provider's SmtpNotifier and the deployment's SMTP connection (`notify.to`); every other
-channel is an Airflow notifier class of any provider, listed in `notify.notifiers` with the keyword arguments it is
-made with, e.g.
+A mail goes through SmtpNotifier and the deployment's SMTP connection to `notify.to`; each other channel is an
+Airflow notifier class in `notify.notifiers`, with its keyword arguments, e.g.
 
     {"class": "airflow.providers.slack.notifications.slack.SlackNotifier",
      "kwargs": {"slack_conn_id": "slack_api_default", "channel": "#eagle3", "text": "*{subject}*\\n```{body}```"}}
 
-The message reaches a notifier through markers in the strings among its kwargs (nested ones too): `{subject}`,
-`{body}` (plain text) and `{body_html}` (the body escaped, in <pre>, as the mail has it). Each is replaced by plain
-substitution in one pass: never str.format, never Jinja, so a `{{ ... }}`, a `{0}` or a `{body}` in a log line is
-sent as written. The settings check each class (it imports, it is a BaseNotifier) and its kwargs when they are read
-(eagle3_airflow/deployment.py); a notifier is made anew for each message.
-
-Every notifier, SmtpNotifier included, gets the message through notify() directly, never through its __call__, which
-would first render its template fields with the DAG's Jinja environment (which a DAG-level callback's serialized DAG
-lacks in Airflow 3.3) and evaluate a template in a log line. Each channel is on its own: one that fails is logged
-(its class and the message's subject, never its kwargs, where a token may be) and the others still go.
+`{subject}`, `{body}` and `{body_html}` (escaped, in <pre>) in the strings among the kwargs, nested ones too, are
+replaced in one plain pass, never by str.format or Jinja, and notifiers are called through notify(), not __call__:
+no template in a log line is evaluated. The settings check each class and its kwargs when read. One channel that
+fails is logged (its class and the subject, never its kwargs); the others still go.
 """
 
 from __future__ import annotations

@@ -1,35 +1,22 @@
 """A box is a resource: each box's Airflow pool, whose slots are its GPUs, and the GPUs each task holds there.
 
-The settings file's `box_pools` names the boxes, their GPU counts and, over the settings' `run` and `box`, what is
-each box's own (a box = an SSH connection + its settings):
+The settings file's `box_pools` names the boxes, their GPUs and, over the settings' `run` and `box`, each box's own:
 
     "box_pools": {"gpu-box-1": {"gpus": 8}, "gpu-box-2": {"gpus": 8, "shard_gpus": 8,
                                                           "run": {"workdir": "/scratch/eagle3"}}}
 
-and the DAG file makes one DAG per box, each running its runs on that box alone, in that box's pool
-(`eagle3_box_gpu-box-1`, or the entry's `pool`). Two boxes run two runs at once; two DAGs, or any other DAG, that use
-one box share its pool. Without `box_pools` there is one DAG, `eagle3_drafter`, whose runs may use any allowed box, in
-the pool `pool` of `pool_slots` GPUs.
+Each box gets a DAG that runs on it alone, in its pool (`eagle3_box_<box>`, or the entry's `pool`). The default box
+(the form's default box.conn_ids, else the first) has `eagle3_drafter` and alone runs `schedule` and
+`schedule_assets`; every other box's DAG is `eagle3_drafter__<box>`, triggered by hand. Without `box_pools`, one DAG
+`eagle3_drafter` may use any allowed box, in the pool `pool` of `pool_slots` GPUs.
 
-DAG ids are stable as boxes come and go. The default box (the form's default box.conn_ids, else the first of
-box_pools) keeps `eagle3_drafter`, the id of the DAG without box_pools; every other box's DAG is
-`eagle3_drafter__<box>`. Adding a box adds a DAG and renames none: the first DAG's history, its permissions (FAB
-grants them per DAG id) and its runs in flight stay where they are. Only the default box's DAG runs the settings'
-`schedule` and `schedule_assets`: one tick, or one Asset update, makes one run, never one per box. The other boxes'
-DAGs are triggered by hand.
-
-What a task holds, in GPUs (Airflow fixes a task's pool_slots when the DAG is parsed, not per run):
-- generate, train, evaluate, benchmark: the whole box. Each may use every GPU of it (train's ranks, the serving
-  engine's tensor parallelism), and gpus_idle refuses a box where another run's processes hold GPUs anyway, so
-  sharing one box between two runs' GPU stages would only make one of them fail.
-- extract: each shard its GPU group, `shard_gpus` (1: the hf backend; extract.sglang.tp_size for sglang), so a run's
-  shards fill the box and no more.
-- gpus_idle and gpus_released: the whole box. They assert the box's GPUs are free; holding the pool while they do
-  means no task of another run takes the box between their check and the stage that follows.
-- vocab, export, disk_space, box_reachable and the light tasks: none (the default pool). They use the box's CPUs
-  and disk, not its GPUs.
-A run that would use more than its DAG holds (train.gpus past the box's GPU count, an sglang shard wider than
-shard_gpus, a server wider than the box) is refused by validate with the setting to change.
+What a task holds, in GPUs (fixed when the DAG is parsed):
+  the whole box   generate, train, evaluate, benchmark, gpus_idle and gpus_released
+  shard_gpus      each extract shard (1 for the hf backend, extract.sglang.tp_size for sglang)
+  none            vocab, export, disk_space, box_reachable and the light tasks (the default pool)
+validate refuses a run that would use more than its DAG holds (train.gpus or a server wider than the box, an sglang
+shard wider than shard_gpus), naming the setting to change.
+Why: docs/decisions/2026-12-04-box-is-a-pool.md, docs/decisions/2026-12-04-one-dag-per-box.md.
 """
 
 from __future__ import annotations

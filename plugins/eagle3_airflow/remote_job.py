@@ -1,40 +1,23 @@
 """RemoteJobOperator: one pipeline stage as a detached job on the box that survives everything but the disk.
 
-The box side (`python -m eagle3 job start|poll|kill`, include/eagle3/jobs/job.py) runs the stage under a supervisor in
-its own session and keeps `{run_dir}/jobs/{key}/state.json` (status, pid, pgid, boot id, heartbeat, exit code, try) and
-the log. This operator only talks to that:
+It drives the box's `python -m eagle3 job start|poll|kill` (include/eagle3/jobs/job.py), whose record in
+`{run_dir}/jobs/{key}/state.json` is the only record of a job. The key is `{task_id}` (plus `.{map_index}`), the same
+for every try, clear and DAG run sharing the run directory. Every try runs `job start`, which under the job's lock
+re-attaches to a live job, reports a succeeded one (its result at once, and a log line on how to redo it), or starts
+a new try that resumes the stage (after a failure, a kill, a stale heartbeat or a reboot).
 
-- The job key is `{task_id}` (plus `.{map_index}`), inside the run directory: stable across retries
-  and UI clears of a task instance, and also across DAG runs that share a run directory, so two runs
-  can never have two jobs writing one store. Every try runs `job start`, which decides under the job's
-  lock: re-attach, report a finished job, or start a new try.
-- Airflow's `ResumableJobMixin` is not used (read in the Task SDK 3.3.2): it keeps the job id in
-  `task_state_store`, and a try that finds a stored id whose job is running or succeeded polls it and
-  skips the submission. Here the id needs no keeping (it is the key), and the box's record is the one
-  that outlives a lost metadata database, a deleted DAG run or `clear_on_success`, which the store does
-  not. Beside it the mixin only added ways to go wrong: a try that skipped `job start` skipped the box's
-  owner check (`--airflow-run-id`), the redo flags and the wait on the lock a dying try's kill holds,
-  and a clear of a succeeded stage said nothing about how to redo it; and the store is writable through
-  the REST API (PUT .../taskInstances/{task_id}/state-store/{key}, a task instance edit: the permission
-  that clears), so a stored key naming another stage's succeeded job would have finished this task
-  without running it.
-- Every try: job alive -> re-attach (same pid); succeeded -> done; failed, killed or dead (process
-  gone, heartbeat stale, or another boot id after a reboot) -> start a new try, and the stage resumes
-  from what it already wrote. The provider's SSHRemoteJobOperator submits a new job on every try and
-  polls a rebooted box forever; this is the difference.
-- Deferrable: after the start, the trigger polls from the triggerer (no worker slot held for an
-  11-hour train), streams new log lines into the task log, and rides out SSH outages with backoff
-  until `ssh_grace_s` passes. Marking the task failed or clearing it kills the job's process group.
-- The worker's part (code sync, `job start`, the polls around the deferral) has an `execution_timeout` of its
-  own, WORKER_PHASE_TIMEOUT unless default_args or the task set one. Airflow 3.3's task runner times each worker
-  run of a task (execute, then execute_complete) on its own and does not count the time deferred, nor does its
-  execution API cap the deferral's timeout at it; the wait in the triggerer is bounded by `stage_timeout_h`. A
-  worker phase that times out fails the try without killing the job: the next try re-attaches to it.
-- The worker's own commands (code sync, `job start`, `job poll`) are idempotent, so they ride out an
-  outage the same way: a connection lost mid-`start` is retried and attaches to the job it started.
-- The plan comes from XCom, which the USER role may edit: `execute` and `execute_complete` check its seal for this
-  run first (eagle3_airflow.plan.verified_plan), and a mapped shard must be one of the plan's. The trigger
-  gets its arguments from the verified plan; the triggerer's table is not editable through Airflow's API.
+After the start the task defers: the trigger polls from the triggerer, streams new log lines into the task log, and
+rides out SSH outages until `box.ssh_grace_s`; the wait is bounded by `box.stage_timeout_h`. Marking the task failed
+or clearing it kills the job's process group (`job kill --detach`). The worker's part (code sync, `job start`, polls)
+is idempotent and has an `execution_timeout` of its own, WORKER_PHASE_TIMEOUT unless default_args or the task set
+one; when it runs out the try fails and the job runs on, for the next try to re-attach.
+
+Failures: a job on another host (Exit.FOREIGN) or a refused start or input (Exit.REFUSED) fail the task without a
+retry; any other failure, or the box unreachable past ssh_grace_s, is an error Airflow retries. The plan comes from
+XCom, so `execute` and `execute_complete` check its seal for this run first (eagle3_airflow.plan.verified_plan), and
+a mapped shard must be one of the plan's.
+Why: docs/decisions/2026-11-29-detached-jobs.md, 2026-11-29-job-key-in-run-dir.md, 2026-12-05-box-job-record-only.md,
+2026-12-04-worker-execution-timeout.md, 2026-12-04-sealed-run-plan.md.
 """
 
 from __future__ import annotations

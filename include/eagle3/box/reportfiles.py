@@ -1,24 +1,17 @@
 """The files of a run that the control plane may read back: its plots and its reports, and nothing else.
 
 The Airflow side (the report task, the approval) asks `python -m eagle3 report manifest --run-dir RUN_DIR --name ...`
-which of a run's files it may read, never `cat` or `find`, because a run directory lies in a workdir that other
-people may write to (a shared NFS workdir): a plot could be a symlink to a secret, a "report" a 100 MB file, and a
-path handed over from XCom could climb out with `..`. So this side decides what is readable:
+which of a run's files it may read, because a run directory may lie in a workdir others can write to. Readable are
+only `<stage>/<name>.png` (one directory level: evaluate/acceptance.png, train/loss.png) and the reports
+eagle3.disk.layout.READABLE_REPORTS names (evaluate/report.json, benchmark/benchmark.json); only regular files of
+at most MAX_FILE_BYTES (8 MiB); only under a run directory that is an absolute path without `..` and no symlink,
+each step below it opened with O_NOFOLLOW.
 
-- only these names: `<stage>/<name>.png` (one directory level: evaluate/acceptance.png, train/loss.png) and the
-  reports eagle3.disk.layout.READABLE_REPORTS names (evaluate's report.json, benchmark's benchmark.json);
-- only under the run directory as the kernel resolves it: the run directory itself may not be a symlink (the stages
-  make it a real directory), and every step below it is opened with O_NOFOLLOW relative to the directory above, so
-  neither a linked `evaluate/` nor a linked `acceptance.png` is followed;
-- only regular files (fstat of the opened descriptor, so nothing is swapped in between a check and the read), and
-  at most MAX_FILE_BYTES (8 MiB: a real plot is about 50 KB, a report about 20 KB), counted while reading.
-
-Output is one JSON object on stdout. `manifest` names, per file asked for, its size and sha256 (read here through
-the checks above), `"present": false` when it does not exist (evaluate was skipped), or why it is refused; with
-`--plots`, the run's plots (list_plots). The bytes themselves travel by the SSH connection's SFTP (or a local read on
-the local box), and the control plane refuses any whose size or sha256 differ from the manifest: a file swapped for
-a link, or rewritten, after the manifest is refused there, never served. A refused run directory exits 2 and says
-why on stderr, naming the path; a refused file is an entry of the manifest.
+Output is one JSON object on stdout: per name asked for, its size and sha256, `"present": false` when it does not
+exist (evaluate was skipped), or `"refused"` and why; with `--plots`, the run's plots (list_plots). The bytes travel
+by SFTP (or a local read on the local box), and the control plane refuses any whose size or sha256 differ from the
+manifest. A refused run directory exits 2 and says why on stderr, naming the path; a refused file is an entry.
+Why: docs/decisions/2026-12-04-report-files-named-by-box.md, docs/decisions/2026-12-05-report-files-by-sftp.md.
 """
 
 from __future__ import annotations

@@ -1,33 +1,20 @@
 """The sglang capture backend: SGLang's own EAGLE-3 capture for TP-sharded giants, with no source patch.
 
-Written against sglang 0.5.23's source (../shared notes, docs/decisions/2026-12-01-sglang-capture-plugin.md) and NOT
-yet run on a GPU: bench/gpu_capture_check.py compares it with the hf backend on a small model, in one command.
+Written for sglang SUPPORTED_VERSIONS (0.5.23) and NOT yet run on a GPU: bench/gpu_capture_check.py compares it
+with the hf backend on a small model, in one command. A missing or unsupported sglang raises SglangSetupError.
 
-Every engine captures with enable_return_aux_hidden_states=True + speculative_algorithm="EAGLE3" (the algorithm
-only names the capture convention: no draft is loaded) and return_aux_hidden_state_layer_ids from
-eagle3.model.layer_ids (per-family id conversion). Two ways to get the states out (extract.sglang.capture):
-
-  plugin  ONE engine, one prefill per sample. eagle3/capture/sglang_plugin.py, loaded by SGLang's plugin
-          framework in the engine's scheduler processes, writes each request's aux [T, 3H] and final post-norm
-          [T, H] states to {run dir}/capture-sink/shard-NNNNN/{rid}.safetensors; this backend reads each file
-          into the batch it hands to the store and deletes it once the store has committed the batch. The
-          engine runs without overlap scheduling: its copy to the CPU leaves the final states out.
-  lists   SGLang's public return path, in two passes with ONE engine at a time, so a target that fills the box
-          (Kimi-K2.5, tp 8) fits:
-            1. final-state pass  an engine with enable_return_hidden_states=True returns the final state of every
-                                 prompt; staged on disk (eagle3/capture/staging.py), then shut down;
-            2. aux pass          the aux engine returns [T, 3H], joined with the staged final state.
-          Two, because over the public path an engine that captures aux states cannot also return the final
-          state, and the last layer cannot be an aux layer (sglang captures a layer's input). Costs: the prefill
-          runs twice, and the states travel as Python lists (a few hundred tokens/s per engine at Kimi width,
-          bench/sglang_state_transport.py). The staging holds H of every token's 4H state columns when pass 1
-          ends and shrinks as pass 2 stores batches; a pass resumes where it stopped.
-  auto    (default) plugin, unless the plugin's version gate or its start-up probe (one short request must
-          produce its file, final state included) fails: then lists, with the reason in the log and in the
-          shard's extract_stats.json (capture_path, capture_fallback).
-
-Every request asks for max_new_tokens=1 (0 returns no states in 0.5.23), with the radix cache off (cached prefix
-tokens return no states) and chunked prefill off (only the last chunk returns states).
+Every engine captures with enable_return_aux_hidden_states=True, speculative_algorithm="EAGLE3" (no draft is
+loaded) and return_aux_hidden_state_layer_ids from eagle3.model.layer_ids; every request asks for max_new_tokens=1,
+with the radix cache and chunked prefill off. The path (extract.sglang.capture):
+  plugin  one engine (overlap scheduling off), one prefill per sample: eagle3/capture/sglang_plugin.py writes each
+          request's states to {run dir}/capture-sink/shard-NNNNN/{rid}.safetensors, deleted once the store has
+          committed its batch
+  lists   SGLang's public return path, one engine at a time: a final-state pass staged on disk
+          (eagle3/capture/staging.py), then the aux pass; the prefill twice, states as Python lists
+          (bench/sglang_state_transport.py), resumable
+  auto    (default) plugin, unless its version gate or start-up probe fails: then lists, the reason logged and in
+          RUN_DIR/extract/shard-NNNNN.stats.json (capture_fallback); under 'plugin' that is a SglangSetupError
+Why: docs/decisions/2026-12-01-sglang-capture-plugin.md.
 """
 
 from __future__ import annotations

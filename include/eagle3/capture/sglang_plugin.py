@@ -1,35 +1,19 @@
 """An SGLang plugin that hands captured hidden states over as files: the sglang backend's fast path.
 
-SGLang 0.5.23 returns captured states to a request as Python lists: the scheduler's batch result processor
-calls `.cpu().clone().tolist()` on every request's rows (SchedulerBatchResultProcessor.
-_append_prefill_hidden_states, its one call site), and the lists cross two process hops. At Kimi width
-(3 x 7168 aux + 7168 final values per token) that path moves a few hundred tokens/s per engine
-(bench/sglang_state_transport.py). This plugin wraps that method through SGLang's own plugin framework
-(srt/plugins: an entry point in the group `sglang.srt.plugins`, an AROUND hook in HookRegistry), with no
-source patch:
+An AROUND hook in SGLang's plugin framework on HOOK_TARGET (the scheduler's _append_prefill_hidden_states), with
+no source patch. For a request of ours (return_hidden_states=True, full capture, a sink set) it writes the aux
+[T, 3H] and post-norm final [T, H] states to {sink}/{rid}.safetensors (keys AUX_KEY, LAST_KEY), renamed into place
+so a file that exists is complete, from TP rank 0 only; then it calls the original with store=False, so no lists
+are returned (the slow path: bench/sglang_state_transport.py). Any other request gets SGLang's own behaviour.
 
-  - for a request of ours (return_hidden_states=True, full capture, a sink directory configured), it writes
-    the request's rows of `logits_output.hidden_states` (the aux states [T, 3H] in aux-capture mode) and of
-    `logits_output.last_hidden_states` (the post-norm final state [T, H] that the logits processor keeps in
-    that mode "for in-process consumers") to ONE safetensors file, {sink}/{rid}.safetensors, under a
-    temporary name renamed into place: a file that exists is complete;
-  - it then calls the original method with store=False, so SGLang still does its own row bookkeeping (the
-    returned offset) but appends nothing: the list path stays empty;
-  - only TP rank 0 writes: the states are replicated across TP ranks.
-One engine and one prefill per sample thus give both the aux and the final states.
-
-How it gets there: every SGLang scheduler process calls load_plugins() first, which finds the entry point
-in `eagle3_capture-*.dist-info/entry_points.txt` beside the eagle3 package (the synced code directory is on
-PYTHONPATH; nothing is pip-installed on the box), and the backend selects it with SGLANG_PLUGINS. Outside an
-engine the backend started (no EAGLE3_CAPTURE_SINK in the environment) it registers nothing.
-
-The hooked method is private, so `gate_problem()` checks the exact sglang versions this was read against and
-the method's signature; a failing gate registers nothing. HookRegistry only logs a hook that fails to apply,
-so the backend never trusts the registration: a start-up probe (one short request must produce its file)
-decides, and the backend falls back to the list path when it does not (eagle3/capture/sglang.py).
-
-Checked against the real sglang 0.5.23 package in tests/test_sglang_plugin.py (the real loader, registry and
-method, on the CPU); not yet run inside a GPU engine: bench/gpu_capture_check.py does that in one command.
+Each scheduler process's load_plugins() finds the entry point (group `sglang.srt.plugins`, PLUGIN_NAME) in
+eagle3_capture-1.0.dist-info/ beside the eagle3 package on PYTHONPATH (nothing is pip-installed on the box); the
+backend selects it with SGLANG_PLUGINS and names the sink in EAGLE3_CAPTURE_SINK. Without that variable, or when
+gate_problem() finds an sglang other than CHECKED_VERSIONS or another signature of the hooked method, it registers
+nothing; the backend trusts only its start-up probe (eagle3/capture/sglang.py). tests/test_sglang_plugin.py checks
+it against the real sglang 0.5.23 on the CPU; not yet run in a GPU engine: bench/gpu_capture_check.py does that in
+one command.
+Why: docs/decisions/2026-12-01-sglang-capture-plugin.md.
 """
 
 from __future__ import annotations

@@ -2,29 +2,25 @@
 
 {workdir}/stores/<key>/, shared by every run with the same capture (eagle3.data.identity; RUN_DIR/hidden_states links
 here):
-  store.json        written once: format, hidden_size, aux_layers, dtype ("bfloat16" or "float8_e4m3fn", one a store)
+  store.json        written once: format, hidden_size, aux_layers, dtype ("bfloat16" or "float8_e4m3fn")
   key.json          what the key covers
   shard-00000/
-    manifest.jsonl  append-only, fsynced line by line; the ONLY record of what exists. One line per commit:
-                      {"chunk": "chunk-000000.safetensors" | null, "bytes": 123,
-                       "samples": [["<id>", 812], ...], "rejected": [["<id>", "non-finite hidden state"]]}
+    manifest.jsonl  append-only, fsynced; the ONLY record of what exists. A line per commit: {"chunk": name or null,
+                    "bytes", "samples": [[id, tokens], ...], "rejected": [[id, reason], ...]}
     chunk-000000.safetensors  whole samples, no padding; metadata {"format", "sample_ids"}:
                       input_ids          int32 [N]
                       loss_mask          uint8 [N]
                       aux_hidden_states  [N, 3H]  aux layers low|mid|high (HF ids)
                       last_hidden_state  [N, H]   the final post-norm state (lm_head's input)
                       offsets            int64 [S+1]: sample s is rows offsets[s]:offsets[s+1]
-                    States are bf16, or in an fp8 store float8_e4m3fn with a float32 scale per token and layer
-                    (aux_scales [N, 3], last_scale [N, 1]; scale = amax of the layer's H values / 448, 1 for zeros).
-    .lock           the writer's flock: one writer per shard. It holds {"host", "host_id", "pid", "since", "writer"}
-                    of the writer that has it, for the others to name; a second writer waits for it (on_busy: extract,
-                    which then finds the first one's samples stored) or gets StoreBusy
+                    States bf16, or float8_e4m3fn with float32 scales amax / 448 per token and layer
+                    (aux_scales [N, 3], last_scale [N, 1])
+    .lock           one writer per shard, naming its holder; another waits (on_busy) or gets StoreBusy
 
-A chunk is written under a temporary name, fsynced, renamed, and only then recorded in the manifest: a chunk not in
-it does not exist, and the next writer deletes such leftovers and a torn last line. Samples whose states are not
-finite (checked before quantising) are rejected and recorded, so a resume neither loses them silently nor computes
-them again. Readers mmap and never write. A sample read from an fp8 store comes out float32, and
-HiddenStateStore.batch hands out padded float32 batches, dequantised on the device: no consumer knows the dtype.
+A chunk not in the manifest does not exist: the next writer deletes such leftovers and a torn last line. Samples with
+non-finite states are rejected and recorded. Readers (HiddenStateStore) mmap, never write, and get float32 from an
+fp8 store. A store that is inconsistent or does not match the run raises StoreError naming the file.
+Why: docs/decisions/2026-11-29-store-manifest-only-record.md, docs/decisions/2026-12-01-fp8-states.md.
 """
 
 from __future__ import annotations

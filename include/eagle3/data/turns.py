@@ -2,27 +2,21 @@
 was served, without searching for message contents in the rendered text.
 
 For assistant turn i the template renders the conversation before it with the generation prompt (`served`: what the
-server gives the target) and through it (`through`). Where `through` starts with `served`, the characters between
-are what the target generated, through its end-of-turn token (placed_as_rendered). Where a thinking model's template
-breaks that, the turn is derived (derived_turn) from renderings of the template alone, on the conversation and on
-copies of the turn whose fields are PLACEHOLDER: the generated text starts where the generation prompt's own text
-ends when laid over the rendered turn's opening, markup piece by markup piece (align_generation_prompt); reasoning
-the template leaves out goes where it writes the same turn's reasoning given a tool call (reasoning_slot), or right
-after a served prompt that opened a block; a turn cut at generate.max_tokens ends after its last field. The sample is
-`served` followed by that text, tokenised apart (data.SampleTokenizer): the prompt ids are what the server feeds the
-target, the trained ids what it generated. The templates this answers:
-docs/decisions/2026-12-04-thinking-turns-derived.md.
+server gives the target) and through it. Where the second starts with `served`, the characters between are what the
+target generated, through its end-of-turn token (placed_as_rendered). Where a thinking model's template breaks
+that, derived_turn derives the turn from renderings of the template alone, on copies of the turn whose fields are
+PLACEHOLDER (align_generation_prompt, reasoning_slot). The sample is `served` followed by that text, tokenised apart
+(data.SampleTokenizer).
 
-A turn that cannot be placed raises TurnNotPlaced; it is dropped and counted by reason:
-  NOT_PLACED              the generation prompt's first piece of markup does not occur in the turn's opening, or
-                          a word of it is left unmatched
+A turn that cannot be placed raises TurnNotPlaced; it is dropped and counted by reason (extract's turns_dropped):
+  NOT_PLACED              the generation prompt cannot be laid over the turn's opening
   REASONING_NOT_RENDERED  the template writes the turn's reasoning nowhere, and the generation prompt opens nothing
   NOT_VERBATIM            the content mask, or a cut turn's end, needs the fields verbatim and the template
                           rewrites them
-It can place wrongly without knowing: layout whitespace a template writes inside a turn (indentation between tool
-calls) is trained as generated, and a generation prompt that differs from the turn in more than a block it opens is
-resumed after its longest matching start. data.generation_chat_template overrides all of it: a template that
-renders every turn as generated (renderings_as_generated).
+It can place wrongly without knowing: whitespace a template lays out inside a turn is trained as generated, and a
+generation prompt that differs from the turn in more than a block it opens is resumed after its longest matching start.
+data.generation_chat_template overrides all of it: a template that renders every turn as generated
+(renderings_as_generated). Why: docs/decisions/2026-12-04-thinking-turns-derived.md.
 """
 
 from __future__ import annotations
@@ -268,7 +262,7 @@ def _whitespace_run(text: str, at: int, limit: int) -> int:
 def align_generation_prompt(tail: str, turn: str, low: int, high: int, pattern: re.Pattern, i: int) -> tuple[int, bool]:
     """Where the generated text begins in `turn`, whose turn opening lies in turn[low:high]: after what the
     generation prompt's own text `tail` covers of it. Returns that position and whether `tail` has markup the
-    turn does not show (it opened something: DeepSeek-V3.1's `<think>`). See the module docstring, step 3."""
+    turn does not show (it opened something: DeepSeek-V3.1's `<think>`)."""
     served = _pieces(pattern, tail)
     if not served:
         return low, False  # the generation prompt adds nothing: the turn's text is generated from its start
@@ -385,9 +379,9 @@ def derived_turn(
     template_kwargs,
     pattern: re.Pattern,
 ) -> PlacedTurn:
-    """Turn i as the target generated it, for a template that does not render it so (the module docstring,
-    steps 1-5): `served` (the prompt with the generation prompt), then the generated text, found in `turn` (the
-    conversation rendered through turn i). Raises TurnNotPlaced."""
+    """Turn i as the target generated it, for a template that does not render it so
+    (docs/decisions/2026-12-04-thinking-turns-derived.md): `served` (the prompt with the generation prompt), then
+    the generated text, found in `turn` (the conversation rendered through turn i). Raises TurnNotPlaced."""
     context, message = list(messages[:i]), messages[i]
 
     def text(upto_messages) -> str:

@@ -1,33 +1,23 @@
 """Detached, re-attachable jobs on the box: `python -m eagle3 job start|poll|kill`.
 
-A long stage runs under a supervisor in a session of its own, never under the SSH command that asked for it: a
-dropped connection, a dead worker or a new Airflow try finds the job again instead of starting a second copy.
-
-  start      under the job's lock: attach to a live or succeeded job, else launch a supervisor (setsid, stdio
-             detached), wait for its first report and print the state
-  supervise  (internal) leads the job's process group, runs the stage in it, rewrites state.json every heartbeat
-  poll       the state, whether the job is really alive, and the log from an offset (--stream: from cursor.json)
-  kill       SIGTERM to the group, SIGKILL after the grace period, status "killed" (--detach: answer at the SIGTERM)
-
-A running job is alive only if its boot id is this boot's, its supervisor's pid exists with the recorded start
-time, and its heartbeat is fresh; a dead one is relaunched by the next start, and the stage resumes. A job recorded
-running on another host (its host id, eagle3.disk.hostid, differs: two boxes sharing a work directory) is "foreign":
-this host cannot see its processes, so it is never declared dead, started again (start exits Exit.FOREIGN: the control
-plane then fails the task without a retry), killed or recorded as killed from here. A signal goes only to a group the
-job provably owns (group_ownership_problem). The stage sees an allowlisted environment (STAGE_ENV_NAMES,
-STAGE_ENV_PREFIXES, `start --pass-env`). Why: docs/decisions/2026-11-29-detached-jobs.md.
+A stage runs under a supervisor in a session of its own (eagle3.jobs.supervisor), not under the SSH command:
+  start  under the job's lock, attach to a live or succeeded try, else launch one (--redo NAME: start over, once)
+  poll   the effective status and the log from an offset (--stream: from that stream's cursor.json)
+  kill   SIGTERM to the group, SIGKILL after the grace period, status "killed" (--detach: answer at the SIGTERM)
+A try is alive while its boot id, supervisor pid and start time, and heartbeat say so; the next start relaunches a
+dead one. A try running on another host is "foreign": never relaunched or killed from here (start exits
+Exit.FOREIGN). Only a group the job provably owns is signalled; a corrupt state.json is never acted on. start refuses
+a run directory another Airflow run owns (eagle3.jobs.runowner).
 
 {jobs_dir}/{key}/ (the DAG's: RUN_DIR/jobs/<task id>[.<map index>]/; directories 0700, files 0600):
-  spec.json      argv, cwd, env names (never values), heartbeat_s, the try, the redo it belongs to (start --redo)
-  state.json     key, try, status, pid, pgid, pid_start_ticks, boot_id, host, host_id, argv, started_at, heartbeat_at,
-                 exit_code, ended_at, log, log_start, child_pid; replaced atomically, so poll reads it unlocked
-  progress.json  the stage's newest beat (eagle3.jobs.progress); with --stall-timeout-s a silent stage's try fails
-  log            the stage's stdout+stderr across tries; a try starts with a "==== ... ====" line at log_start
-  cursor.json    {"stream", "try", "offset"}: how far one stream has copied the log
-  lock           the flock that makes "read the state, then launch or kill" one step
-  redone/<time>/ the files of the tries a redo set aside
-poll and kill open the directory and these files following no link, and only if they are this user's
-(open_job_file): a link could have the log's stream copy any file this user can read to the caller.
+  spec.json      argv, cwd, env names (never values), heartbeat_s, try, redo
+  state.json     the try's status, pids, boot and host ids, heartbeat, exit code; replaced atomically
+  progress.json  the stage's newest beat; with --stall-timeout-s a silent stage's try fails
+  log            stdout+stderr of every try, each from a "==== ... ====" line
+  cursor.json    how far the last --stream copied the log (stream, try, offset)
+  lock, redone/<time>/ (the tries a redo set aside)
+poll and kill refuse (UnsafeJobFile) a job file that is a link or another user's.
+Why: docs/decisions/2026-11-29-detached-jobs.md, 2026-12-05-foreign-jobs.md, 2026-12-04-redo-never-mix.md.
 """
 
 from __future__ import annotations

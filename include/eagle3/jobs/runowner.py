@@ -2,31 +2,20 @@
 
     python -m eagle3 init --config - --airflow-dag-id=D --airflow-run-id=R [--triggered-by=U] [--redo-from=S]
 
-A run directory is one user's (issue 43, item 6). The Airflow run whose init made it owns it; its tries, retries and
-clears (resume = clear the failed task) are that run, the same DAG id and run id, and go on in it. A run triggered by
-another user is refused at init, before it writes anything, naming the run that owns the directory and the fix:
-clear that run's failed task, or trigger with another run_name. Why: the approval of a promotion is refused to the
-user who triggered the training run (eagle3_airflow.approvals), and that holds only if no one else made any part of
-the drafter. An approver who triggered a run with someone else's run_name and box.redo_from would otherwise re-make
-the drafter in that user's directory, clear that user's propose task, and approve her own drafter as theirs.
-
-A later run of the same user (box.redo_from, which runs stages again in an existing run directory from a new Airflow
-run; a rerun after the whole Airflow side went down, as `airflow dags test` makes one) takes the directory over: it
-becomes the owner, listed after the runs before it, so every run that wrote the directory is in owner.json, the
-owner last, all of them triggered by the one user the approval refuses. A scheduled, Asset-started or CLI run has no
-user (None): such runs are one "user" among themselves. Only the owner's stages start there (`job start` names its
-run: check_owner), so a run refused at init, or one taken over, writes nothing by another way.
-
-`eagle3 init` by hand (no --airflow-dag-id) records and checks nothing in a directory no Airflow run owns; it refuses
-one that an Airflow run owns. An Airflow run refuses a directory that holds a run config and no owner (made by hand):
-whose it is cannot be told.
+A run directory is one user's, so that whoever approves its drafter made no part of it (eagle3_airflow.approvals).
+The Airflow run whose init made it owns it; its tries, retries and clears go on in it, and a later run of the same
+user (box.redo_from, or a rerun) takes it over, listed after the runs before it, the owner last. A run triggered by
+another user is refused at init before it writes anything, and `job start` refuses a stage of any run but the owner
+(check_owner). Runs with no user (scheduler, Asset, CLI: triggered_by None) count as one user. `eagle3 init` by hand
+records nothing and refuses a directory an Airflow run owns; an Airflow run refuses a directory that holds a run
+config and no owner.json; an unreadable owner.json is refused. Every refusal is RunDirOwned: the CLI exits 2 with
+its message, which names the owner and the fix.
 
 owner.json: {"runs": [{"dag_id", "run_id", "triggered_by", "redo_from", "recorded_at", "host", "host_id"}, ...]},
-replaced atomically under RUN_DIR/owner.lock, so two runs that init one new directory at once cannot both own it.
-"host" and "host_id" (eagle3.disk.hostid) name the box whose init recorded the run: several boxes may share a work
-directory, and `runs prune` on one never removes a run directory whose owner another host recorded (owner_host;
-eagle3.box.retention). The owner's own init run again on another box (a clear of write_config after the run's box
-changed) moves them to that box. Light (no pydantic): job start imports it.
+replaced atomically under RUN_DIR/owner.lock. "host" and "host_id" (eagle3.disk.hostid) name the box that recorded
+the owner, whose `runs prune` alone may remove the directory (owner_host; eagle3.box.retention); the owner's init on
+another box moves them there. Light (no pydantic): job start imports it.
+Why: docs/decisions/2026-12-05-run-dir-one-user.md.
 """
 
 from __future__ import annotations

@@ -3,24 +3,19 @@
 Our convention everywhere (run config, store, lineage): HF ids, "output of decoder layer i", i.e. transformers'
 hidden_states[i + 1]. Default [1, L//2-1, L-4].
 
-Every engine captures the INPUT of its layer j (= HF output of layer j-1), but reads the ids it is given (the
-drafter's eagle_aux_hidden_state_layer_ids at serving time, or a capture flag) by rules of its own, per model
-family. Read in the sources, and held by tests that run each engine's own code (tests/test_layer_ids.py, and
-tests/engines_real/ in the engines' environments):
+Every engine captures the INPUT of its layer j (= HF output of layer j-1), but reads the ids it is given by rules of
+its own, per model family (held by tests/test_layer_ids.py, and tests/sglang_real/ and tests/vllm_real/ in the
+engines' environments):
   sglang 0.5.23, llama family (models/llama.py set_eagle3_layers_to_capture): every id + 1.
-  sglang 0.5.23, deepseek family (models/deepseek_v2.py, Kimi-K2.5 delegates to it): every id + 1 if the first is
-      1, otherwise the ids as given.
-  vllm 0.32 (v1/worker/gpu_model_runner.py, models/interfaces.py, every model's forward): the ids as given.
-So HF [1, 3, 4] means layers 1, 3, 4 to SGLang's DeepSeek model and layers 0, 2, 3 to vLLM, while the input ids
-[2, 4, 5] mean HF 1, 3, 4 to both. A wrong id trains a drafter on other layers than it is served with: acceptance
-collapses and nothing errors. So every place that tells an engine ids (the export, the sglang capture backend) asks
-`ids_for`, which picks ids the engine reads as the wanted layers (the input ids wherever the engine's rule allows,
-so that one list means the same layers to every engine), and what cannot be expressed is refused.
-
-Where the exported drafter's config.json puts them (eagle3.stages.export): SGLang reads only
-eagle_config.eagle_aux_hidden_state_layer_ids (model_runner_components/spec_aux_hidden_state.py); vLLM reads a
-top-level eagle_aux_hidden_state_layer_ids first and eagle_config's otherwise (gpu_model_runner.py
-_get_eagle3_aux_layers_from_config). The export writes each engine's ids where that engine looks.
+  sglang 0.5.23, deepseek family (models/deepseek_v2.py; Kimi-K2.5 delegates): every id + 1 if the first
+      is 1, otherwise the ids as given.
+  vllm 0.32 (v1/worker/gpu_model_runner.py): the ids as given.
+Every place that tells an engine ids (the export, the sglang capture backend) asks `ids_for`, which gives the input
+ids (HF + 1) wherever the engine's rule allows, so one list means the same layers to every engine. An architecture
+of no known family, or layers an engine's rule cannot express, raise LayerIdError. The export writes each engine's
+ids where it reads them in config.json: SGLang eagle_config.eagle_aux_hidden_state_layer_ids only, vLLM a top-level
+eagle_aux_hidden_state_layer_ids first (eagle3.stages.export).
+Why: docs/decisions/2026-12-04-aux-layer-ids-per-engine.md.
 """
 
 from __future__ import annotations

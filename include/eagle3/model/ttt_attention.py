@@ -1,37 +1,23 @@
 """The TTT attention kernel: what TTTAttention (eagle3/model/drafter.py) computes, in memory linear in the length T.
 
 Training-time test, step i (0-based), one query q[t] per position t, one softmax (scale 1/sqrt(head_dim)) over
-  - step 0's keys/values, causally: k0[s], v0[s] for s <= t, and
-  - at its own position only, the keys/values of steps 1..i: kj[t], vj[t].
-Written densely (`dense_ttt_attention`, the reference for tests and bench/ttt_memory.py) that is a
-[B, heads, T, T + i] score tensor per step, which autograd keeps for backward: at Kimi's drafter geometry
-(56 heads) tens of GB at T=4096, more than an H200 at 8192.
-
-`ttt_attention` computes the two parts apart and merges them by their log-sum-exp, as flash attention merges
-key blocks (and as PyTorch's own context-parallel ring attention merges ranks):
-    out0, lse0 = causal attention of q over step 0, from a fused kernel (never [T, T])
-    s_j        = q . kj * scale                                    [B, heads, T], j = 1..i
-    lse        = logsumexp(lse0, s_1, ..., s_i)
-    out        = exp(lse0 - lse) * out0 + sum_j exp(s_j - lse) * vj
-Backward: given the MERGED out and lse, the fused causal kernel's own backward returns exactly the gradients of the
-merged softmax's step-0 part (it recomputes P = exp(scale * q k0 - lse) and D = rowsum(dout * out) from what it is
-handed); the per-position part is elementwise. Saved for backward: q, out and lse, besides the keys and values the
-caller holds anyway: O(T) for forward and backward.
+step 0's keys/values causally (k0[s], v0[s] for s <= t) and, at its own position only, steps 1..i's (kj[t], vj[t]).
+`dense_ttt_attention` computes this densely, in O(T^2): the reference for tests and bench/ttt_memory.py.
+`ttt_attention` equals it to rounding in O(T), forward and backward: a fused causal kernel over step 0, merged with
+the per-position scores by log-sum-exp, and that kernel's own backward given the merged output and lse.
 
 The causal part runs on one of three cores, chosen per call by `causal_core`:
-  FusedCPU   torch's CPU flash-attention kernel (aten::_scaled_dot_product_flash_attention_for_cpu and its
-             backward): the training path on CPU, and what the tests run
-  FusedCUDA  torch's CUDA flash-attention kernel (aten::_scaled_dot_product_flash_attention and its backward),
-             where torch says flash can run (bf16/fp16, as training autocasts on a GPU; head_dim <= 256; sm80+)
-  Blocked    plain PyTorch by query blocks ([B, heads, BLOCK, T] at a time): anywhere else (CUDA in fp32, a torch
-             without those kernels)
-These are torch's private operators, called with the arguments their public scaled_dot_product_attention passes;
-tests/test_model.py checks all three cores against the dense reference (FusedCUDA's calls on meta tensors only:
-no GPU in the suite).
+  FusedCPU   torch's CPU flash-attention kernel (aten::_scaled_dot_product_flash_attention_for_cpu): on CPU, and in
+             the tests
+  FusedCUDA  torch's CUDA flash-attention kernel (aten::_scaled_dot_product_flash_attention) where torch says flash
+             can run (bf16/fp16, head_dim <= 256, sm80+); RuntimeError on a torch whose lse is not [B, heads, T]
+  Blocked    plain PyTorch by BLOCK queries at a time: anywhere else
+tests/test_model.py checks FusedCPU and Blocked against the dense reference, and FusedCUDA's calls on meta tensors.
 
-`ttt_attention_rows` is the same for queries at some positions of the batch only, as training runs TTT steps only
-where a loss reads them (eagle3.model.drafter.Eagle3Draft.step_rows): the causal core in the batch's layout, cropped to
-the rows and positions with a query, the per-position part at the queries alone, the later steps' keys/values stacked.
+`ttt_attention_rows` is the same for queries at some positions of the batch only (Eagle3Draft.step_rows), the
+causal core cropped to the rows and positions with a query.
+
+Why: docs/decisions/2026-12-04-ttt-attention-linear-memory.md.
 """
 
 from __future__ import annotations

@@ -2,17 +2,12 @@
 
     python -m eagle3 export --config RUN_DIR/config.json
 
-Writes {run dir}/drafter/ (temp dir, fsync, rename):
-  config.json         LlamaForCausalLMEagle3: one layer, vocab_size = the target's, draft_vocab_size, the
-                      drafter's shape, use_aux_hidden_state, and the aux layer ids where each engine reads them, in
-                      the ids its rule for the TARGET's family reads as the trained layers (eagle3.model.layer_ids):
-                      eagle_config.eagle_aux_hidden_state_layer_ids for SGLang, a top-level
-                      eagle_aux_hidden_state_layer_ids for vLLM (which reads that one first). For DeepSeek-family
-                      targets (Kimi-K2.5) both hold the same input-of-layer ids, which every engine reads alike.
-  model.safetensors   exactly EXPORT_KEYS + d2t (int64 offsets) + t2d (bool). No embed_tokens: the engines take
-                      the target's. SGLang ignores unknown keys silently, so tests pin this set.
-  export.json         which checkpoint, its validation figures, and per engine: the key it reads, the ids there and
-                      the HF layers they mean to it (checked by reading the written config.json back as it would)
+Writes {run dir}/drafter/ whole (temp dir, fsync, rename), or keeps it where its export.json already matches:
+  config.json        LlamaForCausalLMEagle3 (one layer, the drafter's shape and RoPE, the target's vocab_size,
+                     draft_vocab_size), each engine's aux layer ids where and as it reads them (eagle3.model.layer_ids)
+  model.safetensors  exactly EXPORT_KEYS (fc_norm.<i> too with fc_norm) + d2t (int64) + t2d (bool); no embed_tokens
+  export.json        the checkpoint, its validation figures, and per engine the ids it reads and whether it is served
+A target of no known family, or no engine served: LayerIdError, nothing written; one engine not served: a warning.
 Serve it:
   python -m sglang.launch_server --model-path TARGET --speculative-algorithm EAGLE3 \\
       --speculative-draft-model-path RUN_DIR/drafter --speculative-num-steps 3 \\
@@ -120,7 +115,8 @@ def drafter_config(draft: DraftConfig, target_architecture: str, dtype: str) -> 
 
 # Where each engine looks for the aux layer ids in a drafter's config.json, first found wins (sglang 0.5.23
 # model_runner_components/spec_aux_hidden_state.py; vllm 0.32 v1/worker/gpu_model_runner.py
-# _get_eagle3_aux_layers_from_config). tests/engines_real/ runs those functions on an exported config.
+# _get_eagle3_aux_layers_from_config). tests/sglang_real/ and tests/vllm_real/ run those functions on an
+# exported config.
 READ_FROM = {
     "sglang": ("eagle_config.eagle_aux_hidden_state_layer_ids",),
     "vllm": ("eagle_aux_hidden_state_layer_ids", "eagle_config.eagle_aux_hidden_state_layer_ids"),

@@ -2,25 +2,17 @@
 
     python -m eagle3 extract --config RUN_DIR/config.json [--shard I --num-shards N --gpu-group K]
 
-Resumable and idempotent: samples already in the shard's manifest are skipped, so killing the process at
-any moment and starting it again loses nothing and stores nothing twice. Batches are planned over the
-whole shard (done samples included) and a batch is recorded whole or not at all, so a resumed run feeds
-the target exactly the batches an uninterrupted run would: the store's digest is the same either way.
+Writes the shard's samples into the shared store (eagle3.data.store), then RUN_DIR/extract/shard-NNNNN.samples (the
+run's sample ids in it; written last, so it exists only for a finished shard) and shard-NNNNN.stats.json. Resumable
+and idempotent: samples already in the shard's manifest are skipped, and batches are planned over the whole shard
+and stored whole, so a resumed run stores the same digest as an uninterrupted one. A writer thread stores batch N
+while the target computes N+1 (extract.writer_queue_depth).
 
-Compute and disk overlap: a background thread writes batch N while the target computes batch N+1; the
-bounded queue (extract.writer_queue_depth) holds compute back only when the disk cannot keep up.
-
-A backend may need a pass over the whole shard before capturing (sglang: its final-state pass, see
-eagle3/capture/sglang.py): it gets the same planned batches first, tokenised a second time rather than
-held in memory.
-
-Two writers on one shard of a shared store (two runs of one capture, on one box or on two boxes sharing the disk):
-the second waits for the shard's lock before it loads the target, naming the holder (pid, host, run) and how long it
-has waited in its log every extract.progress_interval_s, and beating progress meanwhile, so that the job's stall
-watch takes it for waiting, not hung (BusyShardWait). Once it has the lock it finds the first one's samples stored
-and computes only what the store still lacks. It does not fail for a retry instead: the first writer may take
-hours, longer than the retries last, and each retry would load the target for nothing. The wait is bounded by the
-stage's own timeout (box.stage_timeout_h); a writer that holds the lock hung is named in the log, to be stopped.
+A shard whose assistant turns cannot be trained as generated beyond data.max_untrained_fraction is refused and left
+unfinished. Where another writer holds the shard's lock, extract waits before loading the target, logging the holder
+every extract.progress_interval_s and beating progress so the stall watch does not kill it (BusyShardWait); then it
+computes only what the store lacks. The wait is bounded by box.stage_timeout_h.
+Why: docs/decisions/2026-11-29-batch-aligned-chunks.md, docs/decisions/2026-12-04-refuse-shards-losing-turns.md.
 """
 
 from __future__ import annotations

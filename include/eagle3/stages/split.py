@@ -1,37 +1,23 @@
 """Which samples train, which choose the checkpoint, which are evaluated: a split by the first user prompt.
 
-A conversation's split key is a hash of its first user message, normalised (prompt_key); a conversation without a
-user message keys on its own id. Every sample of a conversation (its own, and its per-turn samples "<id>.<turn>")
-takes the conversation's part, and conversations with the same key take the same part, so no first prompt is on two
-sides: with generate at temperature 0 the target answers a prompt the same way wherever it opens a conversation, so a
-key per conversation would train on evaluated continuations (docs/decisions/2026-12-04-split-by-first-prompt.md).
+A conversation's split key is prompt_key of its first user message, or its own id when it has none; every sample of
+the conversation (its own and its per-turn "<id>.<turn>") takes its part, so no first prompt is on two sides. The
+key's text (normalise_prompt) is NFKC, case folded, whitespace collapsed: it merges spellings of one question and no
+more (punctuation and digits stay; the system prompt and tools are left out, as they barely change the answer).
 
 Three disjoint parts, by the key's bucket (its 64 bits mod BUCKETS) against train.val_fraction:
-  evaluation  bucket < val_fraction / 2: evaluate's prompts (pinned per lineage: eagle3.records.lineage) and benchmark's
-              come from here (eagle3.stages.evaluate.prompts.held_out)
+  evaluation  bucket < val_fraction / 2: evaluate's and benchmark's prompts (eagle3.stages.evaluate.prompts)
   validation  val_fraction / 2 <= bucket < val_fraction: the trainer's validation, which picks the best checkpoint
   training    the rest: training, and the draft vocabulary's token counts (eagle3.stages.vocab)
-Whatever its bucket, a conversation of the lineage's pinned evaluation set (by id), or one that opens with one of
-the set's keys (the first prompts of its conversations, and the user message each later-turn prompt ends at), is in
-evaluation: no drafter of the lineage trains on it or picks a checkpoint with it. A conversation's part depends on
-its own key and the pinned set only, not on the rest of the data: new data never moves a conversation.
+A conversation of the lineage's pinned evaluation set (eagle3.records.lineage), by id or split key, is in evaluation
+whatever its bucket. A part depends only on the key and the pinned set: new data never moves a conversation. A
+sample whose conversation has no key (the file changed since extract read it) raises SplitError.
 
-Normalisation (normalise_prompt): Unicode NFKC, case folded, whitespace runs collapsed to one space and the ends
-stripped. A key that tells two spellings of one question apart leaks the question; one that merges two questions
-costs nothing but a coarser split (they go to one part together), so it errs on merging what is surely the same
-question: NFKC rather than NFC also folds compatibility forms (full-width letters and digits, ligatures, no-break
-spaces) that people paste and the target reads alike; case and spacing do not change what is asked. It goes no
-further: punctuation and digits stay ("What is 31 + 11?" and "What is 96 + 96?" are two questions, and merging such
-would put whole task families on one side). The system prompt and the tools are left out of the key on purpose:
-the same question under another system prompt gets nearly the same answer (the tiny target's prompts hold 953
-distinct pairs of system prompt and first prompt, but only 934 distinct first prompts).
+RUN_DIR/split/keys.json caches the keys of cfg.conversations_path (the regenerated ones when generate is on) with
+SPLIT_RULE and the file's size and mtime; it is rebuilt when either changes, used as is when the file is gone, and
+written atomically.
 
-On disk: RUN_DIR/split/keys.json, the key of every conversation of cfg.conversations_path (the regenerated ones
-when generate is on), with the rule and the file's size and mtime it was computed from. Reading a large
-conversations file is the expensive part, and vocab, every training rank, evaluate and benchmark need the keys;
-the file is rebuilt when the conversations file changes, and used as it is when that file is gone (a conversation
-id is a hash of the conversation: a key recorded for it is never wrong, at most missing). Written atomically
-(eagle3.disk.fsutil).
+Why: docs/decisions/2026-12-04-split-by-first-prompt.md.
 """
 
 from __future__ import annotations
