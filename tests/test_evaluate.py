@@ -304,6 +304,39 @@ def sample_both_ways(monkeypatch, sampling, answers: int = 600):
     return plain, drawn, cycles
 
 
+def test_prompts_decoded_together_get_the_answers_each_gets_alone(monkeypatch):
+    """evaluate's hf path decodes DECODE_ROWS prompts together: prompts of other lengths, answers that end at
+    other steps, sampled with a generator each, are what decoding each prompt alone gives, draws included."""
+    import torch
+
+    import eagle3.stages.evaluate.decoding as decoding
+    from eagle3.engines import Sampling
+
+    target = MarkovTarget()
+
+    def likeliest_chains(drafter, d2t, auxes, nexts, k):
+        chains = [[next_ids[-1]] for next_ids in nexts]
+        for chain in chains:
+            for _ in range(k):
+                chain.append(int(target.table[chain[-1]].argmax()))
+        return [chain[1:] for chain in chains]
+
+    monkeypatch.setattr(decoding, "draft_chains", likeliest_chains)
+    prompts = [[3, 4], [1], [5, 6, 2, 0], [3, 4], [2, 2, 2]] * 4
+
+    def rule(index):
+        return decoding.SamplingRule(Sampling(1.0, 0.95, None), torch.Generator().manual_seed(index))
+
+    rules = [rule(i) for i in range(len(prompts))]
+    together = decoding.speculative_decode_rows(target, None, None, prompts, 3, 12, {MarkovTarget.EOS}, rules)
+    alone = [
+        decoding.speculative_decode(target, None, None, prompt, 3, 12, {MarkovTarget.EOS}, rule(i))
+        for i, prompt in enumerate(prompts)
+    ]
+    assert together == alone
+    assert len({len(tokens) for tokens, _ in alone}) > 2  # answers of several lengths: rows leave the batch apart
+
+
 @pytest.mark.slow
 def test_speculative_sampling_draws_the_answers_plain_sampling_draws(monkeypatch):
     """At a temperature, a chain of drafts verified by the speculative sampling rule (accept a draft with the target's

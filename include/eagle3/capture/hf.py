@@ -70,13 +70,7 @@ class HfCapture:
 
     @torch.inference_mode()
     def capture(self, batch) -> list[CapturedStates]:
-        lengths = [len(s.input_ids) for s in batch]
-        ids = torch.full((len(batch), max(lengths)), self.pad_id, dtype=torch.long)
-        attention_mask = torch.zeros_like(ids)
-        for row, sample in enumerate(batch):
-            ids[row, : lengths[row]] = torch.as_tensor(sample.input_ids)
-            attention_mask[row, : lengths[row]] = 1
-        self._forward(ids, attention_mask)
+        lengths = self._forward_right_padded([s.input_ids for s in batch])
         # Straight into the store's dtype and layout, one pass per layer: the fp32 layer outputs are
         # read once and never concatenated in fp32. On a GPU this happens on the device.
         first = self._captured[f"layer{self.aux_layers[0]}"]
@@ -88,21 +82,24 @@ class HfCapture:
         aux, last = aux.cpu(), last.cpu()  # one device->host copy per batch
         return [CapturedStates(aux[row, :n], last[row, :n]) for row, n in enumerate(lengths)]
 
-    def _forward(self, ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
-        self._captured.clear()
-        self.decoder(input_ids=ids.to(self.device), attention_mask=attention_mask.to(self.device), use_cache=False)
-
-    @torch.inference_mode()
-    def logits_and_aux_rows(self, seqs: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Sequences in one forward pass, right-padded: per sequence the target's logits (fp32, from the unrounded
-        final state) and its aux states as the store holds them (bf16). For the evaluate stage's decoding."""
+    def _forward_right_padded(self, seqs: list) -> list[int]:
+        """One forward pass over the sequences, right-padded (the decoder is causal: a row never reads its padding),
+        keeping the hooked layers' outputs. Returns the sequences' lengths."""
         lengths = [len(seq) for seq in seqs]
         ids = torch.full((len(seqs), max(lengths)), self.pad_id, dtype=torch.long)
         attention_mask = torch.zeros_like(ids)
         for row, seq in enumerate(seqs):
             ids[row, : lengths[row]] = torch.as_tensor(seq)
             attention_mask[row, : lengths[row]] = 1
-        self._forward(ids, attention_mask)
+        self._captured.clear()
+        self.decoder(input_ids=ids.to(self.device), attention_mask=attention_mask.to(self.device), use_cache=False)
+        return lengths
+
+    @torch.inference_mode()
+    def logits_and_aux_rows(self, seqs: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Sequences in one forward pass, right-padded: per sequence the target's logits (fp32, from the unrounded
+        final state) and its aux states as the store holds them (bf16). For the evaluate stage's decoding."""
+        lengths = self._forward_right_padded(seqs)
         logits = self.lm_head(self._captured["final_norm"]).float().cpu()
         aux = torch.cat([self._captured[f"layer{i}"] for i in self.aux_layers], dim=-1).to(torch.bfloat16).cpu()
         return [(logits[row, :n], aux[row, :n]) for row, n in enumerate(lengths)]
