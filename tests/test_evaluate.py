@@ -261,6 +261,19 @@ class MarkovTarget(RowByRow):
         return self.table[torch.as_tensor(seq) % self.VOCAB], torch.zeros(len(seq), 3)
 
 
+def likeliest_chains(target: MarkovTarget):
+    """A stand-in for decoding.draft_chains: from each context's last token, the target's likeliest chain."""
+
+    def draft_chains(drafter, d2t, auxes, nexts, k):
+        chains = [[next_ids[-1]] for next_ids in nexts]
+        for chain in chains:
+            for _ in range(k):
+                chain.append(int(target.table[chain[-1]].argmax()))
+        return [chain[1:] for chain in chains]
+
+    return draft_chains
+
+
 def sample_both_ways(monkeypatch, sampling, answers: int = 600):
     """`answers` answers to one prompt from plain sampling and from speculative sampling, each seeded apart, the
     drafter proposing the target's likeliest chain from the last token; and the drafts accepted per verify step."""
@@ -270,14 +283,7 @@ def sample_both_ways(monkeypatch, sampling, answers: int = 600):
 
     target, prompt = MarkovTarget(), [3, 4]
 
-    def likeliest_chains(drafter, d2t, auxes, nexts, k):
-        chains = [[next_ids[-1]] for next_ids in nexts]
-        for chain in chains:
-            for _ in range(k):
-                chain.append(int(target.table[chain[-1]].argmax()))
-        return [chain[1:] for chain in chains]
-
-    monkeypatch.setattr(decoding, "draft_chains", likeliest_chains)
+    monkeypatch.setattr(decoding, "draft_chains", likeliest_chains(target))
     plain, drawn, cycles = [], [], []
     for i in range(answers):
         plain.append(
@@ -314,14 +320,7 @@ def test_prompts_decoded_together_get_the_answers_each_gets_alone(monkeypatch):
 
     target = MarkovTarget()
 
-    def likeliest_chains(drafter, d2t, auxes, nexts, k):
-        chains = [[next_ids[-1]] for next_ids in nexts]
-        for chain in chains:
-            for _ in range(k):
-                chain.append(int(target.table[chain[-1]].argmax()))
-        return [chain[1:] for chain in chains]
-
-    monkeypatch.setattr(decoding, "draft_chains", likeliest_chains)
+    monkeypatch.setattr(decoding, "draft_chains", likeliest_chains(target))
     prompts = [[3, 4], [1], [5, 6, 2, 0], [3, 4], [2, 2, 2]] * 4
 
     def rule(index):
