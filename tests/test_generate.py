@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import tracemalloc
 from pathlib import Path
@@ -369,6 +370,76 @@ def test_a_server_that_exits_at_start_is_reported_with_its_log(make_config, tmp_
     assert proc.returncode == 1
     assert "the server exited with code 3 before it served" in proc.stderr
     assert "stand-in: exiting at start, as told" in proc.stderr  # its log's last lines are in the error
+
+
+class Impostor:
+    """A box user's listener on 127.0.0.1:`port`: healthy, and answering every request, which it records."""
+
+    def __init__(self, port: int):
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        impostor = self
+        self.requests: list[tuple[str, str]] = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def answer(self) -> None:
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                impostor.requests.append((self.command, self.path))
+                data = json.dumps(GOOD).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_POST = answer
+
+        self.http = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+
+    def __enter__(self) -> Impostor:
+        threading.Thread(target=self.http.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.http.shutdown()
+        self.http.server_close()
+
+
+def test_a_listener_on_the_engines_port_is_refused_before_it_hears_anything(make_config, tmp_path):
+    """Attack: a box user listens on server.port before the stage's engine starts. Their /health answers 200, so the
+    stage took them for the engine and sent them the training conversations. Now the stage refuses the port before
+    it starts the engine, and nothing reaches the listener."""
+    cfg = launched_config(make_config, tmp_path)
+    with Impostor(cfg.server.port) as impostor:
+        proc = run_stage(cfg)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert f"server.port: 127.0.0.1:{cfg.server.port} is taken" in proc.stderr and "Traceback" not in proc.stderr
+    assert impostor.requests == [] and not stand_in_processes(cfg.server.port)
+
+
+def test_an_engine_whose_port_another_process_also_listens_on_is_refused():
+    """Attack: the listener arrives between the stage's check and the engine's bind, and answers /health first. What
+    the stage accepts is a port every listener of which is its engine's process group."""
+    from eagle3.engines.server import ServerError, refuse_other_listeners
+
+    port = free_port()
+    listen = f"import socket, time; s = socket.socket(); s.bind(('127.0.0.1', {port})); s.listen(); time.sleep(60)"
+    engine = subprocess.Popen([sys.executable, "-c", listen], start_new_session=True)
+    try:
+        wait_for(lambda: listening(port), 30, "the engine to listen")
+        refuse_other_listeners(engine, f"http://127.0.0.1:{port}")  # its own listener: accepted
+    finally:
+        engine.kill()
+        engine.wait()
+    engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        with Impostor(port), pytest.raises(ServerError, match=f"another process listens on 127.0.0.1:{port}"):
+            refuse_other_listeners(engine, f"http://127.0.0.1:{port}")
+    finally:
+        engine.kill()
+        engine.wait()
 
 
 def test_kill_9_of_the_stage_takes_the_server_down_too(make_config, tmp_path):

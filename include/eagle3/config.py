@@ -189,7 +189,13 @@ class ServerConfig(Section):
         "box.python.",
         pattern=ABS_PATH_PATTERN,
     )
-    port: int = Field(30000, ge=1024, le=65535, title="Port", description="On 127.0.0.1 of the box.")
+    port: int = Field(
+        30000,
+        ge=1024,
+        le=65535,
+        title="Port",
+        description="On 127.0.0.1 of the box. A stage refuses it while a process other than its engine listens there.",
+    )
     tp_size: int = Field(1, ge=1, le=64, title="Tensor parallel size", description="GPUs per server (Kimi-K2.5: 8).")
     mem_fraction_static: float | None = Field(
         None,

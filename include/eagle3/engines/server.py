@@ -16,6 +16,10 @@ No orphan, however the stage ends:
   again: the server's pid, group and start time are recorded in server.json beside the log.
 The server runs in its own session, so one killpg reaches every process it started.
 
+The port is the engine's alone: a stage refuses server.port while something already listens there, and after /health
+answers, unless every socket listening on it belongs to the engine's process group (ServerError either way). A box
+user listening first would otherwise be answered as the engine: sent the conversations, and measured as the drafter.
+
 EAGLE3_SERVER_LAUNCHER names a Python file to run instead of `-m sglang.launch_server`, with the same flags:
 tests put a stand-in there, since SGLang cannot run on a CPU machine (vLLM's CPU build runs for real).
 """
@@ -29,6 +33,7 @@ import logging
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -104,6 +109,7 @@ def wait_until_healthy(process: subprocess.Popen, base_url: str, log_path: Path,
                 )
             try:
                 if client.get(f"{base_url}/health").status_code == 200:
+                    refuse_other_listeners(process, base_url)  # the 200 may not be our engine's
                     log.info("server: healthy after %.0f s at %s", time.monotonic() - started, base_url)
                     return
             except httpx.TransportError:
@@ -117,6 +123,57 @@ def wait_until_healthy(process: subprocess.Popen, base_url: str, log_path: Path,
                 next_note += 60
                 log.info("server: still starting after %.0f s (log: %s)", time.monotonic() - started, log_path)
             time.sleep(1.0)
+
+
+# -- the port is the engine's: a box user listening there first would be answered as the engine ----------------
+
+
+def refuse_taken_port(port: int) -> None:
+    """Before the engine starts: whatever already listens on the port would answer the stage in its place."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # an earlier engine's TIME_WAIT is no listener
+        try:
+            probe.bind((HOST, port))
+        except OSError as err:
+            raise ServerError(
+                f"server.port: {HOST}:{port} is taken ({err.strerror}) before the engine started, and whatever "
+                "listens there would be answered as the engine; stop it, or set server.port to a free port"
+            ) from None
+
+
+def listening_sockets(port: int) -> set[int]:
+    """Inodes of the sockets listening on TCP `port` (any address, IPv4 or IPv6), from /proc/net."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as rows:
+            for row in list(rows)[1:]:
+                fields = row.split()
+                if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                    inodes.add(int(fields[9]))
+    return inodes
+
+
+def sockets_of(pid: int) -> set[int]:
+    inodes = set()
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    inodes.add(int(target[8:-1]))
+    return inodes
+
+
+def refuse_other_listeners(process: subprocess.Popen, base_url: str) -> None:
+    """The engine answered /health: refuse if any socket listening on its port is not its process group's (a box user
+    who got there first, or between the check and the bind, answers instead of it)."""
+    port = int(base_url.rsplit(":", 1)[1])
+    ours = {inode for pid in group_members(process.pid) for inode in sockets_of(pid)}
+    if listening_sockets(port) - ours:
+        raise ServerError(
+            f"server.port: another process listens on {HOST}:{port} beside the engine this stage started, so an "
+            "answer there may not be the engine's; stop it, or set server.port to a free port"
+        )
 
 
 def stop(process: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:
@@ -143,6 +200,7 @@ def serving(
     log_path.parent.mkdir(parents=True, exist_ok=True)
     record_path = log_path.with_suffix(".json")
     stop_leftover(record_path)
+    refuse_taken_port(cfg.server.port)
     base_url = f"http://{HOST}:{cfg.server.port}"
     log.info("server: starting %s (log: %s)", shlex.join(argv), log_path)
     with sigterm_as_exit(), open(log_path, "ab") as log_file:
