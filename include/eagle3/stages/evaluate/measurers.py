@@ -183,22 +183,23 @@ class HfMeasurer:
                 for index, (prompt, rule) in enumerate(zip(prompts, rules)):
                     answers[index] = Completion(plain_decode(self.target, prompt, max_new, self.eos, rule))
                     counting.update(1, len(answers[index].output_ids))
-            order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths: less padding
-            for start in range(0, len(order) if speculation else 0, DECODE_ROWS):
-                rows = order[start : start + DECODE_ROWS]
-                decoded = speculative_decode_rows(
-                    self.target,
-                    drafter,
-                    draft_to_target,
-                    [prompts[i] for i in rows],
-                    speculation.draft_length,
-                    max_new,
-                    self.eos,
-                    [rules[i] for i in rows],
-                )
-                for index, (tokens, accepted) in zip(rows, decoded):
-                    answers[index] = Completion(tokens, len(accepted), accepted, sum(accepted))
-                    counting.update(1, len(tokens))
+            else:
+                order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths: less padding
+                for start in range(0, len(order), DECODE_ROWS):
+                    rows = order[start : start + DECODE_ROWS]
+                    decoded = speculative_decode_rows(
+                        self.target,
+                        drafter,
+                        draft_to_target,
+                        [prompts[i] for i in rows],
+                        speculation.draft_length,
+                        max_new,
+                        self.eos,
+                        [rules[i] for i in rows],
+                    )
+                    for index, (tokens, accepted) in zip(rows, decoded):
+                        answers[index] = Completion(tokens, len(accepted), accepted, sum(accepted))
+                        counting.update(1, len(tokens))
             counting.emit()
             return answers
 
