@@ -442,6 +442,33 @@ def test_an_engine_whose_port_another_process_also_listens_on_is_refused():
         engine.wait()
 
 
+def test_a_planted_server_record_kills_nothing_but_a_leftover_server_is_stopped(tmp_path):
+    """Attack: a server.json written into a shared run directory naming another run's live job (its group, start time
+    and boot, all readable in /proc) had the next stage SIGKILL that job as "what is left of an earlier server". Only a
+    group that carries the record's random mark, which only the server the stage started has, is killed now."""
+    from eagle3.engines.server import SERVER_MARK_VAR, stop_leftover
+    from eagle3.jobs.processes import pid_start_ticks, read_boot_id
+
+    def record(process, mark) -> Path:
+        path = tmp_path / "server.json"
+        fields = {"pgid": process.pid, "pid_start_ticks": pid_start_ticks(process.pid), "boot_id": read_boot_id()}
+        path.write_text(json.dumps({**fields, "mark": mark}))
+        return path
+
+    victim = subprocess.Popen(["sleep", "60"], start_new_session=True)  # another run's training job
+    leftover = subprocess.Popen(["sleep", "60"], start_new_session=True, env={**os.environ, SERVER_MARK_VAR: "m1"})
+    try:
+        wait_for(lambda: pid_start_ticks(leftover.pid) is not None, 10, "the processes to start")
+        stop_leftover(path := record(victim, "m1"))
+        assert victim.poll() is None and not path.exists()
+        stop_leftover(record(leftover, "m1"))
+        assert leftover.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        for process in (victim, leftover):
+            process.kill()
+            process.wait()
+
+
 def test_kill_9_of_the_stage_takes_the_server_down_too(make_config, tmp_path):
     """No orphan: SIGKILL leaves the stage no chance to clean up; the kernel's parent-death signal does it."""
     cfg = launched_config(make_config, tmp_path, always="slow", **{"slow-s": 60})

@@ -13,7 +13,8 @@ No orphan, however the stage ends:
 - SIGKILL of the stage: the kernel sends the server SIGTERM (PR_SET_PDEATHSIG); the engine then stops its own
   worker processes;
 - whatever survived even that (a process of the server's group) is killed when a stage starts the server
-  again: the server's pid, group and start time are recorded in server.json beside the log.
+  again: the server's pid, group, start time and a random mark (SERVER_MARK_VAR in its environment) are recorded
+  in server.json beside the log; a record whose group carries no such mark names no server, and is left alone.
 The server runs in its own session, so one killpg reaches every process it started.
 
 The port is the engine's alone: a stage refuses server.port while something already listens there, and after /health
@@ -31,6 +32,7 @@ import ctypes
 import json
 import logging
 import os
+import secrets
 import shlex
 import signal
 import socket
@@ -45,7 +47,7 @@ import httpx
 from eagle3.disk.fsutil import atomic_write_text
 from eagle3.engines import Speculation, engine_for
 from eagle3.jobs.jobdir import read_log_tail
-from eagle3.jobs.processes import group_members, kill_leftovers, pid_start_ticks, read_boot_id
+from eagle3.jobs.processes import environment_of, group_members, kill_leftovers, pid_start_ticks, read_boot_id
 from eagle3.jobs.progress import beat
 
 if TYPE_CHECKING:
@@ -54,6 +56,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 HOST = "127.0.0.1"
+SERVER_MARK_VAR = "EAGLE3_SERVER"  # in the server's environment: the random mark its server.json records
 STOP_GRACE_S = 30.0
 PR_SET_PDEATHSIG = 1
 
@@ -85,14 +88,22 @@ def sigterm_as_exit() -> Iterator[None]:
 
 
 def stop_leftover(record_path: Path) -> None:
-    """Kill what is left of a server an earlier, killed run of this stage started (same boot, same process)."""
+    """Kill what is left of a server an earlier, killed run of this stage started (same boot, same process, and a
+    process of its group carries the record's mark: a planted record may name any live group, another run's train)."""
     try:
         record = json.loads(record_path.read_text())
-    except (OSError, ValueError):
+        pgid, mark = int(record["pgid"]), str(record["mark"])
+    except (OSError, ValueError, TypeError, KeyError):
+        record_path.unlink(missing_ok=True)
         return
-    if record.get("boot_id") == read_boot_id() and group_members(record["pgid"]):
-        log.warning("server: stopping what is left of an earlier try's server (process group %d)", record["pgid"])
+    members = group_members(pgid) if record.get("boot_id") == read_boot_id() else []
+    if any(f"{SERVER_MARK_VAR}={mark}".encode() in environment_of(member) for member in members):
+        log.warning("server: stopping what is left of an earlier try's server (process group %d)", pgid)
         kill_leftovers(record)
+    elif members:
+        log.warning(
+            "server: %s names process group %d, which is no server of this stage's; left alone", record_path, pgid
+        )
     record_path.unlink(missing_ok=True)
 
 
@@ -203,9 +214,11 @@ def serving(
     refuse_taken_port(cfg.server.port)
     base_url = f"http://{HOST}:{cfg.server.port}"
     log.info("server: starting %s (log: %s)", shlex.join(argv), log_path)
+    mark = secrets.token_hex(16)
     with sigterm_as_exit(), open(log_path, "ab") as log_file:
         process = subprocess.Popen(
             argv,
+            env={**os.environ, SERVER_MARK_VAR: mark},
             stdin=subprocess.DEVNULL,
             stdout=log_file,
             stderr=subprocess.STDOUT,
@@ -220,6 +233,7 @@ def serving(
                         "pgid": process.pid,
                         "pid_start_ticks": pid_start_ticks(process.pid),
                         "boot_id": read_boot_id(),
+                        "mark": mark,
                         "argv": argv,
                     }
                 ),
