@@ -7,7 +7,6 @@ import json
 import pytest
 
 from eagle3.stages.evaluate import run_evaluate
-from eagle3.stages.evaluate.decoding import RowByRow
 from eagle3.stages.export import run_export
 
 
@@ -107,6 +106,13 @@ def test_public_sets_are_measured_at_the_published_configurations_beside_the_hel
         ]
         measured = public["gsm8k"]["speculative"][str(k)]
         assert (measured["cycles"], measured["mean_accept_length"]) == (len(cycles), 1 + sum(cycles) / len(cycles))
+
+
+class RowByRow:
+    """A target's logits_and_aux_rows from its logits_and_aux, one sequence at a time (the test doubles here)."""
+
+    def logits_and_aux_rows(self, seqs: list[list[int]]) -> list:
+        return [self.logits_and_aux(seq) for seq in seqs]
 
 
 class ScriptedTarget(RowByRow):

@@ -89,13 +89,6 @@ class SamplingRule:
         return a, self.draw(rest)
 
 
-class RowByRow:
-    """A target's logits_and_aux_rows from its logits_and_aux, one sequence at a time (test doubles)."""
-
-    def logits_and_aux_rows(self, seqs: list[list[int]]) -> list:
-        return [self.logits_and_aux(seq) for seq in seqs]
-
-
 class Answer:
     """One prompt's speculative decoding so far: the sequence, the target's token not yet committed, each verify
     step's accepted drafts."""
