@@ -1,10 +1,11 @@
-"""The split by first user prompt: no first prompt on two sides, three disjoint parts, the lineage's pinned set kept
-out of training and validation, and the cached keys rebuilt when the conversations change."""
+"""The split keyed on every user turn: a user turn held out for evaluation is asked by no training conversation,
+wherever it stands in a conversation; three disjoint parts; the lineage's pinned set kept out of training and
+validation; the cached keys rebuilt when the conversations change."""
 
 from __future__ import annotations
 
 import json
-from collections import Counter, defaultdict
+from collections import defaultdict
 
 import pytest
 
@@ -18,6 +19,7 @@ from eagle3.stages.split import (
     VALIDATION,
     SplitError,
     normalise_prompt,
+    part_of_key,
     prompt_key,
     run_split,
 )
@@ -46,9 +48,10 @@ def conversation(first: str, answer: str, *later: str, system: str | None = None
     return {"messages": messages}
 
 
-def shared_first_prompts(groups: int = 24) -> tuple[list[dict], list[list[int]]]:
-    """Conversations in groups that open with one question each, spelled and followed differently (case, spacing,
-    a system prompt, later turns): (conversations, line indices of each group)."""
+def shared_questions(groups: int = 24) -> tuple[list[dict], list[list[int]]]:
+    """Conversations in groups that ask one question each, spelled and followed differently (case, spacing, a system
+    prompt, later turns), and once as a later turn after another question: (conversations, line indices of each
+    group)."""
     rows, members = [], []
     for g in range(groups):
         question = f"Sort these numbers: {g} {3 * g + 1} {7 - g}"
@@ -56,6 +59,7 @@ def shared_first_prompts(groups: int = 24) -> tuple[list[dict], list[list[int]]]
             conversation(question, f"Sorted, group {g}."),
             conversation(question.upper() + "  ", f"Sorted again, group {g}.", "And reversed?"),
             conversation(question.replace(" ", "  "), f"One more, group {g}.", system="Be brief."),
+            conversation(f"Hello from group {g}.", "Hello.", question),  # asked again, as a later turn
         ]
         members.append(list(range(len(rows), len(rows) + len(variants))))
         rows += variants
@@ -66,18 +70,21 @@ def write_jsonl(path, rows: list[dict]) -> None:
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
 
 
-def test_conversations_that_share_a_first_prompt_take_one_part(make_config, tmp_path):
-    rows, members = shared_first_prompts()
+def test_a_question_held_out_for_evaluation_is_asked_by_no_conversation_that_trains(make_config, tmp_path):
+    rows, members = shared_questions()
     data = tmp_path / "shared.jsonl"
     write_jsonl(data, rows)
     cfg = make_config(data={"path": str(data), "max_samples": None}, train={"val_fraction": 0.5})
     conversations, _ = read_conversations(data)
     split = run_split(cfg)
-    parts = [{split.part_of_conversation(conversations[i].sample_id) for i in group} for group in members]
-    assert all(len(p) == 1 for p in parts), parts
-    assert {p.pop() for p in parts} == {TRAINING, VALIDATION, EVALUATION}  # (else the test proves little)
-    # Keyed on the conversation id, as before, the groups straddle the sides.
-    assert any(len({int(conversations[i].sample_id, 16) % 10_000 < 5_000 for i in group}) > 1 for group in members)
+    held_out = [g for g in members if part_of_key(prompt_key(rows[g[0]]["messages"][0]["content"]), 0.5) == EVALUATION]
+    assert held_out and len(held_out) < len(members)  # (else the test proves little)
+    for group in held_out:
+        assert {split.part_of_conversation(conversations[i].sample_id) for i in group} == {EVALUATION}
+    assert {split.part_of_conversation(c.sample_id) for c in conversations} == {TRAINING, VALIDATION, EVALUATION}
+    # Keyed on the first user prompt only, a held-out question asked as a later turn was trained.
+    opened_by = [part_of_key(prompt_key(conversations[g[3]].messages[0]["content"]), 0.5) for g in held_out]
+    assert TRAINING in opened_by
     # A per-turn sample "<conversation id>.<turn>" takes its conversation's part.
     some = conversations[members[0][1]].sample_id
     assert split.part(f"{some}.3") == split.part(some) == split.part_of_conversation(some)
@@ -86,26 +93,33 @@ def test_conversations_that_share_a_first_prompt_take_one_part(make_config, tmp_
 
 
 @pytest.mark.slow
-def test_on_the_tiny_targets_prompts_no_first_prompt_is_on_two_sides(make_config, tiny_target):
-    """The demo's data (the tiny target's 6000 prompts, 5387 distinct conversations), at the demo's val_fraction."""
-    cfg = make_config(data={"max_samples": None}, train={"val_fraction": 0.3})
+def test_on_the_tiny_targets_prompts_no_evaluated_turn_is_trained(make_config, tiny_target):
+    """The demo's data (the tiny target's prompts), at the demo's val_fraction: the user turn a prompt evaluate
+    measures ends at is asked by no conversation that trains or validates, and every turn whose own bucket is
+    evaluation is held out wherever it is asked."""
+    from eagle3.data.samples import SampleTokenizer
+    from eagle3.stages.evaluate.prompts import held_out
+
+    cfg = make_config(data={"max_samples": None}, train={"val_fraction": 0.3}, evaluate={"num_prompts": 10_000})
     conversations, _ = read_conversations(tiny_target / "prompts.jsonl")
     split = run_split(cfg)
-    sides, old_sides, opened = defaultdict(set), defaultdict(set), Counter()
+    parts_asking = defaultdict(set)
     for c in conversations:
-        first = normalise_prompt(next(m["content"] for m in c.messages if m["role"] == "user"))
-        sides[first].add(split.part_of_conversation(c.sample_id))
-        old_sides[first].add(int(c.sample_id, 16) % 10_000 < 0.05 * 10_000)  # the control: a key per conversation
-        opened[first] += 1
-    shared = [first for first, n in opened.items() if n > 1]
-    assert len(conversations) == 5387 and len(shared) == 238  # the tiny target's prompts, as built
-    assert sum(len(parts) > 1 for parts in old_sides.values()) == 30
-    assert not [first for first, parts in sides.items() if len(parts) > 1]
-    assert {part for parts in sides.values() for part in parts} == {TRAINING, VALIDATION, EVALUATION}
+        for m in c.messages:
+            if m["role"] == "user":
+                parts_asking[prompt_key(m["content"])].add(split.part_of_conversation(c.sample_id))
+    assert {part for parts in parts_asking.values() for part in parts} == {TRAINING, VALIDATION, EVALUATION}
+    for key, parts in parts_asking.items():
+        if part_of_key(key, 0.3) == EVALUATION:
+            assert parts == {EVALUATION}
+    tokenizing = SampleTokenizer.for_run(cfg)
+    measured = held_out(cfg, tokenizing)
+    assert len(measured) > 500
+    assert not [h for h in measured if parts_asking[h.keys[-1]] - {EVALUATION}]  # (earlier turns: context only)
 
 
 def test_the_keys_are_cached_in_the_run_directory_until_the_conversations_change(make_config, tmp_path, monkeypatch):
-    rows, _ = shared_first_prompts(4)
+    rows, _ = shared_questions(4)
     data = tmp_path / "data.jsonl"
     write_jsonl(data, rows)
     cfg = make_config(data={"path": str(data), "max_samples": None})
@@ -135,7 +149,7 @@ def pin_by_hand(cfg, record: dict) -> None:
 
 
 def test_the_pinned_sets_keys_keep_their_conversations_out_of_training_and_validation(make_config, tmp_path):
-    rows, members = shared_first_prompts()
+    rows, members = shared_questions()
     data = tmp_path / "shared.jsonl"
     write_jsonl(data, rows)
     cfg = make_config(data={"path": str(data), "max_samples": None}, train={"val_fraction": 0.5})
@@ -151,11 +165,11 @@ def test_the_pinned_sets_keys_keep_their_conversations_out_of_training_and_valid
         {
             "format": 2,
             "conversation_ids": [conversations[validating[0]].sample_id],
-            "split_keys": [before.keys[conversations[validating[0]].sample_id], prompt_key(question.upper())],
+            "split_keys": [*before.keys[conversations[validating[0]].sample_id], prompt_key(question.upper())],
             "prompts": [[1, 2]],
         },
     )
     after = run_split(cfg)
     for i in validating + trained:
         assert after.part_of_conversation(conversations[i].sample_id) == EVALUATION
-    assert after.pinned_out([conversations[i].sample_id for i in validating + trained]) == 6
+    assert after.pinned_out([conversations[i].sample_id for i in validating + trained]) == 8

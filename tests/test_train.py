@@ -129,7 +129,8 @@ def test_a_short_run_learns_and_leaves_checkpoints_metrics_and_plots(trained_run
     losses = [r["loss"] for r in records if "loss" in r]
     val = [r for r in records if "val_acc" in r]
     assert losses[-1] < losses[0] * 0.7
-    assert len(val[-1]["val_acc"]) == 7 and val[-1]["val_offline_accept_length"] > 1.5
+    # an untrained drafter: 1.0; 1.25 measured on the tiny target that answers its prompts (2026-12-07)
+    assert len(val[-1]["val_acc"]) == 7 and val[-1]["val_offline_accept_length"] > 1.15
     assert set(val[-1]["val_offline"]) == {"3", "7"}  # evaluate.draft_lengths
     assert (out / "loss.png").stat().st_size > 10_000 and (out / "accuracy.png").stat().st_size > 10_000
     kept = sorted(p.name for p in (out / "checkpoints").iterdir())
@@ -149,7 +150,7 @@ def test_a_short_run_learns_and_leaves_checkpoints_metrics_and_plots(trained_run
         "acc/position_0",
         "acc/position_6",
         "val_offline_accept_length",
-        "val_offline/3/mean_accept_length",
+        "val_offline/3/accept_length",
         "lr",
     } <= set(events.Tags()["scalars"])
     assert [e.value for e in events.Scalars("loss")] == pytest.approx(losses)
@@ -241,19 +242,18 @@ def test_the_trainer_reads_an_fp8_store_as_it_reads_a_bf16_one(trained_config):
 
 
 @pytest.mark.slow
-def test_no_first_prompt_is_trained_on_that_validation_or_evaluation_holds(make_config, tmp_path):
-    """Conversations that open with one question (spelled and answered differently, some with a system prompt or a
-    later turn) are trained on, validated on or held out for evaluation together: the trainer's validation, which
-    picks the best checkpoint, and evaluate's prompts hold no first prompt that training saw, and no evaluated
-    conversation validates."""
+def test_no_question_held_out_for_validation_or_evaluation_is_trained_on(make_config, tmp_path):
+    """Questions asked by several conversations (spelled and answered differently, some with a system prompt or a
+    later turn, one asked as a later turn): no conversation that trains asks a question whose bucket is validation or
+    evaluation, and the turn each evaluated prompt ends at is asked by no conversation that trains or validates."""
     from eagle3.data.samples import SampleTokenizer, conversation_id_of, read_conversations
     from eagle3.stages.evaluate.prompts import held_out
     from eagle3.stages.extract import run_extract
-    from eagle3.stages.split import normalise_prompt
+    from eagle3.stages.split import TRAINING, part_of_key, prompt_key
     from eagle3.stages.vocab import run_vocab
-    from tests.test_split import shared_first_prompts, write_jsonl
+    from tests.test_split import shared_questions, write_jsonl
 
-    rows, _ = shared_first_prompts()
+    rows, _ = shared_questions()
     data = tmp_path / "shared.jsonl"
     write_jsonl(data, rows)
     cfg = make_config(
@@ -264,21 +264,19 @@ def test_no_first_prompt_is_trained_on_that_validation_or_evaluation_holds(make_
     run_extract(cfg)
     run_vocab(cfg)
     conversations, _ = read_conversations(data)
-    first_prompt = {
-        c.sample_id: normalise_prompt(next(m["content"] for m in c.messages if m["role"] == "user"))
-        for c in conversations
+    questions = {
+        c.sample_id: {prompt_key(m["content"]) for m in c.messages if m["role"] == "user"} for c in conversations
     }
     trainer = train.Trainer(cfg)
 
-    def opened(ids) -> set[str]:
-        return {first_prompt[conversation_id_of(s)] for s in ids}
+    def asked(ids) -> set[str]:
+        return {key for s in ids for key in questions[conversation_id_of(s)]}
 
-    trained, validated = opened(s for s, _ in trainer.train_ids), opened(s for s, _ in trainer.val_ids)
-    assert trained and validated and not trained & validated
+    trained, validated = asked(s for s, _ in trainer.train_ids), asked(s for s, _ in trainer.val_ids)
+    assert trained and validated
+    assert {part_of_key(key, 0.5) for key in trained} == {TRAINING}
     evaluated = held_out(cfg, SampleTokenizer.for_run(cfg))
-    assert evaluated
-    assert not trained & opened(h.conversation_id for h in evaluated)
-    assert not validated & opened(h.conversation_id for h in evaluated)
+    assert evaluated and not {h.keys[-1] for h in evaluated} & (trained | validated)
 
 
 @pytest.mark.slow

@@ -787,7 +787,7 @@ class TrainConfig(Section):
         ge=0,
         lt=1,
         title="Held-out fraction",
-        description="Held out of training, by first user prompt: the lower half gives evaluate's and benchmark's "
+        description="Held out of training, by user turn: the lower half gives evaluate's and benchmark's "
         "prompts, the upper half validates and picks the best checkpoint.",
     )
     save_every_steps: int = Field(
@@ -849,7 +849,7 @@ class EvaluateConfig(Section):
         ge=1,
         le=MAX_WIDTH,
         title="Held-out prompts",
-        description="From the evaluation part of the split (by first user prompt), never trained on: first user "
+        description="From the evaluation part of the split (by user turn), never trained on: first user "
         "turns, up to half later turns.",
     )
     draft_lengths: list[DraftLength] = Field(

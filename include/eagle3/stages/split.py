@@ -1,23 +1,25 @@
-"""Which samples train, which choose the checkpoint, which are evaluated: a split by the first user prompt.
+"""Which samples train, which choose the checkpoint, which are evaluated: a split keyed on every user turn.
 
-A conversation's split key is prompt_key of its first user message, or its own id when it has none; every sample of
-the conversation (its own and its per-turn "<id>.<turn>") takes its part, so no first prompt is on two sides. The
-key's text (normalise_prompt) is NFKC, case folded, whitespace collapsed: it merges spellings of one question and no
-more (punctuation and digits stay; the system prompt and tools are left out, as they barely change the answer).
+A conversation's split keys are prompt_key of each of its user messages (its own id when it has none); every sample
+of the conversation (its own and its per-turn "<id>.<turn>") takes its part. The key's text (normalise_prompt) is
+NFKC, case folded, whitespace collapsed: it merges spellings of one question and no more (punctuation and digits
+stay; the system prompt and tools are left out, as they barely change the answer).
 
-Three disjoint parts, by the key's bucket (its 64 bits mod BUCKETS) against train.val_fraction:
+Three disjoint parts, by each key's bucket (its 64 bits mod BUCKETS) against train.val_fraction:
   evaluation  bucket < val_fraction / 2: evaluate's and benchmark's prompts (eagle3.stages.evaluate.prompts)
   validation  val_fraction / 2 <= bucket < val_fraction: the trainer's validation, which picks the best checkpoint
   training    the rest: training, and the draft vocabulary's token counts (eagle3.stages.vocab)
-A conversation of the lineage's pinned evaluation set (eagle3.records.lineage), by id or split key, is in evaluation
-whatever its bucket. A part depends only on the key and the pinned set: new data never moves a conversation. A
-sample whose conversation has no key (the file changed since extract read it) raises SplitError.
+A conversation takes the most held-out part of its keys' (evaluation, then validation): a user turn whose bucket is
+evaluation is never trained, whichever turn of whichever conversation asks it. A conversation of the lineage's pinned
+evaluation set (eagle3.records.lineage), by id or by any of its keys, is in evaluation whatever its buckets. A part
+depends only on the keys and the pinned set: new data never moves a conversation. A sample whose conversation has no
+keys (the file changed since extract read it) raises SplitError.
 
 RUN_DIR/split/keys.json caches the keys of cfg.conversations_path (the regenerated ones when generate is on) with
 SPLIT_RULE and the file's size and mtime; it is rebuilt when either changes, used as is when the file is gone, and
 written atomically.
 
-Why: docs/decisions/2026-12-04-split-by-first-prompt.md.
+Why: docs/decisions/2026-12-07-split-by-every-user-turn.md.
 """
 
 from __future__ import annotations
@@ -41,9 +43,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # Bump when the key or the parts change: the pinned sets and the training inputs' digest record it.
-SPLIT_RULE = "first-user-prompt:nfkc-casefold-whitespace:1"
+SPLIT_RULE = "every-user-turn:nfkc-casefold-whitespace:2"
 BUCKETS = 10_000
 EVALUATION, VALIDATION, TRAINING = "evaluation", "validation", "training"
+HELD_OUT_FIRST = (EVALUATION, VALIDATION, TRAINING)
 
 
 class SplitError(ValueError):
@@ -60,11 +63,11 @@ def prompt_key(text: str) -> str:
     return hashlib.sha256(normalise_prompt(text).encode("utf-8")).hexdigest()[:16]
 
 
-def split_key(conversation) -> str:
-    """The key of a conversation (an eagle3.data.samples.Conversation): its first user message's, or its own id
-    if it has none (nothing prompts it, so it shares no prompt)."""
-    first = next((m["content"] for m in conversation.messages if m["role"] == "user"), None)
-    return prompt_key(first) if first is not None else conversation.sample_id
+def split_keys(conversation) -> list[str]:
+    """The keys of a conversation (an eagle3.data.samples.Conversation): its user messages', in order and each once,
+    or its own id if it has none (nothing prompts it, so it shares no prompt)."""
+    keys = [prompt_key(m["content"]) for m in conversation.messages if m["role"] == "user"]
+    return list(dict.fromkeys(keys)) or [conversation.sample_id]
 
 
 def part_of_key(key: str, val_fraction: float) -> str:
@@ -74,11 +77,16 @@ def part_of_key(key: str, val_fraction: float) -> str:
     return VALIDATION if bucket < val_fraction * BUCKETS else TRAINING
 
 
+def part_of_keys(keys, val_fraction: float) -> str:
+    """The most held-out part of the keys' buckets."""
+    return min((part_of_key(key, val_fraction) for key in keys), key=HELD_OUT_FIRST.index)
+
+
 @dataclass(frozen=True)
 class Split:
     """The run's split: keys of its conversations, train.val_fraction, and the lineage's pinned evaluation set."""
 
-    keys: dict[str, str]  # conversation id -> split key
+    keys: dict[str, list[str]]  # conversation id -> its split keys
     val_fraction: float
     pinned_ids: frozenset[str] = frozenset()
     pinned_keys: frozenset[str] = frozenset()
@@ -86,15 +94,15 @@ class Split:
 
     def part_of_conversation(self, conversation_id: str) -> str:
         try:
-            key = self.keys[conversation_id]
+            keys = self.keys[conversation_id]
         except KeyError:
             raise SplitError(
                 f"conversation {conversation_id} is in the run's samples but not in {self.source}: the file changed "
                 "since extract read it. Restore it, or run extract again (clear the run's extract tasks)"
             ) from None
-        if conversation_id in self.pinned_ids or key in self.pinned_keys:
+        if conversation_id in self.pinned_ids or not self.pinned_keys.isdisjoint(keys):
             return EVALUATION
-        return part_of_key(key, self.val_fraction)
+        return part_of_keys(keys, self.val_fraction)
 
     def part(self, sample_id: str) -> str:
         return self.part_of_conversation(conversation_id_of(sample_id))
@@ -109,7 +117,7 @@ class Split:
     def pinned_out(self, sample_ids) -> int:
         """How many of these samples the pinned set takes out of the part their bucket gives them."""
         return sum(
-            self.part_of_conversation(c) == EVALUATION != part_of_key(self.keys[c], self.val_fraction)
+            self.part_of_conversation(c) == EVALUATION != part_of_keys(self.keys[c], self.val_fraction)
             for c in map(conversation_id_of, sample_ids)
         )
 
@@ -119,8 +127,8 @@ def source_stamp(path: Path) -> dict:
     return {"path": str(Path(path).resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
 
 
-def conversation_keys(cfg: RunConfig, conversations=None) -> dict[str, str]:
-    """{conversation id: split key} of every conversation of cfg.conversations_path, from RUN_DIR/split/keys.json
+def conversation_keys(cfg: RunConfig, conversations=None) -> dict[str, list[str]]:
+    """{conversation id: split keys} of every conversation of cfg.conversations_path, from RUN_DIR/split/keys.json
     while it was made by this rule from the file as it is (or the file is gone: a conversation id is a hash of the
     conversation, so a key recorded for it is never wrong, at most missing); else computed (from `conversations`,
     when the caller has read them already) and written there."""
@@ -142,7 +150,7 @@ def conversation_keys(cfg: RunConfig, conversations=None) -> dict[str, str]:
     if conversations is None:
         # "skip": a stage that trains on the file has already refused it if its bad lines are errors.
         conversations, _ = read_conversations(path, "skip", None, cfg.conversations_missing_hint)
-    keys = {c.sample_id: split_key(c) for c in conversations}
+    keys = {c.sample_id: split_keys(c) for c in conversations}
     if stamp["source"] is not None:
         atomic_write_text(cache, json.dumps({**stamp, "keys": keys}) + "\n")
     return keys
