@@ -116,7 +116,7 @@ def run_variant(source: Path, name: str, seed: int, train: dict) -> dict:
         "offline": report["offline_accept_length"],
         "measured": {
             k: {
-                "mean": r["mean_accept_length"],
+                "mean": r["accept_length"],
                 "interval95": r["accept_length_interval95"],
                 "share_of_ceiling": r["share_of_ceiling"],
                 "ceiling": r["ceiling_accept_length"],

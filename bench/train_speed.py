@@ -92,7 +92,7 @@ def worker(args) -> None:
         result |= {
             "validate_s": time.perf_counter() - started,
             "val_acc": val["val_acc"],
-            "offline": {k: v["mean_accept_length"] for k, v in val["val_offline"].items()},
+            "offline": {k: v["accept_length"] for k, v in val["val_offline"].items()},
             "val_loss": val["val_loss"],
         }
     print(json.dumps(result))

@@ -191,7 +191,7 @@ def test_local_run_produces_an_sglang_drafter_and_a_report(baseline_run):
     assert (baseline_run / "drafter" / "config.json").exists()
     assert (baseline_run / "drafter" / "model.safetensors").exists()
     report = json.loads((baseline_run / "evaluate" / "report.json").read_text())
-    assert report["speculative"]["3"]["mean_accept_length"] >= 1.0
+    assert report["speculative"]["3"]["accept_length"] >= 1.0
     assert list(baseline_run.glob("**/*.png")), "no plots"
     # The report task published the report and the plots where the report tab reads them (the API server needs no
     # SSH to the box): the settings' default store, $AIRFLOW_HOME/eagle3-reports.
@@ -200,7 +200,7 @@ def test_local_run_produces_an_sglang_drafter_and_a_report(baseline_run):
     assert len(list((published / "plots").glob("*.png"))) == len(list(baseline_run.glob("*/*.png"))) >= 3
     assert (
         json.loads((published / "summary.json").read_text())["summary"]["measured_accept_length"]["3"]
-        == report["speculative"]["3"]["mean_accept_length"]
+        == report["speculative"]["3"]["accept_length"]
     )
     for key in ("extract.0", "extract.1", "vocab", "train", "export", "evaluate"):
         state = job_state(baseline_run, key)
@@ -226,7 +226,7 @@ def test_the_promoted_drafter_is_an_asset_event_a_deployment_can_be_scheduled_on
     extra = json.loads(extra)
     assert (name, task_id) == ("eagle3_drafter", "promoted")
     assert extra["version"] == report["promotion"]["version"] and extra["previous"] is None
-    assert extra["accept_length"]["3"] == report["speculative"]["3"]["mean_accept_length"]
+    assert extra["accept_length"]["3"] == report["speculative"]["3"]["accept_length"]
     assert Path(extra["drafter"]).resolve() == Path(report["promotion"]["lineage_dir"]) / "versions" / extra["version"]
 
 

@@ -87,10 +87,10 @@ def test_generate_and_benchmark_run_in_the_dag(tiny_target, airflow_home, tmp_pa
     benchmark = json.loads((run_dir / "benchmark" / "benchmark.json").read_text())
     assert benchmark["prompts"] == 1
     assert benchmark["baseline"]["output_tokens_per_s"] > 0 and benchmark["eagle3"]["output_tokens_per_s"] > 0
-    assert benchmark["eagle3"]["mean_accept_length"] >= 1.0 and "mean_accept_length" not in benchmark["baseline"]
+    assert benchmark["eagle3"]["accept_length"] >= 1.0 and "accept_length" not in benchmark["baseline"]
     assert benchmark["speedup"] > 0 and (run_dir / "benchmark" / "benchmark.png").exists()
     assert benchmark["identical_outputs"] == "1/1"  # greedy speculation is lossless
-    print(f"stand-in benchmark: accept length {benchmark['mean_accept_length']}, speedup {benchmark['speedup']}")
+    print(f"stand-in benchmark: accept length {benchmark['accept_length']}, speedup {benchmark['speedup']}")
     assert "'engine': 'sglang'" in proc.stdout + proc.stderr  # the report task's summary carries the benchmark
     # This run's servers only (its port): the other xdist worker may be running stand-ins of its own right now.
     assert not stand_in_processes(port), "a stand-in server outlived its stage"

@@ -120,10 +120,15 @@ def test_vllm_serving_the_exported_drafter_measures_what_evaluate_measures(train
         # vLLM's acceptance, counted as evaluate counts it (drafts that reached the output), equals the project's:
         # the same drafter, the same layers, the same verification; cycle for cycle, position for position.
         assert theirs["cycles"] == ours["cycles"], (k, theirs, ours)
-        for figure in ("mean_accept_length", "first_cycle_accept_length", "later_cycles_accept_length"):
+        for figure in (
+            "accept_length",
+            "sglang_accept_length",
+            "first_cycle_accept_length",
+            "later_cycles_accept_length",
+        ):
             assert theirs[figure] == pytest.approx(ours[figure], abs=1e-9), (k, figure)
         assert theirs["accept_rate_per_position"] == pytest.approx(ours["accept_rate_per_position"], abs=1e-9)
-    assert report["speculative"]["3"]["mean_accept_length"] > 1.2  # a drafter that drafts, not an idle one
+    assert report["speculative"]["3"]["accept_length"] > 1.2  # a drafter that drafts, not an idle one
     log = (served.run_dir / "evaluate" / "server-k3.log").read_text()
     assert "Using auxiliary layers from speculative config: (2, 4, 5)" in log  # HF outputs 1, 3, 4: inputs 2, 4, 5
 

@@ -134,7 +134,7 @@ def test_the_public_sets_show_in_the_note_and_the_report_tab_beside_the_publishe
     from eagle3_airflow.results import summarize
 
     def figures(mean, low, high):
-        return {"mean_accept_length": mean, "accept_length_interval95": [low, high], "ceiling_accept_length": 3.9}
+        return {"accept_length": mean, "accept_length_interval95": [low, high], "ceiling_accept_length": 3.9}
 
     evaluation = {
         "val_acc_per_position": [0.8, 0.6],

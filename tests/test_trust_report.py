@@ -30,7 +30,7 @@ PNG = b"\x89PNG\r\n\x1a\n" + b"\0" * 64
 REPORT = {
     "val_acc_per_position": [0.61, 0.42],
     "offline_accept_length": {"3": 1.91},
-    "speculative": {"3": {"mean_accept_length": 1.87}},
+    "speculative": {"3": {"accept_length": 1.87}},
     "public_sets": {},
     "hidden_states": {"store": "/w/stores/ab", "samples": 48, "extracted": 48, "reused": 0},
     "promotion": {

@@ -161,7 +161,7 @@ def summarize(
             "report": f"{plan.run_dir}/{REPORT}",
             "plots": [f"{plan.run_dir}/{name}" for name in plots],
             "val_acc_per_position": [round(float(a), 3) for a in evaluation["val_acc_per_position"]],
-            "measured_accept_length": {k: v["mean_accept_length"] for k, v in evaluation["speculative"].items()},
+            "measured_accept_length": {k: v["accept_length"] for k, v in evaluation["speculative"].items()},
             # beside it: its noise over prompts, the ceiling on the same answers, training's offline prediction
             "accept_length_interval95": {
                 k: v.get("accept_length_interval95") for k, v in evaluation["speculative"].items()
@@ -175,7 +175,7 @@ def summarize(
                     "title": report.get("title", name),
                     "prompts": report.get("prompts"),
                     "answers_cut": report.get("answers_cut_at_max_new_tokens"),
-                    "accept_length": {k: v["mean_accept_length"] for k, v in report["speculative"].items()},
+                    "accept_length": {k: v["accept_length"] for k, v in report["speculative"].items()},
                     "interval95": {k: v.get("accept_length_interval95") for k, v in report["speculative"].items()},
                     "published_k3": report.get("published_k3"),
                 }
@@ -190,7 +190,7 @@ def summarize(
             summary["benchmark"] = {
                 "engine": benchmark["engine"],
                 "report": f"{plan.run_dir}/{BENCHMARK_REPORT}",
-                "accept_length": benchmark["mean_accept_length"],
+                "accept_length": benchmark["accept_length"],
                 "output_tokens_per_s": {
                     name: benchmark[name]["output_tokens_per_s"] for name in ("baseline", "eagle3")
                 },

@@ -480,7 +480,7 @@ def test_trigger_form_run_and_clear_in_a_real_browser(standalone, chromium, arti
             for one in public.values():
                 row = report.locator("#public-sets tr", has_text=one["title"])
                 for k in ("3", "7"):
-                    expect(row).to_contain_text(f"{one['speculative'][k]['mean_accept_length']:.3f}")
+                    expect(row).to_contain_text(f"{one['speculative'][k]['accept_length']:.3f}")
             expect(report.locator("#public-sets tr", has_text="GSM8K")).to_contain_text("3.20")
             shot("report-tab")
         except Exception as err:

@@ -5,9 +5,16 @@
                                states with the drafter's own chains (replay): what picks the best checkpoint
   ceiling                      a drafter that always agrees with the target, on the same answers (ceiling)
 
-The headline is SGLang's scheduler metric, avg_spec_accept_length: tokens committed per verify step, the accepted
-drafts plus the target's own bonus token. The first cycle of an answer (drafted right after prefill, from the
-prompt's last token) is shown apart from the later ones: on short answers it is a large share of all.
+Three conventions, each under its own name (docs/decisions/2026-12-07-acceptance-conventions.md):
+  accept_length                       the headline: tokens committed per verify step (an answer's tokens after
+                                      prefill's first, over its verify steps); a step whose accepted drafts end the
+                                      answer commits no bonus token
+  sglang_accept_length                SGLang's scheduler metric avg_spec_accept_length: 1 + drafts accepted per verify
+                                      step, a bonus token counted every step
+  completion_tokens_per_verify_step   N/S, SpecForge's bench_eagle3 and meta_info's spec_accept_length: prefill's
+                                      token counted too
+They meet on long answers; on short ones the headline is the lowest. The first cycle of an answer (drafted right
+after prefill, from the prompt's last token) is shown apart from the later ones, in SGLang's count.
 
 Offline, position t of a stored sample drafts as decoding would after committing token t+1 (the drafter's input at t
 is token t+1; draft step j predicts token t+2+j). A cycle can start at t only inside an answer: tokens t+1 and t+2
@@ -25,9 +32,9 @@ import math
 import numpy as np
 
 
-def figures(cycles: list[int], first_cycles: list[int], k: int) -> dict:
+def figures(cycles: list[int], first_cycles: list[int], k: int, committed: int) -> dict:
     """Acceptance of one draft length from the drafts accepted in each cycle (`first_cycles`: those of the answers'
-    first cycles, also in `cycles`)."""
+    first cycles, also in `cycles`) and the tokens those cycles committed (committed_tokens)."""
 
     def per_step(accepted: int, steps: int) -> float:
         return 1 + accepted / max(steps, 1)
@@ -35,12 +42,20 @@ def figures(cycles: list[int], first_cycles: list[int], k: int) -> dict:
     reached = [sum(a >= j for a in cycles) for j in range(k + 1)]
     later = (sum(cycles) - sum(first_cycles), len(cycles) - len(first_cycles))
     return {
-        "mean_accept_length": per_step(sum(cycles), len(cycles)),
+        "accept_length": committed / max(len(cycles), 1),
+        "sglang_accept_length": per_step(sum(cycles), len(cycles)),
         "first_cycle_accept_length": per_step(sum(first_cycles), len(first_cycles)),
         "later_cycles_accept_length": per_step(*later),
         "accept_rate_per_position": [reached[j + 1] / max(reached[j], 1) for j in range(k)],
         "cycles": len(cycles),
     }
+
+
+def committed_tokens(answer) -> int:
+    """Tokens the verify steps over a stored sample commit: each answer token that follows another (an answer's
+    first token comes from prefill, or from the step that ended the turn before)."""
+    answer = np.asarray(answer, dtype=bool)
+    return int((answer[1:] & answer[:-1]).sum())
 
 
 def answer_tokens_ahead(answer: np.ndarray) -> np.ndarray:
@@ -84,14 +99,14 @@ def ceiling_cycles(answer_length: int, k: int) -> list[int]:
 
 
 def interval95(per_prompt: list[tuple[int, int]], resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
-    """A 95% bootstrap interval (percentiles) of the mean acceptance length 1 + sum(accepted) / sum(cycles), from
-    each prompt's (drafts accepted, cycles): prompts are resampled, as another set of the same size drawn from the
+    """A 95% bootstrap interval (percentiles) of the acceptance length sum(committed) / sum(verify steps), from each
+    prompt's (tokens committed, verify steps): prompts are resampled, as another set of the same size drawn from the
     same source would differ."""
     if not per_prompt:
         return math.nan, math.nan
     counts = np.asarray(per_prompt, dtype=np.int64)
     drawn = counts[np.random.default_rng(seed).integers(0, len(counts), size=(resamples, len(counts)))]
-    means = 1 + drawn[..., 0].sum(1) / np.maximum(drawn[..., 1].sum(1), 1)
+    means = drawn[..., 0].sum(1) / np.maximum(drawn[..., 1].sum(1), 1)
     low, high = np.percentile(means, [2.5, 97.5])
     return float(low), float(high)
 

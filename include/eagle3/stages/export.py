@@ -185,9 +185,7 @@ def run_export(cfg: RunConfig) -> dict:
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
         (tmp / DRAFTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         (tmp / EXPORT_RECORD).write_text(json.dumps(report, indent=2) + "\n")
-    offline = ", ".join(
-        f"k={k} {figures['mean_accept_length']:.3f}" for k, figures in (report["val_offline"] or {}).items()
-    )
+    offline = ", ".join(f"k={k} {figures['accept_length']:.3f}" for k, figures in (report["val_offline"] or {}).items())
     log.info("export: step %d (offline acceptance length %s) -> %s", meta["step"], offline or "not recorded", out)
     for engine, reading in engines.items():
         if reading["served"]:

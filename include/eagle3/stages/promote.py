@@ -97,10 +97,10 @@ def check_inputs(cfg: RunConfig) -> dict:
 
 def decide(new: dict, current: dict | None, k: int, margin: float) -> tuple[bool, str]:
     """(promote?, why) from the measured acceptance length per k of the new and the current drafter."""
-    ours = new[str(k)]["mean_accept_length"]
+    ours = new[str(k)]["accept_length"]
     if current is None:
         return True, f"the lineage's first drafter (k={k}: {ours:.3f})"
-    theirs = current[str(k)]["mean_accept_length"]
+    theirs = current[str(k)]["accept_length"]
     if ours > theirs + margin:
         return True, f"better at k={k}: {ours:.3f} against the current {theirs:.3f} (margin {margin:g})"
     return False, f"not better at k={k} by more than {margin:g}: {ours:.3f} against the current {theirs:.3f}"
@@ -245,7 +245,7 @@ def compare_and_promote(
     warm-started from, or None) if it is better by evaluate.promote_margin (decide). `hold`: decide, but leave the
     switch to `lineage promote`, which the DAG runs once a person approved (the deployment's approve_promotion)."""
     k = cfg.evaluate.draft_lengths[0]
-    figures = {key: value["mean_accept_length"] for key, value in results.items()}
+    figures = {key: value["accept_length"] for key, value in results.items()}
     outcome = {
         "lineage": lineage.key,
         "lineage_dir": str(lineage.dir),
@@ -270,7 +270,7 @@ def compare_and_promote(
                 "reason": f"this drafter is the current one already ({current.name}, the same weights)",
             }
         theirs = measure_drafter(current.path)
-        outcome["current_before"]["accept_length"] = {key: v["mean_accept_length"] for key, v in theirs.items()}
+        outcome["current_before"]["accept_length"] = {key: v["accept_length"] for key, v in theirs.items()}
     promote, reason = decide(results, theirs, k, cfg.evaluate.promote_margin)
     log.info("evaluate: %s %s", "promoting this run's drafter:" if promote else "not promoted:", reason)
     if not promote:

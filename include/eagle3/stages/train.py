@@ -75,8 +75,8 @@ from eagle3.disk.layout import (
     WEIGHTS,
 )
 from eagle3.jobs.progress import beat, human_duration
+from eagle3.model.acceptance import committed_tokens, replay
 from eagle3.model.acceptance import figures as acceptance_figures
-from eagle3.model.acceptance import replay
 from eagle3.model.drafter import LM_HEAD_KEYS, Eagle3Draft, Rows, build_draft_model, load_target_tensor
 from eagle3.records.checkpoint import BEST_BY, checkpoint_dirs, load_checkpoint, read_meta, save_checkpoint
 from eagle3.records.lineage import Lineage, weights_digest
@@ -532,7 +532,7 @@ class Trainer:
         self.ddp = nn.parallel.DistributedDataParallel(self.objective) if self.distributed else self.objective
 
         lengths = {sid: loc.end - loc.start for sid, loc in self.store.locations.items()}
-        # The split by first user prompt (eagle3.stages.split): training, validation (the best checkpoint) and
+        # The split by user turn (eagle3.stages.split): training, validation (the best checkpoint) and
         # evaluation are disjoint, and the lineage's pinned evaluation set is in evaluation, whatever this run's split
         # says.
         split = run_split(cfg)
@@ -677,6 +677,7 @@ class Trainer:
         steps, ks = self.cfg.train.ttt_length, self.cfg.evaluate.draft_lengths
         loss_sum, batch_count, count, hits = 0.0, 0, 0, [0.0] * steps
         cycles = {k: ([], []) for k in ks}  # per k: drafts accepted per cycle, and those of first cycles
+        committed = 0  # tokens the cycles of any k commit: every answer token but each turn's first
         batches = plan_epoch(self.val_ids, self.cfg.train.batch_tokens, self.cfg.seed, epoch=0)
         lengths = dict(self.val_ids)
         mine = sorted(batches[self.rank :: self.world], key=lambda ids: max(lengths[sid] for sid in ids))
@@ -702,11 +703,13 @@ class Trainer:
                 count, loss_sum, batch_count = count + weight, loss_sum + loss, batch_count + 1
             agrees, answers = agrees.cpu().numpy(), batch["loss_mask"].bool().cpu().numpy()
             for row, length in enumerate(batch["lengths"].tolist()):
+                committed += committed_tokens(answers[row, :length])
                 for k, (all_cycles, first_cycles) in cycles.items():
                     these, firsts = replay(agrees[:, row, :length], answers[row, :length], k)
                     all_cycles += these
                     first_cycles += firsts
-        shares = [{"loss": loss_sum, "batches": batch_count, "hits": hits, "count": count, "cycles": cycles}]
+        share = {"loss": loss_sum, "batches": batch_count, "hits": hits, "count": count, "cycles": cycles}
+        shares = [{**share, "committed": committed}]
         if self.distributed:
             mine, shares = shares[0], [None] * self.world
             dist.all_gather_object(shares, mine)
@@ -716,6 +719,7 @@ class Trainer:
                 [c for s in shares for c in s["cycles"][k][0]],
                 [c for s in shares for c in s["cycles"][k][1]],
                 min(k, steps),
+                sum(s["committed"] for s in shares),
             )
             for k in ks
         }
@@ -723,7 +727,7 @@ class Trainer:
             "val_loss": sum(s["loss"] for s in shares) / max(sum(s["batches"] for s in shares), 1),
             "val_acc": [sum(s["hits"][i] for s in shares) / max(count, 1) for i in range(steps)] if count else [],
             "val_offline": offline,
-            BEST_BY: offline[str(ks[0])]["mean_accept_length"],
+            BEST_BY: offline[str(ks[0])]["accept_length"],
         }
 
     def log_metrics(self, metrics_file: Path, record: dict) -> None:
@@ -770,7 +774,7 @@ class Trainer:
         started = time.monotonic()
         path = save_checkpoint(self.ckpt_root, state, meta, self.cfg.train.keep_last, self.best["step"])
         offline = ", ".join(
-            f"k={k} {figures['mean_accept_length']:.3f} (first cycle {figures['first_cycle_accept_length']:.3f})"
+            f"k={k} {figures['accept_length']:.3f} (first cycle {figures['first_cycle_accept_length']:.3f})"
             for k, figures in val["val_offline"].items()
         )
         log.info(
@@ -871,7 +875,7 @@ def plot_metrics(metrics_file: Path, loss_png: Path, accuracy_png: Path) -> None
         for k in val[-1].get("val_offline") or {}:
             acceptance.plot(
                 steps,
-                [(r.get("val_offline") or {}).get(k, {}).get("mean_accept_length") for r in val],
+                [(r.get("val_offline") or {}).get(k, {}).get("accept_length") for r in val],
                 marker="o",
                 label=f"k={k}",
             )

@@ -3,7 +3,7 @@
     python -m eagle3 evaluate --config RUN_DIR/config.json
 
 For each draft length k in evaluate.draft_lengths, on held-out prompts (the evaluation part of the run's split by
-first user prompt, eagle3.stages.split; first and later user turns: held_out): greedy chain drafting of k tokens with
+user turn, eagle3.stages.split; first and later user turns: held_out): greedy chain drafting of k tokens with
 the EXPORTED drafter (RUN_DIR/drafter), verification by the target, accept the longest agreeing prefix plus the target's
 own next token. With evaluate.sampling "serving" the answers are drawn at the target's serving temperature instead,
 and each draft is accepted by the speculative sampling rule (SamplingRule), as SGLang and vLLM verify it. Where
@@ -15,14 +15,15 @@ and each draft is accepted by the speculative sampling rule (SamplingRule), as S
           way for targets transformers cannot hold (Kimi-K2.5). Every engine counts the drafts of each verify step
           that reached the output (eagle3.engines), as the hf path does.
 Writes {run dir}/evaluate/:
-  report.json   per k: mean acceptance length (tokens committed per verify step: SGLang's scheduler metric
-                avg_spec_accept_length, which benchmark reports too), the same for the first cycle of each
-                answer (drafted right after prefill) and for the later ones, completion tokens per verify
-                step (meta_info's spec_accept_length, labelled), the acceptance rate of each draft
+  report.json   per k: the acceptance length (accept_length: tokens committed per verify step), SGLang's
+                scheduler count (sglang_accept_length) and N/S (completion_tokens_per_verify_step: SpecForge's
+                bench, meta_info's spec_accept_length) beside it, SGLang's count for the first cycle of each
+                answer (drafted right after prefill) and for the later ones, the acceptance rate of each draft
                 position (where the engine reports steps: not SGLang), a 95% interval over prompts, the ceiling
-                (a drafter that always agrees with the target, on the same answers) and the share of it reached
-                (eagle3.model.acceptance); beside them the offline figure training picked the checkpoint by (decoding
-                replayed on the validation split); and whether every speculative output equalled plain greedy
+                (a drafter that always agrees with the target, on the same answers, in the headline's count) and
+                the share of it reached (eagle3.model.acceptance); the held-out answers training holds verbatim
+                or nearly (eagle3.data.overlap); beside them the offline figure training picked the checkpoint by
+                (decoding replayed on the validation split); and whether every speculative output equalled plain greedy
                 decoding (of the same target in the same backend; on hf the first k's answers confirmed by one
                 forward pass each, decoding.confirmed_greedy_rows) token for token (it must: verification makes
                 speculation lossless); sampled, a permutation test's p-value that they follow plain sampling's
@@ -73,7 +74,7 @@ from eagle3.stages.evaluate.measurers import (
     measure_drafter,
     public_sets_report,
 )
-from eagle3.stages.evaluate.prompts import HeldOutSet, eval_set_record, held_out
+from eagle3.stages.evaluate.prompts import HeldOutSet, answers_seen_in_training, eval_set_record, held_out
 from eagle3.stages.promote import compare_and_promote
 from eagle3.stages.split import TRAINING, run_split
 from eagle3.stages.train import started_from
@@ -159,12 +160,15 @@ def run_evaluate(cfg: RunConfig, hold_promotion: bool = False) -> dict:
             "top_k": measurer.sampling.top_k,
         },
         "generated_tokens": sum(len(b) for b in held.baseline),
+        # the held-out answers that training holds word for word, or nearly (eagle3.data.overlap): measuring those
+        # measures memory
+        "held_out_answers_in_training": answers_seen_in_training(cfg, pinned),
         "speculative": results,
         # per public set (evaluate.benchmarks), per published configuration k: the same figures
         # (eagle3.data.public_sets)
         "public_sets": public_sets_report(cfg, public, on_public, tokenizing),
         # per k, decoding replayed on the validation split's stored states (eagle3.stages.train): training's prediction
-        "offline_accept_length": {k: figures["mean_accept_length"] for k, figures in export["val_offline"].items()},
+        "offline_accept_length": {k: figures["accept_length"] for k, figures in export["val_offline"].items()},
         "target_greedy_accuracy_held_out": target_greedy_accuracy(cfg, *measurer.lm_head()),
         "val_acc_per_position": export["val_acc"],
         "hidden_states": extraction_summary(cfg),

@@ -101,7 +101,9 @@ class Answer:
         return len(self.seq) - len(self.prompt)
 
     def running(self, max_new: int, eos: set[int]) -> bool:
-        return not self.ended and self.new_tokens() < max_new and self.token not in eos
+        """Whether another verify step is due: the token not yet committed neither ends the turn nor fills
+        max_new (an engine stops there, before a step whose drafts could not reach the answer)."""
+        return not self.ended and self.new_tokens() + 1 < max_new and self.token not in eos
 
 
 def speculative_decode_rows(
@@ -135,7 +137,7 @@ def speculative_decode_rows(
                 answer.token = following
     results = []
     for answer in answers:
-        if not answer.ended and answer.token in eos and answer.new_tokens() < max_new:
+        if not answer.ended and answer.new_tokens() < max_new:  # the last token committed: an end of turn, or the cut
             answer.seq.append(answer.token)
         tokens = answer.seq[len(answer.prompt) : len(answer.prompt) + max_new]
         results.append((tokens, reached_per_step(answer.accepted, len(tokens))))  # a cut last step counts what reached

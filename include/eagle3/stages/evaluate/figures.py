@@ -44,22 +44,25 @@ def figures_of(
     cycles = [a for _, accepted in answers for a in accepted]
     first_cycles = [accepted[0] for _, accepted in answers if accepted]
     checked, checked_text = lossless([tokens for tokens, _ in answers], baseline, sampling)
-    figures = acceptance.figures(cycles, first_cycles, k)
-    # meta_info's spec_accept_length: completion tokens (prefill's first one too) / verify steps
+    per_prompt = [(committed(tokens), len(accepted)) for tokens, accepted in answers]
+    figures = acceptance.figures(cycles, first_cycles, k, sum(c for c, _ in per_prompt))
     figures["completion_tokens_per_verify_step"] = sum(len(tokens) for tokens, _ in answers) / max(len(cycles), 1)
-    figures.update(
-        noise_and_ceiling(
-            [(sum(accepted), len(accepted)) for _, accepted in answers], baseline, k, figures["mean_accept_length"]
-        )
+    # verify steps with fewer than k answer tokens left: there not even a perfect drafter could show k
+    figures["cycles_capped_by_answer_end"] = sum(
+        capped_by_answer_end(len(tokens), accepted, k) for tokens, accepted in answers
     )
+    figures.update(noise_and_ceiling(per_prompt, baseline, k, figures["accept_length"]))
     figures.update(checked)
     log.info(
-        "evaluate: %sk=%d: mean acceptance length %.3f %s over %d cycles (first cycle %.3f); %s; %s",
+        "evaluate: %sk=%d: acceptance length %.3f %s over %d cycles (SGLang's count %.3f, N/S %.3f; first cycle "
+        "%.3f); %s; %s",
         label,
         k,
-        figures["mean_accept_length"],
+        figures["accept_length"],
         interval_text(figures),
         len(cycles),
+        figures["sglang_accept_length"],
+        figures["completion_tokens_per_verify_step"],
         figures["first_cycle_accept_length"],
         ceiling_text(figures),
         checked_text,
@@ -75,28 +78,29 @@ def figures_of_totals(
     steps = sum(c.verify_steps or 0 for c in completions)
     tokens = sum(len(c.output_ids) for c in completions)
     checked, checked_text = lossless([c.output_ids for c in completions], baseline, sampling)
+    per_prompt = [(committed(c.output_ids), c.verify_steps or 0) for c in completions]
     figures = {
-        "mean_accept_length": 1 + sum(c.accepted or 0 for c in completions) / max(steps, 1),
+        "accept_length": sum(c for c, _ in per_prompt) / max(steps, 1),
+        "sglang_accept_length": 1 + sum(c.accepted or 0 for c in completions) / max(steps, 1),
         "first_cycle_accept_length": None,
         "later_cycles_accept_length": None,
         "completion_tokens_per_verify_step": tokens / max(steps, 1),
         "accept_rate_per_position": None,
         "cycles": steps,
+        "cycles_capped_by_answer_end": None,
         **checked,
     }
-    figures.update(
-        noise_and_ceiling(
-            [(c.accepted or 0, c.verify_steps or 0) for c in completions], baseline, k, figures["mean_accept_length"]
-        )
-    )
+    figures.update(noise_and_ceiling(per_prompt, baseline, k, figures["accept_length"]))
     log.info(
-        "evaluate: %sk=%d: mean acceptance length %.3f %s over %d cycles (the engine reports totals: no first "
-        "cycle or per-position rates); %s; %s",
+        "evaluate: %sk=%d: acceptance length %.3f %s over %d cycles (SGLang's count %.3f, N/S %.3f; the engine "
+        "reports totals: no first cycle or per-position rates); %s; %s",
         label,
         k,
-        figures["mean_accept_length"],
+        figures["accept_length"],
         interval_text(figures),
         steps,
+        figures["sglang_accept_length"],
+        figures["completion_tokens_per_verify_step"],
         ceiling_text(figures),
         checked_text,
     )
@@ -115,12 +119,27 @@ def figures_of_completions(
     return figures_of_totals(completions, baseline, k, label, sampling)
 
 
+def capped_by_answer_end(length: int, accepted: list[int], k: int) -> int:
+    """How many of an answer's verify steps started with fewer than k of its tokens left to commit."""
+    capped, done = 0, 1  # prefill commits the first token
+    for drafts in accepted:
+        capped += length - done < k
+        done += drafts + 1
+    return capped
+
+
+def committed(answer: list[int]) -> int:
+    """The tokens of an answer its verify steps committed: all but prefill's first."""
+    return max(len(answer) - 1, 0)
+
+
 def noise_and_ceiling(per_prompt: list[tuple[int, int]], baseline: list[list[int]], k: int, measured: float) -> dict:
-    """Beside a measured acceptance length: its 95% interval over prompts (another set of prompts of the same size
-    would differ by about that much), and the ceiling, what a drafter that always agrees with the target would
-    reach on the same greedy answers (eagle3.model.acceptance.ceiling_cycles), with the share of it reached."""
-    ceiling = [acceptance.ceiling_cycles(len(answer), k) for answer in baseline]
-    ceiling_length = 1 + sum(map(sum, ceiling)) / max(sum(map(len, ceiling)), 1)
+    """Beside a measured acceptance length: its 95% interval over prompts ((tokens committed, verify steps) of each;
+    another set of prompts of the same size would differ by about that much), and the ceiling in the same count,
+    what a drafter that always agrees with the target would reach on the same answers
+    (eagle3.model.acceptance.ceiling_cycles), with the share of it reached."""
+    steps = sum(len(acceptance.ceiling_cycles(len(answer), k)) for answer in baseline)
+    ceiling_length = sum(committed(answer) for answer in baseline) / max(steps, 1)
     return {
         "accept_length_interval95": list(acceptance.interval95(per_prompt)),
         "ceiling_accept_length": ceiling_length,
@@ -152,7 +171,7 @@ def plot_acceptance(report: dict, path) -> None:
             range(1, len(rates) + 1),
             rates,
             marker="o",
-            label=f"k={k}: accept length {result['mean_accept_length']:.2f} [{low:.2f}, {high:.2f}] of "
+            label=f"k={k}: accept length {result['accept_length']:.2f} [{low:.2f}, {high:.2f}] of "
             f"{result.get('ceiling_accept_length', math.nan):.2f} possible; offline {offline.get(k, math.nan):.2f}"
             + ("" if rates else " (per position: not reported)"),
         )
