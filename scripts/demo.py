@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from eagle3.demo.tiny_target import BUILD_REPORT, MIN_EXACT_MATCH
 from eagle3.disk import layout
 
 REPO = Path(__file__).resolve().parents[1]
@@ -192,11 +193,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def refuse_a_target_that_did_not_learn(target: Path) -> None:
+    """The demo's figures say something about drafting only if the target answers prompts it never saw: a target that
+    did not learn its task would have the drafter measured on noise, or on answers learnt by heart."""
+    report = read_json(target / BUILD_REPORT)
+    matched = report["held_out_exact_match"]
+    print(f"[demo] the tiny target answers {matched:.1%} of {report['held_out_prompts']} unseen prompts exactly")
+    if matched < MIN_EXACT_MATCH:
+        sys.exit(
+            f"[demo] {target / BUILD_REPORT}: held_out_exact_match {matched:.3f} is under {MIN_EXACT_MATCH}: the "
+            f"target did not learn its task; rebuild it with more steps (python -m eagle3 make-tiny-target "
+            f"--train-steps N DIR) and point target.model_path at it"
+        )
+
+
 def main() -> None:
     args = parse_args()
     started = time.monotonic()
     WORKDIR.mkdir(exist_ok=True)
     step("build the tiny target", [sys.executable, "-m", "eagle3", "make-tiny-target", str(TINY_TARGET)])
+    refuse_a_target_that_did_not_learn(TINY_TARGET)
     env = airflow_env(args.state_dtype)
     step("migrate the demo's Airflow DB (SQLite)", [AIRFLOW, "db", "migrate"], env=env, stdout=subprocess.DEVNULL)
     step(
@@ -276,11 +292,19 @@ def print_summary(run_dir: Path, total_s: float) -> None:
         low, high = result["accept_length_interval95"]
         print(
             f"evaluate    {job_seconds(run_dir, 'evaluate'):<15} k={k}: measured acceptance length "
-            f"{result['mean_accept_length']:.3f} (95% interval {low:.3f}-{high:.3f}; first cycle "
+            f"{result['accept_length']:.3f} (95% interval {low:.3f}-{high:.3f}; SGLang's count "
+            f"{result['sglang_accept_length']:.3f}, N/S {result['completion_tokens_per_verify_step']:.3f}; first cycle "
             f"{result['first_cycle_accept_length']:.3f}, later {result['later_cycles_accept_length']:.3f}) on "
             f"{report['prompts']} held-out prompts, {result['share_of_ceiling']:.0%} of the ceiling "
-            f"{result['ceiling_accept_length']:.3f}; outputs equal to greedy: {result['identical_to_greedy']}"
+            f"{result['ceiling_accept_length']:.3f}; {result['cycles_capped_by_answer_end']}/{result['cycles']} "
+            f"verify steps had fewer than {k} answer tokens left; outputs equal to greedy: "
+            f"{result['identical_to_greedy']}"
         )
+    seen = report["held_out_answers_in_training"]
+    print(
+        f"            {'':15} held-out answers that training holds: {seen['verbatim']}/{seen['answers']} verbatim, "
+        f"{seen['near_duplicates']} more nearly"
+    )
     promotion = report["promotion"]
     print(
         f"promotion   {'':15} {'promoted' if promotion['promoted'] else 'not promoted'}: {promotion['reason']}; "

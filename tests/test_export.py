@@ -48,7 +48,8 @@ def test_export_has_exactly_the_keys_sglang_loads_and_round_trips(trained_config
     config = json.loads((drafter / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["model_type"] == "llama"
     assert config["num_hidden_layers"] == 1 and config["tie_word_embeddings"] is False
-    assert (config["vocab_size"], config["draft_vocab_size"]) == (849, 512)
+    target_vocab = json.loads((tiny_target / "config.json").read_text())["vocab_size"]
+    assert (config["vocab_size"], config["draft_vocab_size"]) == (target_vocab, 512)
     assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]  # inputs of layers 2, 4, 5
     assert config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
     assert {engine: (reading["served"], reading["hf_layers"]) for engine, reading in report["engines"].items()} == {
@@ -60,7 +61,7 @@ def test_export_has_exactly_the_keys_sglang_loads_and_round_trips(trained_config
     loaded, draft_to_target = load_exported_drafter(drafter, tiny_target)
     trained = build_draft_model(tiny_target, 512, [1, 3, 4])
     trained.load_state_dict(load_checkpoint(Path(report["checkpoint"]))["model"], strict=False)
-    ids, aux = torch.randint(0, 849, (1, 12)), torch.randn(1, 12, 768)
+    ids, aux = torch.randint(0, 512, (1, 12)), torch.randn(1, 12, 768)
     positions = torch.arange(12)[None]
     with torch.no_grad():
         want, _ = trained.step(ids, trained.fc(aux), positions, [])
@@ -114,7 +115,7 @@ def test_eagle31_norms_are_exported_as_the_engines_name_them_and_round_trip(trai
     assert names == set(EXPORT_KEYS) | {"fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight", "d2t", "t2d"}
 
     loaded, _ = load_exported_drafter(drafter, tiny_target)
-    ids, aux = torch.randint(0, 849, (1, 12)), torch.randn(1, 12, 768)
+    ids, aux = torch.randint(0, 512, (1, 12)), torch.randn(1, 12, 768)
     loud = aux.clone()
     loud[..., 256:512] *= 1000  # one layer's states far larger, as a deep target's are
     positions = torch.arange(12)[None]

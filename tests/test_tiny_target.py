@@ -1,20 +1,27 @@
-"""The tiny target: a real DeepSeek-V3 model with MLA and MoE, deterministic for a seed, cached, and
-trained enough that its next-token distributions on the synthetic task are peaked."""
+"""The tiny target: a real DeepSeek-V3 model with MLA and MoE, deterministic for a seed, cached, trained on the
+assistant's tokens only, and answering prompts it never saw."""
 
 from __future__ import annotations
 
 import json
 import os
 import random
-import re
+import string
 import subprocess
 import sys
 
 import pytest
-import torch
 
-from eagle3.data.samples import SampleTokenizer, read_conversations
-from eagle3.demo.tiny_target import TinyTargetSpec, _task, build
+from eagle3.demo.tiny_target import (
+    BUILD_REPORT,
+    MIN_EXACT_MATCH,
+    TinyTargetSpec,
+    _task,
+    build,
+    exact_match,
+    synthetic_conversation,
+    unseen,
+)
 
 SMALL = TinyTargetSpec(hidden_size=64, num_layers=5, train_steps=3, num_prompts=20)
 
@@ -56,8 +63,61 @@ def test_same_seed_same_files_and_a_second_build_is_reused(tmp_path):
     assert (other / "model.safetensors").read_bytes() != (a / "model.safetensors").read_bytes()
 
 
+def test_the_loss_is_on_the_assistants_tokens_of_the_chat_template_rendering():
+    from eagle3.demo.tiny_target import CHAT_TEMPLATE, SYSTEM_PROMPT, render, train_tokenizer
+
+    rng = random.Random(0)
+    tokenizer = train_tokenizer([json.dumps(synthetic_conversation(rng)) for _ in range(200)] + [CHAT_TEMPLATE], 400)
+    messages = [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": "Count from 3 to 9."},
+        {"role": "assistant", "content": "3 4 5 6 7 8 9."},
+        {"role": "user", "content": "Say apple 3 times."},
+        {"role": "assistant", "content": "apple apple apple."},
+    ]
+    ids, answer = render(tokenizer, messages)
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False)
+    assert ids == tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    trained = tokenizer.decode([t for t, a in zip(ids, answer) if a])
+    assert trained == "3 4 5 6 7 8 9.<|im_end|>apple apple apple.<|im_end|>"
+
+
+def test_every_answer_follows_from_its_question():
+    """The task's answers are functions of the prompt (what the target must learn, and a drafter must read)."""
+    rng = random.Random(1)
+    for question, answer in (_task(rng) for _ in range(300)):
+        for asked, said in zip(question.rstrip(".").split(", then "), answer.rstrip(".").split(", then ")):
+            words = asked.lower().split()
+            if words[0] == "say":
+                assert said == " ".join([words[1]] * int(words[2]))
+            elif words[0] == "count":
+                step = {"twos": 2, "threes": 3}.get(words[words.index("by") + 1], 1) if "by" in words else 1
+                start, end = int(words[-3]), int(words[-1])
+                numbers = list(range(start, end + (1 if end > start else -1), step if end > start else -step))
+                assert said == " ".join(map(str, numbers)) and numbers[-1] == end
+            else:
+                first, last = words[-3], words[-1]
+                assert (
+                    said.replace(" ", "")
+                    in (string.ascii_lowercase, string.ascii_lowercase[::-1])["backwards" in words]
+                    and said[0] == first
+                    and said[-1] == last
+                )
+
+
+def test_the_unseen_questions_are_never_trained_on():
+    rng = random.Random(2)
+    conversations = [synthetic_conversation(rng, trained_only=True) for _ in range(2000)]
+    asked = [m["content"] for conversation in conversations for m in conversation if m["role"] == "user"]
+    assert asked and not [question for question in asked if unseen(question)]
+    everything = [_task(rng)[0] for _ in range(2000)]
+    assert 0.05 < sum(map(unseen, everything)) / len(everything) < 0.15  # 1 in UNSEEN_SHARE (10)
+
+
 @pytest.mark.slow
-def test_the_default_target_is_deepseek_v3_shaped_and_has_learned_the_task(tiny_target):
+def test_the_default_target_is_deepseek_v3_shaped_and_answers_prompts_it_never_saw(tiny_target):
+    """The demo refuses a target under MIN_EXACT_MATCH on unseen prompts (scripts/demo.py); the figure the build
+    recorded is checked here on fresh prompts, not taken from the record."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     config = json.loads((tiny_target / "config.json").read_text())
@@ -65,41 +125,9 @@ def test_the_default_target_is_deepseek_v3_shaped_and_has_learned_the_task(tiny_
     assert config["num_hidden_layers"] == 8 and config["hidden_size"] == 256
     assert config["kv_lora_rank"] > 0 and config["n_routed_experts"] > 1  # MLA + MoE, like Kimi-K2.5
 
+    report = json.loads((tiny_target / BUILD_REPORT).read_text())
+    assert report["held_out_exact_match"] >= MIN_EXACT_MATCH
     tokenizer = AutoTokenizer.from_pretrained(tiny_target)
     model = AutoModelForCausalLM.from_pretrained(tiny_target).eval()
-
-    def answer(question: str) -> str:
-        messages = [{"role": "user", "content": question}]
-        prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
-        with torch.no_grad():
-            out = model.generate(ids, max_new_tokens=24, do_sample=False)
-        return tokenizer.decode(out[0, ids.shape[1] :])
-
-    # The answer formats are learned: every answer is one of the tasks' and ends its turn. Which format a prompt gets
-    # depends on the CPU's float arithmetic, as the target mostly memorises (issue 53): on some CPUs every addition
-    # is answered "Sorted: 0 8 21 47." So the prompt is asserted to steer the format, not to pick the right one.
-    formats = [
-        r"\d+ \+ \d+ = \d+\.",
-        r"Sorted:( \d+)+\.",
-        r"The letter \w appears \d+ times? in \w+\.",
-        r"Reversed:( \w+)+\.",
-    ]
-    rng = random.Random(0)
-    questions = [question for question, _ in (_task(rng) for _ in range(20)) if not question.startswith("Repeat")]
-    answered = [
-        next((i for i, f in enumerate(formats) if re.fullmatch(f + r"<\|im_end\|>", answer(q))), None)
-        for q in questions
-    ]
-    assert None not in answered, [answer(q) for q, i in zip(questions, answered) if i is None]
-    assert len(set(answered)) >= 3  # 3 of the 4 tasks' formats on the CPU that answers additions so
-
-    # Peaked next-token distributions on held-out assistant tokens (untrained: ~1/vocab = 0.001).
-    conversations, _ = read_conversations(tiny_target / "prompts.jsonl", max_samples=30)
-    top1 = []
-    for conversation in conversations:
-        [sample] = SampleTokenizer(tokenizer, 4096).samples(conversation)
-        with torch.no_grad():
-            probs = model(torch.tensor([sample.input_ids])).logits[0, :-1].softmax(-1)
-        top1.append(probs.max(-1).values[torch.tensor(sample.loss_mask[1:]).bool()])
-    assert torch.cat(top1).mean() > 0.4  # measured 0.50
+    # Unseen questions of another stream than the build's.
+    assert exact_match(model, tokenizer, random.Random(7), prompts=50) >= MIN_EXACT_MATCH

@@ -48,14 +48,8 @@ def load_config(path: str):
 def cmd_make_tiny_target(args) -> None:
     from eagle3.demo.tiny_target import TinyTargetSpec, build
 
-    spec = TinyTargetSpec(
-        hidden_size=args.hidden_size,
-        num_layers=args.num_layers,
-        moe=not args.dense,
-        train_steps=args.train_steps,
-        num_prompts=args.num_prompts,
-        seed=args.seed,
-    )
+    given = {name: getattr(args, name) for name in ("hidden_size", "num_layers", "train_steps", "num_prompts", "seed")}
+    spec = TinyTargetSpec(moe=not args.dense, **{name: value for name, value in given.items() if value is not None})
     print(build(Path(args.dir), spec))
 
 
@@ -315,12 +309,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("make-tiny-target", help="build the tiny DeepSeek-V3-shaped target (no download)")
     p.add_argument("dir", help="output directory; reused if already built with the same arguments")
-    p.add_argument("--hidden-size", type=int, default=256)
-    p.add_argument("--num-layers", type=int, default=8)
+    # Defaults: eagle3.demo.tiny_target.TinyTargetSpec's (the demo's and the tests' target).
+    p.add_argument("--hidden-size", type=int)
+    p.add_argument("--num-layers", type=int)
     p.add_argument("--dense", action="store_true", help="dense MLP in every layer (no MoE); for I/O benchmarks")
-    p.add_argument("--train-steps", type=int, default=150, help="0: untrained weights (enough for I/O benchmarks)")
-    p.add_argument("--num-prompts", type=int, default=6000)  # (TinyTargetSpec.num_prompts)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--train-steps", type=int, help="0: untrained weights (enough for I/O benchmarks)")
+    p.add_argument("--num-prompts", type=int)
+    p.add_argument("--seed", type=int)
     p.set_defaults(func=cmd_make_tiny_target)
 
     p = sub.add_parser(
