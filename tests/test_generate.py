@@ -143,11 +143,23 @@ def output_of(cfg) -> list[list[dict]]:
     return [json.loads(line)["messages"] for line in lines]
 
 
-def test_every_assistant_turn_is_regenerated_in_order_after_the_regenerated_history(make_config, shared_server, caplog):
+def test_every_assistant_turn_is_regenerated_in_order_after_the_regenerated_history(
+    make_config, shared_server, caplog, tmp_path
+):
     caplog.set_level("INFO", logger="eagle3.stages.generate")
     url, record = shared_server
     earlier_requests = len(record.read_text().splitlines()) if record.exists() else 0
     cfg = generate_config(make_config, url, samples=8)
+    # Answers the target would not give (it answers the tiny target's own prompts as written): each must be replaced.
+    others = tmp_path / "others.jsonl"
+    with open(cfg.data.path) as source_file:
+        rows = [json.loads(line) for line, _ in zip(source_file, range(8))]
+    for row in rows:
+        for i, turn in enumerate(row["conversations"]):
+            if turn["from"] == "gpt":
+                turn["value"] = f"someone else's answer {i}."
+    others.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"path": str(others)})})
     stats = run_generate(cfg)
 
     source, _ = read_conversations(cfg.data.path, max_samples=8)
@@ -166,7 +178,8 @@ def test_every_assistant_turn_is_regenerated_in_order_after_the_regenerated_hist
                 assert regenerated[:i] in requests, "a turn was not asked for with the regenerated turns before it"
     assert answers > len(output), "no multi-turn conversation in the sample: the order was not tested"
     assert len(requests) == answers  # one request per assistant turn, none repeated
-    assert output != [list(c.messages) for c in source], "nothing was regenerated"
+    regenerated_answers = [m["content"] for c in output for m in c if m["role"] == "assistant"]
+    assert not [a for a in regenerated_answers if a.startswith("someone else's")], "an answer was not regenerated"
     assert stats["completion_tokens_now"] > 0
     assert re.search(r"generate: 8/8 conversations \(100.0%\), 0 failed, \d+ tokens/s, elapsed \S+, ETA", caplog.text)
 
