@@ -1,5 +1,5 @@
 """Shared fixtures. The tiny target is built once per machine into .cache/tiny-target (the same cache
-`make demo` uses); building it takes about two minutes on 2 cores, reusing it a second.
+`make demo` uses); building it takes about 15 minutes on 2 cores, reusing it a second.
 
 The suite runs on three pytest-xdist workers (pyproject.toml). What is expensive to make and only read afterwards
 is made once for all: the tiny target (under a file lock beside it) and the baseline DAG run (tests/dagruns.py,
