@@ -19,6 +19,8 @@ _MIX = np.random.default_rng(20261207).integers(1, 2**63, size=(2, HASHES), dtyp
 
 
 def normalise(text: str) -> str:
+    """NFKC, case folded, whitespace collapsed: spellings of one text merge, and no more (punctuation and digits
+    stay). Also the text a split key is taken of (eagle3.stages.split)."""
     return " ".join(unicodedata.normalize("NFKC", text).casefold().split())
 
 

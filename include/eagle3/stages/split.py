@@ -27,11 +27,11 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from eagle3.data.overlap import normalise as normalise_prompt  # the text a split key is taken of
 from eagle3.data.samples import conversation_id_of, read_conversations
 from eagle3.disk.fsutil import atomic_write_text
 from eagle3.disk.layout import SPLIT_KEYS
@@ -51,11 +51,6 @@ HELD_OUT_FIRST = (EVALUATION, VALIDATION, TRAINING)
 
 class SplitError(ValueError):
     """A sample the split cannot place; the message names the sample, the file and the fix."""
-
-
-def normalise_prompt(text: str) -> str:
-    """The text a split key is taken of (see the module docstring for why this much and no more)."""
-    return " ".join(unicodedata.normalize("NFKC", text).casefold().split())
 
 
 def prompt_key(text: str) -> str:
